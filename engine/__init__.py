@@ -1,0 +1,1 @@
+"""HunyuanImage-3.0 inference engine: checkpoint, model, phases, pipeline."""

@@ -1,0 +1,1 @@
+"""GPU kernels with a plain-PyTorch fallback each."""
