@@ -1,0 +1,96 @@
+"""Command line: `python -m engine {make-tiny, text, generate} ...` (see --help of each)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .events import Done, Error, Image, Ratio, Step, Text
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint folder (official layout)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--image", action="append", default=[], help="reference image (repeat for up to 3)")
+    p.add_argument("--bot-task", choices=["image", "recaption", "think", "think_recaption", "auto"],
+                   help="reasoning mode (default: the checkpoint's generation config)")
+    p.add_argument("--system-prompt", help="preset: en_unified, en_vanilla, en_recaption, en_think_recaption, "
+                                           "dynamic, custom, None (default: generation config)")
+    p.add_argument("--custom-system-prompt", help="text used with --system-prompt custom")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--seed", type=int, default=None, help="default: random (printed)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    p.add_argument("--size", default="auto", help="auto, HxW (height first), W:H, or <img_ratio_k>")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="bfloat16 (cuda default), float32 (cpu default), float16")
+
+
+def _print_events(events, out_path: Path | None = None) -> int:
+    section = None
+    for ev in events:
+        if isinstance(ev, Text):
+            if ev.section != section:
+                section = ev.section
+                print(f"\n[{section}] ", end="", flush=True)
+            print(ev.delta, end="", flush=True)
+        elif isinstance(ev, Ratio):
+            print(f"\n[size] {ev.height}x{ev.width} (bucket {ev.bucket})", flush=True)
+        elif isinstance(ev, Step):
+            print(f"\rstep {ev.i}/{ev.n}", end="" if ev.i < ev.n else "\n", file=sys.stderr, flush=True)
+        elif isinstance(ev, Image):
+            assert out_path is not None
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_bytes(ev.png)
+            print(f"[image] {ev.width}x{ev.height} written to {out_path} (seed {ev.seed})", flush=True)
+        elif isinstance(ev, Done):
+            print(f"\n[timings] {ev.timings.summary()}", flush=True)
+        elif isinstance(ev, Error):
+            print(f"\nerror ({ev.kind}): {ev.message}", file=sys.stderr, flush=True)
+            return 2 if ev.kind == "invalid" else 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    mk = sub.add_parser("make-tiny", help="write a tiny random checkpoint in the official layout")
+    mk.add_argument("out")
+    mk.add_argument("--distil", action="store_true", help="an Instruct-Distil checkpoint")
+    mk.add_argument("--seed", type=int, default=0)
+
+    tx = sub.add_parser("text", help="run the text (AR) phase and stream it")
+    _add_common(tx)
+
+    gen = sub.add_parser("generate", help="generate an image (T2I, or TI2I with --image)")
+    _add_common(gen)
+    gen.add_argument("--steps", type=int)
+    gen.add_argument("--guidance", type=float)
+    gen.add_argument("--stretch", action="store_true", help="fit reference images by stretching (align option)")
+    gen.add_argument("--out", required=True, help="output PNG path")
+
+    args = ap.parse_args(argv)
+    if args.cmd == "make-tiny":
+        from .tiny import make_tiny
+        print(f"wrote {make_tiny(args.out, distil=args.distil, seed=args.seed)}")
+        return 0
+
+    from .loader import load, parse_dtype, print_progress
+    from .pipeline import Pipeline
+    from .request import Request
+    try:
+        lm = load(args.model, args.device, parse_dtype(args.dtype, args.device), progress=print_progress)
+    except (ValueError, OSError) as e:
+        print(f"error: cannot load {args.model}: {e}", file=sys.stderr)
+        return 2
+    req = Request(prompt=args.prompt, images=args.image, bot_task=args.bot_task, size=args.size,
+                  seed=args.seed, system_prompt=args.system_prompt, custom_system_prompt=args.custom_system_prompt,
+                  max_new_tokens=args.max_new_tokens, greedy=args.greedy, text_only=args.cmd == "text",
+                  steps=getattr(args, "steps", None), guidance=getattr(args, "guidance", None),
+                  stretch=getattr(args, "stretch", False))
+    out = Path(args.out) if args.cmd == "generate" else None
+    return _print_events(Pipeline(lm).run(req), out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

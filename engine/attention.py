@@ -1,0 +1,106 @@
+"""Self-attention with the fused per-KV-group QKV, 2D RoPE then q/k RMSNorm, GQA, a static KV cache
+and the generalised causal mask (causal + full-attention blocks).
+
+Resident layout (see `parallel.py`): `qkv` is [micros, rows, H], each micro holding whole KV groups
+([group q heads, k, v] x head_dim rows per KV head, as in the checkpoint), so a micro view and the
+all-micro view are both contiguous. `o_proj` is [H, micros * cols] with the micros' input columns
+side by side; a micro view is a column block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import RMSNorm, apply_rope
+from .parallel import PhaseView
+
+
+class KVCache:
+    """Static per-layer K/V buffers [B, kv_heads, max_len, head_dim], written at sequence indices."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+        self.k, self.v = k, v
+
+    @classmethod
+    def allocate(cls, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> "KVCache":
+        def buf() -> torch.Tensor:
+            return torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        return cls([buf() for _ in range(layers)], [buf() for _ in range(layers)])
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    def rows(self, batch: slice) -> "KVCache":
+        """A view of some batch rows (shares storage: the AR phase writes row 0 of the denoise cache)."""
+        return KVCache([t[batch] for t in self.k], [t[batch] for t in self.v])
+
+    def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(2, index, k)
+        self.v[layer].index_copy_(2, index, v)
+
+
+@dataclass
+class AttnBatch:
+    """Per-forward attention inputs shared by all layers.
+
+    index: [T] sequence (= cache) indices of the tokens being computed.
+    cos, sin: [T, head_dim] fp32 RoPE tables for those tokens.
+    kv_len: keys [0, kv_len) of the cache are attended to.
+    mask: [T, kv_len] bool (True = attend) or None when every query sees every key.
+    """
+    index: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_len: int
+    mask: torch.Tensor | None
+
+
+def attention_mask(index: torch.Tensor, blocks: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Generalised causal mask: key j is visible to query i if j <= i, or if both lie in the same
+    full-attention block (blocks[t] = block id, -1 for causal tokens)."""
+    keys = torch.arange(kv_len, device=index.device)
+    qb = blocks[index]
+    kb = blocks[:kv_len]
+    return (keys[None, :] <= index[:, None]) | ((qb[:, None] == kb[None, :]) & (qb[:, None] >= 0))
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float,
+                 micros: int, storage_size: int, dtype=None, device=None):
+        super().__init__()
+        ranks = micros * storage_size
+        if kv_heads % ranks:
+            raise ValueError(f"{kv_heads} KV heads are not divisible by {ranks} tensor-parallel micro shards")
+        self.group = heads // kv_heads          # query heads per KV head
+        self.kv_per_micro = kv_heads // ranks
+        self.head_dim = head_dim
+        rows = self.kv_per_micro * (self.group + 2) * head_dim
+        cols = self.kv_per_micro * self.group * head_dim
+        self.qkv = nn.Parameter(torch.empty(micros, rows, hidden, dtype=dtype, device=device))
+        self.o_proj = nn.Parameter(torch.empty(hidden, micros * cols, dtype=dtype, device=device))
+        self.q_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache, layer: int, view: PhaseView) -> torch.Tensor:
+        B, T, H = x.shape
+        D, g = self.head_dim, self.group
+        kv = self.kv_per_micro * view.micro_count
+        qkv = F.linear(x, self.qkv[view.micros].reshape(-1, H)).view(B, T, kv, g + 2, D)
+        q = qkv[:, :, :, :g].reshape(B, T, kv * g, D).transpose(1, 2)
+        k = qkv[:, :, :, g].transpose(1, 2)
+        v = qkv[:, :, :, g + 1].transpose(1, 2)
+        # RoPE first, then the per-head RMSNorm, both in fp32 (official order), then back to the dtype.
+        q = self.q_norm(apply_rope(q, batch.cos, batch.sin)).to(x.dtype)
+        k = self.k_norm(apply_rope(k, batch.cos, batch.sin)).to(x.dtype)
+        cache.write(layer, batch.index, k, v.to(cache.k[layer].dtype))
+        keys = cache.k[layer][:, :, :batch.kv_len]
+        values = cache.v[layer][:, :, :batch.kv_len]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=g > 1)
+        cols = self.o_proj.shape[1] // (self.qkv.shape[0])
+        o_w = self.o_proj[:, view.micro_start * cols:(view.micro_start + view.micro_count) * cols]
+        return F.linear(out.transpose(1, 2).reshape(B, T, kv * g * D), o_w)

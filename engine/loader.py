@@ -1,0 +1,68 @@
+"""Open a checkpoint folder: config, tokenizer, system prompts, buckets and the resident model."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .buckets import Bucket, build_buckets
+from .checkpoint import Checkpoint
+from .config import CheckpointConfig, GenerationConfig, ModelConfig
+from .model import HunyuanImage3, Progress, load_weights
+from .parallel import ShardLayout
+from .prompts import SystemPrompts
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    folder: Path
+    cfg: ModelConfig
+    gen: GenerationConfig
+    tok: Tokenizer
+    prompts: SystemPrompts
+    buckets: tuple[Bucket, ...]
+    model: HunyuanImage3
+    load_s: float
+    bytes_read: int
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def parse_dtype(name: str | None, device: torch.device | str) -> torch.dtype:
+    if name in (None, "", "auto"):
+        return default_dtype(device)
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; choose bfloat16, float16 or float32")
+    return table[name]
+
+
+def print_progress(done: int, total: int, what: str) -> None:
+    print(f"\rloading weights {done}/{total} ({what})".ljust(60), end="" if done < total else "\n",
+          file=sys.stderr, flush=True)
+
+
+def load(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+         layout: ShardLayout = ShardLayout(), progress: Progress | None = None) -> LoadedModel:
+    t0 = time.perf_counter()
+    folder = Path(folder)
+    cc = CheckpointConfig.load(folder)
+    buckets = build_buckets(cc.model.image_base_size)
+    tok = Tokenizer(folder / "tokenizer.json", cc.model.image_base_size, len(buckets))
+    if tok.vocab_size > cc.model.vocab_size:
+        raise ValueError(f"tokenizer.json has {tok.vocab_size} tokens but config.json vocab_size is "
+                         f"{cc.model.vocab_size}")
+    prompts = SystemPrompts.load(folder)
+    ckpt = Checkpoint(folder)
+    model = HunyuanImage3(cc.model, layout, dtype or default_dtype(device), device)
+    load_weights(model, ckpt, progress)
+    model.eval()
+    return LoadedModel(folder, cc.model, cc.generation, tok, prompts, buckets, model,
+                       time.perf_counter() - t0, ckpt.bytes_read)

@@ -1,0 +1,170 @@
+"""The AR (text) phase: prefill, KV-cached decode, the official stage machine, streaming.
+
+Stage rules (official `generate_image`):
+- think_recaption: `</think>` forces `<recaption>`.
+- size auto: after the last CoT tag (`</recaption>`, or `</think>` for think) the tokens
+  `<answer> <boi> <img_size_B>` are forced; the next token is restricted to the ratio tokens and taken
+  greedily; generation stops on any ratio token.
+- fixed size: stop at `</recaption>` (recaption tasks) or at `</think>` / `</recaption>` (think).
+- auto (free chat): stop at eos.
+Each transition fires once. Forced tokens are emitted and fed in the same forward as the token that
+triggered them (the logits of a forced step are never needed).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .attention import KVCache
+from .events import Text
+from .model import HunyuanImage3
+from .parallel import PhaseView
+from .sampling import SamplingParams, choose
+from .tokenizer import SpecialIds, TextStream, Tokenizer
+
+TASKS = ("image", "recaption", "think", "think_recaption", "auto")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    first_task: str                        # bot prefix of the AR prompt: think | recaption | auto | img_ratio
+    transitions: dict[int, tuple[int, ...]]
+    stops: frozenset[int]
+    ratio_trigger: int | None              # after this token the next one is a greedy ratio token
+
+    @classmethod
+    def for_task(cls, bot_task: str, need_ratio: bool, sp: SpecialIds) -> "StagePlan":
+        if bot_task not in TASKS:
+            raise ValueError(f"unknown bot_task {bot_task!r}; choose one of {', '.join(TASKS)}")
+        if bot_task == "auto":
+            return cls("auto", {}, frozenset([sp.eos]), None)
+        if bot_task == "image":  # no CoT: only the one-step ratio pass (size auto)
+            return cls("img_ratio", {}, frozenset(sp.ratio), sp.size)
+        transitions: dict[int, tuple[int, ...]] = {}
+        if bot_task == "think_recaption":
+            transitions[sp.end_think] = (sp.recaption,)
+        if need_ratio:
+            last = sp.end_recaption if "recaption" in bot_task else sp.end_think
+            transitions[last] = (sp.answer, sp.boi, sp.size)
+            stops = frozenset(sp.ratio)
+        elif "recaption" in bot_task:
+            stops = frozenset([sp.end_recaption])
+        else:
+            stops = frozenset([sp.end_think, sp.end_recaption])
+        return cls(bot_task.split("_")[0], transitions, stops, sp.size if need_ratio else None)
+
+
+@dataclass
+class TextResult:
+    tokens: list[int] = field(default_factory=list)     # every generated id, forced ones included
+    ratio_token: int | None = None
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    cancelled: bool = False
+    fed: int = 0                                         # sequence length whose K/V the cache now holds
+
+    @property
+    def ms_per_token(self) -> float:
+        n = len(self.tokens) - 1   # the first token comes from the prefill
+        return self.decode_ms / n if n > 0 else 0.0
+
+
+class SectionTracker:
+    """Turns generated ids into Text events: tags switch the section, other ids stream as text."""
+
+    def __init__(self, tok: Tokenizer, first_section: str):
+        sp = tok.special
+        self.tok = tok
+        self.section = first_section
+        self.opens = {sp.think: "think", sp.recaption: "recaption", sp.answer: "answer"}
+        self.closes = {sp.end_think, sp.end_recaption, sp.end_answer}
+        self.silent = set(self.opens) | self.closes | {sp.boi, sp.size, *sp.ratio, sp.eos}
+        self.stream = TextStream(tok)
+
+    def push(self, token_id: int) -> Text | None:
+        if token_id in self.silent:
+            if token_id in self.opens:
+                self.section = self.opens[token_id]
+            elif token_id in self.closes:
+                self.section = "answer"
+            self.stream = TextStream(self.tok)
+            return None
+        delta = self.stream.push(token_id)
+        return Text(delta, self.section) if delta else None
+
+
+def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Tensor, pos: torch.Tensor,
+                  blocks: torch.Tensor, cache: KVCache, plan: StagePlan, params: SamplingParams,
+                  generator: torch.Generator | None, max_new_tokens: int, view: PhaseView,
+                  cancelled: Callable[[], bool] = lambda: False) -> Iterator[Text | TextResult]:
+    """Yields Text events as tokens are produced, then the TextResult.
+
+    prompt_embeds [1, L, H] are the embedded prompt (images already instantiated); pos/blocks describe
+    the prompt plus room for max_new_tokens generated tokens; `cache` holds at least that many slots.
+    """
+    dev = prompt_embeds.device
+    L = prompt_embeds.shape[1]
+    if L + max_new_tokens > cache.max_len or L + max_new_tokens > pos.shape[0]:
+        raise ValueError(f"the prompt ({L} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"sequence budget ({min(cache.max_len, pos.shape[0])})")
+    vocab = tok.vocab_size
+    res = TextResult()
+    tracker = SectionTracker(tok, {"think": "think", "recaption": "recaption"}.get(plan.first_task, "answer"))
+    allowed_ratio = torch.tensor(tok.special.ratio, device=dev)
+    done_transitions: set[int] = set()
+
+    t0 = time.perf_counter()
+    h = model.backbone(prompt_embeds, torch.arange(L, device=dev), pos, blocks, cache, L, view)
+    logits = model.transformer.logits(h[:, -1], view)[0]
+    # the one-step ratio pass starts right after `<img_size_B>` (the end of its prompt)
+    fed, t_first = L, None
+    last = plan.ratio_trigger if plan.first_task == "img_ratio" else None
+    while len(res.tokens) < max_new_tokens and not cancelled():
+        logits[vocab:] = float("-inf")  # the embedding is padded past the tokenizer's vocabulary
+        restrict = allowed_ratio if plan.ratio_trigger is not None and last == plan.ratio_trigger else None
+        token = int(choose(logits, params, generator, restrict))   # the one host sync per token
+        if t_first is None:
+            t_first = time.perf_counter()
+            res.prefill_ms = (t_first - t0) * 1e3
+        new = [token]
+        if token in plan.transitions and token not in done_transitions:
+            done_transitions.add(token)
+            new += list(plan.transitions[token])[: max_new_tokens - len(res.tokens) - 1]
+        for t in new:
+            res.tokens.append(t)
+            if (ev := tracker.push(t)) is not None:
+                yield ev
+        last = new[-1]
+        if token in plan.stops:
+            res.ratio_token = token if token in tok.special.ratio else None
+            break
+        if len(res.tokens) >= max_new_tokens:
+            break
+        ids = torch.tensor([new], device=dev)
+        index = torch.arange(fed, fed + len(new), device=dev)
+        h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(new), view,
+                           masked=len(new) > 1)
+        logits = model.transformer.logits(h[:, -1], view)[0]
+        fed += len(new)
+    res.cancelled = cancelled()
+    if plan.ratio_trigger is not None and res.ratio_token is None and not res.cancelled:
+        # The budget ran out before the model chose a size: close with the forced ratio stage
+        # (`<answer> <boi> <img_size>` then a greedy ratio token) so the request still gets an image.
+        sp = tok.special
+        unfed = res.tokens[fed - L:]
+        forced = [] if unfed[-1:] == [plan.ratio_trigger] else [sp.answer, sp.boi, sp.size]
+        res.tokens += forced
+        feed = unfed + forced
+        ids = torch.tensor([feed], device=dev)
+        index = torch.arange(fed, fed + len(feed), device=dev)
+        h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(feed), view)
+        fed += len(feed)
+        res.ratio_token = int(choose(model.transformer.logits(h[:, -1], view)[0], params, None, allowed_ratio))
+        res.tokens.append(res.ratio_token)
+    if t_first is not None:
+        res.decode_ms = (time.perf_counter() - t_first) * 1e3
+    res.fed = fed
+    yield res

@@ -1,0 +1,56 @@
+"""The MoE decoder backbone (official `model.*` + `lm_head`): pre-norm layers of attention and MoE,
+`ln_f` + `lm_head` for text. The image head reads the last layer's output WITHOUT `ln_f`."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention, AttnBatch, KVCache
+from .config import ModelConfig
+from .layers import RMSNorm
+from .moe import MoE
+from .parallel import PhaseView, ShardLayout
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, layout: ShardLayout, dtype=None, device=None):
+        super().__init__()
+        kw = dict(micros=layout.micros, storage_size=layout.storage_size, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   cfg.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.mlp = MoE(cfg.hidden_size, cfg.num_experts[i], cfg.moe_topk[i], cfg.moe_intermediate_size[i],
+                       cfg.shared_intermediate(i), cfg.norm_topk_prob, **kw)
+
+    def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache, layer: int, view: PhaseView) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(x), batch, cache, layer, view)
+        x = x + view.tp.all_reduce_(a)
+        m = self.mlp(self.post_attention_layernorm(x), view)
+        return x + view.tp.all_reduce_(m)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, dtype=None, device=None):
+        super().__init__()
+        self.cfg = cfg
+        vocab_micro = layout.split(cfg.vocab_size, "vocab_size")
+        self.wte = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, layout, dtype, device) for i in range(cfg.num_layers))
+        self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.lm_head = nn.Parameter(torch.empty(layout.micros, vocab_micro, cfg.hidden_size, dtype=dtype,
+                                                device=device))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.wte)
+
+    def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache, view: PhaseView) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, cache, i, view)
+        return x
+
+    def logits(self, x: torch.Tensor, view: PhaseView) -> torch.Tensor:
+        """fp32 logits over the whole vocabulary (gathered over the AR group in logical order)."""
+        local = F.linear(self.ln_f(x), self.lm_head[view.micros].reshape(-1, x.shape[-1]))
+        return view.tp.all_gather(local, dim=-1).float()

@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny checkpoints in the official layout, made once per test session."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.loader import load
+from engine.tiny import make_tiny
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "instruct", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_distil_dir(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "distil", distil=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    return load(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_distil(tiny_distil_dir):
+    return load(tiny_distil_dir)

@@ -1,0 +1,44 @@
+"""The command line from a clean folder: make-tiny, then text and generate (T2I and TI2I)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, check=True):
+    p = subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if check:
+        assert p.returncode == 0, p.stderr[-2000:]
+    return p
+
+
+def test_make_tiny_then_text_and_generate(tmp_path):
+    model = tmp_path / "tiny"
+    run("make-tiny", str(model))
+    for f in ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+              "system_prompt.py"):
+        assert (model / f).exists(), f
+    out = run("text", "--model", str(model), "--prompt", "a red circle", "--max-new-tokens", "8", "--seed", "3")
+    assert "[think]" in out.stdout and "[size]" in out.stdout and "[timings]" in out.stdout
+    png = tmp_path / "t2i.png"
+    out = run("generate", "--model", str(model), "--prompt", "a red circle", "--bot-task", "image",
+              "--size", "256x192", "--steps", "2", "--seed", "1", "--out", str(png))
+    assert Image.open(png).size == (192, 256)          # PIL size is (W, H); the request was HxW
+    ref = tmp_path / "ref.png"
+    Image.new("RGB", (300, 200), (200, 30, 30)).save(ref)
+    png2 = tmp_path / "ti2i.png"
+    run("generate", "--model", str(model), "--prompt", "make it blue", "--image", str(ref), "--max-new-tokens", "6",
+        "--steps", "2", "--seed", "1", "--out", str(png2))
+    assert Image.open(png2).size[0] > 0
+
+
+def test_bad_input_is_refused_with_a_message(tmp_path, tiny_dir):
+    p = run("generate", "--model", str(tiny_dir), "--prompt", " ", "--out", str(tmp_path / "x.png"), check=False)
+    assert p.returncode == 2 and "prompt is empty" in p.stderr
+    p = run("text", "--model", str(tmp_path / "missing"), "--prompt", "x", check=False)
+    assert p.returncode == 2 and "does not exist" in p.stderr
