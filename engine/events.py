@@ -62,6 +62,7 @@ class Timings:
     dit_ms_per_step: float = 0.0
     vae_ms: float = 0.0
     total_s: float = 0.0
+    kv_reused_tokens: int = 0     # prefix tokens the denoise cond branch took from the AR cache
 
     def summary(self) -> str:
         parts = []

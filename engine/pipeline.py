@@ -153,6 +153,7 @@ class Pipeline:
         if run_ar and self.kv_handoff:
             prefix = common_prefix(seq.ids, ar_seq.ids + text_res.tokens)
             prefix = min(prefix, text_res.fed)
+        timings.kv_reused_tokens = prefix
         latent_ch = int(cfg.vae["latent_channels"])
         noise = torch.randn((1, latent_ch, h, w), generator=image_gen, device=dev, dtype=torch.bfloat16)
 

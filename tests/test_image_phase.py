@@ -1,0 +1,163 @@
+"""The image path: T2I and TI2I end to end, the prefix-cached denoise step, the Distil schedule and
+forward count, seeds, the KV hand-off, and refusal of bad input before any compute."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image as PILImage
+
+from engine.attention import KVCache
+from engine.conditioning import embed_range
+from engine.denoise import flow_sigmas, tail_embeddings, velocity
+from engine.events import Done, Error, Image, Ratio, Started, Step, Text
+from engine.parallel import PhaseView
+from engine.pipeline import Pipeline
+from engine.request import Request
+from engine.sequence import image_phase_sequence
+
+
+def run(pipe, **kw):
+    return list(pipe.run(Request(**kw)))
+
+
+def image_of(events):
+    imgs = [e for e in events if isinstance(e, Image)]
+    assert imgs, [e for e in events if isinstance(e, Error)]
+    return PILImage.open(io.BytesIO(imgs[0].png))
+
+
+def refs(n):
+    colors = [(220, 40, 40), (40, 200, 60), (30, 60, 220)]
+    out = []
+    for i in range(n):
+        buf = io.BytesIO()
+        PILImage.new("RGB", (120 + 60 * i, 160), colors[i]).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def test_t2i_stream_order_and_size(tiny):
+    ev = run(Pipeline(tiny), prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=4)
+    kinds = [type(e) for e in ev]
+    assert kinds[0] is Started and kinds[-1] is Done
+    assert kinds.index(Ratio) < kinds.index(Step) < kinds.index(Image)
+    if Text in kinds:
+        assert max(i for i, k in enumerate(kinds) if k is Text) < kinds.index(Step)
+    ratio = next(e for e in ev if isinstance(e, Ratio))
+    assert image_of(ev).size == (ratio.width, ratio.height)
+    assert [e.i for e in ev if isinstance(e, Step)] == [1, 2]
+    t = ev[-1].timings
+    assert t.dit_steps == 2 and t.dit_ms_per_step > 0 and t.vae_ms > 0 and t.total_s > 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_ti2i_with_references(tiny, n):
+    ev = run(Pipeline(tiny, preview_every=0), prompt="put them together", images=refs(n), bot_task="image",
+             size="192x256", steps=2, seed=1)
+    assert image_of(ev).size == (256, 192)
+
+
+def test_same_seed_same_image_and_other_seed_differs(tiny):
+    pipe = Pipeline(tiny, preview_every=0)
+    kw = dict(prompt="a blue star", images=refs(1), bot_task="think", max_new_tokens=6, steps=2)
+    a = image_of(run(pipe, seed=7, **kw)).tobytes()
+    b = image_of(run(pipe, seed=7, **kw)).tobytes()
+    c = image_of(run(pipe, seed=8, **kw)).tobytes()
+    assert a == b and a != c
+
+
+def test_distil_schedule_values():
+    t = (flow_sigmas(8, 3.0) * 1000).tolist()
+    expected = [1000, 954.5, 900, 833.3, 750, 642.9, 500, 300, 0]
+    assert all(abs(a - b) < 0.06 for a, b in zip(t, expected)), t
+
+
+def test_distil_runs_one_forward_per_step(tiny_distil):
+    pipe = Pipeline(tiny_distil, preview_every=0)
+    calls = []
+    orig = tiny_distil.model.backbone
+
+    def counting(x, *a, **k):
+        calls.append(x.shape[0])
+        return orig(x, *a, **k)
+
+    tiny_distil.model.backbone = counting
+    try:
+        ev = run(pipe, prompt="a cat", bot_task="image", size="256x256", steps=3, seed=0)
+    finally:
+        del tiny_distil.model.backbone
+    assert image_of(ev).size == (256, 256)
+    assert calls == [1, 1, 1]          # one batch-1 forward per step: no uncond branch
+
+
+def test_prefix_cached_step_equals_full_sequence_step(tiny):
+    model, tok, view = tiny.model, tiny.tok, PhaseView()
+    seq = image_phase_sequence(tok, "be brief", "a green square", [], "<think>plan</think><recaption>x</recaption>",
+                               4, 4, 16, distil=False)
+    span = seq.gen_image
+    T = seq.tensors()
+    ids = T["ids"][None]
+    L = span.stop
+    g = torch.Generator().manual_seed(0)
+    x1 = torch.randn(1, 16, 4, 4, generator=g)
+    x2 = torch.randn(1, 16, 4, 4, generator=g)
+    t1, t2 = torch.tensor([1000.0]), torch.tensor([700.0])
+    with torch.no_grad():
+        cache = KVCache.allocate(2, 1, 8, L, 8, torch.float32, "cpu")
+        full1 = torch.cat([embed_range(model, seq, ids, [], 0, span.meta_start),
+                           tail_embeddings(model, x1, t1, None, None)], 1)
+        model.backbone(full1, torch.arange(L), T["pos"], T["blocks"], cache, L, view)
+        tail2 = tail_embeddings(model, x2, t2, None, None)
+        cached = model.backbone(tail2, torch.arange(span.meta_start, L), T["pos"], T["blocks"], cache, L, view)
+        full2 = torch.cat([embed_range(model, seq, ids, [], 0, span.meta_start), tail2], 1)
+        fresh = KVCache.allocate(2, 1, 8, L, 8, torch.float32, "cpu")
+        recomputed = model.backbone(full2, torch.arange(L), T["pos"], T["blocks"], fresh, L, view)
+        v_cached = velocity(model, cached[:, -16:], t2, span)
+        v_full = velocity(model, recomputed[:, -16:], t2, span)
+    assert (v_cached - v_full).abs().max().item() <= 1e-5
+
+
+def test_kv_handoff_equals_recompute(tiny):
+    kw = dict(prompt="a red circle on the left", images=refs(1), bot_task="think_recaption", max_new_tokens=10,
+              steps=2, seed=3, greedy=True)
+    a = run(Pipeline(tiny, preview_every=0, kv_handoff=True), **kw)
+    b = run(Pipeline(tiny, preview_every=0, kv_handoff=False), **kw)
+    assert [e for e in a if isinstance(e, Text)] == [e for e in b if isinstance(e, Text)]
+    assert a[-1].timings.kv_reused_tokens > 256 and b[-1].timings.kv_reused_tokens == 0   # past the image
+    ia = np.asarray(image_of(a), dtype=np.float32)
+    ib = np.asarray(image_of(b), dtype=np.float32)
+    assert np.abs(ia - ib).max() <= 1.0     # fp32: at most one rounding step of the 8-bit output
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(prompt="  "), "prompt is empty"),
+    (dict(prompt="x", images=[b"a", b"b", b"c", b"d"]), "at most 3"),
+    (dict(prompt="x", images=[b"not an image"]), "reference image 1 cannot be read"),
+    (dict(prompt="x", size="huge"), "size 'huge' is not understood"),
+    (dict(prompt="x", steps=0), "steps must be"),
+    (dict(prompt="x", steps=500), "steps must be"),
+    (dict(prompt="x", guidance=-1.0), "guidance must be"),
+    (dict(prompt="x", bot_task="dream"), "unknown reasoning mode"),
+])
+def test_bad_input_is_refused_before_compute(tiny, kw, msg):
+    calls = []
+    orig = tiny.model.backbone
+    tiny.model.backbone = lambda *a, **k: calls.append(1)
+    try:
+        ev = run(Pipeline(tiny), **kw)
+    finally:
+        del tiny.model.backbone
+    assert len(ev) == 1 and isinstance(ev[0], Error) and ev[0].kind == "invalid"
+    assert msg in ev[0].message and not calls
+
+
+def test_zero_size_and_missing_file_references(tiny, tmp_path):
+    empty = tmp_path / "empty.png"
+    empty.write_bytes(b"")
+    ev = run(Pipeline(tiny), prompt="x", images=[str(empty)])
+    assert isinstance(ev[0], Error) and "reference image 1" in ev[0].message
+    ev = run(Pipeline(tiny), prompt="x", images=[str(tmp_path / "nope.png")])
+    assert isinstance(ev[0], Error) and "not found" in ev[0].message
