@@ -23,6 +23,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="auto", help="auto, HxW (height first), W:H, or <img_ratio_k>")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="bfloat16 (cuda default), float32 (cpu default), float16")
+    p.add_argument("--plan", help="parallel plan: tp1, tp2, hybrid4, tp4, tp2sp2, tp2cfg2, tp8, hybrid8, ... "
+                                  "(default: from --gpus; on cpu the ranks are gloo processes)")
+    p.add_argument("--gpus", type=int, default=None, help="number of ranks (default: the plan's, else 1)")
+    p.add_argument("--sp-attn", choices=["ulysses", "kv_gather"], help="sequence-parallel attention kind")
+    p.add_argument("--cfg-serial", action="store_true", help="run the CFG branches one after the other")
 
 
 def _print_events(events, out_path: Path | None = None) -> int:
@@ -75,13 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {make_tiny(args.out, distil=args.distil, seed=args.seed)}")
         return 0
 
-    from .loader import load, parse_dtype, print_progress
-    from .pipeline import Pipeline
+    from .plan import PlanError, get_plan
     from .request import Request
     try:
-        lm = load(args.model, args.device, parse_dtype(args.dtype, args.device), progress=print_progress)
-    except (ValueError, OSError) as e:
-        print(f"error: cannot load {args.model}: {e}", file=sys.stderr)
+        plan = get_plan(args.plan, args.gpus, args.sp_attn)
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     req = Request(prompt=args.prompt, images=args.image, bot_task=args.bot_task, size=args.size,
                   seed=args.seed, system_prompt=args.system_prompt, custom_system_prompt=args.custom_system_prompt,
@@ -89,8 +93,25 @@ def main(argv: list[str] | None = None) -> int:
                   steps=getattr(args, "steps", None), guidance=getattr(args, "guidance", None),
                   stretch=getattr(args, "stretch", False))
     out = Path(args.out) if args.cmd == "generate" else None
-    return _print_events(Pipeline(lm).run(req), out)
+    if plan.world > 1:
+        from .workers import WorkerOptions, Workers
+        try:
+            workers = Workers(WorkerOptions(args.model, plan.name, plan.sp_kind, args.device, args.dtype,
+                                            cfg_serial=args.cfg_serial))
+        except (RuntimeError, TimeoutError) as e:
+            print(f"error: the engine did not start: {e}", file=sys.stderr)
+            return 2
+        with workers:
+            return _print_events(workers.run(req), out)
 
+    from .loader import load, parse_dtype, print_progress
+    from .pipeline import Pipeline
+    try:
+        lm = load(args.model, args.device, parse_dtype(args.dtype, args.device), progress=print_progress)
+    except (ValueError, OSError) as e:
+        print(f"error: cannot load {args.model}: {e}", file=sys.stderr)
+        return 2
+    return _print_events(Pipeline(lm, cfg_serial=args.cfg_serial).run(req), out)
 
 if __name__ == "__main__":
     sys.exit(main())

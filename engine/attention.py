@@ -39,6 +39,10 @@ class KVCache:
         """A view of some batch rows (shares storage: the AR phase writes row 0 of the denoise cache)."""
         return KVCache([t[batch] for t in self.k], [t[batch] for t in self.v])
 
+    def heads(self, heads: slice) -> "KVCache":
+        """A view of some KV heads (the AR micro's heads and the denoise heads of one allocation)."""
+        return KVCache([t[:, heads] for t in self.k], [t[:, heads] for t in self.v])
+
     def write(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(2, index, k)
         self.v[layer].index_copy_(2, index, v)
@@ -48,16 +52,19 @@ class KVCache:
 class AttnBatch:
     """Per-forward attention inputs shared by all layers.
 
-    index: [T] sequence (= cache) indices of the tokens being computed.
+    index: [T] sequence (= cache) indices of this rank's tokens.
     cos, sin: [T, head_dim] fp32 RoPE tables for those tokens.
     kv_len: keys [0, kv_len) of the cache are attended to.
-    mask: [T, kv_len] bool (True = attend) or None when every query sees every key.
+    mask: [Q, kv_len] bool (True = attend) or None when every query sees every key; Q = T, or S for
+      Ulysses, whose attention runs on the whole sequence for a slice of the heads.
+    gathered: [S] indices of the tokens of all sequence-parallel ranks, in SP rank order (SP only).
     """
     index: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     kv_len: int
     mask: torch.Tensor | None
+    gathered: torch.Tensor | None = None
 
 
 def attention_mask(index: torch.Tensor, blocks: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -97,10 +104,37 @@ class Attention(nn.Module):
         # RoPE first, then the per-head RMSNorm, both in fp32 (official order), then back to the dtype.
         q = self.q_norm(apply_rope(q, batch.cos, batch.sin)).to(x.dtype)
         k = self.k_norm(apply_rope(k, batch.cos, batch.sin)).to(x.dtype)
-        cache.write(layer, batch.index, k, v.to(cache.k[layer].dtype))
+        v = v.to(x.dtype)
+        sp = view.sp
+        if sp.size == 1:
+            cache.write(layer, batch.index, k, v)
+        elif view.sp_kind == "ulysses":
+            # sequence shards -> head shards: this rank attends for 1/sp of the heads over the whole sequence
+            q, k, v = (_seq_to_heads(t, sp) for t in (q, k, v))
+            cache.write(layer, batch.gathered, k, v)
+        else:
+            # KV all-gather: local queries, the whole sequence's keys and values (cache replicated over SP)
+            cache.write(layer, batch.gathered, sp.all_gather(k, dim=2), sp.all_gather(v, dim=2))
         keys = cache.k[layer][:, :, :batch.kv_len]
         values = cache.v[layer][:, :, :batch.kv_len]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=g > 1)
-        cols = self.o_proj.shape[1] // (self.qkv.shape[0])
+        if sp.size > 1 and view.sp_kind == "ulysses":
+            out = _heads_to_seq(out, sp)
+        cols = self.o_proj.shape[1] // self.qkv.shape[0]
         o_w = self.o_proj[:, view.micro_start * cols:(view.micro_start + view.micro_count) * cols]
         return F.linear(out.transpose(1, 2).reshape(B, T, kv * g * D), o_w)
+
+
+def _seq_to_heads(t: torch.Tensor, sp) -> torch.Tensor:
+    """[B, h, T, D] (my tokens, all heads) -> [B, h/sp, sp*T, D] (all tokens, my head chunk)."""
+    B, h, T, D = t.shape
+    x = sp.all_to_all(t.reshape(B, sp.size, h // sp.size, T, D).transpose(0, 1))
+    return x.permute(1, 2, 0, 3, 4).reshape(B, h // sp.size, sp.size * T, D)
+
+
+def _heads_to_seq(t: torch.Tensor, sp) -> torch.Tensor:
+    """Inverse of `_seq_to_heads`: [B, h/sp, sp*T, D] -> [B, h, T, D]."""
+    B, hc, S, D = t.shape
+    T = S // sp.size
+    x = sp.all_to_all(t.reshape(B, hc, sp.size, T, D).permute(2, 0, 1, 3, 4))
+    return x.transpose(0, 1).reshape(B, sp.size * hc, T, D)

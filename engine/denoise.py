@@ -10,8 +10,11 @@ from typing import Callable, Iterator
 
 import torch
 
+from .attention import KVCache
+from .conditioning import embed_range
 from .model import HunyuanImage3
-from .sequence import GenImageSpan
+from .parallel import Comm, PhaseView
+from .sequence import GenImageSpan, Sequence
 
 
 def flow_sigmas(steps: int, shift: float) -> torch.Tensor:
@@ -39,29 +42,92 @@ def velocity(model: HunyuanImage3, hidden: torch.Tensor, t: torch.Tensor, span: 
     return model.final_layer(hidden, model.time_embed_2(t), span.h, span.w).float()
 
 
-def denoise(model: HunyuanImage3, span: GenImageSpan, noise: torch.Tensor, steps: int, shift: float,
-            guidance: float, cfg: bool, distil: bool, first_step: Callable[[torch.Tensor], torch.Tensor],
-            next_step: Callable[[torch.Tensor], torch.Tensor],
-            cancelled: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Yields (i, x_next, x0_estimate) after each step; stops early when `cancelled()`.
+class DenoiseRunner:
+    """Runs the backbone for the denoise phase on one rank of any plan.
 
-    first_step(tail) / next_step(tail) run the backbone on the tail embeddings [B, meta+hw, H]
-    (first_step also computes the prefix) and return the hidden states of the image tokens.
+    branches: the CFG branches this rank computes, as rows of `ids` (0 = cond, 1 = uncond): both
+      (batched CFG), the one of its replica (CFG-parallel, gathered over `branch_comm`), or [0].
+    The first step computes each branch from its first uncached token (`starts`: the cond branch
+    continues the AR cache, the uncond branch starts at 0) to the end of the image; later steps only
+    the meta + image tokens. Branches run as one batch, or one after the other (`serial`). Under SP each call's tokens are split over `view.sp`; padding tokens
+    write a scratch cache slot (`scratch`) that no real query reads.
     """
+
+    def __init__(self, model: HunyuanImage3, seq: Sequence, refs: list, ids: torch.Tensor, cache: KVCache,
+                 view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
+                 serial: bool = False):
+        self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
+        self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
+        self.serial = serial      # one forward per branch (less activation memory) instead of one batch
+        T = seq.tensors(model.device, length=scratch + 1)
+        self.pos, self.blocks = T["pos"], T["blocks"]
+        self.span = seq.gen_image
+
+    def _run(self, x: torch.Tensor, start: int, rows: slice) -> torch.Tensor:
+        """Tokens [start, stop) with embeddings x [B, n, H] -> hidden of the image tokens [B, hw, H]."""
+        sp, span, dev = self.view.sp, self.span, x.device
+        stop, hw = span.stop, span.h * span.w
+        n = stop - start
+        index = torch.arange(start, stop, device=dev)
+        gathered = None
+        if sp.size > 1:
+            chunk = -(-n // sp.size)
+            pad = chunk * sp.size - n
+            index = torch.cat([index, torch.full((pad,), self.scratch, device=dev)])
+            x = torch.cat([x, x.new_zeros(x.shape[0], pad, x.shape[2])], dim=1)
+            gathered = index
+            index = index[sp.rank * chunk:(sp.rank + 1) * chunk]
+            x = x[:, sp.rank * chunk:(sp.rank + 1) * chunk]
+        h = self.model.backbone(x, index, self.pos, self.blocks, self.cache.rows(rows), stop, self.view,
+                                gathered=gathered)
+        if sp.size > 1:
+            h = sp.all_gather(h, dim=1)[:, :n]
+        return h[:, -hw:]
+
+    def velocity(self, i: int, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
+                 g: torch.Tensor | None) -> torch.Tensor:
+        """v for every branch [n_branches_total, C, h, w] (fp32), identical on all ranks."""
+        model, span = self.model, self.span
+        B = len(self.branches)
+        tb = t.expand(B)
+        tail = tail_embeddings(model, x.expand(B, -1, -1, -1), tb, None if r is None else r.expand(B),
+                               None if g is None else g.expand(B))
+        meta = span.meta_start
+        if i > 0 and not self.serial:
+            hidden = self._run(tail, meta, slice(None))
+        elif i > 0:
+            hidden = torch.cat([self._run(tail[j:j + 1], meta, slice(j, j + 1)) for j in range(B)])
+        elif len(set(self.starts)) == 1 and not self.serial:
+            start = self.starts[0]
+            rows = self.ids[self.branches]
+            x_all = torch.cat([embed_range(model, self.seq, rows, self.refs, start, meta), tail], dim=1)
+            hidden = self._run(x_all, start, slice(None))
+        else:  # branches start at different tokens: one call per branch
+            outs = []
+            for j, b in enumerate(self.branches):
+                start = self.starts[j]
+                xb = torch.cat([embed_range(model, self.seq, self.ids[b:b + 1], self.refs, start, meta),
+                                tail[j:j + 1]], dim=1)
+                outs.append(self._run(xb, start, slice(j, j + 1)))
+            hidden = torch.cat(outs)
+        v = velocity(model, hidden, tb, span)
+        return self.branch_comm.all_gather(v, dim=0)
+
+
+def denoise(runner: DenoiseRunner, noise: torch.Tensor, steps: int, shift: float, guidance: float, cfg: bool,
+            distil: bool, cancelled: Callable[[], bool] = lambda: False
+            ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Yields (i, x_next, x0_estimate) after each step; stops early when `cancelled()`."""
     dev = noise.device
     sig = flow_sigmas(steps, shift).to(dev)
     ts = sig * 1000.0
-    B = 2 if cfg else 1
     x = noise.float()
-    g = torch.full((B,), 1000.0 * guidance, device=dev).to(torch.bfloat16).float() if distil else None
+    g = torch.tensor([1000.0 * guidance], device=dev).to(torch.bfloat16).float() if distil else None
+    use_r = distil and runner.model.timestep_r_emb is not None
     for i in range(steps):
         if cancelled():
             return
-        t = ts[i].expand(B)
-        r = ts[i + 1].expand(B) if distil and model.timestep_r_emb is not None else None
-        tail = tail_embeddings(model, x.expand(B, -1, -1, -1), t, r, g)
-        hidden = (first_step if i == 0 else next_step)(tail)
-        v = velocity(model, hidden, t, span)
+        v = runner.velocity(i, x, ts[i:i + 1], ts[i + 1:i + 2] if use_r else None, g)
         if cfg:
             v = v[1:2] + guidance * (v[0:1] - v[1:2])
         x0 = x - sig[i] * v

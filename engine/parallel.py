@@ -12,7 +12,7 @@ World size 1 is the plan with one storage shard of one micro; every collective i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,14 +51,24 @@ class Comm:
         """Concatenate the ranks' tensors along `dim` in logical rank order."""
         return t
 
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        """t [size, ...]: chunk i goes to rank i; returns chunk i from rank i."""
+        return t
+
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return t
+
 
 @dataclass
 class PhaseView:
-    """The active part of the resident layout: micros [micro_start, micro_start + micro_count) and the
-    group over which the partial results of sharded matmuls are summed or gathered."""
+    """The active part of the resident layout: micros [micro_start, micro_start + micro_count), the
+    group over which the partial results of sharded matmuls are summed or gathered, and (denoise)
+    the group over which the sequence is split with its attention kind."""
     micro_start: int = 0
     micro_count: int = 1
-    tp: Comm = Comm()
+    tp: Comm = field(default_factory=Comm)
+    sp: Comm = field(default_factory=Comm)
+    sp_kind: str = "ulysses"
 
     @property
     def micros(self) -> slice:

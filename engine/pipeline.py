@@ -1,10 +1,16 @@
 """One request in, a stream of events out: validate -> encode references -> AR phase (CoT, ratio)
 -> KV hand-off -> denoise (step previews) -> VAE decode -> PNG.
 
-The AR phase writes row 0 of the request's KV cache, which is also the cond branch of the denoise
-phase: the image-stage sequence shares the AR prefix token for token (same user turn, same CoT ids
-as long as re-tokenizing the decoded CoT gives the sampled ids), so the cond branch starts its first
-step at the first token that differs instead of at 0. The uncond branch (CFG) is prefilled.
+Every rank of a plan runs this same program on its part of the model; rank 0's decisions (sampled
+tokens, cancellation) are agreed by all, and rank 0 emits the events that matter.
+
+KV hand-off: the request's KV cache is allocated once for the union of the heads the two phases use
+on this rank. The AR phase writes the cond row for its micro's heads; the image-stage sequence shares
+the AR prefix token for token (same user turn, same CoT ids as long as re-tokenizing the decoded CoT
+gives the sampled ids), so the cond branch starts its first step at the first token that differs. On
+the seed's layout (AR TP4 -> TP2 x Ulysses SP2) each rank's AR heads ARE its denoise heads: nothing
+moves. Where the denoise phase needs the sibling micros' heads (KV all-gather SP, CFG-parallel) they
+are gathered over the replica group once. The uncond branch (CFG) is prefilled.
 """
 from __future__ import annotations
 
@@ -19,16 +25,17 @@ import torch.nn.functional as F
 
 from .attention import KVCache
 from .buckets import nearest_bucket
-from .conditioning import EncodedImage, embed_range, encode_references
-from .denoise import denoise
-from .events import Done, Error, Event, Image, Ratio, Started, Step, Text, Timings
+from .conditioning import embed_range, encode_references
+from .denoise import DenoiseRunner, denoise
+from .dist import Runtime
+from .events import Done, Error, Event, Image, Ratio, Started, Step, Timings
 from .images import align_to_reference, png_bytes, to_pil
 from .loader import LoadedModel
-from .parallel import PhaseView
+from .parallel import Comm
 from .prompts import PromptError
 from .request import Prepared, Request, RequestError, prepare
 from .sampling import SamplingParams
-from .sequence import Sequence, image_phase_sequence, text_phase_sequence
+from .sequence import image_phase_sequence, text_phase_sequence
 from .text_phase import StagePlan, TextResult, generate_text
 
 COT_TASKS = ("think", "recaption", "think_recaption")
@@ -42,14 +49,34 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+class Agreement:
+    """Rank 0's sampled tokens and cancel decisions, made every rank's (one small broadcast)."""
+
+    def __init__(self, world: Comm, device: torch.device):
+        self.world, self.buf = world, torch.zeros(2, dtype=torch.long, device=device)
+
+    def __call__(self, token: int, cancel: bool) -> tuple[int, bool]:
+        if self.world.size == 1:
+            return token, cancel
+        self.buf[0], self.buf[1] = token, int(cancel)
+        self.world.broadcast_(self.buf, 0)
+        return int(self.buf[0]), bool(self.buf[1])
+
+    def cancelled(self, local: Callable[[], bool]) -> Callable[[], bool]:
+        return lambda: self(0, local())[1]
+
+
 class Pipeline:
-    def __init__(self, lm: LoadedModel, ar_view: PhaseView | None = None, denoise_view: PhaseView | None = None,
-                 preview_every: int = 1, preview_tokens: int = 256, kv_handoff: bool = True):
+    def __init__(self, lm: LoadedModel, runtime: Runtime | None = None, preview_every: int = 1,
+                 preview_tokens: int | None = None, kv_handoff: bool = True,
+                 on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False):
         self.lm = lm
-        self.ar_view = ar_view or PhaseView()
-        self.denoise_view = denoise_view or PhaseView()
+        self.cfg_serial = cfg_serial        # CFG branches one after the other instead of batched
+        self.on_phase = on_phase            # called with "ar" / "denoise" as a phase starts (tests, tracing)
+        self.rt = runtime or Runtime.single(lm.model.device)
         self.preview_every = preview_every
-        self.preview_tokens = preview_tokens        # previews decode a latent of at most this many tokens
+        # previews decode a pooled latent of at most this many tokens (cheap on a GPU, tighter on a CPU)
+        self.preview_tokens = preview_tokens or (256 if lm.model.device.type == "cuda" else 64)
         self.kv_handoff = kv_handoff
         f = lm.cfg.vae_downsample_factor
         self.max_image_tokens = max((b.height // f[0]) * (b.width // f[1]) for b in lm.buckets)
@@ -72,7 +99,7 @@ class Pipeline:
             traceback.print_exc(file=sys.stderr)
             yield Error("engine", f"{type(e).__name__}: {e}")
 
-    # ------------------------------------------------------------------ phases
+    # ------------------------------------------------------------------ helpers
     def _sampling_kw(self, p: Prepared) -> dict:
         g, r = self.lm.gen, p.req
         return dict(temperature=r.temperature if r.temperature is not None else g.temperature,
@@ -80,9 +107,40 @@ class Pipeline:
                     top_p=r.top_p if r.top_p is not None else g.top_p,
                     greedy=r.greedy or not g.do_sample)
 
+    def _cot_text(self, tokens: list[int], bot_task: str) -> str:
+        sp = self.lm.tok.special
+        end = sp.end_recaption if "recaption" in bot_task else sp.end_think
+        cut = tokens.index(end) + 1 if end in tokens else len(tokens)
+        opener = "<think>" if bot_task.startswith("think") else "<recaption>"
+        return opener + self.lm.tok.decode(tokens[:cut])
+
+    def _heads(self, cfg_on: bool) -> tuple[slice, slice, slice]:
+        """KV heads of this rank's storage shard used by (allocation, AR, denoise), shard-local, and the
+        two phases' slices of the allocation."""
+        plan, rank = self.rt.plan, self.rt.rank
+        kvr = self.lm.model.transformer.layers[0].self_attn.kv_per_micro
+        shard = kvr * plan.micros
+        ar = (plan.micro(rank) * kvr, (plan.micro(rank) + 1) * kvr)
+        if plan.sp > 1 and plan.sp_kind == "ulysses":
+            j, c = self.rt.denoise.sp.rank, shard // plan.sp
+            dn = (j * c, (j + 1) * c)
+        else:
+            dn = (0, shard)
+        lo, hi = min(ar[0], dn[0]), max(ar[1], dn[1])
+        return slice(0, hi - lo), slice(ar[0] - lo, ar[1] - lo), slice(dn[0] - lo, dn[1] - lo)
+
+    def _branches(self, cfg_on: bool) -> tuple[list[int], Comm]:
+        if not cfg_on:
+            return [0], Comm()
+        if self.rt.plan.replica_mode == "cfg":
+            return [self.rt.replica.rank], self.rt.replica
+        return [0, 1], Comm()
+
+    # ------------------------------------------------------------------ the request
     def _run(self, p: Prepared, system: str, cancelled: Callable[[], bool], t_start: float) -> Iterator[Event]:
-        lm, model, tok = self.lm, self.lm.model, self.lm.tok
+        lm, model, tok, rt = self.lm, self.lm.model, self.lm.tok, self.rt
         cfg, sp, dev = lm.cfg, tok.special, model.device
+        agree = Agreement(rt.world, dev)
         timings = Timings()
         image_gen = torch.Generator(dev).manual_seed(p.seed)     # reference VAE samples, then the noise
         text_gen = torch.Generator(dev).manual_seed(p.seed)      # CoT sampling (its own stream)
@@ -90,29 +148,30 @@ class Pipeline:
         layouts = [r.layout for r in refs]
         need_ratio = p.bucket is None
         run_ar = p.bot_task in COT_TASKS or p.bot_task == "auto" or need_ratio
-        cfg_on = not cfg.cfg_distilled and p.guidance > 1.0 and not p.req.text_only and p.bot_task != "auto"
-        rows = 2 if cfg_on else 1
+        text_only = p.bot_task == "auto" or p.req.text_only
+        cfg_on = not cfg.cfg_distilled and p.guidance > 1.0 and not text_only
+        branches, branch_comm = self._branches(cfg_on)
         plan = StagePlan.for_task(p.bot_task, need_ratio, sp)
         ar_seq = text_phase_sequence(tok, system, p.req.prompt, layouts, plan.first_task, cfg.image_base_size,
                                      cfg.cond_token_attn_type)
-        budget = len(ar_seq) + p.max_new_tokens + 8 + self.max_image_tokens + 8
-        if budget > cfg.max_position_embeddings:
-            budget = max(cfg.max_position_embeddings, len(ar_seq) + 8 + self.max_image_tokens)
-        attn = model.transformer.layers[0].self_attn
-        cache = KVCache.allocate(cfg.num_layers, rows, attn.kv_per_micro * self.ar_view.micro_count, budget,
-                                 cfg.head_dim, model.dtype, dev)
+        if len(ar_seq) + 16 + self.max_image_tokens > cfg.max_position_embeddings:
+            raise RequestError(f"the prompt and reference images take {len(ar_seq)} tokens, too many for the "
+                               f"model's {cfg.max_position_embeddings} positions")
+        budget = min(len(ar_seq) + p.max_new_tokens + 8 + self.max_image_tokens + 8, cfg.max_position_embeddings)
+        scratch = budget                                          # SP padding writes here; nothing reads it
+        alloc, ar_heads, dn_heads = self._heads(cfg_on)
+        cache = KVCache.allocate(cfg.num_layers, len(branches), alloc.stop, budget + 1, cfg.head_dim,
+                                 model.dtype, dev)
 
         cot_text, ratio_index, text_res = None, None, TextResult()
         if run_ar:
-            if len(ar_seq) + 8 > cfg.max_position_embeddings:
-                raise RequestError(f"the prompt and reference images take {len(ar_seq)} tokens, more than the "
-                                   f"model's {cfg.max_position_embeddings}")
+            self.on_phase("ar")
             max_new = min(p.max_new_tokens, budget - len(ar_seq) - self.max_image_tokens - 16)
             T = ar_seq.tensors(dev, length=budget)
             emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
-            for ev in generate_text(model, tok, emb, T["pos"], T["blocks"], cache.rows(slice(0, 1)), plan,
-                                    SamplingParams(**self._sampling_kw(p)), text_gen, max_new, self.ar_view,
-                                    cancelled):
+            for ev in generate_text(model, tok, emb, T["pos"], T["blocks"], cache.rows(slice(0, 1)).heads(ar_heads),
+                                    plan, SamplingParams(**self._sampling_kw(p)), text_gen, max_new, rt.ar,
+                                    cancelled, agree):
                 if isinstance(ev, TextResult):
                     text_res = ev
                 else:
@@ -128,7 +187,7 @@ class Pipeline:
             if text_res.ratio_token is not None:
                 ratio_index = sp.ratio.index(text_res.ratio_token)
         full_text = tok.decode(text_res.tokens) if text_res.tokens else ""
-        if p.bot_task == "auto" or p.req.text_only:
+        if text_only:
             if need_ratio and ratio_index is not None:
                 b = lm.buckets[ratio_index]
                 yield Ratio(b.height, b.width, b.index)
@@ -147,28 +206,37 @@ class Pipeline:
         h, w = bucket.height // f[0], bucket.width // f[1]
         seq = image_phase_sequence(tok, system, p.req.prompt, layouts, cot_text, h, w, bucket.index,
                                    cfg.cfg_distilled, cfg.cond_token_attn_type)
-        if seq.gen_image.stop > cache.max_len:
+        if seq.gen_image.stop > budget:
             raise RequestError(f"the image sequence ({len(seq)} tokens) exceeds the model's budget")
         prefix = 0
         if run_ar and self.kv_handoff:
-            prefix = common_prefix(seq.ids, ar_seq.ids + text_res.tokens)
-            prefix = min(prefix, text_res.fed)
+            prefix = min(common_prefix(seq.ids, ar_seq.ids + text_res.tokens), text_res.fed)
+            self._gather_sibling_heads(cache, ar_heads, dn_heads, prefix)
         timings.kv_reused_tokens = prefix
+        ids = torch.tensor(seq.ids, device=dev)[None]
+        if cfg_on:
+            ids = torch.cat([ids, torch.tensor(seq.uncond_ids(sp.cfg), device=dev)[None]])
+        starts = [prefix if b == 0 else 0 for b in branches]
+        runner = DenoiseRunner(model, seq, refs, ids, cache.heads(dn_heads), rt.denoise, branches, starts,
+                               scratch, branch_comm, serial=self.cfg_serial)
         latent_ch = int(cfg.vae["latent_channels"])
         noise = torch.randn((1, latent_ch, h, w), generator=image_gen, device=dev, dtype=torch.bfloat16)
 
+        self.on_phase("denoise")
         t0 = time.perf_counter()
         x = None
-        for i, x, x0 in denoise(model, seq.gen_image, noise, p.steps, lm.gen.flow_shift, p.guidance, cfg_on,
-                                cfg.cfg_distilled, *self._steppers(seq, refs, cache, prefix, cfg_on), cancelled):
-            preview = self._preview(x0) if self.preview_every and (i + 1) % self.preview_every == 0 else None
-            yield Step(i + 1, p.steps, preview)
-        if cancelled() or x is None:
+        for i, x, x0 in denoise(runner, noise, p.steps, lm.gen.flow_shift, p.guidance, cfg_on, cfg.cfg_distilled,
+                                agree.cancelled(cancelled)):
+            show = rt.is_leader and self.preview_every and (i + 1) % self.preview_every == 0
+            yield Step(i + 1, p.steps, self._preview(x0) if show else None)
+        if x is None or i + 1 < p.steps:
             yield Error("cancelled", "stopped by the user")
             return
         timings.dit_steps = p.steps
         timings.dit_ms_per_step = (time.perf_counter() - t0) * 1e3 / p.steps
 
+        if not rt.is_leader:      # one rank decodes and emits the image
+            return
         t0 = time.perf_counter()
         img = to_pil(model.vae.decode_latent(x.float())[0])
         timings.vae_ms = (time.perf_counter() - t0) * 1e3
@@ -178,40 +246,20 @@ class Pipeline:
         timings.total_s = time.perf_counter() - t_start
         yield Done(timings, full_text)
 
-    def _cot_text(self, tokens: list[int], bot_task: str) -> str:
-        sp = self.lm.tok.special
-        end = sp.end_recaption if "recaption" in bot_task else sp.end_think
-        cut = tokens.index(end) + 1 if end in tokens else len(tokens)
-        opener = "<think>" if bot_task.startswith("think") else "<recaption>"
-        return opener + self.lm.tok.decode(tokens[:cut])
-
-    def _steppers(self, seq: Sequence, refs: list[EncodedImage], cache: KVCache, prefix: int, cfg_on: bool):
-        """The first-step and later-step backbone calls for `denoise` (see its docstring)."""
-        model, view, span = self.lm.model, self.denoise_view, seq.gen_image
-        T = seq.tensors(model.device)
-        ids = T["ids"][None]
-        if cfg_on:
-            ids = torch.cat([ids, torch.tensor(seq.uncond_ids(self.lm.tok.special.cfg), device=ids.device)[None]])
-        stop, meta, hw = span.stop, span.meta_start, span.h * span.w
-        pos, blocks = T["pos"], T["blocks"]
-        dev = model.device
-
-        def run(x: torch.Tensor, start: int, rows: slice) -> torch.Tensor:
-            index = torch.arange(start, stop, device=dev)
-            return model.backbone(x, index, pos, blocks, cache.rows(rows), stop, view)[:, -hw:]
-
-        def first(tail: torch.Tensor) -> torch.Tensor:
-            if cfg_on and prefix > 0:   # cond continues the AR cache; uncond is prefilled from 0
-                xc = torch.cat([embed_range(model, seq, ids[0:1], refs, prefix, meta), tail[0:1]], dim=1)
-                xu = torch.cat([embed_range(model, seq, ids[1:2], refs, 0, meta), tail[1:2]], dim=1)
-                return torch.cat([run(xc, prefix, slice(0, 1)), run(xu, 0, slice(1, 2))])
-            x = torch.cat([embed_range(model, seq, ids, refs, prefix, meta), tail], dim=1)
-            return run(x, prefix, slice(None))
-
-        def later(tail: torch.Tensor) -> torch.Tensor:
-            return run(tail, meta, slice(None))
-
-        return first, later
+    def _gather_sibling_heads(self, cache: KVCache, ar_heads: slice, dn_heads: slice, prefix: int) -> None:
+        """Where the denoise heads of this rank are more than its AR micro's heads (KV all-gather SP,
+        CFG-parallel), fetch the cond prefix of the sibling micros from the replica group, once."""
+        if dn_heads.start >= ar_heads.start and dn_heads.stop <= ar_heads.stop or prefix == 0:
+            return
+        plan, rep = self.rt.plan, self.rt.replica
+        kvr = ar_heads.stop - ar_heads.start
+        for layer in range(len(cache.k)):
+            for buf in (cache.k[layer], cache.v[layer]):
+                mine = buf[0:1, ar_heads, :prefix]
+                parts = rep.all_gather(mine, dim=0)          # [replicas, kvr, prefix, D] in replica order
+                for q in range(rep.size):
+                    m = q % plan.micros
+                    buf[0, m * kvr:(m + 1) * kvr, :prefix] = parts[q]
 
     def _preview(self, x0: torch.Tensor) -> bytes:
         """A small PNG of the current clean-image estimate (VAE decode of a pooled latent)."""

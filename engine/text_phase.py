@@ -99,11 +99,13 @@ class SectionTracker:
 def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Tensor, pos: torch.Tensor,
                   blocks: torch.Tensor, cache: KVCache, plan: StagePlan, params: SamplingParams,
                   generator: torch.Generator | None, max_new_tokens: int, view: PhaseView,
-                  cancelled: Callable[[], bool] = lambda: False) -> Iterator[Text | TextResult]:
+                  cancelled: Callable[[], bool] = lambda: False,
+                  agree: Callable[[int, bool], tuple[int, bool]] = lambda t, c: (t, c)) -> Iterator[Text | TextResult]:
     """Yields Text events as tokens are produced, then the TextResult.
 
     prompt_embeds [1, L, H] are the embedded prompt (images already instantiated); pos/blocks describe
     the prompt plus room for max_new_tokens generated tokens; `cache` holds at least that many slots.
+    `agree(token, cancel)` makes every rank continue with rank 0's token and cancel decision.
     """
     dev = prompt_embeds.device
     L = prompt_embeds.shape[1]
@@ -122,10 +124,13 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
     # the one-step ratio pass starts right after `<img_size_B>` (the end of its prompt)
     fed, t_first = L, None
     last = plan.ratio_trigger if plan.first_task == "img_ratio" else None
-    while len(res.tokens) < max_new_tokens and not cancelled():
+    while len(res.tokens) < max_new_tokens:
         logits[vocab:] = float("-inf")  # the embedding is padded past the tokenizer's vocabulary
         restrict = allowed_ratio if plan.ratio_trigger is not None and last == plan.ratio_trigger else None
-        token = int(choose(logits, params, generator, restrict))   # the one host sync per token
+        token, stop = agree(int(choose(logits, params, generator, restrict)), cancelled())  # one host sync
+        if stop:
+            res.cancelled = True
+            break
         if t_first is None:
             t_first = time.perf_counter()
             res.prefill_ms = (t_first - t0) * 1e3
@@ -149,7 +154,6 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
                            masked=len(new) > 1)
         logits = model.transformer.logits(h[:, -1], view)[0]
         fed += len(new)
-    res.cancelled = cancelled()
     if plan.ratio_trigger is not None and res.ratio_token is None and not res.cancelled:
         # The budget ran out before the model chose a size: close with the forced ratio stage
         # (`<answer> <boi> <img_size>` then a greedy ratio token) so the request still gets an image.
@@ -162,7 +166,8 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
         index = torch.arange(fed, fed + len(feed), device=dev)
         h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(feed), view)
         fed += len(feed)
-        res.ratio_token = int(choose(model.transformer.logits(h[:, -1], view)[0], params, None, allowed_ratio))
+        ratio = int(choose(model.transformer.logits(h[:, -1], view)[0], params, None, allowed_ratio))
+        res.ratio_token = agree(ratio, False)[0]
         res.tokens.append(res.ratio_token)
     if t_first is not None:
         res.decode_ms = (time.perf_counter() - t_first) * 1e3

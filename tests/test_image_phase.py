@@ -161,3 +161,10 @@ def test_zero_size_and_missing_file_references(tiny, tmp_path):
     assert isinstance(ev[0], Error) and "reference image 1" in ev[0].message
     ev = run(Pipeline(tiny), prompt="x", images=[str(tmp_path / "nope.png")])
     assert isinstance(ev[0], Error) and "not found" in ev[0].message
+
+
+def test_serial_cfg_equals_batched(tiny):
+    kw = dict(prompt="a red circle", images=refs(1), bot_task="think", max_new_tokens=6, steps=2, seed=5, greedy=True)
+    a = np.asarray(image_of(run(Pipeline(tiny, preview_every=0), **kw)), dtype=np.float32)
+    b = np.asarray(image_of(run(Pipeline(tiny, preview_every=0, cfg_serial=True), **kw)), dtype=np.float32)
+    assert np.abs(a - b).max() <= 1.0

@@ -1,0 +1,563 @@
+"""The persistent engine server: worker processes that keep the model resident, and the client API that
+the studio, the CLI and the benchmarks use.
+
+    with EngineServer("path/to/model") as server:
+        sub = server.submit(Request(prompt="a red fox"))     # validated here, then queued
+        async for ev in sub: ...                              # or `for ev in sub:` from sync code
+        server.cancel(sub.request_id); server.health()
+
+Process model (DESIGN §2.7). The server spawns `world_size` workers (`spawn` context: CUDA cannot be
+forked). Worker 0 receives requests over a pipe and sends events back; workers 1..N-1 will follow
+worker 0 through torch.distributed (a later change; only world 1 runs today). Requests are queued
+here, in the server, and handed to worker 0 one at a time, so a worker only ever holds the request
+it is running: cancellation is one shared integer (the sequence number of the request to stop) that
+the pipeline's `cancelled()` polls between tokens and steps. A stale cancel can never hit the next
+request because sequence numbers are never reused.
+
+One pump thread owns the workers: it reads their messages, dispatches queued requests, notices a
+dead worker (its pipe closes and its process sentinel fires), fails the in-flight request with a
+clear `Error("engine", ...)` and respawns the workers, which reload the weights. Pipes are created
+fresh for every incarnation: a worker killed while writing can leave a shared queue's lock held
+forever, a closed pipe just reads as EOF. Nothing a worker does can raise into the caller.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator
+
+from .buckets import Bucket, build_buckets
+from .config import CheckpointConfig, GenerationConfig
+from .events import Done, Error, Event
+from .prompts import PRESETS, SystemPrompts
+from .request import Request, RequestError, prepare
+
+CANCEL_GRACE_S = 60.0       # a worker that ignores a cancel this long is considered hung and restarted
+_NO_REQUEST = -1
+
+
+# --------------------------------------------------------------------------- what the UI needs to know
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a client needs to build its controls and validate input, read from the checkpoint's small
+    files only (no weights), so the UI can come up while the engine is still loading."""
+    folder: Path
+    name: str
+    gen: GenerationConfig
+    buckets: tuple[Bucket, ...]
+    presets: tuple[str, ...]          # system-prompt presets usable with this checkpoint
+    distil: bool
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelInfo":
+        folder = Path(folder)
+        cc = CheckpointConfig.load(folder)
+        prompts = SystemPrompts.load(folder)
+        # presets whose text the folder provides, plus the ones that need none
+        usable = tuple(p for p in PRESETS if p in prompts.texts or p in ("dynamic", "custom", "None"))
+        return cls(folder, cc.model.model_version or folder.name, cc.generation,
+                   build_buckets(cc.model.image_base_size), usable, cc.model.cfg_distilled)
+
+    def validate(self, req: Request) -> None:
+        """Raise RequestError exactly as the engine would (one implementation: `request.prepare`)."""
+        prepare(req, self.gen, self.buckets, seed=0)
+
+
+# --------------------------------------------------------------------------- one request's event stream
+class Submission:
+    """The events of one submitted request, in order, ending with `Done` or `Error`.
+
+    Iterate it with `async for` (in any event loop) or plain `for`; or poll with `get`/`aget`, which
+    return None on timeout without losing anything. Leaving an `async for`/`for` loop early cancels the
+    request on the engine (a closed browser tab must not keep the GPUs busy).
+    """
+
+    def __init__(self, request: Request, cancel: Callable[[str], bool]):
+        self.request = request
+        self.request_id = request.request_id
+        self._cancel = cancel
+        self._items: collections.deque[Event] = collections.deque()
+        self._cond = threading.Condition()
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._ended = False       # a terminal event was pushed; later pushes are dropped
+        self._consumed = False    # the consumer has taken the terminal event
+
+    # -- producer side (server threads)
+    def _push(self, ev: Event) -> bool:
+        with self._cond:
+            if self._ended:
+                return False
+            self._items.append(ev)
+            self._ended = isinstance(ev, (Done, Error))
+            self._cond.notify_all()
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            loop, fut = waiter
+            try:
+                loop.call_soon_threadsafe(_wake, fut)
+            except RuntimeError:        # the consumer's loop is closed: nobody is listening any more
+                pass
+        return True
+
+    @property
+    def ended(self) -> bool:
+        """True once the request's final event (Done or Error) has been produced."""
+        return self._ended
+
+    def cancel(self) -> bool:
+        return self._cancel(self.request_id)
+
+    # -- consumer side
+    def _pop(self) -> Event | None:
+        ev = self._items.popleft() if self._items else None
+        if ev is not None and isinstance(ev, (Done, Error)):
+            self._consumed = True
+        return ev
+
+    def get(self, timeout: float | None = None) -> Event | None:
+        """The next event, or None when `timeout` seconds pass first (or the stream is exhausted)."""
+        with self._cond:
+            if not self._items and not self._consumed:
+                self._cond.wait_for(lambda: bool(self._items), timeout)
+            return self._pop()
+
+    async def aget(self, timeout: float | None = None) -> Event | None:
+        """Async `get`: waits without blocking the event loop; a timeout loses no event."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            with self._cond:
+                if self._items or self._consumed:
+                    return self._pop()
+                fut = loop.create_future()
+                self._waiter = (loop, fut)
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return None
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except asyncio.TimeoutError:
+                with self._cond:
+                    if self._waiter is not None and self._waiter[1] is fut:
+                        self._waiter = None
+                    if not self._items:
+                        return None
+
+    def __iter__(self) -> Iterator[Event]:
+        try:
+            while not self._consumed:
+                ev = self.get()
+                if ev is not None:
+                    yield ev
+        finally:
+            if not self._ended:
+                self.cancel()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[Event]:
+        try:
+            while not self._consumed:
+                ev = await self.aget()
+                if ev is not None:
+                    yield ev
+        finally:                 # the consumer left early (Stop, disconnect, exception): free the engine
+            if not self._ended:
+                self.cancel()
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+# --------------------------------------------------------------------------- worker side
+def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str | None,
+                requests: Connection | None, events: Connection | None, cancel_seq: Any,
+                preview_every: int = 1, verbose: bool = False) -> None:
+    """Entry point of one engine worker process. Rank 0 owns the pipes; ranks > 0 will follow rank 0
+    through torch.distributed once multi-GPU plans land (world_size > 1 is refused by the server today)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C belongs to the UI process, which closes us
+    from .loader import load, parse_dtype, print_progress
+    from .pipeline import Pipeline
+    from .events import Error as ErrorEvent
+
+    if device.startswith("cuda") and world_size > 1:
+        device = f"cuda:{rank}"
+
+    def send(msg: tuple) -> None:
+        if events is not None:
+            events.send(msg)
+
+    def progress(done: int, total: int, what: str) -> None:
+        if verbose:
+            print_progress(done, total, what)
+        send(("loading", done, total, what))
+
+    try:
+        lm = load(model, device, parse_dtype(dtype, device), progress=progress)
+    except Exception as e:      # noqa: BLE001 - any load failure is reported, the server decides
+        send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    pipeline = Pipeline(lm, preview_every=preview_every)
+    send(("ready", {"load_s": round(lm.load_s, 2), "device": str(lm.model.device), "dtype": str(lm.model.dtype)}))
+    if requests is None:
+        return      # followers: the distributed loop comes with multi-GPU plans
+    while True:
+        try:
+            msg = requests.recv()
+        except (EOFError, OSError):      # the server is gone
+            return
+        if msg is None:
+            return
+        seq, req = msg
+        try:
+            for ev in pipeline.run(req, cancelled=lambda: cancel_seq.value == seq):
+                send(("event", seq, ev))
+        except (BrokenPipeError, EOFError, OSError):
+            return
+        except Exception as e:  # noqa: BLE001 - the pipeline never raises; this guards the transport
+            send(("event", seq, ErrorEvent("engine", f"{type(e).__name__}: {e}")))
+        send(("end", seq))
+
+
+# --------------------------------------------------------------------------- server side
+@dataclass
+class _Job:
+    seq: int
+    sub: Submission
+    cancelled_at: float | None = None
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "stopped"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        why = {"SIGKILL": " - killed, often because the machine ran out of memory",
+               "SIGSEGV": " - crashed", "SIGBUS": " - crashed", "SIGABRT": " - aborted"}.get(name, "")
+        return f"{name}{why}"
+    return f"exit code {code}"
+
+
+class EngineServer:
+    """Spawns the engine workers once, keeps the model resident, runs queued requests one at a time."""
+
+    def __init__(self, model: str | Path, device: str = "cpu", dtype: str | None = None, world_size: int = 1,
+                 plan: str | None = None, preview_every: int = 1, verbose: bool = False,
+                 cancel_grace_s: float = CANCEL_GRACE_S):
+        if world_size < 1:
+            raise ValueError("world_size must be at least 1")
+        if world_size > 1 or plan not in (None, "tp1"):
+            raise NotImplementedError(
+                f"multi-GPU serving (world size {world_size}, plan {plan or 'tp1'}) is not available in this build "
+                "yet; run with one GPU or on CPU")
+        self.info = ModelInfo.from_folder(model)          # fails fast on a wrong folder, before any spawn
+        self.model = str(Path(model).resolve())
+        self.device, self.dtype, self.world_size, self.plan = device, dtype, world_size, plan or "tp1"
+        self.preview_every, self.verbose, self.cancel_grace_s = preview_every, verbose, cancel_grace_s
+
+        self._ctx = mp.get_context("spawn")
+        self._cancel_seq = self._ctx.Value("q", _NO_REQUEST, lock=False)   # read lock-free by the worker
+        self._lock = threading.RLock()
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._current: _Job | None = None
+        self._jobs: dict[str, _Job] = {}
+        self._seq = 0
+        self._state = "loading"
+        self._last_error: str | None = None
+        self._loading: str | None = None
+        self._restarts = 0
+        self._worker_info: dict[str, Any] = {}
+        self._closing = False
+        self._procs: list[Any] = []
+        self._req_conn: Connection | None = None
+        self._ev_conn: Connection | None = None
+        self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
+        self._spawn()
+        self._pump = threading.Thread(target=self._pump_loop, name="engine-server-pump", daemon=True)
+        self._pump.start()
+
+    # ------------------------------------------------------------------ client API
+    def submit(self, request: Request) -> Submission:
+        """Validate and queue a request. Bad input ends the stream at once with Error('invalid') and is
+        never queued; otherwise the events follow as the engine runs it."""
+        sub = Submission(request, self.cancel)
+        try:
+            self.info.validate(request)
+            request = _detach_images(request)
+        except RequestError as e:
+            sub._push(Error("invalid", str(e)))
+            return sub
+        sub.request = request
+        with self._lock:
+            if self._closing:
+                sub._push(Error("engine", "the engine is shut down"))
+            elif self._state == "failed":
+                sub._push(Error("engine", f"the engine is not running: {self._last_error}"))
+            elif request.request_id in self._jobs:
+                sub._push(Error("invalid", f"request id {request.request_id!r} is already in use"))
+            else:
+                self._seq += 1
+                job = _Job(self._seq, sub)
+                self._jobs[request.request_id] = job
+                self._waiting.append(job)
+        self._kick()
+        return sub
+
+    def stream(self, request: Request) -> Iterator[Event]:
+        """Sync convenience: submit and iterate the events."""
+        return iter(self.submit(request))
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a queued or running request. It ends at once with Error('cancelled'); a running one stops
+        the engine at its next token or step. False when the id is unknown or already finished."""
+        with self._lock:
+            job = self._jobs.get(request_id)
+            if job is None or job.sub.ended:
+                return False
+            if job in self._waiting:
+                self._waiting.remove(job)
+                del self._jobs[request_id]
+                job.sub._push(Error("cancelled", "stopped before it started"))
+                return True
+            # running: tell the worker, answer the client now, free the slot when the worker says so
+            self._cancel_seq.value = job.seq
+            job.cancelled_at = time.monotonic()
+            job.sub._push(Error("cancelled", "stopped by the user"))
+        self._kick()
+        return True
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "state": self._state,
+                "model": self.model,
+                "model_name": self.info.name,
+                "device": self.device,
+                "dtype": self._worker_info.get("dtype", self.dtype or "auto"),
+                "world_size": self.world_size,
+                "plan": self.plan,
+                "queue": len(self._waiting),
+                "running": self._current.sub.request_id if self._current else None,
+                "loading": self._loading,
+                "last_error": self._last_error,
+                "restarts": self._restarts,
+                "load_s": self._worker_info.get("load_s"),
+                "worker_pids": [p.pid for p in self._procs],
+            }
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded (True) or loading failed / the time ran out (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state = self.health()["state"]
+            if state in ("ready", "busy"):
+                return True
+            if state in ("failed", "closed") or (deadline is not None and time.monotonic() > deadline):
+                return False
+            time.sleep(0.05)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers (gracefully, then by force) and end every pending request. Idempotent."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            pending = list(self._waiting) + ([self._current] if self._current else [])
+            self._waiting.clear()
+            if self._current is not None:
+                self._cancel_seq.value = self._current.seq
+            for job in pending:
+                job.sub._push(Error("engine", "the engine was shut down"))
+        self._kick()
+        self._pump.join(timeout)
+        self._stop_workers(timeout)
+        with self._lock:
+            self._state = "closed"
+        for c in (self._wake_r, self._wake_w):
+            c.close()
+
+    def __enter__(self) -> "EngineServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:    # a forgotten server must not leave workers behind
+        try:
+            if not self._closing:
+                self.close(timeout=2.0)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ------------------------------------------------------------------ workers
+    def _spawn(self) -> None:
+        req_r, req_w = self._ctx.Pipe(duplex=False)
+        ev_r, ev_w = self._ctx.Pipe(duplex=False)
+        self._cancel_seq.value = _NO_REQUEST
+        procs = []
+        for rank in range(self.world_size):
+            lead = rank == 0
+            p = self._ctx.Process(
+                target=worker_main, name=f"engine-worker-{rank}", daemon=True,
+                args=(rank, self.world_size, self.model, self.device, self.dtype,
+                      req_r if lead else None, ev_w if lead else None, self._cancel_seq,
+                      self.preview_every, self.verbose))
+            p.start()
+            procs.append(p)
+        req_r.close()      # the children hold their ends; ours must close so a dead worker reads as EOF
+        ev_w.close()
+        self._procs, self._req_conn, self._ev_conn = procs, req_w, ev_r
+        self._loading = "starting"
+
+    def _stop_workers(self, timeout: float) -> None:
+        procs, self._procs = self._procs, []
+        if self._req_conn is not None:
+            try:
+                self._req_conn.send(None)        # a polite stop; an idle worker exits at once
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+            p.close()
+        for c in (self._req_conn, self._ev_conn):
+            if c is not None:
+                c.close()
+        self._req_conn = self._ev_conn = None
+
+    def _restart(self, why: str) -> None:
+        """Called by the pump with the lock held: fail the in-flight request, respawn the workers."""
+        self._last_error = why
+        self._restarts += 1
+        job, self._current = self._current, None
+        if job is not None:
+            self._jobs.pop(job.sub.request_id, None)
+            job.sub._push(Error("engine", f"{why}. The engine is restarting and reloading the model; "
+                                          "please try again in a moment."))
+        print(f"engine server: {why}; restarting the engine", file=sys.stderr, flush=True)
+        self._stop_workers(timeout=2.0)
+        self._state = "restarting"
+        self._spawn()
+
+    def _kick(self) -> None:
+        try:
+            self._wake_w.send_bytes(b"!")
+        except (OSError, ValueError):
+            pass
+
+    # ------------------------------------------------------------------ the pump thread
+    def _pump_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+                conn, procs = self._ev_conn, list(self._procs)
+                timeout = 0.5
+                if self._current is not None and self._current.cancelled_at is not None:
+                    timeout = max(0.0, min(timeout, self._current.cancelled_at + self.cancel_grace_s
+                                           - time.monotonic()))
+            watched = [self._wake_r, *(p.sentinel for p in procs)] + ([conn] if conn is not None else [])
+            ready = wait(watched, timeout)
+            while self._wake_r.poll():
+                self._wake_r.recv_bytes()
+            with self._lock:
+                if self._closing:
+                    return
+                if conn is not None and conn is self._ev_conn:
+                    self._drain(conn)
+                if self._state != "failed":
+                    dead = [p for p in self._procs if not p.is_alive()]
+                    if dead:
+                        self._on_death(dead[0])
+                    elif self._current is not None and self._current.cancelled_at is not None and \
+                            time.monotonic() - self._current.cancelled_at > self.cancel_grace_s:
+                        self._restart(f"the engine did not stop within {self.cancel_grace_s:.0f} s of a cancel")
+                self._dispatch()
+
+    def _drain(self, conn: Connection) -> None:
+        try:
+            while conn.poll():
+                self._on_message(conn.recv())
+        except (EOFError, OSError):
+            pass            # the worker is gone: its sentinel tells the rest
+
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "event":
+            _, seq, ev = msg
+            if self._current is not None and self._current.seq == seq:
+                self._current.sub._push(ev)
+        elif kind == "end":
+            if self._current is not None and self._current.seq == msg[1]:
+                job, self._current = self._current, None
+                self._jobs.pop(job.sub.request_id, None)
+                job.sub._push(Error("engine", "the engine ended the request without a result"))  # no-op if ended
+                self._state = "ready"
+        elif kind == "loading":
+            _, done, total, what = msg
+            self._loading = f"{done}/{total} {what}"
+        elif kind == "ready":
+            self._worker_info = msg[1]
+            self._loading = None
+            self._state = "ready"
+        elif kind == "failed":
+            self._fail(f"the engine could not load the model: {msg[1]}")
+
+    def _on_death(self, proc: Any) -> None:
+        proc.join(1.0)
+        why = f"the engine process stopped unexpectedly ({describe_exit(proc.exitcode)})"
+        if self._state in ("loading", "restarting"):
+            self._fail(f"{why} while loading the model")
+        else:
+            self._restart(why)
+
+    def _fail(self, why: str) -> None:
+        """Loading failed: no point respawning in a loop. Every pending request ends with the reason."""
+        self._state, self._last_error, self._loading = "failed", why, None
+        print(f"engine server: {why}", file=sys.stderr, flush=True)
+        pending = list(self._waiting) + ([self._current] if self._current else [])
+        self._waiting.clear()
+        self._current = None
+        for job in pending:
+            self._jobs.pop(job.sub.request_id, None)
+            job.sub._push(Error("engine", why))
+        self._stop_workers(timeout=2.0)
+
+    def _dispatch(self) -> None:
+        if self._state != "ready" or self._current is not None or not self._waiting or self._req_conn is None:
+            return
+        job = self._waiting.popleft()
+        self._current = job
+        self._state = "busy"
+        try:
+            self._req_conn.send((job.seq, job.sub.request))
+        except (OSError, ValueError) as e:   # the worker died between messages: the sentinel handles it
+            self._last_error = f"could not hand the request to the engine: {e}"
+
+
+def _detach_images(req: Request) -> Request:
+    """Reference images given as paths are read now, so a temporary upload may vanish after submit."""
+    if not req.images or all(not isinstance(i, (str, os.PathLike)) for i in req.images):
+        return req
+    from dataclasses import replace
+    return replace(req, images=[Path(i).read_bytes() if isinstance(i, (str, os.PathLike)) else i
+                                for i in req.images])
