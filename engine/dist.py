@@ -16,37 +16,46 @@ from .plan import ParallelPlan
 
 
 class GroupComm(Comm):
-    """A process group whose members have a logical order (the order gathers are read in)."""
+    """A process group whose members have a logical order (the order gathers are read in).
+
+    With gloo and CUDA tensors (several ranks sharing one GPU, a test set-up) tensors are staged
+    through host memory; with NCCL they stay on the device."""
 
     def __init__(self, group, logical_ranks: list[int], me: int):
         self.group = group
+        self.stage = dist.get_backend(group) == "gloo"
         self.size = len(logical_ranks)
         self.rank = logical_ranks.index(me)
         group_ranks = dist.get_process_group_ranks(group)
         # gathered item i comes from group rank i; read them in logical order
         self._order = [group_ranks.index(r) for r in logical_ranks]
 
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.cpu() if self.stage and t.is_cuda else t
+
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, group=self.group)
-        return t
+        h = self._host(t)
+        dist.all_reduce(h, group=self.group)
+        return t.copy_(h) if h is not t else t
 
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t, group=self.group)
-        return torch.cat([parts[i] for i in self._order], dim=dim)
+        h = self._host(t.contiguous())
+        parts = [torch.empty_like(h) for _ in range(self.size)]
+        dist.all_gather(parts, h, group=self.group)
+        return torch.cat([parts[i] for i in self._order], dim=dim).to(t.device)
 
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
         """t [size, ...]: chunk i goes to logical rank i; returns [size, ...] with chunk i from rank i."""
         assert self._order == list(range(self.size)), "all_to_all needs group order == logical order"
-        t = t.contiguous()
-        out = torch.empty_like(t)
-        dist.all_to_all_single(out, t, group=self.group)
-        return out
+        h = self._host(t.contiguous())
+        out = torch.empty_like(h)
+        dist.all_to_all_single(out, h, group=self.group)
+        return out.to(t.device)
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        dist.broadcast(t, dist.get_process_group_ranks(self.group)[self._order[src]], group=self.group)
-        return t
+        h = self._host(t)
+        dist.broadcast(h, dist.get_process_group_ranks(self.group)[self._order[src]], group=self.group)
+        return t.copy_(h) if h is not t else t
 
 
 def _comm(group, logical: list[int], me: int) -> Comm:
@@ -83,7 +92,8 @@ class Runtime:
         device = torch.device(device)
         if plan.world == 1:
             return cls.single(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # NCCL needs a GPU per rank; ranks sharing a GPU (tests on a one-GPU machine) use gloo
+        backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() >= plan.world else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=plan.world)
         made: dict[str, dict[tuple[int, ...], object]] = {}

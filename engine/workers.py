@@ -34,9 +34,12 @@ class WorkerOptions:
     extra: dict = field(default_factory=dict)
 
 
-def rank_device(device: str, rank: int) -> torch.device:
+def rank_device(device: str, rank: int, world: int) -> torch.device:
+    """A GPU per rank; when there are fewer GPUs than ranks (tests), every rank shares GPU 0."""
     d = torch.device(device)
-    return torch.device("cuda", rank) if d.type == "cuda" else d
+    if d.type != "cuda":
+        return d
+    return torch.device("cuda", rank if torch.cuda.device_count() >= world else 0)
 
 
 def resident_pointers(model) -> dict[str, int]:
@@ -49,7 +52,7 @@ def worker_main(rank: int, opts: WorkerOptions, init_method: str, inbox, outbox,
     from .pipeline import Pipeline
     plan = get_plan(opts.plan, sp_kind=opts.sp_kind)
     set_threads_for_world(plan.world)
-    dev = rank_device(opts.device, rank)
+    dev = rank_device(opts.device, rank, plan.world)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     try:
@@ -86,7 +89,8 @@ def worker_main(rank: int, opts: WorkerOptions, init_method: str, inbox, outbox,
         if kind == "stats":
             mine = {"rank": rank, "bytes_read": lm.bytes_read,
                     "pointers_unchanged": resident_pointers(lm.model) == pointers and not moved,
-                    "resident_bytes": sum(p.numel() * p.element_size() for p in lm.model.parameters())}
+                    "resident_bytes": sum(p.numel() * p.element_size() for p in lm.model.parameters()),
+                    "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0}
             allr = [None] * plan.world
             if control is not None:
                 dist.all_gather_object(allr, mine, group=control)

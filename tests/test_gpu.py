@@ -1,0 +1,76 @@
+"""GPU checks (run on the GPU machine: `python -m pytest -m gpu tests/test_gpu.py`)."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image as PILImage
+
+from engine.events import Error, Image, Text
+from engine.loader import load
+from engine.moe import MoE
+from engine.parallel import PhaseView
+from engine.pipeline import Pipeline
+from engine.request import Request
+from engine.workers import WorkerOptions, Workers
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+REQ = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=3, seed=3, greedy=True)
+
+
+def outcome(events):
+    errors = [e for e in events if isinstance(e, Error)]
+    assert not errors, errors
+    img = next(e for e in events if isinstance(e, Image))
+    return ("".join(e.delta for e in events if isinstance(e, Text)),
+            np.asarray(PILImage.open(io.BytesIO(img.png)), dtype=np.float64), events[-1].timings)
+
+
+def psnr(a, b):
+    return 10 * np.log10(255 ** 2 / max(((a - b) ** 2).mean(), 1e-12))
+
+
+@pytest.fixture(scope="module")
+def cuda_fp32(tiny_dir):
+    return outcome(list(Pipeline(load(tiny_dir, "cuda", torch.float32), preview_every=0).run(Request(**REQ))))
+
+
+def test_cuda_fp32_text_equals_cpu(tiny, cuda_fp32):
+    cpu = outcome(list(Pipeline(tiny, preview_every=0).run(Request(**REQ))))
+    assert cuda_fp32[0] == cpu[0]
+
+
+def test_bf16_close_to_fp32(tiny_dir, cuda_fp32):
+    bf = outcome(list(Pipeline(load(tiny_dir, "cuda", torch.bfloat16), preview_every=0).run(Request(**REQ))))
+    print(f"bf16 vs fp32 PSNR {psnr(bf[1], cuda_fp32[1]):.1f} dB, same text: {bf[0] == cuda_fp32[0]}")
+    assert psnr(bf[1], cuda_fp32[1]) >= 20
+
+
+def test_grouped_moe_bf16_matches_fp32():
+    torch.manual_seed(0)
+    m = MoE(512, 16, 4, 256, 256, True, micros=2, storage_size=1, dtype=torch.float32, device="cuda")
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(300, 512, device="cuda")
+    ref = m(x, PhaseView(0, 2))
+    mb = MoE(512, 16, 4, 256, 256, True, micros=2, storage_size=1, dtype=torch.bfloat16, device="cuda")
+    mb.load_state_dict({k: v.to(v.dtype if k == "gate" else torch.bfloat16) for k, v in m.state_dict().items()})
+    out = mb(x.bfloat16(), PhaseView(0, 2)).float()
+    assert (out - ref).norm() / ref.norm() < 0.02
+
+
+@pytest.mark.parametrize("plan,sp", [("hybrid4", "ulysses"), ("tp2cfg2", None), ("tp2sp2", "kv_gather")])
+def test_plans_on_cuda_equal_world1(tiny_dir, cuda_fp32, plan, sp):
+    with Workers(WorkerOptions(str(tiny_dir), plan=plan, sp_kind=sp, device="cuda", dtype="float32",
+                               preview_every=0)) as w:
+        res = outcome(list(w.run(Request(**REQ))))
+        stats = w.stats()
+    assert res[0] == cuda_fp32[0]
+    assert psnr(res[1], cuda_fp32[1]) >= 40
+    for s in stats:
+        assert s["pointers_unchanged"]
+        print(f"{plan} rank {s['rank']}: peak GPU memory {s['peak_gpu_bytes'] / 2**20:.1f} MiB, "
+              f"resident {s['resident_bytes'] / 2**20:.1f} MiB")
