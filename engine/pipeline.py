@@ -114,7 +114,7 @@ class Pipeline:
         opener = "<think>" if bot_task.startswith("think") else "<recaption>"
         return opener + self.lm.tok.decode(tokens[:cut])
 
-    def _heads(self, cfg_on: bool) -> tuple[slice, slice, slice]:
+    def _heads(self) -> tuple[slice, slice, slice]:
         """KV heads of this rank's storage shard used by (allocation, AR, denoise), shard-local, and the
         two phases' slices of the allocation."""
         plan, rank = self.rt.plan, self.rt.rank
@@ -159,7 +159,7 @@ class Pipeline:
                                f"model's {cfg.max_position_embeddings} positions")
         budget = min(len(ar_seq) + p.max_new_tokens + 8 + self.max_image_tokens + 8, cfg.max_position_embeddings)
         scratch = budget                                          # SP padding writes here; nothing reads it
-        alloc, ar_heads, dn_heads = self._heads(cfg_on)
+        alloc, ar_heads, dn_heads = self._heads()
         cache = KVCache.allocate(cfg.num_layers, len(branches), alloc.stop, budget + 1, cfg.head_dim,
                                  model.dtype, dev)
 

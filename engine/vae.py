@@ -15,7 +15,6 @@ choice), so the module also matches the official numbers when the caller wraps i
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
