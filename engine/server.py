@@ -6,9 +6,10 @@ the studio, the CLI and the benchmarks use.
         async for ev in sub: ...                              # or `for ev in sub:` from sync code
         server.cancel(sub.request_id); server.health()
 
-Process model (DESIGN §2.7). The server spawns `world_size` workers (`spawn` context: CUDA cannot be
-forked). Worker 0 receives requests over a pipe and sends events back; workers 1..N-1 will follow
-worker 0 through torch.distributed (a later change; only world 1 runs today). Requests are queued
+Process model (DESIGN §2.7). The server spawns one worker per rank of the parallel plan (`spawn`
+context: CUDA cannot be forked). Worker 0 receives requests over a pipe, broadcasts them to the other
+ranks over a gloo control group, and sends rank 0's events back; every rank runs the same pipeline,
+which agrees on sampled tokens and cancel decisions (engine/pipeline.py). Requests are queued
 here, in the server, and handed to worker 0 one at a time, so a worker only ever holds the request
 it is running: cancellation is one shared integer (the sequence number of the request to stop) that
 the pipeline's `cancelled()` polls between tokens and steps. A stale cancel can never hit the next
@@ -36,8 +37,9 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from .buckets import Bucket, build_buckets
-from .config import CheckpointConfig, GenerationConfig
+from .config import CheckpointConfig, GenerationConfig, ModelConfig
 from .events import Done, Error, Event
+from .plan import ParallelPlan, get_plan
 from .prompts import PRESETS, SystemPrompts
 from .request import Request, RequestError, prepare
 
@@ -56,6 +58,7 @@ class ModelInfo:
     buckets: tuple[Bucket, ...]
     presets: tuple[str, ...]          # system-prompt presets usable with this checkpoint
     distil: bool
+    cfg: ModelConfig
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelInfo":
@@ -65,7 +68,7 @@ class ModelInfo:
         # presets whose text the folder provides, plus the ones that need none
         usable = tuple(p for p in PRESETS if p in prompts.texts or p in ("dynamic", "custom", "None"))
         return cls(folder, cc.model.model_version or folder.name, cc.generation,
-                   build_buckets(cc.model.image_base_size), usable, cc.model.cfg_distilled)
+                   build_buckets(cc.model.image_base_size), usable, cc.model.cfg_distilled, cc.model)
 
     def validate(self, req: Request) -> None:
         """Raise RequestError exactly as the engine would (one implementation: `request.prepare`)."""
@@ -184,16 +187,19 @@ def _wake(fut: asyncio.Future) -> None:
 # --------------------------------------------------------------------------- worker side
 def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str | None,
                 requests: Connection | None, events: Connection | None, cancel_seq: Any,
-                preview_every: int = 1, verbose: bool = False) -> None:
-    """Entry point of one engine worker process. Rank 0 owns the pipes; ranks > 0 will follow rank 0
-    through torch.distributed once multi-GPU plans land (world_size > 1 is refused by the server today)."""
+                preview_every: int = 1, verbose: bool = False, plan: str | None = None,
+                init_method: str = "") -> None:
+    """Entry point of one engine worker process (rank `rank` of `world_size`). Rank 0 owns the pipes and
+    reports; the other ranks follow it through a gloo control group. Load failures are reported by rank 0
+    as ("failed", text); a follower that fails prints why and exits, which the server sees."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C belongs to the UI process, which closes us
+    import torch
+    import torch.distributed as dist
+    from .dist import Runtime, set_threads_for_world, shutdown
+    from .events import Error as ErrorEvent
     from .loader import load, parse_dtype, print_progress
     from .pipeline import Pipeline
-    from .events import Error as ErrorEvent
-
-    if device.startswith("cuda") and world_size > 1:
-        device = f"cuda:{rank}"
+    from .workers import rank_device
 
     def send(msg: tuple) -> None:
         if events is not None:
@@ -204,31 +210,54 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
             print_progress(done, total, what)
         send(("loading", done, total, what))
 
+    control = None
     try:
-        lm = load(model, device, parse_dtype(dtype, device), progress=progress)
-    except Exception as e:      # noqa: BLE001 - any load failure is reported, the server decides
-        send(("failed", f"{type(e).__name__}: {e}"))
-        return
-    pipeline = Pipeline(lm, preview_every=preview_every)
-    send(("ready", {"load_s": round(lm.load_s, 2), "device": str(lm.model.device), "dtype": str(lm.model.dtype)}))
-    if requests is None:
-        return      # followers: the distributed loop comes with multi-GPU plans
-    while True:
-        try:
-            msg = requests.recv()
-        except (EOFError, OSError):      # the server is gone
+        p = get_plan(plan, world_size)
+        set_threads_for_world(p.world)
+        dev = rank_device(device, rank, p.world)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        rt = Runtime.init(p, rank, dev, init_method)
+        if p.world > 1:
+            control = dist.new_group(list(range(p.world)), backend="gloo")
+        lm = load(model, dev, parse_dtype(dtype, dev), rt.layout, progress=progress if rank == 0 else None)
+        p.check_model(lm.cfg)
+        pipeline = Pipeline(lm, rt, preview_every=preview_every)
+        if control is not None:
+            dist.barrier(group=control)              # "ready" means every rank holds its shard
+    except Exception as e:  # noqa: BLE001 - any load failure is reported, the server decides
+        if rank == 0:
+            send(("failed", f"{type(e).__name__}: {e}"))
             return
-        if msg is None:
-            return
+        print(f"engine rank {rank} failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if verbose and rank == 0:
+        print(f"\nengine: model loaded in {lm.load_s:.1f} s on {dev} (plan {p.name})", file=sys.stderr, flush=True)
+    send(("ready", {"load_s": round(lm.load_s, 2), "device": str(dev), "dtype": str(lm.model.dtype),
+                    "plan": p.name}))
+
+    def receive() -> Any:
+        msg: list[Any] = [None]
+        if rank == 0:
+            try:
+                msg[0] = requests.recv()
+            except (EOFError, OSError):              # the server is gone
+                msg[0] = None
+        if control is not None:
+            dist.broadcast_object_list(msg, src=0, group=control)
+        return msg[0]
+
+    while (msg := receive()) is not None:
         seq, req = msg
         try:
-            for ev in pipeline.run(req, cancelled=lambda: cancel_seq.value == seq):
+            for ev in pipeline.run(req, cancelled=lambda seq=seq: cancel_seq.value == seq):
                 send(("event", seq, ev))
         except (BrokenPipeError, EOFError, OSError):
             return
         except Exception as e:  # noqa: BLE001 - the pipeline never raises; this guards the transport
             send(("event", seq, ErrorEvent("engine", f"{type(e).__name__}: {e}")))
         send(("end", seq))
+    shutdown()
 
 
 # --------------------------------------------------------------------------- server side
@@ -253,18 +282,20 @@ def describe_exit(code: int | None) -> str:
 class EngineServer:
     """Spawns the engine workers once, keeps the model resident, runs queued requests one at a time."""
 
-    def __init__(self, model: str | Path, device: str = "cpu", dtype: str | None = None, world_size: int = 1,
-                 plan: str | None = None, preview_every: int = 1, verbose: bool = False,
-                 cancel_grace_s: float = CANCEL_GRACE_S):
-        if world_size < 1:
-            raise ValueError("world_size must be at least 1")
-        if world_size > 1 or plan not in (None, "tp1"):
-            raise NotImplementedError(
-                f"multi-GPU serving (world size {world_size}, plan {plan or 'tp1'}) is not available in this build "
-                "yet; run with one GPU or on CPU")
-        self.info = ModelInfo.from_folder(model)          # fails fast on a wrong folder, before any spawn
+    def __init__(self, model: str | Path, device: str = "cpu", dtype: str | None = None,
+                 world_size: int | None = None, plan: str | None = None, preview_every: int = 1,
+                 verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S):
+        """`plan`: a preset of engine.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
+        (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
+        plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
+        be split by, or a folder that is not a checkpoint, is refused here, before anything is spawned
+        (PlanError / ConfigError, both ValueErrors)."""
+        self.info = ModelInfo.from_folder(model)
+        self.parallel: ParallelPlan = get_plan(plan, world_size)
+        self.parallel.check_model(self.info.cfg)
         self.model = str(Path(model).resolve())
-        self.device, self.dtype, self.world_size, self.plan = device, dtype, world_size, plan or "tp1"
+        self.device, self.dtype = device, dtype
+        self.world_size, self.plan = self.parallel.world, self.parallel.name
         self.preview_every, self.verbose, self.cancel_grace_s = preview_every, verbose, cancel_grace_s
 
         self._ctx = mp.get_context("spawn")
@@ -296,8 +327,11 @@ class EngineServer:
         try:
             self.info.validate(request)
             request = _detach_images(request)
-        except RequestError as e:
+        except (RequestError, TypeError, ValueError) as e:     # TypeError: a value of the wrong kind
             sub._push(Error("invalid", str(e)))
+            return sub
+        except OSError as e:                                  # an upload that vanished after validation
+            sub._push(Error("invalid", f"a reference image cannot be read: {e}"))
             return sub
         sub.request = request
         with self._lock:
@@ -403,9 +437,11 @@ class EngineServer:
 
     # ------------------------------------------------------------------ workers
     def _spawn(self) -> None:
+        from .dist import free_port, init_method_for
         req_r, req_w = self._ctx.Pipe(duplex=False)
         ev_r, ev_w = self._ctx.Pipe(duplex=False)
         self._cancel_seq.value = _NO_REQUEST
+        init_method = init_method_for(free_port())      # a fresh rendezvous for every incarnation
         procs = []
         for rank in range(self.world_size):
             lead = rank == 0
@@ -413,7 +449,7 @@ class EngineServer:
                 target=worker_main, name=f"engine-worker-{rank}", daemon=True,
                 args=(rank, self.world_size, self.model, self.device, self.dtype,
                       req_r if lead else None, ev_w if lead else None, self._cancel_seq,
-                      self.preview_every, self.verbose))
+                      self.preview_every, self.verbose, self.plan, init_method))
             p.start()
             procs.append(p)
         req_r.close()      # the children hold their ends; ours must close so a dead worker reads as EOF
@@ -476,7 +512,7 @@ class EngineServer:
                     timeout = max(0.0, min(timeout, self._current.cancelled_at + self.cancel_grace_s
                                            - time.monotonic()))
             watched = [self._wake_r, *(p.sentinel for p in procs)] + ([conn] if conn is not None else [])
-            ready = wait(watched, timeout)
+            wait(watched, timeout)             # a message, a dead worker, a kick or the timeout
             while self._wake_r.poll():
                 self._wake_r.recv_bytes()
             with self._lock:
@@ -524,7 +560,8 @@ class EngineServer:
 
     def _on_death(self, proc: Any) -> None:
         proc.join(1.0)
-        why = f"the engine process stopped unexpectedly ({describe_exit(proc.exitcode)})"
+        rank = f" (rank {self._procs.index(proc)})" if self.world_size > 1 else ""
+        why = f"the engine process{rank} stopped unexpectedly ({describe_exit(proc.exitcode)})"
         if self._state in ("loading", "restarting"):
             self._fail(f"{why} while loading the model")
         else:

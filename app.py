@@ -1,0 +1,131 @@
+"""Start the HunyuanImage-3.0 studio: the engine server (model resident in its own process) + the web page.
+
+    python app.py                                   # the embedded default model, on this machine's device
+    python app.py --model /models/HunyuanImage-3.0-Instruct --device cuda --port 7860 --auth me:secret
+
+Every flag is described in the README's "Studio" section and in `python app.py --help`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+EMBEDDED_MODEL = REPO / "assets" / "model"
+TINY_NOTICE = ("**No embedded model is installed yet**, so this studio runs a tiny *random* checkpoint: every "
+               "stage streams for real, but the text is random tokens and the images are noise. "
+               "Start it with `--model DIR` to serve a real checkpoint.")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hunyuan-studio"
+
+
+def default_model() -> tuple[Path, str | None]:
+    """The embedded model under assets/ when it exists; until then a tiny random checkpoint, made once
+    into the cache folder and reused. Returns (folder, notice for the page or None)."""
+    if (EMBEDDED_MODEL / "config.json").exists():
+        return EMBEDDED_MODEL, None
+    tiny = cache_dir() / "tiny"
+    if not (tiny / "config.json").exists():
+        from engine.tiny import make_tiny
+        print(f"no embedded model under {EMBEDDED_MODEL}: making a tiny random checkpoint in {tiny}", flush=True)
+        tiny.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=tiny.parent))
+        make_tiny(tmp / "model")
+        if tiny.exists():           # a half-made folder from an interrupted run
+            shutil.rmtree(tiny)
+        os.replace(tmp / "model", tiny)      # appears complete or not at all
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tiny, TINY_NOTICE
+
+
+def parse_auth(value: str | None) -> tuple[str, str] | None:
+    if not value:
+        return None
+    user, sep, password = value.partition(":")
+    if not sep or not user or not password:
+        raise argparse.ArgumentTypeError("--auth takes user:password")
+    return user, password
+
+
+def default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python app.py", description="HunyuanImage-3.0 studio (Gradio web UI).")
+    ap.add_argument("--model", help="checkpoint folder in the official layout (default: the embedded model "
+                                    "under assets/model; until it exists, a tiny random checkpoint)")
+    ap.add_argument("--plan", default=None, help="parallel plan: tp1, tp2, tp4, hybrid4, tp2sp2, tp2cfg2, tp8, "
+                                                  "hybrid8, ... (default: from --gpus)")
+    ap.add_argument("--gpus", type=int, default=None, help="number of GPUs = engine ranks, one process each "
+                                                           "(default: the plan's, else 1; on cpu: gloo processes)")
+    ap.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when available)")
+    ap.add_argument("--dtype", default="auto", help="bfloat16, float16, float32 or auto (bf16 on GPU, fp32 on CPU)")
+    ap.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1, or $GRADIO_SERVER_NAME; "
+                                                  "0.0.0.0 for every interface)")
+    ap.add_argument("--port", type=int, default=None, help="port (default 7860, or $GRADIO_SERVER_PORT; the next "
+                                                           "free one when taken)")
+    ap.add_argument("--share", action="store_true", help="also open a temporary public *.gradio.live link")
+    ap.add_argument("--auth", default=os.environ.get("STUDIO_AUTH"),
+                    help="user:password required to open the page and use the API (default $STUDIO_AUTH)")
+    ap.add_argument("--max-queue", type=int, default=8, help="requests that may wait in the queue (default 8)")
+    args = ap.parse_args(argv)
+    try:
+        args.auth = parse_auth(args.auth)
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    if (args.gpus is not None and args.gpus < 1) or args.max_queue < 1:
+        ap.error("--gpus and --max-queue must be at least 1")
+    return args
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no calls home; works offline
+    signal.signal(signal.SIGTERM, _interrupt)    # `docker stop`, systemd, Spaces: shut down like Ctrl-C
+    from engine.config import ConfigError
+    from engine.server import EngineServer
+
+    if args.model:
+        model, notice = Path(args.model), None
+    else:
+        model, notice = default_model()
+    device = default_device() if args.device == "auto" else args.device
+    try:
+        server = EngineServer(model, device=device, dtype=args.dtype, world_size=args.gpus, plan=args.plan,
+                              verbose=True)
+    except (ConfigError, ValueError, OSError) as e:      # a wrong folder, an unknown plan or one that does not fit
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"engine: loading {model} on {device} (plan {server.plan}, {server.world_size} rank(s)) in the background; "
+          "requests wait until it is ready", flush=True)
+    from webui.studio import build_studio, launch
+    try:
+        demo = build_studio(server, server.info, max_queue=args.max_queue, notice=notice)
+        _, url, share_url = launch(demo, host=args.host, port=args.port, share=args.share, auth=args.auth,
+                                   prevent_thread_lock=True)
+        # one clear line, whatever the engine is printing while it loads
+        print(f"\nstudio: open {share_url or url}" + (f"  (local: {url})" if share_url else ""), flush=True)
+        demo.block_thread()                     # until Ctrl-C
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

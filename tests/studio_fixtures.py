@@ -1,0 +1,94 @@
+"""Fixtures and helpers shared by the server, studio and browser tests (imported by those modules;
+pytest only auto-loads conftest.py). Everything runs on a real tiny checkpoint (`tiny_dir`)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no calls home from tests
+
+import pytest
+
+from engine.events import Done, Error, Event
+from engine.request import Request
+from engine.server import EngineServer
+
+READY_TIMEOUT_S = 180
+# Small enough for a 2-core CI machine: a request takes about a second on the tiny checkpoint.
+FAST = dict(mode="think", size="256:192", seed=1, random_seed=False, steps=2, guidance=5.0,
+            system_prompt="en_unified", custom_system_prompt="", max_new_tokens=8)
+SETTINGS_ORDER = ("mode", "size", "seed", "random_seed", "steps", "guidance", "system_prompt",
+                  "custom_system_prompt", "max_new_tokens")
+
+
+def settings(**over: Any) -> list[Any]:
+    """The shared settings in API order, FAST unless overridden."""
+    s = {**FAST, **over}
+    return [s[k] for k in SETTINGS_ORDER]
+
+
+def fast_request(prompt: str = "a red circle", **over: Any) -> Request:
+    kw = dict(bot_task="think", size="256:192", steps=2, guidance=5.0, seed=1, max_new_tokens=8)
+    kw.update(over)
+    return Request(prompt=prompt, **kw)
+
+
+def final(events: list[Event]) -> Event:
+    assert events, "no events"
+    assert isinstance(events[-1], (Done, Error)), events[-1]
+    return events[-1]
+
+
+def wait_for(cond, timeout: float = 30.0, every: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(every)
+
+
+class CountingClient:
+    """Wraps the engine server and records what reached it, to prove validation happens before queueing."""
+
+    def __init__(self, server: EngineServer):
+        self.server = server
+        self.submitted: list[Request] = []
+
+    def submit(self, request: Request):
+        self.submitted.append(request)
+        return self.server.submit(request)
+
+    def cancel(self, request_id: str) -> bool:
+        return self.server.cancel(request_id)
+
+    def health(self) -> dict[str, Any]:
+        return self.server.health()
+
+
+def start_server(model: Path) -> EngineServer:
+    server = EngineServer(model)
+    if not server.wait_ready(READY_TIMEOUT_S):
+        server.close()
+        pytest.fail(f"engine did not become ready: {server.health()}")
+    return server
+
+
+@pytest.fixture(scope="module")
+def engine_server(tiny_dir):
+    server = start_server(tiny_dir)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def studio(engine_server, tmp_path_factory):
+    """(url, counting client, demo) of a studio launched in this process on a free port."""
+    from webui.studio import build_studio, launch
+    client = CountingClient(engine_server)
+    demo = build_studio(client, engine_server.info, out_dir=tmp_path_factory.mktemp("out"),
+                        examples_dir=tmp_path_factory.mktemp("examples"), max_queue=8)
+    _, url, _ = launch(demo, host="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    yield url, client, demo
+    demo.close()

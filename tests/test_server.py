@@ -1,0 +1,175 @@
+"""engine.server: the resident engine process and its client API, on a real tiny checkpoint."""
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from PIL import Image as PILImage
+
+from engine.events import Done, Error, Image, Ratio, Started, Step, Text
+from engine.server import EngineServer, ModelInfo, describe_exit
+
+from studio_fixtures import READY_TIMEOUT_S, engine_server, fast_request, final, start_server, wait_for  # noqa: F401
+
+
+def kinds(events):
+    return [type(e).__name__ for e in events]
+
+
+def test_model_info_reads_the_folder_without_weights(tiny_dir):
+    info = ModelInfo.from_folder(tiny_dir)
+    assert info.gen.diff_infer_steps == 50 and len(info.buckets) == 37
+    assert "en_unified" in info.presets and "custom" in info.presets
+
+
+def test_stream_order_and_png_of_the_chosen_size(engine_server):
+    events = list(engine_server.stream(fast_request(size="256:192")))
+    names = kinds(events)
+    assert names[0] == "Started" and names[-2:] == ["Image", "Done"], names
+    first_step = names.index("Step")
+    assert "Text" in names[:first_step] and names.index("Ratio") < first_step
+    img = next(e for e in events if isinstance(e, Image))
+    pil = PILImage.open(io.BytesIO(img.png))
+    assert pil.format == "PNG" and pil.size == (256, 192) == (img.width, img.height)
+    assert isinstance(events[-1], Done) and events[-1].timings.dit_steps == 2
+    wait_for(lambda: engine_server.health()["state"] == "ready", 10)   # the worker's "end" follows Done
+
+
+def test_async_submit_streams_the_same_events(engine_server):
+    async def collect():
+        return [ev async for ev in engine_server.submit(fast_request(seed=7))]
+    events = asyncio.run(collect())
+    assert isinstance(events[0], Started) and isinstance(events[-1], Done)
+    assert any(isinstance(e, Text) for e in events) and any(isinstance(e, Step) for e in events)
+
+
+def test_invalid_requests_end_at_once_and_are_never_queued(engine_server, tmp_path):
+    for req, words in ((fast_request(prompt="   "), "prompt is empty"),
+                       (fast_request(images=[b"x"] * 4), "at most 3"),
+                       (fast_request(size="banana"), "not understood"),
+                       (fast_request(steps=0), "steps")):
+        sub = engine_server.submit(req)
+        assert sub.ended
+        ev = final(list(sub))
+        assert isinstance(ev, Error) and ev.kind == "invalid" and words in ev.message, ev
+    assert engine_server.health()["queue"] == 0
+
+
+def test_cancel_running_request_frees_the_engine(engine_server):
+    sub = engine_server.submit(fast_request(steps=60))
+    for ev in sub:
+        if isinstance(ev, Step):
+            assert engine_server.cancel(sub.request_id)
+    assert isinstance(ev, Error) and ev.kind == "cancelled"
+    assert not engine_server.cancel(sub.request_id)         # already finished
+    wait_for(lambda: engine_server.health()["state"] == "ready", 30)
+    assert isinstance(final(list(engine_server.stream(fast_request()))), Done)
+
+
+def test_cancel_a_queued_request(engine_server):
+    running = engine_server.submit(fast_request(steps=60))
+    queued = engine_server.submit(fast_request(prompt="second"))
+    assert engine_server.health()["queue"] >= 1
+    assert queued.cancel()
+    events = list(queued)
+    assert len(events) == 1, events                 # it never started
+    assert events[0].kind == "cancelled" and "before it started" in events[0].message
+    running.cancel()
+    assert isinstance(final(list(engine_server.stream(fast_request()))), Done)
+
+
+def test_leaving_the_iteration_early_cancels(engine_server):
+    sub = engine_server.submit(fast_request(steps=60))
+    for ev in sub:
+        if isinstance(ev, Step):
+            break                      # a consumer that goes away (closed tab) must not hold the engine
+    assert sub.ended
+    assert isinstance(final(list(engine_server.stream(fast_request()))), Done)
+
+
+def test_killed_worker_fails_the_request_and_restarts(engine_server):
+    before = engine_server.health()
+    sub = engine_server.submit(fast_request(steps=60))
+    for ev in sub:
+        if isinstance(ev, Ratio):
+            os.kill(engine_server.health()["worker_pids"][0], signal.SIGKILL)
+    assert isinstance(ev, Error) and ev.kind == "engine", ev
+    assert "restarting" in ev.message and "SIGKILL" in ev.message
+    ev = final(list(engine_server.stream(fast_request())))       # queued until the reload, then runs
+    assert isinstance(ev, Done), ev
+    wait_for(lambda: engine_server.health()["state"] == "ready", 10)
+    after = engine_server.health()
+    assert after["restarts"] == before["restarts"] + 1
+    assert after["worker_pids"] != before["worker_pids"]
+
+
+def test_broken_checkpoint_fails_loading_with_a_message(tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in Path(tiny_dir).iterdir():        # the small files only: the weights are missing
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, broken / f.name)
+    with EngineServer(broken) as server:
+        assert not server.wait_ready(120)
+        h = server.health()
+        assert h["state"] == "failed" and "could not load" in h["last_error"]
+        ev = final(list(server.stream(fast_request())))
+        assert isinstance(ev, Error) and ev.kind == "engine" and "could not load" in ev.message
+
+
+def test_close_leaves_no_process(tiny_dir):
+    server = start_server(tiny_dir)
+    pids = server.health()["worker_pids"]
+    sub = server.submit(fast_request(steps=60))
+    server.close()
+    assert server.health()["state"] == "closed"
+    ev = final(list(sub))
+    assert isinstance(ev, Error)
+    for pid in pids:                     # reaped: not even a zombie is left
+        assert not Path(f"/proc/{pid}").exists() or _is_other_process(pid)
+
+
+def _is_other_process(pid: int) -> bool:
+    """A recycled pid belongs to someone else: it is not our child."""
+    try:
+        return os.waitpid(pid, os.WNOHANG) is None
+    except ChildProcessError:
+        return True
+
+
+def test_describe_exit():
+    assert "SIGKILL" in describe_exit(-9) and "memory" in describe_exit(-9)
+    assert describe_exit(3) == "exit code 3"
+
+
+def test_unknown_or_unfit_plans_are_refused_before_spawning(tiny_dir):
+    from engine.plan import PlanError
+    with pytest.raises(PlanError, match="unknown plan"):
+        EngineServer(tiny_dir, plan="nope")
+    with pytest.raises(PlanError, match="needs 4 ranks"):
+        EngineServer(tiny_dir, plan="hybrid4", world_size=2)
+
+
+@pytest.mark.slow
+def test_two_ranks_on_cpu_serve_cancel_and_survive_a_dead_follower(tiny_dir):
+    with EngineServer(tiny_dir, world_size=2) as server:      # gloo ranks, default plan tp2
+        assert server.wait_ready(READY_TIMEOUT_S), server.health()
+        h = server.health()
+        assert h["plan"] == "tp2" and len(h["worker_pids"]) == 2
+        assert isinstance(final(list(server.stream(fast_request()))), Done)
+        sub = server.submit(fast_request(steps=60))
+        for ev in sub:
+            if isinstance(ev, Step):
+                sub.cancel()
+        assert ev.kind == "cancelled"
+        sub = server.submit(fast_request(steps=60))
+        for ev in sub:
+            if isinstance(ev, Step):
+                os.kill(server.health()["worker_pids"][1], signal.SIGKILL)     # a follower dies
+        assert isinstance(ev, Error) and ev.kind == "engine" and "rank 1" in ev.message
+        assert isinstance(final(list(server.stream(fast_request()))), Done)

@@ -1,0 +1,137 @@
+"""What the studio's controls offer and how their values become an engine `Request`. Pure functions,
+no Gradio: the choices are built from the checkpoint (buckets, generation config), so they are always
+the sizes and defaults the engine really uses."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from engine.buckets import Bucket
+from engine.config import GenerationConfig
+from engine.request import GUIDANCE_RANGE, MAX_NEW_TOKENS_RANGE, Request
+
+# (label, bot_task). The official tasks `recaption` and `auto` stay reachable through the engine CLI;
+# the studio offers the three that make sense for a person choosing how much the model should reason.
+REASONING_MODES: list[tuple[str, str]] = [
+    ("Off", "image"),
+    ("Think", "think"),
+    ("Think + recaption", "think_recaption"),
+]
+AUTO_SIZE = "auto"
+SEED_MAX = 2 ** 31 - 1
+STEPS_MAX = 100
+GUIDANCE_MAX = min(15.0, GUIDANCE_RANGE[1])
+MAX_NEW_TOKENS_MAX = min(8192, MAX_NEW_TOKENS_RANGE[1])
+PRESET_LABELS = {
+    "en_unified": "unified (official default)",
+    "en_vanilla": "vanilla",
+    "en_recaption": "recaption",
+    "en_think_recaption": "think + recaption",
+    "dynamic": "dynamic (by reasoning mode)",
+    "custom": "custom text (below)",
+    "None": "none",
+}
+
+
+def aspect_label(width: int, height: int) -> str:
+    """'4:3', '16:9'... when the ratio has small terms, else '≈2.56:1'."""
+    f = Fraction(width, height)
+    if f.numerator <= 21 and f.denominator <= 21:
+        return f"{f.numerator}:{f.denominator}"
+    r = width / height
+    return f"≈{r:.2f}:1" if r >= 1 else f"≈1:{1 / r:.2f}"
+
+
+def size_choices(buckets: tuple[Bucket, ...]) -> list[tuple[str, str]]:
+    """Dropdown (label, value) pairs: 'auto', then every bucket from the tallest to the widest.
+
+    Labels put the width first ("W × H", the way people say sizes) and name the orientation, because
+    the official app's H x W strings are easy to read backwards. Values are 'W:H' strings, which the
+    engine's `parse_size` maps to exactly that bucket (bucket ratios are unique)."""
+    out = [("auto — the model picks the aspect ratio", AUTO_SIZE)]
+    for b in sorted(buckets, key=lambda b: b.width / b.height):
+        shape = "square" if b.width == b.height else ("landscape" if b.width > b.height else "portrait")
+        out.append((f"{b.width} × {b.height}  ({aspect_label(b.width, b.height)} {shape})", f"{b.width}:{b.height}"))
+    return out
+
+
+def default_mode(gen: GenerationConfig) -> str:
+    values = [v for _, v in REASONING_MODES]
+    if gen.bot_task in values:
+        return gen.bot_task
+    return "think_recaption" if gen.bot_task == "recaption" else "image"
+
+
+def preset_choices(presets: tuple[str, ...]) -> list[tuple[str, str]]:
+    return [(PRESET_LABELS.get(p, p), p) for p in presets]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The values of the shared controls, in the order the API endpoints take them (after the prompt
+    and, for TI2I, the reference images)."""
+    mode: str
+    size: str
+    seed: float | int | None
+    random_seed: bool
+    steps: float | int
+    guidance: float
+    system_prompt: str
+    custom_system_prompt: str
+    max_new_tokens: float | int
+
+    NAMES = ("mode", "size", "seed", "random_seed", "steps", "guidance", "system_prompt",
+             "custom_system_prompt", "max_new_tokens")
+
+
+def as_int(v: Any) -> Any:
+    """Gradio numbers arrive as floats (or None); whole floats become ints, anything else is passed on
+    unchanged so that `prepare` reports it."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def build_request(prompt: str, images: list[Any], s: Settings, seed: int | None = None) -> Request:
+    """The engine request for the given control values. `seed` overrides the seed field (random seeds
+    are drawn by the caller so the validator and the run agree on everything else)."""
+    if seed is None:
+        seed = random.randint(0, SEED_MAX) if s.random_seed else as_int(s.seed if s.seed is not None else 0)
+    return Request(
+        prompt=prompt or "",
+        images=list(images),
+        bot_task=s.mode,
+        size=s.size or AUTO_SIZE,
+        steps=as_int(s.steps),
+        guidance=float(s.guidance) if isinstance(s.guidance, (int, float)) else s.guidance,
+        seed=seed,
+        system_prompt=s.system_prompt or None,
+        custom_system_prompt=(s.custom_system_prompt or None) if s.system_prompt == "custom" else None,
+        max_new_tokens=as_int(s.max_new_tokens),
+    )
+
+
+# A RequestError message names what is wrong; these words route it to the control that holds it.
+_FIELD_WORDS = (
+    ("reference image", "images"),
+    ("prompt preset", "system_prompt"),
+    ("system prompt", "system_prompt"),
+    ("prompt", "prompt"),
+    ("size", "size"),
+    ("steps", "steps"),
+    ("guidance", "guidance"),
+    ("seed", "seed"),
+    ("max_new_tokens", "max_new_tokens"),
+    ("reasoning mode", "mode"),
+)
+
+
+def field_of(message: str) -> str:
+    """Which control a validation message belongs to ('prompt' when unsure: it is always visible)."""
+    low = message.lower()
+    for words, name in _FIELD_WORDS:
+        if words in low:
+            return name
+    return "prompt"

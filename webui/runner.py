@@ -1,0 +1,181 @@
+"""One request's life in the studio: submit to the engine, turn its events into view updates.
+
+`run(...)` is an async generator of `Update`s (only the fields that changed). It knows nothing about
+Gradio components, so it is tested with a plain engine, and the studio maps an `Update` onto outputs.
+Events that arrive faster than a browser can draw are merged: all pending text deltas become one
+update and only the newest step preview is sent (as Fooocus does for slow connections).
+"""
+from __future__ import annotations
+
+import io
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Protocol
+
+from PIL import Image as PILImage
+
+from engine.events import Done, Error, Image, Ratio, Started, Step, Text
+from engine.request import Request
+
+PREVIEW_MAX_SIDE = 256
+HEARTBEAT_S = 1.0          # yield at least this often: a closed tab is only noticed at a yield
+SECTION_TITLES = {"think": "Thinking", "recaption": "Recaption", "answer": "Answer"}
+
+
+class EngineClient(Protocol):
+    """What the studio needs from `engine.server.EngineServer` (tests may pass a stand-in)."""
+    def submit(self, request: Request) -> Any: ...
+    def cancel(self, request_id: str) -> bool: ...
+    def health(self) -> dict[str, Any]: ...
+
+
+class EngineFailure(Exception):
+    """The request ended with an engine or validation error; the message is meant for the user."""
+
+
+@dataclass
+class Update:
+    status: str | None = None
+    preview: PILImage.Image | None = None
+    image: str | None = None          # path of the final PNG
+    cot: str | None = None
+    timings: str | None = None
+    reset: bool = False               # clear every output first (start of a run)
+    final: bool = False               # the run is over: send every output
+
+    @property
+    def changed(self) -> bool:
+        return self.reset or self.final or any(v is not None for v in (self.status, self.preview, self.image,
+                                                                         self.cot, self.timings))
+
+
+@dataclass
+class CotLog:
+    """The reasoning text as it streams, with a title line whenever the section changes."""
+    text: str = ""
+    section: str | None = None
+    tokens: int = 0
+
+    def add(self, ev: Text) -> None:
+        if ev.section != self.section:
+            title = SECTION_TITLES.get(ev.section, ev.section.title())
+            self.text += ("\n\n" if self.text else "") + f"[{title}]\n"
+            self.section = ev.section
+        self.text += ev.delta
+        self.tokens += 1
+
+
+def waiting_status(health: dict[str, Any]) -> str:
+    state = health.get("state")
+    if state in ("loading", "restarting"):
+        what = f" ({health['loading']})" if health.get("loading") else ""
+        verb = "restarting" if state == "restarting" else "loading the model"
+        return f"Waiting for the engine: {verb}{what}…"
+    if health.get("queue"):
+        return f"Queued behind {health['queue']} request(s)…"
+    return "Starting…"
+
+
+def preview_image(png: bytes) -> PILImage.Image:
+    img = PILImage.open(io.BytesIO(png))
+    img.thumbnail((PREVIEW_MAX_SIDE, PREVIEW_MAX_SIDE))
+    return img.convert("RGB")
+
+
+def timings_text(done: Done, image: Image | None) -> str:
+    t = done.timings
+    parts = []
+    if t.ar_tokens:
+        parts.append(f"**AR** {t.ar_ms_per_token:.1f} ms/token × {t.ar_tokens} tokens "
+                     f"(prefill {t.ar_prefill_ms:.0f} ms)")
+    if t.dit_steps:
+        parts.append(f"**DiT** {t.dit_ms_per_step:.0f} ms/step × {t.dit_steps} steps")
+    if t.vae_ms:
+        parts.append(f"**VAE** {t.vae_ms:.0f} ms")
+    parts.append(f"**total** {t.total_s:.2f} s")
+    if image is not None:
+        parts.append(f"{image.width} × {image.height}, seed {image.seed}")
+    return " · ".join(parts)
+
+
+def save_png(out_dir: Path, request_id: str, image: Image) -> str:
+    """Write the PNG as the engine made it (served byte for byte: a filepath is not re-encoded)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"hunyuan-{request_id}-seed{image.seed}.png"
+    path.write_bytes(image.png)
+    return str(path)
+
+
+def prune(out_dir: Path, max_age_s: float = 3600.0) -> None:
+    """Drop old result files so a long-running studio does not fill the disk."""
+    if not out_dir.is_dir():
+        return
+    cutoff = time.time() - max_age_s
+    for p in out_dir.glob("hunyuan-*.png"):
+        try:
+            if p.stat().st_mtime < cutoff:
+                p.unlink()
+        except OSError:
+            pass
+
+
+async def run(client: EngineClient, req: Request, out_dir: Path) -> AsyncIterator[Update]:
+    """Submit `req` and describe its progress. Raises EngineFailure with a user-facing message when
+    the engine refuses or fails the request; a cancelled request just ends with a 'Stopped' status."""
+    prune(out_dir)
+    sub = client.submit(req)
+    cot, image, started = CotLog(), None, False
+    image_path: str | None = None
+    preview: PILImage.Image | None = None
+    yield Update(reset=True, status="Submitted…")
+    try:
+        while True:
+            ev = await sub.aget(timeout=HEARTBEAT_S)
+            if ev is None:
+                yield Update(status=None if started else waiting_status(client.health()))
+                continue
+            batch = [ev]
+            while not isinstance(batch[-1], (Done, Error)) and (nxt := sub.get(timeout=0)) is not None:
+                batch.append(nxt)
+            update = Update()
+            for ev in batch:
+                if isinstance(ev, Started):
+                    started = True
+                    update.status = "Thinking…" if ev.bot_task != "image" else "Choosing the size…"
+                elif isinstance(ev, Text):
+                    cot.add(ev)
+                    update.cot = cot.text
+                    update.status = f"Writing… {cot.tokens} tokens"
+                elif isinstance(ev, Ratio):
+                    update.status = f"Size {ev.width} × {ev.height} — denoising…"
+                elif isinstance(ev, Step):
+                    update.status = f"step {ev.i}/{ev.n}"
+                    if ev.preview is not None:
+                        preview = update.preview = preview_image(ev.preview)
+                elif isinstance(ev, Image):
+                    image = ev
+                    image_path = update.image = save_png(out_dir, req.request_id, ev)
+                    update.status = "Decoded"
+                elif isinstance(ev, Done):
+                    if update.changed:
+                        yield update
+                    yield Update(final=True, status=f"Done in {ev.timings.total_s:.1f} s", preview=preview,
+                                 image=image_path, cot=cot.text, timings=timings_text(ev, image))
+                    return
+                elif isinstance(ev, Error):
+                    if update.changed:
+                        yield update
+                    if ev.kind == "cancelled":
+                        yield Update(final=True, status="Stopped.", preview=preview, cot=cot.text)
+                        return
+                    raise EngineFailure(ev.message)
+            if update.changed:
+                yield update
+    finally:
+        if not sub.ended:           # Stop, a closed tab or an error in the UI: free the engine
+            try:
+                client.cancel(req.request_id)
+            except Exception as e:  # noqa: BLE001 - the UI must survive an engine that is gone
+                print(f"studio: cancel failed: {e}", file=sys.stderr)
