@@ -94,15 +94,14 @@ def main(argv: list[str] | None = None) -> int:
                   stretch=getattr(args, "stretch", False))
     out = Path(args.out) if args.cmd == "generate" else None
     if plan.world > 1:
-        from .workers import WorkerOptions, Workers
-        try:
-            workers = Workers(WorkerOptions(args.model, plan.name, plan.sp_kind, args.device, args.dtype,
-                                            cfg_serial=args.cfg_serial))
-        except (RuntimeError, TimeoutError) as e:
-            print(f"error: the engine did not start: {e}", file=sys.stderr)
-            return 2
-        with workers:
-            return _print_events(workers.run(req), out)
+        from .server import EngineServer
+        server = EngineServer(args.model, args.device, args.dtype, plan=plan.name, sp_kind=plan.sp_kind,
+                              verbose=True, pipeline_options={"cfg_serial": args.cfg_serial})
+        with server:
+            if not server.wait_ready():
+                print(f"error: the engine did not start: {server.health()['last_error']}", file=sys.stderr)
+                return 2
+            return _print_events(server.stream(req), out)
 
     from .loader import load, parse_dtype, print_progress
     from .pipeline import Pipeline

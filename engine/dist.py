@@ -111,6 +111,19 @@ class Runtime:
         return cls(plan, rank, device, world, ar, denoise, rep_comm)
 
 
+def rank_device(device: str | torch.device, rank: int, world: int) -> torch.device:
+    """A GPU per rank; when there are fewer GPUs than ranks (tests), every rank shares GPU 0."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return d
+    return torch.device("cuda", rank if torch.cuda.device_count() >= world else 0)
+
+
+def resident_pointers(model: torch.nn.Module) -> dict[str, int]:
+    """Where every resident weight lives; a phase switch must leave this unchanged."""
+    return {n: p.data_ptr() for n, p in model.named_parameters()}
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

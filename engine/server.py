@@ -188,18 +188,18 @@ def _wake(fut: asyncio.Future) -> None:
 def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str | None,
                 requests: Connection | None, events: Connection | None, cancel_seq: Any,
                 preview_every: int = 1, verbose: bool = False, plan: str | None = None,
-                init_method: str = "") -> None:
+                init_method: str = "", sp_kind: str | None = None, pipeline_options: dict | None = None) -> None:
     """Entry point of one engine worker process (rank `rank` of `world_size`). Rank 0 owns the pipes and
     reports; the other ranks follow it through a gloo control group. Load failures are reported by rank 0
-    as ("failed", text); a follower that fails prints why and exits, which the server sees."""
+    as ("failed", text); a follower that fails prints why and exits, which the server sees. After each
+    request rank 0 reports every rank's `rank_stats` (weights read, resident pointers unchanged, memory)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C belongs to the UI process, which closes us
     import torch
     import torch.distributed as dist
-    from .dist import Runtime, set_threads_for_world, shutdown
+    from .dist import Runtime, rank_device, resident_pointers, set_threads_for_world, shutdown
     from .events import Error as ErrorEvent
     from .loader import load, parse_dtype, print_progress
     from .pipeline import Pipeline
-    from .workers import rank_device
 
     def send(msg: tuple) -> None:
         if events is not None:
@@ -212,7 +212,7 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
 
     control = None
     try:
-        p = get_plan(plan, world_size)
+        p = get_plan(plan, world_size, sp_kind)
         set_threads_for_world(p.world)
         dev = rank_device(device, rank, p.world)
         if dev.type == "cuda":
@@ -222,7 +222,14 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
             control = dist.new_group(list(range(p.world)), backend="gloo")
         lm = load(model, dev, parse_dtype(dtype, dev), rt.layout, progress=progress if rank == 0 else None)
         p.check_model(lm.cfg)
-        pipeline = Pipeline(lm, rt, preview_every=preview_every)
+        pointers = resident_pointers(lm.model)
+        moved: list[str] = []          # phases at whose start a resident weight had moved (never, by design)
+
+        def check(phase: str) -> None:
+            if resident_pointers(lm.model) != pointers:
+                moved.append(phase)
+
+        pipeline = Pipeline(lm, rt, preview_every=preview_every, on_phase=check, **(pipeline_options or {}))
         if control is not None:
             dist.barrier(group=control)              # "ready" means every rank holds its shard
     except Exception as e:  # noqa: BLE001 - any load failure is reported, the server decides
@@ -233,8 +240,20 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
         sys.exit(1)
     if verbose and rank == 0:
         print(f"\nengine: model loaded in {lm.load_s:.1f} s on {dev} (plan {p.name})", file=sys.stderr, flush=True)
+    def rank_stats() -> list[dict]:
+        mine = {"rank": rank, "bytes_read": lm.bytes_read,
+                "pointers_unchanged": not moved and resident_pointers(lm.model) == pointers,
+                "resident_bytes": sum(t.numel() * t.element_size() for t in lm.model.parameters()),
+                "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0}
+        everyone: list[Any] = [mine]
+        if control is not None:
+            everyone = [None] * p.world
+            dist.all_gather_object(everyone, mine, group=control)
+        return everyone
+
+    stats = rank_stats()
     send(("ready", {"load_s": round(lm.load_s, 2), "device": str(dev), "dtype": str(lm.model.dtype),
-                    "plan": p.name}))
+                    "plan": p.name, "ranks": stats}))
 
     def receive() -> Any:
         msg: list[Any] = [None]
@@ -256,6 +275,7 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
             return
         except Exception as e:  # noqa: BLE001 - the pipeline never raises; this guards the transport
             send(("event", seq, ErrorEvent("engine", f"{type(e).__name__}: {e}")))
+        send(("stats", rank_stats()))
         send(("end", seq))
     shutdown()
 
@@ -284,14 +304,17 @@ class EngineServer:
 
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | None = None,
                  world_size: int | None = None, plan: str | None = None, preview_every: int = 1,
-                 verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S):
+                 verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S, sp_kind: str | None = None,
+                 pipeline_options: dict | None = None):
         """`plan`: a preset of engine.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
         be split by, or a folder that is not a checkpoint, is refused here, before anything is spawned
-        (PlanError / ConfigError, both ValueErrors)."""
+        (PlanError / ConfigError, both ValueErrors). `sp_kind` picks the SP attention (ulysses or
+        kv_gather); `pipeline_options` go to every rank's Pipeline (kv_handoff, cfg_serial)."""
         self.info = ModelInfo.from_folder(model)
-        self.parallel: ParallelPlan = get_plan(plan, world_size)
+        self.parallel: ParallelPlan = get_plan(plan, world_size, sp_kind)
+        self.pipeline_options = dict(pipeline_options or {})
         self.parallel.check_model(self.info.cfg)
         self.model = str(Path(model).resolve())
         self.device, self.dtype = device, dtype
@@ -389,6 +412,7 @@ class EngineServer:
                 "restarts": self._restarts,
                 "load_s": self._worker_info.get("load_s"),
                 "worker_pids": [p.pid for p in self._procs],
+                "ranks": self._worker_info.get("ranks", []),
             }
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -449,7 +473,8 @@ class EngineServer:
                 target=worker_main, name=f"engine-worker-{rank}", daemon=True,
                 args=(rank, self.world_size, self.model, self.device, self.dtype,
                       req_r if lead else None, ev_w if lead else None, self._cancel_seq,
-                      self.preview_every, self.verbose, self.plan, init_method))
+                      self.preview_every, self.verbose, self.plan, init_method, self.parallel.sp_kind,
+                      self.pipeline_options))
             p.start()
             procs.append(p)
         req_r.close()      # the children hold their ends; ours must close so a dead worker reads as EOF
@@ -548,6 +573,8 @@ class EngineServer:
                 self._jobs.pop(job.sub.request_id, None)
                 job.sub._push(Error("engine", "the engine ended the request without a result"))  # no-op if ended
                 self._state = "ready"
+        elif kind == "stats":
+            self._worker_info["ranks"] = msg[1]
         elif kind == "loading":
             _, done, total, what = msg
             self._loading = f"{done}/{total} {what}"

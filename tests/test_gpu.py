@@ -14,7 +14,7 @@ from engine.moe import MoE
 from engine.parallel import PhaseView
 from engine.pipeline import Pipeline
 from engine.request import Request
-from engine.workers import WorkerOptions, Workers
+from engine.server import EngineServer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -64,10 +64,10 @@ def test_grouped_moe_bf16_matches_fp32():
 
 @pytest.mark.parametrize("plan,sp", [("hybrid4", "ulysses"), ("tp2cfg2", None), ("tp2sp2", "kv_gather")])
 def test_plans_on_cuda_equal_world1(tiny_dir, cuda_fp32, plan, sp):
-    with Workers(WorkerOptions(str(tiny_dir), plan=plan, sp_kind=sp, device="cuda", dtype="float32",
-                               preview_every=0)) as w:
-        res = outcome(list(w.run(Request(**REQ))))
-        stats = w.stats()
+    with EngineServer(tiny_dir, device="cuda", dtype="float32", plan=plan, sp_kind=sp, preview_every=0) as server:
+        assert server.wait_ready(300), server.health()
+        res = outcome(list(server.stream(Request(**REQ))))
+        stats = server.health()["ranks"]
     assert res[0] == cuda_fp32[0]
     assert psnr(res[1], cuda_fp32[1]) >= 40
     for s in stats:

@@ -144,7 +144,6 @@ def test_kv_handoff_equals_recompute(tiny):
 ])
 def test_bad_input_is_refused_before_compute(tiny, kw, msg):
     calls = []
-    orig = tiny.model.backbone
     tiny.model.backbone = lambda *a, **k: calls.append(1)
     try:
         ev = run(Pipeline(tiny), **kw)

@@ -3,7 +3,6 @@ with resident weights that never move and per-rank reads of the storage shard on
 from __future__ import annotations
 
 import io
-import json
 import re
 
 import numpy as np
@@ -16,7 +15,7 @@ from engine.events import Error, Image, Text
 from engine.pipeline import Pipeline
 from engine.plan import PRESETS, ParallelPlan, PlanError, get_plan
 from engine.request import Request
-from engine.workers import WorkerOptions, Workers
+from engine.server import EngineServer
 
 
 def test_hybrid4_rank_maps():
@@ -105,9 +104,11 @@ def _expected_bytes(folder, storage_tp):
 @pytest.mark.parametrize("plan,sp", [("tp2", None), ("hybrid4", "ulysses"), ("hybrid4", "kv_gather"), ("tp4", None),
                                      ("tp2sp2", "ulysses"), ("tp2sp2", "kv_gather"), ("tp2cfg2", None)])
 def test_plan_equals_world1(tiny_dir, world1, plan, sp):
-    with Workers(WorkerOptions(str(tiny_dir), plan=plan, sp_kind=sp, preview_every=0)) as w:
-        results = [_outcome(list(w.run(Request(**kw)))) for kw in REQUESTS]
-        stats = w.stats()
+    with EngineServer(tiny_dir, plan=plan, sp_kind=sp, preview_every=0) as server:
+        assert server.wait_ready(300), server.health()
+        results = [_outcome(list(server.stream(Request(**kw)))) for kw in REQUESTS]
+        stats = server.health()["ranks"]
+    assert len(stats) == get_plan(plan).world
     for (t0, img0, tm0), (t1, img1, tm1) in zip(world1, results):
         assert t1 == t0                                   # the same greedy CoT tokens
         mse = ((img0 - img1) ** 2).mean()
