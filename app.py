@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--share", action="store_true", help="also open a temporary public *.gradio.live link")
     ap.add_argument("--auth", default=os.environ.get("STUDIO_AUTH"),
                     help="user:password required to open the page and use the API (default $STUDIO_AUTH)")
+    ap.add_argument("--sp-attn", choices=["ulysses", "kv_gather"], default=None,
+                    help="sequence-parallel attention of the denoise phase (default ulysses)")
     ap.add_argument("--max-queue", type=int, default=8, help="requests that may wait in the queue (default 8)")
     args = ap.parse_args(argv)
     try:
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         model, notice = default_model()
     device = default_device() if args.device == "auto" else args.device
     try:
-        server = EngineServer(model, device=device, dtype=args.dtype, world_size=args.gpus, plan=args.plan,
+        server = EngineServer(model, device=device, dtype=args.dtype, world_size=args.gpus, plan=args.plan, sp_kind=args.sp_attn,
                               verbose=True)
     except (ConfigError, ValueError, OSError) as e:      # a wrong folder, an unknown plan or one that does not fit
         print(f"error: {e}", file=sys.stderr)
