@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.attention import KVCache                      # noqa: E402
 from engine.config import ModelConfig                     # noqa: E402
+from engine.decode_step import DecodeStep                 # noqa: E402
 from engine.denoise import tail_embeddings, velocity     # noqa: E402
 from engine.model import HunyuanImage3                    # noqa: E402
 from engine.parallel import Comm, PhaseView               # noqa: E402
@@ -80,17 +81,12 @@ def main() -> None:
         for _ in range(2):   # warm-up (first call allocates)
             h, prefill_ms = timed(lambda: model.backbone(model.transformer.embed(ids), torch.arange(L, device=dev),
                                                          pos, blocks, cache, L, ar))
-        tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        times = []
-        for s in range(args.decode):
-            def step():
-                h = model.backbone(model.transformer.embed(tok), torch.tensor([L + s], device=dev), pos, blocks,
-                                   cache, L + s + 1, ar, masked=False)
-                return model.transformer.logits(h[:, -1], ar).argmax()
-            _, ms = timed(step)
-            times.append(ms)
-        dec = sorted(times[4:])[len(times[4:]) // 2]
-        print(f"AR (TP{plan.ar_tp} micro view): prefill {L} tokens {prefill_ms:.1f} ms; decode median {dec:.2f} ms/token")
+        for graph in (False, True):
+            step = DecodeStep(model, pos, blocks, cache, ar, use_graph=graph)
+            times = [timed(lambda s=s: step(0, L + s).argmax())[1] for s in range(args.decode)]
+            dec = sorted(times[4:])[len(times[4:]) // 2]
+            print(f"AR (TP{plan.ar_tp} micro view): prefill {L} tokens {prefill_ms:.1f} ms; decode "
+                  f"{'CUDA graph' if graph else 'eager'} median {dec:.2f} ms/token")
         del cache
         # ---------------------------------------------------------------- denoise
         hw = (args.image // 16) ** 2

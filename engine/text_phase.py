@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 import torch
 
 from .attention import KVCache
+from .decode_step import DecodeStep
 from .events import Text
 from .model import HunyuanImage3
 from .parallel import PhaseView
@@ -100,12 +101,14 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
                   blocks: torch.Tensor, cache: KVCache, plan: StagePlan, params: SamplingParams,
                   generator: torch.Generator | None, max_new_tokens: int, view: PhaseView,
                   cancelled: Callable[[], bool] = lambda: False,
-                  agree: Callable[[int, bool], tuple[int, bool]] = lambda t, c: (t, c)) -> Iterator[Text | TextResult]:
+                  agree: Callable[[int, bool], tuple[int, bool]] = lambda t, c: (t, c),
+                  use_graph: bool | None = None) -> Iterator[Text | TextResult]:
     """Yields Text events as tokens are produced, then the TextResult.
 
     prompt_embeds [1, L, H] are the embedded prompt (images already instantiated); pos/blocks describe
     the prompt plus room for max_new_tokens generated tokens; `cache` holds at least that many slots.
     `agree(token, cancel)` makes every rank continue with rank 0's token and cancel decision.
+    Single-token steps go through `DecodeStep` (a CUDA graph on GPUs unless `use_graph` is False).
     """
     dev = prompt_embeds.device
     L = prompt_embeds.shape[1]
@@ -117,6 +120,7 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
     tracker = SectionTracker(tok, {"think": "think", "recaption": "recaption"}.get(plan.first_task, "answer"))
     allowed_ratio = torch.tensor(tok.special.ratio, device=dev)
     done_transitions: set[int] = set()
+    step = DecodeStep(model, pos, blocks, cache, view, use_graph)
 
     t0 = time.perf_counter()
     h = model.backbone(prompt_embeds, torch.arange(L, device=dev), pos, blocks, cache, L, view)
@@ -148,11 +152,13 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
             break
         if len(res.tokens) >= max_new_tokens:
             break
-        ids = torch.tensor([new], device=dev)
-        index = torch.arange(fed, fed + len(new), device=dev)
-        h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(new), view,
-                           masked=len(new) > 1)
-        logits = model.transformer.logits(h[:, -1], view)[0]
+        if len(new) == 1:
+            logits = step(token, fed)
+        else:  # a token and the tokens it forces: one causal forward
+            ids = torch.tensor([new], device=dev)
+            index = torch.arange(fed, fed + len(new), device=dev)
+            h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(new), view)
+            logits = model.transformer.logits(h[:, -1], view)[0]
         fed += len(new)
     if plan.ratio_trigger is not None and res.ratio_token is None and not res.cancelled:
         # The budget ran out before the model chose a size: close with the forced ratio stage

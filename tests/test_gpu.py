@@ -74,3 +74,26 @@ def test_plans_on_cuda_equal_world1(tiny_dir, cuda_fp32, plan, sp):
         assert s["pointers_unchanged"]
         print(f"{plan} rank {s['rank']}: peak GPU memory {s['peak_gpu_bytes'] / 2**20:.1f} MiB, "
               f"resident {s['resident_bytes'] / 2**20:.1f} MiB")
+
+
+def test_cuda_graph_decode_equals_eager(tiny_dir):
+    from engine.attention import KVCache
+    from engine.sampling import SamplingParams
+    from engine.sequence import text_phase_sequence
+    from engine.text_phase import StagePlan, TextResult, generate_text
+    lm = load(tiny_dir, "cuda", torch.float32)
+    seq = text_phase_sequence(lm.tok, "", "a red circle", [], "think", 256)
+    n = len(seq) + 40
+    T = seq.tensors("cuda", length=n)
+    out = []
+    for graph in (False, True):
+        c = lm.cfg
+        cache = KVCache.allocate(c.num_layers, 1, c.num_kv_heads, n, c.head_dim, torch.float32, "cuda")
+        emb = lm.model.transformer.embed(T["ids"][None])
+        plan = StagePlan.for_task("think", False, lm.tok.special)
+        with torch.no_grad():
+            res = list(generate_text(lm.model, lm.tok, emb, T["pos"], T["blocks"], cache, plan,
+                                     SamplingParams(greedy=True), None, 32, PhaseView(), use_graph=graph))[-1]
+        assert isinstance(res, TextResult)
+        out.append(res.tokens)
+    assert out[0] == out[1] and len(out[0]) > 4

@@ -65,6 +65,8 @@ class ScriptedModel:
     """Stands in for the model: call k returns logits script[k] ({token: logit}, others 0) — a scripted
     logits source for the stage machine."""
 
+    device = torch.device("cpu")
+
     def __init__(self, script, vocab):
         self.script, self.vocab, self.calls = list(script), vocab, 0
         self.fed: list[int] = []
@@ -165,3 +167,24 @@ def test_mask_is_causal_plus_full_blocks():
             assert m[i, j].item() == (j <= i or bool(same)), (i, j)
     # queries that are a tail of the sequence see the same rows
     assert torch.equal(attention_mask(torch.arange(4, 9), blocks, 9), m[4:])
+
+
+def test_static_decode_step_equals_sliced(tiny):
+    """The CUDA-graph step attends to the whole cache under a mask; on any device that must equal the
+    eager step that attends to the cache up to the token."""
+    from engine.decode_step import DecodeStep
+    model, tok = tiny.model, tiny.tok
+    seq = text_phase_sequence(tok, "", "a small green triangle", [], "think", 256)
+    L = len(seq)
+    T = seq.tensors(length=L + 16)
+    cache = _cache(tiny, L + 16)
+    view = PhaseView()
+    with torch.no_grad():
+        model.backbone(model.transformer.embed(T["ids"][None]), torch.arange(L), T["pos"], T["blocks"], cache, L, view)
+        step = DecodeStep(model, T["pos"], T["blocks"], cache, view, use_graph=False)
+        for s, t in enumerate(tok.encode(" red circle")):
+            step.token.fill_(t)
+            step.index.fill_(L + s)
+            full = step._forward(cache.max_len, masked=True)
+            sliced = step(t, L + s)
+            assert (full - sliced).abs().max().item() <= 1e-5

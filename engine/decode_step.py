@@ -1,0 +1,72 @@
+"""One decode step of the AR phase: a token at a sequence index -> next-token logits.
+
+Eager, it attends to the cache up to the token. On CUDA the step is captured once per request as a
+CUDA graph over static buffers (token, index) that attends to the whole cache under a mask, so a
+token costs one graph replay instead of thousands of kernel launches from Python. Collectives stay
+inside the graph when every group is NCCL (or of size one); otherwise the step runs eagerly.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .attention import KVCache
+from .model import HunyuanImage3
+from .parallel import PhaseView
+
+
+def _graphable(view: PhaseView, device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    return all(getattr(c, "stage", False) is False for c in (view.tp, view.sp))
+
+
+class DecodeStep:
+    def __init__(self, model: HunyuanImage3, pos: torch.Tensor, blocks: torch.Tensor, cache: KVCache,
+                 view: PhaseView, use_graph: bool | None = None):
+        self.model, self.pos, self.blocks, self.cache, self.view = model, pos, blocks, cache, view
+        dev = model.device
+        self.use_graph = _graphable(view, dev) if use_graph is None else use_graph
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.index = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def _forward(self, kv_len: int, masked: bool) -> torch.Tensor:
+        m = self.model
+        h = m.backbone(m.transformer.embed(self.token), self.index, self.pos, self.blocks, self.cache, kv_len,
+                       self.view, masked=masked)
+        return m.transformer.logits(h[:, -1], self.view)[0]
+
+    def __call__(self, token: int, index: int) -> torch.Tensor:
+        self.token.fill_(token)
+        self.index.fill_(index)
+        if not self.use_graph:
+            return self._forward(index + 1, masked=False)
+        if self.graph is None:
+            self._capture()
+        else:
+            self.graph.replay()
+        return self.logits
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (this also computes the current step for real, writing the same
+        K/V slot the replay writes), then capture; on any failure fall back to eager steps."""
+        full = self.cache.max_len
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.logits = self._forward(full, masked=True)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = self._forward(full, masked=True)
+            self.graph = graph
+        except Exception as e:  # capture is an optimisation: never fail a request over it
+            print(f"engine: CUDA-graph decode unavailable ({type(e).__name__}: {e}); decoding eagerly",
+                  file=sys.stderr)
+            self.use_graph, self.graph = False, None
+            self.logits = self._forward(int(self.index.item()) + 1, masked=False)
