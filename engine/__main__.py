@@ -28,6 +28,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=None, help="number of ranks (default: the plan's, else 1)")
     p.add_argument("--sp-attn", choices=["ulysses", "kv_gather"], help="sequence-parallel attention kind")
     p.add_argument("--cfg-serial", action="store_true", help="run the CFG branches one after the other")
+    p.add_argument("--cuda-graph", action="store_true", help="AR decode steps as CUDA-graph replays (GPU)")
 
 
 def _print_events(events, out_path: Path | None = None) -> int:
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     if plan.world > 1:
         from .server import EngineServer
         server = EngineServer(args.model, args.device, args.dtype, plan=plan.name, sp_kind=plan.sp_kind,
-                              verbose=True, pipeline_options={"cfg_serial": args.cfg_serial})
+                              verbose=True, pipeline_options={"cfg_serial": args.cfg_serial,
+                                                "cuda_graph": args.cuda_graph})
         with server:
             if not server.wait_ready():
                 print(f"error: the engine did not start: {server.health()['last_error']}", file=sys.stderr)
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: cannot load {args.model}: {e}", file=sys.stderr)
         return 2
-    return _print_events(Pipeline(lm, cfg_serial=args.cfg_serial).run(req), out)
+    return _print_events(Pipeline(lm, cfg_serial=args.cfg_serial, cuda_graph=args.cuda_graph).run(req), out)
 
 if __name__ == "__main__":
     sys.exit(main())

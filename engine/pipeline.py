@@ -69,8 +69,10 @@ class Agreement:
 class Pipeline:
     def __init__(self, lm: LoadedModel, runtime: Runtime | None = None, preview_every: int = 1,
                  preview_tokens: int | None = None, kv_handoff: bool = True,
-                 on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False):
+                 on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False,
+                 cuda_graph: bool = False):
         self.lm = lm
+        self.cuda_graph = cuda_graph        # AR decode steps as CUDA-graph replays (GPU, opt-in)
         self.cfg_serial = cfg_serial        # CFG branches one after the other instead of batched
         self.on_phase = on_phase            # called with "ar" / "denoise" as a phase starts (tests, tracing)
         self.rt = runtime or Runtime.single(lm.model.device)
@@ -171,7 +173,7 @@ class Pipeline:
             emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
             for ev in generate_text(model, tok, emb, T["pos"], T["blocks"], cache.rows(slice(0, 1)).heads(ar_heads),
                                     plan, SamplingParams(**self._sampling_kw(p)), text_gen, max_new, rt.ar,
-                                    cancelled, agree):
+                                    cancelled, agree, use_graph=self.cuda_graph):
                 if isinstance(ev, TextResult):
                     text_res = ev
                 else:

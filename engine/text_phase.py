@@ -102,13 +102,13 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
                   generator: torch.Generator | None, max_new_tokens: int, view: PhaseView,
                   cancelled: Callable[[], bool] = lambda: False,
                   agree: Callable[[int, bool], tuple[int, bool]] = lambda t, c: (t, c),
-                  use_graph: bool | None = None) -> Iterator[Text | TextResult]:
+                  use_graph: bool = False) -> Iterator[Text | TextResult]:
     """Yields Text events as tokens are produced, then the TextResult.
 
     prompt_embeds [1, L, H] are the embedded prompt (images already instantiated); pos/blocks describe
     the prompt plus room for max_new_tokens generated tokens; `cache` holds at least that many slots.
     `agree(token, cancel)` makes every rank continue with rank 0's token and cancel decision.
-    Single-token steps go through `DecodeStep` (a CUDA graph on GPUs unless `use_graph` is False).
+    Single-token steps go through `DecodeStep` (a CUDA graph on GPUs with `use_graph`).
     """
     dev = prompt_embeds.device
     L = prompt_embeds.shape[1]
