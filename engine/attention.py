@@ -39,6 +39,15 @@ class KVCache:
         """A view of some batch rows (shares storage: the AR phase writes row 0 of the denoise cache)."""
         return KVCache([t[batch] for t in self.k], [t[batch] for t in self.v])
 
+    def grown(self, max_len: int, keep: int) -> "KVCache":
+        """A longer cache holding this one's first `keep` positions."""
+        out = KVCache.allocate(len(self.k), self.k[0].shape[0], self.k[0].shape[1], max_len, self.k[0].shape[3],
+                               self.k[0].dtype, self.k[0].device)
+        for src, dst in ((self.k, out.k), (self.v, out.v)):
+            for a, b in zip(src, dst):
+                b[:, :, :keep] = a[:, :, :keep]
+        return out
+
     def heads(self, heads: slice) -> "KVCache":
         """A view of some KV heads (the AR micro's heads and the denoise heads of one allocation)."""
         return KVCache([t[:, heads] for t in self.k], [t[:, heads] for t in self.v])

@@ -169,7 +169,7 @@ class Pipeline:
         if run_ar:
             self.on_phase("ar")
             max_new = min(p.max_new_tokens, budget - len(ar_seq) - self.max_image_tokens - 16)
-            T = ar_seq.tensors(dev, length=budget)
+            T = ar_seq.tensors(dev, length=cache.max_len)     # positions for every cache slot
             emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
             for ev in generate_text(model, tok, emb, T["pos"], T["blocks"], cache.rows(slice(0, 1)).heads(ar_heads),
                                     plan, SamplingParams(**self._sampling_kw(p)), text_gen, max_new, rt.ar,
@@ -208,11 +208,16 @@ class Pipeline:
         h, w = bucket.height // f[0], bucket.width // f[1]
         seq = image_phase_sequence(tok, system, p.req.prompt, layouts, cot_text, h, w, bucket.index,
                                    cfg.cfg_distilled, cfg.cond_token_attn_type)
-        if seq.gen_image.stop > budget:
-            raise RequestError(f"the image sequence ({len(seq)} tokens) exceeds the model's budget")
         prefix = 0
         if run_ar and self.kv_handoff:
             prefix = min(common_prefix(seq.ids, ar_seq.ids + text_res.tokens), text_res.fed)
+        if seq.gen_image.stop > budget:
+            # Re-tokenizing the decoded CoT can take more ids than were sampled (e.g. bytes that are not
+            # valid UTF-8 come back as U+FFFD): grow the cache, keeping the cond prefix the AR phase wrote.
+            budget = seq.gen_image.stop
+            scratch = budget
+            cache = cache.grown(budget + 1, keep=prefix)
+        if prefix:
             self._gather_sibling_heads(cache, ar_heads, dn_heads, prefix)
         timings.kv_reused_tokens = prefix
         ids = torch.tensor(seq.ids, device=dev)[None]

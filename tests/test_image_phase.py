@@ -167,3 +167,15 @@ def test_serial_cfg_equals_batched(tiny):
     a = np.asarray(image_of(run(Pipeline(tiny, preview_every=0), **kw)), dtype=np.float32)
     b = np.asarray(image_of(run(Pipeline(tiny, preview_every=0, cfg_serial=True), **kw)), dtype=np.float32)
     assert np.abs(a - b).max() <= 1.0
+
+
+def test_cache_grows_when_the_image_stage_needs_more_room(tiny):
+    """If the image-stage sequence outgrows the cache allocated before the AR phase (re-tokenized CoT
+    longer than the sampled ids), the cache grows and keeps the AR prefix: same image as with room."""
+    kw = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=3, greedy=True)
+    roomy = Pipeline(tiny, preview_every=0)
+    tight = Pipeline(tiny, preview_every=0)
+    tight.max_image_tokens = 1          # the budget then cannot hold the generated image
+    a, b = run(roomy, **kw), run(tight, **kw)
+    assert b[-1].timings.kv_reused_tokens == a[-1].timings.kv_reused_tokens > 0
+    assert np.abs(np.asarray(image_of(a), dtype=np.float32) - np.asarray(image_of(b), dtype=np.float32)).max() <= 1.0
