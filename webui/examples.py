@@ -15,11 +15,29 @@ T2I_PROMPTS = [
     "A bowl of ramen on a wooden table, steam rising, shallow depth of field, food photography",
 ]
 
-# (file name, drawing, edit prompt)
-_REFERENCES = [
-    ("red-circle.png", "circle", "Make the circle blue and put it on a beach at sunset"),
-    ("green-square.png", "square", "Turn the square into a wooden crate in a sunny garden"),
+# The embedded model (image base size 256) knows simple shape scenes: its examples stay in its world.
+SHAPE_PROMPTS = [
+    "a red circle on the left on a white background",
+    "two blue squares on a gray background",
+    "a big yellow star in the center",
+    "three small green triangles at the top",
 ]
+
+# (file name, drawing, edit prompt for a full-size model, edit prompt for the embedded model)
+_REFERENCES = [
+    ("red-circle.png", "circle", "Make the circle blue and put it on a beach at sunset", "make the circle blue"),
+    ("green-square.png", "square", "Turn the square into a wooden crate in a sunny garden",
+     "move the square to the right"),
+]
+
+
+def is_small(buckets) -> bool:
+    """A model whose largest bucket is at most 512 px is one of the small shape models (the embedded one)."""
+    return max(max(b.height, b.width) for b in buckets) <= 512
+
+
+def t2i_prompts(buckets) -> list[str]:
+    return SHAPE_PROMPTS if is_small(buckets) else T2I_PROMPTS
 
 
 def _draw(kind: str, size: int = 384) -> Image.Image:
@@ -33,11 +51,12 @@ def _draw(kind: str, size: int = 384) -> Image.Image:
     return img
 
 
-def reference_examples(folder: Path) -> list[tuple[Path, str]]:
+def reference_examples(folder: Path, small: bool = False) -> list[tuple[Path, str]]:
     """(image path, edit prompt) pairs, drawing any image that is not on disk yet."""
     folder.mkdir(parents=True, exist_ok=True)
     out = []
-    for name, kind, prompt in _REFERENCES:
+    for name, kind, full_prompt, small_prompt in _REFERENCES:
+        prompt = small_prompt if small else full_prompt
         path = folder / name
         if not path.exists():
             tmp = path.with_suffix(".tmp.png")

@@ -21,7 +21,7 @@ import gradio as gr
 from engine.request import RequestError
 from engine.server import ModelInfo
 
-from .examples import T2I_PROMPTS, reference_examples
+from .examples import is_small, reference_examples, t2i_prompts
 from .options import (AUTO_SIZE, GUIDANCE_MAX, MAX_NEW_TOKENS_MAX, REASONING_MODES, SEED_MAX, STEPS_MAX,
                       Settings, build_request, default_mode, field_of, preset_choices, size_choices)
 from .runner import EngineClient, EngineFailure, Update, run
@@ -153,7 +153,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
                         with gr.Row():
                             t2i_run = gr.Button("Generate", variant="primary", elem_id="run")
                             t2i_stop = gr.Button("Stop", variant="stop", elem_id="stop")
-                        gr.Examples([[p] for p in T2I_PROMPTS], inputs=[t2i_prompt], label="Example prompts")
+                        gr.Examples([[p] for p in t2i_prompts(info.buckets)], inputs=[t2i_prompt], label="Example prompts")
                     with gr.Tab("Edit with reference images", id="ti2i"):
                         refs = gr.Gallery(label="Reference images (1 to 3)", type="filepath", interactive=True,
                                           file_types=["image"], columns=3, height=220, elem_id="refs")
@@ -162,7 +162,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
                         with gr.Row():
                             ti2i_run = gr.Button("Generate", variant="primary", elem_id="ti2i-run")
                             ti2i_stop = gr.Button("Stop", variant="stop", elem_id="ti2i-stop")
-                        gr.Examples([[[str(p)], prompt] for p, prompt in reference_examples(ex_dir)],
+                        gr.Examples([[[str(p)], prompt] for p, prompt in reference_examples(ex_dir, is_small(info.buckets))],
                                     inputs=[refs, ti2i_prompt], label="Example edits")
                 mode = gr.Radio(REASONING_MODES, value=default_mode(gen), label="Reasoning",
                                 info="Think: the model reasons before drawing. Recaption: it also rewrites "

@@ -1,0 +1,169 @@
+"""CPU tests of the embedded model's training code: the procedural dataset (determinism, held-out
+split, CoT format), the tokenizer, the detector on clean renders, training sequences equal to the
+inference sequences, and a toy-scale train step that lowers the loss and writes a folder the engine
+loads and runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.events import Image, Ratio
+from engine.loader import load
+from engine.model import HunyuanImage3
+from engine.config import ModelConfig
+from engine.pipeline import Pipeline
+from engine.request import Request
+from engine.sequence import text_phase_sequence
+from engine.tokenizer import OFFICIAL_SPECIAL_TOKENS
+from train.dataset import FORMATS, GROUP_TASKS, is_heldout, make_sample, system_text
+from train.detect import detect
+from train.evaluate import check_edit, check_t2i, parse_recaption, well_formed
+from train.tokenizer import build_tokenizer, padded_vocab, save_and_load
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    hf = build_tokenizer(n_texts=800)
+    return hf, save_and_load(hf, tmp_path_factory.mktemp("tok"))
+
+
+def test_dataset_is_deterministic_and_split_by_spec():
+    for group in (0, 1, 2, 3):
+        a, b = make_sample(7, "train", group=group), make_sample(7, "train", group=group)
+        assert (a.prompt, a.think, a.recaption, a.target, a.refs) == (b.prompt, b.think, b.recaption, b.target, b.refs)
+        assert a.refs == () if group == 0 else len(a.refs) == group
+        assert a.task in GROUP_TASKS[group]
+    assert make_sample(1, "train").prompt != make_sample(2, "train").prompt or \
+        make_sample(1, "train").target != make_sample(2, "train").target
+    train = [make_sample(i, "train") for i in range(150)]
+    test = [make_sample(i, "test") for i in range(60)]
+    assert not any(is_heldout(s.key) for s in train) and all(is_heldout(s.key) for s in test)
+    assert not {s.key for s in train} & {s.key for s in test}
+    assert {s.bot_task for s in test} == {"think_recaption"} and {s.system for s in test} == {"en_unified"}
+    assert {s.bot_task for s in train} == {"think_recaption", "recaption", "image"}
+
+
+def test_cot_format_and_recaption_describes_the_target(tokenizers):
+    _, tok = tokenizers
+    for i in range(80):
+        s = make_sample(i, "test", group=i % 4)
+        cot = s.cot_text()
+        assert cot.startswith("<think>") and "</think><recaption>" in cot and cot.endswith("</recaption>")
+        assert len(tok.encode(cot)) <= 64
+        parsed = parse_recaption(s.recaption)
+        assert parsed["format"] == s.target.fmt and parsed["background"] == s.target.background
+        assert sorted(parsed["objects"]) == sorted((o.color, o.shape, o.cell) for o in s.target.objects)
+        assert s.bucket.index == FORMATS[s.target.fmt]
+
+
+def test_tokenizer_has_every_official_special_token(tokenizers):
+    hf, tok = tokenizers
+    for name in OFFICIAL_SPECIAL_TOKENS:
+        assert tok.encode(name) == [tok.token_id(name)]
+    assert padded_vocab(hf) % 64 == 0 and padded_vocab(hf) >= tok.vocab_size
+    assert tok.decode(tok.encode("two small red stars on the left")) == "two small red stars on the left"
+
+
+def test_detector_reads_clean_renders_exactly():
+    n = 0
+    for i in range(40):
+        s = make_sample(i, "train", group=i % 4)
+        for scene in (s.target, *s.refs):
+            d = detect(scene.render())
+            assert d.background == scene.background
+            assert sorted((o.color, o.shape, o.cell) for o in d.objects) == \
+                sorted((o.color, o.shape, o.cell) for o in scene.objects), (scene, d.objects)
+            n += 1
+    assert n > 60
+    s = make_sample(3, "test", group=0)
+    assert all(all(v) for v in check_t2i(s.check, detect(s.target.render())).values())
+    for i in range(16):
+        e = make_sample(i, "test", group=1 + i % 3)
+        assert check_edit(e.task, e.check, detect(e.target.render())) == (True, True), e.task
+
+
+def test_training_sequence_is_the_inference_sequence(tokenizers):
+    from train.train import TrainSequence
+    _, tok = tokenizers
+    cfg = ModelConfig.from_dict(_small_cfg(tokenizers[0]))
+    sp = tok.special
+    for group in (0, 1, 3):
+        s = make_sample(5, "test", group=group)
+        ts = TrainSequence(tok, cfg, s)
+        # the AR prompt the pipeline builds, then the CoT ids it would generate, are the sequence's head
+        layouts = [c for c in _layouts(ts, s)]
+        ar = text_phase_sequence(tok, system_text(s.system), s.prompt, layouts, "think", cfg.image_base_size)
+        assert ts.ids[:len(ar)] == ar.ids and ts.targets[0] == len(ar)
+        gen = ts.ids[len(ar):ts.span.meta_start]
+        assert well_formed(gen, sp) and gen[-1] == sp.ratio[s.bucket.index]
+        assert ts.ids[ts.span.meta_start:ts.span.start] == [sp.timestep, sp.guidance, sp.timestep_r]
+
+
+def _layouts(ts, s):
+    from engine.sequence import CondImageLayout
+    return [CondImageLayout((sc.bucket.height // 16, sc.bucket.width // 16), sc.bucket.index, v.spatial_shapes,
+                            v.pixel_values.shape[0]) for sc, v in zip(s.refs, ts.vit)]
+
+
+def _small_cfg(hf):
+    """The embedded model's config with test-sized dimensions (same structure)."""
+    from train.config import model_config
+    cfg = model_config(padded_vocab(hf))
+    L = 2
+    cfg |= {"hidden_size": 64, "num_hidden_layers": L, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "attention_head_dim": 16, "head_dim": 16, "moe_intermediate_size": [32] * L, "moe_topk": [2] * L,
+            "num_experts": 4, "num_shared_expert": [1] * L, "patch_embed_hidden_dim": 32,
+            "vit_aligner": dict(cfg["vit_aligner"], n_embed=64)}
+    cfg["vae"] = dict(cfg["vae"], block_out_channels=[32] * 5)
+    return cfg
+
+
+def test_toy_train_step_lowers_the_loss_and_writes_a_loadable_model(tokenizers, tmp_path):
+    from train.config import write_folder
+    from train.train import RouterAux, SeqBatches, export_tensors, init_weights, transformer_losses
+    hf, tok = tokenizers
+    torch.manual_seed(0)
+    cfg = _small_cfg(hf)
+    model = HunyuanImage3(ModelConfig.from_dict(cfg), dtype=torch.float32)
+    init_weights(model, 0)
+    model.vae.scaling_factor = 1.0
+    params = [p for n, p in model.named_parameters() if not n.startswith("vae.")]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    ds = SeqBatches(str(tmp_path / "tok.json"), cfg, 0, scale=0.03)
+    hf.save(str(tmp_path / "tok.json"))
+    batches = [ds[i] for i in range(6)]
+    assert {len(b["ref"]) > 0 for b in batches} == {True, False}        # T2I and TI2I batches
+    aux = RouterAux(model)
+
+    def loss_of(b):
+        L = transformer_losses(model, b, torch.device("cpu"), aux)
+        return L["ce"] + L["fm"] + 0.01 * L["aux"]
+
+    with torch.no_grad():
+        before = sum(float(loss_of(b)) for b in batches)
+    for _ in range(4):
+        for b in batches:
+            opt.zero_grad()
+            loss_of(b).backward()
+            opt.step()
+    with torch.no_grad():
+        after = sum(float(loss_of(b)) for b in batches)
+    print(f"toy loss {before:.3f} -> {after:.3f}")
+    assert after < 0.8 * before, (before, after)
+    for h in aux.handles:
+        h.remove()
+
+    folder = write_folder(tmp_path / "model", hf, cfg, export_tensors(model))
+    lm = load(folder)
+    ref = {n: p.detach() for n, p in model.named_parameters()}
+    for n, p in lm.model.named_parameters():
+        torch.testing.assert_close(p, ref[n].to(torch.bfloat16).to(p.dtype) if p.dtype != ref[n].dtype
+                                   else ref[n], atol=1e-2, rtol=1e-2)
+    s = make_sample(0, "test", group=1)
+    events = list(Pipeline(lm, preview_every=0).run(Request(prompt=s.prompt, images=[s.refs[0].render()], seed=1,
+                                                           steps=2, max_new_tokens=6)))
+    assert any(isinstance(e, Ratio) for e in events)
+    img = [e for e in events if isinstance(e, Image)]
+    assert img and (img[0].height, img[0].width) in {(b.height, b.width) for b in lm.buckets}

@@ -1,0 +1,37 @@
+"""The embedded model's tokenizer: a small byte-level BPE (HF `tokenizers`) trained on the dataset's
+text, with every official special token appended (so the engine resolves every name it needs)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+from engine.tokenizer import OFFICIAL_SPECIAL_TOKENS, Tokenizer
+
+from .dataset import BASE_SIZE, BUCKETS, corpus
+
+BPE_VOCAB = 640          # byte alphabet + merges; every dataset word ends up one or two tokens
+
+
+def build_tokenizer(vocab: int = BPE_VOCAB, n_texts: int = 6000, seed: int = 0) -> HFTokenizer:
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(n_texts, seed), trainer=trainer)
+    tok.add_special_tokens(list(OFFICIAL_SPECIAL_TOKENS))
+    return tok
+
+
+def padded_vocab(tok: HFTokenizer, multiple: int = 64) -> int:
+    """The embedding rows: the tokenizer's size rounded up (as the official 133120 pads 130108)."""
+    return -(-tok.get_vocab_size(with_added_tokens=True) // multiple) * multiple
+
+
+def save_and_load(tok: HFTokenizer, folder: str | Path) -> Tokenizer:
+    """Write tokenizer.json into `folder` and open it as the engine does."""
+    path = Path(folder) / "tokenizer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return Tokenizer(path, BASE_SIZE, len(BUCKETS))

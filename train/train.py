@@ -1,0 +1,716 @@
+"""Train the embedded default model and write it as an official-layout checkpoint folder.
+
+    python -m train.train --out DIR [--device cuda] [--minutes N] [--resume] ...
+
+Two phases, run through the engine's own modules (engine.model.HunyuanImage3 and its parts):
+
+1. VAE (`vae.*`): reconstruction (L1 + image-gradient L1) plus a small KL, on rendered scenes of
+   every training format. Then the latent scaling factor (1 / std of the posterior means) goes into
+   config.json's `vae.scaling_factor`, as the released model's 0.5627 does.
+2. Transformer, image heads, ViT and aligner (the VAE frozen), on both objectives at once:
+   - next-token loss on the CoT (`<think>` / `<recaption>` texts, their tags) and the ratio token;
+   - flow-matching loss on the image tokens (rectified flow, x_t = (1-s) x0 + s e, target
+     v = e - x0, t = 1000 s; half the samples at the exact shift-3 inference schedule points with
+     r = the next schedule point, half continuous), Distil inputs `<guidance>` / `<timestep_r>`;
+   - TI2I: 1-3 reference images as the official joint sections (VAE posterior sample through
+     `patch_embed` at t=0 + ViT / aligner features), in the same sequence.
+   Every training sequence is `engine.sequence.image_phase_sequence`, the exact sequence inference
+   builds (the text part is causal, so its logits are the AR phase's); text positions are
+   `text_phase_sequence`'s. Samples of a batch share their number of reference images.
+
+Time budgets (`--vae-minutes`, `--tf-minutes`) drive the learning-rate schedules, so the run adapts
+to the machine; `--minutes` bounds one call. State is the checkpoint folder itself (DIR/model, the
+official layout, loadable by engine.loader.load) plus DIR/train_state.json: `--resume` reloads both
+(Adam moments restart with a short warm-up), so what a call hands back is ~24 MB. Losses go to
+stdout and DIR/log.jsonl (with the data-loader wait and the experts' usage entropy).
+
+The full run on one H200 (defaults: VAE 2.5 min, transformer 8 min; ~4 steps/s at ~45k tokens a
+step, the data workers keep up), in two calls of at most 9 minutes:
+
+    python -m train.train --out runs/run --device cuda --minutes 8.6          # VAE + ~5.5 min of TF
+    python -m train.train --out runs/run --device cuda --resume --preview 8   # the remaining ~2.5 min
+
+then `python -m train.evaluate --model runs/run/model`. A toy check on CPU (a minute):
+
+    python -m train.train --out /tmp/toy --batch-scale 0.03 --workers 0 --max-vae-steps 3 --max-tf-steps 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from tokenizers import Tokenizer as HFTokenizer
+from torch.utils.data import DataLoader, Dataset
+
+import engine.moe
+from engine.attention import AttnBatch, KVCache
+from engine.config import ModelConfig
+from engine.denoise import flow_sigmas
+from engine.layers import rope_angles
+from engine.model import HunyuanImage3, vit_head_shapes
+from engine.parallel import PhaseView
+from engine.sequence import CondImageLayout, image_phase_sequence, text_phase_sequence
+from engine.tokenizer import Tokenizer
+from engine.vit import vit_preprocess
+
+from .config import INFER_STEPS, model_config, write_folder
+from .dataset import BUCKETS, FORMATS, make_sample, system_text
+from .tokenizer import build_tokenizer, padded_vocab
+
+VIEW = PhaseView()
+STEPS, SHIFT, GUIDANCE = INFER_STEPS, 3.0, 2.5   # the inference schedule the model is trained for
+GROUP_WEIGHTS = {0: 0.45, 1: 0.33, 2: 0.13, 3: 0.09}
+BATCH = {0: 128, 1: 64, 2: 40, 3: 32}       # sequences per batch by reference count (~45k tokens each)
+VAE_BATCH = 64
+
+
+# ----------------------------------------------------------------------------------------- data
+def _uint8(img: Image.Image) -> torch.Tensor:
+    return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(img.height, img.width, 3).permute(2, 0, 1)
+
+
+class TrainSequence:
+    """One sample as the trainer consumes it: ids, 2D positions, attention blocks, text targets,
+    the generated image's span and the reference images' spans and inputs."""
+
+    def __init__(self, tok: Tokenizer, cfg: ModelConfig, sample, ref_images=None):
+        factor = cfg.vae_downsample_factor[0]
+        refs = [sc.render() for sc in sample.refs] if ref_images is None else ref_images
+        self.vit = [vit_preprocess(img, cfg.vit_processor) for img in refs]
+        layouts = []
+        for sc, v in zip(sample.refs, self.vit):
+            b = sc.bucket
+            layouts.append(CondImageLayout((b.height // factor, b.width // factor), b.index, v.spatial_shapes,
+                                           v.pixel_values.shape[0]))
+        system = system_text(sample.system)
+        b = sample.bucket
+        seq = image_phase_sequence(tok, system, sample.prompt, layouts, sample.cot_text(), b.height // factor,
+                                   b.width // factor, b.index, True, cfg.cond_token_attn_type)
+        prefix = text_phase_sequence(tok, system, sample.prompt, layouts, "auto", cfg.image_base_size,
+                                     cfg.cond_token_attn_type)
+        span = seq.gen_image
+        # the AR prompt ends with the bot prefix (<think> / <recaption>) or with <img_size> (no CoT)
+        first = len(prefix) + 1 if sample.bot_task != "image" else span.meta_start - 1
+        self.ids, self.pos, self.blocks = seq.ids, seq.pos, seq.blocks
+        self.targets = list(range(first, span.meta_start))          # predicted from position - 1
+        self.span = span
+        self.cond = seq.cond_images
+        self.ref_images = [_uint8(im) for im in refs]
+        self.target_image = None
+
+
+def collate(seqs: list[TrainSequence], pad_id: int) -> dict:
+    B, T = len(seqs), max(len(s.ids) for s in seqs)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    pos = torch.arange(T).view(1, T, 1).repeat(B, 1, 2)
+    blocks = torch.full((B, T), -1, dtype=torch.long)
+    tgt_in, tgt_ids = [], []
+    gen: dict[tuple[int, int], dict] = {}
+    ref: dict[tuple[int, int], dict] = {}
+    vit_pv, vit_mask, vit_shapes, vit_idx = [], [], [], []
+    for b, s in enumerate(seqs):
+        n = len(s.ids)
+        ids[b, :n] = torch.tensor(s.ids)
+        pos[b, :n] = torch.tensor(s.pos)
+        blocks[b, :n] = torch.tensor(s.blocks)
+        tgt_in += [b * T + p - 1 for p in s.targets]
+        tgt_ids += [s.ids[p] for p in s.targets]
+        sp = s.span
+        g = gen.setdefault((sp.h, sp.w), {"tok": [], "meta": [], "img": []})
+        g["tok"].append(b * T + torch.arange(sp.start, sp.stop))
+        g["meta"].append(b * T + sp.meta_start)
+        g["img"].append(s.target_image)
+        for c, im, v in zip(s.cond, s.ref_images, s.vit):
+            hw = (im.shape[1] // 16, im.shape[2] // 16)
+            r = ref.setdefault(hw, {"tok": [], "ts": [], "img": []})
+            r["tok"].append(b * T + torch.arange(c.vae.start, c.vae.stop))
+            r["ts"].append(b * T + c.timestep)
+            r["img"].append(im)
+            vit_pv.append(v.pixel_values)
+            vit_mask.append(v.pixel_attention_mask)
+            vit_shapes.append(v.spatial_shapes)
+            vit_idx.append(b * T + torch.arange(c.vit.start, c.vit.stop))
+    out = {"ids": ids, "pos": pos, "blocks": blocks, "tgt_in": torch.tensor(tgt_in), "tgt_ids": torch.tensor(tgt_ids),
+           "gen": {k: {"tok": torch.stack(v["tok"]), "meta": torch.tensor(v["meta"]), "img": torch.stack(v["img"])}
+                   for k, v in gen.items()},
+           "ref": {k: {"tok": torch.stack(v["tok"]), "ts": torch.tensor(v["ts"]), "img": torch.stack(v["img"])}
+                   for k, v in ref.items()}}
+    if vit_pv:
+        out["vit"] = {"pv": torch.stack(vit_pv), "mask": torch.stack(vit_mask), "shapes": vit_shapes,
+                      "idx": torch.stack(vit_idx)}
+    return out
+
+
+class SeqBatches(Dataset):
+    """Batch `step` of the transformer phase: a reference-count group, then that group's samples."""
+
+    def __init__(self, tok_path: str, cfg: dict, seed: int, scale: float, split: str = "train"):
+        self.tok_path, self.cfg_dict, self.seed, self.scale, self.split = tok_path, cfg, seed, scale, split
+        self._tok = self._cfg = None
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+    def __getitem__(self, step: int) -> dict:
+        if self._tok is None:
+            self._cfg = ModelConfig.from_dict(self.cfg_dict)
+            self._tok = Tokenizer(self.tok_path, self._cfg.image_base_size, len(BUCKETS))
+        rng = random.Random(f"{self.seed}:batch:{step}")
+        group = rng.choices(list(GROUP_WEIGHTS), list(GROUP_WEIGHTS.values()))[0]
+        fmt = rng.choice(list(FORMATS))          # one target shape per batch: one pass of each image head
+        n = max(1, round(BATCH[group] * self.scale))
+        seqs = []
+        for j in range(n):
+            s = make_sample((self.seed << 40) + step * 256 + j, self.split, group=group, fmt=fmt)
+            ts = TrainSequence(self._tok, self._cfg, s)
+            ts.target_image = _uint8(s.target.render())
+            seqs.append(ts)
+        return collate(seqs, self._tok.special.pad)
+
+
+class VaeBatches(Dataset):
+    """Batch `step` of the VAE phase: rendered scenes (targets and references) of one format."""
+
+    def __init__(self, seed: int, batch: int):
+        self.seed, self.batch = seed, batch
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+    def __getitem__(self, step: int) -> torch.Tensor:
+        rng = random.Random(f"{self.seed}:vae:{step}")
+        fmt = rng.choice(list(FORMATS))
+        imgs = []
+        j = 0
+        while len(imgs) < self.batch:
+            s = make_sample((self.seed << 40) + step * 256 + j, "train")
+            j += 1
+            for sc in (s.target, *s.refs):
+                if len(imgs) < self.batch:
+                    imgs.append(_uint8(replace(sc, fmt=fmt).render()))
+        return torch.stack(imgs)
+
+
+def _worker_init(_):
+    torch.set_num_threads(1)
+
+
+def loader(ds: Dataset, start: int, workers: int, pin: bool) -> DataLoader:
+    kw = dict(num_workers=workers, pin_memory=pin, worker_init_fn=_worker_init)
+    if workers:
+        kw |= dict(prefetch_factor=4, persistent_workers=False)
+    return DataLoader(ds, batch_size=None, sampler=range(start, len(ds)), **kw)
+
+
+# ----------------------------------------------------------------------------------------- model
+def _grouped_mm_autocast(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm is not on autocast's cast lists: under CUDA autocast, feed it bf16 (the MoE
+    input is the fp32 residual stream's norm, the expert weights fp32 master weights)."""
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        dt = torch.get_autocast_dtype("cuda")
+        return torch._grouped_mm(x.to(dt), w.to(dt), offs=offs)
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+def init_weights(model: HunyuanImage3, seed: int) -> None:
+    """The backbone parameters are created empty: GPT-style init (residual outputs scaled by depth);
+    the image heads keep PyTorch's defaults except the velocity head's last conv (zero: v = 0 at start)."""
+    g = torch.Generator().manual_seed(seed)
+    tr, cfg = model.transformer, model.cfg
+    std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.num_layers)
+
+    def normal_(p: torch.Tensor, s: float) -> None:
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=g) * s)
+
+    normal_(tr.wte, std)
+    normal_(tr.lm_head, std)
+    for layer in tr.layers:
+        normal_(layer.self_attn.qkv, std)
+        normal_(layer.self_attn.o_proj, out_std)
+        m = layer.mlp
+        normal_(m.gate, std)
+        normal_(m.w1, std)
+        normal_(m.w2, out_std)
+        if m.shared_w1 is not None:
+            normal_(m.shared_w1, std)
+            normal_(m.shared_w2, out_std)
+    with torch.no_grad():
+        last = model.final_layer.model[1][2]
+        last.weight.zero_()
+        last.bias.zero_()
+        # start the VAE posterior narrow (logvar ~ -6) so the decoder learns to use the latent before
+        # the sampling noise could teach it to ignore it (posterior collapse)
+        z = int(cfg.vae["latent_channels"])
+        model.vae.encoder.conv_out.bias[z:].fill_(-6.0)
+        gn_bypass_init(model.vae.decoder)
+
+
+def gn_bypass_init(decoder, c: float = 4.0) -> None:
+    """The decoder's output is conv_out(silu(GroupNorm32(h))) with no skip: at our width (64 channels,
+    2 per group) the norm removes each image's per-group mean and scale, i.e. the absolute colours.
+    Start it as a near-identity instead: the last ResNet block adds +c / -c to the two channels of each
+    group (so the group's std is ~c whatever the image) and the norm's affine maps them back
+    (weight c, bias -offset); a channel the network keeps constant then serves as the reference that
+    restores the mean. Measured: without this the VAE learns background colours but not shape colours."""
+    block = decoder.up[-1].block[-1]
+    C = block.conv2.out_channels
+    groups = decoder.norm_out.num_groups
+    per = C // groups
+    offs = torch.tensor([c if (i % per) < per / 2 else -c for i in range(C)], device=block.conv2.bias.device)
+    with torch.no_grad():
+        block.conv2.bias.add_(offs)
+        decoder.norm_out.weight.fill_(c)
+        decoder.norm_out.bias.copy_(-offs)
+
+
+def export_tensors(model: HunyuanImage3) -> dict[str, torch.Tensor]:
+    """Resident parameters -> official checkpoint names and shapes (the inverse of
+    engine.model.load_weights for the one-shard, one-micro layout the trainer uses)."""
+    cfg, tr = model.cfg, model.transformer
+    assert model.layout.logical_size == 1
+    out = {"model.wte.weight": tr.wte, "model.ln_f.weight": tr.ln_f.weight, "lm_head.weight": tr.lm_head[0]}
+    for i, layer in enumerate(tr.layers):
+        p, att, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
+        out |= {p + "input_layernorm.weight": layer.input_layernorm.weight,
+                p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+                p + "self_attn.qkv_proj.weight": att.qkv[0], p + "self_attn.o_proj.weight": att.o_proj,
+                p + "self_attn.query_layernorm.weight": att.q_norm.weight,
+                p + "self_attn.key_layernorm.weight": att.k_norm.weight, p + "mlp.gate.wg.weight": m.gate}
+        if m.shared_w1 is not None:
+            out |= {p + "mlp.shared_mlp.gate_and_up_proj.weight": m.shared_w1[0],
+                    p + "mlp.shared_mlp.down_proj.weight": m.shared_w2}
+        for e in range(cfg.num_experts[i]):
+            out |= {p + f"mlp.experts.{e}.gate_and_up_proj.weight": m.w1[0, e],
+                    p + f"mlp.experts.{e}.down_proj.weight": m.w2[0, e]}
+    for prefix, mod in model.replicated_modules().items():
+        out |= {f"{prefix}.{k}": v for k, v in mod.state_dict().items()}
+    # the unused SigLIP2 pooling head the official checkpoint carries (skipped at load): zeros
+    out |= {n: torch.zeros(s) for n, s in vit_head_shapes(cfg).items()}
+    return {k: v.detach() for k, v in out.items()}
+
+
+class RouterAux:
+    """Switch-style load-balancing loss of every MoE layer, from forward hooks (the engine's MoE is
+    used as it is; the router logits are recomputed from the layer input, a [N, H] x [H, E] matmul)."""
+
+    def __init__(self, model: HunyuanImage3):
+        self.terms: list[torch.Tensor] = []
+        self.usage: list[torch.Tensor] = []
+        self.handles = [layer.mlp.register_forward_hook(self._hook) for layer in model.transformer.layers]
+
+    def _hook(self, mod, inputs, output):
+        x = inputs[0].reshape(-1, inputs[0].shape[-1])
+        probs = F.linear(x.float(), mod.gate).softmax(-1)
+        idx = probs.topk(mod.topk, dim=-1).indices
+        frac = torch.zeros(mod.experts, device=x.device).scatter_add_(
+            0, idx.reshape(-1), torch.ones(idx.numel(), device=x.device)) / idx.numel()
+        self.terms.append(mod.experts * (frac * probs.mean(0)).sum())
+        self.usage.append(frac.detach())
+
+    def pop(self) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = torch.stack(self.terms).mean()
+        usage = torch.stack(self.usage)
+        self.terms, self.usage = [], []
+        return loss, usage
+
+
+def batch_mask(blocks: torch.Tensor) -> torch.Tensor:
+    """[B, T] block ids -> [B, 1, T, T] bool: causal, plus full attention inside each block."""
+    T = blocks.shape[1]
+    ar = torch.arange(T, device=blocks.device)
+    same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    return ((ar[None, :] <= ar[:, None])[None] | same)[:, None]
+
+
+def sample_times(n: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sigma, r (the sigma of the next step) and the Distil guidance (bf16(1000 g)) for n images."""
+    sig = flow_sigmas(STEPS, SHIFT).to(dev)
+    i = torch.randint(0, STEPS, (n,), device=dev)
+    u = torch.rand(n, device=dev)
+    shift = lambda s: SHIFT * s / (1 + (SHIFT - 1) * s)
+    disc = torch.rand(n, device=dev) < 0.5
+    sigma = torch.where(disc, sig[i], shift(u))
+    r = torch.where(disc, sig[i + 1], shift((u - 1.0 / STEPS).clamp_min(0)))
+    g = torch.where(torch.rand(n, device=dev) < 0.8, torch.full((n,), GUIDANCE, device=dev),
+                    1.0 + 5.0 * torch.rand(n, device=dev))
+    return sigma, r, (1000.0 * g).to(torch.bfloat16).float()
+
+
+def _pixels(img_u8: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    return img_u8.to(dev, non_blocking=True).float() / 127.5 - 1.0
+
+
+def transformer_losses(model: HunyuanImage3, batch: dict, dev: torch.device, aux: RouterAux | None = None) -> dict:
+    """The joint loss of one batch: CE on CoT + ratio tokens, flow matching on the image tokens."""
+    cfg = model.cfg
+    H, D = cfg.hidden_size, cfg.head_dim
+    ids = batch["ids"].to(dev, non_blocking=True)
+    B, T = ids.shape
+    x = model.transformer.embed(ids).reshape(B * T, H)
+    idx, vals = [], []
+    zero = torch.zeros(1, device=dev)
+    if batch["ref"]:
+        temb0 = model.time_embed(zero)
+        for (h, w), r in batch["ref"].items():
+            with torch.no_grad():
+                lat = model.vae.encode_latent(_pixels(r["img"], dev), None)
+            tokens = model.patch_embed(lat, temb0.expand(lat.shape[0], -1))
+            idx.append(r["tok"].to(dev, non_blocking=True).reshape(-1))
+            vals.append(tokens.reshape(-1, H))
+            idx.append(r["ts"].to(dev, non_blocking=True))
+            vals.append(model.timestep_emb(zero).expand(lat.shape[0], -1))
+        v = batch["vit"]
+        feats = model.vision_model(v["pv"].to(dev, non_blocking=True), v["mask"].to(dev, non_blocking=True),
+                                   v["shapes"])
+        idx.append(v["idx"].to(dev, non_blocking=True).reshape(-1))
+        vals.append(model.vision_aligner(feats).reshape(-1, H))
+    heads = []
+    for (h, w), g in batch["gen"].items():
+        with torch.no_grad():
+            mean, _ = model.vae.encode_moments(_pixels(g["img"], dev))
+            x0 = mean.squeeze(2) * model.vae.scaling_factor
+        n = x0.shape[0]
+        sigma, r, guid = sample_times(n, dev)
+        noise = torch.randn_like(x0)
+        s4 = sigma.view(n, 1, 1, 1)
+        xt = (1 - s4) * x0 + s4 * noise
+        t = sigma * 1000.0
+        idx.append(g["tok"].to(dev, non_blocking=True).reshape(-1))
+        vals.append(model.patch_embed(xt, model.time_embed(t)).reshape(-1, H))
+        meta = g["meta"].to(dev, non_blocking=True)
+        idx += [meta, meta + 1, meta + 2]
+        vals += [model.timestep_emb(t), model.guidance_emb(guid), model.timestep_r_emb(r * 1000.0)]
+        heads.append((g["tok"], h, w, t, noise - x0))
+    x = x.index_put((torch.cat(idx),), torch.cat([v.to(x.dtype) for v in vals]))
+    pos = batch["pos"].to(dev, non_blocking=True)
+    cos, sin = rope_angles(pos.reshape(-1, 2), D, cfg.rope_theta)
+    blocks = batch["blocks"].to(dev, non_blocking=True)
+    attn = AttnBatch(torch.arange(T, device=dev), cos.view(B, 1, T, D), sin.view(B, 1, T, D), T, batch_mask(blocks))
+    lay0 = model.transformer.layers[0].self_attn
+    cache = KVCache.allocate(cfg.num_layers, B, lay0.kv_per_micro, T, D, x.dtype, dev)
+    hid = model.transformer(x.view(B, T, H), attn, cache, VIEW).reshape(B * T, H)
+    logits = model.transformer.logits(hid[batch["tgt_in"].to(dev, non_blocking=True)], VIEW)
+    ce = F.cross_entropy(logits, batch["tgt_ids"].to(dev, non_blocking=True))
+    se, count = 0.0, 0
+    for tok, h, w, t, target in heads:
+        n = target.shape[0]
+        hs = hid[tok.to(dev, non_blocking=True).reshape(-1)].view(n, h * w, H)
+        v = model.final_layer(hs, model.time_embed_2(t), h, w).float()
+        se = se + ((v - target) ** 2).mean(dim=(1, 2, 3)).sum()
+        count += n
+    out = {"ce": ce, "fm": se / count}
+    if aux is not None:
+        out["aux"], out["usage"] = aux.pop()
+    return out
+
+
+def vae_losses(vae, img_u8: torch.Tensor, dev: torch.device, kl_weight: float) -> dict:
+    x = _pixels(img_u8, dev)
+    mean, logvar = vae.encode_moments(x)
+    z = mean + torch.exp(0.5 * logvar) * torch.randn_like(mean)
+    rec = vae.decoder(z)[:, :, -1].float()
+    # shapes cover a few % of the pixels: weight them 10x (the corner pixel is always background)
+    fg = ((x - x[:, :, :1, :1]).abs().sum(1, keepdim=True) > 0.1).float()
+    wfg = 1.0 + 9.0 * fg
+    l1 = ((rec - x).abs() * wfg).mean() / wfg.mean()
+    grad = ((rec[..., 1:, :] - rec[..., :-1, :]) - (x[..., 1:, :] - x[..., :-1, :])).abs().mean() + \
+           ((rec[..., 1:] - rec[..., :-1]) - (x[..., 1:] - x[..., :-1])).abs().mean()
+    kl = 0.5 * (mean.float() ** 2 + logvar.float().exp() - 1 - logvar.float()).mean()
+    return {"l1": l1, "grad": grad, "kl": kl, "loss": l1 + grad + kl_weight * kl}
+
+
+@torch.no_grad()
+def vae_check(vae, dev: torch.device, n: int = 24) -> float:
+    """Fraction of held-out renders whose reconstruction (posterior mean) the detector reads exactly
+    as the render (every object's colour, shape and cell, and the background)."""
+    from .detect import detect
+    ok = 0
+    for i in range(n):
+        s = make_sample(i, "test", group=i % 4)
+        img = _uint8(s.target.render())[None]
+        mean, _ = vae.encode_moments(_pixels(img, dev))
+        rec = vae.decoder(mean)[:, :, -1].float()[0]
+        pil = Image.fromarray(((rec.permute(1, 2, 0) + 1) * 127.5).clamp(0, 255).round().byte().cpu().numpy())
+        a, b = detect(pil), detect(s.target.render())
+        ok += (a.background, sorted((o.color, o.shape, o.cell) for o in a.objects)) == \
+              (b.background, sorted((o.color, o.shape, o.cell) for o in b.objects))
+    return ok / n
+
+
+# ----------------------------------------------------------------------------------------- run
+class Run:
+    def __init__(self, args):
+        self.args = args
+        self.out = Path(args.out)
+        self.folder = self.out / "model"
+        self.dev = torch.device(args.device)
+        self.amp = self.dev.type == "cuda"
+        self.t_call = time.perf_counter()
+        self.state_path = self.out / "train_state.json"
+        self.log_path = self.out / "log.jsonl"
+        if self.amp:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            engine.moe.grouped_mm = _grouped_mm_autocast
+        torch.manual_seed(args.seed)
+        if args.resume and self.state_path.exists():
+            from engine.loader import load
+            self.state = json.loads(self.state_path.read_text())
+            self.tok = HFTokenizer.from_file(str(self.folder / "tokenizer.json"))
+            self.cfg = json.loads((self.folder / "config.json").read_text())
+            self.model = load(self.folder, self.dev, torch.float32).model
+            self.log(f"resumed from {self.folder}: {self.state}")
+        else:
+            self.state = {"phase": "vae", "vae_s": 0.0, "tf_s": 0.0, "vae_step": 0, "tf_step": 0, "seed": args.seed,
+                          "scaling_factor": 1.0}
+            self.tok = build_tokenizer()
+            self.cfg = model_config(padded_vocab(self.tok))
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.tok.save(str(self.folder / "tokenizer.json"))
+            self.model = HunyuanImage3(ModelConfig.from_dict(self.cfg), dtype=torch.float32, device=self.dev)
+            init_weights(self.model, args.seed)
+        self.last_save = time.perf_counter()
+
+    # -- bookkeeping
+    def log(self, msg: str, **metrics) -> None:
+        line = f"[{time.perf_counter() - self.t_call:7.1f}s] {msg}"
+        print(line, flush=True)
+        if metrics:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+
+    def call_left(self) -> float:
+        return self.args.minutes * 60 - (time.perf_counter() - self.t_call)
+
+    def save(self) -> None:
+        t0 = time.perf_counter()
+        cfg = dict(self.cfg)
+        cfg["vae"] = dict(cfg["vae"], scaling_factor=float(self.state["scaling_factor"]))
+        self.model.vae.scaling_factor = float(self.state["scaling_factor"])
+        write_folder(self.folder, self.tok, cfg, export_tensors(self.model))
+        self.state_path.write_text(json.dumps(self.state, indent=1))
+        self.last_save = time.perf_counter()
+        size = sum(p.stat().st_size for p in self.folder.iterdir())
+        self.log(f"saved {self.folder} ({size / 2 ** 20:.2f} MiB) in {time.perf_counter() - t0:.1f}s")
+
+    def maybe_periodic_save(self) -> None:
+        if time.perf_counter() - self.last_save > self.args.save_every * 60:
+            self.save()
+
+    @staticmethod
+    def lr_at(peak: float, frac: float, warm: float) -> float:
+        return peak * min(1.0, warm) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    # -- phase 1
+    def train_vae(self) -> bool:
+        a, st, vae = self.args, self.state, self.model.vae
+        budget = a.vae_minutes * 60
+        vae.train().requires_grad_(True)
+        opt = torch.optim.AdamW(vae.parameters(), lr=a.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
+        data = loader(VaeBatches(st["seed"], max(1, round(VAE_BATCH * a.batch_scale))), st["vae_step"], a.workers,
+                      self.amp)
+        t_last, steps_here, acc = time.perf_counter(), 0, None
+        self.log(f"VAE phase: budget {budget:.0f}s, done {st['vae_s']:.0f}s / step {st['vae_step']}")
+        for k, img in enumerate(data):
+            if k == 0:
+                t_last = time.perf_counter()       # worker start-up is not training time
+            if st["vae_s"] >= budget or st["vae_step"] >= a.max_vae_steps or self.call_left() < a.reserve:
+                break
+            lr = self.lr_at(a.vae_lr, st["vae_s"] / budget, (steps_here + 1) / 50)
+            for gr in opt.param_groups:
+                gr["lr"] = lr
+            with torch.autocast("cuda", torch.bfloat16, enabled=self.amp):
+                L = vae_losses(vae, img, self.dev, a.kl_weight)
+            opt.zero_grad(set_to_none=True)
+            L["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+            opt.step()
+            d = torch.stack([L["l1"], L["grad"], L["kl"]]).detach()
+            acc = d if acc is None else acc + d
+            steps_here += 1
+            st["vae_step"] += 1
+            now = time.perf_counter()
+            st["vae_s"] += now - t_last
+            t_last = now
+            if st["vae_step"] % a.log_every == 0:
+                m = (acc / a.log_every).tolist()
+                acc = None
+                self.log(f"vae step {st['vae_step']} t={st['vae_s']:.0f}s lr={lr:.2e} l1={m[0]:.4f} "
+                         f"grad={m[1]:.4f} kl={m[2]:.3f}", phase="vae", step=st["vae_step"], t=st["vae_s"],
+                         l1=m[0], grad=m[1], kl=m[2])
+            self.maybe_periodic_save()
+        vae.eval().requires_grad_(False)
+        done = st["vae_s"] >= budget or st["vae_step"] >= a.max_vae_steps
+        if done:
+            st["scaling_factor"] = self.latent_scale()
+            st["phase"] = "tf"
+            self.log(f"VAE done: scaling_factor {st['scaling_factor']:.4f}; reconstructions whose detected "
+                     f"objects (colour, shape, cell) match the input: {vae_check(vae, self.dev):.0%}")
+        return done
+
+    @torch.no_grad()
+    def latent_scale(self) -> float:
+        vae = self.model.vae
+        ds = VaeBatches(self.state["seed"] + 1, 16)
+        means = []
+        for i in range(max(1, round(8 * self.args.batch_scale))):
+            with torch.autocast("cuda", torch.bfloat16, enabled=self.amp):
+                m, _ = vae.encode_moments(_pixels(ds[i], self.dev))
+            means.append(m.float().flatten())
+        return float(1.0 / torch.cat(means).std().clamp_min(1e-4))
+
+    # -- phase 2
+    def train_transformer(self) -> bool:
+        a, st, model = self.args, self.state, self.model
+        budget = a.tf_minutes * 60
+        model.vae.scaling_factor = float(st["scaling_factor"])
+        model.vae.eval().requires_grad_(False)
+        params = [p for n, p in model.named_parameters() if not n.startswith("vae.")]
+        for p in params:
+            p.requires_grad_(True)
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.98),
+                                fused=self.amp)
+        aux = RouterAux(model)
+        data = loader(SeqBatches(str(self.folder / "tokenizer.json"), self.cfg, st["seed"], a.batch_scale),
+                      st["tf_step"], a.workers, self.amp)
+        model.train()
+        t_last, steps_here, acc, usage, ntok = time.perf_counter(), 0, None, None, 0
+        t_log = t_last
+        self.log(f"transformer phase: budget {budget:.0f}s, done {st['tf_s']:.0f}s / step {st['tf_step']}, "
+                 f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters")
+        t_wait, t_fetch = 0.0, time.perf_counter()
+        for k, batch in enumerate(data):
+            t_wait += time.perf_counter() - t_fetch
+            if k == 0:
+                t_last = t_log = time.perf_counter()
+                t_wait = 0.0
+            if st["tf_s"] >= budget or st["tf_step"] >= a.max_tf_steps or self.call_left() < a.reserve:
+                break
+            lr = self.lr_at(a.lr, st["tf_s"] / budget, (steps_here + 1) / a.warmup)
+            for gr in opt.param_groups:
+                gr["lr"] = lr
+            with torch.autocast("cuda", torch.bfloat16, enabled=self.amp):
+                L = transformer_losses(model, batch, self.dev, aux)
+                loss = L["ce"] + a.fm_weight * L["fm"] + a.aux_weight * L["aux"]
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            d = torch.stack([L["ce"].detach(), L["fm"].detach(), L["aux"].detach(), gn.detach().float()])
+            acc = d if acc is None else acc + d
+            usage = L["usage"] if usage is None else usage + L["usage"]
+            ntok += batch["ids"].numel()
+            steps_here += 1
+            st["tf_step"] += 1
+            now = time.perf_counter()
+            st["tf_s"] += now - t_last
+            if st["tf_step"] % a.log_every == 0:
+                m = (acc / a.log_every).tolist()
+                u = usage / a.log_every
+                ent = float(-(u.clamp_min(1e-9) * u.clamp_min(1e-9).log()).sum(-1).mean() / math.log(u.shape[-1]))
+                self.log(f"tf step {st['tf_step']} t={st['tf_s']:.0f}s lr={lr:.2e} ce={m[0]:.4f} fm={m[1]:.4f} "
+                         f"aux={m[2]:.3f} gnorm={m[3]:.2f} expert-entropy={ent:.2f} "
+                         f"tok/s={ntok / (now - t_log):.0f} data-wait={t_wait / (now - t_log):.0%}",
+                         phase="tf", step=st["tf_step"], t=st["tf_s"], ce=m[0], fm=m[1], aux=m[2], gnorm=m[3],
+                         expert_entropy=ent)
+                acc, usage, ntok, t_log, t_wait = None, None, 0, now, 0.0
+            t_last = now
+            self.maybe_periodic_save()
+            t_fetch = time.perf_counter()
+        for h in aux.handles:
+            h.remove()
+        model.eval()
+        for p in params:
+            p.requires_grad_(False)
+        return st["tf_s"] >= budget or st["tf_step"] >= a.max_tf_steps
+
+    def run(self) -> int:
+        st = self.state
+        finished = False
+        if st["phase"] == "vae":
+            if self.train_vae():
+                self.save()
+        if st["phase"] == "done" and st["tf_s"] < self.args.tf_minutes * 60 and st["tf_step"] < self.args.max_tf_steps:
+            st["phase"] = "tf"                   # resumed with a larger transformer budget
+        if st["phase"] == "tf":
+            finished = self.train_transformer()
+            if finished:
+                st["phase"] = "done"
+        self.save()
+        self.log(f"{'training complete' if st['phase'] == 'done' else 'stopped (resume with --resume)'}: "
+                 f"vae {st['vae_step']} steps / {st['vae_s']:.0f}s, transformer {st['tf_step']} steps / "
+                 f"{st['tf_s']:.0f}s; checkpoint {self.folder}")
+        if self.args.preview and st["phase"] == "done":
+            preview(self.folder, self.out / "preview.png", self.args.preview, self.args.device)
+        return 0
+
+
+def preview(folder: Path, out: Path, n: int, device: str) -> None:
+    """A strip of generated test-split images (T2I then TI2I) through the inference pipeline."""
+    from engine.events import Image as ImageEv
+    from engine.loader import load
+    from engine.pipeline import Pipeline
+    from engine.request import Request
+    lm = load(folder, device)
+    pipe = Pipeline(lm, preview_every=0)
+    tiles = []
+    for i in range(n):
+        s = make_sample(i, "test", group=i % 4)
+        req = Request(prompt=s.prompt, images=[sc.render() for sc in s.refs], seed=i)
+        for ev in pipe.run(req):
+            if isinstance(ev, ImageEv):
+                import io
+                tiles.append(Image.open(io.BytesIO(ev.png)).convert("RGB").resize((128, 128)))
+                print(f"preview {i}: {s.prompt!r}", flush=True)
+    if tiles:
+        strip = Image.new("RGB", (128 * len(tiles), 128))
+        for k, t in enumerate(tiles):
+            strip.paste(t, (128 * k, 0))
+        strip.save(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m train.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="run folder: model/ (checkpoint), train_state.json, log.jsonl")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--minutes", type=float, default=1e9, help="wall-clock budget of this call (saves before it)")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out")
+    ap.add_argument("--vae-minutes", type=float, default=2.5, help="VAE phase training time (LR schedule)")
+    ap.add_argument("--tf-minutes", type=float, default=8.0, help="transformer phase training time (LR schedule)")
+    ap.add_argument("--max-vae-steps", type=int, default=1 << 40)
+    ap.add_argument("--max-tf-steps", type=int, default=1 << 40)
+    ap.add_argument("--batch-scale", type=float, default=1.0, help="scales every batch size")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--vae-lr", type=float, default=1e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--warmup", type=int, default=150, help="LR warm-up steps (also after a resume)")
+    ap.add_argument("--fm-weight", type=float, default=3.0)
+    ap.add_argument("--aux-weight", type=float, default=0.01)
+    ap.add_argument("--kl-weight", type=float, default=1e-4)
+    ap.add_argument("--workers", type=int, default=min(14, max(0, (os.cpu_count() or 2) - 2)))
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--save-every", type=float, default=4.0, help="minutes between checkpoint writes")
+    ap.add_argument("--reserve", type=float, default=20.0, help="seconds kept for the final save")
+    ap.add_argument("--preview", type=int, default=0, help="when done, generate N test images to preview.png")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    return Run(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
