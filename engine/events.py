@@ -64,18 +64,22 @@ class Timings:
     total_s: float = 0.0
     kv_reused_tokens: int = 0     # prefix tokens the denoise cond branch took from the AR cache
 
-    def summary(self) -> str:
-        parts = []
+    def parts(self, bold: bool = False) -> list[str]:
+        """The measured figures as short phrases (labels in markdown bold for the studio)."""
+        b = (lambda x: f"**{x}**") if bold else (lambda x: x)
+        out = []
         if self.ar_tokens:
-            parts.append(f"AR prefill {self.ar_prefill_ms:.0f} ms, {self.ar_tokens} tokens at "
-                         f"{self.ar_ms_per_token:.1f} ms/token")
+            out.append(f"{b('AR')} {self.ar_ms_per_token:.1f} ms/token x {self.ar_tokens} tokens "
+                       f"(prefill {self.ar_prefill_ms:.0f} ms)")
         if self.dit_steps:
-            parts.append(f"DiT {self.dit_steps} steps at {self.dit_ms_per_step:.0f} ms/step")
+            out.append(f"{b('DiT')} {self.dit_ms_per_step:.0f} ms/step x {self.dit_steps} steps")
         if self.vae_ms:
-            parts.append(f"VAE {self.vae_ms:.0f} ms")
-        parts.append(f"total {self.total_s:.2f} s")
-        return ", ".join(parts)
+            out.append(f"{b('VAE')} {self.vae_ms:.0f} ms")
+        out.append(f"{b('total')} {self.total_s:.2f} s")
+        return out
 
+    def summary(self) -> str:
+        return ", ".join(self.parts())
 
 @dataclass
 class Done:

@@ -85,16 +85,7 @@ def preview_image(png: bytes) -> PILImage.Image:
 
 
 def timings_text(done: Done, image: Image | None) -> str:
-    t = done.timings
-    parts = []
-    if t.ar_tokens:
-        parts.append(f"**AR** {t.ar_ms_per_token:.1f} ms/token × {t.ar_tokens} tokens "
-                     f"(prefill {t.ar_prefill_ms:.0f} ms)")
-    if t.dit_steps:
-        parts.append(f"**DiT** {t.dit_ms_per_step:.0f} ms/step × {t.dit_steps} steps")
-    if t.vae_ms:
-        parts.append(f"**VAE** {t.vae_ms:.0f} ms")
-    parts.append(f"**total** {t.total_s:.2f} s")
+    parts = done.timings.parts(bold=True)
     if image is not None:
         parts.append(f"{image.width} × {image.height}, seed {image.seed}")
     return " · ".join(parts)
