@@ -62,24 +62,33 @@ class DenoiseRunner:
         T = seq.tensors(model.device, length=scratch + 1)
         self.pos, self.blocks = T["pos"], T["blocks"]
         self.span = seq.gen_image
+        self._batches: dict[int, tuple] = {}   # start -> (index, gathered, AttnBatch): same at every step
+
+    def _layout(self, start: int, dev: torch.device) -> tuple[int, int, object]:
+        """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per start."""
+        if start not in self._batches:
+            sp, stop = self.view.sp, self.span.stop
+            n = stop - start
+            index = torch.arange(start, stop, device=dev)
+            gathered, chunk = None, n
+            if sp.size > 1:    # split over SP ranks; padding tokens write the scratch slot
+                chunk = -(-n // sp.size)
+                pad = torch.full((chunk * sp.size - n,), self.scratch, device=dev)
+                gathered = torch.cat([index, pad])
+                index = gathered[sp.rank * chunk:(sp.rank + 1) * chunk]
+            batch = self.model.attn_batch(index, self.pos, self.blocks, stop, self.view, gathered=gathered)
+            self._batches[start] = (chunk, n, batch)
+        return self._batches[start]
 
     def _run(self, x: torch.Tensor, start: int, rows: slice) -> torch.Tensor:
         """Tokens [start, stop) with embeddings x [B, n, H] -> hidden of the image tokens [B, hw, H]."""
-        sp, span, dev = self.view.sp, self.span, x.device
-        stop, hw = span.stop, span.h * span.w
-        n = stop - start
-        index = torch.arange(start, stop, device=dev)
-        gathered = None
+        sp, hw = self.view.sp, self.span.h * self.span.w
+        chunk, n, batch = self._layout(start, x.device)
         if sp.size > 1:
-            chunk = -(-n // sp.size)
-            pad = chunk * sp.size - n
-            index = torch.cat([index, torch.full((pad,), self.scratch, device=dev)])
-            x = torch.cat([x, x.new_zeros(x.shape[0], pad, x.shape[2])], dim=1)
-            gathered = index
-            index = index[sp.rank * chunk:(sp.rank + 1) * chunk]
+            x = torch.cat([x, x.new_zeros(x.shape[0], chunk * sp.size - n, x.shape[2])], dim=1)
             x = x[:, sp.rank * chunk:(sp.rank + 1) * chunk]
-        h = self.model.backbone(x, index, self.pos, self.blocks, self.cache.rows(rows), stop, self.view,
-                                gathered=gathered)
+        h = self.model.backbone(x, batch.index, self.pos, self.blocks, self.cache.rows(rows), batch.kv_len,
+                                self.view, batch=batch)
         if sp.size > 1:
             h = sp.all_gather(h, dim=1)[:, :n]
         return h[:, -hw:]

@@ -46,19 +46,26 @@ class HunyuanImage3(nn.Module):
     def device(self) -> torch.device:
         return self.transformer.wte.device
 
+    def attn_batch(self, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor, kv_len: int,
+                   view: PhaseView, masked: bool = True, gathered: torch.Tensor | None = None) -> AttnBatch:
+        """RoPE tables and mask for the tokens at sequence indices `index` [T] (see `backbone`)."""
+        cos, sin = rope_angles(pos.index_select(0, index), self.cfg.head_dim, self.cfg.rope_theta)
+        rows = gathered if gathered is not None and view.sp_kind == "ulysses" else index
+        mask = attention_mask(rows, blocks, kv_len) if masked else None
+        return AttnBatch(index, cos, sin, kv_len, mask, gathered)
+
     def backbone(self, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor,
                  cache: KVCache, kv_len: int, view: PhaseView, masked: bool = True,
-                 gathered: torch.Tensor | None = None) -> torch.Tensor:
+                 gathered: torch.Tensor | None = None, batch: AttnBatch | None = None) -> torch.Tensor:
         """Run the layers on embeddings x [B, T, H] of the tokens at sequence indices `index` [T].
 
         pos [>=kv_len, 2] and blocks [>=kv_len] describe the whole sequence; keys [0, kv_len) of the cache
         are attended to. `masked=False` when every query may see every key (a decode step). Under sequence
         parallelism x holds this rank's tokens and `gathered` [S] the indices of every rank's tokens.
+        A `batch` prepared once by `attn_batch` (the same tokens at every denoise step) skips rebuilding it.
         """
-        cos, sin = rope_angles(pos.index_select(0, index), self.cfg.head_dim, self.cfg.rope_theta)
-        rows = gathered if gathered is not None and view.sp_kind == "ulysses" else index
-        mask = attention_mask(rows, blocks, kv_len) if masked else None
-        return self.transformer(x, AttnBatch(index, cos, sin, kv_len, mask, gathered), cache, view)
+        batch = batch or self.attn_batch(index, pos, blocks, kv_len, view, masked, gathered)
+        return self.transformer(x, batch, cache, view)
 
     def replicated_modules(self) -> dict[str, nn.Module]:
         """Checkpoint prefix -> module whose state_dict keys are the checkpoint names under that prefix."""
