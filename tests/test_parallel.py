@@ -102,7 +102,8 @@ def _expected_bytes(folder, storage_tp):
 
 
 @pytest.mark.parametrize("plan,sp", [("tp2", None), ("hybrid4", "ulysses"), ("hybrid4", "kv_gather"), ("tp4", None),
-                                     ("tp2sp2", "ulysses"), ("tp2sp2", "kv_gather"), ("tp2cfg2", None)])
+                                     ("tp2sp2", "ulysses"), ("tp2sp2", "kv_gather"), ("tp2cfg2", None),
+                                     ("hybrid8sp4", "ulysses")])   # 8 ranks: AR TP8 -> TP2 x SP4 (4 micros)
 def test_plan_equals_world1(tiny_dir, world1, plan, sp):
     with EngineServer(tiny_dir, plan=plan, sp_kind=sp, preview_every=0) as server:
         assert server.wait_ready(300), server.health()
