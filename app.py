@@ -20,6 +20,9 @@ EMBEDDED_MODEL = REPO / "assets" / "model"
 TINY_NOTICE = ("**No embedded model is installed yet**, so this studio runs a tiny *random* checkpoint: every "
                "stage streams for real, but the text is random tokens and the images are noise. "
                "Start it with `--model DIR` to serve a real checkpoint.")
+EMBEDDED_NOTICE = ("This is the small **embedded demo model** (9.7 M parameters with the HunyuanImage-3.0 "
+                   "architecture, trained on simple shape scenes: try the examples). Start the studio with "
+                   "`--model DIR` to serve HunyuanImage-3.0-Instruct or -Instruct-Distil.")
 
 
 def cache_dir() -> Path:
@@ -31,7 +34,7 @@ def default_model() -> tuple[Path, str | None]:
     """The embedded model under assets/ when it exists; until then a tiny random checkpoint, made once
     into the cache folder and reused. Returns (folder, notice for the page or None)."""
     if (EMBEDDED_MODEL / "config.json").exists():
-        return EMBEDDED_MODEL, None
+        return EMBEDDED_MODEL, EMBEDDED_NOTICE
     tiny = cache_dir() / "tiny"
     if not (tiny / "config.json").exists():
         from engine.tiny import make_tiny
