@@ -36,7 +36,8 @@ class HunyuanImage3(nn.Module):
         self.transformer = Transformer(cfg, layout, dtype=dtype, device=device)
         self.guidance_emb: TimestepEmbedder | None = None
         self.timestep_r_emb: TimestepEmbedder | None = None
-        mods = _image_side_modules(cfg, dtype, device)
+        with torch.device(device):      # build (and default-initialise) the replicated modules in place
+            mods = _image_side_modules(cfg, dtype, device)
         self.image_modules = list(mods)
         for name, mod in mods.items():
             setattr(self, name, mod)
