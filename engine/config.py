@@ -83,10 +83,6 @@ class ModelConfig:
         return self.moe_intermediate_size[layer] * self.num_shared_expert[layer]
 
     @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
     def kv_group_size(self) -> int:
         """Query heads per KV head (the fused QKV packs [q * group, k, v] per KV head)."""
         return self.num_heads // self.num_kv_heads

@@ -2,8 +2,8 @@
 engine's worker processes to the server, the CLI, the studio and the benchmarks."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Union
+from dataclasses import dataclass, field
+from typing import Union
 
 
 @dataclass
@@ -88,7 +88,3 @@ class Done:
 
 
 Event = Union[Started, Text, Ratio, Step, Image, Error, Done]
-
-
-def to_dict(e: Event) -> dict[str, Any]:
-    return {"type": type(e).__name__, **asdict(e)}

@@ -28,10 +28,6 @@ class ShardLayout:
         """Number of micro shards over the whole model = AR tensor-parallel size."""
         return self.storage_size * self.micros
 
-    def logical_rank(self, micro: int) -> int:
-        """The AR logical TP rank of micro `micro` of this storage shard (micro-major within a shard)."""
-        return self.storage_rank * self.micros + micro
-
     def split(self, n: int, what: str) -> int:
         """Size of one micro's slice of a dimension of size n."""
         if n % self.logical_size:

@@ -31,7 +31,6 @@ class CondImageLayout:
 class GenImageSpan:
     """Where the generated image lives in a sequence."""
     meta_start: int                    # index of <timestep>; guidance/timestep_r follow for Distil
-    num_meta: int                      # 1 (Instruct) or 3 (Distil)
     start: int                         # first <img>
     h: int
     w: int
@@ -141,7 +140,7 @@ class SequenceBuilder:
         self._tokens([sp.img] * (h * w), block=self._new_block())
         self._grid(start, h, w)
         self._tokens([sp.eoi])
-        self.seq.gen_image = GenImageSpan(meta, 3 if distil else 1, start, h, w)
+        self.seq.gen_image = GenImageSpan(meta, start, h, w)
         return self
 
     def cot(self, cot_text: str) -> "SequenceBuilder":

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.config import ModelConfig
 from engine.model import checkpoint_shapes, vit_head_shapes
-from engine.tiny import _dtype_for, _init, tiny_config, write_checkpoint
+from engine.tiny import _dtype_for, tiny_config, write_checkpoint
 
 from .dataset import BASE_SIZE, SYSTEM_PROMPT_PY
 
@@ -144,18 +144,3 @@ def write_folder(out: str | Path, tok: HFTokenizer, cfg: dict, tensors: dict[str
     write_checkpoint(out, {n: t.detach().to("cpu", _dtype_for(n)) for n, t in sorted(tensors.items())}, shards)
     return out
 
-
-def random_folder(out: str | Path, seed: int = 0) -> Path:
-    """The embedded model's folder with random weights (for timing and tests)."""
-    from .tokenizer import build_tokenizer, padded_vocab
-    tok = build_tokenizer()
-    cfg = model_config(padded_vocab(tok))
-    tensors = {n: _init(n, s, seed) for n, s in all_shapes(cfg).items()}
-    return write_folder(out, tok, cfg, tensors)
-
-
-if __name__ == "__main__":
-    rep = size_report(model_config(2752))
-    for k, (n, b) in sorted(rep["by_component"].items(), key=lambda kv: -kv[1][1]):
-        print(f"{k:20s} {n / 1e6:7.3f} M params {b / 2 ** 20:7.2f} MiB")
-    print(f"{'total':20s} {rep['params'] / 1e6:7.3f} M params {rep['bytes'] / 2 ** 20:7.2f} MiB")

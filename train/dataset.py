@@ -31,7 +31,6 @@ BASE_SIZE = 256
 BUCKETS: tuple[Bucket, ...] = build_buckets(BASE_SIZE)
 # format name -> bucket index (H x W at base 256): 256x256, 192x320, 320x192, 192x256, 256x192
 FORMATS = {"square": 16, "wide": 12, "tall": 20, "landscape": 35, "portrait": 33}
-FORMAT_OF_BUCKET = {v: k for k, v in FORMATS.items()}
 
 SHAPES = ("circle", "square", "triangle", "diamond", "star")
 COLORS = {"red": (220, 38, 38), "orange": (245, 140, 20), "yellow": (245, 215, 30),
