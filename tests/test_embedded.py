@@ -14,7 +14,12 @@ pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="no
 
 
 def test_embedded_model_floor():
-    m = evaluate(MODEL, n=4, n_edit=2, seed=0, threads=None, log=lambda *a: None)
-    assert m["reasoning_well_formed"] >= 0.75, m
-    assert m["t2i_attribute_accuracy"] >= 0.10, m
-    assert m["t2i_color"] >= 0.30, m
+    # Measured on this sample (2026-11-29, CPU): well-formed 100%, CoT correct 100%, T2I attributes 70%
+    # (colour 100%), edits 4/4. A broken sampler, mask or cache loses the colours first (random-init
+    # or mismatched-sequence models score ~15% colour); the floors leave room for float differences.
+    m = evaluate(MODEL, n=8, n_edit=4, seed=0, threads=None, log=lambda *a: None)
+    assert m["reasoning_well_formed"] >= 0.85, m
+    assert m["t2i_cot_correct"] >= 0.75, m
+    assert m["t2i_color"] >= 0.75, m
+    assert m["t2i_attribute_accuracy"] >= 0.40, m
+    assert m["ti2i_edit_accuracy"] >= 0.50, m

@@ -167,3 +167,26 @@ def test_toy_train_step_lowers_the_loss_and_writes_a_loadable_model(tokenizers, 
     assert any(isinstance(e, Ratio) for e in events)
     img = [e for e in events if isinstance(e, Image)]
     assert img and (img[0].height, img[0].width) in {(b.height, b.width) for b in lm.buckets}
+
+
+def test_latent_targets_are_the_quadrant_colours():
+    from train.train import latent_targets
+    x = torch.full((1, 3, 32, 48), -1.0)
+    x[:, 0, :8, :8] = 1.0                     # red top-left quadrant of the first token only
+    t = latent_targets(x, 16)
+    assert t.shape == (1, 12, 2, 3)
+    # channel = colour * 4 + quadrant (pixel_unshuffle order: row-major quadrants)
+    assert t[0, 0, 0, 0] == 1.0 and t[0, 1:4, 0, 0].eq(-1).all() and t[0, 4:, 0, 0].eq(-1).all()
+    assert t[0, :, 1:, :].eq(-1).all() and t[0, :, :, 1:].eq(-1).all()
+
+
+def test_foreground_weights_favour_shape_tokens():
+    from train.dataset import Obj, Scene
+    from train.train import _uint8, foreground_weights
+    empty = _uint8(Scene("square", "white", ()).render())[None]
+    one = _uint8(Scene("square", "white", (Obj("circle", "red", "large", (0, 0)),)).render())[None]
+    w0 = foreground_weights(empty, torch.device("cpu"), 16, 4.0)
+    w1 = foreground_weights(one, torch.device("cpu"), 16, 4.0)
+    assert torch.allclose(w0, torch.ones_like(w0))
+    assert abs(float(w1.mean()) - 1.0) < 1e-5
+    assert float(w1[0, 0, :5, :5].max()) > 2.0 * float(w1[0, 0, -5:, -5:].max())   # circle top left

@@ -4,13 +4,14 @@
 
 Two phases, run through the engine's own modules (engine.model.HunyuanImage3 and its parts):
 
-1. VAE (`vae.*`): reconstruction (L1 + image-gradient L1) plus a small KL, on rendered scenes of
-   every training format. Then the latent scaling factor (1 / std of the posterior means) goes into
+1. VAE (`vae.*`): reconstruction (L1 + image-gradient L1), a small KL, and a latent alignment: 12 of
+   the 16 latent channels follow the colours of the token's four quadrants, the other 4 stay free
+   (`vae_losses` says why). Then the latent scaling factor (1 / std of the posterior means) goes into
    config.json's `vae.scaling_factor`, as the released model's 0.5627 does.
 2. Transformer, image heads, ViT and aligner (the VAE frozen), on both objectives at once:
    - next-token loss on the CoT (`<think>` / `<recaption>` texts, their tags) and the ratio token;
    - flow-matching loss on the image tokens (rectified flow, x_t = (1-s) x0 + s e, target
-     v = e - x0, t = 1000 s; half the samples at the exact shift-3 inference schedule points with
+     v = e - x0, t = 1000 s; tokens covering shapes weigh up to 1 + `--fg-weight`; half the samples at the exact shift-3 inference schedule points with
      r = the next schedule point, half continuous), Distil inputs `<guidance>` / `<timestep_r>`;
    - TI2I: 1-3 reference images as the official joint sections (VAE posterior sample through
      `patch_embed` at t=0 + ViT / aligner features), in the same sequence.
@@ -24,13 +25,22 @@ official layout, loadable by engine.loader.load) plus DIR/train_state.json: `--r
 (Adam moments restart with a short warm-up), so what a call hands back is ~24 MB. Losses go to
 stdout and DIR/log.jsonl (with the data-loader wait and the experts' usage entropy).
 
-The full run on one H200 (defaults: VAE 2.5 min, transformer 8 min; ~4 steps/s at ~45k tokens a
-step, the data workers keep up), in two calls of at most 9 minutes:
+A probe (`--probe`, every `--probe-every` minutes and at the end of a call) draws held-out scenes from
+their true CoT through this forward and logs the fraction the detector reads exactly.
 
-    python -m train.train --out runs/run --device cuda --minutes 8.6          # VAE + ~5.5 min of TF
-    python -m train.train --out runs/run --device cuda --resume --preview 8   # the remaining ~2.5 min
+On the device machine, `train/gpu_call.sh MINUTES [options]` is one call: it continues runs/run when
+it was carried there and packs the run folder into $OUT. The shipped assets/model came from (one H200,
+2026-11-29; transformer schedule 18 min, VAE 2.5 min):
 
-then `python -m train.evaluate --model runs/run/model`. A toy check on CPU (a minute):
+    bash train/gpu_call.sh 8.45 --tf-minutes 20    # VAE, then a crash in the probe (fixed): restarted from the VAE
+    bash train/gpu_call.sh 9.25 --tf-minutes 18 --save-every 3                    # transformer 0 -> 507 s
+    bash train/gpu_call.sh 9.6 --tf-minutes 18 --save-every 3 --probe-every 3     # 507 -> 1043 s
+
+Its state is in train/embedded_run (train_state.json, log.jsonl); to continue it, put it back together
+(`mkdir -p runs/run && cp -r assets/model runs/run/ && cp train/embedded_run/* runs/run/`) and call
+again with a larger `--tf-minutes` (the LR schedule then restarts part-way up its cosine).
+
+Evaluate with `python -m train.evaluate --model runs/run/model`. A toy check on CPU (a minute):
 
     python -m train.train --out /tmp/toy --batch-scale 0.03 --workers 0 --max-vae-steps 3 --max-tf-steps 3
 """
@@ -63,12 +73,12 @@ from engine.sequence import CondImageLayout, image_phase_sequence, text_phase_se
 from engine.tokenizer import Tokenizer
 from engine.vit import vit_preprocess
 
-from .config import INFER_STEPS, model_config, write_folder
+from .config import SCHEDULE_STEPS, model_config, write_folder
 from .dataset import BUCKETS, FORMATS, make_sample, system_text
 from .tokenizer import build_tokenizer, padded_vocab
 
 VIEW = PhaseView()
-STEPS, SHIFT, GUIDANCE = INFER_STEPS, 3.0, 2.5   # the inference schedule the model is trained for
+STEPS, SHIFT, GUIDANCE = SCHEDULE_STEPS, 3.0, 2.5   # the inference schedule the model is trained for
 GROUP_WEIGHTS = {0: 0.45, 1: 0.33, 2: 0.13, 3: 0.09}
 BATCH = {0: 128, 1: 64, 2: 40, 3: 32}       # sequences per batch by reference count (~45k tokens each)
 VAE_BATCH = 64
@@ -307,9 +317,12 @@ class RouterAux:
     def __init__(self, model: HunyuanImage3):
         self.terms: list[torch.Tensor] = []
         self.usage: list[torch.Tensor] = []
+        self.active = True
         self.handles = [layer.mlp.register_forward_hook(self._hook) for layer in model.transformer.layers]
 
     def _hook(self, mod, inputs, output):
+        if not self.active:                  # off during probes: their forwards are no training step
+            return
         x = inputs[0].reshape(-1, inputs[0].shape[-1])
         probs = F.linear(x.float(), mod.gate).softmax(-1)
         idx = probs.topk(mod.topk, dim=-1).indices
@@ -351,8 +364,10 @@ def _pixels(img_u8: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return img_u8.to(dev, non_blocking=True).float() / 127.5 - 1.0
 
 
-def transformer_losses(model: HunyuanImage3, batch: dict, dev: torch.device, aux: RouterAux | None = None) -> dict:
-    """The joint loss of one batch: CE on CoT + ratio tokens, flow matching on the image tokens."""
+def sequence_hidden(model: HunyuanImage3, batch: dict, dev: torch.device,
+                    gen_inputs: dict[tuple[int, int], tuple]) -> torch.Tensor:
+    """Last-layer hidden states [B*T, H] of a collated batch, the generated images' tokens fed as
+    gen_inputs[(h, w)] = (x_t [n, C, h, w], t [n] (sigma * 1000), r [n] (sigma units), guidance [n])."""
     cfg = model.cfg
     H, D = cfg.hidden_size, cfg.head_dim
     ids = batch["ids"].to(dev, non_blocking=True)
@@ -375,23 +390,13 @@ def transformer_losses(model: HunyuanImage3, batch: dict, dev: torch.device, aux
                                    v["shapes"])
         idx.append(v["idx"].to(dev, non_blocking=True).reshape(-1))
         vals.append(model.vision_aligner(feats).reshape(-1, H))
-    heads = []
-    for (h, w), g in batch["gen"].items():
-        with torch.no_grad():
-            mean, _ = model.vae.encode_moments(_pixels(g["img"], dev))
-            x0 = mean.squeeze(2) * model.vae.scaling_factor
-        n = x0.shape[0]
-        sigma, r, guid = sample_times(n, dev)
-        noise = torch.randn_like(x0)
-        s4 = sigma.view(n, 1, 1, 1)
-        xt = (1 - s4) * x0 + s4 * noise
-        t = sigma * 1000.0
+    for hw, g in batch["gen"].items():
+        xt, t, r, guid = gen_inputs[hw]
         idx.append(g["tok"].to(dev, non_blocking=True).reshape(-1))
         vals.append(model.patch_embed(xt, model.time_embed(t)).reshape(-1, H))
         meta = g["meta"].to(dev, non_blocking=True)
         idx += [meta, meta + 1, meta + 2]
         vals += [model.timestep_emb(t), model.guidance_emb(guid), model.timestep_r_emb(r * 1000.0)]
-        heads.append((g["tok"], h, w, t, noise - x0))
     x = x.index_put((torch.cat(idx),), torch.cat([v.to(x.dtype) for v in vals]))
     pos = batch["pos"].to(dev, non_blocking=True)
     cos, sin = rope_angles(pos.reshape(-1, 2), D, cfg.rope_theta)
@@ -399,23 +404,72 @@ def transformer_losses(model: HunyuanImage3, batch: dict, dev: torch.device, aux
     attn = AttnBatch(torch.arange(T, device=dev), cos.view(B, 1, T, D), sin.view(B, 1, T, D), T, batch_mask(blocks))
     lay0 = model.transformer.layers[0].self_attn
     cache = KVCache.allocate(cfg.num_layers, B, lay0.kv_per_micro, T, D, x.dtype, dev)
-    hid = model.transformer(x.view(B, T, H), attn, cache, VIEW).reshape(B * T, H)
+    return model.transformer(x.view(B, T, H), attn, cache, VIEW).reshape(B * T, H)
+
+
+def gen_velocity(model: HunyuanImage3, hid: torch.Tensor, g: dict, h: int, w: int, t: torch.Tensor,
+                 dev: torch.device) -> torch.Tensor:
+    """The velocity head on one image shape's tokens -> [n, C, h, w] fp32."""
+    n = g["tok"].shape[0]
+    hs = hid[g["tok"].to(dev, non_blocking=True).reshape(-1)].view(n, h * w, -1)
+    return model.final_layer(hs, model.time_embed_2(t), h, w).float()
+
+
+def foreground_weights(img_u8: torch.Tensor, dev: torch.device, factor: int, fg_weight: float) -> torch.Tensor:
+    """[n, 1, h, w] per-token loss weights: 1 + fg_weight x the token's fraction of shape pixels
+    (anything not the background, read at the corner pixel), normalised to mean 1 per image."""
+    x = _pixels(img_u8, dev)
+    fg = ((x - x[:, :, :1, :1]).abs().sum(1, keepdim=True) > 0.1).float()
+    w = 1.0 + fg_weight * F.avg_pool2d(fg, factor)
+    return w / w.mean(dim=(1, 2, 3), keepdim=True)
+
+
+def transformer_losses(model: HunyuanImage3, batch: dict, dev: torch.device, aux: RouterAux | None = None,
+                       fg_weight: float = 0.0) -> dict:
+    """The joint loss of one batch: CE on CoT + ratio tokens, flow matching on the image tokens
+    (each token's squared error weighted by `foreground_weights`)."""
+    gen_inputs, targets = {}, {}
+    for hw, g in batch["gen"].items():
+        with torch.no_grad():
+            mean, _ = model.vae.encode_moments(_pixels(g["img"], dev))
+            x0 = mean.squeeze(2) * model.vae.scaling_factor
+        n = x0.shape[0]
+        sigma, r, guid = sample_times(n, dev)
+        noise = torch.randn_like(x0)
+        s4 = sigma.view(n, 1, 1, 1)
+        gen_inputs[hw] = ((1 - s4) * x0 + s4 * noise, sigma * 1000.0, r, guid)
+        targets[hw] = noise - x0
+    hid = sequence_hidden(model, batch, dev, gen_inputs)
     logits = model.transformer.logits(hid[batch["tgt_in"].to(dev, non_blocking=True)], VIEW)
     ce = F.cross_entropy(logits, batch["tgt_ids"].to(dev, non_blocking=True))
     se, count = 0.0, 0
-    for tok, h, w, t, target in heads:
-        n = target.shape[0]
-        hs = hid[tok.to(dev, non_blocking=True).reshape(-1)].view(n, h * w, H)
-        v = model.final_layer(hs, model.time_embed_2(t), h, w).float()
-        se = se + ((v - target) ** 2).mean(dim=(1, 2, 3)).sum()
-        count += n
+    factor = model.vae.ffactor_spatial
+    for (h, w), g in batch["gen"].items():
+        v = gen_velocity(model, hid, g, h, w, gen_inputs[(h, w)][1], dev)
+        wt = foreground_weights(g["img"], dev, factor, fg_weight)
+        se = se + (((v - targets[(h, w)]) ** 2).mean(dim=1, keepdim=True) * wt).mean(dim=(1, 2, 3)).sum()
+        count += v.shape[0]
     out = {"ce": ce, "fm": se / count}
     if aux is not None:
         out["aux"], out["usage"] = aux.pop()
     return out
 
 
-def vae_losses(vae, img_u8: torch.Tensor, dev: torch.device, kl_weight: float) -> dict:
+ALIGNED = 12     # latent channels held to the token's 2 x 2 quadrant colours (3 x 4); the rest are free
+
+
+def latent_targets(x: torch.Tensor, factor: int) -> torch.Tensor:
+    """[B, 12, h, w]: the RGB means of each token's four quadrants (pixels in [-1, 1])."""
+    return F.pixel_unshuffle(F.avg_pool2d(x, factor // 2), 2)
+
+
+def vae_losses(vae, img_u8: torch.Tensor, dev: torch.device, kl_weight: float, align_weight: float) -> dict:
+    """Reconstruction (foreground-weighted L1 + image-gradient L1), a small KL, and the latent
+    alignment: the first ALIGNED channels of the posterior mean follow `latent_targets` and the free
+    channels keep a mean square <= 1. Why: left alone, the encoder's GroupNorms (statistics over the
+    whole image) made every token's latent depend on every object, and a colour change moved the latent
+    by less than 1/10 of the noise's scale, so the flow model could not see colours (it drew grey
+    blobs). Held to local colours, a token's latent is about its own patch and colours are far apart."""
     x = _pixels(img_u8, dev)
     mean, logvar = vae.encode_moments(x)
     z = mean + torch.exp(0.5 * logvar) * torch.randn_like(mean)
@@ -427,7 +481,35 @@ def vae_losses(vae, img_u8: torch.Tensor, dev: torch.device, kl_weight: float) -
     grad = ((rec[..., 1:, :] - rec[..., :-1, :]) - (x[..., 1:, :] - x[..., :-1, :])).abs().mean() + \
            ((rec[..., 1:] - rec[..., :-1]) - (x[..., 1:] - x[..., :-1])).abs().mean()
     kl = 0.5 * (mean.float() ** 2 + logvar.float().exp() - 1 - logvar.float()).mean()
-    return {"l1": l1, "grad": grad, "kl": kl, "loss": l1 + grad + kl_weight * kl}
+    m = mean.squeeze(2).float()
+    align = (m[:, :ALIGNED] - latent_targets(x, vae.ffactor_spatial)).pow(2).mean()
+    free = F.relu(m[:, ALIGNED:].pow(2).mean() - 1.0)
+    loss = l1 + grad + kl_weight * kl + align_weight * (align + free)
+    return {"l1": l1, "grad": grad, "kl": kl, "align": align, "loss": loss}
+
+
+@torch.no_grad()
+def latent_report(vae, dev: torch.device) -> str:
+    """How far the latent (scaled) moves when one object changes colour or shape, inside the object's
+    tokens vs outside: a usable latent moves a lot inside (noise is ~1 per channel) and little outside."""
+    from .dataset import Obj, Scene
+    def lat(obj):
+        img = _uint8(Scene("square", "white", (obj,)).render())[None]
+        with torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda"):
+            m, _ = vae.encode_moments(_pixels(img, dev))
+        return m.squeeze(2)[0].float() * vae.scaling_factor
+    base = lat(Obj("circle", "red", "large", (1, 1)))
+    inside = torch.zeros(base.shape[1:], dtype=torch.bool, device=base.device)
+    h, w = base.shape[1:]
+    inside[h // 3:2 * h // 3 + 1, w // 3:2 * w // 3 + 1] = True
+    out = []
+    for name, obj in (("red->blue", Obj("circle", "blue", "large", (1, 1))),
+                      ("red->yellow", Obj("circle", "yellow", "large", (1, 1))),
+                      ("circle->star", Obj("star", "red", "large", (1, 1))),
+                      ("circle->square", Obj("square", "red", "large", (1, 1)))):
+        d = (lat(obj) - base).pow(2).mean(0)
+        out.append(f"{name} rms inside {float(d[inside].max().sqrt()):.2f} outside {float(d[~inside].max().sqrt()):.3f}")
+    return "; ".join(out)
 
 
 @torch.no_grad()
@@ -446,6 +528,58 @@ def vae_check(vae, dev: torch.device, n: int = 24) -> float:
         ok += (a.background, sorted((o.color, o.shape, o.cell) for o in a.objects)) == \
               (b.background, sorted((o.color, o.shape, o.cell) for o in b.objects))
     return ok / n
+
+
+@torch.no_grad()
+def probe(model: HunyuanImage3, tok: Tokenizer, dev: torch.device, n: int = 32, seed: int = 0) -> dict:
+    """Images drawn from the ground-truth CoT through the training forward (the Euler schedule of
+    inference), read by the detector: the fraction of held-out scenes drawn exactly (every object's
+    colour, shape and cell, and the background) and of objects drawn right, for T2I and for edits.
+    It separates the image side's progress from the reasoning's during a run."""
+    from .detect import detect
+    model.eval()
+    out = {}
+    sig = flow_sigmas(STEPS, SHIFT).to(dev)
+    guid = torch.tensor([1000.0 * GUIDANCE], device=dev).to(torch.bfloat16).float()
+    C = int(model.cfg.vae["latent_channels"])
+    for name, group in (("t2i", 0), ("edit", 1)):
+        samples = [make_sample(i, "test", group=group) for i in range(n)]
+        seqs = []
+        for s in samples:
+            ts = TrainSequence(tok, model.cfg, s)
+            ts.target_image = _uint8(s.target.render())
+            seqs.append(ts)
+        batch = collate(seqs, tok.special.pad)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        xs = {hw: torch.randn(g["tok"].shape[0], C, *hw, generator=gen).to(dev) for hw, g in batch["gen"].items()}
+        for k in range(STEPS):
+            inputs = {hw: (x, sig[k].expand(x.shape[0]) * 1000.0, sig[k + 1].expand(x.shape[0]), guid.expand(x.shape[0]))
+                      for hw, x in xs.items()}
+            with torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda"):
+                hid = sequence_hidden(model, batch, dev, inputs)
+                for (h, w), g in batch["gen"].items():
+                    v = gen_velocity(model, hid, g, h, w, inputs[(h, w)][1], dev)
+                    xs[(h, w)] = xs[(h, w)] + (sig[k + 1] - sig[k]) * v
+        # back to sample order: collate groups the batch's rows by image shape, in order of appearance
+        order = {}
+        for b, ts in enumerate(seqs):
+            order.setdefault((ts.span.h, ts.span.w), []).append(b)
+        exact, objs, total = 0, 0, 0
+        for hw, rows in order.items():
+            with torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda"):
+                imgs = model.vae.decode_latent(xs[hw]).float()
+            for img, b in zip(imgs, rows):
+                pil = Image.fromarray(((img.permute(1, 2, 0) + 1) * 127.5).clamp(0, 255).round().byte().cpu().numpy())
+                got, want = detect(pil), detect(samples[b].target.render())
+                a = sorted((o.color, o.shape, o.cell) for o in got.objects)
+                w_ = sorted((o.color, o.shape, o.cell) for o in want.objects)
+                exact += (got.background, a) == (want.background, w_)
+                objs += sum(1 for o in w_ if o in a)
+                total += len(w_)
+        out[f"{name}_exact"] = exact / n
+        out[f"{name}_objects"] = objs / max(1, total)
+    model.train()
+    return out
 
 
 # ----------------------------------------------------------------------------------------- run
@@ -508,6 +642,18 @@ class Run:
         if time.perf_counter() - self.last_save > self.args.save_every * 60:
             self.save()
 
+    def run_probe(self) -> None:
+        if self.args.probe <= 0:
+            return
+        t0 = time.perf_counter()
+        tok = Tokenizer(str(self.folder / "tokenizer.json"), self.model.cfg.image_base_size, len(BUCKETS))
+        r = probe(self.model, tok, self.dev, self.args.probe)
+        st = self.state
+        self.log(f"probe at tf step {st['tf_step']}: images from the true CoT, held-out scenes exact "
+                 f"T2I {r['t2i_exact']:.0%} (objects {r['t2i_objects']:.0%}), edits {r['edit_exact']:.0%} "
+                 f"(objects {r['edit_objects']:.0%}) [{time.perf_counter() - t0:.1f}s]",
+                 phase="probe", step=st["tf_step"], t=st["tf_s"], **r)
+
     @staticmethod
     def lr_at(peak: float, frac: float, warm: float) -> float:
         return peak * min(1.0, warm) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
@@ -531,12 +677,12 @@ class Run:
             for gr in opt.param_groups:
                 gr["lr"] = lr
             with torch.autocast("cuda", torch.bfloat16, enabled=self.amp):
-                L = vae_losses(vae, img, self.dev, a.kl_weight)
+                L = vae_losses(vae, img, self.dev, a.kl_weight, a.align_weight)
             opt.zero_grad(set_to_none=True)
             L["loss"].backward()
             torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
             opt.step()
-            d = torch.stack([L["l1"], L["grad"], L["kl"]]).detach()
+            d = torch.stack([L["l1"], L["grad"], L["kl"], L["align"]]).detach()
             acc = d if acc is None else acc + d
             steps_here += 1
             st["vae_step"] += 1
@@ -547,16 +693,18 @@ class Run:
                 m = (acc / a.log_every).tolist()
                 acc = None
                 self.log(f"vae step {st['vae_step']} t={st['vae_s']:.0f}s lr={lr:.2e} l1={m[0]:.4f} "
-                         f"grad={m[1]:.4f} kl={m[2]:.3f}", phase="vae", step=st["vae_step"], t=st["vae_s"],
-                         l1=m[0], grad=m[1], kl=m[2])
+                         f"grad={m[1]:.4f} kl={m[2]:.3f} align={m[3]:.4f}", phase="vae", step=st["vae_step"],
+                         t=st["vae_s"], l1=m[0], grad=m[1], kl=m[2], align=m[3])
             self.maybe_periodic_save()
         vae.eval().requires_grad_(False)
         done = st["vae_s"] >= budget or st["vae_step"] >= a.max_vae_steps
         if done:
             st["scaling_factor"] = self.latent_scale()
             st["phase"] = "tf"
+            vae.scaling_factor = float(st["scaling_factor"])
             self.log(f"VAE done: scaling_factor {st['scaling_factor']:.4f}; reconstructions whose detected "
-                     f"objects (colour, shape, cell) match the input: {vae_check(vae, self.dev):.0%}")
+                     f"objects (colour, shape, cell) match the input: {vae_check(vae, self.dev):.0%}; "
+                     f"latent moves: {latent_report(vae, self.dev)}")
         return done
 
     @torch.no_grad()
@@ -593,6 +741,7 @@ class Run:
         self.log(f"transformer phase: budget {budget:.0f}s, done {st['tf_s']:.0f}s / step {st['tf_step']}, "
                  f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters")
         t_wait, t_fetch = 0.0, time.perf_counter()
+        t_probe = t_fetch
         for k, batch in enumerate(data):
             t_wait += time.perf_counter() - t_fetch
             if k == 0:
@@ -604,7 +753,7 @@ class Run:
             for gr in opt.param_groups:
                 gr["lr"] = lr
             with torch.autocast("cuda", torch.bfloat16, enabled=self.amp):
-                L = transformer_losses(model, batch, self.dev, aux)
+                L = transformer_losses(model, batch, self.dev, aux, a.fg_weight)
                 loss = L["ce"] + a.fm_weight * L["fm"] + a.aux_weight * L["aux"]
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -630,7 +779,16 @@ class Run:
                 acc, usage, ntok, t_log, t_wait = None, None, 0, now, 0.0
             t_last = now
             self.maybe_periodic_save()
+            if time.perf_counter() - t_probe > a.probe_every * 60:
+                aux.active = False
+                self.run_probe()
+                aux.active = True
+                t_probe = time.perf_counter()
+                t_last = t_probe          # probing is not training time
             t_fetch = time.perf_counter()
+        if steps_here:
+            aux.active = False
+            self.run_probe()
         for h in aux.handles:
             h.remove()
         model.eval()
@@ -691,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=1e9, help="wall-clock budget of this call (saves before it)")
     ap.add_argument("--resume", action="store_true", help="continue the run in --out")
     ap.add_argument("--vae-minutes", type=float, default=2.5, help="VAE phase training time (LR schedule)")
-    ap.add_argument("--tf-minutes", type=float, default=8.0, help="transformer phase training time (LR schedule)")
+    ap.add_argument("--tf-minutes", type=float, default=18.0, help="transformer phase training time (LR schedule)")
     ap.add_argument("--max-vae-steps", type=int, default=1 << 40)
     ap.add_argument("--max-tf-steps", type=int, default=1 << 40)
     ap.add_argument("--batch-scale", type=float, default=1.0, help="scales every batch size")
@@ -702,11 +860,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fm-weight", type=float, default=3.0)
     ap.add_argument("--aux-weight", type=float, default=0.01)
     ap.add_argument("--kl-weight", type=float, default=1e-4)
+    ap.add_argument("--align-weight", type=float, default=1.0, help="VAE latent alignment (see vae_losses)")
+    ap.add_argument("--fg-weight", type=float, default=4.0, help="flow loss weight of shape pixels (see foreground_weights)")
     ap.add_argument("--workers", type=int, default=min(14, max(0, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--save-every", type=float, default=4.0, help="minutes between checkpoint writes")
     ap.add_argument("--reserve", type=float, default=20.0, help="seconds kept for the final save")
     ap.add_argument("--preview", type=int, default=0, help="when done, generate N test images to preview.png")
+    ap.add_argument("--probe", type=int, default=32, help="held-out scenes per probe (0: no probe)")
+    ap.add_argument("--probe-every", type=float, default=2.0, help="minutes between probes")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     return Run(args).run()
