@@ -70,13 +70,17 @@ class Pipeline:
     def __init__(self, lm: LoadedModel, runtime: Runtime | None = None, preview_every: int = 1,
                  preview_tokens: int | None = None, kv_handoff: bool = True,
                  on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, preview_share: float = 0.25):
         self.lm = lm
         self.cuda_graph = cuda_graph        # AR decode steps as CUDA-graph replays (GPU, opt-in)
         self.cfg_serial = cfg_serial        # CFG branches one after the other instead of batched
         self.on_phase = on_phase            # called with "ar" / "denoise" as a phase starts (tests, tracing)
         self.rt = runtime or Runtime.single(lm.model.device)
         self.preview_every = preview_every
+        # previews may take at most this share of the denoise compute: on a CPU one preview (a VAE
+        # decode) costs several denoise steps of a small model, so they are skipped until it is paid
+        # for; on a GPU it is cheap beside a step and every step gets one
+        self.preview_share = preview_share
         # previews decode a pooled latent of at most this many tokens (cheap on a GPU, tighter on a CPU)
         self.preview_tokens = preview_tokens or (256 if lm.model.device.type == "cuda" else 64)
         self.kv_handoff = kv_handoff
@@ -231,16 +235,21 @@ class Pipeline:
 
         self.on_phase("denoise")
         t0 = time.perf_counter()
-        x = None
+        x, spent = None, 0.0          # spent: seconds in previews
         for i, x, x0 in denoise(runner, noise, p.steps, lm.gen.flow_shift, p.guidance, cfg_on, cfg.cfg_distilled,
                                 agree.cancelled(cancelled)):
-            show = rt.is_leader and self.preview_every and (i + 1) % self.preview_every == 0
-            yield Step(i + 1, p.steps, self._preview(x0) if show else None)
+            png = None
+            if rt.is_leader and self.preview_every and (i + 1) % self.preview_every == 0 and i + 1 < p.steps and \
+                    spent <= self.preview_share * (time.perf_counter() - t0 - spent):
+                tp = time.perf_counter()
+                png = self._preview(x0)
+                spent += time.perf_counter() - tp
+            yield Step(i + 1, p.steps, png)
         if x is None or i + 1 < p.steps:
             yield Error("cancelled", "stopped by the user")
             return
         timings.dit_steps = p.steps
-        timings.dit_ms_per_step = (time.perf_counter() - t0) * 1e3 / p.steps
+        timings.dit_ms_per_step = (time.perf_counter() - t0 - spent) * 1e3 / p.steps
 
         if not rt.is_leader:      # one rank decodes and emits the image
             return

@@ -179,3 +179,25 @@ def test_cache_grows_when_the_image_stage_needs_more_room(tiny):
     a, b = run(roomy, **kw), run(tight, **kw)
     assert b[-1].timings.kv_reused_tokens == a[-1].timings.kv_reused_tokens > 0
     assert np.abs(np.asarray(image_of(a), dtype=np.float32) - np.asarray(image_of(b), dtype=np.float32)).max() <= 1.0
+
+
+def test_previews_keep_to_their_share_of_the_denoise_time(tiny):
+    import time
+
+    def slow_preview(x0):          # a preview as costly as a CPU VAE decode
+        time.sleep(0.05)
+        return b"png"
+
+    kw = dict(prompt="a red circle", bot_task="image", steps=12, seed=3)
+    every = Pipeline(tiny, preview_share=1e9)
+    every._preview = slow_preview
+    ev = run(every, **kw)
+    assert [e.preview is not None for e in ev if isinstance(e, Step)] == [True] * 11 + [False]  # the image follows
+
+    thrifty = Pipeline(tiny)
+    thrifty._preview = slow_preview
+    ev = run(thrifty, **kw)
+    shown = sum(e.preview is not None for e in ev if isinstance(e, Step))
+    compute_s = next(e for e in ev if isinstance(e, Done)).timings.dit_ms_per_step * 12 / 1e3
+    assert shown >= 1 and ev[[isinstance(e, Step) for e in ev].index(True)].preview  # the first step shows
+    assert 0.05 * (shown - 1) <= 0.25 * compute_s + 1e-3, (shown, compute_s)

@@ -36,7 +36,7 @@ from engine.pipeline import Pipeline
 from engine.request import Request
 
 from .dataset import COLORS, FORMATS, REGIONS, SHAPES, make_sample
-from .detect import SceneDetection, detect
+from .detect import Detection, SceneDetection, detect
 
 T2I_ATTRS = ("color", "shape", "count", "position")
 CELL_BY_NAME = {"top left": (0, 0), "top": (0, 1), "top right": (0, 2), "left": (1, 0), "center": (1, 1),
@@ -52,6 +52,12 @@ def parse_recaption(text: str) -> dict | None:
         return None
     objs = [(c, s, CELL_BY_NAME[p]) for _, c, s, p in _OBJ.findall(m.group(3))]
     return {"format": m.group(1), "background": m.group(2), "objects": objs}
+
+
+def recaption_scene(parsed: dict) -> SceneDetection:
+    """A parsed recaption as the detector's result type, so the edit checks can read the CoT too."""
+    return SceneDetection(parsed["background"], [Detection(s, c, cell, 0, (0, 0, 0, 0), 0.0)
+                                                 for c, s, cell in parsed["objects"]])
 
 
 def split_cot(cot: str) -> tuple[str | None, str | None]:
@@ -199,7 +205,7 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
 
     edits: dict[str, list[bool]] = {}
     kept: list[bool] = []
-    edit_formed = []
+    edit_formed, edit_cot, edit_follows = [], [], []
     for i in range(n_edit):
         group = (1, 1, 1, 1, 1, 2, 2, 3)[i % 8]
         s = make_sample(seed * 100_003 + i, "test", group=group)
@@ -215,6 +221,11 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
         edits.setdefault(s.task, []).append(ok)
         kept.append(kp)
         edit_formed.append(well_formed(tok.encode(r["cot"]), sp))
+        _, recap = split_cot(r["cot"])
+        parsed = parse_recaption(recap) if recap else None
+        edit_cot.append(bool(parsed) and check_edit(s.task, s.check, recaption_scene(parsed))[0])
+        edit_follows.append(bool(parsed) and sorted((o.color, o.shape, o.cell) for o in det.objects)
+                            == sorted(parsed["objects"]))
         if save:
             r["image"].save(save / f"ti2i_{i:03d}_{s.task}.png")
         log(f"ti2i {i} [{s.task}]: {s.prompt!r} -> {r['cot'][:160]!r} | detected "
@@ -228,7 +239,7 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
         "t2i_attribute_accuracy": mean(all_attr), **{f"t2i_{k}": mean(v) for k, v in attrs.items()},
         **{f"t2i_{k}": mean(v) for k, v in extra.items()},
         "ti2i_edit_accuracy": mean(all_edit), **{f"ti2i_{k}": mean(v) for k, v in edits.items()},
-        "ti2i_kept": mean(kept),
+        "ti2i_kept": mean(kept), "ti2i_cot_correct": mean(edit_cot), "ti2i_image_follows_cot": mean(edit_follows),
         "reasoning_well_formed": mean(formed + edit_formed),
         "median_t2i_seconds": statistics.median(times) if times else float("nan"),
     }
@@ -243,8 +254,10 @@ def table(m: dict) -> str:
             ("  image matches its recaption", m["t2i_image_follows_cot"]),
             ("TI2I edit accuracy (requested change)", m["ti2i_edit_accuracy"])]
     rows += [(f"  {k[5:]}", v) for k, v in m.items() if k.startswith("ti2i_") and k not in
-             ("ti2i_edit_accuracy", "ti2i_kept")]
+             ("ti2i_edit_accuracy", "ti2i_kept", "ti2i_cot_correct", "ti2i_image_follows_cot")]
     rows += [("  untouched objects kept", m["ti2i_kept"]),
+             ("  CoT (recaption) makes the requested change", m["ti2i_cot_correct"]),
+             ("  image matches its recaption", m["ti2i_image_follows_cot"]),
              ("Reasoning well-formed (think/recaption/ratio ids)", m["reasoning_well_formed"])]
     lines = [f"| {'metric':55s} | {'value':>7s} |", f"|{'-' * 57}|{'-' * 9}|"]
     lines += [f"| {k:55s} | {v:7.1%} |" for k, v in rows]
