@@ -4,6 +4,8 @@ inference sequences, and a toy-scale train step that lowers the loss and writes 
 loads and runs."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,6 +21,8 @@ from train.dataset import FORMATS, GROUP_TASKS, is_heldout, make_sample, system_
 from train.detect import detect
 from train.evaluate import check_edit, check_t2i, parse_recaption, well_formed
 from train.tokenizer import build_tokenizer, padded_vocab, save_and_load
+
+EMBEDDED = Path(__file__).resolve().parents[1] / "assets" / "model"
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +194,51 @@ def test_foreground_weights_favour_shape_tokens():
     assert torch.allclose(w0, torch.ones_like(w0))
     assert abs(float(w1.mean()) - 1.0) < 1e-5
     assert float(w1[0, 0, :5, :5].max()) > 2.0 * float(w1[0, 0, -5:, -5:].max())   # circle top left
+
+
+@pytest.mark.skipif(not (EMBEDDED / "config.json").exists(), reason="no embedded model in assets/")
+def test_training_forward_is_the_inference_forward(monkeypatch):
+    """The velocity the trainer fits is the one the pipeline computes for the same sample (its CoT
+    forced, the same x_t): same sequence, system prompt, positions, mask, reference-image and timestep
+    embeddings. A TI2I sample with two references, on the trained embedded model (a random model's
+    image tokens barely depend on the text, so it would not catch a different prefix)."""
+    import engine.pipeline as P
+    from engine.denoise import flow_sigmas
+    from engine.text_phase import TextResult
+    from train.train import TrainSequence, _uint8, collate, gen_velocity, sequence_hidden
+    lm = load(EMBEDDED, "cpu", torch.float32)
+    model, tok = lm.model, lm.tok
+    # one posterior for both sides (the trainer and the pipeline draw different posterior noise)
+    monkeypatch.setattr(model.vae, "encode_latent",
+                        lambda px, gen: model.vae.encode_moments(px)[0].squeeze(2) * model.vae.scaling_factor)
+
+    s = make_sample(3, "test", group=2)
+    ts = TrainSequence(tok, model.cfg, s)
+    ts.target_image = _uint8(s.target.render())
+    batch = collate([ts], tok.special.pad)
+    (h, w), g = next(iter(batch["gen"].items()))
+    x = torch.randn(1, int(model.cfg.vae["latent_channels"]), h, w, generator=torch.Generator().manual_seed(1))
+    sig = flow_sigmas(4, 3.0)
+    t, r = sig[1:2] * 1000.0, sig[2:3]
+    guid = torch.tensor([1000.0 * lm.gen.diff_guidance_scale]).to(torch.bfloat16).float()
+    with torch.no_grad():
+        hid = sequence_hidden(model, batch, torch.device("cpu"), {(h, w): (x, t, r, guid)})
+        v_train = gen_velocity(model, hid, g, h, w, t, torch.device("cpu"))
+
+    generated = ts.ids[ts.targets[0]:ts.span.meta_start]            # the CoT ids and the ratio token
+
+    def forced_text(*args, **kw):
+        yield TextResult(tokens=list(generated), ratio_token=generated[-1], fed=0)
+
+    got = {}
+
+    def one_velocity(runner, noise, steps, shift, guidance, cfg_on, distil, cancelled=None):
+        got["v"] = runner.velocity(0, x, t, r * 1000.0, guid)
+        return iter(())
+
+    monkeypatch.setattr(P, "generate_text", forced_text)
+    monkeypatch.setattr(P, "denoise", one_velocity)
+    list(Pipeline(lm, preview_every=0, kv_handoff=False).run(
+        Request(prompt=s.prompt, images=[sc.render() for sc in s.refs], seed=1, steps=4)))
+    assert got["v"].shape == v_train.shape
+    torch.testing.assert_close(got["v"], v_train, atol=1e-4, rtol=1e-4)
