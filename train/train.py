@@ -512,6 +512,11 @@ def latent_report(vae, dev: torch.device) -> str:
     return "; ".join(out)
 
 
+def scene_key(det) -> tuple[str, list[tuple]]:
+    """What must match for a scene to count as drawn right: background, every object's colour, shape, cell."""
+    return det.background, sorted((o.color, o.shape, o.cell) for o in det.objects)
+
+
 @torch.no_grad()
 def vae_check(vae, dev: torch.device, n: int = 24) -> float:
     """Fraction of held-out renders whose reconstruction (posterior mean) the detector reads exactly
@@ -524,9 +529,7 @@ def vae_check(vae, dev: torch.device, n: int = 24) -> float:
         mean, _ = vae.encode_moments(_pixels(img, dev))
         rec = vae.decoder(mean)[:, :, -1].float()[0]
         pil = Image.fromarray(((rec.permute(1, 2, 0) + 1) * 127.5).clamp(0, 255).round().byte().cpu().numpy())
-        a, b = detect(pil), detect(s.target.render())
-        ok += (a.background, sorted((o.color, o.shape, o.cell) for o in a.objects)) == \
-              (b.background, sorted((o.color, o.shape, o.cell) for o in b.objects))
+        ok += scene_key(detect(pil)) == scene_key(detect(s.target.render()))
     return ok / n
 
 
@@ -570,12 +573,10 @@ def probe(model: HunyuanImage3, tok: Tokenizer, dev: torch.device, n: int = 32, 
                 imgs = model.vae.decode_latent(xs[hw]).float()
             for img, b in zip(imgs, rows):
                 pil = Image.fromarray(((img.permute(1, 2, 0) + 1) * 127.5).clamp(0, 255).round().byte().cpu().numpy())
-                got, want = detect(pil), detect(samples[b].target.render())
-                a = sorted((o.color, o.shape, o.cell) for o in got.objects)
-                w_ = sorted((o.color, o.shape, o.cell) for o in want.objects)
-                exact += (got.background, a) == (want.background, w_)
-                objs += sum(1 for o in w_ if o in a)
-                total += len(w_)
+                got, want = scene_key(detect(pil)), scene_key(detect(samples[b].target.render()))
+                exact += got == want
+                objs += sum(1 for o in want[1] if o in got[1])
+                total += len(want[1])
         out[f"{name}_exact"] = exact / n
         out[f"{name}_objects"] = objs / max(1, total)
     model.train()
