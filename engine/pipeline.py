@@ -41,6 +41,12 @@ from .text_phase import StagePlan, TextResult, generate_text
 COT_TASKS = ("think", "recaption", "think_recaption")
 
 
+def _sync(dev: torch.device) -> None:
+    """Wait for the queued GPU work, so that a wall-clock reading covers it."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -241,6 +247,7 @@ class Pipeline:
             png = None
             if rt.is_leader and self.preview_every and (i + 1) % self.preview_every == 0 and i + 1 < p.steps and \
                     spent <= self.preview_share * (time.perf_counter() - t0 - spent):
+                _sync(dev)     # steps are queued asynchronously on a GPU: charge the preview its own time only
                 tp = time.perf_counter()
                 png = self._preview(x0)
                 spent += time.perf_counter() - tp
@@ -248,6 +255,7 @@ class Pipeline:
         if x is None or i + 1 < p.steps:
             yield Error("cancelled", "stopped by the user")
             return
+        _sync(dev)
         timings.dit_steps = p.steps
         timings.dit_ms_per_step = (time.perf_counter() - t0 - spent) * 1e3 / p.steps
 
