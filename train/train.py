@@ -11,8 +11,9 @@ Two phases, run through the engine's own modules (engine.model.HunyuanImage3 and
 2. Transformer, image heads, ViT and aligner (the VAE frozen), on both objectives at once:
    - next-token loss on the CoT (`<think>` / `<recaption>` texts, their tags) and the ratio token;
    - flow-matching loss on the image tokens (rectified flow, x_t = (1-s) x0 + s e, target
-     v = e - x0, t = 1000 s; tokens covering shapes weigh up to 1 + `--fg-weight`; half the samples at the exact shift-3 inference schedule points with
-     r = the next schedule point, half continuous), Distil inputs `<guidance>` / `<timestep_r>`;
+     v = e - x0, t = 1000 s; tokens covering shapes weigh up to 1 + `--fg-weight`; half the samples
+     at the exact shift-3 inference schedule points with r = the next schedule point, half
+     continuous), Distil inputs `<guidance>` / `<timestep_r>`;
    - TI2I: 1-3 reference images as the official joint sections (VAE posterior sample through
      `patch_embed` at t=0 + ViT / aligner features), in the same sequence.
    Every training sequence is `engine.sequence.image_phase_sequence`, the exact sequence inference
@@ -66,6 +67,7 @@ import engine.moe
 from engine.attention import AttnBatch, KVCache
 from engine.config import ModelConfig
 from engine.denoise import flow_sigmas
+from engine.images import to_pil
 from engine.layers import rope_angles
 from engine.model import HunyuanImage3, vit_head_shapes
 from engine.parallel import PhaseView
@@ -415,12 +417,15 @@ def gen_velocity(model: HunyuanImage3, hid: torch.Tensor, g: dict, h: int, w: in
     return model.final_layer(hs, model.time_embed_2(t), h, w).float()
 
 
+def foreground_mask(x: torch.Tensor) -> torch.Tensor:
+    """[B, 1, H, W] 1 where a pixel is not the background (read at the corner pixel, always background)."""
+    return ((x - x[:, :, :1, :1]).abs().sum(1, keepdim=True) > 0.1).float()
+
+
 def foreground_weights(img_u8: torch.Tensor, dev: torch.device, factor: int, fg_weight: float) -> torch.Tensor:
     """[n, 1, h, w] per-token loss weights: 1 + fg_weight x the token's fraction of shape pixels
     (anything not the background, read at the corner pixel), normalised to mean 1 per image."""
-    x = _pixels(img_u8, dev)
-    fg = ((x - x[:, :, :1, :1]).abs().sum(1, keepdim=True) > 0.1).float()
-    w = 1.0 + fg_weight * F.avg_pool2d(fg, factor)
+    w = 1.0 + fg_weight * F.avg_pool2d(foreground_mask(_pixels(img_u8, dev)), factor)
     return w / w.mean(dim=(1, 2, 3), keepdim=True)
 
 
@@ -474,9 +479,7 @@ def vae_losses(vae, img_u8: torch.Tensor, dev: torch.device, kl_weight: float, a
     mean, logvar = vae.encode_moments(x)
     z = mean + torch.exp(0.5 * logvar) * torch.randn_like(mean)
     rec = vae.decoder(z)[:, :, -1].float()
-    # shapes cover a few % of the pixels: weight them 10x (the corner pixel is always background)
-    fg = ((x - x[:, :, :1, :1]).abs().sum(1, keepdim=True) > 0.1).float()
-    wfg = 1.0 + 9.0 * fg
+    wfg = 1.0 + 9.0 * foreground_mask(x)       # shapes cover a few % of the pixels: weight them 10x
     l1 = ((rec - x).abs() * wfg).mean() / wfg.mean()
     grad = ((rec[..., 1:, :] - rec[..., :-1, :]) - (x[..., 1:, :] - x[..., :-1, :])).abs().mean() + \
            ((rec[..., 1:] - rec[..., :-1]) - (x[..., 1:] - x[..., :-1])).abs().mean()
@@ -508,7 +511,8 @@ def latent_report(vae, dev: torch.device) -> str:
                       ("circle->star", Obj("star", "red", "large", (1, 1))),
                       ("circle->square", Obj("square", "red", "large", (1, 1)))):
         d = (lat(obj) - base).pow(2).mean(0)
-        out.append(f"{name} rms inside {float(d[inside].max().sqrt()):.2f} outside {float(d[~inside].max().sqrt()):.3f}")
+        inside_rms, outside_rms = float(d[inside].max().sqrt()), float(d[~inside].max().sqrt())
+        out.append(f"{name} rms inside {inside_rms:.2f} outside {outside_rms:.3f}")
     return "; ".join(out)
 
 
@@ -528,7 +532,7 @@ def vae_check(vae, dev: torch.device, n: int = 24) -> float:
         img = _uint8(s.target.render())[None]
         mean, _ = vae.encode_moments(_pixels(img, dev))
         rec = vae.decoder(mean)[:, :, -1].float()[0]
-        pil = Image.fromarray(((rec.permute(1, 2, 0) + 1) * 127.5).clamp(0, 255).round().byte().cpu().numpy())
+        pil = to_pil(rec)
         ok += scene_key(detect(pil)) == scene_key(detect(s.target.render()))
     return ok / n
 
@@ -556,7 +560,7 @@ def probe(model: HunyuanImage3, tok: Tokenizer, dev: torch.device, n: int = 32, 
         gen = torch.Generator(device="cpu").manual_seed(seed)
         xs = {hw: torch.randn(g["tok"].shape[0], C, *hw, generator=gen).to(dev) for hw, g in batch["gen"].items()}
         for k in range(STEPS):
-            inputs = {hw: (x, sig[k].expand(x.shape[0]) * 1000.0, sig[k + 1].expand(x.shape[0]), guid.expand(x.shape[0]))
+            inputs = {hw: (x, sig[k].expand(len(x)) * 1000.0, sig[k + 1].expand(len(x)), guid.expand(len(x)))
                       for hw, x in xs.items()}
             with torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda"):
                 hid = sequence_hidden(model, batch, dev, inputs)
@@ -572,7 +576,7 @@ def probe(model: HunyuanImage3, tok: Tokenizer, dev: torch.device, n: int = 32, 
             with torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda"):
                 imgs = model.vae.decode_latent(xs[hw]).float()
             for img, b in zip(imgs, rows):
-                pil = Image.fromarray(((img.permute(1, 2, 0) + 1) * 127.5).clamp(0, 255).round().byte().cpu().numpy())
+                pil = to_pil(img)
                 got, want = scene_key(detect(pil)), scene_key(detect(samples[b].target.render()))
                 exact += got == want
                 objs += sum(1 for o in want[1] if o in got[1])
@@ -862,7 +866,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aux-weight", type=float, default=0.01)
     ap.add_argument("--kl-weight", type=float, default=1e-4)
     ap.add_argument("--align-weight", type=float, default=1.0, help="VAE latent alignment (see vae_losses)")
-    ap.add_argument("--fg-weight", type=float, default=4.0, help="flow loss weight of shape pixels (see foreground_weights)")
+    ap.add_argument("--fg-weight", type=float, default=4.0,
+                    help="flow loss weight of shape pixels (see foreground_weights)")
     ap.add_argument("--workers", type=int, default=min(14, max(0, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--save-every", type=float, default=4.0, help="minutes between checkpoint writes")
