@@ -77,6 +77,7 @@ from engine.vit import vit_preprocess
 
 from .config import SCHEDULE_STEPS, model_config, write_folder
 from .dataset import BUCKETS, FORMATS, make_sample, system_text
+from .replicas import Replicas
 from .tokenizer import build_tokenizer, padded_vocab
 
 VIEW = PhaseView()
@@ -166,8 +167,10 @@ def collate(seqs: list[TrainSequence], pad_id: int) -> dict:
 class SeqBatches(Dataset):
     """Batch `step` of the transformer phase: a reference-count group, then that group's samples."""
 
-    def __init__(self, tok_path: str, cfg: dict, seed: int, scale: float, split: str = "train"):
+    def __init__(self, tok_path: str, cfg: dict, seed: int, scale: float, split: str = "train",
+                 rank: int = 0, world: int = 1):
         self.tok_path, self.cfg_dict, self.seed, self.scale, self.split = tok_path, cfg, seed, scale, split
+        self.rank, self.world = rank, world
         self._tok = self._cfg = None
 
     def __len__(self) -> int:
@@ -183,7 +186,9 @@ class SeqBatches(Dataset):
         n = max(1, round(BATCH[group] * self.scale))
         seqs = []
         for j in range(n):
-            s = make_sample((self.seed << 40) + step * 256 + j, self.split, group=group, fmt=fmt)
+            # group and fmt are the batch index's on every replica; the samples are the replica's own
+            key = ((self.seed << 40) + step * 256 + j) * self.world + self.rank
+            s = make_sample(key, self.split, group=group, fmt=fmt)
             ts = TrainSequence(self._tok, self._cfg, s)
             ts.target_image = _uint8(s.target.render())
             seqs.append(ts)
@@ -193,8 +198,8 @@ class SeqBatches(Dataset):
 class VaeBatches(Dataset):
     """Batch `step` of the VAE phase: rendered scenes (targets and references) of one format."""
 
-    def __init__(self, seed: int, batch: int):
-        self.seed, self.batch = seed, batch
+    def __init__(self, seed: int, batch: int, rank: int = 0, world: int = 1):
+        self.seed, self.batch, self.rank, self.world = seed, batch, rank, world
 
     def __len__(self) -> int:
         return 1 << 40
@@ -205,7 +210,7 @@ class VaeBatches(Dataset):
         imgs = []
         j = 0
         while len(imgs) < self.batch:
-            s = make_sample((self.seed << 40) + step * 256 + j, "train")
+            s = make_sample(((self.seed << 40) + step * 256 + j) * self.world + self.rank, "train")
             j += 1
             for sc in (s.target, *s.refs):
                 if len(imgs) < self.batch:
@@ -593,7 +598,8 @@ class Run:
         self.args = args
         self.out = Path(args.out)
         self.folder = self.out / "model"
-        self.dev = torch.device(args.device)
+        self.rep = Replicas(args.device)
+        self.dev = self.rep.device
         self.amp = self.dev.type == "cuda"
         self.t_call = time.perf_counter()
         self.state_path = self.out / "train_state.json"
@@ -615,14 +621,18 @@ class Run:
                           "scaling_factor": 1.0}
             self.tok = build_tokenizer()
             self.cfg = model_config(padded_vocab(self.tok))
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self.tok.save(str(self.folder / "tokenizer.json"))
+            if self.rep.main:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self.tok.save(str(self.folder / "tokenizer.json"))
             self.model = HunyuanImage3(ModelConfig.from_dict(self.cfg), dtype=torch.float32, device=self.dev)
             init_weights(self.model, args.seed)
+        self.rep.same_weights(self.model)
         self.last_save = time.perf_counter()
 
     # -- bookkeeping
     def log(self, msg: str, **metrics) -> None:
+        if not self.rep.main:
+            return
         line = f"[{time.perf_counter() - self.t_call:7.1f}s] {msg}"
         print(line, flush=True)
         if metrics:
@@ -633,6 +643,10 @@ class Run:
         return self.args.minutes * 60 - (time.perf_counter() - self.t_call)
 
     def save(self) -> None:
+        """Replica 0 writes the checkpoint; every replica calls it at the same step."""
+        if not self.rep.main:
+            self.rep.barrier()
+            return
         t0 = time.perf_counter()
         cfg = dict(self.cfg)
         cfg["vae"] = dict(cfg["vae"], scaling_factor=float(self.state["scaling_factor"]))
@@ -642,13 +656,16 @@ class Run:
         self.last_save = time.perf_counter()
         size = sum(p.stat().st_size for p in self.folder.iterdir())
         self.log(f"saved {self.folder} ({size / 2 ** 20:.2f} MiB) in {time.perf_counter() - t0:.1f}s")
+        self.rep.barrier()
 
-    def maybe_periodic_save(self) -> None:
-        if time.perf_counter() - self.last_save > self.args.save_every * 60:
-            self.save()
+    def save_due(self) -> bool:
+        return time.perf_counter() - self.last_save > self.args.save_every * 60
 
     def run_probe(self) -> None:
         if self.args.probe <= 0:
+            return
+        if not self.rep.main:
+            self.rep.barrier()
             return
         t0 = time.perf_counter()
         tok = Tokenizer(str(self.folder / "tokenizer.json"), self.model.cfg.image_base_size, len(BUCKETS))
@@ -658,6 +675,7 @@ class Run:
                  f"T2I {r['t2i_exact']:.0%} (objects {r['t2i_objects']:.0%}), edits {r['edit_exact']:.0%} "
                  f"(objects {r['edit_objects']:.0%}) [{time.perf_counter() - t0:.1f}s]",
                  phase="probe", step=st["tf_step"], t=st["tf_s"], **r)
+        self.rep.barrier()
 
     @staticmethod
     def lr_at(peak: float, frac: float, warm: float) -> float:
@@ -669,15 +687,22 @@ class Run:
         budget = a.vae_minutes * 60
         vae.train().requires_grad_(True)
         opt = torch.optim.AdamW(vae.parameters(), lr=a.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
-        data = loader(VaeBatches(st["seed"], max(1, round(VAE_BATCH * a.batch_scale))), st["vae_step"], a.workers,
-                      self.amp)
+        data = loader(VaeBatches(st["seed"], max(1, round(VAE_BATCH * a.batch_scale)), self.rep.rank, self.rep.world),
+                      st["vae_step"], a.workers, self.amp)
         t_last, steps_here, acc = time.perf_counter(), 0, None
         self.log(f"VAE phase: budget {budget:.0f}s, done {st['vae_s']:.0f}s / step {st['vae_step']}")
         for k, img in enumerate(data):
             if k == 0:
                 t_last = time.perf_counter()       # worker start-up is not training time
-            if st["vae_s"] >= budget or st["vae_step"] >= a.max_vae_steps or self.call_left() < a.reserve:
+            # replica 0's clock decides (and drives the LR), so every replica takes the same steps
+            stop, save, st["vae_s"] = self.rep.agree(
+                st["vae_s"] >= budget or st["vae_step"] >= a.max_vae_steps or self.call_left() < a.reserve,
+                self.save_due(), st["vae_s"])
+            if stop:
                 break
+            if save:
+                self.save()
+                t_last = time.perf_counter()
             lr = self.lr_at(a.vae_lr, st["vae_s"] / budget, (steps_here + 1) / 50)
             for gr in opt.param_groups:
                 gr["lr"] = lr
@@ -685,6 +710,7 @@ class Run:
                 L = vae_losses(vae, img, self.dev, a.kl_weight, a.align_weight)
             opt.zero_grad(set_to_none=True)
             L["loss"].backward()
+            self.rep.average_grads(list(vae.parameters()))
             torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
             opt.step()
             d = torch.stack([L["l1"], L["grad"], L["kl"], L["align"]]).detach()
@@ -700,11 +726,10 @@ class Run:
                 self.log(f"vae step {st['vae_step']} t={st['vae_s']:.0f}s lr={lr:.2e} l1={m[0]:.4f} "
                          f"grad={m[1]:.4f} kl={m[2]:.3f} align={m[3]:.4f}", phase="vae", step=st["vae_step"],
                          t=st["vae_s"], l1=m[0], grad=m[1], kl=m[2], align=m[3])
-            self.maybe_periodic_save()
         vae.eval().requires_grad_(False)
         done = st["vae_s"] >= budget or st["vae_step"] >= a.max_vae_steps
         if done:
-            st["scaling_factor"] = self.latent_scale()
+            st["scaling_factor"] = self.rep.agree(self.latent_scale())[0]
             st["phase"] = "tf"
             vae.scaling_factor = float(st["scaling_factor"])
             self.log(f"VAE done: scaling_factor {st['scaling_factor']:.4f}; reconstructions whose detected "
@@ -738,7 +763,8 @@ class Run:
                                  {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.98),
                                 fused=self.amp)
         aux = RouterAux(model)
-        data = loader(SeqBatches(str(self.folder / "tokenizer.json"), self.cfg, st["seed"], a.batch_scale),
+        data = loader(SeqBatches(str(self.folder / "tokenizer.json"), self.cfg, st["seed"], a.batch_scale,
+                                 rank=self.rep.rank, world=self.rep.world),
                       st["tf_step"], a.workers, self.amp)
         model.train()
         t_last, steps_here, acc, usage, ntok = time.perf_counter(), 0, None, None, 0
@@ -752,8 +778,22 @@ class Run:
             if k == 0:
                 t_last = t_log = time.perf_counter()
                 t_wait = 0.0
-            if st["tf_s"] >= budget or st["tf_step"] >= a.max_tf_steps or self.call_left() < a.reserve:
+            # replica 0's clock decides (and drives the LR), so every replica takes the same steps
+            stop, save, probe_now, st["tf_s"] = self.rep.agree(
+                st["tf_s"] >= budget or st["tf_step"] >= a.max_tf_steps or self.call_left() < a.reserve,
+                self.save_due(), time.perf_counter() - t_probe > a.probe_every * 60, st["tf_s"])
+            if stop:
                 break
+            if save:
+                self.save()
+            if probe_now:
+                aux.active = False
+                self.run_probe()
+                aux.active = True
+                t_probe = time.perf_counter()
+            if save or probe_now:
+                t_last = t_log = time.perf_counter()      # neither is training time nor counts in tok/s
+                ntok, t_wait = 0, 0.0
             lr = self.lr_at(a.lr, st["tf_s"] / budget, (steps_here + 1) / a.warmup)
             for gr in opt.param_groups:
                 gr["lr"] = lr
@@ -762,12 +802,13 @@ class Run:
                 loss = L["ce"] + a.fm_weight * L["fm"] + a.aux_weight * L["aux"]
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            self.rep.average_grads(params)
             gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             d = torch.stack([L["ce"].detach(), L["fm"].detach(), L["aux"].detach(), gn.detach().float()])
             acc = d if acc is None else acc + d
             usage = L["usage"] if usage is None else usage + L["usage"]
-            ntok += batch["ids"].numel()
+            ntok += batch["ids"].numel() * self.rep.world
             steps_here += 1
             st["tf_step"] += 1
             now = time.perf_counter()
@@ -783,13 +824,6 @@ class Run:
                          expert_entropy=ent)
                 acc, usage, ntok, t_log, t_wait = None, None, 0, now, 0.0
             t_last = now
-            self.maybe_periodic_save()
-            if time.perf_counter() - t_probe > a.probe_every * 60:
-                aux.active = False
-                self.run_probe()
-                aux.active = True
-                t_probe = time.perf_counter()
-                t_last = t_probe          # probing is not training time
             t_fetch = time.perf_counter()
         if steps_here:
             aux.active = False
@@ -817,7 +851,8 @@ class Run:
         self.log(f"{'training complete' if st['phase'] == 'done' else 'stopped (resume with --resume)'}: "
                  f"vae {st['vae_step']} steps / {st['vae_s']:.0f}s, transformer {st['tf_step']} steps / "
                  f"{st['tf_s']:.0f}s; checkpoint {self.folder}")
-        if self.args.preview and st["phase"] == "done":
+        self.rep.close()
+        if self.args.preview and st["phase"] == "done" and self.rep.main:
             preview(self.folder, self.out / "preview.png", self.args.preview, self.args.device)
         return 0
 
@@ -846,7 +881,7 @@ def preview(folder: Path, out: Path, n: int, device: str) -> None:
         strip.save(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m train.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="run folder: model/ (checkpoint), train_state.json, log.jsonl")
@@ -868,7 +903,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--align-weight", type=float, default=1.0, help="VAE latent alignment (see vae_losses)")
     ap.add_argument("--fg-weight", type=float, default=4.0,
                     help="flow loss weight of shape pixels (see foreground_weights)")
-    ap.add_argument("--workers", type=int, default=min(14, max(0, (os.cpu_count() or 2) - 2)))
+    per_replica = (os.cpu_count() or 2) // int(os.environ.get("WORLD_SIZE", "1"))
+    ap.add_argument("--workers", type=int, default=min(14, max(0, per_replica - 2)),
+                    help="data-loader processes per replica")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--save-every", type=float, default=4.0, help="minutes between checkpoint writes")
     ap.add_argument("--reserve", type=float, default=20.0, help="seconds kept for the final save")
@@ -876,8 +913,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe", type=int, default=32, help="held-out scenes per probe (0: no probe)")
     ap.add_argument("--probe-every", type=float, default=2.0, help="minutes between probes")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    return Run(args).run()
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return Run(main_args(argv)).run()
 
 
 if __name__ == "__main__":
