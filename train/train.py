@@ -30,20 +30,28 @@ A probe (`--probe`, every `--probe-every` minutes and at the end of a call) draw
 their true CoT through this forward and logs the fraction the detector reads exactly.
 
 On the device machine, `train/gpu_call.sh MINUTES [options]` is one call: it continues runs/run when
-it was carried there and packs the run folder into $OUT. The shipped assets/model came from (one H200,
-2026-11-29; transformer schedule 18 min, VAE 2.5 min):
+it was carried there, trains one data-parallel replica per GPU (train/replicas.py; torchrun) and packs
+the run folder into $OUT. The shipped assets/model came from (2026-11-29; VAE 2.5 min, transformer
+schedule 18 min on one H200, then stretched to 43 min and continued on two):
 
-    bash train/gpu_call.sh 8.45 --tf-minutes 20    # VAE, then a crash in the probe (fixed): restarted from the VAE
-    bash train/gpu_call.sh 9.25 --tf-minutes 18 --save-every 3                    # transformer 0 -> 507 s
-    bash train/gpu_call.sh 9.6 --tf-minutes 18 --save-every 3 --probe-every 3     # 507 -> 1043 s
+    bash train/gpu_call.sh 8.45 --tf-minutes 20    # 1 H200: VAE, then a crash in the probe (fixed): restarted from the VAE
+    bash train/gpu_call.sh 9.25 --tf-minutes 18 --save-every 3                    # 1 H200: transformer 0 -> 507 s
+    bash train/gpu_call.sh 9.6 --tf-minutes 18 --save-every 3 --probe-every 3     # 1 H200: 507 -> 1043 s
+    bash train/gpu_call.sh 9.3 --tf-minutes 43 --save-every 3 --probe-every 3     # 2 H200: 1043 -> 1558 s
+    bash train/gpu_call.sh 9.3 --tf-minutes 43 --save-every 3 --probe-every 3     # 2 H200: 1558 -> 2080 s
+    bash train/gpu_call.sh 9.0 --tf-minutes 43 --save-every 3 --probe-every 3     # 2 H200: 2080 -> 2580 s (done)
 
 Its state is in train/embedded_run (train_state.json, log.jsonl); to continue it, put it back together
 (`mkdir -p runs/run && cp -r assets/model runs/run/ && cp train/embedded_run/* runs/run/`) and call
-again with a larger `--tf-minutes` (the LR schedule then restarts part-way up its cosine).
+again with a larger `--tf-minutes` (the LR schedule then restarts part-way up its cosine). Resuming
+reloads the checkpoint's bf16 weights as the fp32 masters and restarts Adam, so every call begins with
+a short warm-up.
 
 Evaluate with `python -m train.evaluate --model runs/run/model`. A toy check on CPU (a minute):
 
     python -m train.train --out /tmp/toy --batch-scale 0.03 --workers 0 --max-vae-steps 3 --max-tf-steps 3
+    torchrun --standalone --nproc-per-node 2 -m train.train --out /tmp/toy2 --batch-scale 0.03 --workers 0 \
+        --max-vae-steps 3 --max-tf-steps 3          # the same on two data-parallel replicas (gloo)
 """
 from __future__ import annotations
 
@@ -689,7 +697,7 @@ class Run:
         opt = torch.optim.AdamW(vae.parameters(), lr=a.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
         data = loader(VaeBatches(st["seed"], max(1, round(VAE_BATCH * a.batch_scale)), self.rep.rank, self.rep.world),
                       st["vae_step"], a.workers, self.amp)
-        t_last, steps_here, acc = time.perf_counter(), 0, None
+        t_last, steps_here, acc, n_acc = time.perf_counter(), 0, None, 0
         self.log(f"VAE phase: budget {budget:.0f}s, done {st['vae_s']:.0f}s / step {st['vae_step']}")
         for k, img in enumerate(data):
             if k == 0:
@@ -714,15 +722,15 @@ class Run:
             torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
             opt.step()
             d = torch.stack([L["l1"], L["grad"], L["kl"], L["align"]]).detach()
-            acc = d if acc is None else acc + d
+            acc, n_acc = (d if acc is None else acc + d), n_acc + 1
             steps_here += 1
             st["vae_step"] += 1
             now = time.perf_counter()
             st["vae_s"] += now - t_last
             t_last = now
             if st["vae_step"] % a.log_every == 0:
-                m = (acc / a.log_every).tolist()
-                acc = None
+                m = (acc / n_acc).tolist()          # after a resume the first window is shorter
+                acc, n_acc = None, 0
                 self.log(f"vae step {st['vae_step']} t={st['vae_s']:.0f}s lr={lr:.2e} l1={m[0]:.4f} "
                          f"grad={m[1]:.4f} kl={m[2]:.3f} align={m[3]:.4f}", phase="vae", step=st["vae_step"],
                          t=st["vae_s"], l1=m[0], grad=m[1], kl=m[2], align=m[3])
@@ -767,7 +775,7 @@ class Run:
                                  rank=self.rep.rank, world=self.rep.world),
                       st["tf_step"], a.workers, self.amp)
         model.train()
-        t_last, steps_here, acc, usage, ntok = time.perf_counter(), 0, None, None, 0
+        t_last, steps_here, acc, usage, ntok, n_acc = time.perf_counter(), 0, None, None, 0, 0
         t_log = t_last
         self.log(f"transformer phase: budget {budget:.0f}s, done {st['tf_s']:.0f}s / step {st['tf_step']}, "
                  f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters")
@@ -806,7 +814,7 @@ class Run:
             gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             d = torch.stack([L["ce"].detach(), L["fm"].detach(), L["aux"].detach(), gn.detach().float()])
-            acc = d if acc is None else acc + d
+            acc, n_acc = (d if acc is None else acc + d), n_acc + 1
             usage = L["usage"] if usage is None else usage + L["usage"]
             ntok += batch["ids"].numel() * self.rep.world
             steps_here += 1
@@ -814,15 +822,15 @@ class Run:
             now = time.perf_counter()
             st["tf_s"] += now - t_last
             if st["tf_step"] % a.log_every == 0:
-                m = (acc / a.log_every).tolist()
-                u = usage / a.log_every
+                m = (acc / n_acc).tolist()          # after a resume the first window is shorter
+                u = usage / n_acc
                 ent = float(-(u.clamp_min(1e-9) * u.clamp_min(1e-9).log()).sum(-1).mean() / math.log(u.shape[-1]))
                 self.log(f"tf step {st['tf_step']} t={st['tf_s']:.0f}s lr={lr:.2e} ce={m[0]:.4f} fm={m[1]:.4f} "
                          f"aux={m[2]:.3f} gnorm={m[3]:.2f} expert-entropy={ent:.2f} "
                          f"tok/s={ntok / (now - t_log):.0f} data-wait={t_wait / (now - t_log):.0%}",
                          phase="tf", step=st["tf_step"], t=st["tf_s"], ce=m[0], fm=m[1], aux=m[2], gnorm=m[3],
                          expert_entropy=ent)
-                acc, usage, ntok, t_log, t_wait = None, None, 0, now, 0.0
+                acc, usage, ntok, t_log, t_wait, n_acc = None, None, 0, now, 0.0, 0
             t_last = now
             t_fetch = time.perf_counter()
         if steps_here:
