@@ -24,3 +24,29 @@ def test_embedded_model_floor():
     assert m["t2i_color"] >= 0.85, m
     assert m["t2i_attribute_accuracy"] >= 0.65, m
     assert m["ti2i_edit_accuracy"] >= 0.75, m
+
+
+def test_studio_edit_examples_do_what_they_say(tmp_path):
+    """The studio's reference examples for the embedded model: the recolour turns the circle blue, the
+    move puts the square in the right column (a reference drawn outside the model's world makes it
+    describe and draw objects that are not there)."""
+    import io
+
+    from PIL import Image as PILImage
+
+    from engine.events import Image
+    from engine.loader import load
+    from engine.pipeline import Pipeline
+    from engine.request import Request
+    from train.detect import detect
+    from webui.examples import reference_examples
+
+    pipe = Pipeline(load(MODEL), preview_every=0)
+    (circle, recolor), (square, move) = reference_examples(tmp_path, small=True)
+    found = {}
+    for name, path, prompt in (("recolor", circle, recolor), ("move", square, move)):
+        img = next(ev for ev in pipe.run(Request(prompt=prompt, images=[PILImage.open(path)], seed=0))
+                   if isinstance(ev, Image))
+        found[name] = detect(PILImage.open(io.BytesIO(img.png)).convert("RGB"))
+    assert [o.name for o in found["recolor"].objects] == ["blue circle"], found["recolor"]
+    assert [(o.name, o.cell[1]) for o in found["move"].objects] == [("green square", 2)], found["move"]

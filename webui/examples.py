@@ -23,10 +23,11 @@ SHAPE_PROMPTS = [
     "three small green triangles at the top",
 ]
 
-# (file name, drawing, edit prompt for a full-size model, edit prompt for the embedded model)
+# (file name, drawing, edit prompt for a full-size model, edit prompt for the embedded model). The names
+# carry the drawing's version: a studio reuses the files already in its cache folder.
 _REFERENCES = [
-    ("red-circle.png", "circle", "Make the circle blue and put it on a beach at sunset", "make the circle blue"),
-    ("green-square.png", "square", "Turn the square into a wooden crate in a sunny garden",
+    ("red-circle-2.png", "circle", "Make the circle blue and put it on a beach at sunset", "make the circle blue"),
+    ("green-square-2.png", "square", "Turn the square into a wooden crate in a sunny garden",
      "move the square to the right"),
 ]
 
@@ -40,14 +41,19 @@ def t2i_prompts(buckets) -> list[str]:
     return SHAPE_PROMPTS if is_small(buckets) else T2I_PROMPTS
 
 
-def _draw(kind: str, size: int = 384) -> Image.Image:
-    img = Image.new("RGB", (size, size), (245, 245, 240))
+def _draw(kind: str, size: int = 256) -> Image.Image:
+    """One shape in the middle of a light background, drawn as the embedded model's training scenes
+    draw a large object (extent 0.28 of the side, the same colours): a real photo-scale model takes it
+    as well, and the embedded model reads it as it was taught to (a shape filling most of the picture
+    is outside its world, and it then describes objects that are not there)."""
+    img = Image.new("RGB", (size, size), (245, 245, 245))
     d = ImageDraw.Draw(img)
-    m = size // 5
+    c, r = size / 2, 0.28 * size / 2
     if kind == "circle":
-        d.ellipse([m, m, size - m, size - m], fill=(210, 40, 40))
+        d.ellipse([c - r, c - r, c + r, c + r], fill=(220, 38, 38))
     else:
-        d.rectangle([m, m, size - m, size - m], fill=(40, 160, 70))
+        h = 0.84 * r
+        d.rectangle([c - h, c - h, c + h, c + h], fill=(40, 170, 70))
     return img
 
 
