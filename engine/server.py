@@ -241,7 +241,8 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
     if verbose and rank == 0:
         print(f"\nengine: model loaded in {lm.load_s:.1f} s on {dev} (plan {p.name})", file=sys.stderr, flush=True)
     def rank_stats() -> list[dict]:
-        mine = {"rank": rank, "bytes_read": lm.bytes_read,
+        mine = {"rank": rank, "device": str(dev), "backend": dist.get_backend() if dist.is_initialized() else "none",
+                "bytes_read": lm.bytes_read,
                 "pointers_unchanged": not moved and resident_pointers(lm.model) == pointers,
                 "resident_bytes": sum(t.numel() * t.element_size() for t in lm.model.parameters()),
                 "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0}

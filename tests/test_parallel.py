@@ -119,4 +119,5 @@ def test_plan_equals_world1(tiny_dir, world1, plan, sp):
     full = _expected_bytes(tiny_dir, 1)
     for s in stats:
         assert s["pointers_unchanged"], s                 # before AR, at the switch to denoise, after
+        assert (s["backend"], s["device"]) == ("gloo", "cpu"), s
         assert s["bytes_read"] == _expected_bytes(tiny_dir, storage_tp) < full
