@@ -45,6 +45,17 @@ def open_page(browser, url: str):
     return page
 
 
+def run_without_reasoning(page, prompt: str, steps: int):
+    """Type a prompt, reasoning Off (straight to the steps), set the steps, Generate; the status box."""
+    page.locator("#prompt textarea").fill(prompt)
+    page.locator("#mode label", has_text="Off").click()
+    box = page.locator("#steps input[type=number]")
+    box.fill(str(steps))
+    box.press("Enter")
+    page.locator("#run").click()
+    return page.locator("#status textarea")
+
+
 @pytest.fixture(scope="module")
 def browser():
     with sync_api.sync_playwright() as p:
@@ -107,13 +118,8 @@ def test_stop_button_stops_the_engine_and_the_page_runs_again(browser, studio, e
     url, counting, _ = studio
     expect = sync_api.expect
     page = open_page(browser, url)
-    page.locator("#prompt textarea").fill("a very long one")
-    page.locator("#mode label", has_text="Off").click()      # no reasoning: straight to the steps
+    status = run_without_reasoning(page, "a very long one", 100)
     steps = page.locator("#steps input[type=number]")
-    steps.fill("100")
-    steps.press("Enter")
-    page.locator("#run").click()
-    status = page.locator("#status textarea")
     expect(status).to_have_value(re.compile(r"^step \d+/100"), timeout=60_000)
     page.locator("#stop").click()
     expect(status).to_have_value("Stopped.", timeout=30_000)
@@ -123,4 +129,30 @@ def test_stop_button_stops_the_engine_and_the_page_runs_again(browser, studio, e
     page.locator("#run").click()
     expect(status).to_have_value(re.compile(r"^Done"), timeout=60_000)
     assert counting.submitted[-1].steps == 2 and counting.submitted[-1].bot_task == "image"
+    page.close()
+
+
+def test_edit_this_result_makes_the_result_the_reference(browser, studio):
+    """Generate, press 'Edit this result', give an instruction: the edit runs on the result image."""
+    url, counting, _ = studio
+    expect = sync_api.expect
+    page = open_page(browser, url)
+    page.locator("#edit-result").click()                     # nothing generated yet: a message, no change
+    expect(page.get_by_text(re.compile("Generate an image first", re.I)).first).to_be_visible(timeout=20_000)
+    status = run_without_reasoning(page, "a blue square", 2)
+    expect(status).to_have_value(re.compile(r"^Done"), timeout=60_000)
+    result_src = page.locator("#result img").get_attribute("src")
+    page.locator("#edit-result").click()
+    expect(page.locator("#ti2i-prompt textarea")).to_be_visible(timeout=20_000)     # the edit tab opened
+    expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
+    page.locator("#ti2i-prompt textarea").fill("make it red")
+    before = len(counting.submitted)
+    page.locator("#ti2i-run").click()
+    wait_for(lambda: len(counting.submitted) > before, 60)     # the status still says the last run's Done
+    expect(status).to_have_value(re.compile(r"^Done"), timeout=60_000)
+    req = counting.submitted[-1]
+    assert req.prompt == "make it red" and len(req.images) == 1, req
+    with open(req.images[0], "rb") as f:                      # the reference is the result's PNG
+        ref = f.read()
+    assert page.request.get(result_src).body() == ref
     page.close()

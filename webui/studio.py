@@ -112,6 +112,15 @@ class Studio:
                            "please try again.", print_exception=False) from None
 
     @staticmethod
+    def to_edit(result: str | None) -> tuple:
+        """'Edit this result': the last image becomes the one reference of the edit tab, which opens
+        (a conversation of edits, one instruction after another; the instruction box keeps its text)."""
+        if not result:
+            gr.Warning("Generate an image first: the result is what gets edited.")
+            return gr.skip(), gr.skip()
+        return [result], gr.Tabs(selected="ti2i")
+
+    @staticmethod
     def outputs(u: Update) -> tuple:
         """An Update as values for (status, preview, image, download, timings, reasoning)."""
         if u.reset:
@@ -146,7 +155,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
         health = gr.Markdown(health_text(client.health()), elem_id="engine-health")
         with gr.Row(equal_height=False):
             with gr.Column(scale=5):
-                with gr.Tabs():
+                with gr.Tabs() as tabs:
                     with gr.Tab("Text to image", id="t2i"):
                         t2i_prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt", max_length=8000,
                                                 placeholder="Describe the image you want…")
@@ -193,7 +202,9 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
                                        elem_id="preview", scale=1, buttons=[])
                 image = gr.Image(label="Result", type="filepath", format="png", interactive=False,
                                  elem_id="result", buttons=["download", "fullscreen"])
-                download = gr.DownloadButton("Download PNG", elem_id="download")
+                with gr.Row():
+                    download = gr.DownloadButton("Download PNG", elem_id="download")
+                    edit_result = gr.Button("Edit this result", elem_id="edit-result")
                 timings = gr.Markdown(label="Timings", elem_id="timings")
                 cot = gr.Textbox(label="Reasoning (streamed)", lines=10, max_lines=20, interactive=False,
                                  autoscroll=True, elem_id="cot")
@@ -232,6 +243,9 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
             # cancel first, then write the status, so no update of the cancelled run can land after it
             stop.click(None, None, None, cancels=[t2i_ev, ti2i_ev], queue=False, api_visibility="private") \
                 .then(stopped, status, status, queue=False, show_progress="hidden", api_visibility="private")
+
+        edit_result.click(studio.to_edit, image, [refs, tabs], api_visibility="private",
+                          show_progress="hidden")
 
         timer = gr.Timer(HEALTH_EVERY_S)
         timer.tick(lambda: health_text(client.health()), None, health, api_visibility="private", queue=False,
