@@ -21,8 +21,11 @@ TINY_NOTICE = ("**No embedded model is installed yet**, so this studio runs a ti
                "stage streams for real, but the text is random tokens and the images are noise. "
                "Start it with `--model DIR` to serve a real checkpoint.")
 EMBEDDED_NOTICE = ("This is the small **embedded demo model** (9.7 M parameters with the HunyuanImage-3.0 "
-                   "architecture, trained on simple shape scenes: try the examples). Start the studio with "
-                   "`--model DIR` to serve HunyuanImage-3.0-Instruct or -Instruct-Distil.")
+                   "architecture). It knows simple scenes: circles, squares, triangles, diamonds and stars in "
+                   "red, orange, yellow, green, blue or purple, on white, gray or black, and edits that "
+                   "recolor, move, add or remove a shape, change the background or combine 2-3 images. "
+                   "Try the examples. Start the studio with `--model DIR` to serve "
+                   "HunyuanImage-3.0-Instruct or -Instruct-Distil.")
 
 
 def cache_dir() -> Path:

@@ -50,3 +50,14 @@ def test_studio_edit_examples_do_what_they_say(tmp_path):
         found[name] = detect(PILImage.open(io.BytesIO(img.png)).convert("RGB"))
     assert [o.name for o in found["recolor"].objects] == ["blue circle"], found["recolor"]
     assert [(o.name, o.cell[1]) for o in found["move"].objects] == [("green square", 2)], found["move"]
+
+
+def test_the_studio_notice_names_what_the_model_knows():
+    """The page's note on the embedded model lists its shapes, colours, backgrounds and edits (the
+    dataset's own vocabulary), so a visitor knows what to ask for."""
+    from app import EMBEDDED_NOTICE
+    from train.dataset import BACKGROUNDS, COLORS, GROUP_TASKS, SHAPES
+
+    edits = {t for tasks in GROUP_TASKS.values() for t in tasks} - {"t2i"}
+    missing = [w for w in (*SHAPES, *COLORS, *BACKGROUNDS, *edits) if w not in EMBEDDED_NOTICE]
+    assert not missing, missing
