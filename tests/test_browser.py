@@ -156,3 +156,18 @@ def test_edit_this_result_makes_the_result_the_reference(browser, studio):
         ref = f.read()
     assert page.request.get(result_src).body() == ref
     page.close()
+
+
+def test_finished_images_collect_in_the_page_history(browser, studio):
+    url, counting, _ = studio
+    expect = sync_api.expect
+    page = open_page(browser, url)
+    for i, prompt in enumerate(("a green circle", "a yellow star")):
+        before = len(counting.submitted)
+        status = run_without_reasoning(page, prompt, 2)
+        wait_for(lambda: len(counting.submitted) > before, 60)
+        expect(status).to_have_value(re.compile(r"^Done"), timeout=60_000)
+        expect(page.locator("#history img")).to_have_count(i + 1, timeout=20_000)
+    imgs = page.locator("#history img")
+    assert [imgs.nth(k).get_attribute("alt") for k in range(2)] == ["a yellow star", "a green circle"]  # newest first
+    page.close()

@@ -29,6 +29,7 @@ from .theme import CSS, theme
 
 TITLE = "HunyuanImage-3.0 Studio"
 HEALTH_EVERY_S = 3.0
+HISTORY_MAX = 24          # results kept in a page's history strip
 
 
 def health_text(health: dict[str, Any]) -> str:
@@ -121,6 +122,14 @@ class Studio:
         return [result], gr.Tabs(selected="ti2i")
 
     @staticmethod
+    def remember(result: str | None, prompt: str, history: Any) -> Any:
+        """The finished image at the front of this page's history (newest first, HISTORY_MAX kept)."""
+        if not result:
+            return gr.skip()
+        caption = prompt if len(prompt) <= 60 else prompt[:59] + "…"
+        return [(result, caption), *(history or [])][:HISTORY_MAX]
+
+    @staticmethod
     def outputs(u: Update) -> tuple:
         """An Update as values for (status, preview, image, download, timings, reasoning)."""
         if u.reset:
@@ -208,6 +217,8 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
                 timings = gr.Markdown(label="Timings", elem_id="timings")
                 cot = gr.Textbox(label="Reasoning (streamed)", lines=10, max_lines=20, interactive=False,
                                  autoscroll=True, elem_id="cot")
+                history = gr.Gallery(label="Results of this page (newest first)", columns=6, height=150,
+                                     interactive=False, elem_id="history", buttons=["download"])
 
         settings = [mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
                     max_new_tokens]
@@ -244,6 +255,9 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
             stop.click(None, None, None, cancels=[t2i_ev, ti2i_ev], queue=False, api_visibility="private") \
                 .then(stopped, status, status, queue=False, show_progress="hidden", api_visibility="private")
 
+        for ev, prompt in ((t2i_ev, t2i_prompt), (ti2i_ev, ti2i_prompt)):
+            ev.success(studio.remember, [image, prompt, history], history, api_visibility="private",
+                       show_progress="hidden")
         edit_result.click(studio.to_edit, image, [refs, tabs], api_visibility="private",
                           show_progress="hidden")
 
