@@ -635,6 +635,7 @@ class Run:
             self.model = HunyuanImage3(ModelConfig.from_dict(self.cfg), dtype=torch.float32, device=self.dev)
             init_weights(self.model, args.seed)
         self.rep.same_weights(self.model)
+        self.rep.barrier()           # replica 0 has written tokenizer.json, which every replica's loader reads
         self.last_save = time.perf_counter()
 
     # -- bookkeeping
