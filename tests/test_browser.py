@@ -158,7 +158,9 @@ def test_edit_this_result_makes_the_result_the_reference(browser, studio):
     page.close()
 
 
-def test_finished_images_collect_in_the_page_history(browser, studio):
+def test_a_finished_run_joins_the_history_and_shows_its_seed(browser, studio):
+    """Each finished image goes to the page's history (newest first); the seed box shows the (random)
+    seed it used, so unticking "Random seed" draws it again."""
     url, counting, _ = studio
     expect = sync_api.expect
     page = open_page(browser, url)
@@ -170,4 +172,12 @@ def test_finished_images_collect_in_the_page_history(browser, studio):
         expect(page.locator("#history img")).to_have_count(i + 1, timeout=20_000)
     imgs = page.locator("#history img")
     assert [imgs.nth(k).get_attribute("alt") for k in range(2)] == ["a yellow star", "a green circle"]  # newest first
+    used = counting.submitted[-1].seed
+    expect(page.locator("#seed input")).to_have_value(str(used), timeout=20_000)
+    page.locator("#random-seed input").uncheck()
+    before = len(counting.submitted)
+    status = run_without_reasoning(page, "a yellow star", 2)
+    wait_for(lambda: len(counting.submitted) > before, 60)
+    assert counting.submitted[-1].seed == used
+    expect(status).to_have_value(re.compile(r"^Done"), timeout=60_000)
     page.close()

@@ -8,6 +8,7 @@ update and only the newest step preview is sent (as Fooocus does for slow connec
 from __future__ import annotations
 
 import io
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -89,6 +90,12 @@ def timings_text(done: Done, image: Image | None) -> str:
     if image is not None:
         parts.append(f"{image.width} × {image.height}, seed {image.seed}")
     return " · ".join(parts)
+
+
+def seed_in(timings: str | None) -> int | None:
+    """The seed that `timings_text` wrote, or None."""
+    m = re.search(r", seed (\d+)$", timings or "")
+    return int(m.group(1)) if m else None
 
 
 def save_png(out_dir: Path, request_id: str, image: Image) -> str:

@@ -24,7 +24,7 @@ from engine.server import ModelInfo
 from .examples import is_small, reference_examples, t2i_prompts
 from .options import (AUTO_SIZE, GUIDANCE_MAX, MAX_NEW_TOKENS_MAX, REASONING_MODES, SEED_MAX, STEPS_MAX,
                       Settings, build_request, default_mode, field_of, preset_choices, size_choices)
-from .runner import EngineClient, EngineFailure, Update, run
+from .runner import EngineClient, EngineFailure, Update, run, seed_in
 from .theme import CSS, theme
 
 TITLE = "HunyuanImage-3.0 Studio"
@@ -128,6 +128,13 @@ class Studio:
             return gr.skip()
         caption = prompt if len(prompt) <= 60 else prompt[:59] + "…"
         return [(result, caption), *(history or [])][:HISTORY_MAX]
+
+    @staticmethod
+    def used_seed(timings: str | None) -> Any:
+        """The seed box shows the seed the finished image used (a random one too): untick "Random seed"
+        to draw it again."""
+        seed = seed_in(timings)
+        return gr.skip() if seed is None else seed
 
     @staticmethod
     def outputs(u: Update) -> tuple:
@@ -258,6 +265,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
         for ev, prompt in ((t2i_ev, t2i_prompt), (ti2i_ev, ti2i_prompt)):
             ev.success(studio.remember, [image, prompt, history], history, api_visibility="private",
                        show_progress="hidden")
+            ev.success(studio.used_seed, timings, seed, api_visibility="private", show_progress="hidden")
         edit_result.click(studio.to_edit, image, [refs, tabs], api_visibility="private",
                           show_progress="hidden")
 
