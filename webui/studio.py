@@ -263,9 +263,11 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
                 .then(stopped, status, status, queue=False, show_progress="hidden", api_visibility="private")
 
         for ev, prompt in ((t2i_ev, t2i_prompt), (ti2i_ev, ti2i_prompt)):
-            ev.success(studio.remember, [image, prompt, history], history, api_visibility="private",
+            # unqueued: bookkeeping after a run never waits behind (or is refused by) a full queue
+            ev.success(studio.remember, [image, prompt, history], history, queue=False, api_visibility="private",
                        show_progress="hidden")
-            ev.success(studio.used_seed, timings, seed, api_visibility="private", show_progress="hidden")
+            ev.success(studio.used_seed, timings, seed, queue=False, api_visibility="private",
+                       show_progress="hidden")
         edit_result.click(studio.to_edit, image, [refs, tabs], api_visibility="private",
                           show_progress="hidden")
 
