@@ -15,8 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent
-EMBEDDED_MODEL = REPO / "assets" / "model"
+from engine import EMBEDDED_MODEL
 TINY_NOTICE = ("**No embedded model is installed yet**, so this studio runs a tiny *random* checkpoint: every "
                "stage streams for real, but the text is random tokens and the images are noise. "
                "Start it with `--model DIR` to serve a real checkpoint.")

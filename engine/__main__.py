@@ -5,11 +5,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import EMBEDDED_MODEL
 from .events import Done, Error, Image, Ratio, Step, Text
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint folder (official layout)")
+    if (EMBEDDED_MODEL / "config.json").exists():
+        p.add_argument("--model", default=str(EMBEDDED_MODEL),
+                       help="checkpoint folder (official layout; default: the embedded model)")
+    else:
+        p.add_argument("--model", required=True, help="checkpoint folder (official layout)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--image", action="append", default=[], help="reference image (repeat for up to 3)")
     p.add_argument("--bot-task", choices=["image", "recaption", "think", "think_recaption", "auto"],
@@ -40,14 +45,14 @@ def _print_events(events, out_path: Path | None = None) -> int:
                 print(f"\n[{section}] ", end="", flush=True)
             print(ev.delta, end="", flush=True)
         elif isinstance(ev, Ratio):
-            print(f"\n[size] {ev.height}x{ev.width} (bucket {ev.bucket})", flush=True)
+            print(f"\n[size] {ev.width} x {ev.height} (width x height; bucket {ev.bucket})", flush=True)
         elif isinstance(ev, Step):
             print(f"\rstep {ev.i}/{ev.n}", end="" if ev.i < ev.n else "\n", file=sys.stderr, flush=True)
         elif isinstance(ev, Image):
             assert out_path is not None
             out_path.parent.mkdir(parents=True, exist_ok=True)
             out_path.write_bytes(ev.png)
-            print(f"[image] {ev.width}x{ev.height} written to {out_path} (seed {ev.seed})", flush=True)
+            print(f"[image] {ev.width} x {ev.height} written to {out_path} (seed {ev.seed})", flush=True)
         elif isinstance(ev, Done):
             print(f"\n[timings] {ev.timings.summary()}", flush=True)
         elif isinstance(ev, Error):

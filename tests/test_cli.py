@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from PIL import Image
+
+from engine import EMBEDDED_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,3 +45,12 @@ def test_bad_input_is_refused_with_a_message(tmp_path, tiny_dir):
     assert p.returncode == 2 and "prompt is empty" in p.stderr
     p = run("text", "--model", str(tmp_path / "missing"), "--prompt", "x", check=False)
     assert p.returncode == 2 and "does not exist" in p.stderr
+
+
+@pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), reason="no embedded model in assets/")
+def test_generate_defaults_to_the_embedded_model_and_says_width_first(tmp_path):
+    png = tmp_path / "out.png"
+    out = run("generate", "--prompt", "a red circle", "--steps", "2", "--seed", "1", "--out", str(png))
+    w, h = Image.open(png).size
+    assert f"[size] {w} x {h} (width x height" in out.stdout
+    assert f"[image] {w} x {h} written to" in out.stdout
