@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     args, app_args = ap.parse_known_args(argv)
     from gradio_client import Client
 
-    port = _free_port()
+    from engine import EMBEDDED_MODEL
+    from engine.dist import free_port
+
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), *app_args], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -51,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"page up in {time.monotonic() - t0:.1f}s")
         prompts = ["two red circles and a blue star on a black background", "a large green square, wide image",
                    "three small yellow triangles along the bottom", "a purple diamond at the top left"]
-        model = Path(app_args[app_args.index("--model") + 1]) if "--model" in app_args else ROOT / "assets" / "model"
+        model = Path(app_args[app_args.index("--model") + 1]) if "--model" in app_args else EMBEDDED_MODEL
         gen = json.loads((model / "generation_config.json").read_text())
         steps = args.steps or gen["diff_infer_steps"]
         print(f"{model}: {steps} steps, guidance {gen['diff_guidance_scale']}")

@@ -21,19 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import engine.moe  # noqa: E402
+from engine import EMBEDDED_MODEL  # noqa: E402
 from engine.loader import load  # noqa: E402
+from engine.pipeline import synchronize  # noqa: E402
 from train.train import (RouterAux, SeqBatches, _grouped_mm_autocast, _pixels,  # noqa: E402
                          transformer_losses)
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "assets" / "model"))
+    ap.add_argument("--model", default=str(EMBEDDED_MODEL))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--scales", type=float, nargs="+", default=[1.0, 2.0])
     ap.add_argument("--steps", type=int, default=10, help="timed steps per scale (after 3 warm-up steps)")
@@ -68,29 +65,29 @@ def main(argv: list[str] | None = None) -> int:
         batches = [b for b in (ds[i] for i in range(64)) if b.get("vit") is not None][:args.steps + 3]
         for b in batches[:3]:
             step(b)
-        _sync(dev)
+        synchronize(dev)
         t0, ntok = time.perf_counter(), 0
         for b in batches[3:]:
             step(b)
             ntok += b["ids"].numel()
-        _sync(dev)
+        synchronize(dev)
         dt = (time.perf_counter() - t0) / max(1, len(batches) - 3)
         print(f"batch scale {scale:g}: {dt * 1e3:.1f} ms/step, {ntok / max(1, len(batches) - 3):.0f} tokens/step, "
               f"{ntok / (dt * max(1, len(batches) - 3)):.0f} tokens/s ({args.device})")
         if scale == args.scales[0]:
             b = batches[3]
             with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=amp):
-                _sync(dev)
+                synchronize(dev)
                 t = time.perf_counter()
                 for g in b["gen"].values():
                     model.vae.encode_moments(_pixels(g["img"], dev))
-                _sync(dev)
+                synchronize(dev)
             print(f"  of which the frozen VAE encode of the targets: {(time.perf_counter() - t) * 1e3:.1f} ms")
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if amp else [])
             with torch.profiler.profile(activities=acts) as prof:
                 for b in batches[3:6]:
                     step(b)
-                _sync(dev)
+                synchronize(dev)
             key = "cuda_time_total" if amp else "cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=20))
     for h in aux.handles:

@@ -41,7 +41,7 @@ from .text_phase import StagePlan, TextResult, generate_text
 COT_TASKS = ("think", "recaption", "think_recaption")
 
 
-def _sync(dev: torch.device) -> None:
+def synchronize(dev: torch.device) -> None:
     """Wait for the queued GPU work, so that a wall-clock reading covers it."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -247,7 +247,7 @@ class Pipeline:
             png = None
             if rt.is_leader and self.preview_every and (i + 1) % self.preview_every == 0 and i + 1 < p.steps and \
                     spent <= self.preview_share * (time.perf_counter() - t0 - spent):
-                _sync(dev)     # steps are queued asynchronously on a GPU: charge the preview its own time only
+                synchronize(dev)     # steps are queued asynchronously on a GPU: charge the preview its own time only
                 tp = time.perf_counter()
                 png = self._preview(x0)
                 spent += time.perf_counter() - tp
@@ -255,7 +255,7 @@ class Pipeline:
         if x is None or i + 1 < p.steps:
             yield Error("cancelled", "stopped by the user")
             return
-        _sync(dev)
+        synchronize(dev)
         timings.dit_steps = p.steps
         timings.dit_ms_per_step = (time.perf_counter() - t0 - spent) * 1e3 / p.steps
 

@@ -3,13 +3,13 @@ floors that a broken sampler, mask, cache or tokenizer would fall through. The f
 numbers are in README.md (`python -m train.evaluate --model assets/model --n 40 --n-edit 40`)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
+from engine import EMBEDDED_MODEL
 from train.evaluate import evaluate
 
-MODEL = Path(__file__).resolve().parents[1] / "assets" / "model"
+MODEL = EMBEDDED_MODEL
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="no embedded model in assets/")
 
 

@@ -4,11 +4,11 @@ inference sequences, and a toy-scale train step that lowers the loss and writes 
 loads and runs."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
+from engine import EMBEDDED_MODEL
 from engine.events import Image, Ratio
 from engine.loader import load
 from engine.model import HunyuanImage3
@@ -22,7 +22,7 @@ from train.detect import detect
 from train.evaluate import check_edit, check_t2i, parse_recaption, well_formed
 from train.tokenizer import build_tokenizer, padded_vocab, save_and_load
 
-EMBEDDED = Path(__file__).resolve().parents[1] / "assets" / "model"
+EMBEDDED = EMBEDDED_MODEL
 
 
 @pytest.fixture(scope="module")

@@ -61,13 +61,6 @@ class Replicas:
         dist.broadcast(t, 0)
         return t.tolist()
 
-    def total(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over replicas (for logged token counts and loss means)."""
-        if self.world > 1:
-            x = x.clone()
-            dist.all_reduce(x)
-        return x
-
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()

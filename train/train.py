@@ -817,7 +817,7 @@ class Run:
             d = torch.stack([L["ce"].detach(), L["fm"].detach(), L["aux"].detach(), gn.detach().float()])
             acc, n_acc = (d if acc is None else acc + d), n_acc + 1
             usage = L["usage"] if usage is None else usage + L["usage"]
-            ntok += batch["ids"].numel() * self.rep.world
+            ntok += batch["ids"].numel() * self.rep.world     # replicas' batches are padded alike, not equal
             steps_here += 1
             st["tf_step"] += 1
             now = time.perf_counter()
