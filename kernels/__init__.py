@@ -1,1 +1,7 @@
-"""GPU kernels with a plain-PyTorch fallback each."""
+"""Fused GPU ops, one module each, with the plain-PyTorch reference of each beside it (the CPU path).
+
+`kernels.registry` picks the implementation per device type and dtype; the engine calls ops only
+through it (`kernels.call("op", ...)`), so a backend is an entry there, never a patch of the engine.
+This package imports nothing of `engine`.
+"""
+from .registry import allowed, call, chosen, ops  # noqa: F401
