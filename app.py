@@ -39,7 +39,7 @@ def default_model() -> tuple[Path, str | None]:
         return EMBEDDED_MODEL, EMBEDDED_NOTICE
     tiny = cache_dir() / "tiny"
     if not (tiny / "config.json").exists():
-        from engine.tiny import make_tiny
+        from tools.tiny import make_tiny
         print(f"no embedded model under {EMBEDDED_MODEL}: making a tiny random checkpoint in {tiny}", flush=True)
         tiny.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=tiny.parent))
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no calls home; works offline
     signal.signal(signal.SIGTERM, _interrupt)    # `docker stop`, systemd, Spaces: shut down like Ctrl-C
-    from engine.config import ConfigError
-    from engine.server import EngineServer
+    from engine.spec.config import ConfigError
+    from engine.serve.server import EngineServer
 
     if args.model:
         model, notice = Path(args.model), None

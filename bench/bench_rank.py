@@ -18,13 +18,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention import KVCache                      # noqa: E402
-from engine.config import ModelConfig                     # noqa: E402
-from engine.decode_step import DecodeStep                 # noqa: E402
-from engine.denoise import tail_embeddings, velocity     # noqa: E402
-from engine.model import HunyuanImage3                    # noqa: E402
-from engine.parallel import Comm, PhaseView               # noqa: E402
-from engine.plan import get_plan                          # noqa: E402
+from engine.model.attention import KVCache                      # noqa: E402
+from engine.spec.config import ModelConfig                     # noqa: E402
+from engine.runtime.decode_step import DecodeStep                 # noqa: E402
+from engine.runtime.denoise import tail_embeddings, velocity     # noqa: E402
+from engine.model.hunyuan import HunyuanImage3                    # noqa: E402
+from engine.parallel.layout import Comm, PhaseView               # noqa: E402
+from engine.parallel.plan import get_plan                          # noqa: E402
 
 
 class FakeComm(Comm):

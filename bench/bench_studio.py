@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from gradio_client import Client
 
     from engine import EMBEDDED_MODEL
-    from engine.dist import free_port
+    from engine.parallel.groups import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), *app_args], cwd=ROOT,

@@ -20,11 +20,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import engine.moe  # noqa: E402
 from engine import EMBEDDED_MODEL  # noqa: E402
-from engine.loader import load  # noqa: E402
-from engine.pipeline import synchronize  # noqa: E402
-from train.train import (RouterAux, SeqBatches, _grouped_mm_autocast, _pixels,  # noqa: E402
+from engine.model.loader import load  # noqa: E402
+from engine.runtime.pipeline import synchronize  # noqa: E402
+from train.train import (RouterAux, SeqBatches, _pixels,  # noqa: E402
                          transformer_losses)
 
 
@@ -39,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     amp = dev.type == "cuda"
     if amp:
         torch.backends.cuda.matmul.allow_tf32 = True
-        engine.moe.grouped_mm = _grouped_mm_autocast
     model = load(Path(args.model), dev, torch.float32).model
     model.vae.eval().requires_grad_(False)
     params = [p for n, p in model.named_parameters() if not n.startswith("vae.")]

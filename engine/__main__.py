@@ -5,8 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import EMBEDDED_MODEL
-from .events import Done, Error, Image, Ratio, Step, Text
+from engine import EMBEDDED_MODEL
+from engine.runtime.events import Done, Error, Image, Ratio, Step, Text
+from engine.spec.prompts import BOT_TASKS
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -17,7 +18,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", required=True, help="checkpoint folder (official layout)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--image", action="append", default=[], help="reference image (repeat for up to 3)")
-    p.add_argument("--bot-task", choices=["image", "recaption", "think", "think_recaption", "auto"],
+    p.add_argument("--bot-task", choices=BOT_TASKS,
                    help="reasoning mode (default: the checkpoint's generation config)")
     p.add_argument("--system-prompt", help="preset: en_unified, en_vanilla, en_recaption, en_think_recaption, "
                                            "dynamic, custom, None (default: generation config)")
@@ -82,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = ap.parse_args(argv)
     if args.cmd == "make-tiny":
-        from .tiny import make_tiny
+        from tools.tiny import make_tiny
         print(f"wrote {make_tiny(args.out, distil=args.distil, seed=args.seed)}")
         return 0
 
-    from .plan import PlanError, get_plan
-    from .request import Request
+    from engine.parallel.plan import PlanError, get_plan
+    from engine.runtime.request import Request
     try:
         plan = get_plan(args.plan, args.gpus, args.sp_attn)
     except PlanError as e:
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                   stretch=getattr(args, "stretch", False))
     out = Path(args.out) if args.cmd == "generate" else None
     if plan.world > 1:
-        from .server import EngineServer
+        from engine.serve.server import EngineServer
         server = EngineServer(args.model, args.device, args.dtype, plan=plan.name, sp_kind=plan.sp_kind,
                               verbose=True, pipeline_options={"cfg_serial": args.cfg_serial,
                                                 "cuda_graph": args.cuda_graph})
@@ -110,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             return _print_events(server.stream(req), out)
 
-    from .loader import load, parse_dtype, print_progress
-    from .pipeline import Pipeline
+    from engine.model.loader import load, parse_dtype, print_progress
+    from engine.runtime.pipeline import Pipeline
     try:
         lm = load(args.model, args.device, parse_dtype(args.dtype, args.device), progress=print_progress)
     except (ValueError, OSError) as e:

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.loader import load
-from engine.tiny import make_tiny
+from engine.model.loader import load
+from tools.tiny import make_tiny
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 

@@ -11,9 +11,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no calls home fro
 
 import pytest
 
-from engine.events import Done, Error, Event
-from engine.request import Request
-from engine.server import EngineServer
+from engine.runtime.events import Done, Error, Event
+from engine.runtime.request import Request
+from engine.serve.server import EngineServer
 
 READY_TIMEOUT_S = 180
 # Small enough for a 2-core CI machine: a request takes about a second on the tiny checkpoint.

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from engine.buckets import SizeError, build_buckets, parse_size
-from engine.config import CheckpointConfig, ConfigError, GenerationConfig, ModelConfig
+from engine.spec.buckets import SizeError, build_buckets, parse_size
+from engine.spec.config import CheckpointConfig, ConfigError, GenerationConfig, ModelConfig
 
 from conftest import SHARED
 
@@ -17,15 +17,15 @@ BASE = SHARED / "reference/base_config_reference.json"
 def test_released_config_defaults():
     cfg = ModelConfig.from_dict(json.loads(BASE.read_text()))
     assert (cfg.patch_size, cfg.patch_embed_hidden_dim, cfg.image_base_size) == (1, 1024, 1024)
-    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.kv_group_size) == (32, 8, 128, 4)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads) == (32, 8, 128, 4)
     assert cfg.num_experts == (64,) * 32 and cfg.moe_topk == (8,) * 32
     assert cfg.shared_intermediate(0) == 3072
-    assert not cfg.is_distil and cfg.cond_token_attn_type == "joint_full"
+    assert not cfg.cfg_distilled and cfg.cond_token_attn_type == "joint_full"
 
 
 def test_distil_detection_and_generation_defaults(tiny_dir, tiny_distil_dir):
     a, b = CheckpointConfig.load(tiny_dir), CheckpointConfig.load(tiny_distil_dir)
-    assert not a.model.is_distil and b.model.is_distil and b.model.use_meanflow
+    assert not a.model.cfg_distilled and b.model.cfg_distilled and b.model.use_meanflow
     assert (a.generation.diff_infer_steps, a.generation.diff_guidance_scale) == (50, 5.0)
     assert (b.generation.diff_infer_steps, b.generation.diff_guidance_scale) == (8, 2.5)
     # keys missing from a generation config fall back per variant

@@ -34,10 +34,10 @@ def test_studio_edit_examples_do_what_they_say(tmp_path):
 
     from PIL import Image as PILImage
 
-    from engine.events import Image
-    from engine.loader import load
-    from engine.pipeline import Pipeline
-    from engine.request import Request
+    from engine.runtime.events import Image
+    from engine.model.loader import load
+    from engine.runtime.pipeline import Pipeline
+    from engine.runtime.request import Request
     from train.detect import detect
     from webui.examples import reference_examples
 

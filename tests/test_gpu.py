@@ -8,13 +8,13 @@ import pytest
 import torch
 from PIL import Image as PILImage
 
-from engine.events import Error, Image, Text
-from engine.loader import load
-from engine.moe import MoE
-from engine.parallel import PhaseView
-from engine.pipeline import Pipeline
-from engine.request import Request
-from engine.server import EngineServer
+from engine.runtime.events import Error, Image, Text
+from engine.model.loader import load
+from engine.model.moe import MoE
+from engine.parallel.layout import PhaseView
+from engine.runtime.pipeline import Pipeline
+from engine.runtime.request import Request
+from engine.serve.server import EngineServer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -82,10 +82,10 @@ def test_plans_on_cuda_equal_world1(tiny_dir, cuda_fp32, plan, sp):
 
 
 def test_cuda_graph_decode_equals_eager(tiny_dir):
-    from engine.attention import KVCache
-    from engine.sampling import SamplingParams
-    from engine.sequence import text_phase_sequence
-    from engine.text_phase import StagePlan, TextResult, generate_text
+    from engine.model.attention import KVCache
+    from engine.runtime.sampling import SamplingParams
+    from engine.runtime.sequence import text_phase_sequence
+    from engine.runtime.text_phase import StagePlan, TextResult, generate_text
     lm = load(tiny_dir, "cuda", torch.float32)
     seq = text_phase_sequence(lm.tok, "", "a red circle", [], "think", 256)
     n = len(seq) + 40

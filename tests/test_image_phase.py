@@ -9,14 +9,14 @@ import pytest
 import torch
 from PIL import Image as PILImage
 
-from engine.attention import KVCache
-from engine.conditioning import embed_range
-from engine.denoise import flow_sigmas, tail_embeddings, velocity
-from engine.events import Done, Error, Image, Ratio, Started, Step, Text
-from engine.parallel import PhaseView
-from engine.pipeline import Pipeline
-from engine.request import Request
-from engine.sequence import image_phase_sequence
+from engine.model.attention import KVCache
+from engine.runtime.conditioning import embed_range
+from engine.runtime.denoise import flow_sigmas, tail_embeddings, velocity
+from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text
+from engine.parallel.layout import PhaseView
+from engine.runtime.pipeline import Pipeline
+from engine.runtime.request import Request
+from engine.runtime.sequence import image_phase_sequence
 
 
 def run(pipe, **kw):

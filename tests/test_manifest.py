@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from engine.config import ModelConfig
-from engine.model import SKIPPED_PREFIXES, checkpoint_shapes, vit_head_shapes
+from engine.spec.config import ModelConfig
+from engine.model.weights import SKIPPED_PREFIXES, checkpoint_shapes, vit_head_shapes
 
 from conftest import SHARED
 

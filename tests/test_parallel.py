@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from PIL import Image as PILImage
 
-from engine.checkpoint import Checkpoint
-from engine.config import ModelConfig
-from engine.events import Error, Image, Text
-from engine.pipeline import Pipeline
-from engine.plan import PRESETS, ParallelPlan, PlanError, get_plan
-from engine.request import Request
-from engine.server import EngineServer
+from engine.spec.checkpoint import Checkpoint
+from engine.spec.config import ModelConfig
+from engine.runtime.events import Error, Image, Text
+from engine.runtime.pipeline import Pipeline
+from engine.parallel.plan import PRESETS, ParallelPlan, PlanError, get_plan
+from engine.runtime.request import Request
+from engine.serve.server import EngineServer
 
 
 def test_hybrid4_rank_maps():
@@ -29,7 +29,7 @@ def test_hybrid4_rank_maps():
 
 def test_other_plans_rank_maps():
     t = PRESETS["tp2sp2"]
-    assert (t.micros, t.ar_replicas) == (1, 2) and t.ar_group(2) == [2, 3] and t.ar_group(1) == [0, 1]
+    assert (t.micros, t.world // t.ar_tp) == (1, 2) and t.ar_group(2) == [2, 3] and t.ar_group(1) == [0, 1]
     c = PRESETS["tp2cfg2"]
     assert c.sp == 1 and c.replica_group(0) == [0, 2]
     h8 = PRESETS["hybrid8sp4"]
@@ -58,7 +58,7 @@ def test_plan_lookup_and_model_fit(tiny):
     with pytest.raises(PlanError, match=r"KV heads \(4\) is not divisible by 8"):
         PRESETS["tp8"].check_model(ModelConfig.from_dict(raw))
     with pytest.raises(PlanError, match="Instruct-Distil"):
-        PRESETS["tp2cfg2"].check_model(tiny.cfg, distil=True)
+        PRESETS["tp2cfg2"].check_model(ModelConfig.from_dict(dict(tiny.cfg.raw, cfg_distilled=True)))
     PRESETS["hybrid8sp4"].check_model(tiny.cfg)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from engine.dist import free_port
+from engine.parallel.groups import free_port
 
 
 def _replica(rank: int, world: int, port: int, out: str) -> None:

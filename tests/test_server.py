@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from PIL import Image as PILImage
 
-from engine.events import Done, Error, Image, Ratio, Started, Step, Text
-from engine.server import EngineServer, ModelInfo, describe_exit
+from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text
+from engine.serve.info import ModelInfo
+from engine.serve.server import EngineServer, describe_exit
 
 from studio_fixtures import READY_TIMEOUT_S, engine_server, fast_request, final, start_server, wait_for  # noqa: F401
 
@@ -148,7 +149,7 @@ def test_describe_exit():
 
 
 def test_unknown_or_unfit_plans_are_refused_before_spawning(tiny_dir):
-    from engine.plan import PlanError
+    from engine.parallel.plan import PlanError
     with pytest.raises(PlanError, match="unknown plan"):
         EngineServer(tiny_dir, plan="nope")
     with pytest.raises(PlanError, match="needs 4 ranks"):

@@ -9,10 +9,10 @@ import time
 import pytest
 from PIL import Image as PILImage
 
-from engine.buckets import parse_size
-from engine.events import Done, Text, Timings
-from engine.events import Image as ImageEvent
-from engine.server import ModelInfo
+from engine.spec.buckets import parse_size
+from engine.runtime.events import Done, Text, Timings
+from engine.runtime.events import Image as ImageEvent
+from engine.serve.info import ModelInfo
 from studio_fixtures import (engine_server, settings, studio, wait_for)  # noqa: F401
 from webui.options import Settings, aspect_label, build_request, field_of, size_choices
 from webui.runner import CotLog, timings_text

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import KVCache, attention_mask
-from engine.events import Done, Text
-from engine.parallel import PhaseView
-from engine.pipeline import Pipeline
-from engine.request import Request
-from engine.sampling import SamplingParams
-from engine.sequence import SequenceBuilder, text_phase_sequence
-from engine.text_phase import StagePlan, TextResult, generate_text
+from engine.model.attention import KVCache, attention_mask
+from engine.runtime.events import Done, Text
+from engine.parallel.layout import PhaseView
+from engine.runtime.pipeline import Pipeline
+from engine.runtime.request import Request
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.sequence import SequenceBuilder, text_phase_sequence
+from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 
 
 def _cache(lm, n):
@@ -172,7 +172,7 @@ def test_mask_is_causal_plus_full_blocks():
 def test_static_decode_step_equals_sliced(tiny):
     """The CUDA-graph step attends to the whole cache under a mask; on any device that must equal the
     eager step that attends to the cache up to the token."""
-    from engine.decode_step import DecodeStep
+    from engine.runtime.decode_step import DecodeStep
     model, tok = tiny.model, tiny.tok
     seq = text_phase_sequence(tok, "", "a small green triangle", [], "think", 256)
     L = len(seq)

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from engine import EMBEDDED_MODEL
-from engine.events import Image, Ratio
-from engine.loader import load
-from engine.model import HunyuanImage3
-from engine.config import ModelConfig
-from engine.pipeline import Pipeline
-from engine.request import Request
-from engine.sequence import text_phase_sequence
-from engine.tokenizer import OFFICIAL_SPECIAL_TOKENS
+from engine.runtime.events import Image, Ratio
+from engine.model.loader import load
+from engine.model.hunyuan import HunyuanImage3
+from engine.spec.config import ModelConfig
+from engine.runtime.pipeline import Pipeline
+from engine.runtime.request import Request
+from engine.runtime.sequence import text_phase_sequence
+from engine.spec.tokenizer import OFFICIAL_SPECIAL_TOKENS
 from train.dataset import FORMATS, GROUP_TASKS, is_heldout, make_sample, system_text
 from train.detect import detect
 from train.evaluate import check_edit, check_t2i, parse_recaption, well_formed
@@ -104,7 +104,7 @@ def test_training_sequence_is_the_inference_sequence(tokenizers):
 
 
 def _layouts(ts, s):
-    from engine.sequence import CondImageLayout
+    from engine.runtime.sequence import CondImageLayout
     return [CondImageLayout((sc.bucket.height // 16, sc.bucket.width // 16), sc.bucket.index, v.spatial_shapes,
                             v.pixel_values.shape[0]) for sc, v in zip(s.refs, ts.vit)]
 
@@ -202,9 +202,9 @@ def test_training_forward_is_the_inference_forward(monkeypatch):
     forced, the same x_t): same sequence, system prompt, positions, mask, reference-image and timestep
     embeddings. A TI2I sample with two references, on the trained embedded model (a random model's
     image tokens barely depend on the text, so it would not catch a different prefix)."""
-    import engine.pipeline as P
-    from engine.denoise import flow_sigmas
-    from engine.text_phase import TextResult
+    import engine.runtime.pipeline as P
+    from engine.runtime.denoise import flow_sigmas
+    from engine.runtime.text_phase import TextResult
     from train.train import TrainSequence, _uint8, collate, gen_velocity, sequence_hidden
     lm = load(EMBEDDED, "cpu", torch.float32)
     model, tok = lm.model, lm.tok

@@ -1,4 +1,4 @@
-"""Tests for engine/vae.py (HunyuanImage-3.0 AutoencoderKLConv3D), CPU, fp32.
+"""Tests for engine/model/vae.py (HunyuanImage-3.0 AutoencoderKLConv3D), CPU, fp32.
 
 Golden data (tests/data/vae_golden.safetensors) was produced by the OFFICIAL
 `hunyuan_image_3/autoencoder_kl_3d.py` (diffusers 0.35.2, torch 2.13 CPU, fp32, eval mode), built
@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.vae import AutoencoderKLConv3D, vae_spatial_factor
+from engine.model.vae import AutoencoderKLConv3D
 
 DATA = Path(__file__).parent / "data" / "vae_golden.safetensors"
 MANIFEST = Path(__file__).parents[1].parent / "shared/reference/hunyuan_image3_manifest.json"
@@ -79,7 +79,7 @@ def test_real_config_matches_manifest():
     got = {k: tuple(v.shape) for k, v in vae.state_dict().items()}
     assert sorted(set(got) ^ set(expected)) == []
     assert got == expected
-    assert vae_spatial_factor(REAL) == 16 and vae.scaling_factor == REAL["scaling_factor"]
+    assert REAL["ffactor_spatial"] == 16 and vae.scaling_factor == REAL["scaling_factor"]
     assert vae.shift_factor is None
 
 

@@ -1,4 +1,4 @@
-"""Tests for engine/vit.py: SigLIP2 NaFlex preprocessing, vision encoder and aligner.
+"""Tests for engine/model/vit.py: SigLIP2 NaFlex preprocessing, vision encoder and aligner.
 
 Golden data (tests/data/vit_golden.safetensors) was produced OUTSIDE this repo by the official
 HunyuanImage-3.0 code (hunyuan_image_3/siglip2.py: Siglip2VisionTransformer + LightProjector) and by
@@ -25,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.vit import Siglip2VisionModel, VisionAligner, VitInput, naflex_target_size, vit_preprocess
+from engine.model.vit import Siglip2VisionModel, VisionAligner, VitInput, naflex_target_size, vit_preprocess
 
 DATA = Path(__file__).parent / "data" / "vit_golden.safetensors"
 REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference"

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.config import ModelConfig
-from engine.model import checkpoint_shapes, vit_head_shapes
-from engine.tiny import _dtype_for, tiny_config, write_checkpoint
+from engine.spec.config import ModelConfig
+from engine.model.weights import checkpoint_shapes, vit_head_shapes
+from tools.tiny import _dtype_for, tiny_config, write_checkpoint
 
 from .dataset import BASE_SIZE, SYSTEM_PROMPT_PY
 
@@ -55,7 +55,7 @@ GENERATION_STEPS = 16
 
 
 def model_config(vocab_size: int, scaling_factor: float = 1.0, token_ids: dict | None = None) -> dict:
-    """config.json of the embedded model (the official key set, as engine.tiny writes it)."""
+    """config.json of the embedded model (the official key set, as tools.tiny writes it)."""
     L = LAYERS
     cfg = tiny_config(vocab_size, distil=True, image_base_size=BASE_SIZE)
     cfg |= {

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from PIL import Image as PILImage
 
-from engine.events import Done, Error, Image, Ratio
-from engine.loader import load
-from engine.pipeline import Pipeline
-from engine.request import Request
+from engine.runtime.events import Done, Error, Image, Ratio
+from engine.model.loader import load
+from engine.runtime.pipeline import Pipeline
+from engine.runtime.request import Request
 
 from .dataset import COLORS, FORMATS, REGIONS, SHAPES, make_sample
 from .detect import Detection, SceneDetection, detect

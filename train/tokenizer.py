@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
 
-from engine.tokenizer import OFFICIAL_SPECIAL_TOKENS, Tokenizer
+from engine.spec.tokenizer import Tokenizer
+from tools.tiny import train_bpe
 
 from .dataset import BASE_SIZE, BUCKETS, corpus
 
@@ -14,14 +15,7 @@ BPE_VOCAB = 640          # byte alphabet + merges; every dataset word ends up on
 
 
 def build_tokenizer(vocab: int = BPE_VOCAB, n_texts: int = 6000, seed: int = 0) -> HFTokenizer:
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(n_texts, seed), trainer=trainer)
-    tok.add_special_tokens(list(OFFICIAL_SPECIAL_TOKENS))
-    return tok
+    return train_bpe(corpus(n_texts, seed), vocab)
 
 
 def padded_vocab(tok: HFTokenizer, multiple: int = 64) -> int:

@@ -16,13 +16,13 @@ Two phases, run through the engine's own modules (engine.model.HunyuanImage3 and
      continuous), Distil inputs `<guidance>` / `<timestep_r>`;
    - TI2I: 1-3 reference images as the official joint sections (VAE posterior sample through
      `patch_embed` at t=0 + ViT / aligner features), in the same sequence.
-   Every training sequence is `engine.sequence.image_phase_sequence`, the exact sequence inference
+   Every training sequence is `engine.runtime.sequence.image_phase_sequence`, the exact sequence inference
    builds (the text part is causal, so its logits are the AR phase's); text positions are
    `text_phase_sequence`'s. Samples of a batch share their number of reference images.
 
 Time budgets (`--vae-minutes`, `--tf-minutes`) drive the learning-rate schedules, so the run adapts
 to the machine; `--minutes` bounds one call. State is the checkpoint folder itself (DIR/model, the
-official layout, loadable by engine.loader.load) plus DIR/train_state.json: `--resume` reloads both
+official layout, loadable by engine.model.loader.load) plus DIR/train_state.json: `--resume` reloads both
 (Adam moments restart with a short warm-up), so what a call hands back is ~24 MB. Losses go to
 stdout and DIR/log.jsonl (with the data-loader wait and the experts' usage entropy).
 
@@ -71,17 +71,17 @@ from PIL import Image
 from tokenizers import Tokenizer as HFTokenizer
 from torch.utils.data import DataLoader, Dataset
 
-import engine.moe
-from engine.attention import AttnBatch, KVCache
-from engine.config import ModelConfig
-from engine.denoise import flow_sigmas
-from engine.images import to_pil
-from engine.layers import rope_angles
-from engine.model import HunyuanImage3, vit_head_shapes
-from engine.parallel import PhaseView
-from engine.sequence import CondImageLayout, image_phase_sequence, text_phase_sequence
-from engine.tokenizer import Tokenizer
-from engine.vit import vit_preprocess
+from engine.model.attention import AttnBatch, KVCache, attention_mask
+from engine.spec.config import ModelConfig
+from engine.runtime.denoise import flow_sigmas
+from engine.runtime.images import to_pil
+from engine.model.layers import rope_angles
+from engine.model.hunyuan import HunyuanImage3
+from engine.model.weights import vit_head_shapes
+from engine.parallel.layout import PhaseView
+from engine.runtime.sequence import CondImageLayout, image_phase_sequence, text_phase_sequence
+from engine.spec.tokenizer import Tokenizer
+from engine.model.vit import vit_preprocess
 
 from .config import SCHEDULE_STEPS, model_config, write_folder
 from .dataset import BUCKETS, FORMATS, make_sample, system_text
@@ -238,15 +238,6 @@ def loader(ds: Dataset, start: int, workers: int, pin: bool) -> DataLoader:
 
 
 # ----------------------------------------------------------------------------------------- model
-def _grouped_mm_autocast(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """torch._grouped_mm is not on autocast's cast lists: under CUDA autocast, feed it bf16 (the MoE
-    input is the fp32 residual stream's norm, the expert weights fp32 master weights)."""
-    if x.is_cuda and torch.is_autocast_enabled("cuda"):
-        dt = torch.get_autocast_dtype("cuda")
-        return torch._grouped_mm(x.to(dt), w.to(dt), offs=offs)
-    return torch._grouped_mm(x, w, offs=offs)
-
-
 def init_weights(model: HunyuanImage3, seed: int) -> None:
     """The backbone parameters are created empty: GPT-style init (residual outputs scaled by depth);
     the image heads keep PyTorch's defaults except the velocity head's last conv (zero: v = 0 at start)."""
@@ -353,14 +344,6 @@ class RouterAux:
         return loss, usage
 
 
-def batch_mask(blocks: torch.Tensor) -> torch.Tensor:
-    """[B, T] block ids -> [B, 1, T, T] bool: causal, plus full attention inside each block."""
-    T = blocks.shape[1]
-    ar = torch.arange(T, device=blocks.device)
-    same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
-    return ((ar[None, :] <= ar[:, None])[None] | same)[:, None]
-
-
 def sample_times(n: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """sigma, r (the sigma of the next step) and the Distil guidance (bf16(1000 g)) for n images."""
     sig = flow_sigmas(STEPS, SHIFT).to(dev)
@@ -416,7 +399,9 @@ def sequence_hidden(model: HunyuanImage3, batch: dict, dev: torch.device,
     pos = batch["pos"].to(dev, non_blocking=True)
     cos, sin = rope_angles(pos.reshape(-1, 2), D, cfg.rope_theta)
     blocks = batch["blocks"].to(dev, non_blocking=True)
-    attn = AttnBatch(torch.arange(T, device=dev), cos.view(B, 1, T, D), sin.view(B, 1, T, D), T, batch_mask(blocks))
+    index = torch.arange(T, device=dev)
+    mask = attention_mask(index, blocks, T)[:, None]            # [B, 1, T, T]
+    attn = AttnBatch(index, cos.view(B, 1, T, D), sin.view(B, 1, T, D), T, mask)
     lay0 = model.transformer.layers[0].self_attn
     cache = KVCache.allocate(cfg.num_layers, B, lay0.kv_per_micro, T, D, x.dtype, dev)
     return model.transformer(x.view(B, T, H), attn, cache, VIEW).reshape(B * T, H)
@@ -615,10 +600,9 @@ class Run:
         if self.amp:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-            engine.moe.grouped_mm = _grouped_mm_autocast
         torch.manual_seed(args.seed)
         if args.resume and self.state_path.exists():
-            from engine.loader import load
+            from engine.model.loader import load
             self.state = json.loads(self.state_path.read_text())
             self.tok = HFTokenizer.from_file(str(self.folder / "tokenizer.json"))
             self.cfg = json.loads((self.folder / "config.json").read_text())
@@ -868,10 +852,10 @@ class Run:
 
 def preview(folder: Path, out: Path, n: int, device: str) -> None:
     """A strip of generated test-split images (T2I then TI2I) through the inference pipeline."""
-    from engine.events import Image as ImageEv
-    from engine.loader import load
-    from engine.pipeline import Pipeline
-    from engine.request import Request
+    from engine.runtime.events import Image as ImageEv
+    from engine.model.loader import load
+    from engine.runtime.pipeline import Pipeline
+    from engine.runtime.request import Request
     lm = load(folder, device)
     pipe = Pipeline(lm, preview_every=0)
     tiles = []

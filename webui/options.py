@@ -6,11 +6,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.buckets import Bucket
-from engine.config import GenerationConfig
-from engine.request import GUIDANCE_RANGE, MAX_NEW_TOKENS_RANGE, Request
+from engine.runtime.request import GUIDANCE_RANGE, MAX_NEW_TOKENS_RANGE, Request
+
+if TYPE_CHECKING:      # the model's data types, as the server's ModelInfo carries them
+    from engine.spec.buckets import Bucket
+    from engine.spec.config import GenerationConfig
 
 # (label, bot_task). The official tasks `recaption` and `auto` stay reachable through the engine CLI;
 # the studio offers the three that make sense for a person choosing how much the model should reason.

@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator, Protocol
 
 from PIL import Image as PILImage
 
-from engine.events import Done, Error, Image, Ratio, Started, Step, Text
-from engine.request import Request
+from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text
+from engine.runtime.request import Request
 
 PREVIEW_MAX_SIDE = 256
 HEARTBEAT_S = 1.0          # yield at least this often: a closed tab is only noticed at a yield

@@ -18,8 +18,8 @@ from typing import Any, AsyncIterator, Callable
 
 import gradio as gr
 
-from engine.request import RequestError
-from engine.server import ModelInfo
+from engine.runtime.request import RequestError
+from engine.serve.info import ModelInfo
 
 from .examples import is_small, reference_examples, t2i_prompts
 from .options import (AUTO_SIZE, GUIDANCE_MAX, MAX_NEW_TOKENS_MAX, REASONING_MODES, SEED_MAX, STEPS_MAX,

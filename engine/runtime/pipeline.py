@@ -4,13 +4,8 @@
 Every rank of a plan runs this same program on its part of the model; rank 0's decisions (sampled
 tokens, cancellation) are agreed by all, and rank 0 emits the events that matter.
 
-KV hand-off: the request's KV cache is allocated once for the union of the heads the two phases use
-on this rank. The AR phase writes the cond row for its micro's heads; the image-stage sequence shares
-the AR prefix token for token (same user turn, same CoT ids as long as re-tokenizing the decoded CoT
-gives the sampled ids), so the cond branch starts its first step at the first token that differs. On
-the seed's layout (AR TP4 -> TP2 x Ulysses SP2) each rank's AR heads ARE its denoise heads: nothing
-moves. Where the denoise phase needs the sibling micros' heads (KV all-gather SP, CFG-parallel) they
-are gathered over the replica group once. The uncond branch (CFG) is prefilled.
+The KV hand-off between the phases is engine/runtime/handoff.py; the decisions all ranks share are
+engine/runtime/agreement.py.
 """
 from __future__ import annotations
 
@@ -23,22 +18,21 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .attention import KVCache
-from .buckets import nearest_bucket
-from .conditioning import embed_range, encode_references
-from .denoise import DenoiseRunner, denoise
-from .dist import Runtime
-from .events import Done, Error, Event, Image, Ratio, Started, Step, Timings
-from .images import align_to_reference, png_bytes, to_pil
-from .loader import LoadedModel
-from .parallel import Comm
-from .prompts import PromptError
-from .request import Prepared, Request, RequestError, prepare
-from .sampling import SamplingParams
-from .sequence import image_phase_sequence, text_phase_sequence
-from .text_phase import StagePlan, TextResult, generate_text
-
-COT_TASKS = ("think", "recaption", "think_recaption")
+from engine.model.attention import KVCache
+from engine.model.loader import LoadedModel
+from engine.parallel.groups import RankGroups
+from engine.parallel.layout import Comm
+from engine.runtime.agreement import Agreement
+from engine.runtime.conditioning import embed_range, encode_references
+from engine.runtime.denoise import DenoiseRunner, denoise
+from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
+from engine.runtime.handoff import cache_heads, gather_sibling_heads, reusable_prefix
+from engine.runtime.images import align_to_reference, png_bytes, to_pil
+from engine.runtime.request import Prepared, Request, RequestError, prepare
+from engine.runtime.sequence import image_phase_sequence, text_phase_sequence
+from engine.runtime.text_phase import StagePlan, TextResult, generate_text
+from engine.spec.buckets import nearest_bucket
+from engine.spec.prompts import COT_TASKS, PromptError
 
 
 def synchronize(dev: torch.device) -> None:
@@ -47,33 +41,8 @@ def synchronize(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-class Agreement:
-    """Rank 0's sampled tokens and cancel decisions, made every rank's (one small broadcast)."""
-
-    def __init__(self, world: Comm, device: torch.device):
-        self.world, self.buf = world, torch.zeros(2, dtype=torch.long, device=device)
-
-    def __call__(self, token: int, cancel: bool) -> tuple[int, bool]:
-        if self.world.size == 1:
-            return token, cancel
-        self.buf[0], self.buf[1] = token, int(cancel)
-        self.world.broadcast_(self.buf, 0)
-        return int(self.buf[0]), bool(self.buf[1])
-
-    def cancelled(self, local: Callable[[], bool]) -> Callable[[], bool]:
-        return lambda: self(0, local())[1]
-
-
 class Pipeline:
-    def __init__(self, lm: LoadedModel, runtime: Runtime | None = None, preview_every: int = 1,
+    def __init__(self, lm: LoadedModel, runtime: RankGroups | None = None, preview_every: int = 1,
                  preview_tokens: int | None = None, kv_handoff: bool = True,
                  on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False,
                  cuda_graph: bool = False, preview_share: float = 0.25):
@@ -81,7 +50,7 @@ class Pipeline:
         self.cuda_graph = cuda_graph        # AR decode steps as CUDA-graph replays (GPU, opt-in)
         self.cfg_serial = cfg_serial        # CFG branches one after the other instead of batched
         self.on_phase = on_phase            # called with "ar" / "denoise" as a phase starts (tests, tracing)
-        self.rt = runtime or Runtime.single(lm.model.device)
+        self.rt = runtime or RankGroups.single(lm.model.device)
         self.preview_every = preview_every
         # previews may take at most this share of the denoise compute: on a CPU one preview (a VAE
         # decode) costs several denoise steps of a small model, so they are skipped until it is paid
@@ -99,7 +68,6 @@ class Pipeline:
         try:
             p = prepare(req, self.lm.gen, self.lm.buckets, seed=random.randrange(2 ** 31))
             system = self.lm.prompts.resolve(p.preset, p.bot_task, req.custom_system_prompt)
-            SamplingParams(**self._sampling_kw(p)).validate()
         except (RequestError, PromptError, ValueError) as e:
             yield Error("invalid", str(e))
             return
@@ -112,34 +80,12 @@ class Pipeline:
             yield Error("engine", f"{type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ helpers
-    def _sampling_kw(self, p: Prepared) -> dict:
-        g, r = self.lm.gen, p.req
-        return dict(temperature=r.temperature if r.temperature is not None else g.temperature,
-                    top_k=r.top_k if r.top_k is not None else g.top_k,
-                    top_p=r.top_p if r.top_p is not None else g.top_p,
-                    greedy=r.greedy or not g.do_sample)
-
     def _cot_text(self, tokens: list[int], bot_task: str) -> str:
         sp = self.lm.tok.special
         end = sp.end_recaption if "recaption" in bot_task else sp.end_think
         cut = tokens.index(end) + 1 if end in tokens else len(tokens)
         opener = "<think>" if bot_task.startswith("think") else "<recaption>"
         return opener + self.lm.tok.decode(tokens[:cut])
-
-    def _heads(self) -> tuple[slice, slice, slice]:
-        """KV heads of this rank's storage shard used by (allocation, AR, denoise), shard-local, and the
-        two phases' slices of the allocation."""
-        plan, rank = self.rt.plan, self.rt.rank
-        kvr = self.lm.model.transformer.layers[0].self_attn.kv_per_micro
-        shard = kvr * plan.micros
-        ar = (plan.micro(rank) * kvr, (plan.micro(rank) + 1) * kvr)
-        if plan.sp > 1 and plan.sp_kind == "ulysses":
-            j, c = self.rt.denoise.sp.rank, shard // plan.sp
-            dn = (j * c, (j + 1) * c)
-        else:
-            dn = (0, shard)
-        lo, hi = min(ar[0], dn[0]), max(ar[1], dn[1])
-        return slice(0, hi - lo), slice(ar[0] - lo, ar[1] - lo), slice(dn[0] - lo, dn[1] - lo)
 
     def _branches(self, cfg_on: bool) -> tuple[list[int], Comm]:
         if not cfg_on:
@@ -171,8 +117,9 @@ class Pipeline:
                                f"model's {cfg.max_position_embeddings} positions")
         budget = min(len(ar_seq) + p.max_new_tokens + 8 + self.max_image_tokens + 8, cfg.max_position_embeddings)
         scratch = budget                                          # SP padding writes here; nothing reads it
-        alloc, ar_heads, dn_heads = self._heads()
-        cache = KVCache.allocate(cfg.num_layers, len(branches), alloc.stop, budget + 1, cfg.head_dim,
+        heads = cache_heads(rt.plan, rt.rank, rt.denoise.sp.rank,
+                            model.transformer.layers[0].self_attn.kv_per_micro)
+        cache = KVCache.allocate(cfg.num_layers, len(branches), heads.alloc.stop, budget + 1, cfg.head_dim,
                                  model.dtype, dev)
 
         cot_text, ratio_index, text_res = None, None, TextResult()
@@ -181,8 +128,8 @@ class Pipeline:
             max_new = min(p.max_new_tokens, budget - len(ar_seq) - self.max_image_tokens - 16)
             T = ar_seq.tensors(dev, length=cache.max_len)     # positions for every cache slot
             emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
-            for ev in generate_text(model, tok, emb, T["pos"], T["blocks"], cache.rows(slice(0, 1)).heads(ar_heads),
-                                    plan, SamplingParams(**self._sampling_kw(p)), text_gen, max_new, rt.ar,
+            for ev in generate_text(model, tok, emb, T["pos"], T["blocks"], cache.rows(slice(0, 1)).heads(heads.ar),
+                                    plan, p.sampling, text_gen, max_new, rt.ar,
                                     cancelled, agree, use_graph=self.cuda_graph):
                 if isinstance(ev, TextResult):
                     text_res = ev
@@ -220,7 +167,7 @@ class Pipeline:
                                    cfg.cfg_distilled, cfg.cond_token_attn_type)
         prefix = 0
         if run_ar and self.kv_handoff:
-            prefix = min(common_prefix(seq.ids, ar_seq.ids + text_res.tokens), text_res.fed)
+            prefix = reusable_prefix(seq.ids, ar_seq.ids + text_res.tokens, text_res.fed)
         if seq.gen_image.stop > budget:
             # Re-tokenizing the decoded CoT can take more ids than were sampled (e.g. bytes that are not
             # valid UTF-8 come back as U+FFFD): grow the cache, keeping the cond prefix the AR phase wrote.
@@ -228,13 +175,13 @@ class Pipeline:
             scratch = budget
             cache = cache.grown(budget + 1, keep=prefix)
         if prefix:
-            self._gather_sibling_heads(cache, ar_heads, dn_heads, prefix)
+            gather_sibling_heads(cache, heads, prefix, rt.plan, rt.replica)
         timings.kv_reused_tokens = prefix
         ids = torch.tensor(seq.ids, device=dev)[None]
         if cfg_on:
             ids = torch.cat([ids, torch.tensor(seq.uncond_ids(sp.cfg), device=dev)[None]])
         starts = [prefix if b == 0 else 0 for b in branches]
-        runner = DenoiseRunner(model, seq, refs, ids, cache.heads(dn_heads), rt.denoise, branches, starts,
+        runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
                                scratch, branch_comm, serial=self.cfg_serial)
         latent_ch = int(cfg.vae["latent_channels"])
         noise = torch.randn((1, latent_ch, h, w), generator=image_gen, device=dev, dtype=torch.bfloat16)
@@ -269,21 +216,6 @@ class Pipeline:
         yield Image(png_bytes(img), img.width, img.height, p.seed)
         timings.total_s = time.perf_counter() - t_start
         yield Done(timings, full_text)
-
-    def _gather_sibling_heads(self, cache: KVCache, ar_heads: slice, dn_heads: slice, prefix: int) -> None:
-        """Where the denoise heads of this rank are more than its AR micro's heads (KV all-gather SP,
-        CFG-parallel), fetch the cond prefix of the sibling micros from the replica group, once."""
-        if dn_heads.start >= ar_heads.start and dn_heads.stop <= ar_heads.stop or prefix == 0:
-            return
-        plan, rep = self.rt.plan, self.rt.replica
-        kvr = ar_heads.stop - ar_heads.start
-        for layer in range(len(cache.k)):
-            for buf in (cache.k[layer], cache.v[layer]):
-                mine = buf[0:1, ar_heads, :prefix]
-                parts = rep.all_gather(mine, dim=0)          # [replicas, kvr, prefix, D] in replica order
-                for q in range(rep.size):
-                    m = q % plan.micros
-                    buf[0, m * kvr:(m + 1) * kvr, :prefix] = parts[q]
 
     def _preview(self, x0: torch.Tensor) -> bytes:
         """A small PNG of the current clean-image estimate (VAE decode of a pooled latent)."""

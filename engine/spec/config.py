@@ -74,18 +74,9 @@ class ModelConfig:
     vit_aligner: dict[str, Any]
     raw: dict[str, Any] = field(repr=False, compare=False)
 
-    @property
-    def is_distil(self) -> bool:
-        return self.cfg_distilled
-
     def shared_intermediate(self, layer: int) -> int:
         """The shared MLP is one expert-sized MLP per shared expert (official HunyuanMLP, is_shared_mlp)."""
         return self.moe_intermediate_size[layer] * self.num_shared_expert[layer]
-
-    @property
-    def kv_group_size(self) -> int:
-        """Query heads per KV head (the fused QKV packs [q * group, k, v] per KV head)."""
-        return self.num_heads // self.num_kv_heads
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -108,10 +99,9 @@ class ModelConfig:
         for flag in ("use_mla", "use_cla"):
             if d.get(flag):
                 raise ConfigError(f"config.json: `{flag}` is not supported")
+        # `moe_drop_tokens` is ignored: the engine never drops tokens (grouped-GEMM semantics)
         if int(d.get("moe_layer_num_skipped", 0)) != 0:
             raise ConfigError("config.json: dense (non-MoE) layers are not supported (moe_layer_num_skipped != 0)")
-        if d.get("moe_drop_tokens"):
-            pass  # the engine never drops tokens (grouped-GEMM semantics, as the fused kernels)
         cond_image_type = d.get("cond_image_type", "vae_vit")
         if cond_image_type != "vae_vit":
             raise ConfigError(f"config.json: cond_image_type {cond_image_type!r} is not supported (only 'vae_vit')")

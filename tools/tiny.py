@@ -11,14 +11,16 @@ import json
 import random
 import zlib
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from .config import ModelConfig
-from .model import checkpoint_shapes, vit_head_shapes
-from .tokenizer import OFFICIAL_SPECIAL_TOKENS
+from engine.model.weights import checkpoint_shapes, vit_head_shapes
+from engine.spec.config import ModelConfig
+from engine.spec.tokenizer import OFFICIAL_SPECIAL_TOKENS
 
 TINY_LAYERS = 2
 
@@ -113,16 +115,22 @@ def _corpus(seed: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(seed: int = 0, vocab: int = 512) -> HFTokenizer:
-    """Byte-level BPE trained on a small generated corpus, then every official special token appended."""
+def train_bpe(texts: Iterable[str], vocab: int) -> HFTokenizer:
+    """Byte-level BPE trained on `texts`, then every official special token appended (so the engine
+    resolves every name it needs). The tiny checkpoints and the embedded model both use it."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     tok.add_special_tokens(list(OFFICIAL_SPECIAL_TOKENS))
     return tok
+
+
+def build_tokenizer(seed: int = 0, vocab: int = 512) -> HFTokenizer:
+    """The tiny checkpoints' tokenizer: BPE on a small generated corpus."""
+    return train_bpe(_corpus(seed), vocab)
 
 
 def _init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .parallel import Comm, PhaseView
-from .plan import ParallelPlan
+from engine.parallel.layout import Comm, PhaseView
+from engine.parallel.plan import ParallelPlan
 
 
 class GroupComm(Comm):
@@ -63,8 +63,8 @@ def _comm(group, logical: list[int], me: int) -> Comm:
 
 
 @dataclass
-class Runtime:
-    """One rank's place in the plan: its groups and the two phase views."""
+class RankGroups:
+    """One rank's place in the plan: its process groups and the two phase views over its resident shard."""
     plan: ParallelPlan
     rank: int
     device: torch.device
@@ -82,12 +82,12 @@ class Runtime:
         return self.rank == 0
 
     @classmethod
-    def single(cls, device: torch.device | str = "cpu") -> "Runtime":
-        from .plan import PRESETS
+    def single(cls, device: torch.device | str = "cpu") -> "RankGroups":
+        from engine.parallel.plan import PRESETS
         return cls(PRESETS["tp1"], 0, torch.device(device))
 
     @classmethod
-    def init(cls, plan: ParallelPlan, rank: int, device: torch.device | str, init_method: str) -> "Runtime":
+    def init(cls, plan: ParallelPlan, rank: int, device: torch.device | str, init_method: str) -> "RankGroups":
         """Join the process group and create every group of the plan (collective: all ranks call it)."""
         device = torch.device(device)
         if plan.world == 1:

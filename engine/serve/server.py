@@ -9,7 +9,7 @@ the studio, the CLI and the benchmarks use.
 Process model (DESIGN §2.7). The server spawns one worker per rank of the parallel plan (`spawn`
 context: CUDA cannot be forked). Worker 0 receives requests over a pipe, broadcasts them to the other
 ranks over a gloo control group, and sends rank 0's events back; every rank runs the same pipeline,
-which agrees on sampled tokens and cancel decisions (engine/pipeline.py). Requests are queued
+which agrees on sampled tokens and cancel decisions (engine/runtime/pipeline.py). Requests are queued
 here, in the server, and handed to worker 0 one at a time, so a worker only ever holds the request
 it is running: cancellation is one shared integer (the sequence number of the request to stop) that
 the pipeline's `cancelled()` polls between tokens and steps. A stale cancel can never hit the next
@@ -23,7 +23,6 @@ forever, a closed pipe just reads as EOF. Nothing a worker does can raise into t
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import multiprocessing as mp
 import os
@@ -34,254 +33,17 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, Iterator
 
-from .buckets import Bucket, build_buckets
-from .config import CheckpointConfig, GenerationConfig, ModelConfig
-from .events import Done, Error, Event
-from .plan import ParallelPlan, get_plan
-from .prompts import PRESETS, SystemPrompts
-from .request import Request, RequestError, prepare
+from engine.parallel.plan import ParallelPlan, get_plan
+from engine.runtime.events import Error, Event
+from engine.runtime.request import Request, RequestError
+from engine.serve.client import Submission
+from engine.serve.info import ModelInfo
+from engine.serve.worker import NO_REQUEST, worker_main
 
 CANCEL_GRACE_S = 60.0       # a worker that ignores a cancel this long is considered hung and restarted
-_NO_REQUEST = -1
 
-
-# --------------------------------------------------------------------------- what the UI needs to know
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a client needs to build its controls and validate input, read from the checkpoint's small
-    files only (no weights), so the UI can come up while the engine is still loading."""
-    folder: Path
-    name: str
-    gen: GenerationConfig
-    buckets: tuple[Bucket, ...]
-    presets: tuple[str, ...]          # system-prompt presets usable with this checkpoint
-    distil: bool
-    cfg: ModelConfig
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> "ModelInfo":
-        folder = Path(folder)
-        cc = CheckpointConfig.load(folder)
-        prompts = SystemPrompts.load(folder)
-        # presets whose text the folder provides, plus the ones that need none
-        usable = tuple(p for p in PRESETS if p in prompts.texts or p in ("dynamic", "custom", "None"))
-        return cls(folder, cc.model.model_version or folder.name, cc.generation,
-                   build_buckets(cc.model.image_base_size), usable, cc.model.cfg_distilled, cc.model)
-
-    def validate(self, req: Request) -> None:
-        """Raise RequestError exactly as the engine would (one implementation: `request.prepare`)."""
-        prepare(req, self.gen, self.buckets, seed=0)
-
-
-# --------------------------------------------------------------------------- one request's event stream
-class Submission:
-    """The events of one submitted request, in order, ending with `Done` or `Error`.
-
-    Iterate it with `async for` (in any event loop) or plain `for`; or poll with `get`/`aget`, which
-    return None on timeout without losing anything. Leaving an `async for`/`for` loop early cancels the
-    request on the engine (a closed browser tab must not keep the GPUs busy).
-    """
-
-    def __init__(self, request: Request, cancel: Callable[[str], bool]):
-        self.request = request
-        self.request_id = request.request_id
-        self._cancel = cancel
-        self._items: collections.deque[Event] = collections.deque()
-        self._cond = threading.Condition()
-        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
-        self._ended = False       # a terminal event was pushed; later pushes are dropped
-        self._consumed = False    # the consumer has taken the terminal event
-
-    # -- producer side (server threads)
-    def _push(self, ev: Event) -> bool:
-        with self._cond:
-            if self._ended:
-                return False
-            self._items.append(ev)
-            self._ended = isinstance(ev, (Done, Error))
-            self._cond.notify_all()
-            waiter, self._waiter = self._waiter, None
-        if waiter is not None:
-            loop, fut = waiter
-            try:
-                loop.call_soon_threadsafe(_wake, fut)
-            except RuntimeError:        # the consumer's loop is closed: nobody is listening any more
-                pass
-        return True
-
-    @property
-    def ended(self) -> bool:
-        """True once the request's final event (Done or Error) has been produced."""
-        return self._ended
-
-    def cancel(self) -> bool:
-        return self._cancel(self.request_id)
-
-    # -- consumer side
-    def _pop(self) -> Event | None:
-        ev = self._items.popleft() if self._items else None
-        if ev is not None and isinstance(ev, (Done, Error)):
-            self._consumed = True
-        return ev
-
-    def get(self, timeout: float | None = None) -> Event | None:
-        """The next event, or None when `timeout` seconds pass first (or the stream is exhausted)."""
-        with self._cond:
-            if not self._items and not self._consumed:
-                self._cond.wait_for(lambda: bool(self._items), timeout)
-            return self._pop()
-
-    async def aget(self, timeout: float | None = None) -> Event | None:
-        """Async `get`: waits without blocking the event loop; a timeout loses no event."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            with self._cond:
-                if self._items or self._consumed:
-                    return self._pop()
-                fut = loop.create_future()
-                self._waiter = (loop, fut)
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                return None
-            try:
-                await asyncio.wait_for(fut, remaining)
-            except asyncio.TimeoutError:
-                with self._cond:
-                    if self._waiter is not None and self._waiter[1] is fut:
-                        self._waiter = None
-                    if not self._items:
-                        return None
-
-    def __iter__(self) -> Iterator[Event]:
-        try:
-            while not self._consumed:
-                ev = self.get()
-                if ev is not None:
-                    yield ev
-        finally:
-            if not self._ended:
-                self.cancel()
-
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self._aiter()
-
-    async def _aiter(self) -> AsyncIterator[Event]:
-        try:
-            while not self._consumed:
-                ev = await self.aget()
-                if ev is not None:
-                    yield ev
-        finally:                 # the consumer left early (Stop, disconnect, exception): free the engine
-            if not self._ended:
-                self.cancel()
-
-
-def _wake(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-# --------------------------------------------------------------------------- worker side
-def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str | None,
-                requests: Connection | None, events: Connection | None, cancel_seq: Any,
-                preview_every: int = 1, verbose: bool = False, plan: str | None = None,
-                init_method: str = "", sp_kind: str | None = None, pipeline_options: dict | None = None) -> None:
-    """Entry point of one engine worker process (rank `rank` of `world_size`). Rank 0 owns the pipes and
-    reports; the other ranks follow it through a gloo control group. Load failures are reported by rank 0
-    as ("failed", text); a follower that fails prints why and exits, which the server sees. After each
-    request rank 0 reports every rank's `rank_stats` (weights read, resident pointers unchanged, memory)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C belongs to the UI process, which closes us
-    import torch
-    import torch.distributed as dist
-    from .dist import Runtime, rank_device, resident_pointers, set_threads_for_world, shutdown
-    from .events import Error as ErrorEvent
-    from .loader import load, parse_dtype, print_progress
-    from .pipeline import Pipeline
-
-    def send(msg: tuple) -> None:
-        if events is not None:
-            events.send(msg)
-
-    def progress(done: int, total: int, what: str) -> None:
-        if verbose:
-            print_progress(done, total, what)
-        send(("loading", done, total, what))
-
-    control = None
-    try:
-        p = get_plan(plan, world_size, sp_kind)
-        set_threads_for_world(p.world)
-        dev = rank_device(device, rank, p.world)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        rt = Runtime.init(p, rank, dev, init_method)
-        if p.world > 1:
-            control = dist.new_group(list(range(p.world)), backend="gloo")
-        lm = load(model, dev, parse_dtype(dtype, dev), rt.layout, progress=progress if rank == 0 else None)
-        p.check_model(lm.cfg)
-        pointers = resident_pointers(lm.model)
-        moved: list[str] = []          # phases at whose start a resident weight had moved (never, by design)
-
-        def check(phase: str) -> None:
-            if resident_pointers(lm.model) != pointers:
-                moved.append(phase)
-
-        pipeline = Pipeline(lm, rt, preview_every=preview_every, on_phase=check, **(pipeline_options or {}))
-        if control is not None:
-            dist.barrier(group=control)              # "ready" means every rank holds its shard
-    except Exception as e:  # noqa: BLE001 - any load failure is reported, the server decides
-        if rank == 0:
-            send(("failed", f"{type(e).__name__}: {e}"))
-            return
-        print(f"engine rank {rank} failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    if verbose and rank == 0:
-        print(f"\nengine: model loaded in {lm.load_s:.1f} s on {dev} (plan {p.name})", file=sys.stderr, flush=True)
-    def rank_stats() -> list[dict]:
-        mine = {"rank": rank, "device": str(dev), "backend": dist.get_backend() if dist.is_initialized() else "none",
-                "bytes_read": lm.bytes_read,
-                "pointers_unchanged": not moved and resident_pointers(lm.model) == pointers,
-                "resident_bytes": sum(t.numel() * t.element_size() for t in lm.model.parameters()),
-                "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0}
-        everyone: list[Any] = [mine]
-        if control is not None:
-            everyone = [None] * p.world
-            dist.all_gather_object(everyone, mine, group=control)
-        return everyone
-
-    stats = rank_stats()
-    send(("ready", {"load_s": round(lm.load_s, 2), "device": str(dev), "dtype": str(lm.model.dtype),
-                    "plan": p.name, "ranks": stats}))
-
-    def receive() -> Any:
-        msg: list[Any] = [None]
-        if rank == 0:
-            try:
-                msg[0] = requests.recv()
-            except (EOFError, OSError):              # the server is gone
-                msg[0] = None
-        if control is not None:
-            dist.broadcast_object_list(msg, src=0, group=control)
-        return msg[0]
-
-    while (msg := receive()) is not None:
-        seq, req = msg
-        try:
-            for ev in pipeline.run(req, cancelled=lambda seq=seq: cancel_seq.value == seq):
-                send(("event", seq, ev))
-        except (BrokenPipeError, EOFError, OSError):
-            return
-        except Exception as e:  # noqa: BLE001 - the pipeline never raises; this guards the transport
-            send(("event", seq, ErrorEvent("engine", f"{type(e).__name__}: {e}")))
-        send(("stats", rank_stats()))
-        send(("end", seq))
-    shutdown()
-
-
-# --------------------------------------------------------------------------- server side
 @dataclass
 class _Job:
     seq: int
@@ -307,7 +69,7 @@ class EngineServer:
                  world_size: int | None = None, plan: str | None = None, preview_every: int = 1,
                  verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S, sp_kind: str | None = None,
                  pipeline_options: dict | None = None):
-        """`plan`: a preset of engine.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
+        """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
         be split by, or a folder that is not a checkpoint, is refused here, before anything is spawned
@@ -323,7 +85,7 @@ class EngineServer:
         self.preview_every, self.verbose, self.cancel_grace_s = preview_every, verbose, cancel_grace_s
 
         self._ctx = mp.get_context("spawn")
-        self._cancel_seq = self._ctx.Value("q", _NO_REQUEST, lock=False)   # read lock-free by the worker
+        self._cancel_seq = self._ctx.Value("q", NO_REQUEST, lock=False)   # read lock-free by the worker
         self._lock = threading.RLock()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._current: _Job | None = None
@@ -462,10 +224,10 @@ class EngineServer:
 
     # ------------------------------------------------------------------ workers
     def _spawn(self) -> None:
-        from .dist import free_port, init_method_for
+        from engine.parallel.groups import free_port, init_method_for
         req_r, req_w = self._ctx.Pipe(duplex=False)
         ev_r, ev_w = self._ctx.Pipe(duplex=False)
-        self._cancel_seq.value = _NO_REQUEST
+        self._cancel_seq.value = NO_REQUEST
         init_method = init_method_for(free_port())      # a fresh rendezvous for every incarnation
         procs = []
         for rank in range(self.world_size):

@@ -9,6 +9,11 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+# The official `bot_task` values: what the model writes before the image (image: nothing but the size;
+# think / recaption / think_recaption: a chain of thought; auto: free text, no image).
+BOT_TASKS = ("image", "recaption", "think", "think_recaption", "auto")
+COT_TASKS = ("think", "recaption", "think_recaption")        # the tasks whose text goes into the image stage
+
 PRESETS = ("en_unified", "en_vanilla", "en_recaption", "en_think_recaption", "dynamic", "custom", "None")
 
 # preset name -> module-level variable that holds its text in the official file

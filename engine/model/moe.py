@@ -15,11 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .parallel import PhaseView
+from engine.model.packed import micro_cols, micro_rows, read_cols, read_gate_up
+from engine.parallel.layout import PhaseView, ShardLayout
+from engine.spec.checkpoint import Checkpoint
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows of x sorted by group times w[g] ([G, K, N]); offs = int32 cumulative end rows per group."""
+    """Rows of x sorted by group times w[g] ([G, K, N]); offs = int32 cumulative end rows per group.
+
+    `torch._grouped_mm` is not on autocast's cast lists, so under autocast (training) its operands are
+    cast here to the autocast dtype, as autocast would cast a matmul's."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        dt = torch.get_autocast_dtype(kind)
+        x, w = x.to(dt), w.to(dt)
     return torch._grouped_mm(x, w, offs=offs)
 
 
@@ -47,6 +56,20 @@ class MoE(nn.Module):
                           if shared_inter else None)
         self.shared_w2 = (nn.Parameter(torch.empty(hidden, micros * self.shared_micro, dtype=dtype, device=device))
                           if shared_inter else None)
+        self.micros, self.inter, self.shared_inter = micros, inter, shared_inter
+
+    def load(self, ckpt: Checkpoint, prefix: str, layout: ShardLayout) -> None:
+        """Read the router, this shard's slices of every expert and of the shared MLP."""
+        self.gate.copy_(ckpt.read(prefix + "gate.wg.weight"))
+        if self.shared_w1 is not None:
+            self.shared_w1.copy_(read_gate_up(ckpt, prefix + "shared_mlp.gate_and_up_proj.weight",
+                                              self.shared_inter, layout))
+            self.shared_w2.copy_(read_cols(ckpt, prefix + "shared_mlp.down_proj.weight", self.shared_inter, layout))
+        for e in range(self.experts):
+            p = f"{prefix}experts.{e}."
+            self.w1[:, e].copy_(read_gate_up(ckpt, p + "gate_and_up_proj.weight", self.inter, layout))
+            down = read_cols(ckpt, p + "down_proj.weight", self.inter, layout)      # [H, micros * I_micro]
+            self.w2[:, e].copy_(down.view(down.shape[0], self.micros, -1).transpose(0, 1))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] fp32, expert ids [N, k])."""
@@ -62,11 +85,9 @@ class MoE(nn.Module):
         w, idx = self.route(x)
         out = self._experts(x, w, idx, view)
         if self.shared_w1 is not None:
-            s1 = self.shared_w1[view.micros].reshape(-1, x.shape[-1])
-            h = F.linear(x, s1).view(x.shape[0], view.micro_count, 2 * self.shared_micro)
+            h = F.linear(x, micro_rows(self.shared_w1, view)).view(x.shape[0], view.micro_count, 2 * self.shared_micro)
             act = swiglu_halves(h).reshape(x.shape[0], -1)
-            cols = slice(view.micro_start * self.shared_micro, (view.micro_start + view.micro_count) * self.shared_micro)
-            out = out + F.linear(act, self.shared_w2[:, cols])
+            out = out + F.linear(act, micro_cols(self.shared_w2, view, self.micros))
         return out.view(shape)
 
     def _experts(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, view: PhaseView) -> torch.Tensor:

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import torch
 
-from .buckets import Bucket, build_buckets
-from .checkpoint import Checkpoint
-from .config import CheckpointConfig, GenerationConfig, ModelConfig
-from .model import HunyuanImage3, Progress, load_weights
-from .parallel import ShardLayout
-from .prompts import SystemPrompts
-from .tokenizer import Tokenizer
+from engine.model.hunyuan import HunyuanImage3
+from engine.model.weights import Progress, load_weights
+from engine.parallel.layout import ShardLayout
+from engine.spec.buckets import Bucket, build_buckets
+from engine.spec.checkpoint import Checkpoint
+from engine.spec.config import CheckpointConfig, GenerationConfig, ModelConfig
+from engine.spec.prompts import SystemPrompts
+from engine.spec.tokenizer import Tokenizer
 
 
 @dataclass

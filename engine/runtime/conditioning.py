@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from .buckets import Bucket
-from .images import fit_to_bucket, reference_bucket, to_tensor
-from .model import HunyuanImage3
-from .sequence import CondImageLayout, Sequence
-from .vit import vit_preprocess
+from engine.model.hunyuan import HunyuanImage3
+from engine.model.vit import vit_preprocess
+from engine.runtime.images import fit_to_bucket, reference_bucket, to_tensor
+from engine.runtime.sequence import CondImageLayout, Sequence
+from engine.spec.buckets import Bucket
 
 
 @dataclass

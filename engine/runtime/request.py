@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from .buckets import Bucket, SizeError, parse_size
-from .config import GenerationConfig
-from .images import ImageError, open_image
-from .prompts import PRESETS
+from engine.runtime.images import ImageError, open_image
+from engine.runtime.sampling import SamplingParams
+from engine.spec.buckets import Bucket, SizeError, parse_size
+from engine.spec.config import GenerationConfig
+from engine.spec.prompts import BOT_TASKS, PRESETS
 
 MAX_IMAGES = 3
 MAX_PROMPT_CHARS = 8000
-BOT_TASKS = ("image", "recaption", "think", "think_recaption", "auto")
 STEPS_RANGE = (1, 200)
 GUIDANCE_RANGE = (0.0, 30.0)
 MAX_NEW_TOKENS_RANGE = (1, 8192)
@@ -57,6 +57,7 @@ class Prepared:
     seed: int
     preset: str
     max_new_tokens: int
+    sampling: SamplingParams
 
 
 def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], seed: int) -> Prepared:
@@ -91,12 +92,19 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], se
     max_new = gen.max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
     if not isinstance(max_new, int) or not MAX_NEW_TOKENS_RANGE[0] <= max_new <= MAX_NEW_TOKENS_RANGE[1]:
         raise RequestError(f"max_new_tokens must be in [{MAX_NEW_TOKENS_RANGE[0]}, {MAX_NEW_TOKENS_RANGE[1]}]")
-    for name, value, ok in (("temperature", req.temperature, lambda v: v > 0),
-                            ("top_p", req.top_p, lambda v: 0 < v <= 1), ("top_k", req.top_k, lambda v: v >= 0)):
-        if value is not None and not ok(value):
-            raise RequestError(f"{name} {value!r} is out of range")
+    sampling = SamplingParams(
+        temperature=gen.temperature if req.temperature is None else req.temperature,
+        top_k=gen.top_k if req.top_k is None else req.top_k,
+        top_p=gen.top_p if req.top_p is None else req.top_p,
+        greedy=req.greedy or not gen.do_sample)
+    if not sampling.greedy:
+        for name, value, ok, rule in (("temperature", sampling.temperature, lambda v: v > 0, "> 0 (or greedy)"),
+                                      ("top_p", sampling.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+                                      ("top_k", sampling.top_k, lambda v: v >= 0, ">= 0 (0: off)")):
+            if not isinstance(value, (int, float)) or not ok(value):
+                raise RequestError(f"{name} must be {rule} (got {value!r})")
     s = req.seed if req.seed is not None else seed
     if not isinstance(s, int) or not 0 <= s < 2 ** 63:
         raise RequestError(f"seed must be a non-negative integer (got {req.seed!r})")
-    return Prepared(req, pil, bot_task, bucket, int(steps), float(guidance), s, preset, int(max_new))
+    return Prepared(req, pil, bot_task, bucket, int(steps), float(guidance), s, preset, int(max_new), sampling)
 

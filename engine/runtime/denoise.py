@@ -10,11 +10,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from .attention import KVCache
-from .conditioning import embed_range
-from .model import HunyuanImage3
-from .parallel import Comm, PhaseView
-from .sequence import GenImageSpan, Sequence
+from engine.model.attention import KVCache
+from engine.model.hunyuan import HunyuanImage3
+from engine.parallel.layout import Comm, PhaseView
+from engine.runtime.conditioning import embed_range
+from engine.runtime.sequence import GenImageSpan, Sequence
 
 
 def flow_sigmas(steps: int, shift: float) -> torch.Tensor:

@@ -14,15 +14,6 @@ class SamplingParams:
     top_p: float = 0.95
     greedy: bool = False
 
-    def validate(self) -> None:
-        if not self.greedy:
-            if not self.temperature > 0:
-                raise ValueError(f"temperature must be > 0 (got {self.temperature}); use greedy decoding instead")
-            if not 0 < self.top_p <= 1:
-                raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
-            if self.top_k < 0:
-                raise ValueError(f"top_k must be >= 0 (got {self.top_k})")
-
 
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            allowed: torch.Tensor | None = None) -> torch.Tensor:

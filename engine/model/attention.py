@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import RMSNorm, apply_rope
-from .parallel import PhaseView
+from engine.model.layers import RMSNorm, apply_rope
+from engine.model.packed import micro_cols, micro_rows, read_cols, read_rows
+from engine.parallel.layout import PhaseView, ShardLayout
+from engine.spec.checkpoint import Checkpoint
 
 
 class KVCache:
@@ -77,12 +79,13 @@ class AttnBatch:
 
 
 def attention_mask(index: torch.Tensor, blocks: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """Generalised causal mask: key j is visible to query i if j <= i, or if both lie in the same
-    full-attention block (blocks[t] = block id, -1 for causal tokens)."""
+    """Generalised causal mask [..., Q, kv_len] for queries at sequence indices `index` [Q]: key j is
+    visible to query i if j <= i, or if both lie in the same full-attention block (blocks [..., L]:
+    block id per token, -1 for causal tokens; leading batch dims are kept)."""
     keys = torch.arange(kv_len, device=index.device)
-    qb = blocks[index]
-    kb = blocks[:kv_len]
-    return (keys[None, :] <= index[:, None]) | ((qb[:, None] == kb[None, :]) & (qb[:, None] >= 0))
+    qb = blocks[..., index].unsqueeze(-1)
+    kb = blocks[..., :kv_len].unsqueeze(-2)
+    return (keys[None, :] <= index[:, None]) | ((qb == kb) & (qb >= 0))
 
 
 class Attention(nn.Module):
@@ -101,12 +104,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(hidden, micros * cols, dtype=dtype, device=device))
         self.q_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
         self.k_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
+        self.micros = micros
+
+    def load(self, ckpt: Checkpoint, prefix: str, layout: ShardLayout) -> None:
+        """Read this shard's slices of `{prefix}qkv_proj`, `o_proj` and the q/k norms."""
+        name = prefix + "qkv_proj.weight"
+        self.qkv.copy_(read_rows(ckpt, name, ckpt.info(name).shape[0], layout).view(self.qkv.shape))
+        self.o_proj.copy_(read_cols(ckpt, prefix + "o_proj.weight", ckpt.info(prefix + "o_proj.weight").shape[1],
+                                    layout))
+        self.q_norm.weight.copy_(ckpt.read(prefix + "query_layernorm.weight"))
+        self.k_norm.weight.copy_(ckpt.read(prefix + "key_layernorm.weight"))
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache, layer: int, view: PhaseView) -> torch.Tensor:
         B, T, H = x.shape
         D, g = self.head_dim, self.group
         kv = self.kv_per_micro * view.micro_count
-        qkv = F.linear(x, self.qkv[view.micros].reshape(-1, H)).view(B, T, kv, g + 2, D)
+        qkv = F.linear(x, micro_rows(self.qkv, view)).view(B, T, kv, g + 2, D)
         q = qkv[:, :, :, :g].reshape(B, T, kv * g, D).transpose(1, 2)
         k = qkv[:, :, :, g].transpose(1, 2)
         v = qkv[:, :, :, g + 1].transpose(1, 2)
@@ -129,9 +142,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=g > 1)
         if sp.size > 1 and view.sp_kind == "ulysses":
             out = _heads_to_seq(out, sp)
-        cols = self.o_proj.shape[1] // self.qkv.shape[0]
-        o_w = self.o_proj[:, view.micro_start * cols:(view.micro_start + view.micro_count) * cols]
-        return F.linear(out.transpose(1, 2).reshape(B, T, kv * g * D), o_w)
+        return F.linear(out.transpose(1, 2).reshape(B, T, kv * g * D), micro_cols(self.o_proj, view, self.micros))
 
 
 def _seq_to_heads(t: torch.Tensor, sp) -> torch.Tensor:

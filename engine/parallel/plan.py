@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelConfig
-from .parallel import ShardLayout
+from engine.parallel.layout import ShardLayout
+from engine.spec.config import ModelConfig
 
 
 class PlanError(ValueError):
@@ -62,10 +62,6 @@ class ParallelPlan:
     @property
     def micros(self) -> int:
         return self.ar_tp // self.storage_tp
-
-    @property
-    def ar_replicas(self) -> int:
-        return self.world // self.ar_tp
 
     @property
     def sp(self) -> int:
@@ -116,7 +112,7 @@ class ParallelPlan:
                 "replica": uniq(self.replica_group(p) for p in r)}
 
     # ------------------------------------------------------------------ model fit
-    def check_model(self, cfg: ModelConfig, distil: bool | None = None) -> None:
+    def check_model(self, cfg: ModelConfig) -> None:
         """Refuse a plan the model's dimensions cannot be split by, saying why."""
         need = [("attention heads", cfg.num_heads, self.ar_tp), ("KV heads", cfg.num_kv_heads, self.ar_tp),
                 ("vocab_size", cfg.vocab_size, self.ar_tp)]
@@ -130,7 +126,7 @@ class ParallelPlan:
         for what, n, k in need:
             if n % k:
                 raise PlanError(f"plan {self.name}: {what} ({n}) is not divisible by {k}")
-        if self.replica_mode == "cfg" and (cfg.cfg_distilled if distil is None else distil):
+        if self.replica_mode == "cfg" and cfg.cfg_distilled:
             raise PlanError(f"plan {self.name} runs the two CFG branches in parallel, but this is an "
                             "Instruct-Distil checkpoint (one branch per step): use hybrid4 or tp4")
 

@@ -6,11 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, AttnBatch, KVCache
-from .config import ModelConfig
-from .layers import RMSNorm
-from .moe import MoE
-from .parallel import PhaseView, ShardLayout
+from engine.model.attention import Attention, AttnBatch, KVCache
+from engine.model.layers import RMSNorm
+from engine.model.moe import MoE
+from engine.model.packed import micro_rows, read_rows
+from engine.parallel.layout import PhaseView, ShardLayout
+from engine.spec.checkpoint import Checkpoint
+from engine.spec.config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
@@ -23,6 +25,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = MoE(cfg.hidden_size, cfg.num_experts[i], cfg.moe_topk[i], cfg.moe_intermediate_size[i],
                        cfg.shared_intermediate(i), cfg.norm_topk_prob, **kw)
+
+    def load(self, ckpt: Checkpoint, prefix: str, layout: ShardLayout) -> None:
+        self.input_layernorm.weight.copy_(ckpt.read(prefix + "input_layernorm.weight"))
+        self.post_attention_layernorm.weight.copy_(ckpt.read(prefix + "post_attention_layernorm.weight"))
+        self.self_attn.load(ckpt, prefix + "self_attn.", layout)
+        self.mlp.load(ckpt, prefix + "mlp.", layout)
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache, layer: int, view: PhaseView) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(x), batch, cache, layer, view)
@@ -42,6 +50,12 @@ class Transformer(nn.Module):
         self.lm_head = nn.Parameter(torch.empty(layout.micros, vocab_micro, cfg.hidden_size, dtype=dtype,
                                                 device=device))
 
+    def load_ends(self, ckpt: Checkpoint, layout: ShardLayout) -> None:
+        """The embedding table, the final norm and this shard's vocabulary rows of the LM head."""
+        self.wte.copy_(ckpt.read("model.wte.weight"))
+        self.ln_f.weight.copy_(ckpt.read("model.ln_f.weight"))
+        self.lm_head.copy_(read_rows(ckpt, "lm_head.weight", self.cfg.vocab_size, layout).view(self.lm_head.shape))
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.wte)
 
@@ -52,5 +66,5 @@ class Transformer(nn.Module):
 
     def logits(self, x: torch.Tensor, view: PhaseView) -> torch.Tensor:
         """fp32 logits over the whole vocabulary (gathered over the AR group in logical order)."""
-        local = F.linear(self.ln_f(x), self.lm_head[view.micros].reshape(-1, x.shape[-1]))
+        local = F.linear(self.ln_f(x), micro_rows(self.lm_head, view))
         return view.tp.all_gather(local, dim=-1).float()

@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from .attention import KVCache
-from .model import HunyuanImage3
-from .parallel import PhaseView
+from engine.model.attention import KVCache
+from engine.model.hunyuan import HunyuanImage3
+from engine.parallel.layout import PhaseView
 
 
 def _graphable(view: PhaseView, device: torch.device) -> bool:

@@ -15,7 +15,6 @@ choice), so the module also matches the official numbers when the caller wraps i
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -54,11 +53,6 @@ def _log2_exact(value: int, name: str) -> int:
     if value < 1 or value & (value - 1):
         raise ValueError(f"vae {name}={value} must be a power of two")
     return value.bit_length() - 1
-
-
-def vae_spatial_factor(cfg: dict) -> int:
-    """Pixels per latent cell along H and W (16 for the released config)."""
-    return int(cfg["ffactor_spatial"])
 
 
 def _space_to_channels(x: Tensor, rt: int) -> Tensor:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .buckets import Bucket, nearest_bucket
+from engine.spec.buckets import Bucket, nearest_bucket
 
 MAX_PIXELS = 64_000_000   # refuse decompression bombs before decoding
 

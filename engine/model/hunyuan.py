@@ -1,0 +1,81 @@
+"""The whole HunyuanImage-3.0 model as one rank keeps it resident: the backbone (tensor-parallel,
+packed micro-major) and the replicated image-side modules, which keep the official parameter names so
+that their checkpoint names are their `state_dict` keys under a prefix (engine/model/weights.py)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.attention import AttnBatch, KVCache, attention_mask
+from engine.model.image_heads import TimestepEmbedder, UNetDown, UNetUp
+from engine.model.layers import rope_angles
+from engine.model.transformer import Transformer
+from engine.model.vae import AutoencoderKLConv3D
+from engine.model.vit import Siglip2VisionModel, VisionAligner
+from engine.parallel.layout import PhaseView, ShardLayout
+from engine.spec.config import ModelConfig
+
+
+class HunyuanImage3(nn.Module):
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout = ShardLayout(), dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        if cfg.patch_size != 1:
+            raise ValueError(f"patch_size {cfg.patch_size} is not supported (the released models use 1)")
+        self.cfg, self.layout, self.dtype = cfg, layout, dtype
+        self.transformer = Transformer(cfg, layout, dtype=dtype, device=device)
+        self.guidance_emb: TimestepEmbedder | None = None
+        self.timestep_r_emb: TimestepEmbedder | None = None
+        with torch.device(device):      # build (and default-initialise) the replicated modules in place
+            mods = image_side_modules(cfg, dtype, device)
+        self.image_modules = list(mods)
+        for name, mod in mods.items():
+            setattr(self, name, mod)
+        self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.wte.device
+
+    def attn_batch(self, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor, kv_len: int,
+                   view: PhaseView, masked: bool = True, gathered: torch.Tensor | None = None) -> AttnBatch:
+        """RoPE tables and mask for the tokens at sequence indices `index` [T] (see `backbone`)."""
+        cos, sin = rope_angles(pos.index_select(0, index), self.cfg.head_dim, self.cfg.rope_theta)
+        rows = gathered if gathered is not None and view.sp_kind == "ulysses" else index
+        mask = attention_mask(rows, blocks, kv_len) if masked else None
+        return AttnBatch(index, cos, sin, kv_len, mask, gathered)
+
+    def backbone(self, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor,
+                 cache: KVCache, kv_len: int, view: PhaseView, masked: bool = True,
+                 gathered: torch.Tensor | None = None, batch: AttnBatch | None = None) -> torch.Tensor:
+        """Run the layers on embeddings x [B, T, H] of the tokens at sequence indices `index` [T].
+
+        pos [>=kv_len, 2] and blocks [>=kv_len] describe the whole sequence; keys [0, kv_len) of the cache
+        are attended to. `masked=False` when every query may see every key (a decode step). Under sequence
+        parallelism x holds this rank's tokens and `gathered` [S] the indices of every rank's tokens.
+        A `batch` prepared once by `attn_batch` (the same tokens at every denoise step) skips rebuilding it.
+        """
+        batch = batch or self.attn_batch(index, pos, blocks, kv_len, view, masked, gathered)
+        return self.transformer(x, batch, cache, view)
+
+    def replicated_modules(self) -> dict[str, nn.Module]:
+        """Checkpoint prefix -> module whose state_dict keys are the checkpoint names under that prefix."""
+        return {name: getattr(self, name) for name in self.image_modules}
+
+
+def image_side_modules(cfg: ModelConfig, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> dict[str, nn.Module]:
+    """Replicated modules by checkpoint prefix. The VAE, ViT and aligner stay fp32, as their sub-configs
+    ask (vae_dtype / torch_dtype float32); the embedders and UNet heads take the model dtype."""
+    H, latent = cfg.hidden_size, int(cfg.vae["latent_channels"])
+    kw = dict(dtype=dtype, device=device)
+    names = ["timestep_emb", "time_embed", "time_embed_2"]
+    names += ["guidance_emb"] if cfg.cfg_distilled else []
+    names += ["timestep_r_emb"] if cfg.use_meanflow else []
+    mods: dict[str, nn.Module] = {n: TimestepEmbedder(H, **kw) for n in names}
+    mods |= {"patch_embed": UNetDown(latent, cfg.patch_embed_hidden_dim, H, **kw),
+             "final_layer": UNetUp(H, cfg.patch_embed_hidden_dim, latent, **kw),
+             "vae": AutoencoderKLConv3D(cfg.vae).to(device),
+             "vision_model": Siglip2VisionModel(cfg.vit).to(device),
+             "vision_aligner": VisionAligner(cfg.vit_aligner).to(device)}
+    return mods

@@ -1,0 +1,38 @@
+"""What a client needs to know about the served checkpoint, read from its small files only (no weights),
+so the UI can build its controls and validate input while the engine is still loading."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.runtime.request import Request, prepare
+from engine.spec.buckets import Bucket, build_buckets
+from engine.spec.config import CheckpointConfig, GenerationConfig, ModelConfig
+from engine.spec.prompts import PRESETS, SystemPrompts
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a client needs to build its controls and validate input, read from the checkpoint's small
+    files only (no weights), so the UI can come up while the engine is still loading."""
+    folder: Path
+    name: str
+    gen: GenerationConfig
+    buckets: tuple[Bucket, ...]
+    presets: tuple[str, ...]          # system-prompt presets usable with this checkpoint
+    distil: bool
+    cfg: ModelConfig
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelInfo":
+        folder = Path(folder)
+        cc = CheckpointConfig.load(folder)
+        prompts = SystemPrompts.load(folder)
+        # presets whose text the folder provides, plus the ones that need none
+        usable = tuple(p for p in PRESETS if p in prompts.texts or p in ("dynamic", "custom", "None"))
+        return cls(folder, cc.model.model_version or folder.name, cc.generation,
+                   build_buckets(cc.model.image_base_size), usable, cc.model.cfg_distilled, cc.model)
+
+    def validate(self, req: Request) -> None:
+        """Raise RequestError exactly as the engine would (one implementation: `request.prepare`)."""
+        prepare(req, self.gen, self.buckets, seed=0)

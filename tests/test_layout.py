@@ -1,0 +1,102 @@
+"""The package's imports run one way (DESIGN §1): serve -> runtime -> model -> parallel -> spec;
+`kernels` imports nothing of `engine`; the web UI uses only the serving client, events and requests;
+nothing at run time imports the development tools or the trainer. Imports needed only for type
+hints (`if TYPE_CHECKING:`) are not imports at run time and are not counted."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ["spec", "parallel", "model", "runtime", "serve"]          # each may import only those before it
+WEBUI_MAY_IMPORT = {"engine", "engine.serve.client", "engine.serve.server", "engine.serve.info",
+                    "engine.runtime.events", "engine.runtime.request"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in the file, outside `if TYPE_CHECKING:` blocks."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for b in node.body for n in ast.walk(b)}
+    me = _module_name(path).split(".")
+    package = me if path.name == "__init__.py" else me[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.append((node.lineno, mod))
+    return out
+
+
+def _files(*folders: str) -> list[Path]:
+    return sorted(p for f in folders for p in (ROOT / f).rglob("*.py"))
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "engine" or len(parts) < 2 or parts[1] not in LAYERS:
+        return None
+    return LAYERS.index(parts[1])
+
+
+def _violations() -> list[str]:
+    bad = []
+    for path in _files("engine", "kernels", "webui") + [ROOT / "app.py"]:
+        me = _module_name(path)
+        for line, mod in _imports(path):
+            where = f"{path.relative_to(ROOT)}:{line} imports {mod}"
+            top = mod.split(".")[0]
+            if top in ("tools", "train", "tests", "bench") and me not in ("engine.__main__", "app"):
+                bad.append(where + " (a development tool at run time)")
+            if me.startswith("kernels") and top in ("engine", "webui"):
+                bad.append(where + " (kernels import nothing of the engine)")
+            if me.startswith("engine"):
+                if top == "webui":
+                    bad.append(where + " (the engine never imports the UI)")
+                mine, theirs = _layer(me), _layer(mod)
+                if mine is not None and theirs is not None and theirs > mine:
+                    bad.append(where + f" (engine.{LAYERS[mine]} may not import engine.{LAYERS[theirs]})")
+                if me == "engine" and theirs is not None:
+                    bad.append(where + " (the root package holds constants only)")
+            if me.startswith("webui") and top == "engine" and mod not in WEBUI_MAY_IMPORT:
+                bad.append(where + " (the UI uses only the serving client, events and requests)")
+    return bad
+
+
+def test_imports_run_one_way():
+    assert _violations() == []
+
+
+def test_the_check_sees_a_wrong_way_import():
+    """The walker must catch an import against the arrows (a test that cannot fail is a defect)."""
+    bad = ROOT / "engine" / "spec" / "_wrong_way_probe.py"
+    bad.write_text("from engine.runtime.pipeline import Pipeline\nfrom ..serve import server\n")
+    try:
+        found = [v for v in _violations() if "_wrong_way_probe" in v]
+    finally:
+        bad.unlink()
+    assert len(found) == 2 and "may not import engine.runtime" in found[0] and "engine.serve" in found[1]
+
+
+@pytest.mark.parametrize("package", ["engine.spec", "engine.parallel", "engine.model", "engine.runtime",
+                                     "engine.serve", "kernels", "tools"])
+def test_each_sub_package_says_what_lives_there(package):
+    doc = ast.get_docstring(ast.parse((ROOT / package.replace(".", "/") / "__init__.py").read_text()))
+    assert doc and len(doc.split()) >= 12, f"{package} needs a docstring saying what lives there and what it may import"
