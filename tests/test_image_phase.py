@@ -90,7 +90,7 @@ def test_distil_runs_one_forward_per_step(tiny_distil):
     finally:
         del tiny_distil.model.backbone
     assert image_of(ev).size == (256, 256)
-    assert calls == [1, 1, 1]          # one batch-1 forward per step: no uncond branch
+    assert calls == [1, 1, 1, 1]       # the prefix once, then one batch-1 forward per step: no uncond branch
 
 
 def test_prefix_cached_step_equals_full_sequence_step(tiny):
@@ -201,3 +201,50 @@ def test_previews_keep_to_their_share_of_the_denoise_time(tiny):
     compute_s = next(e for e in ev if isinstance(e, Done)).timings.dit_ms_per_step * 12 / 1e3
     assert shown >= 1 and ev[[isinstance(e, Step) for e in ev].index(True)].preview  # the first step shows
     assert 0.05 * (shown - 1) <= 0.25 * compute_s + 1e-3, (shown, compute_s)
+
+
+def _png_array(ev: Image) -> np.ndarray:
+    return np.asarray(PILImage.open(io.BytesIO(ev.png)), dtype=np.float64)
+
+
+@pytest.mark.parametrize("fixture,guidance", [("tiny", 4.0), ("tiny_distil", None)])
+def test_n_images_share_one_reasoning_pass_and_one_batched_denoise(fixture, guidance, request):
+    """n=2: one AR phase, each denoise step one forward for both images (and both CFG branches), two
+    images with seeds s and s+1; image 0 is the n=1 image of the same seed (same CoT, same noise)."""
+    lm = request.getfixturevalue(fixture)
+    pipe = Pipeline(lm, preview_every=0)
+    kw = dict(prompt="a red circle", bot_task="think", max_new_tokens=12, size="256x256", steps=3, seed=7,
+              guidance=guidance)
+    calls, phases = [], []
+    orig = lm.model.backbone
+
+    def counting(x, *a, **k):
+        calls.append((phases[-1] if phases else "?", x.shape[0]))
+        return orig(x, *a, **k)
+
+    pipe.on_phase = phases.append
+    lm.model.backbone = counting
+    try:
+        two = run(pipe, n=2, **kw)
+        two_calls, two_phases = list(calls), list(phases)
+        one = run(pipe, n=1, **kw)
+    finally:
+        del lm.model.backbone
+    images = [e for e in two if isinstance(e, Image)]
+    assert [(e.index, e.seed) for e in images] == [(0, 7), (1, 8)]
+    assert two_phases == ["ar", "denoise"]
+    branches = 2 if guidance else 1
+    steps = [b for ph, b in two_calls if ph == "denoise"]
+    assert steps[-3:] == [2 * branches] * 3           # every step: one forward with all rows
+    a, b = _png_array(images[0]), _png_array(images[1])
+    assert np.abs(a - b).mean() > 1.0                  # different noise, different images
+    ref = _png_array(next(e for e in one if isinstance(e, Image)))
+    mse = np.mean((a - ref) ** 2)
+    assert mse == 0 or 10 * np.log10(255 ** 2 / mse) >= 40
+    texts = [e.delta for e in two if isinstance(e, Text)]
+    assert texts == [e.delta for e in one if isinstance(e, Text)]     # one reasoning, the same
+
+
+def test_n_out_of_range_is_refused(tiny):
+    ev = run(Pipeline(tiny), prompt="a cat", n=5)
+    assert isinstance(ev[-1], Error) and ev[-1].kind == "invalid" and "n (images per request)" in ev[-1].message

@@ -47,27 +47,32 @@ class DenoiseRunner:
 
     branches: the CFG branches this rank computes, as rows of `ids` (0 = cond, 1 = uncond): both
       (batched CFG), the one of its replica (CFG-parallel, gathered over `branch_comm`), or [0].
-    The first step computes each branch from its first uncached token (`starts`: the cond branch
-    continues the AR cache, the uncond branch starts at 0) to the end of the image; later steps only
-    the meta + image tokens. Branches run as one batch, or one after the other (`serial`). Under SP each call's tokens are split over `view.sp`; padding tokens
-    write a scratch cache slot (`scratch`) that no real query reads.
+    images: how many images share the request's reasoning; each branch has one cache row per image
+      (rows are branch-major: branch j, image k is row j * images + k).
+    `prefill()` computes, once, each branch's uncached prefix up to the image's meta tokens (`starts`:
+    the cond branch continues the AR cache, the uncond branch starts at 0) for one image row and copies
+    its K/V to the branch's other image rows: the prefix never attends to the image, so every image of
+    a branch shares it. Each step then runs only the meta + image tokens of every row, as one batch or
+    one branch after the other (`serial`). Under SP each call's tokens are split over `view.sp`; padding
+    tokens write a scratch cache slot (`scratch`) that no real query reads.
     """
 
     def __init__(self, model: HunyuanImage3, seq: Sequence, refs: list, ids: torch.Tensor, cache: KVCache,
                  view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
-                 serial: bool = False):
+                 serial: bool = False, images: int = 1):
         self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
         self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
         self.serial = serial      # one forward per branch (less activation memory) instead of one batch
+        self.images = images
         T = seq.tensors(model.device, length=scratch + 1)
         self.pos, self.blocks = T["pos"], T["blocks"]
         self.span = seq.gen_image
-        self._batches: dict[int, tuple] = {}   # start -> (index, gathered, AttnBatch): same at every step
+        self._batches: dict[tuple[int, int], tuple] = {}   # (start, stop) -> (chunk, n, AttnBatch)
 
-    def _layout(self, start: int, dev: torch.device) -> tuple[int, int, object]:
-        """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per start."""
-        if start not in self._batches:
-            sp, stop = self.view.sp, self.span.stop
+    def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
+        """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
+        if (start, stop) not in self._batches:
+            sp = self.view.sp
             n = stop - start
             index = torch.arange(start, stop, device=dev)
             gathered, chunk = None, n
@@ -77,13 +82,13 @@ class DenoiseRunner:
                 gathered = torch.cat([index, pad])
                 index = gathered[sp.rank * chunk:(sp.rank + 1) * chunk]
             batch = self.model.attn_batch(index, self.pos, self.blocks, stop, self.view, gathered=gathered)
-            self._batches[start] = (chunk, n, batch)
-        return self._batches[start]
+            self._batches[(start, stop)] = (chunk, n, batch)
+        return self._batches[(start, stop)]
 
-    def _run(self, x: torch.Tensor, start: int, rows: slice) -> torch.Tensor:
-        """Tokens [start, stop) with embeddings x [B, n, H] -> hidden of the image tokens [B, hw, H]."""
-        sp, hw = self.view.sp, self.span.h * self.span.w
-        chunk, n, batch = self._layout(start, x.device)
+    def _run(self, x: torch.Tensor, start: int, stop: int, rows: slice) -> torch.Tensor:
+        """Tokens [start, stop) with embeddings x [B, n, H] into cache rows `rows` -> hidden [B, n, H]."""
+        sp = self.view.sp
+        chunk, n, batch = self._layout(start, stop, x.device)
         if sp.size > 1:
             x = torch.cat([x, x.new_zeros(x.shape[0], chunk * sp.size - n, x.shape[2])], dim=1)
             x = x[:, sp.rank * chunk:(sp.rank + 1) * chunk]
@@ -91,34 +96,38 @@ class DenoiseRunner:
                                 self.view, batch=batch)
         if sp.size > 1:
             h = sp.all_gather(h, dim=1)[:, :n]
-        return h[:, -hw:]
+        return h
+
+    def _rows(self, j: int) -> slice:
+        return slice(j * self.images, (j + 1) * self.images)
+
+    def prefill(self) -> None:
+        """Each branch's uncached prefix [start, meta), once, shared by the branch's image rows."""
+        meta = self.span.meta_start
+        for j, b in enumerate(self.branches):
+            start, row = self.starts[j], j * self.images
+            if start < meta:
+                x = embed_range(self.model, self.seq, self.ids[b:b + 1], self.refs, start, meta)
+                self._run(x, start, meta, slice(row, row + 1))
+            if self.images > 1:      # the other images of the branch see the same prefix
+                for t in (*self.cache.k, *self.cache.v):
+                    t[row + 1:row + self.images, :, :meta] = t[row:row + 1, :, :meta]
 
     def velocity(self, i: int, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
                  g: torch.Tensor | None) -> torch.Tensor:
-        """v for every branch [n_branches_total, C, h, w] (fp32), identical on all ranks."""
+        """x [images, C, h, w] -> v [branches_total * images, C, h, w] (fp32, branch-major), identical
+        on all ranks. `prefill()` must have run."""
         model, span = self.model, self.span
-        B = len(self.branches)
+        B = len(self.branches) * self.images
         tb = t.expand(B)
-        tail = tail_embeddings(model, x.expand(B, -1, -1, -1), tb, None if r is None else r.expand(B),
-                               None if g is None else g.expand(B))
-        meta = span.meta_start
-        if i > 0 and not self.serial:
-            hidden = self._run(tail, meta, slice(None))
-        elif i > 0:
-            hidden = torch.cat([self._run(tail[j:j + 1], meta, slice(j, j + 1)) for j in range(B)])
-        elif len(set(self.starts)) == 1 and not self.serial:
-            start = self.starts[0]
-            rows = self.ids[self.branches]
-            x_all = torch.cat([embed_range(model, self.seq, rows, self.refs, start, meta), tail], dim=1)
-            hidden = self._run(x_all, start, slice(None))
-        else:  # branches start at different tokens: one call per branch
-            outs = []
-            for j, b in enumerate(self.branches):
-                start = self.starts[j]
-                xb = torch.cat([embed_range(model, self.seq, self.ids[b:b + 1], self.refs, start, meta),
-                                tail[j:j + 1]], dim=1)
-                outs.append(self._run(xb, start, slice(j, j + 1)))
-            hidden = torch.cat(outs)
+        xs = x.repeat(len(self.branches), 1, 1, 1)
+        tail = tail_embeddings(model, xs, tb, None if r is None else r.expand(B), None if g is None else g.expand(B))
+        meta, stop, hw = span.meta_start, span.stop, span.h * span.w
+        if not self.serial:
+            hidden = self._run(tail, meta, stop, slice(None))[:, -hw:]
+        else:
+            hidden = torch.cat([self._run(tail[self._rows(j)], meta, stop, self._rows(j))[:, -hw:]
+                                for j in range(len(self.branches))])
         v = velocity(model, hidden, tb, span)
         return self.branch_comm.all_gather(v, dim=0)
 
@@ -126,7 +135,8 @@ class DenoiseRunner:
 def denoise(runner: DenoiseRunner, noise: torch.Tensor, steps: int, shift: float, guidance: float, cfg: bool,
             distil: bool, cancelled: Callable[[], bool] = lambda: False
             ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Yields (i, x_next, x0_estimate) after each step; stops early when `cancelled()`."""
+    """Yields (i, x_next, x0_estimate) after each step for the latents `noise` [images, C, h, w]; stops
+    early when `cancelled()`. With CFG the runner's rows are [cond images ; uncond images]."""
     dev = noise.device
     sig = flow_sigmas(steps, shift).to(dev)
     ts = sig * 1000.0
@@ -138,7 +148,8 @@ def denoise(runner: DenoiseRunner, noise: torch.Tensor, steps: int, shift: float
             return
         v = runner.velocity(i, x, ts[i:i + 1], ts[i + 1:i + 2] if use_r else None, g)
         if cfg:
-            v = v[1:2] + guidance * (v[0:1] - v[1:2])
+            n = x.shape[0]
+            v = v[n:2 * n] + guidance * (v[:n] - v[n:2 * n])
         x0 = x - sig[i] * v
         x = x + (sig[i + 1] - sig[i]) * v
         yield i, x, x0

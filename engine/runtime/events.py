@@ -40,10 +40,13 @@ class Step:
 
 @dataclass
 class Image:
+    """One finished image. A request for n images emits n of these, `index` 0..n-1; image k's noise
+    was drawn with seed `seed` (the request's seed + k); all share the request's reasoning."""
     png: bytes
     width: int
     height: int
     seed: int
+    index: int = 0
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Timings:
     dit_ms_per_step: float = 0.0
     vae_ms: float = 0.0
     total_s: float = 0.0
+    dit_prefill_ms: float = 0.0   # the uncached prefix (the uncond branch's, with CFG) before the first step
     kv_reused_tokens: int = 0     # prefix tokens the denoise cond branch took from the AR cache
 
     def parts(self, bold: bool = False) -> list[str]:

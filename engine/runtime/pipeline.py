@@ -119,7 +119,8 @@ class Pipeline:
         scratch = budget                                          # SP padding writes here; nothing reads it
         heads = cache_heads(rt.plan, rt.rank, rt.denoise.sp.rank,
                             model.transformer.layers[0].self_attn.kv_per_micro)
-        cache = KVCache.allocate(cfg.num_layers, len(branches), heads.alloc.stop, budget + 1, cfg.head_dim,
+        n_img = 1 if text_only else p.images_out
+        cache = KVCache.allocate(cfg.num_layers, len(branches) * n_img, heads.alloc.stop, budget + 1, cfg.head_dim,
                                  model.dtype, dev)
 
         cot_text, ratio_index, text_res = None, None, TextResult()
@@ -180,13 +181,20 @@ class Pipeline:
         ids = torch.tensor(seq.ids, device=dev)[None]
         if cfg_on:
             ids = torch.cat([ids, torch.tensor(seq.uncond_ids(sp.cfg), device=dev)[None]])
-        starts = [prefix if b == 0 else 0 for b in branches]
+        starts = [min(prefix, seq.gen_image.meta_start) if b == 0 else 0 for b in branches]
         runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
-                               scratch, branch_comm, serial=self.cfg_serial)
+                               scratch, branch_comm, serial=self.cfg_serial, images=n_img)
+        # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
         latent_ch = int(cfg.vae["latent_channels"])
-        noise = torch.randn((1, latent_ch, h, w), generator=image_gen, device=dev, dtype=torch.bfloat16)
+        gens = [image_gen] + [torch.Generator(dev).manual_seed(p.seed + k) for k in range(1, n_img)]
+        noise = torch.cat([torch.randn((1, latent_ch, h, w), generator=g, device=dev, dtype=torch.bfloat16)
+                           for g in gens])
 
         self.on_phase("denoise")
+        t0 = time.perf_counter()
+        runner.prefill()                 # the uncached prefix of each branch, once for all its images
+        synchronize(dev)
+        timings.dit_prefill_ms = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         x, spent = None, 0.0          # spent: seconds in previews
         for i, x, x0 in denoise(runner, noise, p.steps, lm.gen.flow_shift, p.guidance, cfg_on, cfg.cfg_distilled,
@@ -196,7 +204,7 @@ class Pipeline:
                     spent <= self.preview_share * (time.perf_counter() - t0 - spent):
                 synchronize(dev)     # steps are queued asynchronously on a GPU: charge the preview its own time only
                 tp = time.perf_counter()
-                png = self._preview(x0)
+                png = self._preview(x0[:1])
                 spent += time.perf_counter() - tp
             yield Step(i + 1, p.steps, png)
         if x is None or i + 1 < p.steps:
@@ -209,11 +217,12 @@ class Pipeline:
         if not rt.is_leader:      # one rank decodes and emits the image
             return
         t0 = time.perf_counter()
-        img = to_pil(model.vae.decode_latent(x.float())[0])
-        timings.vae_ms = (time.perf_counter() - t0) * 1e3
-        if p.req.stretch and p.images:
-            img = align_to_reference(img, p.images, lm.buckets, cfg.image_base_size)
-        yield Image(png_bytes(img), img.width, img.height, p.seed)
+        for k in range(n_img):
+            img = to_pil(model.vae.decode_latent(x[k:k + 1].float())[0])
+            if p.req.stretch and p.images:
+                img = align_to_reference(img, p.images, lm.buckets, cfg.image_base_size)
+            yield Image(png_bytes(img), img.width, img.height, p.seed + k, k)
+        timings.vae_ms = (time.perf_counter() - t0) * 1e3 / n_img
         timings.total_s = time.perf_counter() - t_start
         yield Done(timings, full_text)
 

@@ -18,6 +18,7 @@ MAX_PROMPT_CHARS = 8000
 STEPS_RANGE = (1, 200)
 GUIDANCE_RANGE = (0.0, 30.0)
 MAX_NEW_TOKENS_RANGE = (1, 8192)
+N_RANGE = (1, 4)                     # images per request
 
 
 class RequestError(ValueError):
@@ -42,6 +43,7 @@ class Request:
     top_p: float | None = None
     stretch: bool = False                         # fit references by stretching (official align option)
     text_only: bool = False                       # stop after the text phase (the `text` CLI)
+    n: int = 1                                    # images sharing one reasoning pass, denoised as a batch
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -58,6 +60,7 @@ class Prepared:
     preset: str
     max_new_tokens: int
     sampling: SamplingParams
+    images_out: int                                # n: how many images the request makes
 
 
 def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], seed: int) -> Prepared:
@@ -106,5 +109,8 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], se
     s = req.seed if req.seed is not None else seed
     if not isinstance(s, int) or not 0 <= s < 2 ** 63:
         raise RequestError(f"seed must be a non-negative integer (got {req.seed!r})")
-    return Prepared(req, pil, bot_task, bucket, int(steps), float(guidance), s, preset, int(max_new), sampling)
+    if not isinstance(req.n, int) or isinstance(req.n, bool) or not N_RANGE[0] <= req.n <= N_RANGE[1]:
+        raise RequestError(f"n (images per request) must be an integer in [{N_RANGE[0]}, {N_RANGE[1]}] (got {req.n!r})")
+    return Prepared(req, pil, bot_task, bucket, int(steps), float(guidance), s, preset, int(max_new), sampling,
+                    req.n)
 
