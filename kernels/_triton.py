@@ -26,3 +26,24 @@ def available() -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def round_bf16_in_interpreter() -> None:
+    """Make Triton's CPU interpreter round fp32 -> bf16 to nearest even, as the GPU does (Triton 3.6's
+    interpreter truncates), so interpreter runs can be compared with the reference at bf16 precision.
+    For tests and dry runs only; a no-op unless TRITON_INTERPRET=1."""
+    if not (HAS_TRITON and INTERPRET):
+        return
+    import numpy as np
+    import triton.runtime.interpreter as ti
+    real = ti._convert_float
+    if getattr(real, "rounds_bf16", False):
+        return
+
+    def convert(data, src, dst, rounding):
+        if src == tl.float32 and dst == tl.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy()).to(torch.bfloat16)
+            return t.view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
+        return real(data, src, dst, rounding)
+    convert.rounds_bf16 = True
+    ti._convert_float = convert

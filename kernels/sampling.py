@@ -204,10 +204,10 @@ def sample_device(x: torch.Tensor, top_k: int, top_p: float, generator: torch.Ge
     arg = torch.empty(n, dtype=torch.int32, device=x.device)
     cut = torch.full((2,), float("nan"), dtype=torch.float32, device=x.device) if k_on and p_on else best
     _pick_kernel[(n,)](x, q, vals, idx, ge, eq, best, arg, cut, V, K, n, 1 - top_p, BLOCK=block,
-                       BLOCK_K=next_pow2(K), BLOCK_C=next_pow2(n), TOP_K=k_on, TOP_P=k_on and p_on,
+                       BLOCK_K=max(2, next_pow2(K)), BLOCK_C=max(2, next_pow2(n)), TOP_K=k_on, TOP_P=k_on and p_on,
                        num_warps=8)
     out = torch.empty((), dtype=torch.long, device=x.device)
-    _final_kernel[(1,)](best, arg, out, n, BLOCK=next_pow2(n), num_warps=4)
+    _final_kernel[(1,)](best, arg, out, n, BLOCK=max(2, next_pow2(n)), num_warps=4)
     return out, cut
 
 

@@ -233,20 +233,10 @@ def test_triton_kernels_run_on_cpu():
 
 
 @pytest.fixture
-def rounding_interpreter(monkeypatch):
-    """Triton 3.6's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even); round as the GPU
-    does so bf16 results can be compared with the reference at bf16 precision."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as ti
-    real = ti._convert_float
-
-    def convert(data, src, dst, rounding):
-        if src == tl.float32 and dst == tl.bfloat16:
-            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy()).to(torch.bfloat16)
-            return t.view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
-        return real(data, src, dst, rounding)
-    monkeypatch.setattr(ti, "_convert_float", convert)
+def rounding_interpreter():
+    """bf16 results of the interpreter rounded as on the GPU (see kernels._triton)."""
+    from kernels._triton import round_bf16_in_interpreter
+    round_bf16_in_interpreter()
 
 
 @interp
@@ -308,7 +298,7 @@ def _cut_of(c):
 @interp
 def test_interp_sample():
     V, block = 1000, 128                          # 8 chunks: ties counted across chunks
-    cases = [(0.6, 200, 0.95), (1.0, 50, 1.0), (0.8, 100, 0.5), (1.0, 0, 1.0), (1.0, 3, 0.1)]
+    cases = [(0.6, 200, 0.95), (1.0, 50, 1.0), (0.8, 100, 0.5), (1.0, 0, 1.0), (1.0, 3, 0.1), (0.5, 1, 0.9)]
     for seed in range(3):
         logits = (torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 3).bfloat16().float()
         for t, k, p in cases:
@@ -317,6 +307,10 @@ def test_interp_sample():
             assert int(tok) == int(sampling.sample_ref(logits, t, k, p, torch.Generator().manual_seed(seed)))
             if 0 < k < V and p < 1:
                 assert (float(cut[0]), int(cut[1])) == _cut_of(sampling.cut_ref(x, k, p))
+    small = torch.randn(100, generator=torch.Generator().manual_seed(5)).bfloat16().float()   # one chunk
+    tok, cut = sampling.sample_device(small, 20, 0.8, torch.Generator().manual_seed(2), block=block)
+    assert int(tok) == int(sampling.sample_ref(small, 1.0, 20, 0.8, torch.Generator().manual_seed(2)))
+    assert (float(cut[0]), int(cut[1])) == _cut_of(sampling.cut_ref(small, 20, 0.8))
     # the cut inside a group tied at the k-th value that spans chunks, most of it beyond the k listed
     x = torch.zeros(V)
     x[[3, 500, 998]] = torch.tensor([2.0, 1.0, 0.5])
@@ -329,6 +323,49 @@ def test_interp_sample():
             tok, _ = sampling.sample_device(x, 8, p, torch.Generator().manual_seed(seed), block=block)
             assert kept[tok]
             assert int(tok) == int(sampling.sample_ref(x, 1.0, 8, p, torch.Generator().manual_seed(seed)))
+
+
+def _sm90_compile(fn, sig: dict, const: dict, num_warps: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {**sig, **{k: "constexpr" for k in const}}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})
+
+
+@pytest.mark.skipif(INTERP, reason="compiles for the GPU")
+def test_triton_kernels_compile_for_hopper():
+    """Every kernel variant the ops launch compiles to an sm_90 cubin (Triton's bundled ptxas; no GPU
+    needed), so a GPU run does not start with a compile error."""
+    pytest.importorskip("triton")
+    try:
+        from triton.backends import backends
+        assert "nvidia" in backends
+    except (ImportError, AssertionError):
+        pytest.skip("Triton has no NVIDIA backend here")
+    i32, f32 = "i32", "fp32"
+    for dt in ("bf16", "fp16", "fp32"):
+        p = f"*{dt}"
+        for res in (False, True):
+            _sm90_compile(norm._rms_norm_kernel, dict(
+                x_ptr=p, res_ptr=p, w_ptr=p, y_ptr=p, sum_ptr=p, N=i32, stride_x=i32, stride_res=i32, stride_y=i32,
+                stride_sum=i32, eps=f32), dict(HAS_RES=res, BLOCK=4096), 8)
+        for indexed in (False, True):
+            _sm90_compile(rope._rope_qk_norm_kernel, dict(
+                qkv_ptr=p, cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr=p, kw_ptr=p, q_ptr=p, k_ptr=p, v_ptr=p,
+                index_ptr="*i64" if indexed else p, T=i32, KV=i32, stride_xb=i32, stride_xt=i32, stride_ct=i32,
+                stride_st=i32, stride_kb=i32, stride_kh=i32, stride_kt=i32, stride_vb=i32, stride_vh=i32,
+                stride_vt=i32, eps=f32), dict(G=4, D=128, BLOCK_R=16, INDEXED=indexed), 4)
+    _sm90_compile(sampling._count_kernel, dict(x_ptr="*fp32", vals_ptr="*fp32", ge_ptr="*i32", eq_ptr="*i32",
+                                               V=i32, K=i32), dict(BLOCK=4096), 8)
+    for top_k, top_p, block_k in ((True, True, 1024), (True, True, 4096), (True, False, 1024), (False, False, 2)):
+        _sm90_compile(sampling._pick_kernel, dict(
+            x_ptr="*fp32", q_ptr="*fp32", vals_ptr="*fp32", idx_ptr="*i64" if top_k else "*fp32", ge_ptr="*i32",
+            eq_ptr="*i32", best_ptr="*fp32", arg_ptr="*i32", cut_ptr="*fp32", V=i32, K=i32, NCHUNK=i32, cut=f32),
+            dict(BLOCK=4096, BLOCK_K=block_k, BLOCK_C=64, TOP_K=top_k, TOP_P=top_p), 8)
+    _sm90_compile(sampling._final_kernel, dict(best_ptr="*fp32", arg_ptr="*i32", out_ptr="*i64", N=i32),
+                  dict(BLOCK=64), 4)
 
 
 # ---- CUDA -----------------------------------------------------------------------------------------
