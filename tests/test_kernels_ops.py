@@ -494,3 +494,32 @@ def test_gpu_sample_matches_reference_without_host_sync():
     # exp/cumsum round differently in Triton and torch: a cut may move by one token, a near-tie of scores flip
     assert cut_miss <= 2 and tok_miss <= 2, (cut_miss, tok_miss, total)
 
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_sample_captures_in_a_graph():
+    """The sampler has no host sync and no data-dependent shape: it captures with the request's generator
+    registered, and each replay draws new noise."""
+    graph = torch.cuda.CUDAGraph()
+    if not hasattr(graph, "register_generator_state"):
+        pytest.skip("this torch cannot register a generator with a CUDA graph")
+    V = 133120
+    logits = torch.randn(V, generator=torch.Generator("cuda").manual_seed(0), device="cuda")
+    gen = torch.Generator("cuda").manual_seed(1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            kernels.call("sample", logits, 0.6, 1024, 0.95, gen)
+    torch.cuda.current_stream().wait_stream(s)
+    graph.register_generator_state(gen)
+    with torch.cuda.graph(graph):
+        tok = kernels.call("sample", logits, 0.6, 1024, 0.95, gen)
+    kept = sampling.kept_mask(logits / 0.6, *sampling.cut_ref(logits / 0.6, 1024, 0.95))
+    assert int(kept.sum()) > 20
+    drawn = []
+    for _ in range(8):
+        graph.replay()
+        drawn.append(int(tok))
+    assert all(kept[t] for t in drawn) and len(set(drawn)) > 1, drawn
