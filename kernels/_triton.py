@@ -1,0 +1,49 @@
+"""Triton, when it can be imported (the CPU test machine has it too: its interpreter runs the kernels on
+CPU tensors with TRITON_INTERPRET=1, set before this module is first imported)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - Triton ships with CUDA torch builds
+    triton = tl = None
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
+
+# the float dtypes every elementwise op here supports on CUDA
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def available() -> bool:
+    return HAS_TRITON
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def round_bf16_in_interpreter() -> None:
+    """Make Triton's CPU interpreter round fp32 -> bf16 to nearest even, as the GPU does (Triton 3.6's
+    interpreter truncates), so interpreter runs can be compared with the reference at bf16 precision.
+    For tests and dry runs only; a no-op unless TRITON_INTERPRET=1."""
+    if not (HAS_TRITON and INTERPRET):
+        return
+    import numpy as np
+    import triton.runtime.interpreter as ti
+    real = ti._convert_float
+    if getattr(real, "rounds_bf16", False):
+        return
+
+    def convert(data, src, dst, rounding):
+        if src == tl.float32 and dst == tl.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy()).to(torch.bfloat16)
+            return t.view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
+        return real(data, src, dst, rounding)
+    convert.rounds_bf16 = True
+    ti._convert_float = convert
