@@ -5,3 +5,4 @@ through it (`kernels.call("op", ...)`), so a backend is an entry there, never a 
 This package imports nothing of `engine`.
 """
 from .registry import allowed, call, chosen, ops  # noqa: F401
+from . import moe  # noqa: F401,E402  (registers the "moe" op)
