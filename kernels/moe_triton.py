@@ -42,15 +42,16 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 # ----------------------------------------------------------------------------------------- routing
 
 @triton.jit
-def _logits_kernel(x_ptr, g_ptr, out_ptr, N, H, stride_x,
+def _logits_kernel(x_ptr, g_ptr, out_ptr, N, H, stride_x, H_SPLIT,
                    E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                    USE_DOT: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     re = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
     mn = rn < N
     me = re < E
     acc = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(split * H_SPLIT, (split + 1) * H_SPLIT, BLOCK_H):
         rh = h0 + tl.arange(0, BLOCK_H)
         mh = rh < H
         xt = tl.load(x_ptr + rn[:, None] * stride_x + rh[None, :], mask=mn[:, None] & mh[None, :], other=0.0)
@@ -58,31 +59,35 @@ def _logits_kernel(x_ptr, g_ptr, out_ptr, N, H, stride_x,
         if USE_DOT:
             # 3xTF32 keeps fp32 accuracy (bf16 x is exact in tf32) at tensor-core speed
             acc = tl.dot(xt.to(tl.float32), tl.trans(gt), acc, input_precision="tf32x3")
-        else:   # a few tokens (decode): a GEMV, each program one slice of experts
+        else:   # a few tokens (decode): a GEMV split over experts and hidden slices
             acc += tl.sum(xt.to(tl.float32)[:, None, :] * gt[None, :, :], axis=2)
-    tl.store(out_ptr + rn[:, None] * E + re[None, :], acc, mask=mn[:, None] & me[None, :])
+    tl.store(out_ptr + split * N * E + rn[:, None] * E + re[None, :], acc, mask=mn[:, None] & me[None, :])
 
 
 def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """x [N, H] (any float dtype), gate [E, H] fp32 -> fp32 logits [N, E]."""
+    """x [N, H] (any float dtype), gate [E, H] fp32 -> fp32 logits [splits, N, E], to be summed over
+    the splits (in order, by router_select): a few decode tokens split H over many programs, since
+    one program per expert slice would wait on its loads one after another."""
     n, h = x.shape
     e = gate.shape[0]
-    out = torch.empty(n, e, dtype=torch.float32, device=x.device)
     if n <= 16:
-        bn, be, bh = max(2, next_pow2(n)), 2, 256
-        _logits_kernel[(1, triton.cdiv(e, be))](x, gate, out, n, h, x.stride(0), E=e, BLOCK_N=bn, BLOCK_E=be,
-                                                 BLOCK_H=bh, USE_DOT=False, num_warps=4)
+        bn, be, bh, h_split = max(2, next_pow2(n)), 2, 256, 512
+        splits = triton.cdiv(h, h_split)
+        out = torch.empty(splits, n, e, dtype=torch.float32, device=x.device)
+        _logits_kernel[(1, triton.cdiv(e, be), splits)](x, gate, out, n, h, x.stride(0), h_split, E=e, BLOCK_N=bn,
+                                                        BLOCK_E=be, BLOCK_H=bh, USE_DOT=False, num_warps=4)
     else:
         bn, be, bh = 64, min(64, max(16, next_pow2(e))), 64
-        _logits_kernel[(triton.cdiv(n, bn), triton.cdiv(e, be))](x, gate, out, n, h, x.stride(0), E=e, BLOCK_N=bn,
-                                                                  BLOCK_E=be, BLOCK_H=bh, USE_DOT=True,
-                                                                  num_warps=4, num_stages=3)
+        out = torch.empty(1, n, e, dtype=torch.float32, device=x.device)
+        _logits_kernel[(triton.cdiv(n, bn), triton.cdiv(e, be), 1)](x, gate, out, n, h, x.stride(0), h, E=e,
+                                                                     BLOCK_N=bn, BLOCK_E=be, BLOCK_H=bh, USE_DOT=True,
+                                                                     num_warps=4, num_stages=3)
     return out
 
 
 @triton.jit
 def _select_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, active_ptr, N, S,
-                   E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                   SPLITS: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, NORM: tl.constexpr, PLAN: tl.constexpr, ACTIVE: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,6 +96,9 @@ def _select_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, active_ptr,
     mn = rn < N
     me = re < E
     lg = tl.load(logits_ptr + rn[:, None] * E + re[None, :], mask=mn[:, None] & me[None, :], other=0.0)
+    for sp in tl.static_range(1, SPLITS):
+        lg += tl.load(logits_ptr + sp * N * E + rn[:, None] * E + re[None, :], mask=mn[:, None] & me[None, :],
+                      other=0.0)
     lg = tl.where(me[None, :], lg, float("-inf"))
     p = tl.exp(lg - tl.max(lg, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
@@ -135,11 +143,11 @@ def _select_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, active_ptr,
 def router_select(logits: torch.Tensor, topk: int, norm_topk: bool, plan: bool):
     """-> (weights [N, k] fp32, ids [N, k] int32, then for plan: (rank [N, k], counts [blocks, E],
     block_tokens), else active [min(E, N*k)] int32 (decode: needs N <= 16))."""
-    n, e = logits.shape
+    splits, n, e = logits.shape
     dev = logits.device
     w = torch.empty(n, topk, dtype=torch.float32, device=dev)
     ids = torch.empty(n, topk, dtype=torch.int32, device=dev)
-    meta = dict(E=e, E_PAD=next_pow2(e), K=topk, K_PAD=max(2, next_pow2(topk)), NORM=bool(norm_topk))
+    meta = dict(SPLITS=splits, E=e, E_PAD=next_pow2(e), K=topk, K_PAD=max(2, next_pow2(topk)), NORM=bool(norm_topk))
     if plan:
         bn = 64
         while triton.cdiv(n, bn) > 256:       # route_plan holds every block's histogram in one tile
@@ -148,7 +156,7 @@ def router_select(logits: torch.Tensor, topk: int, norm_topk: bool, plan: bool):
         rank = torch.empty(n, topk, dtype=torch.int32, device=dev)
         counts = torch.empty(nblk, e, dtype=torch.int32, device=dev)
         _select_kernel[(nblk,)](logits, w, ids, rank, counts, ids, n, 0, BLOCK_N=bn, PLAN=True, ACTIVE=False,
-                                num_warps=4, **meta)
+                                num_warps=8, **meta)
         return w, ids, (rank, counts, bn)
     if n > 16:
         raise ValueError("the decode router holds every token in one program (N <= 16)")
@@ -178,8 +186,9 @@ def route_plan(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nblk, e = counts.shape
     base = torch.empty_like(counts)
     offs = torch.empty(e, dtype=torch.int32, device=counts.device)
-    _plan_kernel[(1,)](counts, base, offs, nblk, E=e, E_PAD=next_pow2(e), NB_PAD=max(2, next_pow2(nblk)),
-                       num_warps=4)
+    nb_pad = max(2, next_pow2(nblk))
+    _plan_kernel[(1,)](counts, base, offs, nblk, E=e, E_PAD=next_pow2(e), NB_PAD=nb_pad,
+                       num_warps=max(4, min(16, nb_pad // 8)))
     return base, offs
 
 
@@ -278,7 +287,7 @@ def finalize(partials: list[torch.Tensor], inv: torch.Tensor | None, w: torch.Te
     n, k = w.shape
     h = out.shape[1]
     p = list(partials) + [partials[0]] * (4 - len(partials))
-    bh = min(1024, next_pow2(h))
+    bh = min(1024 if n >= 256 else 256, next_pow2(h))     # a few tokens: more programs
     if n:
         _finalize_kernel[(n, triton.cdiv(h, bh))](*p, inv if inv is not None else w, w,
                                                   add if add is not None else out, out, h, K=k,
@@ -369,7 +378,7 @@ def _decode_down_kernel(act_ptr, ids_ptr, active_ptr, w2_ptr, sw2_ptr, y_ptr, ys
 
 
 # tile sizes of the decode kernels (bench/bench_kernels_moe.py --tune sweeps them)
-DECODE_UP = dict(BLOCK_I=16, BLOCK_H=256, num_warps=4, num_stages=4)
+DECODE_UP = dict(BLOCK_I=16, BLOCK_H=128, num_warps=4, num_stages=4)
 DECODE_DOWN = dict(BLOCK_HO=32, BLOCK_I=128, num_warps=4, num_stages=4)
 
 

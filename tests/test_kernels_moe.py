@@ -23,10 +23,10 @@ KERNELS_DIR = Path(kernels.__file__).resolve().parent
 def make_moe(n, hidden=64, experts=8, inter=32, shared_inter=32, micros=3, dtype=torch.float32,
              device="cpu", seed=0):
     """Random inputs of the op in the engine's micro-major layout (scaled so activations stay O(1))."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)     # drawn where they live (GPU shapes are GBs)
 
     def rnd(*shape, scale=1.0, dt=dtype):
-        return (torch.randn(*shape, generator=g) * scale).to(dt).to(device)
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dt)
 
     return dict(
         x=rnd(n, hidden),
@@ -230,6 +230,12 @@ def test_interp_router_and_counting_sort(interp):
     chosen = sorted(set(ids1.reshape(-1).tolist()))
     assert active.tolist() == chosen + [-1] * (12 - len(chosen))
     torch.testing.assert_close(w1_, kernels.moe.route(x[:3], gate, 4, False)[0], rtol=1e-5, atol=1e-6)
+    # the decode GEMV splits the hidden size (here 3 slices, the last one partial)
+    xw = torch.randn(3, 1100, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    gw = torch.randn(16, 1100, generator=torch.Generator().manual_seed(3))
+    lg = tk.router_logits(xw, gw)
+    assert lg.shape == (3, 3, 16)
+    torch.testing.assert_close(lg.sum(0), xw.float() @ gw.T, rtol=1e-5, atol=1e-5)
 
 
 def test_interp_finalize_sums_micros_then_routes_in_fp32(interp):
@@ -316,7 +322,6 @@ def test_gpu_decode_cuda_graph_replay_equals_eager(name):
     from kernels import moe_fast
     args = _gpu_inputs(name, seed=5)
     x_static = args[0].clone()
-    eager = moe_fast.moe_cuda(*args)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):                 # warm up (compile) outside the capture
