@@ -1,0 +1,93 @@
+"""The `moe` op: the whole routed + shared mixture-of-experts block of one rank, on raw tensors.
+
+    moe(x [N, H], gate [E, H] fp32, w1 [micros, E, 2*I, H], w2 [micros, E, H, I],
+        shared_w1 [micros, 2*Is, H] | None, shared_w2 [H, micros*Is] | None,
+        micro_start, micro_count, topk, norm_topk) -> [N, H] in x.dtype
+
+The weights are the engine's resident micro-major packs (engine/moe.py); the op uses micros
+[micro_start, micro_start + micro_count): one in AR, every micro of the storage shard in denoise.
+
+  router   fp32 softmax over F.linear(x.float(), gate), top-k, renormalised (clamp_min 1e-8) when
+           norm_topk;
+  experts  per micro m and route (token t, expert e): y_m = swiglu(x_t @ w1[m, e]^T) @ w2[m, e]^T,
+           swiglu(h) = h[:, :I] * silu(h[:, I:]) (first half linear, second half through SiLU);
+           the micro partials are summed (fp32) BEFORE the route weight is applied;
+  finalize the k routes of each token gathered and summed in fp32 with their weights, then the
+           shared MLP (same SwiGLU per micro, then @ shared_w2[:, active micro columns]^T) added,
+           cast to x.dtype once. No atomics: the result is bitwise reproducible, and each token's
+           result does not depend on which other tokens share its batch.
+
+The result is this rank's partial sum; the caller all-reduces over the active TP group.
+Backends: "torch" (this file, every device; the CPU path) and "triton" (CUDA, bf16: `moe_fast.py`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .registry import backend, reference
+
+
+def route(x: torch.Tensor, gate: torch.Tensor, topk: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, H] -> (weights [N, k] fp32, expert ids [N, k]), top-k in descending weight."""
+    probs = F.linear(x.float(), gate).softmax(dim=-1)
+    w, idx = probs.topk(topk, dim=-1)
+    if norm_topk:
+        w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-8)
+    return w, idx
+
+
+def swiglu_halves(h: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> [..., I]: first half linear, second half through SiLU (the official convention)."""
+    x1, x2 = h.chunk(2, dim=-1)
+    return x1 * F.silu(x2)
+
+
+def shared_mlp_reference(x, shared_w1, shared_w2, micro_start: int, micro_count: int) -> torch.Tensor:
+    n, hidden = x.shape
+    is_micro = shared_w1.shape[1] // 2
+    s1 = shared_w1[micro_start:micro_start + micro_count].reshape(-1, hidden)
+    act = swiglu_halves(F.linear(x, s1).view(n, micro_count, 2 * is_micro)).reshape(n, -1)
+    return F.linear(act, shared_w2[:, micro_start * is_micro:(micro_start + micro_count) * is_micro])
+
+
+@reference("moe")
+def moe_reference(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  shared_w1: torch.Tensor | None, shared_w2: torch.Tensor | None,
+                  micro_start: int, micro_count: int, topk: int, norm_topk: bool) -> torch.Tensor:
+    n, _ = x.shape
+    w, idx = route(x, gate, topk, norm_topk)
+    flat = idx.reshape(-1)                                  # route r = t*k + j
+    order = flat.argsort(stable=True)                       # rows grouped by expert, token order inside
+    xs = x.index_select(0, order // topk)
+    # cumulative end row per expert without a host sync (bincount would read the max back)
+    counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    partial = None
+    for m in range(micro_start, micro_start + micro_count):
+        h = torch._grouped_mm(xs, w1[m].transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(swiglu_halves(h), w2[m].transpose(1, 2), offs=offs).float()
+        partial = y if partial is None else partial + y
+    # finalize: row of each route through the inverse permutation, k routes summed per token in fp32
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    out = (partial[inv.view(n, topk)] * w.unsqueeze(-1)).sum(dim=1)
+    if shared_w1 is not None:
+        out = out + shared_mlp_reference(x, shared_w1, shared_w2, micro_start, micro_count).float()
+    return out.to(x.dtype)
+
+
+def _fast_available() -> bool:
+    if not (torch.cuda.is_available() and hasattr(torch, "_grouped_mm")):
+        return False
+    try:
+        from . import moe_fast  # noqa: F401  (imports Triton)
+    except ImportError:
+        return False
+    return True
+
+
+@backend("moe", "triton", devices=("cuda",), dtypes=(torch.bfloat16,), available=_fast_available)
+def moe_triton(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk):
+    from .moe_fast import moe_cuda     # imported once by _fast_available; here a module-cache lookup
+    return moe_cuda(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk)

@@ -1,0 +1,160 @@
+"""The CUDA pipelines of the `moe` op (definition and reference: `moe.py`), built from the Triton
+kernels of `moe_triton.py` and `torch._grouped_mm`.
+
+  grouped (denoise, prefill; N > DECODE_MAX_TOKENS): one routing pass for every micro, a stable
+      counting sort on the device, per micro GEMM1 -> SwiGLU -> GEMM2 on the same permuted rows, the
+      shared MLP, then ONE finalize that sums micros and routes per token in fp32.
+  two-dispatch (ablation only, `two_dispatch=True`): routing, permutation and finalize repeated per
+      micro, each micro's output cast and added, as a naive per-micro implementation does.
+  decode (N <= DECODE_MAX_TOKENS): reads only the chosen experts' weights of the active micros;
+      five launches, no host sync, no data-dependent allocation: CUDA-graph capturable.
+
+Which pipeline runs depends on N, a host-known shape, never on data.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from . import moe_triton as tk
+
+DECODE_MAX_TOKENS = 8
+
+_POISON = [False]
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if _POISON[-1]:
+        return torch.full(shape, float("nan") if dtype.is_floating_point else 0, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@contextlib.contextmanager
+def poisoned() -> Iterator[None]:
+    """Tests: every scratch buffer starts as NaN, so an element read before it is written shows up."""
+    _POISON.append(True)
+    try:
+        yield
+    finally:
+        _POISON.pop()
+
+
+def _check(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk):
+    n, h = x.shape
+    micros, e, two_i, h1 = w1.shape
+    if gate.shape != (e, h) or h1 != h or w2.shape != (micros, e, h, two_i // 2):
+        raise ValueError(f"moe: shapes x {tuple(x.shape)}, gate {tuple(gate.shape)}, w1 {tuple(w1.shape)}, "
+                         f"w2 {tuple(w2.shape)} do not fit together")
+    if not (0 <= micro_start and micro_count >= 1 and micro_start + micro_count <= micros):
+        raise ValueError(f"moe: micros [{micro_start}, {micro_start + micro_count}) outside 0..{micros}")
+    if not 1 <= topk <= e:
+        raise ValueError(f"moe: top-k {topk} with {e} experts")
+    if not (w1.is_contiguous() and w2.is_contiguous() and gate.is_contiguous()):
+        raise ValueError("moe: the expert packs and the gate must be contiguous")
+    if (shared_w1 is None) != (shared_w2 is None):
+        raise ValueError("moe: shared_w1 and shared_w2 come together")
+    if shared_w1 is not None and (shared_w1.shape[0] != micros or shared_w1.shape[2] != h
+                                  or shared_w2.shape != (h, micros * (shared_w1.shape[1] // 2))):
+        raise ValueError(f"moe: shared MLP shapes {tuple(shared_w1.shape)}, {tuple(shared_w2.shape)}")
+
+
+def moe_cuda(x, gate, w1, w2, shared_w1, shared_w2, micro_start: int, micro_count: int, topk: int,
+             norm_topk: bool, *, two_dispatch: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The `moe` op on CUDA (signature: `moe.moe_reference`); `out` [N, H] x.dtype may be given."""
+    x = x.contiguous()
+    _check(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk)
+    if out is None:
+        out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    if x.shape[0] <= DECODE_MAX_TOKENS and not two_dispatch:
+        return moe_decode(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
+    return moe_grouped(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out,
+                       two_dispatch=two_dispatch)
+
+
+# ---------------------------------------------------------------------------------- grouped path
+
+def shared_mlp(x, shared_w1, shared_w2, micro_start: int, micro_count: int) -> torch.Tensor:
+    """The ungated shared MLP over the active micros, [N, H] in x.dtype."""
+    n, h = x.shape
+    is_micro = shared_w1.shape[1] // 2
+    s1 = shared_w1[micro_start:micro_start + micro_count].reshape(-1, h)     # a view: micros are contiguous
+    act = tk.swiglu(F.linear(x, s1), groups=micro_count)
+    return F.linear(act, shared_w2[:, micro_start * is_micro:(micro_start + micro_count) * is_micro])
+
+
+def _route(x, gate, topk, norm_topk):
+    """One routing pass: weights, the row of every route in expert order (inv), the permuted rows
+    of x, and the expert end offsets for torch._grouped_mm."""
+    n, h = x.shape
+    w, ids, (rank, counts, block_tokens) = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=True)
+    base, offs = tk.route_plan(counts)
+    xs = _empty(n * topk, h, dtype=x.dtype, device=x.device)
+    inv = tk.dispatch(x, ids, rank, base, block_tokens, xs)
+    return w, inv, xs, offs
+
+
+def _expert_mlp(xs, w1m, w2m, offs):
+    """One micro of every expert on the permuted rows: GEMM1 -> SwiGLU -> GEMM2, [R, H] x.dtype."""
+    hmid = torch._grouped_mm(xs, w1m.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(tk.swiglu(hmid), w2m.transpose(1, 2), offs=offs)
+
+
+def moe_grouped(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out,
+                two_dispatch: bool = False) -> torch.Tensor:
+    micros = range(micro_start, micro_start + micro_count)
+    shared = shared_mlp(x, shared_w1, shared_w2, micro_start, micro_count) if shared_w1 is not None else None
+    if not two_dispatch:
+        w, inv, xs, offs = _route(x, gate, topk, norm_topk)
+        partials = [_expert_mlp(xs, w1[m], w2[m], offs) for m in micros]
+        for i in range(0, len(partials), 4):        # the finalize sums up to 4 micros in one pass
+            chunk = partials[i:i + 4]
+            tk.finalize(chunk, inv, w, shared if i == 0 else out, out)
+        return out
+    acc = shared
+    for m in micros:                                  # the ablation: everything again per micro
+        w, inv, xs, offs = _route(x, gate, topk, norm_topk)
+        res = out if m == micros[-1] else _empty(*x.shape, dtype=x.dtype, device=x.device)
+        acc = tk.finalize([_expert_mlp(xs, w1[m], w2[m], offs)], inv, w, acc, res)
+    return out
+
+
+# ----------------------------------------------------------------------------------- decode path
+
+def moe_decode(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
+               out) -> torch.Tensor:
+    n, h = x.shape
+    inter = w2.shape[-1]
+    mc = micro_count
+    dev = x.device
+    w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
+    s = active.shape[0]
+    bn = 16                                           # token rows of one decode tile (tl.dot's minimum)
+    w1a, w2a = w1[micro_start:micro_start + mc], w2[micro_start:micro_start + mc]
+    y = _empty(n * topk, h, dtype=torch.float32, device=dev)
+    ys = None
+    if shared_w1 is None:
+        act = _empty(mc, s, bn, inter, dtype=x.dtype, device=dev)
+        tk.decode_up(x, ids, active, w1a, None, act, s, inter)
+        tk.decode_down(act, ids, active, w2a, None, y, None, s, inter)
+    else:
+        is_micro = shared_w1.shape[1] // 2
+        sw1 = shared_w1[micro_start:micro_start + mc]
+        sw2 = shared_w2[:, micro_start * is_micro:]
+        ys = _empty(n, h, dtype=torch.float32, device=dev)
+        if is_micro == inter:                         # the shared MLP rides along as one more slot
+            act = _empty(mc, s + 1, bn, inter, dtype=x.dtype, device=dev)
+            tk.decode_up(x, ids, active, w1a, sw1, act, s + 1, inter)
+            tk.decode_down(act, ids, active, w2a, sw2, y, ys, s + 1, inter)
+        else:
+            act = _empty(mc, s, bn, inter, dtype=x.dtype, device=dev)
+            act_s = _empty(mc, 1, bn, is_micro, dtype=x.dtype, device=dev)
+            tk.decode_up(x, ids, active, w1a, None, act, s, inter)
+            tk.decode_up(x, ids, None, None, sw1, act_s, 1, is_micro)
+            tk.decode_down(act, ids, active, w2a, None, y, None, s, inter)
+            tk.decode_down(act_s, ids, None, None, sw2, None, ys, 1, is_micro)
+    return tk.finalize([y], None, w, ys, out)
