@@ -210,8 +210,15 @@ def main() -> None:
             lambda: rope.rope_qk_norm_cache_ref(qkv, cos, sin, qw, kw, EPS, ck, cv, index),
             lambda: fast("rope_qk_norm_cache", qkv, cos, sin, qw, kw, EPS, ck, cv, index), st)
 
-    # ---- sampling: V = 133120 fp32, the engine's defaults; plus today's `choose` for comparison
-    from engine.sampling import SamplingParams, choose
+    # ---- sampling: V = 133120 fp32, the engine's defaults; plus the sampler before the op (a full sort)
+    def choose_before(x, temperature, top_k, top_p, generator):
+        x = x / temperature
+        x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
+        sorted_x, order = x.sort(descending=False)
+        drop = sorted_x.softmax(-1).cumsum(-1) <= (1 - top_p)
+        drop[-1] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        return torch.multinomial(x.softmax(-1), 1, generator=generator)[0]
     logits = (torch.randn(V, generator=g, device=dev) * 2.5).bfloat16().float()   # bf16 values: ties
     gen = torch.Generator(dev).manual_seed(1)
     for k, p in ((1024, 0.95), (1024, 1.0)):
@@ -222,8 +229,7 @@ def main() -> None:
         st = "ok" if misses <= 1 else f"FAIL ({misses}/20 tokens differ)"
         row("sample", f"V{V} k{k} p{p}", V * 4 * 2, lambda: sampling.sample_ref(logits, 0.6, k, p, gen),
             lambda: fast("sample", logits, 0.6, k, p, gen), st, graph=False)
-    params = SamplingParams(0.6, 1024, 0.95)
-    for name, fn in (("choose (today)", lambda: choose(logits, params, gen)),
+    for name, fn in (("sampler before", lambda: choose_before(logits, 0.6, 1024, 0.95, gen)),
                      ("torch.topk alone", lambda: logits.topk(1024))):
         rows_out.append(dict(op=name, shape=f"V{V} k1024 p0.95", status="-", bytes=V * 8, ref_us=bench(fn),
                              fast_us=None, graph_us=None, ref_graph_us=None, launches_ref=launches(fn, dev),

@@ -37,6 +37,17 @@ def route(x: torch.Tensor, gate: torch.Tensor, topk: int, norm_topk: bool) -> tu
     return w, idx
 
 
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of x sorted by group times w[g] ([G, K, N]); offs = int32 cumulative end rows per group.
+    `torch._grouped_mm` is not on autocast's cast lists, so under autocast (training) its operands are
+    cast here to the autocast dtype, as autocast casts a matmul's."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        dt = torch.get_autocast_dtype(kind)
+        x, w = x.to(dt), w.to(dt)
+    return torch._grouped_mm(x, w, offs=offs)
+
+
 def swiglu_halves(h: torch.Tensor) -> torch.Tensor:
     """[..., 2I] -> [..., I]: first half linear, second half through SiLU (the official convention)."""
     x1, x2 = h.chunk(2, dim=-1)
@@ -66,8 +77,8 @@ def moe_reference(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: tor
     offs = counts.cumsum(0, dtype=torch.int32)
     partial = None
     for m in range(micro_start, micro_start + micro_count):
-        h = torch._grouped_mm(xs, w1[m].transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(swiglu_halves(h), w2[m].transpose(1, 2), offs=offs).float()
+        h = grouped_mm(xs, w1[m].transpose(1, 2), offs)
+        y = grouped_mm(swiglu_halves(h), w2[m].transpose(1, 2), offs).float()
         partial = y if partial is None else partial + y
     # finalize: row of each route through the inverse permutation, k routes summed per token in fp32
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))

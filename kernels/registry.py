@@ -113,8 +113,19 @@ def chosen(op: str, device: torch.device | str, dtype: torch.dtype | None) -> st
     return select(op, device, dtype).backend
 
 
+def _needs_grad(args, kwargs) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in (*args, *kwargs.values()))
+
+
 def call(op: str, *args, **kwargs):
+    """Run `op` on the implementation chosen for the first tensor's device and dtype. Where autograd
+    records (training), the reference runs: the fast backends define no backward."""
     t = _first_tensor(args, kwargs)
+    if _needs_grad(args, kwargs):
+        ref = _IMPLS[op][-1]            # sorted: the reference is last
+        assert ref.backend == REFERENCE, f"kernel op {op!r} has no reference"
+        return ref.fn(*args, **kwargs)
     impl = select(op, t.device if t is not None else "cpu", t.dtype if t is not None else None)
     return impl.fn(*args, **kwargs)
 

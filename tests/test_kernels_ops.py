@@ -18,10 +18,44 @@ import torch
 
 import kernels
 from kernels import norm, rope, sampling
-from engine.attention import Attention, AttnBatch, KVCache
-from engine.layers import RMSNorm, rope_angles
-from engine.parallel import PhaseView
-from engine.sampling import SamplingParams, choose
+from engine.model.attention import Attention, AttnBatch, KVCache
+from engine.model.layers import RMSNorm, rope_angles
+from engine.parallel.layout import PhaseView
+from engine.runtime.sampling import SamplingParams
+
+
+# ---- the engine's code before the ops existed: the oracles the references must equal bit for bit ----
+
+def _rmsnorm_before(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _apply_rope_before(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+def choose(logits, params, generator, allowed=None):
+    """The engine's sampler before the `sample` op (temperature, top-k, top-p as the HF warpers, with
+    a full-vocabulary sort for top-p)."""
+    if allowed is not None:
+        return allowed[logits.index_select(0, allowed).argmax()]
+    if params.greedy:
+        return logits.argmax()
+    x = logits / params.temperature
+    if 0 < params.top_k < x.numel():
+        kth = x.topk(params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = x.sort(descending=False)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        drop = cum <= (1 - params.top_p)
+        drop[-1] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return torch.multinomial(x.softmax(-1), 1, generator=generator)[0]
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERP = os.environ.get("TRITON_INTERPRET", "") == "1"
@@ -51,11 +85,12 @@ def test_rms_norm_reference_is_the_engine_rmsnorm(dtype):
     mod.weight.data.copy_(torch.randn(96) * 0.3 + 1)
     h = (torch.randn(2, 7, 96) * 4).to(dtype)
     for x in (h, h[:, -1]):                       # contiguous rows and the strided last-token view
-        assert torch.equal(norm.rms_norm_ref(x, mod.weight.data, 1e-5), mod(x))
+        assert torch.equal(norm.rms_norm_ref(x, mod.weight.data, 1e-5), _rmsnorm_before(x, mod.weight.data, 1e-5))
+        assert torch.equal(mod(x), _rmsnorm_before(x, mod.weight.data, 1e-5))
     a = (torch.randn(2, 7, 96) * 2).to(dtype)
     s = h + a                                     # the decoder layer's `x = x + attn`, then the next norm
     y, s2 = norm.add_rms_norm_ref(h, a, mod.weight.data, 1e-5)
-    assert torch.equal(s2, s) and torch.equal(y, mod(s))
+    assert torch.equal(s2, s) and torch.equal(y, _rmsnorm_before(s, mod.weight.data, 1e-5))
 
 
 def _capture_attention_inputs(monkeypatch, attn, x, batch, cache):
@@ -89,7 +124,10 @@ def test_rope_qk_norm_reference_is_the_engine_attention(monkeypatch, dtype):
         q, k, v = rope.rope_qk_norm_ref(qkv, cos, sin, qw, kw, 1e-5)
         ck, cv = torch.full_like(cache.k[0], float("nan")), torch.full_like(cache.v[0], float("nan"))
         q2 = rope.rope_qk_norm_cache_ref(qkv, cos, sin, qw, kw, 1e-5, ck, cv, index)
-    assert torch.equal(q, q_engine) and torch.equal(q2, q_engine)
+    g = heads // kv
+    q_split = qkv[:, :, :, :g].reshape(B, T, kv * g, D).transpose(1, 2)
+    q_before = _rmsnorm_before(_apply_rope_before(q_split, cos, sin), qw, 1e-5).to(dtype)
+    assert torch.equal(q, q_before) and torch.equal(q2, q_before) and torch.equal(q_engine, q_before)
     assert torch.equal(k, cache.k[0][:, :, index]) and torch.equal(v, cache.v[0][:, :, index])
     assert torch.equal(ck[:, :, index], cache.k[0][:, :, index]) and torch.equal(cv[:, :, index], cache.v[0][:, :, index])
     untouched = torch.ones(L, dtype=torch.bool)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import RMSNorm, apply_rope
+import kernels
+from engine.model.layers import RMSNorm
 from engine.model.packed import micro_cols, micro_rows, read_cols, read_rows
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
@@ -120,23 +121,20 @@ class Attention(nn.Module):
         D, g = self.head_dim, self.group
         kv = self.kv_per_micro * view.micro_count
         qkv = F.linear(x, micro_rows(self.qkv, view)).view(B, T, kv, g + 2, D)
-        q = qkv[:, :, :, :g].reshape(B, T, kv * g, D).transpose(1, 2)
-        k = qkv[:, :, :, g].transpose(1, 2)
-        v = qkv[:, :, :, g + 1].transpose(1, 2)
-        # RoPE first, then the per-head RMSNorm, both in fp32 (official order), then back to the dtype.
-        q = self.q_norm(apply_rope(q, batch.cos, batch.sin)).to(x.dtype)
-        k = self.k_norm(apply_rope(k, batch.cos, batch.sin)).to(x.dtype)
-        v = v.to(x.dtype)
+        # RoPE first, then the per-head RMSNorm, both in fp32 (official order), then back to the dtype
+        norms = (batch.cos, batch.sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         sp = view.sp
-        if sp.size == 1:
-            cache.write(layer, batch.index, k, v)
-        elif view.sp_kind == "ulysses":
-            # sequence shards -> head shards: this rank attends for 1/sp of the heads over the whole sequence
-            q, k, v = (_seq_to_heads(t, sp) for t in (q, k, v))
-            cache.write(layer, batch.gathered, k, v)
+        if sp.size == 1:         # one pass: q out, k and v straight into the cache
+            q = kernels.call("rope_qk_norm_cache", qkv, *norms, cache.k[layer], cache.v[layer], batch.index)
         else:
-            # KV all-gather: local queries, the whole sequence's keys and values (cache replicated over SP)
-            cache.write(layer, batch.gathered, sp.all_gather(k, dim=2), sp.all_gather(v, dim=2))
+            q, k, v = kernels.call("rope_qk_norm", qkv, *norms)
+            if view.sp_kind == "ulysses":
+                # sequence shards -> head shards: this rank attends for 1/sp of the heads over the whole sequence
+                q, k, v = (_seq_to_heads(t, sp) for t in (q, k, v))
+                cache.write(layer, batch.gathered, k, v)
+            else:
+                # KV all-gather: local queries, the whole sequence's keys and values (cache replicated over SP)
+                cache.write(layer, batch.gathered, sp.all_gather(k, dim=2), sp.all_gather(v, dim=2))
         keys = cache.k[layer][:, :, :batch.kv_len]
         values = cache.v[layer][:, :, :batch.kv_len]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=g > 1)

@@ -1,8 +1,10 @@
-"""Small shared building blocks: RMSNorm and the generalised 2D RoPE."""
+"""Small shared building blocks: RMSNorm (the `rms_norm` kernel op) and the generalised 2D RoPE tables."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+import kernels
 
 
 class RMSNorm(nn.Module):
@@ -15,9 +17,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return kernels.call("rms_norm", x, self.weight, self.eps)
 
 
 def rope_angles(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,10 +31,3 @@ def rope_angles(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.T
     inv = inv.view(1, head_dim // 4, 2)
     ang = (pos.view(-1, 1, 2).float() * inv).reshape(pos.shape[0], head_dim // 2).repeat(1, 2)
     return ang.cos(), ang.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D] (any dtype) -> fp32 rotated x; cos/sin [T, D] fp32 (type promotion as official)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin

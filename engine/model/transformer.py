@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+
 from engine.model.attention import Attention, AttnBatch, KVCache
 from engine.model.layers import RMSNorm
 from engine.model.moe import MoE
@@ -32,11 +34,22 @@ class DecoderLayer(nn.Module):
         self.self_attn.load(ckpt, prefix + "self_attn.", layout)
         self.mlp.load(ckpt, prefix + "mlp.", layout)
 
-    def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache, layer: int, view: PhaseView) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), batch, cache, layer, view)
-        x = x + view.tp.all_reduce_(a)
-        m = self.mlp(self.post_attention_layernorm(x), view)
-        return x + view.tp.all_reduce_(m)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: AttnBatch, cache: KVCache, layer: int,
+                view: PhaseView) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm layer on the residual stream, with each residual add fused into the next norm
+        (`add_rms_norm`). x is the previous layer's MLP output not yet added (the embeddings, with
+        residual None, for layer 0); returns this layer's MLP output and the stream it adds to."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self._add_norm(x, residual, self.input_layernorm)
+        a = view.tp.all_reduce_(self.self_attn(h, batch, cache, layer, view))
+        h, residual = self._add_norm(a, residual, self.post_attention_layernorm)
+        return view.tp.all_reduce_(self.mlp(h, view)), residual
+
+    @staticmethod
+    def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.call("add_rms_norm", x, residual, norm.weight, norm.eps)
 
 
 class Transformer(nn.Module):
@@ -60,9 +73,10 @@ class Transformer(nn.Module):
         return F.embedding(ids, self.wte)
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache, view: PhaseView) -> torch.Tensor:
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, cache, i, view)
-        return x
+            x, residual = layer(x, residual, batch, cache, i, view)
+        return x + residual
 
     def logits(self, x: torch.Tensor, view: PhaseView) -> torch.Tensor:
         """fp32 logits over the whole vocabulary (gathered over the AR group in logical order)."""

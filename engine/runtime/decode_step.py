@@ -1,9 +1,11 @@
 """One decode step of the AR phase: a token at a sequence index -> next-token logits.
 
-Eager, it attends to the cache up to the token. On CUDA the step is captured once per request as a
-CUDA graph over static buffers (token, index) that attends to the whole cache under a mask, so a
-token costs one graph replay instead of thousands of kernel launches from Python. Collectives stay
-inside the graph when every group is NCCL (or of size one); otherwise the step runs eagerly.
+On the CPU it attends to the cache up to the token. On CUDA the step attends to the whole static
+cache under a mask, over static buffers (token, index), so that it can be captured once per request
+as a CUDA graph: a token then costs one graph replay instead of thousands of kernel launches from
+Python. The eager CUDA step (graphs off, or a group that cannot be captured) runs the very same
+kernels, so graph and eager decode give the same tokens. Collectives stay inside the graph when every
+group is NCCL (or of size one); otherwise the step runs eagerly.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ class DecodeStep:
                  view: PhaseView, use_graph: bool = False):
         self.model, self.pos, self.blocks, self.cache, self.view = model, pos, blocks, cache, view
         dev = model.device
-        # Opt-in until it has been validated on a GPU (tests/test_gpu.py::test_cuda_graph_decode_equals_eager)
         self.use_graph = use_graph and _graphable(view, dev)
+        self.static = dev.type == "cuda"        # the masked whole-cache step (graph or not)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.index = torch.zeros(1, dtype=torch.long, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -43,17 +45,18 @@ class DecodeStep:
     def __call__(self, token: int, index: int) -> torch.Tensor:
         self.token.fill_(token)
         self.index.fill_(index)
-        if not self.use_graph:
-            return self._forward(index + 1, masked=False)
-        if self.graph is None:
+        if self.use_graph and self.graph is None:
             self._capture()
-        else:
-            self.graph.replay()
-        return self.logits
+        if self.use_graph:
+            self.graph.replay()        # capture records the kernels; only a replay runs them
+            return self.logits
+        if self.static:
+            return self._forward(self.cache.max_len, masked=True)
+        return self._forward(index + 1, masked=False)
 
     def _capture(self) -> None:
-        """Warm up on a side stream (this also computes the current step for real, writing the same
-        K/V slot the replay writes), then capture; on any failure fall back to eager steps."""
+        """Warm up on a side stream, then capture (the caller replays). On any failure the request decodes
+        eagerly: capture is an optimisation, never a reason to fail a request."""
         full = self.cache.max_len
         try:
             stream = torch.cuda.Stream()
@@ -66,8 +69,7 @@ class DecodeStep:
             with torch.cuda.graph(graph):
                 self.logits = self._forward(full, masked=True)
             self.graph = graph
-        except Exception as e:  # capture is an optimisation: never fail a request over it
+        except Exception as e:  # noqa: BLE001
             print(f"engine: CUDA-graph decode unavailable ({type(e).__name__}: {e}); decoding eagerly",
                   file=sys.stderr)
             self.use_graph, self.graph = False, None
-            self.logits = self._forward(int(self.index.item()) + 1, masked=False)

@@ -45,9 +45,9 @@ class Pipeline:
     def __init__(self, lm: LoadedModel, runtime: RankGroups | None = None, preview_every: int = 1,
                  preview_tokens: int | None = None, kv_handoff: bool = True,
                  on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False,
-                 cuda_graph: bool = False, preview_share: float = 0.25):
+                 cuda_graph: bool = True, preview_share: float = 0.25):
         self.lm = lm
-        self.cuda_graph = cuda_graph        # AR decode steps as CUDA-graph replays (GPU, opt-in)
+        self.cuda_graph = cuda_graph        # AR decode steps as CUDA-graph replays (on CUDA; off: eager)
         self.cfg_serial = cfg_serial        # CFG branches one after the other instead of batched
         self.on_phase = on_phase            # called with "ar" / "denoise" as a phase starts (tests, tracing)
         self.rt = runtime or RankGroups.single(lm.model.device)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, engine, rank, all).
+# Each section's log goes to $OUT/<section>.log; a short summary is printed last.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+run() {   # run NAME TIMEOUT CMD...
+  local name=$1 t=$2; shift 2
+  echo "=== $name: $*"
+  local t0=$(date +%s)
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc in $(( $(date +%s) - t0 )) s"; tail -n 25 "$OUT/$name.log"
+}
+for section in "$@"; do
+  case $section in
+    kernels)
+      run kernel_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_ops.py tests/test_kernels_moe.py
+      run bench_ops 150 python3 bench/bench_kernels_ops.py
+      run bench_moe 240 python3 bench/bench_kernels_moe.py --quick ;;
+    engine)
+      run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py ;;
+    rank)
+      run rank_fast 240 python3 bench/bench_rank.py --plan hybrid4 --steps 3 --decode 40
+      run rank_torch 240 env HUNYUAN_KERNELS=torch python3 bench/bench_rank.py --plan hybrid4 --steps 3 --decode 40 ;;
+    *) echo "unknown section $section" ;;
+  esac
+done
