@@ -16,9 +16,9 @@ run() {   # run NAME TIMEOUT CMD...
 for section in "$@"; do
   case $section in
     kernels)
-      run kernel_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_ops.py tests/test_kernels_moe.py
-      run bench_ops 150 python3 bench/bench_kernels_ops.py
-      run bench_moe 240 python3 bench/bench_kernels_moe.py --quick ;;
+      run kernel_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_ops.py tests/test_kernels_moe.py
+      run bench_ops 100 python3 bench/bench_kernels_ops.py
+      run bench_moe 200 python3 bench/bench_kernels_moe.py --quick ;;
     engine)
       run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py ;;
     rank)
