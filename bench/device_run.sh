@@ -20,9 +20,9 @@ for section in "$@"; do
       run bench_ops 100 python3 bench/bench_kernels_ops.py
       run bench_moe 200 python3 bench/bench_kernels_moe.py --quick ;;
     engine)
-      run gpu_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py ;;
+      run gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py ;;
     rank)
-      run rank_fast 240 python3 bench/bench_rank.py --plan hybrid4 --steps 3 --decode 40
+      run rank_fast 200 python3 bench/bench_rank.py --plan hybrid4 --steps 3 --decode 40
       run rank_torch 240 env HUNYUAN_KERNELS=torch python3 bench/bench_rank.py --plan hybrid4 --steps 3 --decode 40 ;;
     *) echo "unknown section $section" ;;
   esac

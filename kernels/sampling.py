@@ -64,7 +64,9 @@ def cut_ref(x: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, to
     cum = (e / z).cumsum(0) + extra * p_tie
     n_vals = (cum > cut).sum()                       # a suffix of the ascending survivors
     # the extra ties are kept only if every listed survivor is: the j-th of them has accumulated j * p_tie
-    kept_extra = torch.where(n_vals == K, (extra - torch.floor(cut / p_tie)).clamp(0, extra), 0).long()
+    # (clamp with a tensor bound reads it back on the host: minimum/clamp_min keep it on the device)
+    kept_extra = torch.where(n_vals == K, torch.minimum((extra - torch.floor(cut / p_tie)).clamp_min(0),
+                                                        extra.to(p_tie.dtype)), 0).long()
     n_keep = (n_vals + kept_extra).clamp(min=1)
     thr = vals.index_select(0, (n_keep.clamp(max=K) - 1).view(1))[0]
     return thr, n_keep - (vals > thr).sum()          # every x > thr >= kth is a listed survivor
