@@ -2,6 +2,7 @@
 machine (scripted logits), 2D positions and the generalised causal mask."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.model.attention import KVCache, attention_mask
@@ -188,3 +189,19 @@ def test_static_decode_step_equals_sliced(tiny):
             full = step._forward(cache.max_len, masked=True)
             sliced = step(t, L + s)
             assert (full - sliced).abs().max().item() <= 1e-5
+
+
+def test_per_token_time_counts_sampled_tokens_only(tiny):
+    """The forced tokens (<recaption>, then <answer> <boi> <img_size>) cost no decode step of their own:
+    ms/token is the decode time over the sampled tokens after the first, and the timing line says so."""
+    from engine.runtime.events import Timings
+    sp = tiny.tok.special
+    word = tiny.tok.encode("red")[0]
+    script = [word, sp.end_think, word, word, sp.end_recaption, {sp.ratio[5]: 3.0}]
+    res, _ = _run_plan(tiny, script, "think_recaption", True)
+    forced = 1 + 3
+    assert res.sampled == len(res.tokens) - forced == 6
+    assert res.ms_per_token == pytest.approx(res.decode_ms / (res.sampled - 1))
+    line = Timings(ar_tokens=res.sampled, ar_forced=forced, ar_ms_per_token=2.0, ar_prefill_ms=5).summary()
+    assert "x 6 sampled tokens + 4 forced" in line
+    assert "1 tokens" not in Timings(ar_tokens=1, ar_prefill_ms=5).summary()     # reasoning off: one choice

@@ -13,6 +13,7 @@ class Started:
     size: str                 # "auto" or "HxW"
     steps: int
     guidance: float
+    seed: int = 0             # the request's seed (drawn where it entered the engine when none was given)
 
 
 @dataclass
@@ -59,8 +60,9 @@ class Error:
 @dataclass
 class Timings:
     ar_prefill_ms: float = 0.0
-    ar_tokens: int = 0
-    ar_ms_per_token: float = 0.0
+    ar_tokens: int = 0            # tokens the model sampled (each one decode step after the first)
+    ar_forced: int = 0            # tokens the stage machine forced (they cost no step of their own)
+    ar_ms_per_token: float = 0.0  # per sampled token after the first
     dit_steps: int = 0
     dit_ms_per_step: float = 0.0
     vae_ms: float = 0.0
@@ -72,9 +74,12 @@ class Timings:
         """The measured figures as short phrases (labels in markdown bold for the studio)."""
         b = (lambda x: f"**{x}**") if bold else (lambda x: x)
         out = []
-        if self.ar_tokens:
-            out.append(f"{b('AR')} {self.ar_ms_per_token:.1f} ms/token x {self.ar_tokens} tokens "
+        if self.ar_tokens > 1:
+            forced = f" + {self.ar_forced} forced" if self.ar_forced else ""
+            out.append(f"{b('AR')} {self.ar_ms_per_token:.1f} ms/token x {self.ar_tokens} sampled tokens{forced} "
                        f"(prefill {self.ar_prefill_ms:.0f} ms)")
+        elif self.ar_tokens:     # one choice only (the size, with reasoning off): no decode to time
+            out.append(f"{b('AR')} prefill {self.ar_prefill_ms:.0f} ms (1 token)")
         if self.dit_steps:
             out.append(f"{b('DiT')} {self.dit_ms_per_step:.0f} ms/step x {self.dit_steps} steps")
         if self.vae_ms:

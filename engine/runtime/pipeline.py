@@ -9,7 +9,7 @@ engine/runtime/agreement.py.
 """
 from __future__ import annotations
 
-import random
+import dataclasses
 import sys
 import time
 import traceback
@@ -28,7 +28,7 @@ from engine.runtime.denoise import DenoiseRunner, denoise
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
 from engine.runtime.handoff import cache_heads, gather_sibling_heads, reusable_prefix
 from engine.runtime.images import align_to_reference, png_bytes, to_pil
-from engine.runtime.request import Prepared, Request, RequestError, prepare
+from engine.runtime.request import Prepared, Request, RequestError, prepare, with_seed
 from engine.runtime.sequence import image_phase_sequence, text_phase_sequence
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 from engine.spec.buckets import nearest_bucket
@@ -66,15 +66,18 @@ class Pipeline:
     def run(self, req: Request, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
         t_start = time.perf_counter()
         try:
-            p = prepare(req, self.lm.gen, self.lm.buckets, seed=random.randrange(2 ** 31))
+            p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets)
             system = self.lm.prompts.resolve(p.preset, p.bot_task, req.custom_system_prompt)
         except (RequestError, PromptError, ValueError) as e:
             yield Error("invalid", str(e))
             return
-        yield Started(req.request_id, p.bot_task, "auto" if p.bucket is None else str(p.bucket), p.steps, p.guidance)
+        yield Started(req.request_id, p.bot_task, "auto" if p.bucket is None else str(p.bucket), p.steps, p.guidance,
+                      p.seed)
         try:
             with torch.no_grad():
                 yield from self._run(p, system, cancelled, t_start)
+        except RequestError as e:   # found once the prompt is tokenized, on every rank alike, before any compute
+            yield Error("invalid", str(e))
         except Exception as e:  # a failure while running: reported, never raised into the UI
             traceback.print_exc(file=sys.stderr)
             yield Error("engine", f"{type(e).__name__}: {e}")
@@ -86,6 +89,17 @@ class Pipeline:
         cut = tokens.index(end) + 1 if end in tokens else len(tokens)
         opener = "<think>" if bot_task.startswith("think") else "<recaption>"
         return opener + self.lm.tok.decode(tokens[:cut])
+
+    def _agreed_seed(self, req: Request) -> Request:
+        """A request given to the pipeline directly (the CLI, tests) may come without a seed: rank 0
+        draws it and every rank takes rank 0's (the server fixes it before the request gets here)."""
+        if req.seed is not None:
+            return req
+        req = with_seed(req)
+        if self.rt.world.size > 1:
+            seed = torch.tensor([req.seed], dtype=torch.long, device=self.lm.model.device)
+            req = dataclasses.replace(req, seed=int(self.rt.world.broadcast_(seed, 0)[0]))
+        return req
 
     def _branches(self, cfg_on: bool) -> tuple[list[int], Comm]:
         if not cfg_on:
@@ -137,7 +151,8 @@ class Pipeline:
                 else:
                     yield ev
             timings.ar_prefill_ms = text_res.prefill_ms
-            timings.ar_tokens = len(text_res.tokens)
+            timings.ar_tokens = text_res.sampled
+            timings.ar_forced = len(text_res.tokens) - text_res.sampled
             timings.ar_ms_per_token = text_res.ms_per_token
             if text_res.cancelled:
                 yield Error("cancelled", "stopped by the user")

@@ -2,6 +2,8 @@
 any compute, with a message a user can act on."""
 from __future__ import annotations
 
+import dataclasses
+import random
 import uuid
 from dataclasses import dataclass, field
 
@@ -19,6 +21,7 @@ STEPS_RANGE = (1, 200)
 GUIDANCE_RANGE = (0.0, 30.0)
 MAX_NEW_TOKENS_RANGE = (1, 8192)
 N_RANGE = (1, 4)                     # images per request
+RANDOM_SEED_BOUND = 2 ** 31          # random seeds are drawn below this (they fit every client's int)
 
 
 class RequestError(ValueError):
@@ -63,7 +66,16 @@ class Prepared:
     images_out: int                                # n: how many images the request makes
 
 
-def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], seed: int) -> Prepared:
+def with_seed(req: Request) -> Request:
+    """The request with its seed fixed: a request without one gets a random seed HERE, where it enters
+    the engine, once, so every rank of a plan computes the same request and the seed can be reported."""
+    if req.seed is not None:
+        return req
+    return dataclasses.replace(req, seed=random.randrange(RANDOM_SEED_BOUND))
+
+
+def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...]) -> Prepared:
+    """Validate `req` (its seed fixed: `with_seed`) and resolve every default."""
     prompt = req.prompt if isinstance(req.prompt, str) else ""
     if not prompt.strip():
         raise RequestError("the prompt is empty: describe the image you want")
@@ -106,8 +118,8 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], se
                                       ("top_k", sampling.top_k, lambda v: v >= 0, ">= 0 (0: off)")):
             if not isinstance(value, (int, float)) or not ok(value):
                 raise RequestError(f"{name} must be {rule} (got {value!r})")
-    s = req.seed if req.seed is not None else seed
-    if not isinstance(s, int) or not 0 <= s < 2 ** 63:
+    s = req.seed
+    if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2 ** 63:
         raise RequestError(f"seed must be a non-negative integer (got {req.seed!r})")
     if not isinstance(req.n, int) or isinstance(req.n, bool) or not N_RANGE[0] <= req.n <= N_RANGE[1]:
         raise RequestError(f"n (images per request) must be an integer in [{N_RANGE[0]}, {N_RANGE[1]}] (got {req.n!r})")

@@ -57,15 +57,18 @@ class StagePlan:
 @dataclass
 class TextResult:
     tokens: list[int] = field(default_factory=list)     # every generated id, forced ones included
+    sampled: int = 0                                     # ids the model chose (the rest were forced)
     ratio_token: int | None = None
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
+    prefill_ms: float = 0.0                              # the prompt's forward and the first choice
+    decode_ms: float = 0.0                               # every later choice with its forward, no forced pass
     cancelled: bool = False
     fed: int = 0                                         # sequence length whose K/V the cache now holds
 
     @property
     def ms_per_token(self) -> float:
-        n = len(self.tokens) - 1   # the first token comes from the prefill
+        """Per sampled token after the first (each is one forward and one choice; the first comes with
+        the prefill, forced tokens ride along in the forward of the token that forced them)."""
+        n = self.sampled - 1
         return self.decode_ms / n if n > 0 else 0.0
 
 
@@ -131,8 +134,10 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
         if stop:
             res.cancelled = True
             break
+        res.sampled += 1
+        t_last = time.perf_counter()
         if t_first is None:
-            t_first = time.perf_counter()
+            t_first = t_last
             res.prefill_ms = (t_first - t0) * 1e3
         new = [token]
         if token in plan.transitions and token not in done_transitions:
@@ -156,6 +161,8 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
             h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(new), view)
             logits = model.transformer.logits(h[:, -1], view)[0]
         fed += len(new)
+    if t_first is not None:
+        res.decode_ms = (t_last - t_first) * 1e3
     if plan.ratio_trigger is not None and res.ratio_token is None and not res.cancelled:
         # The budget ran out before the model chose a size: close with the forced ratio stage
         # (`<answer> <boi> <img_size>` then a greedy ratio token) so the request still gets an image.
@@ -171,7 +178,5 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
         ratio = int(choose(model.transformer.logits(h[:, -1], view)[0], params, None, allowed_ratio))
         res.ratio_token = agree(ratio, False)[0]
         res.tokens.append(res.ratio_token)
-    if t_first is not None:
-        res.decode_ms = (time.perf_counter() - t_first) * 1e3
     res.fed = fed
     yield res

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.runtime.request import Request, prepare
+from engine.runtime.request import Request, prepare, with_seed
 from engine.spec.buckets import Bucket, build_buckets
 from engine.spec.config import CheckpointConfig, GenerationConfig, ModelConfig
 from engine.spec.prompts import PRESETS, SystemPrompts
@@ -35,4 +35,4 @@ class ModelInfo:
 
     def validate(self, req: Request) -> None:
         """Raise RequestError exactly as the engine would (one implementation: `request.prepare`)."""
-        prepare(req, self.gen, self.buckets, seed=0)
+        prepare(with_seed(req), self.gen, self.buckets)

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.events import Error, Event
-from engine.runtime.request import Request, RequestError
+from engine.runtime.request import Request, RequestError, with_seed
 from engine.serve.client import Submission
 from engine.serve.info import ModelInfo
 from engine.serve.worker import NO_REQUEST, worker_main
@@ -99,7 +99,8 @@ class EngineServer:
         self._closing = False
         self._procs: list[Any] = []
         self._req_conn: Connection | None = None
-        self._ev_conn: Connection | None = None
+        self._ev_conn: Connection | None = None           # rank 0's events
+        self._rank_conns: list[Connection] = []            # the other ranks': only "rank_failed"
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._spawn()
         self._pump = threading.Thread(target=self._pump_loop, name="engine-server-pump", daemon=True)
@@ -112,7 +113,7 @@ class EngineServer:
         sub = Submission(request, self.cancel)
         try:
             self.info.validate(request)
-            request = _detach_images(request)
+            request = _detach_images(with_seed(request))
         except (RequestError, TypeError, ValueError) as e:     # TypeError: a value of the wrong kind
             sub._push(Error("invalid", str(e)))
             return sub
@@ -226,7 +227,7 @@ class EngineServer:
     def _spawn(self) -> None:
         from engine.parallel.groups import free_port, init_method_for
         req_r, req_w = self._ctx.Pipe(duplex=False)
-        ev_r, ev_w = self._ctx.Pipe(duplex=False)
+        pipes = [self._ctx.Pipe(duplex=False) for _ in range(self.world_size)]     # one event pipe a rank
         self._cancel_seq.value = NO_REQUEST
         init_method = init_method_for(free_port())      # a fresh rendezvous for every incarnation
         procs = []
@@ -235,14 +236,16 @@ class EngineServer:
             p = self._ctx.Process(
                 target=worker_main, name=f"engine-worker-{rank}", daemon=True,
                 args=(rank, self.world_size, self.model, self.device, self.dtype,
-                      req_r if lead else None, ev_w if lead else None, self._cancel_seq,
+                      req_r if lead else None, pipes[rank][1], self._cancel_seq,
                       self.preview_every, self.verbose, self.plan, init_method, self.parallel.sp_kind,
                       self.pipeline_options))
             p.start()
             procs.append(p)
         req_r.close()      # the children hold their ends; ours must close so a dead worker reads as EOF
-        ev_w.close()
-        self._procs, self._req_conn, self._ev_conn = procs, req_w, ev_r
+        for _, w in pipes:
+            w.close()
+        self._procs, self._req_conn = procs, req_w
+        self._ev_conn, self._rank_conns = pipes[0][0], [r for r, _ in pipes[1:]]
         self._loading = "starting"
 
     def _stop_workers(self, timeout: float) -> None:
@@ -263,10 +266,11 @@ class EngineServer:
                 p.kill()
                 p.join(2.0)
             p.close()
-        for c in (self._req_conn, self._ev_conn):
+        for c in (self._req_conn, self._ev_conn, *self._rank_conns):
             if c is not None:
                 c.close()
         self._req_conn = self._ev_conn = None
+        self._rank_conns = []
 
     def _restart(self, why: str) -> None:
         """Called by the pump with the lock held: fail the in-flight request, respawn the workers."""
@@ -294,18 +298,22 @@ class EngineServer:
             with self._lock:
                 if self._closing:
                     return
-                conn, procs = self._ev_conn, list(self._procs)
+                conn, procs, rank_conns = self._ev_conn, list(self._procs), list(self._rank_conns)
                 timeout = 0.5
                 if self._current is not None and self._current.cancelled_at is not None:
                     timeout = max(0.0, min(timeout, self._current.cancelled_at + self.cancel_grace_s
                                            - time.monotonic()))
-            watched = [self._wake_r, *(p.sentinel for p in procs)] + ([conn] if conn is not None else [])
+            watched = [self._wake_r, *(p.sentinel for p in procs), *rank_conns] + ([conn] if conn is not None else [])
             wait(watched, timeout)             # a message, a dead worker, a kick or the timeout
             while self._wake_r.poll():
                 self._wake_r.recv_bytes()
             with self._lock:
                 if self._closing:
                     return
+                # a rank's failure first: its peers' errors (a collective broken by its exit) come after it
+                for c in rank_conns:
+                    if c in self._rank_conns:
+                        self._drain(c)
                 if conn is not None and conn is self._ev_conn:
                     self._drain(conn)
                 if self._state != "failed":
@@ -319,7 +327,7 @@ class EngineServer:
 
     def _drain(self, conn: Connection) -> None:
         try:
-            while conn.poll():
+            while not conn.closed and conn.poll():
                 self._on_message(conn.recv())
         except (EOFError, OSError):
             pass            # the worker is gone: its sentinel tells the rest
@@ -336,6 +344,12 @@ class EngineServer:
                 self._jobs.pop(job.sub.request_id, None)
                 job.sub._push(Error("engine", "the engine ended the request without a result"))  # no-op if ended
                 self._state = "ready"
+        elif kind == "rank_failed":
+            _, seq, rank, message = msg
+            if self._current is not None and self._current.seq == seq:
+                self._current.sub._push(Error("engine", f"{message} (on engine rank {rank}; the engine is "
+                                                        "restarting and reloading the model)"))
+            self._restart(f"engine rank {rank} failed a request: {message}")
         elif kind == "stats":
             self._worker_info["ranks"] = msg[1]
         elif kind == "loading":

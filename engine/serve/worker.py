@@ -19,10 +19,17 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
                 requests: Connection | None, events: Connection | None, cancel_seq: Any,
                 preview_every: int = 1, verbose: bool = False, plan: str | None = None,
                 init_method: str = "", sp_kind: str | None = None, pipeline_options: dict | None = None) -> None:
-    """Entry point of one engine worker process (rank `rank` of `world_size`). Rank 0 owns the pipes and
-    reports; the other ranks follow it through a gloo control group. Load failures are reported by rank 0
-    as ("failed", text); a follower that fails prints why and exits, which the server sees. After each
-    request rank 0 reports every rank's `rank_stats` (weights read, resident pointers unchanged, memory)."""
+    """Entry point of one engine worker process (rank `rank` of `world_size`). Rank 0 owns the request
+    pipe and reports events; the other ranks follow it through a gloo control group and use their own
+    `events` pipe only to say that a request failed on them. Load failures are reported by rank 0 as
+    ("failed", text); a follower that fails to start prints why and exits, which the server sees. After
+    each request rank 0 reports every rank's `rank_stats` (weights read, resident pointers unchanged,
+    memory).
+
+    A request that fails on a rank of a multi-rank plan leaves the collectives of the ranks out of step
+    (the others wait in one the failed rank will never enter), so that rank reports
+    ("rank_failed", seq, rank, message) and exits: the server ends the request with that message and
+    restarts the engine."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C belongs to the UI process, which closes us
     import torch
     import torch.distributed as dist
@@ -33,7 +40,7 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
     from engine.runtime.pipeline import Pipeline
 
     def send(msg: tuple) -> None:
-        if events is not None:
+        if events is not None and rank == 0:
             events.send(msg)
 
     def progress(done: int, total: int, what: str) -> None:
@@ -100,13 +107,21 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
 
     while (msg := receive()) is not None:
         seq, req = msg
+        failed = None
         try:
             for ev in pipeline.run(req, cancelled=lambda seq=seq: cancel_seq.value == seq):
                 send(("event", seq, ev))
+                if isinstance(ev, ErrorEvent) and ev.kind == "engine":
+                    failed = ev.message
         except (BrokenPipeError, EOFError, OSError):
             return
         except Exception as e:  # noqa: BLE001 - the pipeline never raises; this guards the transport
-            send(("event", seq, ErrorEvent("engine", f"{type(e).__name__}: {e}")))
+            failed = f"{type(e).__name__}: {e}"
+            send(("event", seq, ErrorEvent("engine", failed)))
+        if failed is not None and p.world > 1:
+            if events is not None:
+                events.send(("rank_failed", seq, rank, failed))
+            return                     # out of step with the other ranks: the server restarts the engine
         send(("stats", rank_stats()))
         send(("end", seq))
     shutdown()
