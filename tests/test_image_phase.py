@@ -248,3 +248,22 @@ def test_n_images_share_one_reasoning_pass_and_one_batched_denoise(fixture, guid
 def test_n_out_of_range_is_refused(tiny):
     ev = run(Pipeline(tiny), prompt="a cat", n=5)
     assert isinstance(ev[-1], Error) and ev[-1].kind == "invalid" and "n (images per request)" in ev[-1].message
+
+
+@pytest.mark.parametrize("fixture", ["tiny", "tiny_distil"])
+def test_mask_free_steps_equal_the_masked_steps(fixture, request, monkeypatch):
+    """After the prefix, a step's image rows run without a mask and only the 1 (Instruct) or 3 (Distil)
+    meta rows keep theirs: the image equals the one computed with the whole dense mask."""
+    from engine.runtime.denoise import DenoiseRunner
+    lm = request.getfixturevalue(fixture)
+    kw = dict(prompt="a blue star", bot_task="image", size="256x256", steps=3, seed=2)
+    fast = image_of(run(Pipeline(lm, preview_every=0), **kw))
+    seen = []
+    orig = DenoiseRunner._masked_rows
+    # the same run with every range on its dense mask (what the fast path would have used is recorded)
+    monkeypatch.setattr(DenoiseRunner, "_masked_rows", lambda self, *a: seen.append(orig(self, *a)))
+    dense = image_of(run(Pipeline(lm, preview_every=0), **kw))
+    assert seen[-1] == (3 if lm.cfg.cfg_distilled else 1)      # the steps' range: only the meta rows masked
+    a, b = np.asarray(fast, dtype=np.float64), np.asarray(dense, dtype=np.float64)
+    mse = np.mean((a - b) ** 2)
+    assert mse == 0 or 10 * np.log10(255 ** 2 / mse) >= 50

@@ -68,8 +68,12 @@ class AttnBatch:
     cos, sin: [T, head_dim] fp32 RoPE tables for those tokens.
     kv_len: keys [0, kv_len) of the cache are attended to.
     mask: [Q, kv_len] bool (True = attend) or None when every query sees every key; Q = T, or S for
-      Ulysses, whose attention runs on the whole sequence for a slice of the heads.
+      Ulysses, whose attention runs on the whole sequence for a slice of the heads. With `masked_rows`
+      it holds only those leading rows.
     gathered: [S] indices of the tokens of all sequence-parallel ranks, in SP rank order (SP only).
+    masked_rows: when set, only the first `masked_rows` query rows need the mask and every later row sees
+      all kv_len keys (a denoise step: the meta tokens are causal, the image tokens see everything
+      before the image's end); those rows run unmasked, on the fastest attention kernel.
     """
     index: torch.Tensor
     cos: torch.Tensor
@@ -77,6 +81,7 @@ class AttnBatch:
     kv_len: int
     mask: torch.Tensor | None
     gathered: torch.Tensor | None = None
+    masked_rows: int | None = None
 
 
 def attention_mask(index: torch.Tensor, blocks: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -137,7 +142,15 @@ class Attention(nn.Module):
                 cache.write(layer, batch.gathered, sp.all_gather(k, dim=2), sp.all_gather(v, dim=2))
         keys = cache.k[layer][:, :, :batch.kv_len]
         values = cache.v[layer][:, :, :batch.kv_len]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=g > 1)
+        m = batch.masked_rows
+        if m is None:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=g > 1)
+        else:      # unmasked rows on the flash path, the few causal rows with their mask
+            out = F.scaled_dot_product_attention(q[:, :, m:], keys, values, enable_gqa=g > 1)
+            if m:
+                head = F.scaled_dot_product_attention(q[:, :, :m], keys, values, attn_mask=batch.mask,
+                                                      enable_gqa=g > 1)
+                out = torch.cat([head, out], dim=2)
         if sp.size > 1 and view.sp_kind == "ulysses":
             out = _heads_to_seq(out, sp)
         return F.linear(out.transpose(1, 2).reshape(B, T, kv * g * D), micro_cols(self.o_proj, view, self.micros))

@@ -38,12 +38,16 @@ class HunyuanImage3(nn.Module):
         return self.transformer.wte.device
 
     def attn_batch(self, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor, kv_len: int,
-                   view: PhaseView, masked: bool = True, gathered: torch.Tensor | None = None) -> AttnBatch:
-        """RoPE tables and mask for the tokens at sequence indices `index` [T] (see `backbone`)."""
+                   view: PhaseView, masked: bool = True, gathered: torch.Tensor | None = None,
+                   masked_rows: int | None = None) -> AttnBatch:
+        """RoPE tables and mask for the tokens at sequence indices `index` [T] (see `backbone`).
+        `masked_rows`: only that many leading query rows need the mask (see AttnBatch)."""
         cos, sin = rope_angles(pos.index_select(0, index), self.cfg.head_dim, self.cfg.rope_theta)
         rows = gathered if gathered is not None and view.sp_kind == "ulysses" else index
+        if masked_rows is not None:
+            rows = rows[:masked_rows]
         mask = attention_mask(rows, blocks, kv_len) if masked else None
-        return AttnBatch(index, cos, sin, kv_len, mask, gathered)
+        return AttnBatch(index, cos, sin, kv_len, mask, gathered, masked_rows)
 
     def backbone(self, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor,
                  cache: KVCache, kv_len: int, view: PhaseView, masked: bool = True,

@@ -81,9 +81,22 @@ class DenoiseRunner:
                 pad = torch.full((chunk * sp.size - n,), self.scratch, device=dev)
                 gathered = torch.cat([index, pad])
                 index = gathered[sp.rank * chunk:(sp.rank + 1) * chunk]
-            batch = self.model.attn_batch(index, self.pos, self.blocks, stop, self.view, gathered=gathered)
+            batch = self.model.attn_batch(index, self.pos, self.blocks, stop, self.view, gathered=gathered,
+                                          masked_rows=self._masked_rows(start, stop, chunk))
             self._batches[(start, stop)] = (chunk, n, batch)
         return self._batches[(start, stop)]
+
+    def _masked_rows(self, start: int, stop: int, chunk: int) -> int | None:
+        """For the step's tokens [meta_start, stop): how many of this rank's leading query rows are meta
+        tokens (causal, masked); the image tokens after them see every key before the image's end. None
+        for other ranges (the prefix keeps its full mask). Host arithmetic, once per range."""
+        if (start, stop) != (self.span.meta_start, self.span.stop):
+            return None
+        meta = self.span.start - start
+        sp = self.view.sp
+        if sp.size == 1 or self.view.sp_kind == "ulysses":     # rows: the whole range (Ulysses: gathered)
+            return meta
+        return min(max(meta - sp.rank * chunk, 0), chunk)     # KV all-gather: this rank's own chunk
 
     def _run(self, x: torch.Tensor, start: int, stop: int, rows: slice) -> torch.Tensor:
         """Tokens [start, stop) with embeddings x [B, n, H] into cache rows `rows` -> hidden [B, n, H]."""
