@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, engine, rank, all).
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, engine, tables, eval).
 # Each section's log goes to $OUT/<section>.log; a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -21,9 +21,10 @@ for section in "$@"; do
       run bench_moe 200 python3 bench/bench_kernels_moe.py --quick ;;
     engine)
       run gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py ;;
-    rank)
-      run rank_fast 200 python3 bench/bench_rank.py --plan hybrid4 --steps 3 --decode 40
-      run rank_torch 240 env HUNYUAN_KERNELS=torch python3 bench/bench_rank.py --plan hybrid4 --steps 3 --decode 40 ;;
+    tables)
+      run seed_tables 330 python3 bench/bench_seed_tables.py --profile ;;
+    eval)
+      run eval_cuda 240 python3 -m train.evaluate --model assets/model --n 40 --n-edit 40 --device cuda --json "$OUT/eval_cuda.json" ;;
     *) echo "unknown section $section" ;;
   esac
 done

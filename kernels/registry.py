@@ -61,8 +61,9 @@ def _register(op: str, backend: str, devices, dtypes, available) -> Callable[[Ca
             raise ValueError(f"kernel op {op!r} already has a {backend!r} implementation")
         impl = Impl(op, backend, fn, tuple(devices) if devices else None, tuple(dtypes) if dtypes else None,
                     available)
-        # the reference goes last: it is the fallback of every key
-        impls.insert(len(impls) if backend == REFERENCE else 0, impl)
+        # in registration order (the first registered backend is preferred), the reference last: it is
+        # the fallback of every key
+        impls.append(impl)
         impls.sort(key=lambda i: i.backend == REFERENCE)
         _CACHE.clear()
         return fn

@@ -3,6 +3,8 @@ packed micro-major) and the replicated image-side modules, which keep the offici
 that their checkpoint names are their `state_dict` keys under a prefix (engine/model/weights.py)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -62,6 +64,19 @@ class HunyuanImage3(nn.Module):
         batch = batch or self.attn_batch(index, pos, blocks, kv_len, view, masked, gathered)
         return self.transformer(x, batch, cache, view)
 
+    def vae_autocast(self) -> contextlib.AbstractContextManager:
+        """The VAE's precision: fp16 autocast on CUDA (config `vae_autocast_dtype`, as the official
+        pipeline), plain fp32 on the CPU."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        name = str(self.cfg.raw.get("vae_autocast_dtype", "float16"))
+        return torch.autocast("cuda", dtype={"bfloat16": torch.bfloat16}.get(name, torch.float16))
+
+    def decode_image(self, z: torch.Tensor) -> torch.Tensor:
+        """Scaled latent [B, C, h, w] -> image [B, 3, H, W] fp32 in about [-1, 1]."""
+        with self.vae_autocast():
+            return self.vae.decode_latent(z.float()).float()
+
     def replicated_modules(self) -> dict[str, nn.Module]:
         """Checkpoint prefix -> module whose state_dict keys are the checkpoint names under that prefix."""
         return {name: getattr(self, name) for name in self.image_modules}
@@ -69,10 +84,14 @@ class HunyuanImage3(nn.Module):
 
 def image_side_modules(cfg: ModelConfig, dtype: torch.dtype | None = None,
                         device: torch.device | str | None = None) -> dict[str, nn.Module]:
-    """Replicated modules by checkpoint prefix. The VAE, ViT and aligner stay fp32, as their sub-configs
-    ask (vae_dtype / torch_dtype float32); the embedders and UNet heads take the model dtype."""
+    """Replicated modules by checkpoint prefix. The embedders and UNet heads take the model dtype. The
+    VAE keeps fp32 weights (vae_dtype; on CUDA it runs under fp16 autocast, `HunyuanImage3.vae_autocast`,
+    as the official pipeline does); the ViT and aligner run in the model dtype on CUDA (bf16, as the
+    official pipeline runs them) and in fp32 on the CPU."""
     H, latent = cfg.hidden_size, int(cfg.vae["latent_channels"])
     kw = dict(dtype=dtype, device=device)
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    vit = dict(device=device, dtype=dtype if on_gpu and dtype is not None else torch.float32)
     names = ["timestep_emb", "time_embed", "time_embed_2"]
     names += ["guidance_emb"] if cfg.cfg_distilled else []
     names += ["timestep_r_emb"] if cfg.use_meanflow else []
@@ -80,6 +99,9 @@ def image_side_modules(cfg: ModelConfig, dtype: torch.dtype | None = None,
     mods |= {"patch_embed": UNetDown(latent, cfg.patch_embed_hidden_dim, H, **kw),
              "final_layer": UNetUp(H, cfg.patch_embed_hidden_dim, latent, **kw),
              "vae": AutoencoderKLConv3D(cfg.vae).to(device),
-             "vision_model": Siglip2VisionModel(cfg.vit).to(device),
-             "vision_aligner": VisionAligner(cfg.vit_aligner).to(device)}
+             "vision_model": Siglip2VisionModel(cfg.vit).to(**vit),
+             "vision_aligner": VisionAligner(cfg.vit_aligner).to(**vit)}
+    if on_gpu:      # the heads' 3x3 convolutions at 64x64 x 4096 channels: channels-last is cuDNN's fast layout
+        for name in ("patch_embed", "final_layer"):
+            mods[name] = mods[name].to(memory_format=torch.channels_last)
     return mods

@@ -36,7 +36,8 @@ def encode_references(model: HunyuanImage3, images: list[Image.Image], buckets: 
     for img in images:
         bucket = reference_bucket(buckets, img)
         pixels = to_tensor(fit_to_bucket(img, bucket, stretch)).unsqueeze(0).to(dev)
-        latent = model.vae.encode_latent(pixels, generator)                      # [1, C, h, w] fp32
+        with model.vae_autocast():
+            latent = model.vae.encode_latent(pixels, generator)                  # [1, C, h, w]
         vae_tokens = model.patch_embed(latent.to(dt), t_emb)[0]
         vit = vit_preprocess(img, cfg.vit_processor)
         feats = model.vision_model(vit.pixel_values[None].to(dev), vit.pixel_attention_mask[None].to(dev),

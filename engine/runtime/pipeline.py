@@ -233,7 +233,7 @@ class Pipeline:
             return
         t0 = time.perf_counter()
         for k in range(n_img):
-            img = to_pil(model.vae.decode_latent(x[k:k + 1].float())[0])
+            img = to_pil(model.decode_image(x[k:k + 1])[0])
             if p.req.stretch and p.images:
                 img = align_to_reference(img, p.images, lm.buckets, cfg.image_base_size)
             yield Image(png_bytes(img), img.width, img.height, p.seed + k, k)
@@ -248,4 +248,4 @@ class Pipeline:
         while (h // k) * (w // k) > self.preview_tokens and min(h, w) // k > 1:
             k *= 2
         z = F.avg_pool2d(x0.float(), k) if k > 1 else x0.float()
-        return png_bytes(to_pil(self.lm.model.vae.decode_latent(z)[0]))
+        return png_bytes(to_pil(self.lm.model.decode_image(z)[0]))
