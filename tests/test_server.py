@@ -84,6 +84,39 @@ def test_cancel_a_queued_request(engine_server):
     assert isinstance(final(list(engine_server.stream(fast_request()))), Done)
 
 
+def test_a_full_queue_refuses_simultaneous_arrivals_exactly(engine_server):
+    """max_queue holds when many clients submit at the same instant: exactly that many wait, every
+    other one ends at once with Error('busy') and is never queued."""
+    import threading
+    running = engine_server.submit(fast_request(steps=200))
+    wait_for(lambda: engine_server.health()["running"] == running.request_id, 60)
+    engine_server.max_queue = 3
+    subs: list = [None] * 12
+    go = threading.Barrier(len(subs))
+
+    def arrive(i: int) -> None:
+        go.wait()
+        subs[i] = engine_server.submit(fast_request(prompt=f"arrival {i}"))
+
+    threads = [threading.Thread(target=arrive, args=(i,)) for i in range(len(subs))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        busy = [s for s in subs if s.ended]
+        assert len(busy) == len(subs) - 3 and engine_server.health()["queue"] == 3
+        for s in busy:
+            ev = final(list(s))
+            assert isinstance(ev, Error) and ev.kind == "busy" and "queue is full" in ev.message, ev
+    finally:
+        engine_server.max_queue = None
+        for s in subs + [running]:
+            if s is not None:
+                s.cancel()
+    wait_for(lambda: engine_server.health()["state"] == "ready", 30)
+
+
 def test_leaving_the_iteration_early_cancels(engine_server):
     sub = engine_server.submit(fast_request(steps=60))
     for ev in sub:

@@ -52,7 +52,8 @@ class Image:
 
 @dataclass
 class Error:
-    """kind: 'invalid' (bad input, nothing ran), 'cancelled', 'engine' (a failure while running)."""
+    """kind: 'invalid' (bad input, nothing ran), 'busy' (the queue is full, nothing ran), 'cancelled',
+    'engine' (a failure while running, or an engine that is not running)."""
     kind: str
     message: str
 

@@ -68,13 +68,18 @@ class EngineServer:
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | None = None,
                  world_size: int | None = None, plan: str | None = None, preview_every: int = 1,
                  verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S, sp_kind: str | None = None,
-                 pipeline_options: dict | None = None):
+                 pipeline_options: dict | None = None, max_queue: int | None = None):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
         be split by, or a folder that is not a checkpoint, is refused here, before anything is spawned
         (PlanError / ConfigError, both ValueErrors). `sp_kind` picks the SP attention (ulysses or
-        kv_gather); `pipeline_options` go to every rank's Pipeline (kv_handoff, cfg_serial)."""
+        kv_gather); `pipeline_options` go to every rank's Pipeline (kv_handoff, cfg_serial). `max_queue`:
+        how many requests may wait behind the running one (None: no limit); one more is refused at
+        submit with Error('busy'), checked under the queue's lock so simultaneous arrivals cannot
+        overshoot it."""
+        if max_queue is not None and max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0 (got {max_queue})")
         self.info = ModelInfo.from_folder(model)
         self.parallel: ParallelPlan = get_plan(plan, world_size, sp_kind)
         self.pipeline_options = dict(pipeline_options or {})
@@ -83,6 +88,7 @@ class EngineServer:
         self.device, self.dtype = device, dtype
         self.world_size, self.plan = self.parallel.world, self.parallel.name
         self.preview_every, self.verbose, self.cancel_grace_s = preview_every, verbose, cancel_grace_s
+        self.max_queue = max_queue
 
         self._ctx = mp.get_context("spawn")
         self._cancel_seq = self._ctx.Value("q", NO_REQUEST, lock=False)   # read lock-free by the worker
@@ -109,7 +115,8 @@ class EngineServer:
     # ------------------------------------------------------------------ client API
     def submit(self, request: Request) -> Submission:
         """Validate and queue a request. Bad input ends the stream at once with Error('invalid') and is
-        never queued; otherwise the events follow as the engine runs it."""
+        never queued, a full queue ends it with Error('busy'); otherwise the events follow as the engine
+        runs it."""
         sub = Submission(request, self.cancel)
         try:
             self.info.validate(request)
@@ -128,6 +135,9 @@ class EngineServer:
                 sub._push(Error("engine", f"the engine is not running: {self._last_error}"))
             elif request.request_id in self._jobs:
                 sub._push(Error("invalid", f"request id {request.request_id!r} is already in use"))
+            elif self.max_queue is not None and len(self._waiting) >= self.max_queue:
+                sub._push(Error("busy", f"the queue is full ({len(self._waiting)} requests waiting); "
+                                        "try again in a moment"))
             else:
                 self._seq += 1
                 job = _Job(self._seq, sub)
@@ -170,6 +180,7 @@ class EngineServer:
                 "world_size": self.world_size,
                 "plan": self.plan,
                 "queue": len(self._waiting),
+                "max_queue": self.max_queue,
                 "running": self._current.sub.request_id if self._current else None,
                 "loading": self._loading,
                 "last_error": self._last_error,
