@@ -85,6 +85,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sp-attn", choices=["ulysses", "kv_gather"], default=None,
                     help="sequence-parallel attention of the denoise phase (default ulysses)")
     ap.add_argument("--max-queue", type=int, default=8, help="requests that may wait in the queue (default 8)")
+    ap.add_argument("--api-key", default=os.environ.get("STUDIO_API_KEY"),
+                    help="key the OpenAI-compatible /v1 API requires as 'Authorization: Bearer KEY' "
+                         "(default $STUDIO_API_KEY; none: /v1 is open, unless --auth is set)")
+    ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
+    ap.add_argument("--max-upload-mb", type=float, default=20.0,
+                    help="largest reference image file the API accepts, in MB (default 20)")
+    ap.add_argument("--max-upload-pixels", type=int, default=None,
+                    help="most pixels a reference image may declare, checked before decoding (default 4096x4096)")
     args = ap.parse_args(argv)
     try:
         args.auth = parse_auth(args.auth)
@@ -92,7 +100,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(str(e))
     if (args.gpus is not None and args.gpus < 1) or args.max_queue < 1:
         ap.error("--gpus and --max-queue must be at least 1")
+    if args.max_upload_mb <= 0 or (args.max_upload_pixels is not None and args.max_upload_pixels < 1):
+        ap.error("--max-upload-mb and --max-upload-pixels must be positive")
+    if args.api_only and args.share:
+        ap.error("--share opens the page; it does not go with --api-only")
     return args
+
+
+def api_config(args: argparse.Namespace):
+    from engine.serve.openai_api import ApiConfig
+    from engine.serve.openai_params import UploadLimits
+    limits = UploadLimits(max_bytes=int(args.max_upload_mb * 1024 * 1024),
+                          **({"max_pixels": args.max_upload_pixels} if args.max_upload_pixels else {}))
+    return ApiConfig(api_key=args.api_key or None, page_auth=args.auth is not None and not args.api_only,
+                     limits=limits)
+
+
+def run_api_only(server, args: argparse.Namespace) -> int:
+    """`--api-only`: the /v1 API and /health on the engine server, without the page (nor Gradio)."""
+    from engine.serve.openai_api import api_app, bind, serve
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    print(f"\napi: http://{host}:{port}/v1 (OpenAI-compatible; health: /health)", flush=True)
+    try:
+        serve(api_app(server, api_config(args)), sock)          # until Ctrl-C / SIGTERM
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -113,19 +151,27 @@ def main(argv: list[str] | None = None) -> int:
     device = default_device() if args.device == "auto" else args.device
     try:
         server = EngineServer(model, device=device, dtype=args.dtype, world_size=args.gpus, plan=args.plan, sp_kind=args.sp_attn,
-                              verbose=True)
+                              verbose=True, max_queue=args.max_queue)
     except (ConfigError, ValueError, OSError) as e:      # a wrong folder, an unknown plan or one that does not fit
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"engine: loading {model} on {device} (plan {server.plan}, {server.world_size} rank(s)) in the background; "
           "requests wait until it is ready", flush=True)
+    if args.api_only:
+        try:
+            return run_api_only(server, args)
+        finally:
+            server.close()
+    from engine.serve.openai_api import OpenAIApi
     from webui.studio import build_studio, launch
     try:
         demo = build_studio(server, server.info, max_queue=args.max_queue, notice=notice)
+        api = OpenAIApi(server, api_config(args))
         _, url, share_url = launch(demo, host=args.host, port=args.port, share=args.share, auth=args.auth,
-                                   prevent_thread_lock=True)
+                                   prevent_thread_lock=True, app_kwargs={"lifespan": api.lifespan()})
         # one clear line, whatever the engine is printing while it loads
-        print(f"\nstudio: open {share_url or url}" + (f"  (local: {url})" if share_url else ""), flush=True)
+        print(f"\nstudio: open {share_url or url}" + (f"  (local: {url})" if share_url else "")
+              + f"\napi: {url.rstrip('/')}/v1 (OpenAI-compatible)", flush=True)
         demo.block_thread()                     # until Ctrl-C
     except KeyboardInterrupt:
         pass

@@ -1,0 +1,304 @@
+"""OpenAI's image API on the studio's server: the routes, their key check, upload limits and errors.
+
+    POST /v1/images/generations   JSON, as `client.images.generate(...)` sends it
+    POST /v1/images/edits         multipart (`image` or repeated `image[]`, 1-3 files), as `client.images.edit`
+    POST /v1/chat/completions     vLLM-Omni's recipe form: `modalities: ["image"]`, diffusion fields in `extra_body`
+    GET  /v1/models, GET /health
+
+Every route drives the one `EngineServer` (its queue, its validation, its cancel) that the page uses:
+`python app.py` mounts these routes on the FastAPI app Gradio serves (`OpenAIApi.lifespan`), and
+`python app.py --api-only` serves them alone (`api_app` + `serve`). Request parsing lives in
+`openai_params`, the mapping of engine events onto OpenAI's bodies and SSE frames in `openai_events`.
+
+A client that disconnects cancels its request on the engine: a watcher waits for the connection's
+`http.disconnect` while the request runs (streamed or not) and cancels it, so the engine stops at its
+next token or step instead of finishing an image nobody will read.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import socket
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import APIRouter, FastAPI
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine.runtime.events import Error
+from engine.runtime.request import MAX_IMAGES
+from engine.serve.client import Submission
+from engine.serve.openai_events import (chat_response, chat_stream, collect, failure, image_stream,
+                                        images_response)
+from engine.serve.openai_params import (ApiError, ImageParams, UploadLimits, capped, check_upload, parse_chat,
+                                        parse_edit, parse_generation, refusal, size_list)
+
+DEFAULT_PORT = 7860          # as Gradio: the first free port from here when none is given
+PORT_TRIES = 100
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    api_key: str | None = None      # required as `Authorization: Bearer KEY` on /v1/* when set
+    page_auth: bool = False         # the page has --auth: without a key /v1 is closed, not left open
+    limits: UploadLimits = field(default_factory=UploadLimits)
+
+
+async def _cancel_on_disconnect(request: HttpRequest, sub: Submission) -> None:
+    """Wait for the client to go away, then cancel its request (the body has been read by now, so the
+    next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            sub.cancel()
+            return
+
+
+class OpenAIApi:
+    """The /v1 routes and /health over one engine server (anything with EngineServer's submit, cancel,
+    health and info)."""
+
+    def __init__(self, server: Any, config: ApiConfig | None = None):
+        self.server, self.info = server, server.info
+        self.config = config or ApiConfig()
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ plumbing
+    def _authorize(self, request: HttpRequest) -> None:
+        key = self.config.api_key
+        if key is None:
+            if self.config.page_auth:
+                raise ApiError(401, "this server protects its page with --auth; start it with --api-key KEY "
+                                    "(or STUDIO_API_KEY) to use the /v1 API", None, "api_key_required")
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY` with the key "
+                                "the server was started with (--api-key / STUDIO_API_KEY)", None, "invalid_api_key")
+
+    @staticmethod
+    def _error(e: ApiError) -> JSONResponse:
+        headers = {"Retry-After": str(int(e.retry_after))} if e.retry_after else None
+        if e.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    def _route(self, handler: Callable[[HttpRequest], Awaitable[Response]], *, auth: bool = True
+               ) -> Callable[[HttpRequest], Awaitable[Response]]:
+        """Errors in OpenAI's shape, whatever the handler raises; the key checked first on /v1."""
+        async def endpoint(request: HttpRequest) -> Response:
+            try:
+                if auth:
+                    self._authorize(request)
+                return await handler(request)
+            except ApiError as e:
+                return self._error(e)
+        endpoint.__name__ = handler.__name__
+        return endpoint
+
+    def _check_ready(self) -> None:
+        h = self.server.health()
+        state = h.get("state")
+        if state in ("loading", "restarting"):
+            what = f" ({h['loading']})" if h.get("loading") else ""
+            raise ApiError(503, f"the engine is {state} the model{what}; try again in a moment", None,
+                           "engine_loading", retry_after=5)
+        if state in ("failed", "closed"):
+            raise ApiError(503, f"the engine is not running: {h.get('last_error') or state}", None,
+                           "engine_unavailable")
+
+    def _submit(self, params: ImageParams) -> Submission:
+        """Queue the request; a refusal at the door (bad value, full queue, engine down) is an HTTP error,
+        not the start of a stream."""
+        self._check_ready()
+        sub = self.server.submit(params.request)
+        if sub.ended:                    # submit ended it at once: the first event is the refusal
+            ev = sub.get(timeout=0)
+            if isinstance(ev, Error):
+                raise refusal(ev.message, params, self.info) if ev.kind == "invalid" else failure(ev)
+        return sub
+
+    def _content_length(self, request: HttpRequest) -> int:
+        limit = self.config.limits.max_body
+        try:
+            declared = int(request.headers.get("content-length") or 0)
+        except ValueError:
+            raise ApiError(400, "the Content-Length header is not a number", None, "invalid_request") from None
+        if declared > limit:
+            raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit} bytes",
+                           None, "request_too_large")
+        return limit
+
+    async def _json(self, request: HttpRequest) -> Any:
+        limit = self._content_length(request)
+        body = b"".join([c async for c in capped(request.stream(), limit)])
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON", None, "invalid_json") from None
+
+    async def _multipart(self, request: HttpRequest) -> tuple[dict[str, Any], list[bytes]]:
+        """The edit form: its text fields and its reference images (each checked against the limits)."""
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise ApiError(400, "send edits as multipart/form-data with the images in `image` or `image[]` "
+                                "(as the openai client does)", None, "invalid_content_type")
+        limit = self._content_length(request)
+        parser = MultiPartParser(request.headers, capped(request.stream(), limit),
+                                 max_files=MAX_IMAGES + 1, max_fields=64)
+        try:
+            form = await parser.parse()
+        except MultiPartException as e:
+            raise ApiError(400, f"the multipart body cannot be read: {e.message}", "image", "invalid_multipart") from None
+        try:
+            fields_: dict[str, Any] = {}
+            images: list[bytes] = []
+            for name, value in form.multi_items():
+                if name in ("image", "image[]"):
+                    if not isinstance(value, UploadFile):
+                        raise ApiError(400, "Invalid 'image': send the reference images as files (this server "
+                                            "fetches no URLs)", "image", "invalid_value")
+                    data = await value.read(self.config.limits.max_bytes + 1)
+                    images.append(check_upload(data, f"reference image {len(images) + 1}", "image",
+                                               self.config.limits))
+                elif isinstance(value, str):
+                    fields_[name] = value
+            return fields_, images
+        finally:
+            await form.close()
+
+    async def _run(self, request: HttpRequest, sub: Submission):
+        """All events of a non-streamed request, cancelling it if the client leaves first."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, sub))
+        try:
+            out = await collect(sub)
+        finally:
+            watcher.cancel()
+        if out.error is not None:
+            raise failure(out.error)
+        return out
+
+    @staticmethod
+    def _stream(request: HttpRequest, sub: Submission, frames: AsyncIterator[bytes]) -> StreamingResponse:
+        async def watched() -> AsyncIterator[bytes]:
+            watcher = asyncio.create_task(_cancel_on_disconnect(request, sub))
+            try:
+                async for frame in frames:
+                    yield frame
+            finally:
+                watcher.cancel()
+                await frames.aclose()          # its own `finally` cancels the request if it did not end
+        return StreamingResponse(watched(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ------------------------------------------------------------------ routes
+    async def generations(self, request: HttpRequest) -> Response:
+        params = parse_generation(await self._json(request))
+        return await self._images(request, params, "image_generation")
+
+    async def edits(self, request: HttpRequest) -> Response:
+        fields_, images = await self._multipart(request)
+        return await self._images(request, parse_edit(fields_, images), "image_edit")
+
+    async def _images(self, request: HttpRequest, params: ImageParams, kind: str) -> Response:
+        sub = self._submit(params)
+        if params.stream:
+            return self._stream(request, sub, image_stream(sub, params, self.info, kind))
+        out = await self._run(request, sub)
+        return JSONResponse(await images_response(out, params, self.info))
+
+    async def chat(self, request: HttpRequest) -> Response:
+        params = parse_chat(await self._json(request), self.config.limits)
+        sub = self._submit(params)
+        if params.stream:
+            return self._stream(request, sub, chat_stream(sub, params, self.info))
+        out = await self._run(request, sub)
+        return JSONResponse(await chat_response(out, params, self.info))
+
+    def _model(self) -> dict[str, Any]:
+        return {"id": self.info.name, "object": "model", "created": self.created, "owned_by": "hunyuan-studio",
+                "sizes": size_list(self.info)}
+
+    async def models(self, request: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: HttpRequest) -> Response:
+        if request.path_params.get("model") != self.info.name:
+            raise ApiError(404, f"The model {request.path_params.get('model')!r} does not exist; this server "
+                                f"serves {self.info.name!r}", "model", "model_not_found")
+        return JSONResponse(self._model())
+
+    async def health(self, request: HttpRequest) -> Response:
+        h = self.server.health()
+        up = h.get("state") in ("ready", "busy")
+        keys = ("state", "device", "plan", "world_size", "queue", "max_queue", "loading", "last_error", "restarts")
+        body = {"status": "ok" if up else "unavailable", "model": self.info.name,
+                **{k: h.get(k) for k in keys}, "running": h.get("running") is not None}
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    def router(self) -> APIRouter:
+        r = APIRouter()
+        r.add_api_route("/v1/images/generations", self._route(self.generations), methods=["POST"])
+        r.add_api_route("/v1/images/edits", self._route(self.edits), methods=["POST"])
+        r.add_api_route("/v1/chat/completions", self._route(self.chat), methods=["POST"])
+        r.add_api_route("/v1/models", self._route(self.models), methods=["GET"])
+        r.add_api_route("/v1/models/{model:path}", self._route(self.model), methods=["GET"])
+        r.add_api_route("/health", self._route(self.health, auth=False), methods=["GET"])
+        return r
+
+    def lifespan(self) -> Callable[[FastAPI], Any]:
+        """For Gradio's `launch(app_kwargs={"lifespan": ...})`: the routes join the page's app before the
+        server accepts its first connection (Gradio may start the app more than once while it looks for
+        a free port, so they are added once)."""
+        router = self.router()
+
+        @asynccontextmanager
+        async def attach(app: FastAPI) -> AsyncIterator[None]:
+            if not getattr(app.state, "openai_api", False):
+                app.include_router(router)
+                app.state.openai_api = True
+            yield
+        return attach
+
+
+def api_app(server: Any, config: ApiConfig | None = None) -> FastAPI:
+    """The API alone (`--api-only`): no page, the same engine server and queue."""
+    app = FastAPI(title="HunyuanImage-3.0 OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(OpenAIApi(server, config).router())
+    return app
+
+
+def bind(host: str | None, port: int | None) -> socket.socket:
+    """A listening socket: on `port`, or (none given) on the first free port from $GRADIO_SERVER_PORT or
+    7860, as the page's launcher does."""
+    host = host or os.environ.get("GRADIO_SERVER_NAME") or "127.0.0.1"
+    if port is not None:
+        ports: range | list[int] = [port]
+    else:
+        first = int(os.environ.get("GRADIO_SERVER_PORT") or DEFAULT_PORT)
+        ports = range(first, first + PORT_TRIES)
+    for p in ports:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, p))
+        except OSError:
+            sock.close()
+            continue
+        sock.listen(128)
+        return sock
+    raise OSError(f"no free port in {ports[0]}-{ports[-1]} on {host}; choose one with --port")
+
+
+def serve(app: FastAPI, sock: socket.socket) -> None:
+    """Run the API on `sock` until Ctrl-C / SIGTERM (uvicorn's own handlers). Streams still open at
+    shutdown get a few seconds, then are cut (the engine is closed after)."""
+    import uvicorn
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3)
+    uvicorn.Server(config).run(sockets=[sock])

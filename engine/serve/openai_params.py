@@ -1,0 +1,367 @@
+"""The OpenAI-compatible API's requests: the JSON, multipart and chat forms of a request become one
+engine `Request` plus the output options, and every refusal becomes an OpenAI-shaped error naming the
+field.
+
+The engine's `prepare` is the one judge of values and ranges (steps, guidance, seed, prompt, reference
+images, size, n, ...); this module only converts wire types (multipart sends every field as text), maps
+OpenAI's and vLLM-Omni's field names onto the engine's, and routes a `prepare` message to the API
+field it concerns. What is checked here is the API's own vocabulary (response and output formats,
+partial_images, upload bytes and pixels), which the engine has no notion of.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, AsyncIterator
+
+from PIL import Image as PILImage
+
+from engine.runtime.images import MAX_PIXELS
+from engine.runtime.request import MAX_IMAGES, Request
+from engine.serve.info import ModelInfo
+
+RESPONSE_FORMATS = ("b64_json", "url")                 # url: answered with a data URL (nothing is hosted)
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+QUALITIES = ("auto", "low", "medium", "high", "standard", "hd")   # accepted and reported; steps decide quality
+BACKGROUNDS = ("auto", "opaque", "transparent")        # accepted; images are always opaque (reported so)
+PARTIAL_IMAGES_MAX = 3                                 # OpenAI's range for partial_images is 0-3
+UNSUPPORTED = ("negative_prompt", "lora", "mask")      # would change the result; refused, not ignored
+ENGINE_HAS_N = "n" in {f.name for f in fields(Request)}
+
+
+class ApiError(Exception):
+    """A refusal in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, f"Invalid '{param}': {message}", param, code)
+
+
+@dataclass(frozen=True)
+class UploadLimits:
+    """Per reference image: at most `max_bytes` of file and `max_pixels` of decoded image (checked from the
+    header, before anything is decoded)."""
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = min(4096 * 4096, MAX_PIXELS)
+
+    @property
+    def max_body(self) -> int:
+        """The most a request body may carry: the reference images (base64 in JSON: 4/3) and the fields."""
+        return MAX_IMAGES * self.max_bytes * 4 // 3 + 1024 * 1024
+
+
+@dataclass
+class ImageParams:
+    """One API request: the engine request and how its result is to be written back."""
+    request: Request
+    n: int = 1
+    response_format: str = "b64_json"
+    output_format: str = "png"
+    output_compression: int = 100
+    quality: str = "auto"
+    background: str = "auto"
+    stream: bool = False
+    partial_images: int = 0
+    include_usage: bool = False          # chat streams: a last chunk with the usage (stream_options)
+    size: Any = "auto"                   # the size as the client wrote it (for messages)
+    names: dict[str, str] = field(default_factory=dict)   # engine field -> the API field it came from
+
+
+# ---------------------------------------------------------------------------------------- wire types
+def _int_like(v: Any) -> Any:
+    """Whole numbers as int (JSON clients may send 4.0, multipart sends "4"); anything else unchanged,
+    so that `prepare` reports it with the value it got."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str) and re.fullmatch(r"\s*[+-]?\d+\s*", v):
+        return int(v)
+    return v
+
+
+def _float_like(v: Any) -> Any:
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    return v
+
+
+def _bool(name: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("true", "1", "false", "0"):
+        return v.strip().lower() in ("true", "1")
+    if v is None:
+        return False
+    raise invalid(name, f"expected true or false (got {v!r})")
+
+
+def _choice(body: dict, name: str, choices: tuple[str, ...], default: str) -> str:
+    v = body.get(name)
+    if v is None:
+        return default
+    if v not in choices:
+        raise invalid(name, f"{v!r} is not one of {', '.join(choices)}")
+    return v
+
+
+def _ranged_int(body: dict, name: str, lo: int, hi: int, default: int) -> int:
+    v = _int_like(body.get(name))
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise invalid(name, f"must be an integer in [{lo}, {hi}] (got {v!r})")
+    return v
+
+
+# ---------------------------------------------------------------------------------------- sizes
+def size_list(info: ModelInfo) -> list[str]:
+    """The checkpoint's buckets as OpenAI writes sizes (width x height), from the tallest to the widest."""
+    return [f"{b.width}x{b.height}" for b in sorted(info.buckets, key=lambda b: b.width / b.height)]
+
+
+_WXH = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+def engine_size(size: Any) -> str:
+    """OpenAI's `WxH` (width first) as the engine's `HxW` (height first), which `prepare` snaps to the
+    nearest bucket; `auto` and the engine's own forms (`W:H`, `<img_ratio_k>`) pass through."""
+    if size is None:
+        return "auto"
+    if not isinstance(size, str):
+        return repr(size)               # prepare refuses it; the message lists the sizes
+    if m := _WXH.match(size):
+        return f"{m.group(2)}x{m.group(1)}"
+    return size
+
+
+# ---------------------------------------------------------------------------------------- field routing
+# A `prepare` message names what is wrong in the engine's words; these route it to the API field.
+_FIELD_WORDS = (
+    ("reference image", "image"),
+    ("prompt preset", "use_system_prompt"),
+    ("system prompt", "use_system_prompt"),
+    ("prompt", "prompt"),
+    ("size", "size"),
+    ("steps", "num_inference_steps"),
+    ("guidance", "guidance_scale"),
+    ("seed", "seed"),
+    ("max_new_tokens", "max_new_tokens"),
+    ("reasoning mode", "bot_task"),
+    ("images per request", "n"),
+)
+_N_MESSAGE = re.compile(r"^\s*n\b|\bn must\b|\(n\b")
+
+
+def field_of(message: str) -> str:
+    low = message.lower()
+    if _N_MESSAGE.search(low):
+        return "n"
+    for words, name in _FIELD_WORDS:
+        if words in low:
+            return name
+    return "prompt"
+
+
+def refusal(message: str, params: ImageParams, info: ModelInfo) -> ApiError:
+    """The engine refused the request (`Error('invalid')`): a 400 naming the API field."""
+    name = field_of(message)
+    name = params.names.get(name, name)
+    if name == "size":
+        if "not understood" in message:     # the engine's own forms are height first; this API's are not
+            message = f"{params.size!r} is not understood: use 'auto' or WIDTHxHEIGHT"
+        message = f"{message}. Valid sizes: auto, {', '.join(size_list(info))} (any WIDTHxHEIGHT snaps to the " \
+                  "nearest aspect ratio)"
+    return invalid(name, message)
+
+
+# ---------------------------------------------------------------------------------------- uploads
+def check_upload(data: bytes, what: str, param: str, limits: UploadLimits) -> bytes:
+    """Refuse an oversized file, or one whose header declares too many pixels (before decoding it)."""
+    if len(data) > limits.max_bytes:
+        raise ApiError(413, f"{what} is {len(data)} bytes; the limit is {limits.max_bytes} bytes per image",
+                       param, "file_too_large")
+    try:
+        with PILImage.open(io.BytesIO(data)) as img:       # reads the header only
+            w, h = img.size
+    except PILImage.DecompressionBombError:
+        raise ApiError(413, f"{what} declares too many pixels (a decompression bomb?); the limit is "
+                            f"{limits.max_pixels} pixels", param, "image_too_large") from None
+    except Exception:  # noqa: BLE001 - not an image: `prepare` says so with the engine's words
+        return data
+    if w * h > limits.max_pixels:
+        raise ApiError(413, f"{what} is {w}x{h} = {w * h} pixels; the limit is {limits.max_pixels} pixels",
+                       param, "image_too_large")
+    return data
+
+
+def decode_data_url(url: Any, what: str, param: str, limits: UploadLimits) -> bytes:
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise invalid(param, f"{what}: only data URLs (data:image/png;base64,...) are accepted; this server "
+                             "fetches nothing")
+    head, _, payload = url.partition(",")
+    if ";base64" not in head:
+        raise invalid(param, f"{what}: the data URL must be base64-encoded")
+    if len(payload) > limits.max_bytes * 4 // 3 + 4:
+        raise ApiError(413, f"{what} is larger than {limits.max_bytes} bytes", param, "file_too_large")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(param, f"{what}: the data URL is not valid base64") from None
+    return check_upload(data, what, param, limits)
+
+
+async def capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
+    """Pass a request body through, refusing it (413) as soon as it exceeds `limit` bytes, whether or not
+    the client declared a Content-Length."""
+    seen = 0
+    async for chunk in chunks:
+        seen += len(chunk)
+        if seen > limit:
+            raise ApiError(413, f"the request body exceeds {limit} bytes (at most {MAX_IMAGES} images of "
+                                f"{limit // MAX_IMAGES * 3 // 4} bytes each)", None, "request_too_large")
+        yield chunk
+
+
+# ---------------------------------------------------------------------------------------- the forms
+def _engine_request(body: dict, prompt: Any, images: list[bytes], size: str) -> tuple[Request, int]:
+    """The engine request for OpenAI/vLLM-Omni field names (values converted, never range-checked)."""
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, ""):
+            raise invalid(name, "not supported by this server", "unsupported_parameter")
+    if body.get("bot_task") == "auto":
+        raise invalid("bot_task", "'auto' writes text and makes no image; use image, recaption, think or "
+                                  "think_recaption")
+    n = _int_like(body.get("n", 1))
+    if n is None:
+        n = 1
+    preset, custom = body.get("use_system_prompt"), body.get("system_prompt")
+    if custom not in (None, "") and preset in (None, ""):
+        preset = "custom"            # vLLM-Omni: a system_prompt text alone is the custom prompt
+    guidance = _float_like(body.get("guidance_scale"))
+    kw: dict[str, Any] = dict(
+        prompt=prompt if isinstance(prompt, str) else "",
+        images=images,
+        bot_task=body.get("bot_task") or None,
+        size=size,
+        steps=_int_like(body.get("num_inference_steps")),
+        guidance=float(guidance) if isinstance(guidance, int) and not isinstance(guidance, bool) else guidance,
+        seed=_int_like(body.get("seed")),
+        system_prompt=preset or None,
+        custom_system_prompt=(custom or None) if preset == "custom" else None,
+        max_new_tokens=_int_like(body.get("max_new_tokens")),
+    )
+    if ENGINE_HAS_N:
+        kw["n"] = n
+    elif n != 1:
+        raise invalid("n", f"this engine makes one image per request (got {n!r})")
+    return Request(**kw), n
+
+
+def _output_options(body: dict, params: ImageParams) -> None:
+    params.response_format = _choice(body, "response_format", RESPONSE_FORMATS, "b64_json")
+    params.output_format = _choice(body, "output_format", OUTPUT_FORMATS, "png")
+    params.output_compression = _ranged_int(body, "output_compression", 0, 100, 100)
+    params.quality = _choice(body, "quality", QUALITIES, "auto")
+    params.background = _choice(body, "background", BACKGROUNDS, "auto")
+    params.stream = _bool("stream", body.get("stream"))
+    params.partial_images = _ranged_int(body, "partial_images", 0, PARTIAL_IMAGES_MAX, 0)
+
+
+def _prompt(body: dict) -> Any:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise invalid("prompt", "a prompt is required", "missing_required_parameter")
+    if not isinstance(prompt, str):
+        raise invalid("prompt", f"must be a string (got {type(prompt).__name__})")
+    return prompt
+
+
+def parse_generation(body: Any) -> ImageParams:
+    """POST /v1/images/generations (JSON)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    req, n = _engine_request(body, _prompt(body), [], engine_size(body.get("size")))
+    params = ImageParams(req, n, size=body.get("size", "auto"))
+    _output_options(body, params)
+    return params
+
+
+def parse_edit(fields_: dict[str, Any], images: list[bytes]) -> ImageParams:
+    """POST /v1/images/edits (multipart): text fields as sent, reference images already read and checked."""
+    if not images:
+        raise invalid("image", "give 1 to 3 reference images (as `image` or repeated `image[]` files)",
+                      "missing_required_parameter")
+    req, n = _engine_request(fields_, _prompt(fields_), images, engine_size(fields_.get("size")))
+    params = ImageParams(req, n, size=fields_.get("size", "auto"))
+    _output_options(fields_, params)
+    return params
+
+
+def parse_chat(body: Any, limits: UploadLimits) -> ImageParams:
+    """POST /v1/chat/completions in the vLLM-Omni recipe's form: the last user message's text is the prompt
+    and its `image_url` parts (data URLs, up to 3) the reference images; a system message is the custom
+    system prompt; the diffusion fields come in `extra_body` (sent literally by curl, merged into the
+    top level by the openai client) and `height`/`width` give the size."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    extra = body.get("extra_body") if isinstance(body.get("extra_body"), dict) else {}
+    merged = {**body, **extra}
+    modalities = merged.get("modalities")
+    if modalities is not None and (not isinstance(modalities, list) or "image" not in modalities):
+        raise invalid("modalities", 'this server answers with images: use ["image"]')
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "a list of messages with one user message is required",
+                      "missing_required_parameter")
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        raise invalid("messages", "no message with role 'user'")
+    texts, images = [], []
+    content = users[-1].get("content")
+    for part in ([{"type": "text", "text": content}] if isinstance(content, str) else content or []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            texts.append(str(part.get("text") or ""))
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            images.append(decode_data_url(url, f"reference image {len(images) + 1}", "messages", limits))
+        else:
+            raise invalid("messages", f"content parts must be text or image_url (got {kind!r})")
+    system = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "system"]
+    if system and isinstance(system[-1], str) and system[-1].strip() and merged.get("system_prompt") is None:
+        merged["system_prompt"] = system[-1]
+    h, w = merged.get("height"), merged.get("width")
+    if (h is None) != (w is None):
+        raise invalid("height" if h is None else "width", "give both height and width, or neither")
+    size = f"{_int_like(h)}x{_int_like(w)}" if h is not None else engine_size(merged.get("size"))
+    req, n = _engine_request(merged, "\n".join(texts), images, size)
+    params = ImageParams(req, n, names=dict(image="messages", prompt="messages",
+                                            size="size" if h is None else "height"),
+                         size=merged.get("size", "auto") if h is None else f"height {h}, width {w}")
+    params.output_format = _choice(merged, "output_format", OUTPUT_FORMATS, "png")
+    params.output_compression = _ranged_int(merged, "output_compression", 0, 100, 100)
+    params.stream = _bool("stream", merged.get("stream"))
+    opts = merged.get("stream_options")
+    params.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+    return params

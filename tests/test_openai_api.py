@@ -1,0 +1,414 @@
+"""The OpenAI-compatible API, end to end: `python app.py` as a real process on the embedded model (the
+page and the API on one server, one engine), driven by the official `openai` client; plus one
+`--api-only` process, and a load test with clients that disconnect."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image as PILImage
+
+from engine.parallel.groups import free_port
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-test-key"
+READY_TIMEOUT_S = 180
+MAX_QUEUE = 8                 # the studio's default
+UPLOAD_MB, UPLOAD_PIXELS = 0.25, 200_000
+# cheap on a 2-core machine: no reasoning pass (explicit size, bot_task image), two steps
+FAST = dict(num_inference_steps=2, bot_task="image", seed=11)
+THINK = dict(bot_task="think", max_new_tokens=8, seed=3)
+
+
+class App:
+    """A `python app.py` process and what the tests need of it."""
+
+    def __init__(self, *flags: str, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "STUDIO_API_KEY": ""}
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "app.py", "--port", str(self.port), *flags], cwd=ROOT,
+                                     env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"app.py exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"app.py did not become ready:\n{self.log.read_text()[-3000:]}")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def client(self, **kw) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", KEY),
+                             max_retries=kw.pop("max_retries", 0), timeout=kw.pop("timeout", 120), **kw)
+
+    def wait_idle(self, timeout: float) -> float:
+        """Seconds until the engine runs nothing and nothing waits (fails after `timeout`)."""
+        t0 = time.monotonic()
+        while True:
+            h = self.health()
+            if h["state"] == "ready" and not h["running"] and h["queue"] == 0:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"engine not idle after {timeout} s: {h}")
+            time.sleep(0.02)
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server process and its engine workers (its descendants)."""
+        total, todo = 0, [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, StopIteration):
+                pass
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    a = App("--api-key", KEY, "--max-queue", str(MAX_QUEUE), "--max-upload-mb", str(UPLOAD_MB),
+            "--max-upload-pixels", str(UPLOAD_PIXELS), log=tmp_path_factory.mktemp("app") / "app.log")
+    try:
+        a.wait_ready()
+        yield a
+    finally:
+        a.stop()
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    c = app.client()
+    yield c
+    c.close()
+
+
+def png_bytes(color, size=(96, 128), fmt="PNG") -> bytes:
+    buf = io.BytesIO()
+    PILImage.new("RGB", size, color).save(buf, fmt)
+    return buf.getvalue()
+
+
+def decoded(b64: str) -> PILImage.Image:
+    img = PILImage.open(io.BytesIO(base64.b64decode(b64)))
+    img.load()
+    return img
+
+
+def wh(size: str) -> tuple[int, int]:
+    w, h = size.split("x")
+    return int(w), int(h)
+
+
+# ---------------------------------------------------------------------------------------------- basics
+def test_models_health_and_the_page_on_one_server(app, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["HunyuanImage-3.0-Instruct-Distil"]
+    assert "256x256" in models.data[0].model_extra["sizes"]
+    h = app.health()
+    assert h["status"] == "ok" and h["state"] == "ready" and h["queue"] == 0 and h["max_queue"] == MAX_QUEUE
+    page = httpx.get(app.url + "/", timeout=10)
+    assert page.status_code == 200 and "<html" in page.text.lower()       # the studio, same port
+
+
+def test_generate_b64_png_of_the_reported_size(client):
+    r = client.images.generate(prompt="a red circle on a white background", size="1024x768", extra_body=FAST)
+    assert r.size == "256x192"                 # 4:3 snapped to the embedded model's bucket, width first
+    assert len(r.data) == 1 and r.data[0].url is None
+    img = decoded(r.data[0].b64_json)
+    assert img.format == "PNG" and img.size == wh(r.size) == (256, 192)
+    assert r.model_extra["seeds"] == [FAST["seed"]] and r.data[0].model_extra["seed"] == FAST["seed"]
+    assert r.model_extra["timings"]["dit_steps"] == 2 and r.model_extra["timings"]["total_s"] > 0
+    assert r.usage.output_tokens_details.image_tokens == (256 // 16) * (192 // 16)
+
+
+def test_url_response_and_jpeg_output(client):
+    r = client.images.generate(prompt="a blue square", size="256x256", response_format="url",
+                               output_format="jpeg", extra_body=FAST)
+    assert r.data[0].b64_json is None and r.data[0].url.startswith("data:image/jpeg;base64,")
+    assert decoded(r.data[0].url.split(",", 1)[1]).format == "JPEG" and r.output_format == "jpeg"
+
+
+def test_edit_with_two_images(client):
+    r = client.images.edit(image=[("red.png", png_bytes((200, 30, 30)), "image/png"),
+                                  ("blue.png", png_bytes((30, 30, 200), (128, 96)), "image/png")],
+                           prompt="put the two shapes side by side", size="256x256", extra_body=FAST)
+    img = decoded(r.data[0].b64_json)
+    assert img.format == "PNG" and img.size == (256, 256) and r.size == "256x256"
+
+
+def test_n2_two_images_from_one_reasoning(client):
+    r = client.images.generate(prompt="a yellow star", size="256x256", n=2,
+                               extra_body=dict(THINK, num_inference_steps=2))
+    assert len(r.data) == 2 and [d.model_extra["index"] for d in r.data] == [0, 1]
+    assert r.model_extra["seeds"] == [THINK["seed"], THINK["seed"] + 1]
+    a, b = (decoded(d.b64_json) for d in r.data)
+    assert a.size == b.size == (256, 256) and a.tobytes() != b.tobytes()
+    assert r.model_extra["reasoning"]                       # one reasoning pass ...
+    assert r.model_extra["timings"]["ar_tokens"] <= THINK["max_new_tokens"] + 2     # ... not one per image
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+def test_streaming_order_reasoning_then_previews_then_completed(client):
+    stream = client.images.generate(prompt="a green triangle", size="256x256", stream=True, partial_images=2,
+                                    extra_body=dict(THINK, num_inference_steps=6))
+    events = list(stream)
+    types = [e.type for e in events]
+    kinds = [t.split(".", 1)[1] for t in types]
+    assert set(t.split(".")[0] for t in types) == {"image_generation"}
+    assert kinds[0] == "reasoning.delta" and kinds[-1] == "completed" and kinds.count("completed") == 1
+    last_reasoning = max(i for i, k in enumerate(kinds) if k == "reasoning.delta")
+    partials = [i for i, k in enumerate(kinds) if k == "partial_image"]
+    assert partials and 1 <= len(partials) <= 2 and last_reasoning < partials[0]
+    assert [events[i].partial_image_index for i in partials] == list(range(len(partials)))
+    text = "".join(e.delta for e in events if e.type.endswith("reasoning.delta"))
+    assert text.strip()
+    done = events[-1]
+    assert decoded(done.b64_json).size == wh(done.size) == (256, 256)
+    assert done.usage.output_tokens > 0 and done.model_extra["seed"] == THINK["seed"]
+
+
+def test_streamed_edit_uses_the_edit_event_types(client):
+    stream = client.images.edit(image=("red.png", png_bytes((200, 30, 30)), "image/png"), prompt="make it blue",
+                                size="256x256", stream=True, partial_images=1,
+                                extra_body=dict(FAST, num_inference_steps=3))
+    types = [e.type for e in stream]
+    assert types[-1] == "image_edit.completed" and all(t.startswith("image_edit.") for t in types)
+
+
+def test_chat_completions_in_the_recipe_form(app, client):
+    # the recipe's curl: `extra_body` sent literally, the image as a data URL in the message content
+    body = {"modalities": ["image"], "messages": [{"role": "user", "content": "a purple diamond"}],
+            "extra_body": {"height": 256, "width": 256, "num_inference_steps": 2, "guidance_scale": 2.5,
+                           "seed": 5, "bot_task": "think", "max_new_tokens": 8}}
+    r = httpx.post(app.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=120).json()
+    url = r["choices"][0]["message"]["content"][0]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,") and decoded(url.split(",", 1)[1]).size == (256, 256)
+    assert r["choices"][0]["message"]["reasoning_content"] and r["object"] == "chat.completion"
+    # the openai client's form: extra_body merged into the top level; an edit with a data-URL reference
+    ref = "data:image/png;base64," + base64.b64encode(png_bytes((30, 200, 30))).decode()
+    chat = client.chat.completions.create(
+        model="HunyuanImage-3.0-Instruct-Distil", modalities=["image"],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "make it red"},
+                                               {"type": "image_url", "image_url": {"url": ref}}]}],
+        extra_body={"height": 256, "width": 256, **FAST})
+    part = chat.choices[0].message.content[0]
+    assert decoded(part["image_url"]["url"].split(",", 1)[1]).size == (256, 256)
+
+
+def test_chat_stream_sends_reasoning_deltas_then_the_image(client):
+    chunks = list(client.chat.completions.create(
+        model="x", modalities=["image"], stream=True, messages=[{"role": "user", "content": "an orange circle"}],
+        extra_body={"height": 256, "width": 256, "num_inference_steps": 2, **THINK}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    reasoning = [c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks[1:-1]]
+    assert reasoning and all(reasoning)
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "stop" and last.delta.content[0]["image_url"]["url"].startswith("data:image/png")
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("field, kwargs", [
+    ("num_inference_steps", dict(extra_body={"num_inference_steps": 0})),
+    ("guidance_scale", dict(extra_body={"guidance_scale": 1e9})),
+    ("seed", dict(extra_body={"seed": -1})),
+    ("bot_task", dict(extra_body={"bot_task": "dream"})),
+    ("use_system_prompt", dict(extra_body={"use_system_prompt": "pirate"})),
+    ("size", dict(size="huge")),
+    ("n", dict(n=99)),
+    ("output_format", dict(output_format="gif")),
+    ("partial_images", dict(stream=True, partial_images=7)),
+    ("prompt", dict(prompt="   ")),
+])
+def test_bad_values_are_400_naming_the_field(app, client, field, kwargs):
+    kwargs = {"prompt": "a red circle", **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.images.generate(**kwargs)
+    assert f"'{field}'" in e.value.message and e.value.body["param"] == field, e.value.message
+    assert e.value.body["type"] == "invalid_request_error"
+    if field == "size":
+        assert "256x256" in e.value.message                # the valid sizes are listed
+    assert app.health()["queue"] == 0                        # nothing was queued
+
+
+def test_bad_edit_uploads(client):
+    with pytest.raises(openai.BadRequestError, match="'image'.*at most 3"):
+        client.images.edit(image=[("a.png", png_bytes((1, 2, 3)), "image/png")] * 4, prompt="x")
+    with pytest.raises(openai.BadRequestError, match="'image'.*cannot be read"):
+        client.images.edit(image=("a.png", b"not an image", "image/png"), prompt="x")
+    big = os.urandom(int(UPLOAD_MB * 1024 * 1024) + 1)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.images.edit(image=("big.png", big, "image/png"), prompt="x")
+    assert e.value.status_code == 413 and "bytes" in e.value.message
+    # a small file that declares more pixels than allowed is refused from its header, before decoding
+    wide = png_bytes((0, 0, 0), (1000, 1000))
+    assert len(wide) < UPLOAD_MB * 1024 * 1024
+    with pytest.raises(openai.APIStatusError) as e:
+        client.images.edit(image=("wide.png", wide, "image/png"), prompt="x")
+    assert e.value.status_code == 413 and "pixels" in e.value.message
+
+
+def test_401_without_the_key(app):
+    with pytest.raises(openai.AuthenticationError) as e:
+        app.client(api_key="wrong").images.generate(prompt="a red circle")
+    assert e.value.body["code"] == "invalid_api_key"
+    no_key = httpx.post(app.url + "/v1/images/generations", json={"prompt": "a red circle"}, timeout=5)
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(app.url + "/v1/models", timeout=5).status_code == 401
+    assert httpx.get(app.url + "/health", timeout=5).status_code == 200      # probes need no key
+
+
+def test_429_past_the_queue(app, client):
+    blocker = client.images.generate(prompt="a slow one", size="256x256", stream=True,
+                                     extra_body=dict(FAST, num_inference_steps=200))
+    waiting = []
+    try:
+        deadline = time.monotonic() + 30
+        while not app.health()["running"]:
+            assert time.monotonic() < deadline, app.health()
+            time.sleep(0.05)
+        for i in range(MAX_QUEUE):
+            waiting.append(client.images.generate(prompt=f"waiting {i}", size="256x256", stream=True,
+                                                  extra_body=FAST))
+        assert app.health()["queue"] == MAX_QUEUE
+        with pytest.raises(openai.RateLimitError) as e:
+            client.images.generate(prompt="one too many", size="256x256", extra_body=FAST)
+        assert "queue is full" in e.value.message and e.value.response.headers.get("retry-after")
+    finally:
+        for s in waiting + [blocker]:           # the waiting ones first, so none of them starts
+            s.close()
+    app.wait_idle(10)
+
+
+def test_disconnect_mid_run_frees_the_engine(app, client):
+    stream = client.images.generate(prompt="a long one", size="256x256", stream=True,
+                                    extra_body=dict(THINK, num_inference_steps=200))
+    for ev in stream:
+        break                      # it is running (reasoning); 200 denoise steps would follow
+    assert app.health()["running"]
+    stream.close()
+    took = app.wait_idle(2.0)
+    print(f"engine idle {took:.2f} s after the disconnect")
+    r = client.images.generate(prompt="after", size="256x256", extra_body=FAST)
+    assert decoded(r.data[0].b64_json).size == (256, 256)
+
+
+# ---------------------------------------------------------------------------------------------- load
+def test_load_40_requests_8_clients_a_quarter_disconnect(app):
+    """40 requests from 8 concurrent clients (generations and edits, streamed and not); 10 of them leave
+    at a random point (in the queue, mid-reasoning, mid-denoise). Every request completes or is
+    cancelled, the engine ends idle and healthy, and memory does not grow over the run."""
+    rng = random.Random(1234)
+    leavers = set(rng.sample(range(40), 10))
+    plan = [(i, rng.choice(("generate", "stream", "edit")), i in leavers, rng.uniform(0.05, 2.0)) for i in range(40)]
+    results: dict[int, str] = {}
+    rss: dict[str, int] = {}
+    finished = []
+    lock = threading.Lock()
+    before = app.health()
+
+    def one(i: int, kind: str, leave: bool, after_s: float) -> str:
+        extra = dict(FAST, seed=i, num_inference_steps=3)
+        if kind == "stream":
+            with app.client() as c:
+                s = c.images.generate(prompt=f"load {i}", size="256x256", stream=True, partial_images=1,
+                                      extra_body=dict(THINK, seed=i, num_inference_steps=3))
+                t0 = time.monotonic()
+                for ev in s:
+                    if leave and time.monotonic() - t0 > after_s:
+                        s.close()
+                        return "left"
+                    if ev.type.endswith("completed"):
+                        assert decoded(ev.b64_json).size == (256, 256)
+                        return "completed"
+                raise AssertionError("stream ended without an image")
+        with app.client(timeout=after_s if leave else 120) as c:   # a timeout is a client that hangs up
+            try:
+                if kind == "edit":
+                    r = c.images.edit(image=("r.png", png_bytes((200, 30, 30)), "image/png"), prompt=f"load {i}",
+                                      size="256x256", extra_body=extra)
+                else:
+                    r = c.images.generate(prompt=f"load {i}", size="256x256", extra_body=extra)
+            except openai.APITimeoutError:
+                assert leave
+                return "left"
+            assert decoded(r.data[0].b64_json).size == (256, 256)
+            return "completed"
+
+    def run(item) -> None:
+        i = item[0]
+        outcome = one(*item)
+        with lock:
+            results[i] = outcome
+            finished.append(i)
+            if len(finished) == 10:
+                rss["first10"] = app.rss_bytes()
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(run, plan))
+    app.wait_idle(10)
+    rss["last10"] = app.rss_bytes()
+    took = time.monotonic() - t0
+    assert len(results) == 40
+    assert all(results[i] == "completed" for i in range(40) if i not in leavers)
+    assert all(results[i] in ("completed", "left") for i in leavers)
+    h = app.health()
+    assert h["status"] == "ok" and h["restarts"] == before["restarts"] and h["last_error"] == before["last_error"]
+    growth = rss["last10"] - rss["first10"]
+    print(f"load: {took:.1f} s, {sum(v == 'left' for v in results.values())} left, "
+          f"RSS {rss['first10'] / 2**20:.0f} -> {rss['last10'] / 2**20:.0f} MiB ({growth / 2**20:+.1f} MiB)")
+    # Bound: 30 more requests may not cost more than 64 MiB over the server and its engine worker (a leak
+    # of each request's images would be 30 x (PNG + base64 + decoded RGB) ~ 30 x 0.5 MiB = 15 MiB here, so a
+    # per-request leak of ~2 MiB fails; allocator arenas of new threads stay well under the bound).
+    assert growth < 64 * 2**20, rss
+
+
+# ---------------------------------------------------------------------------------------------- --api-only
+def test_api_only_serves_the_api_without_the_page(tmp_path):
+    a = App("--api-only", log=tmp_path / "api_only.log")
+    try:
+        a.wait_ready()
+        assert httpx.get(a.url + "/", timeout=5).status_code == 404
+        with a.client(api_key="unused") as c:                   # no --api-key, no --auth: /v1 is open
+            r = c.images.generate(prompt="a red circle", size="256x256", extra_body=FAST)
+        assert decoded(r.data[0].b64_json).size == (256, 256)
+    finally:
+        a.stop()
+    assert a.proc.returncode == 0, a.log.read_text()[-2000:]
