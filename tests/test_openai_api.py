@@ -76,19 +76,40 @@ class App:
                 raise AssertionError(f"engine not idle after {timeout} s: {h}")
             time.sleep(0.02)
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server process and its engine workers (its descendants)."""
-        total, todo = 0, [self.proc.pid]
+    def _tree(self) -> list[int]:
+        """The server process and its descendants (the engine workers)."""
+        out, todo = [], [self.proc.pid]
         while todo:
             pid = todo.pop()
+            out.append(pid)
+            try:
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        return out
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server process and its engine workers."""
+        total = 0
+        for pid in self._tree():
             try:
                 status = Path(f"/proc/{pid}/status").read_text()
                 total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    todo += [int(c) for c in (task / "children").read_text().split()]
             except (OSError, StopIteration):
                 pass
         return total
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server and its workers have used (what the machine's load does not inflate)."""
+        total = 0
+        for pid in self._tree():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])          # utime, stime
+            except (OSError, IndexError, ValueError):
+                pass
+        return total / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -324,7 +345,12 @@ def test_disconnect_mid_run_frees_the_engine(app, client):
     assert app.health()["running"]
     stream.close()
     took = app.wait_idle(2.0)
-    print(f"engine idle {took:.2f} s after the disconnect")
+    print(f"engine idle {took:.2f} s after a streamed request's disconnect")
+    # a client that gives up on a request that is not streamed cancels it just the same
+    with app.client(timeout=1.0) as impatient, pytest.raises(openai.APITimeoutError):
+        impatient.images.generate(prompt="a long one", size="256x256", extra_body=dict(FAST, num_inference_steps=200))
+    took = app.wait_idle(2.0)
+    print(f"engine idle {took:.2f} s after a plain request's disconnect")
     r = client.images.generate(prompt="after", size="256x256", extra_body=FAST)
     assert decoded(r.data[0].b64_json).size == (256, 256)
 
@@ -380,7 +406,7 @@ def test_load_40_requests_8_clients_a_quarter_disconnect(app):
             if len(finished) == 10:
                 rss["first10"] = app.rss_bytes()
 
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), app.cpu_s()
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(run, plan))
     app.wait_idle(10)
@@ -392,12 +418,15 @@ def test_load_40_requests_8_clients_a_quarter_disconnect(app):
     h = app.health()
     assert h["status"] == "ok" and h["restarts"] == before["restarts"] and h["last_error"] == before["last_error"]
     growth = rss["last10"] - rss["first10"]
-    print(f"load: {took:.1f} s, {sum(v == 'left' for v in results.values())} left, "
+    print(f"load: {took:.1f} s ({app.cpu_s() - cpu0:.1f} CPU s in the server), "
+          f"{sum(v == 'left' for v in results.values())} left, "
           f"RSS {rss['first10'] / 2**20:.0f} -> {rss['last10'] / 2**20:.0f} MiB ({growth / 2**20:+.1f} MiB)")
-    # Bound: 30 more requests may not cost more than 64 MiB over the server and its engine worker (a leak
-    # of each request's images would be 30 x (PNG + base64 + decoded RGB) ~ 30 x 0.5 MiB = 15 MiB here, so a
-    # per-request leak of ~2 MiB fails; allocator arenas of new threads stay well under the bound).
-    assert growth < 64 * 2**20, rss
+    # Bound: 40 MiB over the server and its engine worker for the last 30 requests. Measured over 200
+    # such requests (2026-12-01): the server process stays flat (382 MiB) and the worker moves between
+    # 600 and 616 MiB with whether a request is mid-run when sampled (its activations); this test saw
+    # -14 to +22 MiB. So a leak of about 2 MiB per request (60 MiB over 30) fails; one kept 256-px result
+    # (~0.3 MiB: PNG, base64, RGB) per request is below what this test can resolve.
+    assert growth < 40 * 2**20, rss
 
 
 # ---------------------------------------------------------------------------------------------- --api-only
@@ -412,3 +441,54 @@ def test_api_only_serves_the_api_without_the_page(tmp_path):
     finally:
         a.stop()
     assert a.proc.returncode == 0, a.log.read_text()[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------- in process
+class _NotRunning:
+    """An engine server that is loading (or restarting): nothing may be submitted to it."""
+
+    def __init__(self, state: str):
+        from engine import EMBEDDED_MODEL
+        from engine.serve.info import ModelInfo
+        self.info, self.state = ModelInfo.from_folder(EMBEDDED_MODEL), state
+
+    def health(self) -> dict:
+        return {"state": self.state, "loading": "3/7 layers" if self.state == "loading" else None, "queue": 0,
+                "running": None}
+
+    def submit(self, request):
+        raise AssertionError("a request reached an engine that is not ready")
+
+
+@pytest.mark.parametrize("state", ["loading", "restarting"])
+def test_503_while_the_engine_loads_or_restarts(state):
+    from starlette.testclient import TestClient
+    from engine.serve.openai_api import api_app
+    with TestClient(api_app(_NotRunning(state))) as http:
+        r = http.post("/v1/images/generations", json={"prompt": "a red circle"})
+        assert r.status_code == 503 and r.headers["retry-after"] and state in r.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
+        assert http.get("/v1/models").status_code == 200          # what is served is known before loading
+
+
+def test_page_auth_without_an_api_key_closes_v1():
+    from starlette.testclient import TestClient
+    from engine.serve.openai_api import ApiConfig, api_app
+    with TestClient(api_app(_NotRunning("loading"), ApiConfig(page_auth=True))) as http:
+        r = http.get("/v1/models", headers={"Authorization": "Bearer anything"})
+        assert r.status_code == 401 and "--api-key" in r.json()["error"]["message"]
+        assert http.get("/health").status_code == 503                # probes still answered
+
+
+def test_partial_images_are_spread_over_the_steps():
+    from engine.runtime.events import Step
+    from engine.serve.openai_events import PreviewPicker
+
+    def picked(count: int, n: int, previewed) -> list[int]:
+        p = PreviewPicker(count)
+        return [i for i in range(1, n + 1) if p.take(Step(i, n, b"png" if previewed(i) else None))]
+
+    assert picked(3, 10, lambda i: i < 10) == [3, 5, 8]
+    assert picked(3, 10, lambda i: i in (1, 6)) == [6]          # a late preview covers the targets it passed
+    assert picked(2, 2, lambda i: i == 1) == [1]
+    assert picked(0, 10, lambda i: True) == []

@@ -56,7 +56,7 @@ class Outcome:
         elif isinstance(ev, Ratio):
             self.ratio = ev
         elif isinstance(ev, Image):
-            self.images[getattr(ev, "index", 0)] = ev
+            self.images[ev.index] = ev
         elif isinstance(ev, Done):
             self.done = ev
         elif isinstance(ev, Error):

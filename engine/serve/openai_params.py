@@ -14,7 +14,7 @@ import base64
 import binascii
 import io
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from PIL import Image as PILImage
@@ -29,7 +29,6 @@ QUALITIES = ("auto", "low", "medium", "high", "standard", "hd")   # accepted and
 BACKGROUNDS = ("auto", "opaque", "transparent")        # accepted; images are always opaque (reported so)
 PARTIAL_IMAGES_MAX = 3                                 # OpenAI's range for partial_images is 0-3
 UNSUPPORTED = ("negative_prompt", "lora", "mask")      # would change the result; refused, not ignored
-ENGINE_HAS_N = "n" in {f.name for f in fields(Request)}
 
 
 class ApiError(Exception):
@@ -269,11 +268,8 @@ def _engine_request(body: dict, prompt: Any, images: list[bytes], size: str) -> 
         system_prompt=preset or None,
         custom_system_prompt=(custom or None) if preset == "custom" else None,
         max_new_tokens=_int_like(body.get("max_new_tokens")),
+        n=n,
     )
-    if ENGINE_HAS_N:
-        kw["n"] = n
-    elif n != 1:
-        raise invalid("n", f"this engine makes one image per request (got {n!r})")
     return Request(**kw), n
 
 
