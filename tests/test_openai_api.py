@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import os
 import random
 import signal
@@ -488,7 +487,8 @@ def test_partial_images_are_spread_over_the_steps():
         p = PreviewPicker(count)
         return [i for i in range(1, n + 1) if p.take(Step(i, n, b"png" if previewed(i) else None))]
 
-    assert picked(3, 10, lambda i: i < 10) == [3, 5, 8]
-    assert picked(3, 10, lambda i: i in (1, 6)) == [6]          # a late preview covers the targets it passed
+    assert picked(3, 10, lambda i: i < 10) == [1, 4, 7]
+    assert picked(3, 10, lambda i: i in (1, 9)) == [1, 9]       # a late preview covers the targets it passed
+    assert picked(2, 10, lambda i: i in (3, 4, 5)) == [3]       # the next one waits for its own target
     assert picked(2, 2, lambda i: i == 1) == [1]
     assert picked(0, 10, lambda i: True) == []

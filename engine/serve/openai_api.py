@@ -29,13 +29,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import APIRouter, FastAPI
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.runtime.events import Error
 from engine.runtime.request import MAX_IMAGES
 from engine.serve.client import Submission
-from engine.serve.openai_events import (chat_response, chat_stream, collect, failure, image_stream,
+from engine.serve.openai_events import (Outcome, chat_response, chat_stream, collect, failure, image_stream,
                                         images_response)
 from engine.serve.openai_params import (ApiError, ImageParams, UploadLimits, capped, check_upload, parse_chat,
                                         parse_edit, parse_generation, refusal, size_list)
@@ -100,6 +100,8 @@ class OpenAIApi:
                 return await handler(request)
             except ApiError as e:
                 return self._error(e)
+            except ClientDisconnect:           # gone while sending its body: nothing was submitted
+                return Response(status_code=400)
         endpoint.__name__ = handler.__name__
         return endpoint
 
@@ -173,7 +175,7 @@ class OpenAIApi:
         finally:
             await form.close()
 
-    async def _run(self, request: HttpRequest, sub: Submission):
+    async def _run(self, request: HttpRequest, sub: Submission) -> Outcome:
         """All events of a non-streamed request, cancelling it if the client leaves first."""
         watcher = asyncio.create_task(_cancel_on_disconnect(request, sub))
         try:

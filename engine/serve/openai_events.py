@@ -14,7 +14,6 @@ import asyncio
 import base64
 import io
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator
@@ -175,20 +174,22 @@ KEEPALIVE_FRAME = b": keep-alive\n\n"
 
 class PreviewPicker:
     """Which step previews become partial images: at most `count`, spread over the steps (the k-th at or
-    after step ceil((k+1) * n / (count+1))). The engine does not preview every step (previews may take
-    only a share of the denoise time), so a target is met by the first preview at or after it."""
+    after step 1 + k*n/count, so the first is the earliest preview). The engine does not preview every
+    step (previews may take only a share of the denoise time), so a target is met by the first preview
+    at or after it, and the targets that preview has passed are spent with it."""
 
     def __init__(self, count: int):
         self.count, self.sent = count, 0
 
+    def _target(self, k: int, n: int) -> int:
+        return 1 + k * n // self.count
+
     def take(self, ev: Step) -> bool:
-        if ev.preview is None or self.sent >= self.count:
-            return False
-        if ev.i < math.ceil((self.sent + 1) * ev.n / (self.count + 1)):
+        if ev.preview is None or self.sent >= self.count or ev.i < self._target(self.sent, ev.n):
             return False
         self.sent += 1
-        while self.sent < self.count and ev.i >= math.ceil((self.sent + 1) * ev.n / (self.count + 1)):
-            self.sent += 1        # targets this preview also covers are spent with it (never two per step)
+        while self.sent < self.count and ev.i >= self._target(self.sent, ev.n):
+            self.sent += 1
         return True
 
 
@@ -211,8 +212,11 @@ def _error_frame(err: Error) -> bytes:
 async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: str) -> AsyncIterator[bytes]:
     """SSE frames of a streamed generation (`kind` 'image_generation') or edit ('image_edit')."""
     out, picker, partials = Outcome(), PreviewPicker(p.partial_images), 0
-    common = lambda: {"created_at": int(time.time()), "size": out.size, "quality": p.quality,  # noqa: E731
-                      "background": "opaque", "output_format": p.output_format}
+
+    def common() -> dict[str, Any]:
+        return {"created_at": int(time.time()), "size": out.size, "quality": p.quality, "background": "opaque",
+                "output_format": p.output_format}
+
     try:
         async for ev in _events(sub, out):
             if ev is None:

@@ -69,7 +69,6 @@ class UploadLimits:
 class ImageParams:
     """One API request: the engine request and how its result is to be written back."""
     request: Request
-    n: int = 1
     response_format: str = "b64_json"
     output_format: str = "png"
     output_compression: int = 100
@@ -242,7 +241,7 @@ async def capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[byte
 
 
 # ---------------------------------------------------------------------------------------- the forms
-def _engine_request(body: dict, prompt: Any, images: list[bytes], size: str) -> tuple[Request, int]:
+def _engine_request(body: dict, prompt: str, images: list[bytes], size: str) -> Request:
     """The engine request for OpenAI/vLLM-Omni field names (values converted, never range-checked)."""
     for name in UNSUPPORTED:
         if body.get(name) not in (None, ""):
@@ -250,27 +249,18 @@ def _engine_request(body: dict, prompt: Any, images: list[bytes], size: str) -> 
     if body.get("bot_task") == "auto":
         raise invalid("bot_task", "'auto' writes text and makes no image; use image, recaption, think or "
                                   "think_recaption")
-    n = _int_like(body.get("n", 1))
-    if n is None:
-        n = 1
     preset, custom = body.get("use_system_prompt"), body.get("system_prompt")
     if custom not in (None, "") and preset in (None, ""):
         preset = "custom"            # vLLM-Omni: a system_prompt text alone is the custom prompt
-    guidance = _float_like(body.get("guidance_scale"))
-    kw: dict[str, Any] = dict(
-        prompt=prompt if isinstance(prompt, str) else "",
-        images=images,
-        bot_task=body.get("bot_task") or None,
-        size=size,
-        steps=_int_like(body.get("num_inference_steps")),
-        guidance=float(guidance) if isinstance(guidance, int) and not isinstance(guidance, bool) else guidance,
-        seed=_int_like(body.get("seed")),
-        system_prompt=preset or None,
-        custom_system_prompt=(custom or None) if preset == "custom" else None,
-        max_new_tokens=_int_like(body.get("max_new_tokens")),
-        n=n,
-    )
-    return Request(**kw), n
+    n = _int_like(body.get("n"))
+    return Request(prompt=prompt, images=images, bot_task=body.get("bot_task") or None, size=size,
+                   steps=_int_like(body.get("num_inference_steps")),
+                   guidance=_float_like(body.get("guidance_scale")),
+                   seed=_int_like(body.get("seed")),
+                   system_prompt=preset or None,
+                   custom_system_prompt=(custom or None) if preset == "custom" else None,
+                   max_new_tokens=_int_like(body.get("max_new_tokens")),
+                   n=1 if n is None else n)
 
 
 def _output_options(body: dict, params: ImageParams) -> None:
@@ -296,8 +286,8 @@ def parse_generation(body: Any) -> ImageParams:
     """POST /v1/images/generations (JSON)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
-    req, n = _engine_request(body, _prompt(body), [], engine_size(body.get("size")))
-    params = ImageParams(req, n, size=body.get("size", "auto"))
+    req = _engine_request(body, _prompt(body), [], engine_size(body.get("size")))
+    params = ImageParams(req, size=body.get("size", "auto"))
     _output_options(body, params)
     return params
 
@@ -307,8 +297,8 @@ def parse_edit(fields_: dict[str, Any], images: list[bytes]) -> ImageParams:
     if not images:
         raise invalid("image", "give 1 to 3 reference images (as `image` or repeated `image[]` files)",
                       "missing_required_parameter")
-    req, n = _engine_request(fields_, _prompt(fields_), images, engine_size(fields_.get("size")))
-    params = ImageParams(req, n, size=fields_.get("size", "auto"))
+    req = _engine_request(fields_, _prompt(fields_), images, engine_size(fields_.get("size")))
+    params = ImageParams(req, size=fields_.get("size", "auto"))
     _output_options(fields_, params)
     return params
 
@@ -351,8 +341,8 @@ def parse_chat(body: Any, limits: UploadLimits) -> ImageParams:
     if (h is None) != (w is None):
         raise invalid("height" if h is None else "width", "give both height and width, or neither")
     size = f"{_int_like(h)}x{_int_like(w)}" if h is not None else engine_size(merged.get("size"))
-    req, n = _engine_request(merged, "\n".join(texts), images, size)
-    params = ImageParams(req, n, names=dict(image="messages", prompt="messages",
+    req = _engine_request(merged, "\n".join(texts), images, size)
+    params = ImageParams(req, names=dict(image="messages", prompt="messages",
                                             size="size" if h is None else "height"),
                          size=merged.get("size", "auto") if h is None else f"height {h}, width {w}")
     params.output_format = _choice(merged, "output_format", OUTPUT_FORMATS, "png")
