@@ -479,6 +479,28 @@ def test_page_auth_without_an_api_key_closes_v1():
         assert http.get("/health").status_code == 503                # probes still answered
 
 
+
+def test_a_body_without_content_length_is_cut_at_the_limit():
+    """Chunked uploads declare no size: the body is counted as it arrives and refused past the limit."""
+    from starlette.testclient import TestClient
+    from engine.serve.openai_api import ApiConfig, api_app
+    from engine.serve.openai_params import UploadLimits
+    limits = UploadLimits(max_bytes=100_000)
+
+    def chunks(head: bytes, tail: bytes = b""):
+        yield head
+        for _ in range(limits.max_body // 10_000 + 1):
+            yield b" " * 10_000
+        yield tail
+
+    form = b'--B\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n\r\n'
+    with TestClient(api_app(_NotRunning("loading"), ApiConfig(limits=limits))) as http:
+        for path, head, tail, ctype in (("edits", form, b"\r\n--B--\r\n", "multipart/form-data; boundary=B"),
+                                        ("generations", b"{", b"}", "application/json")):
+            r = http.post(f"/v1/images/{path}", content=chunks(head, tail), headers={"Content-Type": ctype})
+            assert r.request.headers.get("transfer-encoding") == "chunked" and r.status_code == 413, r.text
+            assert r.json()["error"]["code"] == "request_too_large"
+
 def test_partial_images_are_spread_over_the_steps():
     from engine.runtime.events import Step
     from engine.serve.openai_events import PreviewPicker
@@ -492,3 +514,44 @@ def test_partial_images_are_spread_over_the_steps():
     assert picked(2, 10, lambda i: i in (3, 4, 5)) == [3]       # the next one waits for its own target
     assert picked(2, 2, lambda i: i == 1) == [1]
     assert picked(0, 10, lambda i: True) == []
+
+
+class _FailsMidRun(_NotRunning):
+    """A ready engine whose every request reasons a little, then fails."""
+
+    def __init__(self):
+        super().__init__("ready")
+
+    def submit(self, request):
+        from engine.runtime.events import Error, Started, Text
+        from engine.serve.client import Submission
+        sub = Submission(request, lambda request_id: False)
+        for ev in (Started(request.request_id, "think", "auto", 4, 2.5, 1), Text("one red", "think"),
+                   Error("engine", "the GPU caught fire")):
+            sub._push(ev)
+        return sub
+
+
+def test_an_engine_error_mid_stream_reaches_the_client_as_api_error():
+    import uvicorn
+    from engine.serve.openai_api import api_app, bind
+    sock = bind("127.0.0.1", free_port())
+    server = uvicorn.Server(uvicorn.Config(api_app(_FailsMidRun()), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0)
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        seen = []
+        with pytest.raises(openai.APIError, match="caught fire"):
+            for ev in c.images.generate(prompt="a red circle", stream=True):
+                seen.append(ev.type)
+        assert seen == ["image_generation.reasoning.delta"]
+        with pytest.raises(openai.InternalServerError, match="caught fire"):   # not streamed: a 500
+            c.images.generate(prompt="a red circle")
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -235,8 +235,8 @@ async def capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[byte
     async for chunk in chunks:
         seen += len(chunk)
         if seen > limit:
-            raise ApiError(413, f"the request body exceeds {limit} bytes (at most {MAX_IMAGES} images of "
-                                f"{limit // MAX_IMAGES * 3 // 4} bytes each)", None, "request_too_large")
+            raise ApiError(413, f"the request body exceeds {limit} bytes (room for {MAX_IMAGES} reference "
+                                "images at the upload limit and the fields)", None, "request_too_large")
         yield chunk
 
 
