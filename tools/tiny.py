@@ -1,5 +1,5 @@
-"""`python -m engine make-tiny OUT_DIR [--distil] [--seed N]`: a complete checkpoint folder in the
-official layout (config keys, generation config, sharded safetensors + index, tokenizer.json with
+"""`python -m engine make-tiny OUT_DIR [--distil] [--seed N] [--blocks] [--quant FORMAT]`: a complete
+checkpoint folder in the official layout (config keys, generation config, sharded safetensors + index, tokenizer.json with
 every official special token, system_prompt.py) with tiny dimensions and random weights.
 
 Dimensions allow every parallel plan up to 8 ranks: 8 KV heads, expert and shared intermediate 32
@@ -175,7 +175,10 @@ def write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], shards: int
 BLOCK_DIMS = {"head_dim": 16, "moe_intermediate": 256, "num_experts": 4}
 
 
-def make_tiny(out: str | Path, distil: bool = False, seed: int = 0, blocks: bool = False) -> Path:
+def make_tiny(out: str | Path, distil: bool = False, seed: int = 0, blocks: bool = False,
+              quant: str | None = None) -> Path:
+    """Write the folder; `blocks`: the BLOCK_DIMS variant; `quant`: then quantize its backbone linears as a
+    real tool would (tools/tiny_quant.py, QUANT_FORMATS)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(seed)
@@ -198,4 +201,7 @@ def make_tiny(out: str | Path, distil: bool = False, seed: int = 0, blocks: bool
     shapes = checkpoint_shapes(ModelConfig.from_dict(cfg)) | vit_head_shapes(ModelConfig.from_dict(cfg))
     tensors = {n: _init(n, s, seed).to(_dtype_for(n)) for n, s in sorted(shapes.items())}
     write_checkpoint(out, tensors)
+    if quant:
+        from tools.tiny_quant import quantize_folder
+        quantize_folder(out, quant)
     return out

@@ -94,10 +94,11 @@ def backbone_linears(cfg: ModelConfig) -> dict[str, tuple[int, int, str | None]]
 
 
 def _first_quantized(ckpt: Checkpoint, layers) -> str:
+    """The first backbone linear not stored as a plain float weight (else the first one)."""
     by_layer = group_by_layer(ckpt.tensors)
-    for layer in sorted(by_layer):
-        found = by_layer[layer]
-        if set(found) - {"weight", "bias"} or any(i.dtype not in FLOAT_DTYPES for i in found.values()):
+    for layer in layers:
+        found = by_layer.get(layer, {})
+        if set(found) != {"weight"} or found["weight"].dtype not in FLOAT_DTYPES:
             return layer
     return next(iter(layers))
 
