@@ -299,3 +299,25 @@ def test_high_precision_layers_stored_quantized_are_refused(written, tmp_path):
     _rewrite(folder, quantize_head)
     with pytest.raises(CheckpointError, match="lm_head is stored quantized .*keeps it in high precision"):
         load(folder)
+
+
+def test_modelopt_side_config_and_make_tiny_cli(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "mo"
+    p = subprocess.run([sys.executable, "-m", "engine", "make-tiny", str(out), "--blocks", "--quant", "nvfp4-modelopt"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    hf = json.loads((out / "hf_quant_config.json").read_text())
+    assert hf["quantization"]["quant_algo"] == "MIXED_PRECISION"
+    # a folder whose config.json lacks quantization_config: hf_quant_config.json declares the formats
+    _set_config(out, lambda c: c.pop("quantization_config"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FormatMismatchWarning)
+        lm = load(out)
+    assert lm.model.transformer.layers[0].mlp.w1.dtype == torch.float32
+    p = subprocess.run([sys.executable, "-m", "engine", "make-tiny", str(tmp_path / "x"), "--quant", "int3"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "unknown --quant 'int3'" in p.stderr

@@ -66,7 +66,7 @@ def read_gate_up(ckpt: Checkpoint, layer: str, inter: int, layout: ShardLayout) 
     """[micros, 2 * I_micro, K]: each micro's [x1 block ; x2 block] of the [2 * inter, K] layer."""
     blk, M, ts = shard_block(inter, layout), layout.micros, _tensor_set(ckpt, layer)
     x1 = read_tensors(ckpt, ts, rows=blk)
-    x2 = read_tensors(ckpt, ts, rows=slice(inter + blk.start, inter + blk.stop))
+    x2 = read_tensors(ckpt, ts, rows=slice(inter + blk.start, inter + blk.stop), scalars_of=x1)
     per_micro = [q.map_rows(lambda t: t.view(M, -1, t.shape[-1])) for q in (x1, x2)]
     return QuantTensors.join(per_micro, lambda ts: torch.cat(ts, dim=1))
 

@@ -157,9 +157,10 @@ def _aligned(layer: str, what: str, sl: slice, step: int) -> slice:
     return slice(sl.start // step, sl.stop // step)
 
 
-def read_tensors(ckpt: Checkpoint, ts: TensorSet, rows: slice | None = None, cols: slice | None = None
-                 ) -> QuantTensors:
-    """Rows and/or columns (in K elements) of the layer's tensors, each rank reading only its bytes."""
+def read_tensors(ckpt: Checkpoint, ts: TensorSet, rows: slice | None = None, cols: slice | None = None,
+                 scalars_of: QuantTensors | None = None) -> QuantTensors:
+    """Rows and/or columns (in K elements) of the layer's tensors, each rank reading only its bytes;
+    `scalars_of`: an earlier read of the same layer whose scalar scales are reused, not read again."""
     f, p = ts.format, f"{ts.layer}."
     rows = rows or slice(None)
     code_cols = _aligned(ts.layer, "code bytes", cols, f.per_byte) if cols is not None else slice(None)
@@ -178,7 +179,12 @@ def read_tensors(ckpt: Checkpoint, ts: TensorSet, rows: slice | None = None, col
         scales = ckpt.read(p + ts.scales, (rows, scale_cols))
     elif f is WeightFormat.FP8_CHANNEL:
         scales = ckpt.read(p + ts.scales, (rows,)).reshape(-1, 1).float()
+    elif scalars_of is not None:
+        scales = scalars_of.scales
     else:
         scales = ckpt.read(p + ts.scales).reshape(()).float()
-    glob = ckpt.read(p + ts.global_scale).reshape(()).float() if ts.global_scale else None
+    if scalars_of is not None:
+        glob = scalars_of.global_scale
+    else:
+        glob = ckpt.read(p + ts.global_scale).reshape(()).float() if ts.global_scale else None
     return QuantTensors(f, codes, scales, glob, ts.global_inverse)
