@@ -117,9 +117,9 @@ class Attention(nn.Module):
         when the checkpoint is quantized) and the q/k norms."""
         n = layout.logical_size
         qkv = read_rows(ckpt, prefix + "qkv_proj", self.qkv.shape[1] * n, layout)
-        self.qkv.copy_(dense(qkv, self.qkv.dtype).view(self.qkv.shape))
+        self.qkv.copy_(dense(qkv, self.qkv.dtype, self.qkv.device).view(self.qkv.shape))
         o = read_cols(ckpt, prefix + "o_proj", self.o_proj.shape[1] // self.micros * n, layout)
-        self.o_proj.copy_(dense(o, self.o_proj.dtype))
+        self.o_proj.copy_(dense(o, self.o_proj.dtype, self.o_proj.device))
         self.q_norm.weight.copy_(ckpt.read(prefix + "query_layernorm.weight"))
         self.k_norm.weight.copy_(ckpt.read(prefix + "key_layernorm.weight"))
 

@@ -71,11 +71,15 @@ def read_gate_up(ckpt: Checkpoint, layer: str, inter: int, layout: ShardLayout) 
     return QuantTensors.join(per_micro, lambda ts: torch.cat(ts, dim=1))
 
 
-def dense(q: QuantTensors, dtype: torch.dtype) -> torch.Tensor:
-    """The read's weights in `dtype`, dequantized exactly (kernels/quant.py references on CPU)."""
+def dense(q: QuantTensors, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """The read's weights in `dtype`, dequantized exactly (kernels/quant.py), on `device` (the parameter's:
+    the compact codes move, the dequantization runs there). A float read stays where it is: the
+    parameter's copy_ moves it."""
     f = q.format
     if f is WeightFormat.BF16:
         return q.codes.to(dtype)
+    if device is not None:
+        q = q.to(device)
     if f is WeightFormat.MXFP8:
         return kernels.call("dequant_mxfp8", q.codes, q.scales, dtype)
     if f is WeightFormat.MXFP4:

@@ -68,7 +68,7 @@ class Transformer(nn.Module):
         self.wte.copy_(ckpt.read("model.wte.weight"))
         self.ln_f.weight.copy_(ckpt.read("model.ln_f.weight"))
         head = read_rows(ckpt, "lm_head", self.cfg.vocab_size, layout)       # always high precision (the plan checks)
-        self.lm_head.copy_(dense(head, self.lm_head.dtype).view(self.lm_head.shape))
+        self.lm_head.copy_(dense(head, self.lm_head.dtype, self.lm_head.device).view(self.lm_head.shape))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.wte)

@@ -136,6 +136,10 @@ class QuantTensors:
     global_scale: torch.Tensor | None = None
     global_inverse: bool = False
 
+    def to(self, device: torch.device | str) -> "QuantTensors":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, codes=move(self.codes), scales=move(self.scales), global_scale=move(self.global_scale))
+
     def _row_scaled(self) -> bool:
         return self.scales is not None and self.scales.dim() >= 2
 

@@ -15,8 +15,8 @@ layer. Three producers are read, as their tools write them (research/quant_forma
   name, `re:` + a regex matched from the start, or the class `Linear`; the most specific match wins
   (exact, then regex, then class), as compressed-tensors orders them; `ignore` wins over all.
 - ModelOpt (`quant_method` "modelopt", or `hf_quant_config.json`): `quant_algo` FP8,
-  FP8_PER_CHANNEL_PER_TOKEN, NVFP4 or MIXED_PRECISION with `quantized_layers`; `exclude_modules` /
-  `ignore` are shell wildcards.
+  FP8_PER_CHANNEL_PER_TOKEN, NVFP4 (W4A16_NVFP4), MXFP8 or MIXED_PRECISION with `quantized_layers`
+  (an entry may name a parent, e.g. `...mlp.experts`); `exclude_modules` / `ignore` are shell wildcards.
 
 Anything else (GPTQ, AWQ, bitsandbytes, integer auto-round or compressed-tensors schemes, an unknown
 `quant_method`) is unsupported; the loader refuses it naming the format and the first layer.
@@ -179,7 +179,7 @@ class _CompressedTensors:
 
 # ------------------------------------------------------------------ ModelOpt
 _MODELOPT_ALGOS = {"FP8": WeightFormat.FP8_TENSOR, "FP8_PER_CHANNEL_PER_TOKEN": WeightFormat.FP8_CHANNEL,
-                   "NVFP4": WeightFormat.NVFP4}
+                   "NVFP4": WeightFormat.NVFP4, "W4A16_NVFP4": WeightFormat.NVFP4, "MXFP8": WeightFormat.MXFP8}
 
 
 def _modelopt_algo(algo: Any, where: str) -> WeightFormat:
@@ -197,8 +197,9 @@ class _ModelOpt:
 
     def __post_init__(self) -> None:
         c = self.cfg.get("quantization", self.cfg)       # hf_quant_config.json nests it under "quantization"
-        if c.get("kv_cache_quant_algo"):
-            raise UnsupportedFormat(f"ModelOpt KV-cache quantization ({c['kv_cache_quant_algo']})")
+        kv = c.get("kv_cache_quant_algo") or c.get("kv_cache_scheme")
+        if kv:
+            raise UnsupportedFormat(f"ModelOpt KV-cache quantization ({kv})")
         self.algo = str(c.get("quant_algo") or "").upper()
         self.exclude = list(c.get("exclude_modules") or c.get("ignore") or [])
         self.layers = dict(c.get("quantized_layers") or {})
