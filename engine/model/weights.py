@@ -112,7 +112,8 @@ def plan_checkpoint(cfg: ModelConfig, ckpt: Checkpoint, layout: ShardLayout = Sh
     if scheme.unsupported:
         raise CheckpointError(f"checkpoint {ckpt.folder} is quantized with {scheme.unsupported}, which this engine "
                               f"does not load (first quantized layer: {_first_quantized(ckpt, linears)})")
-    expected: dict[str, TensorSpec | tuple[int, ...]] = dict(checkpoint_shapes(cfg))
+    shapes = checkpoint_shapes(cfg)
+    expected: dict[str, TensorSpec | tuple[int, ...]] = dict(shapes)
     by_layer = group_by_layer(ckpt.tensors)
     formats: dict[str, TensorSet] = {}
     mismatches: list[str] = []
@@ -136,7 +137,7 @@ def plan_checkpoint(cfg: ModelConfig, ckpt: Checkpoint, layout: ShardLayout = Sh
         expected |= ts.specs(n, k)
         if f.quantized:
             formats[layer] = ts
-    for name, shape in checkpoint_shapes(cfg).items():
+    for name, shape in shapes.items():
         layer = name.rpartition(".")[0]
         if layer in linears or not name.endswith(".weight"):
             continue
