@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 import kernels
-import kernels.quant  # noqa: F401  (registers the dequantization ops)
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint, CheckpointError
 from engine.spec.qtensors import QuantTensors, TensorSet, read_tensors
