@@ -1,5 +1,5 @@
-"""`python -m engine make-tiny OUT_DIR [--distil] [--seed N]`: a complete checkpoint folder in the
-official layout (config keys, generation config, sharded safetensors + index, tokenizer.json with
+"""`python -m engine make-tiny OUT_DIR [--distil] [--seed N] [--blocks] [--quant FORMAT]`: a complete
+checkpoint folder in the official layout (config keys, generation config, sharded safetensors + index, tokenizer.json with
 every official special token, system_prompt.py) with tiny dimensions and random weights.
 
 Dimensions allow every parallel plan up to 8 ranks: 8 KV heads, expert and shared intermediate 32
@@ -25,13 +25,14 @@ from engine.spec.tokenizer import OFFICIAL_SPECIAL_TOKENS
 TINY_LAYERS = 2
 
 # The official config keys (values of the released base config where they are not dimensions).
-def tiny_config(vocab_size: int, distil: bool, image_base_size: int = 256) -> dict:
+def tiny_config(vocab_size: int, distil: bool, image_base_size: int = 256, head_dim: int = 8,
+                moe_intermediate: int = 32, num_experts: int = 8) -> dict:
     L = TINY_LAYERS
     return {
         "architectures": ["HunyuanImage3ForCausalMM"], "model_type": "hunyuan_image_3_moe",
         "model_version": "HunyuanImage-3.0-Instruct-Distil" if distil else "HunyuanImage-3.0-Instruct",
         "add_classification_head": False, "attention_bias": False, "attention_dropout": 0.0,
-        "attention_head_dim": 8, "head_dim": 8, "hidden_size": 64, "intermediate_size": 32,
+        "attention_head_dim": head_dim, "head_dim": head_dim, "hidden_size": 64, "intermediate_size": 32,
         "num_hidden_layers": L, "num_attention_heads": 16, "num_key_value_heads": 8,
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "pad_id": None, "image_token_id": None,
         "im_start_id": None, "im_end_id": None, "cla_share_factor": 2, "class_num": 0, "dense_list": [64, 0],
@@ -39,8 +40,8 @@ def tiny_config(vocab_size: int, distil: bool, image_base_size: int = 256) -> di
         "im_newline_id": 11, "mask_init_id": 12,
         "group_limited_greedy": False, "hidden_act": "silu", "initializer_range": 0.02, "kv_lora_rank": None,
         "max_position_embeddings": 4096, "mlp_bias": False, "moe_drop_tokens": False,
-        "moe_intermediate_size": [32] * L, "moe_layer_num_skipped": 0, "moe_random_routing_dropped_token": False,
-        "moe_topk": [2] * L, "n_group": False, "norm_topk_prob": True, "norm_type": "rms", "num_experts": 8,
+        "moe_intermediate_size": [moe_intermediate] * L, "moe_layer_num_skipped": 0, "moe_random_routing_dropped_token": False,
+        "moe_topk": [2] * L, "n_group": False, "norm_topk_prob": True, "norm_type": "rms", "num_experts": num_experts,
         "num_media_embeds": 257, "num_shared_expert": [1] * L, "pool_type": "last",
         "position_embedding_xdrope": False, "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": None,
         "qk_rope_head_dim": None, "rms_norm_eps": 1e-05,
@@ -167,13 +168,23 @@ def write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], shards: int
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
-def make_tiny(out: str | Path, distil: bool = False, seed: int = 0) -> Path:
+# Dimensions whose every tensor-parallel split, up to 8 micros, cuts whole 32-element blocks along K
+# (o_proj K = 16 heads x 16 = 256, expert and shared intermediate 256: 32 columns per micro at TP8), so a
+# block-quantized copy (MX: 32, NVFP4: 16) loads on every plan. The default tiny dimensions only load
+# quantized at tp1: its down_proj K of 32 splits into 16 columns at TP2, half a block.
+BLOCK_DIMS = {"head_dim": 16, "moe_intermediate": 256, "num_experts": 4}
+
+
+def make_tiny(out: str | Path, distil: bool = False, seed: int = 0, blocks: bool = False,
+              quant: str | None = None) -> Path:
+    """Write the folder; `blocks`: the BLOCK_DIMS variant; `quant`: then quantize its backbone linears as a
+    real tool would (tools/tiny_quant.py, QUANT_FORMATS)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(seed)
     tok.save(str(out / "tokenizer.json"))
     vocab = -(-tok.get_vocab_size() // 64) * 64
-    cfg = tiny_config(vocab, distil)
+    cfg = tiny_config(vocab, distil, **(BLOCK_DIMS if blocks else {}))
     ids = {k: tok.token_to_id(t) for k, t in (("bos_token_id", "<|startoftext|>"), ("eos_token_id", "<|endoftext|>"),
                                               ("pad_token_id", "<pad>"), ("pad_id", "<pad>"),
                                               ("image_token_id", "<img>"), ("im_start_id", "<boi>"),
@@ -190,4 +201,7 @@ def make_tiny(out: str | Path, distil: bool = False, seed: int = 0) -> Path:
     shapes = checkpoint_shapes(ModelConfig.from_dict(cfg)) | vit_head_shapes(ModelConfig.from_dict(cfg))
     tensors = {n: _init(n, s, seed).to(_dtype_for(n)) for n, s in sorted(shapes.items())}
     write_checkpoint(out, tensors)
+    if quant:
+        from tools.tiny_quant import quantize_folder
+        quantize_folder(out, quant)
     return out

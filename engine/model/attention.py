@@ -16,7 +16,7 @@ from torch import nn
 
 import kernels
 from engine.model.layers import RMSNorm
-from engine.model.packed import micro_cols, micro_rows, read_cols, read_rows
+from engine.model.packed import dense, micro_cols, micro_rows, read_cols, read_rows
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
 
@@ -113,11 +113,13 @@ class Attention(nn.Module):
         self.micros = micros
 
     def load(self, ckpt: Checkpoint, prefix: str, layout: ShardLayout) -> None:
-        """Read this shard's slices of `{prefix}qkv_proj`, `o_proj` and the q/k norms."""
-        name = prefix + "qkv_proj.weight"
-        self.qkv.copy_(read_rows(ckpt, name, ckpt.info(name).shape[0], layout).view(self.qkv.shape))
-        self.o_proj.copy_(read_cols(ckpt, prefix + "o_proj.weight", ckpt.info(prefix + "o_proj.weight").shape[1],
-                                    layout))
+        """Read this shard's slices of `{prefix}qkv_proj`, `o_proj` (dequantized to the parameters' dtype
+        when the checkpoint is quantized) and the q/k norms."""
+        n = layout.logical_size
+        qkv = read_rows(ckpt, prefix + "qkv_proj", self.qkv.shape[1] * n, layout)
+        self.qkv.copy_(dense(qkv, self.qkv.dtype, self.qkv.device).view(self.qkv.shape))
+        o = read_cols(ckpt, prefix + "o_proj", self.o_proj.shape[1] // self.micros * n, layout)
+        self.o_proj.copy_(dense(o, self.o_proj.dtype, self.o_proj.device))
         self.q_norm.weight.copy_(ckpt.read(prefix + "query_layernorm.weight"))
         self.k_norm.weight.copy_(ckpt.read(prefix + "key_layernorm.weight"))
 

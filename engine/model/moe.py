@@ -18,7 +18,7 @@ from torch import nn
 
 import kernels
 
-from engine.model.packed import read_cols, read_gate_up
+from engine.model.packed import dense, read_cols, read_gate_up
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
 
@@ -44,16 +44,19 @@ class MoE(nn.Module):
         self.micros, self.inter, self.shared_inter = micros, inter, shared_inter
 
     def load(self, ckpt: Checkpoint, prefix: str, layout: ShardLayout) -> None:
-        """Read the router, this shard's slices of every expert and of the shared MLP."""
+        """Read the router (fp32, never quantized), this shard's slices of every expert and of the shared
+        MLP (dequantized to the parameters' dtype when the checkpoint is quantized)."""
         self.gate.copy_(ckpt.read(prefix + "gate.wg.weight"))
+        dt, dev = self.w1.dtype, self.w1.device
         if self.shared_w1 is not None:
-            self.shared_w1.copy_(read_gate_up(ckpt, prefix + "shared_mlp.gate_and_up_proj.weight",
-                                              self.shared_inter, layout))
-            self.shared_w2.copy_(read_cols(ckpt, prefix + "shared_mlp.down_proj.weight", self.shared_inter, layout))
+            self.shared_w1.copy_(dense(read_gate_up(ckpt, prefix + "shared_mlp.gate_and_up_proj", self.shared_inter,
+                                                    layout), dt, dev))
+            self.shared_w2.copy_(dense(read_cols(ckpt, prefix + "shared_mlp.down_proj", self.shared_inter, layout),
+                                       dt, dev))
         for e in range(self.experts):
             p = f"{prefix}experts.{e}."
-            self.w1[:, e].copy_(read_gate_up(ckpt, p + "gate_and_up_proj.weight", self.inter, layout))
-            down = read_cols(ckpt, p + "down_proj.weight", self.inter, layout)      # [H, micros * I_micro]
+            self.w1[:, e].copy_(dense(read_gate_up(ckpt, p + "gate_and_up_proj", self.inter, layout), dt, dev))
+            down = dense(read_cols(ckpt, p + "down_proj", self.inter, layout), dt, dev)     # [H, micros * I_micro]
             self.w2[:, e].copy_(down.view(down.shape[0], self.micros, -1).transpose(0, 1))
 
     def forward(self, x: torch.Tensor, view: PhaseView) -> torch.Tensor:

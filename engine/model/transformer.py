@@ -11,7 +11,7 @@ import kernels
 from engine.model.attention import Attention, AttnBatch, KVCache
 from engine.model.layers import RMSNorm
 from engine.model.moe import MoE
-from engine.model.packed import micro_rows, read_rows
+from engine.model.packed import dense, micro_rows, read_rows
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
 from engine.spec.config import ModelConfig
@@ -67,7 +67,8 @@ class Transformer(nn.Module):
         """The embedding table, the final norm and this shard's vocabulary rows of the LM head."""
         self.wte.copy_(ckpt.read("model.wte.weight"))
         self.ln_f.weight.copy_(ckpt.read("model.ln_f.weight"))
-        self.lm_head.copy_(read_rows(ckpt, "lm_head.weight", self.cfg.vocab_size, layout).view(self.lm_head.shape))
+        head = read_rows(ckpt, "lm_head", self.cfg.vocab_size, layout)       # always high precision (the plan checks)
+        self.lm_head.copy_(dense(head, self.lm_head.dtype, self.lm_head.device).view(self.lm_head.shape))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.wte)

@@ -1,16 +1,27 @@
 """The checkpoint plan of the model: every tensor the official checkpoint holds (name -> shape, derived
 from the config alone), and the load that validates a folder against it and reads each rank's slices
 straight into the resident buffers (each module reads its own packed slices: engine/model/packed.py).
-Validation runs before any tensor is read, so a mismatched folder never half-loads."""
+Validation runs before any tensor is read, so a mismatched folder never half-loads.
+
+Quantized checkpoints: the backbone linears (qkv, o_proj, shared MLP, experts) may be stored in any
+format of engine/spec/quant.py; each one's tensor set is found from the tensors themselves, compared with
+what `quantization_config` declares (the tensors win, with a warning naming the layer), checked
+against the plan's K splits, and validated with everything else before the first read. Everything
+else (router, embeddings, heads, norms, image-side modules) must be stored in high precision."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 
 from engine.model.hunyuan import HunyuanImage3, image_side_modules
-from engine.spec.checkpoint import Checkpoint
+from engine.model.packed import check_col_split
+from engine.parallel.layout import ShardLayout
+from engine.spec.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError, TensorSpec
 from engine.spec.config import ModelConfig
+from engine.spec.qtensors import TensorSet, detect, group_by_layer
+from engine.spec.quant import QuantScheme, UnsupportedFormat, WeightFormat
 
 # Tensors the checkpoint holds that inference never uses: accepted and skipped.
 SKIPPED_PREFIXES = ("vision_model.head.",)
@@ -60,10 +71,109 @@ def vit_head_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.fc1.weight": (f, h), p + "mlp.fc1.bias": (f,), p + "mlp.fc2.weight": (h, f), p + "mlp.fc2.bias": (h,)}
 
 
+class FormatMismatchWarning(UserWarning):
+    """quantization_config declares a layer in one format and its tensors are in another (they win)."""
+
+
+def backbone_linears(cfg: ModelConfig) -> dict[str, tuple[int, int, str | None]]:
+    """Every linear that may be stored quantized: layer -> (N, K, what K is when the plan splits K, else None)."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    out: dict[str, tuple[int, int, str | None]] = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        I, Is = cfg.moe_intermediate_size[i], cfg.shared_intermediate(i)
+        out[p + "self_attn.qkv_proj"] = ((cfg.num_heads + 2 * cfg.num_kv_heads) * D, H, None)
+        out[p + "self_attn.o_proj"] = (H, cfg.num_heads * D, "the attention width (heads x head_dim)")
+        if Is:
+            out[p + "mlp.shared_mlp.gate_and_up_proj"] = (2 * Is, H, None)
+            out[p + "mlp.shared_mlp.down_proj"] = (H, Is, f"layer {i}'s shared MLP intermediate size")
+        for e in range(cfg.num_experts[i]):
+            out[p + f"mlp.experts.{e}.gate_and_up_proj"] = (2 * I, H, None)
+            out[p + f"mlp.experts.{e}.down_proj"] = (H, I, f"layer {i}'s expert intermediate size")
+    return out
+
+
+def _first_quantized(ckpt: Checkpoint, layers) -> str:
+    """The first backbone linear not stored as a plain float weight (else the first one)."""
+    by_layer = group_by_layer(ckpt.tensors)
+    for layer in layers:
+        found = by_layer.get(layer, {})
+        if set(found) != {"weight"} or found["weight"].dtype not in FLOAT_DTYPES:
+            return layer
+    return next(iter(layers))
+
+
+def plan_checkpoint(cfg: ModelConfig, ckpt: Checkpoint, layout: ShardLayout = ShardLayout(),
+                    scheme: QuantScheme | None = None) -> tuple[dict[str, TensorSpec], dict[str, TensorSet]]:
+    """What the folder must hold (name -> spec) and the tensor set of every backbone linear, or a
+    CheckpointError naming the layer; reads no tensor."""
+    scheme = scheme or QuantScheme.from_config(cfg.raw, ckpt.folder)
+    linears = backbone_linears(cfg)
+    if scheme.unsupported:
+        raise CheckpointError(f"checkpoint {ckpt.folder} is quantized with {scheme.unsupported}, which this engine "
+                              f"does not load (first quantized layer: {_first_quantized(ckpt, linears)})")
+    shapes = checkpoint_shapes(cfg)
+    expected: dict[str, TensorSpec | tuple[int, ...]] = dict(shapes)
+    by_layer = group_by_layer(ckpt.tensors)
+    formats: dict[str, TensorSet] = {}
+    mismatches: list[str] = []
+    for layer, (n, k, k_split) in linears.items():
+        ts = detect(layer, by_layer.get(layer, {})) or TensorSet(layer, WeightFormat.BF16)
+        try:
+            declared = scheme.declared(layer)
+        except UnsupportedFormat as e:
+            raise CheckpointError(f"checkpoint {ckpt.folder}: {e} is not a format this engine loads "
+                                  f"(first such layer: {layer})") from None
+        if declared is not ts.format:
+            mismatches.append(f"{layer}: quantization_config says {declared.value}, its tensors are "
+                              f"{ts.format.value}; loading it as {ts.format.value}")
+        f = ts.format
+        if f.block and k % f.block:
+            raise CheckpointError(f"{layer} is stored as {f.value} but its K ({k}) is not a multiple of the "
+                                  f"{f.block}-element block")
+        if k_split:
+            check_col_split(layer, k, f, layout, k_split)
+        del expected[layer + ".weight"]
+        expected |= ts.specs(n, k)
+        if f.quantized:
+            formats[layer] = ts
+    for name, shape in shapes.items():
+        layer = name.rpartition(".")[0]
+        if layer in linears or not name.endswith(".weight"):
+            continue
+        found = by_layer.get(layer, {})
+        ts = None
+        try:
+            ts = detect(layer, found)
+        except CheckpointError:
+            pass
+        quantized = (ts is not None and ts.format.quantized) or set(found) - {"weight", "bias"}
+        if quantized:
+            raise CheckpointError(
+                f"{layer} is stored quantized ({', '.join(sorted(found))}), but this engine keeps it in high "
+                "precision (router, embeddings, LM head, norms, ViT, VAE, embedders, patch_embed, final_layer): "
+                "quantize the checkpoint with this layer ignored")
+        if len(shape) == 2:
+            try:
+                declared = scheme.declared(layer)
+            except UnsupportedFormat:
+                declared = WeightFormat.BF16
+            if declared.quantized:
+                mismatches.append(f"{layer}: quantization_config says {declared.value}, its tensors are "
+                                  "high precision; loading it as it is stored")
+    for m in mismatches[:8]:
+        warnings.warn(m, FormatMismatchWarning, stacklevel=3)
+    if len(mismatches) > 8:
+        warnings.warn(f"... and {len(mismatches) - 8} more layers whose tensors are not in the format "
+                      "quantization_config declares", FormatMismatchWarning, stacklevel=3)
+    return expected, formats
+
+
 def load_weights(model: HunyuanImage3, ckpt: Checkpoint, progress: Progress | None = None) -> None:
-    """Validate the checkpoint against the config, then read this rank's slices into the model."""
-    expected = checkpoint_shapes(model.cfg)
+    """Plan and validate the checkpoint against the config, then read this rank's slices into the model."""
+    expected, formats = plan_checkpoint(model.cfg, ckpt, model.layout)
     ckpt.validate(expected, skipped=[n for n in ckpt.tensors if n.startswith(SKIPPED_PREFIXES)])
+    ckpt.formats = formats
     names, done = list(expected), 0
     tr = model.transformer
     with torch.no_grad():

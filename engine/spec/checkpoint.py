@@ -16,11 +16,20 @@ from typing import Iterable, Mapping
 import torch
 from safetensors import safe_open
 
-DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}       # the last two: quantized tensor sets
+FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
 class CheckpointError(ValueError):
     """The checkpoint folder does not match what the config describes."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What validation accepts for one tensor: any of these shapes, any of these dtypes."""
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...] = FLOAT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,9 @@ class Checkpoint:
             if name not in self.tensors:
                 raise CheckpointError(f"tensor {name!r} is listed in the index under {file} but that shard lacks it")
         self._handles: dict[str, object] = {}
+        # layer -> its stored tensor set (engine/spec/qtensors.py), filled by the load plan; a layer not
+        # listed is a plain float `layer.weight`
+        self.formats: dict[str, object] = {}
         self.bytes_read = 0  # what this process actually pulled from disk (tests check per-rank reads)
 
     def close(self) -> None:
@@ -92,25 +104,28 @@ class Checkpoint:
         info = self.info(name)
         if info.dtype not in DTYPES:
             raise CheckpointError(f"tensor {name!r} in {info.file} has dtype {info.dtype}, which this engine "
-                                  "does not load (supported: F32, F16, BF16)")
+                                  f"does not load (supported: {', '.join(DTYPES)})")
         t = self._handle(info.file).get_slice(name)[index] if index else self._handle(info.file).get_tensor(name)
         self.bytes_read += t.numel() * t.element_size()
         return t
 
-    def validate(self, expected: Mapping[str, tuple[int, ...]], skipped: Iterable[str] = ()) -> None:
-        """Every expected tensor is present with its exact shape and a loadable dtype; nothing else is there."""
+    def validate(self, expected: Mapping[str, tuple[int, ...] | TensorSpec], skipped: Iterable[str] = ()) -> None:
+        """Every expected tensor is present with an allowed shape and dtype (a plain shape: that shape, a
+        float dtype); nothing else is there."""
         skipped = set(skipped)
         problems: list[str] = []
-        for name, shape in expected.items():
+        for name, spec in expected.items():
+            spec = spec if isinstance(spec, TensorSpec) else TensorSpec((tuple(spec),))
+            shapes = " or ".join(str(list(s)) for s in spec.shapes)
             info = self.tensors.get(name)
             if info is None:
-                problems.append(f"missing tensor {name!r} (expected shape {list(shape)})")
-            elif info.shape != tuple(shape):
-                problems.append(f"tensor {name!r} in {info.file} has shape {list(info.shape)}, "
-                                f"expected {list(shape)}")
-            elif info.dtype not in DTYPES:
-                problems.append(f"tensor {name!r} in {info.file} has unsupported dtype {info.dtype} "
-                                "(quantized checkpoints are not supported by this loader)")
+                problems.append(f"missing tensor {name!r} (expected shape {shapes})")
+            elif info.shape not in spec.shapes:
+                problems.append(f"tensor {name!r} in {info.file} has shape {list(info.shape)}, expected {shapes}")
+            elif info.dtype not in spec.dtypes:
+                what = "unsupported dtype" if spec.dtypes == FLOAT_DTYPES else "dtype"
+                problems.append(f"tensor {name!r} in {info.file} has {what} {info.dtype} "
+                                f"(expected {' or '.join(spec.dtypes)})")
         for name, info in self.tensors.items():
             if name not in expected and name not in skipped:
                 problems.append(f"unexpected tensor {name!r} in {info.file}")
