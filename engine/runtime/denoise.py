@@ -131,10 +131,12 @@ class DenoiseRunner:
         """x [images, C, h, w] -> v [branches_total * images, C, h, w] (fp32, branch-major), identical
         on all ranks. `prefill()` must have run."""
         model, span = self.model, self.span
-        B = len(self.branches) * self.images
-        tb = t.expand(B)
-        xs = x.repeat(len(self.branches), 1, 1, 1)
-        tail = tail_embeddings(model, xs, tb, None if r is None else r.expand(B), None if g is None else g.expand(B))
+        n, nb = self.images, len(self.branches)
+        # the branches differ only in their prefix: the meta + image embeddings (the patch embedding's
+        # 4096-channel convolutions among them) are computed once per image and shared by every branch
+        tail = tail_embeddings(model, x, t.expand(n), None if r is None else r.expand(n),
+                               None if g is None else g.expand(n)).repeat(nb, 1, 1)
+        tb = t.expand(n * nb)
         meta, stop, hw = span.meta_start, span.stop, span.h * span.w
         if not self.serial:
             hidden = self._run(tail, meta, stop, slice(None))[:, -hw:]
