@@ -35,7 +35,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp-attn", choices=["ulysses", "kv_gather"], help="sequence-parallel attention kind")
     p.add_argument("--cfg-serial", action="store_true", help="run the CFG branches one after the other")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
-                   help="decode eagerly on CUDA (by default each AR decode step is a CUDA-graph replay)")
+                   help="run the AR decode and denoise steps eagerly on CUDA (by default each is a CUDA-graph replay)")
 
 
 def _print_events(events, out_path: Path | None = None) -> int:

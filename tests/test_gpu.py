@@ -84,15 +84,22 @@ def test_plans_on_cuda_equal_world1(tiny_dir, cuda_fp32, plan, sp):
 def _run_text(lm, graph: bool, monkeypatch, **kw):
     """A real request (reasoning + image) with graph decode on or off; returns (text, png, captured)."""
     from engine.runtime.decode_step import DecodeStep
+    from engine.runtime.denoise import DenoiseRunner
     captured = []
-    orig = DecodeStep._capture
+    orig, orig_dn = DecodeStep._capture, DenoiseRunner._capture
 
     def recording(self):
         orig(self)
         captured.append(self.graph is not None)
+
+    def recording_dn(self, *a):
+        orig_dn(self, *a)
+        captured.append(("denoise", self._graph is not None))
     monkeypatch.setattr(DecodeStep, "_capture", recording)
+    monkeypatch.setattr(DenoiseRunner, "_capture", recording_dn)
     ev = list(Pipeline(lm, preview_every=0, cuda_graph=graph).run(Request(**kw)))
     monkeypatch.setattr(DecodeStep, "_capture", orig)
+    monkeypatch.setattr(DenoiseRunner, "_capture", orig_dn)
     errors = [e for e in ev if isinstance(e, Error)]
     assert not errors, errors
     img = next(e for e in ev if isinstance(e, Image))
@@ -114,9 +121,9 @@ def test_cuda_graph_decode_equals_eager(tiny_dir, which, dtype, monkeypatch):
           f"{eager[3].ar_ms_per_token:.2f} ms/token, graph {graph[3].ar_ms_per_token:.2f} ms/token")
     assert eager[2] == []                             # graphs off: nothing captured
     if dtype == torch.bfloat16:
-        assert graph[2] == [True], "the decode graph was not captured"
+        assert graph[2] == [True, ("denoise", True)], f"a graph was not captured: {graph[2]}"
     assert graph[3].ar_tokens >= 8 and graph[0] == eager[0]
-    assert graph[1] == eager[1]                        # the same CoT gives the same image, bit for bit
+    assert graph[1] == eager[1]             # the same CoT, graph denoise steps or eager: the same image bytes
 
 
 @pytest.mark.parametrize("which", ["tiny", "embedded"])

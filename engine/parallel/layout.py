@@ -55,6 +55,12 @@ class Comm:
         return t
 
 
+def graph_safe(*comms: Comm) -> bool:
+    """Whether a CUDA graph can hold these groups' collectives: NCCL groups and groups of one rank can,
+    gloo groups (which stage CUDA tensors through the host) cannot."""
+    return all(getattr(c, "stage", False) is False for c in comms)
+
+
 @dataclass
 class PhaseView:
     """The active part of the resident layout: micros [micro_start, micro_start + micro_count), the

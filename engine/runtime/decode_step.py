@@ -15,13 +15,7 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
-from engine.parallel.layout import PhaseView
-
-
-def _graphable(view: PhaseView, device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    return all(getattr(c, "stage", False) is False for c in (view.tp, view.sp))
+from engine.parallel.layout import PhaseView, graph_safe
 
 
 class DecodeStep:
@@ -29,7 +23,7 @@ class DecodeStep:
                  view: PhaseView, use_graph: bool = False):
         self.model, self.pos, self.blocks, self.cache, self.view = model, pos, blocks, cache, view
         dev = model.device
-        self.use_graph = use_graph and _graphable(view, dev)
+        self.use_graph = use_graph and dev.type == "cuda" and graph_safe(view.tp, view.sp)
         self.static = dev.type == "cuda"        # the masked whole-cache step (graph or not)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.index = torch.zeros(1, dtype=torch.long, device=dev)

@@ -6,13 +6,14 @@ is x <- x + v * (sigma_next - sigma), in fp32. Model inputs are t = sigma * 1000
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Iterator
 
 import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
-from engine.parallel.layout import Comm, PhaseView
+from engine.parallel.layout import Comm, PhaseView, graph_safe
 from engine.runtime.conditioning import embed_range
 from engine.runtime.sequence import GenImageSpan, Sequence
 
@@ -59,7 +60,7 @@ class DenoiseRunner:
 
     def __init__(self, model: HunyuanImage3, seq: Sequence, refs: list, ids: torch.Tensor, cache: KVCache,
                  view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
-                 serial: bool = False, images: int = 1):
+                 serial: bool = False, images: int = 1, use_graph: bool = False):
         self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
         self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
         self.serial = serial      # one forward per branch (less activation memory) instead of one batch
@@ -68,6 +69,12 @@ class DenoiseRunner:
         self.pos, self.blocks = T["pos"], T["blocks"]
         self.span = seq.gen_image
         self._batches: dict[tuple[int, int], tuple] = {}   # (start, stop) -> (chunk, n, AttnBatch)
+        # every step runs the same kernels on the same shapes: on CUDA (and groups a graph can hold) the
+        # step is captured once per request and replayed, which removes the eager step's launch gaps
+        self.use_graph = (use_graph and not serial and model.device.type == "cuda"
+                          and graph_safe(view.tp, view.sp, branch_comm))
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._static: tuple | None = None
 
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
@@ -129,7 +136,42 @@ class DenoiseRunner:
     def velocity(self, i: int, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
                  g: torch.Tensor | None) -> torch.Tensor:
         """x [images, C, h, w] -> v [branches_total * images, C, h, w] (fp32, branch-major), identical
-        on all ranks. `prefill()` must have run."""
+        on all ranks. `prefill()` must have run. The result may be the graph's output buffer: use it
+        before the next step."""
+        if not self.use_graph:
+            return self._velocity(x, t, r, g)
+        if self._graph is None:
+            self._capture(x, t, r, g)
+        if self.use_graph:
+            for buf, val in zip(self._static[:4], (x, t, r, g)):
+                if buf is not None:
+                    buf.copy_(val)
+            self._graph.replay()
+            return self._static[4]
+        return self._velocity(x, t, r, g)
+
+    def _capture(self, x, t, r, g) -> None:
+        """Warm up on a side stream, then capture one step over static inputs; on any failure the
+        request's steps run eagerly (a graph is an optimisation, never a reason to fail a request)."""
+        static = [None if v is None else v.clone() for v in (x, t, r, g)]
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._velocity(*static)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._velocity(*static)
+            self._graph, self._static = graph, (*static, out)
+        except Exception as e:  # noqa: BLE001
+            print(f"engine: CUDA-graph denoise step unavailable ({type(e).__name__}: {e}); stepping eagerly",
+                  file=sys.stderr)
+            self.use_graph, self._graph = False, None
+
+    def _velocity(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
+                  g: torch.Tensor | None) -> torch.Tensor:
         model, span = self.model, self.span
         n, nb = self.images, len(self.branches)
         # the branches differ only in their prefix: the meta + image embeddings (the patch embedding's

@@ -47,7 +47,7 @@ class Pipeline:
                  on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False,
                  cuda_graph: bool = True, preview_share: float = 0.25):
         self.lm = lm
-        self.cuda_graph = cuda_graph        # AR decode steps as CUDA-graph replays (on CUDA; off: eager)
+        self.cuda_graph = cuda_graph        # AR decode and denoise steps as CUDA-graph replays (on CUDA)
         self.cfg_serial = cfg_serial        # CFG branches one after the other instead of batched
         self.on_phase = on_phase            # called with "ar" / "denoise" as a phase starts (tests, tracing)
         self.rt = runtime or RankGroups.single(lm.model.device)
@@ -198,7 +198,8 @@ class Pipeline:
             ids = torch.cat([ids, torch.tensor(seq.uncond_ids(sp.cfg), device=dev)[None]])
         starts = [min(prefix, seq.gen_image.meta_start) if b == 0 else 0 for b in branches]
         runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
-                               scratch, branch_comm, serial=self.cfg_serial, images=n_img)
+                               scratch, branch_comm, serial=self.cfg_serial, images=n_img,
+                               use_graph=self.cuda_graph)
         # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
         latent_ch = int(cfg.vae["latent_channels"])
         gens = [image_gen] + [torch.Generator(dev).manual_seed(p.seed + k) for k in range(1, n_img)]
