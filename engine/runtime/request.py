@@ -15,17 +15,35 @@ from engine.spec.buckets import Bucket, SizeError, parse_size
 from engine.spec.config import GenerationConfig
 from engine.spec.prompts import BOT_TASKS, PRESETS
 
+# The limits of a request: one definition, used by the engine, the CLI, the studio's controls and API,
+# and any other front end (they all validate through `prepare`).
 MAX_IMAGES = 3
 MAX_PROMPT_CHARS = 8000
 STEPS_RANGE = (1, 200)
 GUIDANCE_RANGE = (0.0, 30.0)
 MAX_NEW_TOKENS_RANGE = (1, 8192)
 N_RANGE = (1, 4)                     # images per request
-RANDOM_SEED_BOUND = 2 ** 31          # random seeds are drawn below this (they fit every client's int)
+# Seeds: 0 .. 2**53 - 1, the largest range of integers every client holds exactly (a browser's number box
+# and JSON readers in JavaScript use doubles); torch generators take any of them. Random seeds are drawn
+# below RANDOM_SEED_BOUND: short to read and type again.
+SEED_RANGE = (0, 2 ** 53 - 1)
+RANDOM_SEED_BOUND = 2 ** 31
+
+
+def random_seed() -> int:
+    """A seed for a request that leaves it to the engine (or a page's "Random seed")."""
+    return random.randrange(RANDOM_SEED_BOUND)
 
 
 class RequestError(ValueError):
-    """Bad input: nothing was run."""
+    """Bad input: nothing was run. `field` names the Request field at fault (prompt, images, bot_task,
+    size, steps, guidance, seed, system_prompt, max_new_tokens, temperature, top_k, top_p, n; None when the
+    request as a whole is at fault), so a front end can put the message on its control or name the
+    parameter in its error."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -71,42 +89,58 @@ def with_seed(req: Request) -> Request:
     the engine, once, so every rank of a plan computes the same request and the seed can be reported."""
     if req.seed is not None:
         return req
-    return dataclasses.replace(req, seed=random.randrange(RANDOM_SEED_BOUND))
+    return dataclasses.replace(req, seed=random_seed())
+
+
+def _in_range(value: object, lo: float, hi: float, integer: bool) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        return False
+    return lo <= value <= hi
 
 
 def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...]) -> Prepared:
-    """Validate `req` (its seed fixed: `with_seed`) and resolve every default."""
+    """Check every field of `req` (its seed fixed: `with_seed`) against the limits above and resolve its
+    defaults. Raises RequestError naming the field and what it accepts."""
     prompt = req.prompt if isinstance(req.prompt, str) else ""
     if not prompt.strip():
-        raise RequestError("the prompt is empty: describe the image you want")
+        raise RequestError("the prompt is empty: describe the image you want", "prompt")
     if len(prompt) > MAX_PROMPT_CHARS:
-        raise RequestError(f"the prompt is too long ({len(prompt)} characters; the limit is {MAX_PROMPT_CHARS})")
+        raise RequestError(f"the prompt is too long ({len(prompt)} characters; the limit is {MAX_PROMPT_CHARS})",
+                           "prompt")
     images = list(req.images or [])
     if len(images) > MAX_IMAGES:
-        raise RequestError(f"{len(images)} reference images given; at most {MAX_IMAGES} are supported")
+        raise RequestError(f"{len(images)} reference images given; at most {MAX_IMAGES} are supported", "images")
     try:
         pil = [open_image(src, f"reference image {i + 1}") for i, src in enumerate(images)]
     except ImageError as e:
-        raise RequestError(str(e)) from None
+        raise RequestError(str(e), "images") from None
     bot_task = req.bot_task or gen.bot_task
     if bot_task not in BOT_TASKS:
-        raise RequestError(f"unknown reasoning mode {bot_task!r}; choose one of {', '.join(BOT_TASKS)}")
+        raise RequestError(f"unknown reasoning mode (bot_task) {bot_task!r}; choose one of {', '.join(BOT_TASKS)}",
+                           "bot_task")
+    if not isinstance(req.size, (str, type(None))):
+        raise RequestError(f"size must be a string: 'auto', 'HxW', 'W:H' or '<img_ratio_k>' (got {req.size!r})",
+                           "size")
     try:
         bucket = parse_size(req.size or "auto", buckets)
     except SizeError as e:
-        raise RequestError(str(e)) from None
+        raise RequestError(str(e), "size") from None
     steps = gen.diff_infer_steps if req.steps is None else req.steps
-    if not isinstance(steps, int) or not STEPS_RANGE[0] <= steps <= STEPS_RANGE[1]:
-        raise RequestError(f"steps must be an integer in [{STEPS_RANGE[0]}, {STEPS_RANGE[1]}] (got {steps!r})")
+    if not _in_range(steps, *STEPS_RANGE, integer=True):
+        raise RequestError(f"steps must be an integer from {STEPS_RANGE[0]} to {STEPS_RANGE[1]} (got {steps!r})",
+                           "steps")
     guidance = gen.diff_guidance_scale if req.guidance is None else req.guidance
-    if not isinstance(guidance, (int, float)) or not GUIDANCE_RANGE[0] <= guidance <= GUIDANCE_RANGE[1]:
-        raise RequestError(f"guidance must be in [{GUIDANCE_RANGE[0]}, {GUIDANCE_RANGE[1]}] (got {guidance!r})")
+    if not _in_range(guidance, *GUIDANCE_RANGE, integer=False):
+        raise RequestError(f"guidance must be a number from {GUIDANCE_RANGE[0]:g} to {GUIDANCE_RANGE[1]:g} "
+                           f"(got {guidance!r})", "guidance")
     preset = req.system_prompt or gen.use_system_prompt
     if preset not in PRESETS:
-        raise RequestError(f"unknown system prompt preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        raise RequestError(f"unknown system prompt preset {preset!r}; choose one of {', '.join(PRESETS)}",
+                           "system_prompt")
     max_new = gen.max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
-    if not isinstance(max_new, int) or not MAX_NEW_TOKENS_RANGE[0] <= max_new <= MAX_NEW_TOKENS_RANGE[1]:
-        raise RequestError(f"max_new_tokens must be in [{MAX_NEW_TOKENS_RANGE[0]}, {MAX_NEW_TOKENS_RANGE[1]}]")
+    if not _in_range(max_new, *MAX_NEW_TOKENS_RANGE, integer=True):
+        raise RequestError(f"max_new_tokens must be an integer from {MAX_NEW_TOKENS_RANGE[0]} to "
+                           f"{MAX_NEW_TOKENS_RANGE[1]} (got {max_new!r})", "max_new_tokens")
     sampling = SamplingParams(
         temperature=gen.temperature if req.temperature is None else req.temperature,
         top_k=gen.top_k if req.top_k is None else req.top_k,
@@ -116,13 +150,15 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...]) ->
         for name, value, ok, rule in (("temperature", sampling.temperature, lambda v: v > 0, "> 0 (or greedy)"),
                                       ("top_p", sampling.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
                                       ("top_k", sampling.top_k, lambda v: v >= 0, ">= 0 (0: off)")):
-            if not isinstance(value, (int, float)) or not ok(value):
-                raise RequestError(f"{name} must be {rule} (got {value!r})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise RequestError(f"{name} must be {rule} (got {value!r})", name)
     s = req.seed
-    if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2 ** 63:
-        raise RequestError(f"seed must be a non-negative integer (got {req.seed!r})")
-    if not isinstance(req.n, int) or isinstance(req.n, bool) or not N_RANGE[0] <= req.n <= N_RANGE[1]:
-        raise RequestError(f"n (images per request) must be an integer in [{N_RANGE[0]}, {N_RANGE[1]}] (got {req.n!r})")
+    if not _in_range(s, *SEED_RANGE, integer=True):
+        raise RequestError(f"seed must be an integer from {SEED_RANGE[0]} to 2**53 - 1 = {SEED_RANGE[1]} "
+                           f"(got {s!r})", "seed")
+    if not _in_range(req.n, *N_RANGE, integer=True):
+        raise RequestError(f"n (images per request) must be an integer in [{N_RANGE[0]}, {N_RANGE[1]}] (got {req.n!r})",
+                           "n")
     return Prepared(req, pil, bot_task, bucket, int(steps), float(guidance), s, preset, int(max_new), sampling,
                     req.n)
 
