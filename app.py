@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model, notice = default_model()
     device = default_device() if args.device == "auto" else args.device
+    from engine.__main__ import device_problem
+    if (problem := device_problem(device)) is not None:     # before the page is served, not at the first request
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         server = EngineServer(model, device=device, dtype=args.dtype, world_size=args.gpus, plan=args.plan, sp_kind=args.sp_attn,
                               verbose=True, max_queue=args.max_queue)
@@ -165,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     from engine.serve.openai_api import OpenAIApi
     from webui.studio import build_studio, launch
     try:
-        demo = build_studio(server, server.info, max_queue=args.max_queue, notice=notice)
+        demo = build_studio(server, server.info, notice=notice)
         api = OpenAIApi(server, api_config(args))
         _, url, share_url = launch(demo, host=args.host, port=args.port, share=args.share, auth=args.auth,
-                                   prevent_thread_lock=True, app_kwargs={"lifespan": api.lifespan()})
+                                   prevent_thread_lock=True, quiet=True,      # Gradio's own hints name its code
+                                   app_kwargs={"lifespan": api.lifespan()})
         # one clear line, whatever the engine is printing while it loads
-        print(f"\nstudio: open {share_url or url}" + (f"  (local: {url})" if share_url else "")
-              + f"\napi: {url.rstrip('/')}/v1 (OpenAI-compatible)", flush=True)
+        hint = f"  (local: {url})" if share_url else ("" if args.share else "  (--share adds a temporary public link)")
+        print(f"\nstudio: open {share_url or url}{hint}\napi: {url.rstrip('/')}/v1 (OpenAI-compatible)", flush=True)
         demo.block_thread()                     # until Ctrl-C
     except KeyboardInterrupt:
         pass

@@ -10,6 +10,26 @@ from engine.runtime.events import Done, Error, Image, Ratio, Step, Text
 from engine.spec.prompts import BOT_TASKS
 
 
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot run the engine on this machine, as one sentence; None when it can. Asked
+    before anything is loaded or spawned, so a wrong --device ends with this, not a traceback."""
+    import torch
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return f"--device {device!r} is not a device: use cpu or cuda"
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return f"--device {device!r} is not supported: use cpu or cuda"
+    if not torch.cuda.is_available():
+        return (f"--device {device} was asked for, but this machine has no CUDA GPU that PyTorch can use "
+                f"(torch {torch.__version__}); run with --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), numbered from 0"
+    return None
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     if (EMBEDDED_MODEL / "config.json").exists():
         p.add_argument("--model", default=str(EMBEDDED_MODEL),
@@ -104,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = get_plan(args.plan, args.gpus, args.sp_attn)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if (problem := device_problem(args.device)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     req = Request(prompt=args.prompt, images=args.image, bot_task=args.bot_task, size=args.size,
                   seed=args.seed, system_prompt=args.system_prompt, custom_system_prompt=args.custom_system_prompt,

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from engine import EMBEDDED_MODEL
@@ -54,3 +55,19 @@ def test_generate_defaults_to_the_embedded_model_and_says_width_first(tmp_path):
     w, h = Image.open(png).size
     assert f"[size] {w} x {h} (width x height" in out.stdout
     assert f"[image] {w} x {h} written to" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_cuda_without_a_gpu_is_refused_at_start_in_one_sentence(tmp_path, tiny_dir):
+    """The CLI and the studio refuse --device cuda before loading or serving anything (the CLI used to
+    end in a traceback; the studio served the page, then failed every request)."""
+    cli = run("generate", "--model", str(tiny_dir), "--prompt", "x", "--device", "cuda", "--out",
+              str(tmp_path / "x.png"), check=False)
+    app = subprocess.run([sys.executable, "app.py", "--model", str(tiny_dir), "--device", "cuda"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    for p in (cli, app):
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "Traceback" not in p.stderr, p.stderr
+        assert "--device cuda was asked for, but this machine has no CUDA GPU" in p.stderr
+        assert "run with --device cpu" in p.stderr
+    assert "studio: open" not in app.stdout
