@@ -67,8 +67,8 @@ class CountingClient:
         return self.server.health()
 
 
-def start_server(model: Path) -> EngineServer:
-    server = EngineServer(model)
+def start_server(model: Path, **kw: Any) -> EngineServer:
+    server = EngineServer(model, **kw)
     if not server.wait_ready(READY_TIMEOUT_S):
         server.close()
         pytest.fail(f"engine did not become ready: {server.health()}")
@@ -82,13 +82,19 @@ def engine_server(tiny_dir):
     server.close()
 
 
+def launch_studio(server: EngineServer, tmp_path_factory, **kw: Any) -> tuple[str, CountingClient, Any]:
+    """(url, counting client, demo) of a studio on `server`, launched in this process on a free port."""
+    from webui.studio import build_studio, launch
+    client = CountingClient(server)
+    demo = build_studio(client, server.info, out_dir=tmp_path_factory.mktemp("out"),
+                        examples_dir=tmp_path_factory.mktemp("examples"))
+    _, url, _ = launch(demo, host="127.0.0.1", prevent_thread_lock=True, quiet=True, **kw)
+    return url, client, demo
+
+
 @pytest.fixture(scope="module")
 def studio(engine_server, tmp_path_factory):
     """(url, counting client, demo) of a studio launched in this process on a free port."""
-    from webui.studio import build_studio, launch
-    client = CountingClient(engine_server)
-    demo = build_studio(client, engine_server.info, out_dir=tmp_path_factory.mktemp("out"),
-                        examples_dir=tmp_path_factory.mktemp("examples"), max_queue=8)
-    _, url, _ = launch(demo, host="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    url, client, demo = launch_studio(engine_server, tmp_path_factory)
     yield url, client, demo
     demo.close()

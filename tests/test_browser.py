@@ -1,13 +1,18 @@
-"""One end-to-end run of the studio page in a real headless Chromium (Debian's `chromium` driven by the
-`playwright` package; no browser is ever downloaded): type a prompt, watch the reasoning stream and the
-steps tick, get the final PNG."""
+"""The studio page in a real headless Chromium (Debian's `chromium` driven by the `playwright` package;
+no browser is ever downloaded): type a prompt, watch the reasoning stream and the steps tick on the
+canvas, get the final PNG; and what a new user hit (messages that stay, whole images, the engine line,
+buttons that only work with a result)."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
+from PIL import Image as PILImage
 
 from studio_fixtures import engine_server, studio, wait_for  # noqa: F401
 
@@ -37,12 +42,65 @@ RECORD_STATUS = """
 """
 
 
-def open_page(browser, url: str):
-    """A page whose app has loaded and wired its events (a click before that is lost)."""
-    page = browser.new_page()
-    page.goto(url, wait_until="networkidle")
-    sync_api.expect(page.locator("#run")).to_be_visible()
+# Records every distinct image the canvas shows (the step previews, then the final image).
+RECORD_CANVAS = """
+() => {
+  window.__canvas = [];
+  setInterval(() => {
+    const img = document.querySelector('#result img'), c = window.__canvas;
+    if (img && img.src && (c.length === 0 || c[c.length - 1] !== img.src)) c.push(img.src);
+  }, 10);
+}
+"""
+# Counts the runs the page has finished (the status box turning to "Done ..."): a run is waited for by
+# its own count, not by a "Done" that may still be the last run's.
+COUNT_DONE = """
+() => {
+  window.__done = 0;
+  let last = '';
+  setInterval(() => {
+    const b = document.querySelector('#status textarea'); if (!b) return;
+    if (b.value.startsWith('Done') && !last.startsWith('Done')) window.__done += 1;
+    last = b.value;
+  }, 10);
+}
+"""
+LINE = "#engine-health .engine-line"
+
+
+def wait_wired(page) -> None:
+    """The app has loaded and wired its events (a click before that is lost): its load-time script
+    has polled the engine line once."""
+    sync_api.expect(page.locator(f"{LINE}[data-polled]")).to_have_count(1, timeout=30_000)
+
+
+def open_page(browser, url: str, **kw):
+    page = browser.new_page(**kw)
+    page.goto(url, wait_until="load")
+    wait_wired(page)
+    page.evaluate(COUNT_DONE)
     return page
+
+
+def wait_done(page, runs_before: int, timeout: float = 60.0) -> None:
+    """Until the page has finished one more run than `runs_before` (`page.evaluate("window.__done")`)."""
+    page.wait_for_function(f"() => window.__done > {runs_before}", timeout=timeout * 1000)
+
+
+def whole(page, selector: str) -> list[tuple[int, int, int, int, str]]:
+    """(natural w, h, shown w, h, object-fit) of every image under `selector`."""
+    return [tuple(x) for x in page.evaluate(
+        "(sel) => [...document.querySelectorAll(sel + ' img')].map(i => "
+        "[i.naturalWidth, i.naturalHeight, i.clientWidth, i.clientHeight, getComputedStyle(i).objectFit])",
+        selector)]
+
+
+def assert_whole(images) -> None:
+    """Each image is drawn whole: scaled to fit (contain) or in a box of its own aspect ratio."""
+    assert images
+    for nw, nh, w, h, fit in images:
+        assert nw and nh and w and h, images
+        assert fit in ("contain", "scale-down") or abs(w / h - nw / nh) < 0.02, images
 
 
 def run_without_reasoning(page, prompt: str, steps: int):
@@ -54,6 +112,18 @@ def run_without_reasoning(page, prompt: str, steps: int):
     box.press("Enter")
     page.locator("#run").click()
     return page.locator("#status textarea")
+
+
+def generate(page, prompt: str, steps: int, run: str = "#run") -> None:
+    """A whole run without reasoning: Generate, then wait until the page shows its result."""
+    before = page.evaluate("window.__done")
+    if run == "#run-again":             # the settings as they are
+        page.locator("#run").click()
+    elif run == "#run":
+        run_without_reasoning(page, prompt, steps)
+    else:
+        page.locator(run).click()
+    wait_done(page, before)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +141,14 @@ def test_page_streams_reasoning_steps_and_the_final_image(browser, studio):
     page = browser.new_page()
     page.on("request", lambda r: None if r.url.startswith(url.rstrip("/")) or r.url.startswith("data:")
             else external.append(r.url))
-    page.goto(url, wait_until="networkidle")
+    page.goto(url, wait_until="load")
+    wait_wired(page)
     page.locator("#prompt textarea").fill("a red circle on a white table")
     steps = page.locator("#steps input[type=number]")
     steps.fill("3")
     steps.press("Enter")
     page.evaluate(RECORD_STATUS)
+    page.evaluate(RECORD_CANVAS)
     page.locator("#run").click()
 
     cot = page.locator("#cot textarea")
@@ -99,6 +171,8 @@ def test_page_streams_reasoning_steps_and_the_final_image(browser, studio):
     done = [i for i, s in enumerate(seen) if s.startswith("Done")]
     assert writing and stepping and done, seen
     assert writing[0] < stepping[0] < done[0], seen
+    shown = page.evaluate("window.__canvas")           # the step preview on the canvas, then the image
+    assert len(shown) >= 2 and shown[-1] == src, shown
     assert counting.submitted[-1].steps == 3          # what was typed is what ran
     assert not external, f"the page reached outside the server: {external[:5]}"
     page.close()
@@ -126,30 +200,33 @@ def test_stop_button_stops_the_engine_and_the_page_runs_again(browser, studio, e
     wait_for(lambda: engine_server.health()["state"] == "ready", 30)     # the engine itself stopped
     steps.fill("2")
     steps.press("Enter")
-    page.locator("#run").click()
-    expect(status).to_have_value(re.compile(r"^Done"), timeout=60_000)
+    generate(page, "", 2, run="#run-again")
     assert counting.submitted[-1].steps == 2 and counting.submitted[-1].bot_task == "image"
     page.close()
 
 
 def test_edit_this_result_makes_the_result_the_reference(browser, studio):
-    """Generate, press 'Edit this result', give an instruction: the edit runs on the result image."""
+    """Generate, press 'Edit this result', give an instruction: the edit runs on the result image. Before
+    there is a result (and while the next run draws its previews), Download and Edit are greyed out."""
     url, counting, _ = studio
     expect = sync_api.expect
     page = open_page(browser, url)
-    page.locator("#edit-result").click()                     # nothing generated yet: a message, no change
-    expect(page.get_by_text(re.compile("Generate an image first", re.I)).first).to_be_visible(timeout=20_000)
-    status = run_without_reasoning(page, "a blue square", 2)
-    expect(status).to_have_value(re.compile(r"^Done"), timeout=60_000)
+    for button in ("#edit-result", "#download"):
+        expect(page.locator(button)).to_be_disabled()
+    generate(page, "a blue square", 2)
+    for button in ("#edit-result", "#download"):
+        expect(page.locator(button)).to_be_enabled(timeout=20_000)
     result_src = page.locator("#result img").get_attribute("src")
     page.locator("#edit-result").click()
     expect(page.locator("#ti2i-prompt textarea")).to_be_visible(timeout=20_000)     # the edit tab opened
     expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
     page.locator("#ti2i-prompt textarea").fill("make it red")
     before = len(counting.submitted)
+    runs = page.evaluate("window.__done")
     page.locator("#ti2i-run").click()
-    wait_for(lambda: len(counting.submitted) > before, 60)     # the status still says the last run's Done
-    expect(status).to_have_value(re.compile(r"^Done"), timeout=60_000)
+    wait_for(lambda: len(counting.submitted) > before, 60)
+    expect(page.locator("#edit-result")).to_be_disabled(timeout=20_000)      # the canvas holds no result now
+    wait_done(page, runs)
     req = counting.submitted[-1]
     assert req.prompt == "make it red" and len(req.images) == 1, req
     with open(req.images[0], "rb") as f:                      # the reference is the result's PNG
@@ -158,26 +235,137 @@ def test_edit_this_result_makes_the_result_the_reference(browser, studio):
     page.close()
 
 
-def test_a_finished_run_joins_the_history_and_shows_its_seed(browser, studio):
-    """Each finished image goes to the page's history (newest first); the seed box shows the (random)
-    seed it used, so unticking "Random seed" draws it again."""
+def test_history_seed_and_a_message_that_stays(browser, studio):
+    """Each finished image goes to the page's history (newest first, drawn whole); the seed box shows
+    the (random) seed it used, so unticking "Random seed" draws it again; and after runs, a refused
+    Generate still shows its message ten seconds later (it used to vanish in 1-3 s)."""
     url, counting, _ = studio
     expect = sync_api.expect
     page = open_page(browser, url)
     for i, prompt in enumerate(("a green circle", "a yellow star")):
-        before = len(counting.submitted)
-        status = run_without_reasoning(page, prompt, 2)
-        wait_for(lambda: len(counting.submitted) > before, 60)
-        expect(status).to_have_value(re.compile(r"^Done"), timeout=60_000)
+        generate(page, prompt, 2)
         expect(page.locator("#history img")).to_have_count(i + 1, timeout=20_000)
     imgs = page.locator("#history img")
     assert [imgs.nth(k).get_attribute("alt") for k in range(2)] == ["a yellow star", "a green circle"]  # newest first
+    page.wait_for_function("() => [...document.querySelectorAll('#history img')].every(i => i.naturalWidth > 0)")
+    assert_whole(whole(page, "#history"))
     used = counting.submitted[-1].seed
     expect(page.locator("#seed input")).to_have_value(str(used), timeout=20_000)
     page.locator("#random-seed input").uncheck()
-    before = len(counting.submitted)
-    status = run_without_reasoning(page, "a yellow star", 2)
-    wait_for(lambda: len(counting.submitted) > before, 60)
+    generate(page, "a yellow star", 2)
     assert counting.submitted[-1].seed == used
-    expect(status).to_have_value(re.compile(r"^Done"), timeout=60_000)
+
+    page.locator("#prompt textarea").fill("")
+    before = len(counting.submitted)
+    page.locator("#run").click()
+    message = page.get_by_text(re.compile("prompt is empty", re.I)).first
+    expect(message).to_be_visible(timeout=20_000)
+    time.sleep(10)
+    expect(message).to_be_visible(timeout=100)
+    assert len(counting.submitted) == before
+    page.close()
+
+
+def test_references_are_whole_and_a_corrupt_one_is_named_inside_its_panel(browser, studio, tmp_path):
+    """A tall reference is shown whole (it used to fill its box as a zoomed crop); a file that is not an
+    image is refused with its own name (not the server's temporary path), in a message that stays
+    inside the panel even for a long name."""
+    url, counting, _ = studio
+    expect = sync_api.expect
+    tall = tmp_path / "tall.png"
+    PILImage.new("RGB", (96, 240), (30, 30, 200)).save(tall)
+    bad = tmp_path / ("not-a-picture-" + "x" * 70 + ".png")
+    bad.write_bytes(b"this is not an image")
+    page = open_page(browser, url)
+    page.get_by_role("tab", name="Edit with reference images").click()
+    page.locator("#refs input[type=file]").first.set_input_files([str(tall)])
+    expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
+    page.wait_for_function("() => document.querySelector('#refs img').naturalWidth > 0")
+    assert_whole(whole(page, "#refs"))
+
+    page.reload(wait_until="load")
+    wait_wired(page)
+    page.get_by_role("tab", name="Edit with reference images").click()
+    page.locator("#refs input[type=file]").first.set_input_files([str(bad)])
+    page.locator("#ti2i-prompt textarea").fill("make it red")
+    before = len(counting.submitted)
+    page.locator("#ti2i-run").click()
+    message = page.get_by_text(re.compile("cannot be read as an image", re.I)).first
+    expect(message).to_be_visible(timeout=20_000)
+    text = message.inner_text()
+    assert bad.name in text.replace("\n", "") and "/tmp" not in text and "gradio" not in text, text
+    panel, box = page.locator("#refs").bounding_box(), message.bounding_box()
+    assert panel["x"] - 1 <= box["x"] and box["x"] + box["width"] <= panel["x"] + panel["width"] + 1, (panel, box)
+    assert len(counting.submitted) == before
+    page.close()
+
+
+class ScriptedEngine:
+    """An engine client whose health is set by the test (the page only asks for it)."""
+
+    def __init__(self):
+        self.state = {"state": "loading", "loading": "125/444 (layer 5/6)", "model_name": "scripted",
+                      "device": "cpu", "queue": 0, "running": None}
+
+    def health(self):
+        return dict(self.state)
+
+    def submit(self, request):
+        raise AssertionError("nothing is submitted in this test")
+
+    def cancel(self, request_id):
+        return False
+
+
+def test_engine_line_follows_the_engine(browser, tiny_dir, tmp_path):
+    """The line reads the engine's state now within half a second of the page being drawn (it used to
+    show the snapshot taken at start-up, "loading 125/444", until a 3 s timer fired), and follows each
+    change within about a second."""
+    from engine.serve.info import ModelInfo
+    from webui.studio import build_studio, launch
+    expect = sync_api.expect
+    engine = ScriptedEngine()
+    demo = build_studio(engine, ModelInfo.from_folder(tiny_dir), out_dir=tmp_path / "out", examples_dir=tmp_path / "ex")
+    _, url, _ = launch(demo, host="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    try:
+        engine.state.update(state="ready", loading=None)          # loaded after the page was built
+        page = browser.new_page()
+        page.goto(url, wait_until="load")
+        page.locator(LINE).wait_for(state="attached", timeout=30_000)     # the app has drawn the page
+        expect(page.locator(LINE)).to_contain_text("Engine ready", timeout=500)
+        engine.state.update(state="restarting", loading="starting", last_error="the engine process stopped")
+        expect(page.locator(LINE)).to_contain_text("Engine restarting", timeout=1_500)
+        expect(page.locator(LINE)).to_contain_text("the engine process stopped", timeout=100)
+        engine.state.update(state="busy", queue=2, running="abc", last_error=None)
+        expect(page.locator(LINE)).to_contain_text("1 running, 2 waiting", timeout=1_500)
+        page.close()
+    finally:
+        demo.close()
+
+
+def test_a_killed_engine_says_restarting_and_what_failed(browser, studio, engine_server):
+    """Kill the engine's worker mid-run: the line says "restarting", the run's message says what failed,
+    and the line reads "ready" again once the model is reloaded."""
+    url, _, _ = studio
+    expect = sync_api.expect
+    wait_for(lambda: engine_server.health()["state"] == "ready", 60)
+    page = open_page(browser, url)
+    status = run_without_reasoning(page, "doomed", 100)
+    expect(status).to_have_value(re.compile(r"^step \d+/100"), timeout=60_000)
+    os.kill(engine_server.health()["worker_pids"][0], signal.SIGKILL)
+    expect(page.locator(LINE)).to_contain_text("restarting", timeout=5_000)
+    expect(page.get_by_text(re.compile("^Generation failed: the engine process stopped")).first) \
+        .to_be_visible(timeout=20_000)
+    expect(page.locator(LINE)).to_contain_text("ready", timeout=120_000)
+    page.close()
+
+
+def test_phone_width_stacks_prompt_then_result(browser, studio):
+    """At 390 px the columns stack prompt, run, settings: the canvas comes right after Generate."""
+    url, _, _ = studio
+    page = open_page(browser, url, viewport={"width": 390, "height": 844})
+    run_y = page.locator("#run").bounding_box()["y"]
+    canvas_y = page.locator("#result").bounding_box()["y"]
+    mode_y = page.locator("#mode").bounding_box()["y"]
+    assert run_y < canvas_y < mode_y, (run_y, canvas_y, mode_y)
     page.close()

@@ -3,8 +3,11 @@ checkpoint, plus the pure helpers behind the controls."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from PIL import Image as PILImage
@@ -13,15 +16,18 @@ from engine.spec.buckets import parse_size
 from engine.runtime.events import Done, Text, Timings
 from engine.runtime.events import Image as ImageEvent
 from engine.serve.info import ModelInfo
-from studio_fixtures import (engine_server, settings, studio, wait_for)  # noqa: F401
-from webui.options import Settings, aspect_label, build_request, field_of, size_choices
+from engine import EMBEDDED_MODEL
+from engine.runtime.request import MAX_PROMPT_CHARS, SEED_RANGE, STEPS_RANGE
+from studio_fixtures import (engine_server, launch_studio, settings, start_server, studio, wait_for)  # noqa: F401
+from webui.options import Settings, aspect_label, build_request, control_of, size_choices
 from webui.runner import CotLog, timings_text
 
 gradio_client = pytest.importorskip("gradio_client")
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError, AuthenticationError, ValidationError  # noqa: E402
 
-STATUS, PREVIEW, IMAGE, DOWNLOAD, TIMINGS, COT = range(6)
+STATUS, IMAGE, TIMINGS, COT = range(4)
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +59,22 @@ def is_set(v) -> bool:
 
 
 def check_stream(outputs, size=(256, 192)):
-    """CoT deltas come before the first step, the final image after it, and it is a PNG of `size`."""
+    """CoT deltas come before the first step; the canvas shows step previews while denoising, then the
+    final image, a PNG of `size`."""
     statuses = [o[STATUS] for o in outputs]
     first_cot = next(i for i, o in enumerate(outputs) if is_set(o[COT]))
     first_step = next(i for i, s in enumerate(statuses) if isinstance(s, str) and s.startswith("step "))
-    first_image = next(i for i, o in enumerate(outputs) if is_set(o[IMAGE]))
-    assert first_cot < first_step < first_image, statuses
-    assert any(is_set(o[PREVIEW]) for o in outputs[first_step:first_image]), "no step preview"
+    assert first_cot < first_step, statuses
+    previews = [o[IMAGE] for o in outputs[first_step:-1] if is_set(o[IMAGE])]
+    assert previews, "no step preview on the canvas"
     cots = [o[COT] for o in outputs if is_set(o[COT])]
     assert len(cots) >= 2 and cots[-1].startswith(cots[0]), "reasoning did not stream"
     last = outputs[-1]
     assert last[STATUS].startswith("Done")
     img = PILImage.open(last[IMAGE])
     assert img.format == "PNG" and img.size == size
+    assert PILImage.open(previews[-1]).size == size        # the preview is drawn at the image's shape
     assert "ms/token" in last[TIMINGS] and "ms/step" in last[TIMINGS] and "total" in last[TIMINGS]
-    assert is_set(last[DOWNLOAD])
 
 
 def run_until_step(job, timeout=60.0):
@@ -117,9 +124,72 @@ def test_validation_errors_reach_the_client_without_queueing(client, studio, ref
         client.predict("edit me", gallery(refs + refs[:1]), *settings(), api_name="/ti2i")
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"this is not an image")
-    with pytest.raises(ValidationError, match="cannot be read"):
+    with pytest.raises(ValidationError, match="cannot be read") as e:
         client.predict("edit me", gallery([str(bad)]), *settings(), api_name="/ti2i")
+    assert "bad.png" in str(e.value) and "/tmp" not in str(e.value) and "gradio" not in str(e.value)
     assert len(counting.submitted) == before          # nothing reached the engine
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("steps", 0, f"steps must be an integer from {STEPS_RANGE[0]} to {STEPS_RANGE[1]} (got 0)"),
+    ("steps", 10000, f"steps must be an integer from {STEPS_RANGE[0]} to {STEPS_RANGE[1]} (got 10000)"),
+    ("guidance", -1, "guidance must be a number from 0 to 20 (got -1.0)"),
+    ("size", "banana", "size 'banana' is not understood"),
+    ("seed", -5, f"seed must be an integer from 0 to 2**53 - 1 = {SEED_RANGE[1]} (got -5)"),
+    ("seed", 2 ** 70, f"(got {2 ** 70})"),
+    ("mode", "dream", "unknown reasoning mode (bot_task) 'dream'; choose one of image"),
+    ("max_new_tokens", 0, "max_new_tokens must be an integer from 1 to 8192 (got 0)"),
+    ("system_prompt", "nope", "unknown system prompt preset 'nope'; choose one of en_unified"),
+])
+def test_bad_values_through_the_api_name_the_field_and_its_range(client, studio, field, value, words):
+    """Each bad value is refused before it is queued, on its own parameter, with the valid range (Gradio's
+    own range and choice checks used to answer a bare 400)."""
+    _, counting, _ = studio
+    before = len(counting.submitted)
+    with pytest.raises(ValidationError) as e:
+        client.predict("a red circle", *settings(random_seed=False, **{field: value}), api_name="/t2i")
+    assert f"- {field}:" in str(e.value) and words.lower() in str(e.value).lower(), str(e.value)
+    assert len(counting.submitted) == before
+
+
+def test_a_long_prompt_is_refused_not_cut(client):
+    with pytest.raises(ValidationError, match=f"too long \\(10000 characters; the limit is {MAX_PROMPT_CHARS}\\)"):
+        client.predict("x" * 10000, *settings(), api_name="/t2i")
+
+
+def test_the_size_grammar_of_the_engine_works_through_the_api(client):
+    """HxW (height first) and W:H name the bucket of that shape, as on the command line."""
+    assert PILImage.open(client.predict("a red circle", *settings(size="192x256"), api_name="/t2i")[IMAGE]).size \
+        == (256, 192)
+
+
+def test_max_queue_holds_for_requests_arriving_together(client, engine_server):
+    """With one request running and max_queue 8, 14 more sent at once: 8 wait, 6 are refused at once with
+    the reason (the page's queue used to take them all: its size check ran before each validator's
+    await, so simultaneous arrivals all passed it). The engine server's queue is the only one."""
+    engine_server.max_queue = 8
+    jobs = []
+    try:
+        jobs.append(client.submit("running", *settings(mode="image", steps=100), api_name="/t2i"))
+        run_until_step(jobs[0])
+        with ThreadPoolExecutor(14) as pool:
+            jobs += pool.map(lambda i: client.submit(f"crowd {i}", *settings(mode="image", steps=100),
+                                                     api_name="/t2i"), range(14))
+        wait_for(lambda: sum(j.done() for j in jobs) >= 6, 60)
+        time.sleep(0.5)
+        refused = []
+        for j in jobs:
+            if j.done():
+                with pytest.raises(AppError, match="^Not queued: the queue is full") as e:
+                    j.result()
+                refused.append(str(e.value))
+        assert len(refused) == 6, refused
+        assert engine_server.health()["queue"] == 8
+    finally:
+        engine_server.max_queue = None
+        for j in jobs:
+            j.cancel()
+    wait_for(lambda: engine_server.health()["state"] == "ready" and engine_server.health()["queue"] == 0, 60)
 
 
 def test_random_seed_is_reported(client):
@@ -131,10 +201,38 @@ def test_killed_worker_shows_an_error_and_the_next_request_works(client, engine_
     job = client.submit("doomed", *settings(steps=80), api_name="/t2i")
     run_until_step(job)
     os.kill(engine_server.health()["worker_pids"][0], signal.SIGKILL)
-    with pytest.raises(AppError, match="restarting"):
+    with pytest.raises(AppError, match="^Generation failed: .*restarting"):
         job.result(timeout=60)
     result = client.predict("after the crash", *settings(), api_name="/t2i")   # waits for the reload
     assert result[STATUS].startswith("Done")
+
+
+def readme_api_example() -> str:
+    """The README's client example (the python block of the Studio section that uses gradio_client)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    found = [b for b in blocks if "gradio_client" in b]
+    assert len(found) == 1, "the README should have one gradio_client example"
+    return found[0]
+
+
+@pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), reason="no embedded model in assets/")
+def test_the_readme_api_example_runs_as_written(tmp_path_factory, tmp_path, monkeypatch):
+    """On the model `python app.py` serves (the embedded one), with the page's defaults: only the
+    address is changed, to where this test's studio listens."""
+    server = start_server(EMBEDDED_MODEL)
+    url, counting, demo = launch_studio(server, tmp_path_factory)
+    try:
+        code = readme_api_example()
+        assert "http://127.0.0.1:7860/" in code
+        monkeypatch.chdir(tmp_path)
+        scope: dict = {}
+        exec(compile(code.replace("http://127.0.0.1:7860/", url), "README.md", "exec"), scope)
+        assert [r.images for r in counting.submitted][-2:][0] == [] and len(counting.submitted[-1].images) == 1
+        assert scope["status"].startswith("Done") and PILImage.open(scope["image"]).format == "PNG"
+        scope["c"].close()
+    finally:
+        demo.close()
+        server.close()
 
 
 def test_auth_refuses_a_client_without_credentials(engine_server, tmp_path):
@@ -172,25 +270,28 @@ def test_build_request_and_error_routing():
     req = build_request("a cat", ["a.png"], s)
     assert (req.seed, req.steps, req.max_new_tokens, req.bot_task) == (12, 3, 16, "think")
     assert req.custom_system_prompt == "be brief" and req.images == ["a.png"]
-    r = build_request("a cat", [], Settings("image", "auto", 0, True, 3, 4.5, "en_unified", "ignored", 16))
-    assert r.custom_system_prompt is None and 0 <= r.seed < 2 ** 31
-    assert field_of("the prompt is empty: describe the image you want") == "prompt"
-    assert field_of("4 reference images given; at most 3 are supported") == "images"
-    assert field_of("reference image 2 cannot be read as an image") == "images"
-    assert field_of("steps must be an integer in [1, 200] (got 0)") == "steps"
-    assert field_of("unknown system prompt preset 'x'") == "system_prompt"
-    assert field_of("size 'banana' is not understood") == "size"
+    r = build_request("a cat", [], Settings("image", "auto", -5, True, 3, 4.5, "en_unified", "ignored", 16))
+    assert r.custom_system_prompt is None and SEED_RANGE[0] <= r.seed <= SEED_RANGE[1]
+    assert build_request("a cat", [], Settings("image", "auto", -5, True, 3, 4.5, "en_unified", "", 16),
+                         for_check=True).seed == -5        # the validator judges what the box holds
+    controls = ("prompt", "images", *Settings.NAMES)
+    assert control_of("bot_task", controls) == "mode" and control_of("steps", controls) == "steps"
+    assert control_of("images", controls[:1] + controls[2:]) == "prompt"   # T2I has no images control
+    assert control_of(None, controls) == "prompt"
 
 
 def test_cot_log_titles_sections_and_timings_text():
     log = CotLog()
     for d, sec in (("a", "think"), ("b", "think"), ("c", "recaption")):
         log.add(Text(d, sec))
-    assert log.text == "[Thinking]\nab\n\n[Recaption]\nc" and log.tokens == 3
+    assert log.text == "[Thinking]\nab\n\n[Recaption]\nc" and log.chars == 3
     t = Timings(ar_prefill_ms=10, ar_tokens=8, ar_ms_per_token=2.5, dit_steps=2, dit_ms_per_step=100,
                 vae_ms=50, total_s=1.23)
     text = timings_text(Done(t), ImageEvent(b"", 256, 192, 7))
-    assert "2.5 ms/token" in text and "100 ms/step" in text and "1.23 s" in text and "seed 7" in text
+    assert "2.5 ms/token × 8 tokens" in text and "100 ms/step" in text and "1.23 s" in text and "seed 7" in text
+    off = timings_text(Done(Timings(ar_prefill_ms=12, ar_tokens=1, dit_steps=2, dit_ms_per_step=100, total_s=1)),
+                       None)         # reasoning off: only the size token is sampled
+    assert "ms/token" not in off and "prefill 12 ms" in off
 
 
 def test_advice_warns_without_stopping(engine_server, tmp_path):

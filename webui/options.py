@@ -3,12 +3,11 @@ no Gradio: the choices are built from the checkpoint (buckets, generation config
 the sizes and defaults the engine really uses."""
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from engine.runtime.request import GUIDANCE_RANGE, MAX_NEW_TOKENS_RANGE, Request
+from engine.runtime.request import Request, random_seed
 
 if TYPE_CHECKING:      # the model's data types, as the server's ModelInfo carries them
     from engine.spec.buckets import Bucket
@@ -22,10 +21,6 @@ REASONING_MODES: list[tuple[str, str]] = [
     ("Think + recaption", "think_recaption"),
 ]
 AUTO_SIZE = "auto"
-SEED_MAX = 2 ** 31 - 1
-STEPS_MAX = 100
-GUIDANCE_MAX = min(15.0, GUIDANCE_RANGE[1])
-MAX_NEW_TOKENS_MAX = min(8192, MAX_NEW_TOKENS_RANGE[1])
 PRESET_LABELS = {
     "en_unified": "unified (official default)",
     "en_vanilla": "vanilla",
@@ -96,11 +91,14 @@ def as_int(v: Any) -> Any:
     return v
 
 
-def build_request(prompt: str, images: list[Any], s: Settings, seed: int | None = None) -> Request:
-    """The engine request for the given control values. `seed` overrides the seed field (random seeds
-    are drawn by the caller so the validator and the run agree on everything else)."""
-    if seed is None:
-        seed = random.randint(0, SEED_MAX) if s.random_seed else as_int(s.seed if s.seed is not None else 0)
+def build_request(prompt: str, images: list[Any], s: Settings, for_check: bool = False) -> Request:
+    """The engine request for the given control values. With "Random seed" ticked a seed is drawn
+    here; `for_check` keeps the seed box's value instead, so the validator judges what is in the box
+    (a box holding -5 is wrong whether or not it is used)."""
+    if s.random_seed and not for_check:
+        seed = random_seed()
+    else:
+        seed = as_int(s.seed if s.seed is not None else 0)
     return Request(
         prompt=prompt or "",
         images=list(images),
@@ -115,25 +113,12 @@ def build_request(prompt: str, images: list[Any], s: Settings, seed: int | None 
     )
 
 
-# A RequestError message names what is wrong; these words route it to the control that holds it.
-_FIELD_WORDS = (
-    ("reference image", "images"),
-    ("prompt preset", "system_prompt"),
-    ("system prompt", "system_prompt"),
-    ("prompt", "prompt"),
-    ("size", "size"),
-    ("steps", "steps"),
-    ("guidance", "guidance"),
-    ("seed", "seed"),
-    ("max_new_tokens", "max_new_tokens"),
-    ("reasoning mode", "mode"),
-)
+# The Request fields that a control of the page holds under another name.
+CONTROL_OF_FIELD = {"bot_task": "mode"}
 
 
-def field_of(message: str) -> str:
-    """Which control a validation message belongs to ('prompt' when unsure: it is always visible)."""
-    low = message.lower()
-    for words, name in _FIELD_WORDS:
-        if words in low:
-            return name
-    return "prompt"
+def control_of(field: str | None, controls: tuple[str, ...]) -> str:
+    """The control that shows a RequestError about `field` (the prompt, always visible, when none
+    holds it: e.g. an error about the request as a whole)."""
+    name = CONTROL_OF_FIELD.get(field or "", field)
+    return name if name in controls else "prompt"

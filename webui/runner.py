@@ -33,14 +33,19 @@ class EngineClient(Protocol):
 
 
 class EngineFailure(Exception):
-    """The request ended with an engine or validation error; the message is meant for the user."""
+    """The request ended with an error from the engine; the message is meant for the user. `kind` is
+    the Error event's: invalid, busy (the engine holds --max-queue requests already) or engine."""
+
+    def __init__(self, message: str, kind: str = "engine"):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
 class Update:
     status: str | None = None
-    preview: PILImage.Image | None = None
-    image: str | None = None          # path of the final PNG
+    preview: PILImage.Image | None = None   # the step preview, drawn on the canvas while denoising
+    image: str | None = None          # path of the final PNG, which replaces the preview
     cot: str | None = None
     timings: str | None = None
     reset: bool = False               # clear every output first (start of a run)
@@ -54,10 +59,12 @@ class Update:
 
 @dataclass
 class CotLog:
-    """The reasoning text as it streams, with a title line whenever the section changes."""
+    """The reasoning text as it streams, with a title line whenever the section changes. It counts the
+    characters written: a text event carries a piece of decoded text, not one token (the engine's
+    token count comes with the timings at the end)."""
     text: str = ""
     section: str | None = None
-    tokens: int = 0
+    chars: int = 0
 
     def add(self, ev: Text) -> None:
         if ev.section != self.section:
@@ -65,7 +72,7 @@ class CotLog:
             self.text += ("\n\n" if self.text else "") + f"[{title}]\n"
             self.section = ev.section
         self.text += ev.delta
-        self.tokens += 1
+        self.chars += len(ev.delta)
 
 
 def waiting_status(health: dict[str, Any]) -> str:
@@ -75,18 +82,37 @@ def waiting_status(health: dict[str, Any]) -> str:
         verb = "restarting" if state == "restarting" else "loading the model"
         return f"Waiting for the engine: {verb}{what}…"
     if health.get("queue"):
-        return f"Queued behind {health['queue']} request(s)…"
+        running = ", one running" if health.get("running") else ""
+        return f"In line: {health['queue']} waiting{running}…"
     return "Starting…"
 
 
-def preview_image(png: bytes) -> PILImage.Image:
-    img = PILImage.open(io.BytesIO(png))
+def preview_image(png: bytes, size: tuple[int, int] | None = None) -> PILImage.Image:
+    """The step preview (a small decode of the current estimate) at the final image's size when it is
+    known (width, height), so the canvas keeps its shape when the final image replaces it."""
+    img = PILImage.open(io.BytesIO(png)).convert("RGB")
+    if size is not None:
+        w, h = size
+        scale = min(1.0, PREVIEW_MAX_SIDE / max(w, h))
+        return img.resize((max(1, round(w * scale)), max(1, round(h * scale))), PILImage.Resampling.BILINEAR)
     img.thumbnail((PREVIEW_MAX_SIDE, PREVIEW_MAX_SIDE))
-    return img.convert("RGB")
+    return img
 
 
 def timings_text(done: Done, image: Image | None) -> str:
-    parts = done.timings.parts(bold=True)
+    """The measured figures. The AR phase is shown as ms/token only when the model wrote reasoning
+    (with reasoning off it samples just the size token, and a per-token rate of one token says nothing)."""
+    t = done.timings
+    parts = []
+    if t.ar_tokens > 1:
+        parts.append(f"**AR** {t.ar_ms_per_token:.1f} ms/token × {t.ar_tokens} tokens (prefill {t.ar_prefill_ms:.0f} ms)")
+    elif t.ar_prefill_ms:
+        parts.append(f"**AR** prefill {t.ar_prefill_ms:.0f} ms")
+    if t.dit_steps:
+        parts.append(f"**DiT** {t.dit_ms_per_step:.0f} ms/step × {t.dit_steps} steps")
+    if t.vae_ms:
+        parts.append(f"**VAE** {t.vae_ms:.0f} ms")
+    parts.append(f"**total** {t.total_s:.2f} s")
     if image is not None:
         parts.append(f"{image.width} × {image.height}, seed {image.seed}")
     return " · ".join(parts)
@@ -126,7 +152,8 @@ async def run(client: EngineClient, req: Request, out_dir: Path) -> AsyncIterato
     sub = client.submit(req)
     cot, image, started = CotLog(), None, False
     image_path: str | None = None
-    preview: PILImage.Image | None = None
+    size: tuple[int, int] | None = None            # (width, height) of the image, once chosen
+    preview: PILImage.Image | None = None          # the newest step preview
     yield Update(reset=True, status="Submitted…")
     try:
         while True:
@@ -145,13 +172,14 @@ async def run(client: EngineClient, req: Request, out_dir: Path) -> AsyncIterato
                 elif isinstance(ev, Text):
                     cot.add(ev)
                     update.cot = cot.text
-                    update.status = f"Writing… {cot.tokens} tokens"
+                    update.status = f"Writing… {cot.chars} characters"
                 elif isinstance(ev, Ratio):
+                    size = (ev.width, ev.height)
                     update.status = f"Size {ev.width} × {ev.height} — denoising…"
                 elif isinstance(ev, Step):
                     update.status = f"step {ev.i}/{ev.n}"
                     if ev.preview is not None:
-                        preview = update.preview = preview_image(ev.preview)
+                        preview = update.preview = preview_image(ev.preview, size)
                 elif isinstance(ev, Image):
                     image = ev
                     image_path = update.image = save_png(out_dir, req.request_id, ev)
@@ -159,8 +187,8 @@ async def run(client: EngineClient, req: Request, out_dir: Path) -> AsyncIterato
                 elif isinstance(ev, Done):
                     if update.changed:
                         yield update
-                    yield Update(final=True, status=f"Done in {ev.timings.total_s:.1f} s", preview=preview,
-                                 image=image_path, cot=cot.text, timings=timings_text(ev, image))
+                    yield Update(final=True, status=f"Done in {ev.timings.total_s:.1f} s", image=image_path,
+                                 cot=cot.text, timings=timings_text(ev, image))
                     return
                 elif isinstance(ev, Error):
                     if update.changed:
@@ -168,7 +196,7 @@ async def run(client: EngineClient, req: Request, out_dir: Path) -> AsyncIterato
                     if ev.kind == "cancelled":
                         yield Update(final=True, status="Stopped.", preview=preview, cot=cot.text)
                         return
-                    raise EngineFailure(ev.message)
+                    raise EngineFailure(ev.message, ev.kind)
             if update.changed:
                 yield update
     finally:

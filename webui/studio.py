@@ -1,16 +1,19 @@
 """The studio page: Gradio Blocks wired to the engine server.
 
-Layout: the left column holds the two tabs (T2I, TI2I with 1-3 reference images), each with its own
-prompt and Generate/Stop, and the shared settings; the right column shows the run: status and a small
-step preview, the final image with a PNG download, the measured timings and the streamed reasoning.
+Layout: three columns that the page arranges by width. On a wide screen the prompt (two tabs: T2I, and
+TI2I with 1-3 reference images, each with Generate/Stop and examples) sits above the shared settings on
+the left, and the run fills the right: a status line, the canvas (the step preview is drawn in it while
+denoising, then the final image replaces it), Download / Edit this result, the timings, the streamed
+reasoning and the page's history. On a phone they stack prompt, run, settings.
 
 API: `/t2i(prompt, mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
-max_new_tokens)` and `/ti2i(prompt, images, ...same...)`, each streaming
-`(status, preview, image, download, timings, reasoning)`.
+max_new_tokens)` and `/ti2i(prompt, images, ...same...)`, each streaming `(status, image, timings,
+reasoning)`; every parameter after the prompt (and images) has a default.
 """
 from __future__ import annotations
 
 import asyncio
+import html
 import tempfile
 import traceback
 from pathlib import Path
@@ -18,30 +21,72 @@ from typing import Any, AsyncIterator, Callable
 
 import gradio as gr
 
-from engine.runtime.request import RequestError
+from engine.runtime.request import (GUIDANCE_RANGE, MAX_NEW_TOKENS_RANGE, SEED_RANGE, STEPS_RANGE,
+                                    RequestError)
 from engine.serve.info import ModelInfo
 
+from .fields import lenient
 from .examples import is_small, reference_examples, t2i_prompts
-from .options import (AUTO_SIZE, GUIDANCE_MAX, MAX_NEW_TOKENS_MAX, REASONING_MODES, SEED_MAX, STEPS_MAX,
-                      Settings, build_request, default_mode, field_of, preset_choices, size_choices)
+from .options import (AUTO_SIZE, REASONING_MODES, Settings, build_request, control_of, default_mode,
+                      preset_choices, size_choices)
 from .runner import EngineClient, EngineFailure, Update, run, seed_in
 from .theme import CSS, theme
 
 TITLE = "HunyuanImage-3.0 Studio"
-HEALTH_EVERY_S = 3.0
+HEALTH_EVERY_MS = 1000    # the engine line's refresh (a small POST per open page)
 HISTORY_MAX = 24          # results kept in a page's history strip
+CANVAS_HEIGHT = 512
+# What failed, said first in the message: Gradio 6.31's page ignores gr.Error's title (its toast always
+# reads "Error"), and API clients see only the message.
+FAILURE_PREFIX = {"invalid": "Request refused", "busy": "Not queued", "engine": "Generation failed"}
+
+# The engine line refreshes itself from the page: a timer-driven Gradio event would re-apply every
+# component's loading status on each tick, which wipes the validation message under a control (Gradio
+# 6 front end: only after the first run, so a refused Generate looked like it did nothing). A plain
+# fetch of the `health` endpoint does not touch that state.
+HEALTH_JS = """
+() => {
+  if (window.__studioHealth) return;
+  const root = ((window.gradio_config && window.gradio_config.root) || '').replace(/\\/$/, '');
+  const show = (markup, ok) => {
+    const line = document.querySelector('#engine-health .engine-line');
+    if (!line) return;
+    if (line.innerHTML !== markup) line.innerHTML = markup;
+    line.dataset.polled = ok ? 'ok' : 'failed';   // tests wait for this: the page's events are wired
+  };
+  const poll = async () => {
+    try {
+      const r = await fetch(root + '/gradio_api/run/health', {method: 'POST', credentials: 'same-origin',
+        headers: {'Content-Type': 'application/json'}, body: '{"data": []}'});
+      if (!r.ok) throw new Error(String(r.status));
+      show((await r.json()).data[0].html, true);
+    } catch (e) {
+      show('Studio server <b>not reachable</b> (retrying)', false);
+    }
+  };
+  window.__studioHealth = setInterval(poll, %d);
+  poll();
+}
+""" % HEALTH_EVERY_MS
 
 
-def health_text(health: dict[str, Any]) -> str:
+def health_line(health: dict[str, Any]) -> str:
+    """The engine line (HTML): state, model, device, what is loading, the queue, and why it failed."""
+    e = html.escape
     state = health.get("state", "?")
-    line = f"Engine **{state}** · {health.get('model_name', '')} · {health.get('device', '')}"
+    line = f"Engine <b>{e(str(state))}</b> · {e(str(health.get('model_name', '')))} · {e(str(health.get('device', '')))}"
     if health.get("loading"):
-        line += f" · loading {health['loading']}"
-    if health.get("queue"):
-        line += f" · {health['queue']} waiting"
-    if state == "failed" and health.get("last_error"):
-        line += f"\n\n⚠️ {health['last_error']}"
+        line += f" · loading {e(str(health['loading']))}"
+    if health.get("running") or health.get("queue"):
+        line += f" · {1 if health.get('running') else 0} running, {health.get('queue', 0)} waiting"
+    if state in ("failed", "restarting") and health.get("last_error"):
+        line += f"<br>⚠️ {e(str(health['last_error']))}"
     return line
+
+
+def clamp(value: float, bounds: tuple[float, float]) -> float:
+    """A checkpoint default as the control can show it."""
+    return min(max(value, bounds[0]), bounds[1])
 
 
 def _image_paths(refs: Any) -> list[str]:
@@ -52,6 +97,13 @@ def _image_paths(refs: Any) -> list[str]:
     return out
 
 
+def _without_paths(message: str, paths: list[str]) -> str:
+    """A message about an uploaded file names it by its file name, not by the server's temporary path."""
+    for path in paths:
+        message = message.replace(path, Path(path).name)
+    return message
+
+
 class Studio:
     """The handlers behind the page, bound to one engine client and one model."""
 
@@ -59,27 +111,28 @@ class Studio:
         self.client, self.info, self.out_dir = client, info, out_dir
 
     # ---------------------------------------------------------------- validation (before queueing)
-    def validation(self, prompt: str, refs: Any, settings: Settings, need_images: bool) -> dict[str, str]:
-        """Field name -> message for every problem found. The engine's `prepare` is the one judge of a
-        request; this only routes its message to the control it concerns."""
+    def validation(self, prompt: str, refs: Any, settings: Settings, need_images: bool,
+                   controls: tuple[str, ...]) -> dict[str, str]:
+        """Control name -> message for what is wrong. The engine's `prepare` is the one judge of a
+        request; this only puts its message on the control that holds the field."""
         problems: dict[str, str] = {}
         images = _image_paths(refs)
         if need_images and not images:
             problems["images"] = "Add 1 to 3 reference images to edit (or use the Text to image tab)."
         try:
-            self.info.validate(build_request(prompt, images, settings, seed=0 if settings.random_seed else None))
+            self.info.validate(build_request(prompt, images, settings, for_check=True))
         except RequestError as e:
-            msg = str(e)
-            problems.setdefault(field_of(msg), msg[:1].upper() + msg[1:])
-        except (TypeError, ValueError) as e:     # a value of the wrong type sent through the API
-            problems.setdefault("prompt", f"Invalid input: {e}")
+            msg = _without_paths(str(e), images)
+            problems.setdefault(control_of(e.field, controls), msg[:1].upper() + msg[1:])
+        except Exception as e:  # noqa: BLE001 - a value of a kind no control sends (API): say so, never a bare 400
+            problems.setdefault("prompt", f"Invalid input ({type(e).__name__}: {e})")
         return problems
 
     def validator(self, names: tuple[str, ...], need_images: bool) -> Callable[..., list[dict]]:
         def validate(*values: Any) -> list[dict]:
             by_name = dict(zip(names, values))
             settings = Settings(*(by_name[n] for n in Settings.NAMES))
-            problems = self.validation(by_name["prompt"], by_name.get("images"), settings, need_images)
+            problems = self.validation(by_name["prompt"], by_name.get("images"), settings, need_images, names)
             return [gr.validate(n not in problems, problems.get(n, "")) for n in names]
         return validate
 
@@ -104,13 +157,19 @@ class Studio:
             async for update in run(self.client, req, self.out_dir):
                 yield self.outputs(update)
         except EngineFailure as e:
-            raise gr.Error(str(e), title="Generation failed", print_exception=False) from None
+            raise gr.Error(f"{FAILURE_PREFIX.get(e.kind, 'Generation failed')}: {e}", print_exception=False) from None
         except (gr.Error, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:  # noqa: BLE001 - a bug here must show as a message, not take the page down
             traceback.print_exc()
-            raise gr.Error(f"The studio hit an internal error ({type(e).__name__}: {e}); the engine is fine, "
+            raise gr.Error(f"Studio error: an internal error ({type(e).__name__}: {e}); the engine is fine, "
                            "please try again.", print_exception=False) from None
+
+    def health(self) -> dict:
+        """What the page's engine line shows (polled by the page; undocumented API `/health`)."""
+        h = self.client.health()
+        return {"state": h.get("state"), "queue": h.get("queue", 0), "running": bool(h.get("running")),
+                "html": health_line(h)}
 
     @staticmethod
     def to_edit(result: str | None) -> tuple:
@@ -120,6 +179,12 @@ class Studio:
             gr.Warning("Generate an image first: the result is what gets edited.")
             return gr.skip(), gr.skip()
         return [result], gr.Tabs(selected="ti2i")
+
+    @staticmethod
+    def result_buttons(result: str | None) -> tuple:
+        """Download and 'Edit this result' work on a finished image only: off until there is one, and
+        again while the next run draws its previews on the canvas."""
+        return gr.DownloadButton(value=result, interactive=bool(result)), gr.Button(interactive=bool(result))
 
     @staticmethod
     def remember(result: str | None, prompt: str, history: Any) -> Any:
@@ -138,25 +203,28 @@ class Studio:
 
     @staticmethod
     def outputs(u: Update) -> tuple:
-        """An Update as values for (status, preview, image, download, timings, reasoning)."""
+        """An Update as values for (status, canvas, timings, reasoning, finished result). The canvas
+        shows the step preview while denoising and the final PNG at the end; the finished result (page
+        state, not part of the API) is set only by a completed run."""
         if u.reset:
-            return (u.status or "", None, None, None, "", "")
+            return (u.status or "", None, "", "", None)
         if u.final:
-            return (u.status or "", u.preview, u.image,
-                    u.image, u.timings or "", u.cot or "")
+            return (u.status or "", u.image or u.preview, u.timings or "", u.cot or "", u.image)
         skip = gr.skip()
+        canvas = u.image if u.image is not None else u.preview
         return (skip if u.status is None else u.status,
-                skip if u.preview is None else u.preview,
-                skip if u.image is None else u.image,
-                skip if u.image is None else u.image,
+                skip if canvas is None else canvas,
                 skip if u.timings is None else u.timings,
-                skip if u.cot is None else u.cot)
+                skip if u.cot is None else u.cot,
+                skip)
 
 
-def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, notice: str | None = None,
+def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = None,
                  out_dir: str | Path | None = None, examples_dir: str | Path | None = None) -> gr.Blocks:
     """The studio page for `client` (an `engine.server.EngineServer` or anything with its API) serving
-    the model described by `info`. Launch it with `launch(demo, ...)`."""
+    the model described by `info`. Launch it with `launch(demo, ...)`. The engine server is the one
+    queue (and its `max_queue` the one limit) for this page, its API and any other front end: the page
+    hands every request to it at once."""
     out = Path(out_dir) if out_dir else Path(tempfile.gettempdir()) / "hunyuan-studio" / "outputs"
     ex_dir = Path(examples_dir) if examples_dir else Path(tempfile.gettempdir()) / "hunyuan-studio" / "examples"
     studio = Studio(client, info, out)
@@ -168,12 +236,13 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
         gr.Markdown(f"# {TITLE}")
         if notice:
             gr.Markdown(notice, elem_id="notice")
-        health = gr.Markdown(health_text(client.health()), elem_id="engine-health")
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=5):
+        # filled by the page's poller as it loads (a value here would be the state at start-up)
+        gr.HTML('<span class="engine-line">Engine …</span>', elem_id="engine-health")
+        with gr.Row(equal_height=False, elem_id="layout"):
+            with gr.Column(scale=5, min_width=320, elem_id="col-prompt"):
                 with gr.Tabs() as tabs:
                     with gr.Tab("Text to image", id="t2i"):
-                        t2i_prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt", max_length=8000,
+                        t2i_prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt",
                                                 placeholder="Describe the image you want…")
                         with gr.Row():
                             t2i_run = gr.Button("Generate", variant="primary", elem_id="run")
@@ -181,55 +250,59 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
                         gr.Examples([[p] for p in t2i_prompts(info.buckets)], inputs=[t2i_prompt], label="Example prompts")
                     with gr.Tab("Edit with reference images", id="ti2i"):
                         refs = gr.Gallery(label="Reference images (1 to 3)", type="filepath", interactive=True,
-                                          file_types=["image"], columns=3, height=220, elem_id="refs")
-                        ti2i_prompt = gr.Textbox(label="Instruction", lines=3, elem_id="ti2i-prompt", max_length=8000,
+                                          file_types=["image"], columns=3, height=220, object_fit="contain",
+                                          elem_id="refs")
+                        ti2i_prompt = gr.Textbox(label="Instruction", lines=3, elem_id="ti2i-prompt",
                                                  placeholder="What should change? e.g. “make the sky stormy”")
                         with gr.Row():
                             ti2i_run = gr.Button("Generate", variant="primary", elem_id="ti2i-run")
                             ti2i_stop = gr.Button("Stop", variant="stop", elem_id="ti2i-stop")
                         gr.Examples([[[str(p)], prompt] for p, prompt in reference_examples(ex_dir, is_small(info.buckets))],
                                     inputs=[refs, ti2i_prompt], label="Example edits")
-                mode = gr.Radio(REASONING_MODES, value=default_mode(gen), label="Reasoning",
-                                info="Think: the model reasons before drawing. Recaption: it also rewrites "
-                                     "the prompt in detail. Both stream below.", elem_id="mode")
-                size = gr.Dropdown(size_choices(info.buckets), value=AUTO_SIZE, label="Size (width × height)",
-                                   elem_id="size")
+            with gr.Column(scale=6, min_width=320, elem_id="col-run"):
+                status = gr.Textbox(label="Status", interactive=False, elem_id="status")
+                image = gr.Image(label="Result", type="filepath", format="png", interactive=False,
+                                 height=CANVAS_HEIGHT, elem_id="result", buttons=["fullscreen"])
                 with gr.Row():
-                    seed = gr.Number(value=0, precision=0, minimum=0, maximum=SEED_MAX, label="Seed", elem_id="seed")
+                    download = gr.DownloadButton("Download PNG", interactive=False, elem_id="download")
+                    edit_result = gr.Button("Edit this result", interactive=False, elem_id="edit-result")
+                timings = gr.Markdown(label="Timings", elem_id="timings")
+                cot = gr.Textbox(label="Reasoning (streamed)", lines=8, max_lines=20, interactive=False,
+                                 autoscroll=True, elem_id="cot")
+                history = gr.Gallery(label="Results of this page (newest first)", columns=6, height="auto",
+                                     object_fit="contain", allow_preview=True, interactive=False,
+                                     elem_id="history", buttons=["download"])
+            with gr.Column(scale=5, min_width=320, elem_id="col-settings"):
+                # lenient: a bad value reaches the validator, whose message names the range (not a bare 400)
+                mode = lenient(gr.Radio(
+                    REASONING_MODES, value=default_mode(gen), label="Reasoning", elem_id="mode",
+                    info="Think: the model reasons before drawing. Recaption: it also rewrites the prompt in "
+                         "detail. Both stream beside the image."))
+                size = lenient(gr.Dropdown(size_choices(info.buckets), value=AUTO_SIZE, label="Size (width × height)",
+                                           elem_id="size"))
+                with gr.Row():
+                    seed = lenient(gr.Number(value=0, precision=0, minimum=SEED_RANGE[0], maximum=SEED_RANGE[1],
+                                             label="Seed", elem_id="seed"))
                     random_seed = gr.Checkbox(value=True, label="Random seed", elem_id="random-seed")
-                steps = gr.Slider(1, STEPS_MAX, value=min(gen.diff_infer_steps, STEPS_MAX), step=1,
-                                  label="Steps", elem_id="steps")
-                guidance = gr.Slider(0.0, GUIDANCE_MAX, value=min(gen.diff_guidance_scale, GUIDANCE_MAX), step=0.1,
-                                     label="Guidance", elem_id="guidance",
-                                     info="Distil checkpoints embed the guidance; others run classifier-free "
-                                          "guidance when it is above 1.")
+                steps = lenient(gr.Slider(*STEPS_RANGE, value=clamp(gen.diff_infer_steps, STEPS_RANGE), step=1,
+                                          label="Steps", elem_id="steps"))
+                guidance = lenient(gr.Slider(
+                    *GUIDANCE_RANGE, value=clamp(gen.diff_guidance_scale, GUIDANCE_RANGE), step=0.1,
+                    label="Guidance", elem_id="guidance",
+                    info="Distil checkpoints embed the guidance; others run classifier-free guidance when it is above 1."))
                 with gr.Accordion("Advanced", open=False):
-                    system_prompt = gr.Dropdown(presets, value=preset_default, label="System prompt preset",
-                                                elem_id="system-prompt")
+                    system_prompt = lenient(gr.Dropdown(presets, value=preset_default, label="System prompt preset",
+                                                        elem_id="system-prompt"))
                     custom_system_prompt = gr.Textbox(value="", label="Custom system prompt (preset “custom text”)",
                                                       lines=3, elem_id="custom-system-prompt")
-                    max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS_MAX, value=min(gen.max_new_tokens, MAX_NEW_TOKENS_MAX),
-                                               step=1, label="Max new tokens (reasoning length)",
-                                               elem_id="max-new-tokens")
-            with gr.Column(scale=6):
-                with gr.Row(equal_height=True):
-                    status = gr.Textbox(label="Status", interactive=False, elem_id="status", scale=3)
-                    preview = gr.Image(label="Step preview", format="jpeg", height=160, interactive=False,
-                                       elem_id="preview", scale=1, buttons=[])
-                image = gr.Image(label="Result", type="filepath", format="png", interactive=False,
-                                 elem_id="result", buttons=["download", "fullscreen"])
-                with gr.Row():
-                    download = gr.DownloadButton("Download PNG", elem_id="download")
-                    edit_result = gr.Button("Edit this result", elem_id="edit-result")
-                timings = gr.Markdown(label="Timings", elem_id="timings")
-                cot = gr.Textbox(label="Reasoning (streamed)", lines=10, max_lines=20, interactive=False,
-                                 autoscroll=True, elem_id="cot")
-                history = gr.Gallery(label="Results of this page (newest first)", columns=6, height=150,
-                                     interactive=False, elem_id="history", buttons=["download"])
+                    max_new_tokens = lenient(gr.Slider(
+                        *MAX_NEW_TOKENS_RANGE, value=clamp(gen.max_new_tokens, MAX_NEW_TOKENS_RANGE), step=1,
+                        label="Max new tokens (reasoning length)", elem_id="max-new-tokens"))
+        result = gr.State(None)       # the last finished image of this page (the canvas may hold a preview)
 
         settings = [mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
                     max_new_tokens]
-        outputs = [status, preview, image, download, timings, cot]
+        outputs = [status, image, timings, cot, result]
         t2i_names = ("prompt", *Settings.NAMES)
         ti2i_names = ("prompt", "images", *Settings.NAMES)
 
@@ -247,12 +320,14 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
             async for o in studio.generate(prompt, images, s):
                 yield o
 
-        common = dict(outputs=outputs, concurrency_id="engine", concurrency_limit=1, show_progress="full",
-                      show_progress_on=[status])
+        # No concurrency limit here: every accepted request goes straight to the engine server, whose
+        # queue orders the page's and the API's requests together and refuses past its max_queue.
+        common = dict(outputs=outputs, concurrency_limit=None, show_progress="full", show_progress_on=[status])
         t2i_ev = t2i_run.click(t2i, [t2i_prompt, *settings], api_name="t2i",
                                validator=studio.validator(t2i_names, need_images=False), **common)
         ti2i_ev = ti2i_run.click(ti2i, [ti2i_prompt, refs, *settings], api_name="ti2i",
                                  validator=studio.validator(ti2i_names, need_images=True), **common)
+
         def stopped(current: str) -> Any:
             # a cancelled job yields nothing more, so the status is set here (unless nothing was running)
             return "Stopped." if current and not current.startswith(("Done", "Stopped")) else gr.skip()
@@ -264,18 +339,19 @@ def build_studio(client: EngineClient, info: ModelInfo, *, max_queue: int = 8, n
 
         for ev, prompt in ((t2i_ev, t2i_prompt), (ti2i_ev, ti2i_prompt)):
             # unqueued: bookkeeping after a run never waits behind (or is refused by) a full queue
-            ev.success(studio.remember, [image, prompt, history], history, queue=False, api_visibility="private",
+            ev.success(studio.remember, [result, prompt, history], history, queue=False, api_visibility="private",
                        show_progress="hidden")
             ev.success(studio.used_seed, timings, seed, queue=False, api_visibility="private",
                        show_progress="hidden")
-        edit_result.click(studio.to_edit, image, [refs, tabs], api_visibility="private",
+        result.change(studio.result_buttons, result, [download, edit_result], queue=False,
+                      api_visibility="private", show_progress="hidden")
+        edit_result.click(studio.to_edit, result, [refs, tabs], queue=False, api_visibility="private",
                           show_progress="hidden")
 
-        timer = gr.Timer(HEALTH_EVERY_S)
-        timer.tick(lambda: health_text(client.health()), None, health, api_visibility="private", queue=False,
-                   show_progress="hidden")
+        gr.api(studio.health, api_name="health", queue=False, api_visibility="undocumented")
+        demo.load(None, None, None, js=HEALTH_JS)
 
-    demo.queue(max_size=max_queue, default_concurrency_limit=1)
+    demo.queue(default_concurrency_limit=1)
     return demo
 
 

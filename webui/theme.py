@@ -5,11 +5,30 @@ from __future__ import annotations
 import gradio as gr
 
 CSS = """
+/* Wide screens: prompt above settings on the left, the run on the right across both. Narrow screens
+   keep the row's stacking in source order: prompt, run, settings. */
+@media (min-width: 1000px) {
+  #layout { display: grid !important; grid-template-columns: 5fr 6fr; grid-template-rows: auto 1fr;
+            align-items: start; }
+  #col-prompt { grid-column: 1; grid-row: 1; }
+  #col-run { grid-column: 2; grid-row: 1 / span 2; }
+  #col-settings { grid-column: 1; grid-row: 2; }
+}
+/* The canvas: the whole image, as large as the box allows (small images are drawn up, not cropped). */
+#result img { width: 100%; height: 100%; object-fit: contain; }
+/* The history strip: thumbnails in a row, each whole (Gradio stretches few images to the full width). */
+#history .grid-container { grid-template-columns: repeat(auto-fill, minmax(110px, 1fr)) !important;
+                           grid-template-rows: none !important; grid-auto-rows: auto !important; }
+#history .thumbnail-item { aspect-ratio: 1 / 1; height: auto !important; }
+#history .grid-wrap { min-height: 0 !important; }
+/* A message under a control wraps anywhere (a long file name must not push it past the panel). */
+.validation-error { overflow-wrap: anywhere; }
+#engine-health, #engine-health .html-container { padding: 0 !important; }
 #status textarea { font-variant-numeric: tabular-nums; font-weight: 600; }
 #cot textarea { font-family: var(--font-mono); font-size: 0.85em; }
 #timings { font-variant-numeric: tabular-nums; min-height: 1.5em; }
 #notice { border-left: 4px solid var(--color-accent); padding-left: 0.75em; }
-#engine-health { opacity: 0.8; font-size: 0.9em; }
+#engine-health { opacity: 0.85; font-size: 0.9em; }
 """
 
 
