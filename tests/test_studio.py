@@ -133,7 +133,7 @@ def test_validation_errors_reach_the_client_without_queueing(client, studio, ref
 @pytest.mark.parametrize("field,value,words", [
     ("steps", 0, f"steps must be an integer from {STEPS_RANGE[0]} to {STEPS_RANGE[1]} (got 0)"),
     ("steps", 10000, f"steps must be an integer from {STEPS_RANGE[0]} to {STEPS_RANGE[1]} (got 10000)"),
-    ("guidance", -1, "guidance must be a number from 0 to 20 (got -1.0)"),
+    ("guidance", -1, "guidance must be a number from 0 to 30 (got -1.0)"),
     ("size", "banana", "size 'banana' is not understood"),
     ("seed", -5, f"seed must be an integer from 0 to 2**53 - 1 = {SEED_RANGE[1]} (got -5)"),
     ("seed", 2 ** 70, f"(got {2 ** 70})"),
@@ -288,10 +288,10 @@ def test_cot_log_titles_sections_and_timings_text():
     t = Timings(ar_prefill_ms=10, ar_tokens=8, ar_ms_per_token=2.5, dit_steps=2, dit_ms_per_step=100,
                 vae_ms=50, total_s=1.23)
     text = timings_text(Done(t), ImageEvent(b"", 256, 192, 7))
-    assert "2.5 ms/token × 8 tokens" in text and "100 ms/step" in text and "1.23 s" in text and "seed 7" in text
+    assert "2.5 ms/token x 8 sampled tokens" in text and "100 ms/step" in text and "1.23 s" in text and "seed 7" in text
     off = timings_text(Done(Timings(ar_prefill_ms=12, ar_tokens=1, dit_steps=2, dit_ms_per_step=100, total_s=1)),
                        None)         # reasoning off: only the size token is sampled
-    assert "ms/token" not in off and "prefill 12 ms" in off
+    assert "ms/token" not in off and "prefill 12 ms (1 token)" in off
 
 
 def test_advice_warns_without_stopping(engine_server, tmp_path):

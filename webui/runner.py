@@ -100,19 +100,9 @@ def preview_image(png: bytes, size: tuple[int, int] | None = None) -> PILImage.I
 
 
 def timings_text(done: Done, image: Image | None) -> str:
-    """The measured figures. The AR phase is shown as ms/token only when the model wrote reasoning
-    (with reasoning off it samples just the size token, and a per-token rate of one token says nothing)."""
-    t = done.timings
-    parts = []
-    if t.ar_tokens > 1:
-        parts.append(f"**AR** {t.ar_ms_per_token:.1f} ms/token × {t.ar_tokens} tokens (prefill {t.ar_prefill_ms:.0f} ms)")
-    elif t.ar_prefill_ms:
-        parts.append(f"**AR** prefill {t.ar_prefill_ms:.0f} ms")
-    if t.dit_steps:
-        parts.append(f"**DiT** {t.dit_ms_per_step:.0f} ms/step × {t.dit_steps} steps")
-    if t.vae_ms:
-        parts.append(f"**VAE** {t.vae_ms:.0f} ms")
-    parts.append(f"**total** {t.total_s:.2f} s")
+    """The measured figures (the engine's own labels: ms/token over the sampled tokens, and with
+    reasoning off only the prefill, since the size is the one token chosen)."""
+    parts = done.timings.parts(bold=True)
     if image is not None:
         parts.append(f"{image.width} × {image.height}, seed {image.seed}")
     return " · ".join(parts)
