@@ -61,3 +61,34 @@ def test_the_studio_notice_names_what_the_model_knows():
     edits = {t for tasks in GROUP_TASKS.values() for t in tasks} - {"t2i"}
     missing = [w for w in (*SHAPES, *COLORS, *BACKGROUNDS, *edits) if w not in EMBEDDED_NOTICE]
     assert not missing, missing
+
+
+def test_every_studio_example_has_a_check(tmp_path):
+    """train.evaluate scores the studio's examples in every reasoning mode: each example prompt and
+    example edit shown for the embedded model has its check there."""
+    from train.evaluate import EXAMPLE_EDIT_CHECKS, EXAMPLE_T2I_CHECKS
+    from webui.examples import SHAPE_PROMPTS, reference_examples
+
+    assert set(SHAPE_PROMPTS) == set(EXAMPLE_T2I_CHECKS)
+    assert {prompt for _, prompt in reference_examples(tmp_path, small=True)} == set(EXAMPLE_EDIT_CHECKS)
+
+
+def test_reasoning_forms_of_each_mode():
+    """What each mode writes, on the embedded model's tokenizer: off is the ratio token alone, think
+    closes its text and goes to the image, think + recaption adds the recaption."""
+    from engine.serve.info import ModelInfo
+    from engine.spec.tokenizer import Tokenizer
+    from train.evaluate import well_formed
+
+    info = ModelInfo.from_folder(MODEL)
+    tok = Tokenizer(MODEL / "tokenizer.json", info.cfg.image_base_size, len(info.buckets))
+    sp = tok.special
+    ratio = "<img_ratio_16>"
+    think = "one small blue circle; white background; square."
+    recap = "square, white background: small blue circle center."
+    forms = {"image": ratio, "think": f"{think}</think><answer><boi><img_size_256>{ratio}",
+             "think_recaption": f"{think}</think><recaption>{recap}</recaption><answer><boi><img_size_256>{ratio}"}
+    for mode, text in forms.items():
+        for other, other_text in forms.items():
+            assert well_formed(tok.encode(other_text), sp, mode) == (other == mode), (mode, other)
+    assert not well_formed(tok.encode(f"</think><answer><boi><img_size_256>{ratio}"), sp, "think")   # no text

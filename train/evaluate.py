@@ -1,20 +1,28 @@
-"""Evaluate a checkpoint folder on held-out prompts through the inference pipeline.
+"""Evaluate a checkpoint folder on held-out prompts through the inference pipeline, in every reasoning
+mode the studio offers.
 
-    python -m train.evaluate --model DIR [--n N] [--seed S] [--threads 2] [--json OUT.json]
+    python -m train.evaluate --model DIR [--n N] [--modes off,think,think_recaption] [--example-seeds K]
+                             [--seed S] [--threads 2] [--json OUT.json]
 
-For each held-out sample (the dataset's test split: scene specifications never seen in training)
-the engine's `Pipeline` runs the model's default mode (think_recaption, size auto, the generation
-config's steps) and the detector reads the image:
+For each reasoning mode (off = bot_task `image`: no reasoning, the model only picks the size; think;
+think + recaption) and each held-out sample (the dataset's test split: scene specifications never seen
+in training; the same samples and seeds in every mode) the engine's `Pipeline` runs the request (size
+auto, the generation config's steps) and the detector reads the image. The studio's example prompts
+and example edits run too, each with K seeds:
 
 - T2I attribute accuracy: for every requested group, its colour (when the prompt gives one), shape,
   count and position (when given) are checked on the detected objects; the headline is the mean
   over all checked attributes. Background and aspect ratio (bucket) are reported beside it.
 - TI2I edit accuracy: the requested change holds (recolour / move / add / remove / background /
   combine); `kept` reports whether the untouched objects survived.
-- Reasoning well-formed: the generated ids are `think-text </think> <recaption> text </recaption>
-  <answer> <boi> <img_size> <img_ratio_k>` with non-empty texts and no stray special tokens.
-- CoT correct: the recaption describes what the prompt asks for (T2I); image follows CoT: the
-  detected objects are exactly the recaption's.
+- Reasoning well-formed: the generated ids are the mode's form with non-empty texts and no stray
+  special tokens: `think-text </think> <recaption> text </recaption> <answer> <boi> <img_size>
+  <img_ratio_k>` (think + recaption), `think-text </think> <answer> <boi> <img_size> <img_ratio_k>`
+  (think), `<img_ratio_k>` alone (off).
+- CoT correct (recaption modes): the recaption describes what the prompt asks for (T2I); image follows
+  CoT: the detected objects are exactly the recaption's.
+- Examples: the attribute accuracy of the studio's example prompts, and how often each example edit
+  makes its change.
 - Time: median wall time of one T2I request (reasoning included) with `--threads` CPU threads.
 """
 from __future__ import annotations
@@ -25,6 +33,7 @@ import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +48,25 @@ from .dataset import COLORS, FORMATS, REGIONS, SHAPES, make_sample
 from .detect import Detection, SceneDetection, detect
 
 T2I_ATTRS = ("color", "shape", "count", "position")
+# The studio's names for the reasoning modes -> the engine's bot_task (webui/options.py REASONING_MODES).
+MODES = {"off": "image", "think": "think", "think_recaption": "think_recaption"}
+# What the studio's examples for the embedded model ask for (webui/examples.py), in the checks' terms:
+# T2I prompts -> check_t2i's check; edit prompts -> (task, check_edit's check).
+EXAMPLE_T2I_CHECKS = {
+    "a red circle on the left on a white background":
+        {"groups": [{"shape": "circle", "color": "red", "count": 1, "region": "left"}], "background": "white"},
+    "two blue squares on a gray background":
+        {"groups": [{"shape": "square", "color": "blue", "count": 2, "region": None}], "background": "gray"},
+    "a big yellow star in the center":
+        {"groups": [{"shape": "star", "color": "yellow", "count": 1, "region": "center"}], "background": None},
+    "three small green triangles at the top":
+        {"groups": [{"shape": "triangle", "color": "green", "count": 3, "region": "top"}], "background": None},
+}
+EXAMPLE_EDIT_CHECKS = {
+    "make the circle blue": ("recolor", {"shape": "circle", "old": "red", "new": "blue", "preserve": []}),
+    "move the square to the right": ("move", {"shape": "square", "color": "green", "region": "right",
+                                              "preserve": ["green square"]}),
+}
 CELL_BY_NAME = {"top left": (0, 0), "top": (0, 1), "top right": (0, 2), "left": (1, 0), "center": (1, 1),
                 "right": (1, 2), "bottom left": (2, 0), "bottom": (2, 1), "bottom right": (2, 2)}
 _OBJ = re.compile(r"(small|large) (" + "|".join(COLORS) + r") (" + "|".join(SHAPES) + r") (" +
@@ -66,10 +94,19 @@ def split_cot(cot: str) -> tuple[str | None, str | None]:
     return (think.group(1) if think else None), (recap.group(1) if recap else None)
 
 
-def well_formed(ids: list[int], sp) -> bool:
-    """think ids </think> <recaption> ids </recaption> <answer> <boi> <img_size> <img_ratio_k>."""
+def well_formed(ids: list[int], sp, bot_task: str = "think_recaption") -> bool:
+    """The ids of the mode's reasoning: think ids </think> <recaption> ids </recaption> <answer> <boi>
+    <img_size> <img_ratio_k> (think_recaption); think ids </think> <answer> <boi> <img_size>
+    <img_ratio_k> (think); <img_ratio_k> alone (image)."""
     specials = {sp.end_think, sp.recaption, sp.end_recaption, sp.answer, sp.boi, sp.size, sp.think, sp.eos,
                 sp.img, sp.eoi, sp.end_answer, sp.cfg, sp.pad, sp.timestep, *sp.ratio}
+    if bot_task == "image":
+        return len(ids) == 1 and ids[0] in sp.ratio
+    if bot_task == "think":
+        tail = ids[-5:]
+        think = ids[:-5]
+        return (len(ids) > 5 and tail[:4] == [sp.end_think, sp.answer, sp.boi, sp.size] and tail[4] in sp.ratio
+                and not any(t in specials for t in think))
     try:
         a = ids.index(sp.end_think)
     except ValueError:
@@ -127,8 +164,9 @@ def check_edit(task: str, check: dict, det: SceneDetection) -> tuple[bool, bool]
     return ok, kept
 
 
-def run_one(pipe: Pipeline, sample, seed: int) -> dict:
-    req = Request(prompt=sample.prompt, images=[sc.render() for sc in sample.refs], seed=seed)
+def run_one(pipe: Pipeline, sample, seed: int, bot_task: str | None = None, images: list | None = None) -> dict:
+    refs = images if images is not None else [sc.render() for sc in sample.refs]
+    req = Request(prompt=sample.prompt, images=refs, seed=seed, bot_task=bot_task)
     t0 = time.perf_counter()
     res: dict = {"error": None, "image": None, "ratio": None, "cot": "", "timings": None}
     for ev in pipe.run(req):
@@ -145,26 +183,82 @@ def run_one(pipe: Pipeline, sample, seed: int) -> dict:
     return res
 
 
+@dataclass
+class _Prompt:
+    """An example prompt in the shape `run_one` takes."""
+    prompt: str
+    refs: tuple = ()
+
+
+def evaluate_examples(pipe: Pipeline, bot_task: str | None, seeds: int, log=print) -> dict:
+    """The studio's examples for the embedded model, each run with seeds 0..seeds-1: the attribute
+    accuracy of the T2I examples (and each prompt's share of fully correct images), the share of edits
+    that make their change (and each edit's)."""
+    import tempfile
+
+    from webui.examples import SHAPE_PROMPTS, reference_examples
+    missing = [p for p in SHAPE_PROMPTS if p not in EXAMPLE_T2I_CHECKS]
+    if missing:
+        raise ValueError(f"no check for the example prompts {missing}")
+    out: dict = {}
+    attrs: list[bool] = []
+    for prompt in SHAPE_PROMPTS:
+        check, ok_all = EXAMPLE_T2I_CHECKS[prompt], []
+        for k in range(seeds):
+            r = run_one(pipe, _Prompt(prompt), k, bot_task)
+            det = detect(r["image"]) if r["image"] is not None else SceneDetection("?", [])
+            res = check_t2i(check, det)
+            if check["background"]:
+                res["background"] = [det.background == check["background"]]
+            attrs += [x for v in res.values() for x in v]
+            ok_all.append(r["image"] is not None and all(all(v) for v in res.values()))
+            log(f"example {prompt!r} seed {k}: {[o.name + ' ' + o.position for o in det.objects]} on "
+                f"{det.background} | {res}")
+        out[f"example: {prompt}"] = sum(ok_all) / len(ok_all)
+    edits: list[bool] = []
+    with tempfile.TemporaryDirectory() as folder:
+        for path, prompt in reference_examples(Path(folder), small=True):
+            if prompt not in EXAMPLE_EDIT_CHECKS:
+                raise ValueError(f"no check for the example edit {prompt!r}")
+            task, check = EXAMPLE_EDIT_CHECKS[prompt]
+            ref, oks = PILImage.open(path).convert("RGB"), []
+            for k in range(seeds):
+                r = run_one(pipe, _Prompt(prompt), k, bot_task, images=[ref])
+                det = detect(r["image"]) if r["image"] is not None else SceneDetection("?", [])
+                ok = r["image"] is not None and check_edit(task, check, det)[0]
+                oks.append(ok)
+                log(f"example edit {prompt!r} seed {k}: {[o.name + ' ' + o.position for o in det.objects]} "
+                    f"on {det.background} | ok={ok}")
+            edits += oks
+            out[f"example edit: {prompt}"] = sum(oks) / len(oks)
+    out["examples_t2i_attribute_accuracy"] = sum(attrs) / len(attrs) if attrs else float("nan")
+    out["examples_edit_accuracy"] = sum(edits) / len(edits) if edits else float("nan")
+    return out
+
+
 def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None = 2, device: str = "cpu",
-             n_edit: int | None = None, save_dir: str | Path | None = None, log=print) -> dict:
+             n_edit: int | None = None, save_dir: str | Path | None = None, log=print,
+             bot_task: str | None = None, example_seeds: int = 0) -> dict:
+    """The metrics of one reasoning mode (`bot_task`; None: the checkpoint's default)."""
     if threads:
         torch.set_num_threads(threads)
     lm = load(model, device)
     pipe = Pipeline(lm, preview_every=0)
     tok, sp = lm.tok, lm.tok.special
+    mode = bot_task or lm.gen.bot_task
     n_edit = n if n_edit is None else n_edit
     save = Path(save_dir) if save_dir else None
     if save:
         save.mkdir(parents=True, exist_ok=True)
     # warm-up (first-call allocations are not part of the steady-state time)
-    run_one(pipe, make_sample(10 ** 6 + seed, "test", group=0), seed)
+    run_one(pipe, make_sample(10 ** 6 + seed, "test", group=0), seed, bot_task)
 
     attrs = {k: [] for k in T2I_ATTRS}
     extra = {"background": [], "ratio": [], "cot_correct": [], "image_follows_cot": [], "all_correct": []}
     formed, times, errors = [], [], 0
     for i in range(n):
         s = make_sample(seed * 100_003 + i, "test", group=0)
-        r = run_one(pipe, s, seed + i)
+        r = run_one(pipe, s, seed + i, bot_task)
         if r["error"] or r["image"] is None:
             errors += 1
             log(f"t2i {i}: ERROR {r['error']}")
@@ -184,10 +278,12 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
         if s.check["format"]:
             extra["ratio"].append(r["ratio"] == FORMATS[s.check["format"]])
         ids = tok.encode(r["cot"])
-        formed.append(well_formed(ids, sp))
+        formed.append(well_formed(ids, sp, mode))
         _, recap = split_cot(r["cot"])
         parsed = parse_recaption(recap) if recap else None
-        if parsed:
+        if "recaption" not in mode:
+            pass                     # no recaption to check: these rows read n/a
+        elif parsed:
             ok = True
             for g in s.check["groups"]:
                 objs = [o for o in parsed["objects"] if o[1] == g["shape"] and (not g["color"] or o[0] == g["color"])]
@@ -209,7 +305,7 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
     for i in range(n_edit):
         group = (1, 1, 1, 1, 1, 2, 2, 3)[i % 8]
         s = make_sample(seed * 100_003 + i, "test", group=group)
-        r = run_one(pipe, s, seed + i)
+        r = run_one(pipe, s, seed + i, bot_task)
         if r["error"] or r["image"] is None:
             errors += 1
             edits.setdefault(s.task, []).append(False)
@@ -220,12 +316,13 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
         ok, kp = check_edit(s.task, s.check, det)
         edits.setdefault(s.task, []).append(ok)
         kept.append(kp)
-        edit_formed.append(well_formed(tok.encode(r["cot"]), sp))
+        edit_formed.append(well_formed(tok.encode(r["cot"]), sp, mode))
         _, recap = split_cot(r["cot"])
         parsed = parse_recaption(recap) if recap else None
-        edit_cot.append(bool(parsed) and check_edit(s.task, s.check, recaption_scene(parsed))[0])
-        edit_follows.append(bool(parsed) and sorted((o.color, o.shape, o.cell) for o in det.objects)
-                            == sorted(parsed["objects"]))
+        if "recaption" in mode:
+            edit_cot.append(bool(parsed) and check_edit(s.task, s.check, recaption_scene(parsed))[0])
+            edit_follows.append(bool(parsed) and sorted((o.color, o.shape, o.cell) for o in det.objects)
+                                == sorted(parsed["objects"]))
         if save:
             r["image"].save(save / f"ti2i_{i:03d}_{s.task}.png")
         log(f"ti2i {i} [{s.task}]: {s.prompt!r} -> {r['cot'][:160]!r} | detected "
@@ -234,8 +331,10 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
     mean = lambda v: (sum(v) / len(v)) if v else float("nan")
     all_attr = [x for k in T2I_ATTRS for x in attrs[k]]
     all_edit = [x for v in edits.values() for x in v]
+    examples = evaluate_examples(pipe, bot_task, example_seeds, log) if example_seeds else {}
     return {
-        "model": str(model), "n_t2i": n, "n_ti2i": n_edit, "seed": seed, "threads": threads, "errors": errors,
+        "model": str(model), "mode": mode, "n_t2i": n, "n_ti2i": n_edit, "seed": seed, "threads": threads,
+        "errors": errors, "example_seeds": example_seeds, **examples,
         "t2i_attribute_accuracy": mean(all_attr), **{f"t2i_{k}": mean(v) for k, v in attrs.items()},
         **{f"t2i_{k}": mean(v) for k, v in extra.items()},
         "ti2i_edit_accuracy": mean(all_edit), **{f"ti2i_{k}": mean(v) for k, v in edits.items()},
@@ -245,23 +344,39 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
     }
 
 
-def table(m: dict) -> str:
-    rows = [("T2I attribute accuracy (color, shape, count, position)", m["t2i_attribute_accuracy"]),
-            ("  color", m["t2i_color"]), ("  shape", m["t2i_shape"]), ("  count", m["t2i_count"]),
-            ("  position", m["t2i_position"]), ("  background (when asked)", m["t2i_background"]),
-            ("  aspect ratio token (when asked)", m["t2i_ratio"]), ("  every attribute of the image", m["t2i_all_correct"]),
-            ("  CoT (recaption) matches the request", m["t2i_cot_correct"]),
-            ("  image matches its recaption", m["t2i_image_follows_cot"]),
-            ("TI2I edit accuracy (requested change)", m["ti2i_edit_accuracy"])]
-    rows += [(f"  {k[5:]}", v) for k, v in m.items() if k.startswith("ti2i_") and k not in
+def table(ms: list[dict]) -> str:
+    """One column per reasoning mode; n/a where the mode has nothing to check (no recaption)."""
+    m0 = ms[0]
+    rows = [("T2I attribute accuracy (color, shape, count, position)", "t2i_attribute_accuracy"),
+            ("  color", "t2i_color"), ("  shape", "t2i_shape"), ("  count", "t2i_count"),
+            ("  position", "t2i_position"), ("  background (when asked)", "t2i_background"),
+            ("  aspect ratio token (when asked)", "t2i_ratio"), ("  every attribute of the image", "t2i_all_correct"),
+            ("  CoT (recaption) matches the request", "t2i_cot_correct"),
+            ("  image matches its recaption", "t2i_image_follows_cot"),
+            ("TI2I edit accuracy (requested change)", "ti2i_edit_accuracy")]
+    rows += [(f"  {k[5:]}", k) for k in m0 if k.startswith("ti2i_") and k not in
              ("ti2i_edit_accuracy", "ti2i_kept", "ti2i_cot_correct", "ti2i_image_follows_cot")]
-    rows += [("  untouched objects kept", m["ti2i_kept"]),
-             ("  CoT (recaption) makes the requested change", m["ti2i_cot_correct"]),
-             ("  image matches its recaption", m["ti2i_image_follows_cot"]),
-             ("Reasoning well-formed (think/recaption/ratio ids)", m["reasoning_well_formed"])]
-    lines = [f"| {'metric':55s} | {'value':>7s} |", f"|{'-' * 57}|{'-' * 9}|"]
-    lines += [f"| {k:55s} | {v:7.1%} |" for k, v in rows]
-    lines.append(f"| {'Median time, one 256-px T2I image with reasoning':55s} | {m['median_t2i_seconds']:6.2f}s |")
+    rows += [("  untouched objects kept", "ti2i_kept"),
+             ("  CoT (recaption) makes the requested change", "ti2i_cot_correct"),
+             ("  image matches its recaption", "ti2i_image_follows_cot"),
+             ("Reasoning well-formed (the mode's ids)", "reasoning_well_formed")]
+    if m0.get("example_seeds"):
+        k = m0["example_seeds"]
+        rows += [(f"Studio examples, {k} seeds each: T2I attribute accuracy", "examples_t2i_attribute_accuracy")]
+        rows += [(f"  {key[9:]!r} all correct", key) for key in m0 if key.startswith("example: ")]
+        rows += [("Studio example edits: requested change", "examples_edit_accuracy")]
+        rows += [(f"  {key[14:]!r}", key) for key in m0 if key.startswith("example edit: ")]
+
+    def cell(v: float) -> str:
+        return "n/a" if v != v else f"{v:.1%}"
+    names = [{"image": "off", "think_recaption": "think + recaption"}.get(m["mode"], m["mode"]) for m in ms]
+    width = max(len(r[0]) for r in rows) + 2
+    lines = [f"| {'metric':{width}s} | " + " | ".join(f"{n:>17s}" for n in names) + " |",
+             f"|{'-' * (width + 2)}|" + "|".join("-" * 19 for _ in ms) + "|"]
+    lines += [f"| {label:{width}s} | " + " | ".join(f"{cell(m.get(key, float('nan'))):>17s}" for m in ms) + " |"
+              for label, key in rows]
+    lines.append(f"| {'Median time, one 256-px T2I image':{width}s} | "
+                 + " | ".join(f"{m['median_t2i_seconds']:16.2f}s" for m in ms) + " |")
     return "\n".join(lines)
 
 
@@ -271,26 +386,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="checkpoint folder (official layout)")
     ap.add_argument("--n", type=int, default=40, help="held-out T2I prompts (and as many TI2I edits)")
     ap.add_argument("--n-edit", type=int, default=None, help="held-out TI2I samples (default: --n)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"reasoning modes to measure, comma-separated: {', '.join(MODES)} (default: all; "
+                         "'default' is the checkpoint's own)")
+    ap.add_argument("--example-seeds", type=int, default=5,
+                    help="runs of each of the studio's examples per mode (0: none; default 5)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (the timing target is 2 cores)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", help="also write the metrics here")
-    ap.add_argument("--save-images", help="write every generated image into this folder")
+    ap.add_argument("--json", help="also write the metrics here (a list, one entry per mode)")
+    ap.add_argument("--save-images", help="write every generated image into this folder (one subfolder a mode)")
     ap.add_argument("--quiet", action="store_true")
-    ap.add_argument("--min-attr", type=float, default=None, help="exit 1 if T2I attribute accuracy is lower")
-    ap.add_argument("--min-edit", type=float, default=None, help="exit 1 if TI2I edit accuracy is lower")
-    ap.add_argument("--min-formed", type=float, default=None, help="exit 1 if well-formed reasoning is rarer")
+    ap.add_argument("--min-attr", type=float, default=None, help="exit 1 if T2I attribute accuracy is lower (any mode)")
+    ap.add_argument("--min-edit", type=float, default=None, help="exit 1 if TI2I edit accuracy is lower (any mode)")
+    ap.add_argument("--min-formed", type=float, default=None, help="exit 1 if well-formed reasoning is rarer (any mode)")
     args = ap.parse_args(argv)
-    m = evaluate(args.model, args.n, args.seed, args.threads, args.device, args.n_edit, args.save_images,
-                 log=(lambda *_: None) if args.quiet else print)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES and m != "default"]
+    if unknown or not modes:
+        ap.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}, default")
+    ms = []
+    for mode in modes:
+        save = str(Path(args.save_images) / mode) if args.save_images else None
+        ms.append(evaluate(args.model, args.n, args.seed, args.threads, args.device, args.n_edit, save,
+                           log=(lambda *_: None) if args.quiet else print,
+                           bot_task=MODES.get(mode), example_seeds=args.example_seeds))
     cmd = "python -m train.evaluate " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(table(m))
+    print(table(ms))
     print(f"command: {cmd}")
     if args.json:
-        Path(args.json).write_text(json.dumps(m, indent=1))
-    fails = [name for name, floor, key in (("attribute", args.min_attr, "t2i_attribute_accuracy"),
-                                           ("edit", args.min_edit, "ti2i_edit_accuracy"),
-                                           ("well-formed", args.min_formed, "reasoning_well_formed"))
+        Path(args.json).write_text(json.dumps(ms, indent=1))
+    fails = [f"{name} ({m['mode']})" for m in ms
+             for name, floor, key in (("attribute", args.min_attr, "t2i_attribute_accuracy"),
+                                      ("edit", args.min_edit, "ti2i_edit_accuracy"),
+                                      ("well-formed", args.min_formed, "reasoning_well_formed"))
              if floor is not None and not m[key] >= floor]
     if fails:
         print(f"below the floor: {', '.join(fails)}", file=sys.stderr)
