@@ -87,20 +87,25 @@ def wait_done(page, runs_before: int, timeout: float = 60.0) -> None:
     page.wait_for_function(f"() => window.__done > {runs_before}", timeout=timeout * 1000)
 
 
-def whole(page, selector: str) -> list[tuple[int, int, int, int, str]]:
-    """(natural w, h, shown w, h, object-fit) of every image under `selector`."""
+def whole(page, selector: str) -> list[tuple]:
+    """For every image under `selector`: natural w, h; drawn w, h; object-fit; and whether its box lies
+    inside the component's box (not cut off by it, nor scrolled out of it)."""
     return [tuple(x) for x in page.evaluate(
-        "(sel) => [...document.querySelectorAll(sel + ' img')].map(i => "
-        "[i.naturalWidth, i.naturalHeight, i.clientWidth, i.clientHeight, getComputedStyle(i).objectFit])",
-        selector)]
+        """(sel) => { const box = document.querySelector(sel).getBoundingClientRect();
+           return [...document.querySelectorAll(sel + ' img')].map(i => { const r = i.getBoundingClientRect();
+             return [i.naturalWidth, i.naturalHeight, i.clientWidth, i.clientHeight, getComputedStyle(i).objectFit,
+                     r.left >= box.left - 1 && r.right <= box.right + 1 && r.top >= box.top - 1 &&
+                     r.bottom <= box.bottom + 1]; }); }""", selector)]
 
 
 def assert_whole(images) -> None:
-    """Each image is drawn whole: scaled to fit (contain) or in a box of its own aspect ratio."""
+    """Each image is drawn whole: scaled to fit (contain) or in a box of its own aspect ratio, and that
+    box inside its component."""
     assert images
-    for nw, nh, w, h, fit in images:
+    for nw, nh, w, h, fit, inside in images:
         assert nw and nh and w and h, images
         assert fit in ("contain", "scale-down") or abs(w / h - nw / nh) < 0.02, images
+        assert inside, images
 
 
 def run_without_reasoning(page, prompt: str, steps: int):

@@ -16,10 +16,13 @@ CSS = """
 }
 /* The canvas: the whole image, as large as the box allows (small images are drawn up, not cropped). */
 #result img { width: 100%; height: 100%; object-fit: contain; }
-/* The history strip: thumbnails in a row, each whole (Gradio stretches few images to the full width). */
-#history .grid-container { grid-template-columns: repeat(auto-fill, minmax(110px, 1fr)) !important;
-                           grid-template-rows: none !important; grid-auto-rows: auto !important; }
-#history .thumbnail-item { aspect-ratio: 1 / 1; height: auto !important; }
+/* Reference images and the history strip: square tiles, each image whole inside its tile. Gradio
+   gives few images the whole width (one reference became a 500 px tile cut by the 220 px box). */
+#refs .grid-container { grid-template-columns: repeat(3, minmax(0, 1fr)) !important; }
+#history .grid-container { grid-template-columns: repeat(auto-fill, minmax(110px, 1fr)) !important; }
+#refs .grid-container, #history .grid-container { grid-template-rows: none !important;
+                                                  grid-auto-rows: auto !important; }
+#refs .thumbnail-item, #history .thumbnail-item { aspect-ratio: 1 / 1; height: auto !important; }
 #history .grid-wrap { min-height: 0 !important; }
 /* A message under a control wraps anywhere (a long file name must not push it past the panel). */
 .validation-error { overflow-wrap: anywhere; }
