@@ -23,7 +23,8 @@ EMBEDDED_NOTICE = ("This is the small **embedded demo model** (9.7 M parameters 
                    "architecture). It knows simple scenes: circles, squares, triangles, diamonds and stars in "
                    "red, orange, yellow, green, blue or purple, on white, gray or black, and edits that "
                    "recolor, move, add or remove a shape, change the background or combine 2-3 images. "
-                   "Try the examples. Start the studio with `--model DIR` to serve "
+                   "Try the examples, with reasoning on Think + recaption (the default): it draws what was "
+                   "asked far more often than Off or Think. Start the studio with `--model DIR` to serve "
                    "HunyuanImage-3.0-Instruct or -Instruct-Distil.")
 
 

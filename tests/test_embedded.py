@@ -92,3 +92,12 @@ def test_reasoning_forms_of_each_mode():
         for other, other_text in forms.items():
             assert well_formed(tok.encode(other_text), sp, mode) == (other == mode), (mode, other)
     assert not well_formed(tok.encode(f"</think><answer><boi><img_size_256>{ratio}"), sp, "think")   # no text
+
+
+def test_the_page_starts_in_the_mode_that_measures_best():
+    """README "Reasoning modes": think + recaption scores 94.7% T2I / 95.0% edits against 79.7 / 72.5%
+    (off) and 77.0 / 62.5% (think) on the embedded model; the page starts in it."""
+    from engine.serve.info import ModelInfo
+    from webui.options import default_mode
+
+    assert default_mode(ModelInfo.from_folder(MODEL).gen) == "think_recaption"

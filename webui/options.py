@@ -55,6 +55,8 @@ def size_choices(buckets: tuple[Bucket, ...]) -> list[tuple[str, str]]:
 
 
 def default_mode(gen: GenerationConfig) -> str:
+    """The reasoning mode the page starts in: the checkpoint's own bot_task (for the embedded model
+    think_recaption, which measures best of the three: README, "Reasoning modes")."""
     values = [v for _, v in REASONING_MODES]
     if gen.bot_task in values:
         return gen.bot_task
