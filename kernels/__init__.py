@@ -6,7 +6,8 @@ This package imports nothing of `engine`.
 """
 from .registry import allowed, call, chosen, ops  # noqa: F401
 from . import moe  # noqa: F401,E402  moe (routed + shared MoE, deterministic fp32 finalize)
+from . import moe_quant  # noqa: F401,E402  moe_quant (the moe op over quantized experts)
 from . import norm  # noqa: F401,E402  rms_norm, add_rms_norm
-from . import quant  # noqa: F401,E402  dequant_*, linear_* / grouped_mm_* on quantized weights, FP8 (references)
+from . import quant  # noqa: F401,E402  dequant_*, linear_* / grouped_mm_* on quantized weights, FP8
 from . import rope  # noqa: F401,E402  rope_qk_norm, rope_qk_norm_cache
 from . import sampling  # noqa: F401,E402  sample

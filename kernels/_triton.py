@@ -29,8 +29,8 @@ def next_pow2(n: int) -> int:
 
 
 def round_bf16_in_interpreter() -> None:
-    """Make Triton's CPU interpreter round fp32 -> bf16 to nearest even, as the GPU does (Triton 3.6's
-    interpreter truncates), so interpreter runs can be compared with the reference at bf16 precision.
+    """Make Triton's CPU interpreter round fp32 -> bf16 (and fp32 -> float8 E4M3) to nearest even, as
+    the GPU does (Triton 3.6's interpreter truncates), so interpreter runs can be compared with the reference at bf16 precision.
     For tests and dry runs only; a no-op unless TRITON_INTERPRET=1."""
     if not (HAS_TRITON and INTERPRET):
         return
@@ -44,6 +44,29 @@ def round_bf16_in_interpreter() -> None:
         if src == tl.float32 and dst == tl.bfloat16:
             t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy()).to(torch.bfloat16)
             return t.view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
+        if src == tl.float32 and dst == tl.float8e4nv:     # the interpreter's own cast is off by a binade
+            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy()).to(torch.float8_e4m3fn)
+            return t.view(torch.uint8).numpy().reshape(data.shape)
         return real(data, src, dst, rounding)
     convert.rounds_bf16 = True
     ti._convert_float = convert
+
+
+def shim_interpreter_scalars() -> None:
+    """Triton 3.6's interpreter keeps scalars as 1-element arrays and converts them with int(), which
+    numpy >= 2.4 refuses for 1-d arrays (a kernel loop over a runtime bound fails). Convert through the
+    element instead; the kernels themselves are unchanged. For tests and dry runs only; a no-op unless
+    TRITON_INTERPRET=1."""
+    if not (HAS_TRITON and INTERPRET):
+        return
+    import triton.runtime.interpreter as ti
+    if getattr(ti, "_scalar_shim", False):
+        return
+    orig = ti._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    ti._patch_lang_tensor = patched
+    ti._scalar_shim = True

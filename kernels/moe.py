@@ -22,6 +22,8 @@ Backends: "torch" (this file, every device; the CPU path) and "triton" (CUDA, bf
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -62,10 +64,11 @@ def shared_mlp_reference(x, shared_w1, shared_w2, micro_start: int, micro_count:
     return F.linear(act, shared_w2[:, micro_start * is_micro:(micro_start + micro_count) * is_micro])
 
 
-@reference("moe")
-def moe_reference(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  shared_w1: torch.Tensor | None, shared_w2: torch.Tensor | None,
-                  micro_start: int, micro_count: int, topk: int, norm_topk: bool) -> torch.Tensor:
+def routed_reference(x: torch.Tensor, gate: torch.Tensor, micros: range, topk: int, norm_topk: bool,
+                     expert_mlp: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The routed part of the op in fp32 [N, H]: routing, the rows grouped by expert, `expert_mlp(m, xs,
+    offs)` of every micro on them (GEMM1 -> SwiGLU -> GEMM2), the micro partials summed, then the
+    weighted finalize. Shared by the bf16 and the quantized references (moe_quant.py)."""
     n, _ = x.shape
     w, idx = route(x, gate, topk, norm_topk)
     flat = idx.reshape(-1)                                  # route r = t*k + j
@@ -76,13 +79,23 @@ def moe_reference(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: tor
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)
     partial = None
-    for m in range(micro_start, micro_start + micro_count):
-        h = grouped_mm(xs, w1[m].transpose(1, 2), offs)
-        y = grouped_mm(swiglu_halves(h), w2[m].transpose(1, 2), offs).float()
+    for m in micros:
+        y = expert_mlp(m, xs, offs).float()
         partial = y if partial is None else partial + y
     # finalize: row of each route through the inverse permutation, k routes summed per token in fp32
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-    out = (partial[inv.view(n, topk)] * w.unsqueeze(-1)).sum(dim=1)
+    return (partial[inv.view(n, topk)] * w.unsqueeze(-1)).sum(dim=1)
+
+
+@reference("moe")
+def moe_reference(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  shared_w1: torch.Tensor | None, shared_w2: torch.Tensor | None,
+                  micro_start: int, micro_count: int, topk: int, norm_topk: bool) -> torch.Tensor:
+    def expert_mlp(m, xs, offs):
+        h = grouped_mm(xs, w1[m].transpose(1, 2), offs)
+        return grouped_mm(swiglu_halves(h), w2[m].transpose(1, 2), offs)
+
+    out = routed_reference(x, gate, range(micro_start, micro_start + micro_count), topk, norm_topk, expert_mlp)
     if shared_w1 is not None:
         out = out + shared_mlp_reference(x, shared_w1, shared_w2, micro_start, micro_count).float()
     return out.to(x.dtype)

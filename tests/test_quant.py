@@ -98,9 +98,13 @@ def test_weight_only_gemm_references():
     assert torch.equal(kernels.call("linear_mxfp4", x, codes[0], scales[0]), F.linear(x, wd[0]))
     ref = torch.cat([x[:2] @ wd[0].t(), x[2:7] @ wd[2].t()])
     assert torch.allclose(kernels.call("grouped_mm_mxfp4", x, codes, scales, offs), ref, atol=1e-5)
-    for op in ("dequant_mxfp8", "dequant_mxfp4", "dequant_nvfp4", "dequant_fp8", "linear_mxfp8", "linear_nvfp4",
-               "grouped_mm_mxfp8", "grouped_mm_nvfp4", "quantize_fp8_rows", "fp8_scaled_mm", "linear_fp8"):
+    for op in ("dequant_mxfp8", "dequant_mxfp4", "dequant_nvfp4", "dequant_fp8"):
         assert kernels.ops()[op] == ["torch"], op
+    for op in ("linear_mxfp8", "linear_nvfp4", "grouped_mm_mxfp8", "grouped_mm_nvfp4", "quantize_fp8_rows"):
+        assert kernels.ops()[op] == ["triton", "torch"], op          # CUDA backends (tests/test_kernels_quant.py)
+    for op in ("fp8_scaled_mm", "linear_fp8", "grouped_mm_fp8"):
+        assert kernels.ops()[op] == ["scaled_mm", "torch"], op
+        assert kernels.chosen(op, "cpu", torch.float32) == "torch"
 
 
 # ------------------------------------------------------------------ declared formats

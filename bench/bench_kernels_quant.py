@@ -1,0 +1,285 @@
+"""The quantized GEMMs and the quantized MoE op at the real per-rank shapes of HunyuanImage-3.0 (H 4096,
+E 64, top-8; I_micro 3072 at tp1, 768 for a TP4 micro; N = 1, 8, 1024, 8194 tokens), every fast path
+checked against its reference on fresh random inputs (outputs poisoned with NaN), then timed (median of
+triton.testing.do_bench) next to the bf16 path of the same shape.
+
+    python bench/bench_kernels_quant.py [--tune] [--quick]
+
+Rows: the dense linear (qkv 6144 x 4096), the grouped expert GEMMs on permuted rows (GEMM1 2I x H and
+GEMM2 H x I, uniform random routing), the whole `moe_quant` op (decode: only the chosen experts' bytes,
+eager and as a CUDA graph; denoise: the grouped path) against the bf16 `moe` op. Each row gives ms,
+the rate (TFLOP/s when the floor is compute, GB/s when it is memory) and the fraction of the floor:
+max(FLOPs / peak, bytes / 4.3 TB/s), with peak 790 TFLOP/s for bf16 MMA (the weight-only kernels run
+bf16 MMA) and 1267 for FP8. Details go to $OUT/bench_kernels_quant.json when $OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels                                       # noqa: E402
+import kernels.quant as kq                           # noqa: E402
+from kernels import moe_fast, quant_triton as qt     # noqa: E402
+from kernels.moe_quant import moe_quant_cuda         # noqa: E402
+
+H, E, K = 4096, 64, 8
+PEAK = {"bf16": 790e12, "fp8": 1267e12}
+PEAK_BW = 4.3e12
+FMTS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
+BITS = {"bf16": 16, "mxfp8": 8 + 8 / 32, "mxfp4": 4 + 8 / 32, "nvfp4": 4 + 8 / 16, "fp8": 8}
+BF16 = torch.bfloat16
+
+
+def gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def bench(fn):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def tol(fmt):
+    return 3e-2 if fmt == "fp8" else 1e-2
+
+
+def row(rows, case, n, path, ms, flops, nbytes, peak, err=""):
+    t_floor = max(flops / peak, nbytes / PEAK_BW)
+    compute = flops / peak >= nbytes / PEAK_BW
+    rate = f"{flops / ms / 1e9:.0f} TFLOP/s" if compute else f"{nbytes / ms / 1e6:.0f} GB/s"
+    rows.append(dict(case=case, n=n, path=path, ms=ms, rate=rate, floor=f"{t_floor * 1e3 / ms:.0%}", err=err,
+                     flops=flops, bytes=nbytes))
+
+
+def qweight(fmt, shape, std, seed, gscale_dims=0):
+    return kq.random_qweight(fmt, shape, std, "cuda", gen(seed), inverse=fmt == "nvfp4", gscale_dims=gscale_dims)
+
+
+# ------------------------------------------------------------------------------------ dense linear
+
+def linear_cases(rows, quick):
+    n_out, k = 6144, H
+    ok = True
+    wb = (torch.randn(n_out, k, generator=gen(1), device="cuda") * k ** -0.5).to(BF16)
+    ws = {f: qweight(f, (n_out, k), k ** -0.5, 2) for f in FMTS}
+    for m in ((1, 8, 1024) if quick else (1, 8, 1024, 8194)):
+        x = torch.randn(m, k, generator=gen(m), device="cuda").to(BF16)
+        flops = 2 * m * n_out * k
+        act = 2 * m * (k + n_out)
+        row(rows, "linear 6144x4096", m, "bf16 F.linear", bench(lambda: F.linear(x, wb)), flops,
+            n_out * k * 2 + act, PEAK["bf16"])
+        for f in FMTS:
+            w = ws[f]
+            x2 = torch.randn(m, k, generator=gen(m + 1), device="cuda").to(BF16)
+            good, err = _checked_fast_ref(lambda: kq.qlinear(x2, w), f)
+            ok &= good
+            row(rows, "linear 6144x4096", m, f, bench(lambda: kq.qlinear(x, w)), flops,
+                n_out * k * BITS[f] / 8 + act, PEAK["fp8" if f == "fp8" else "bf16"], err)
+    return ok
+
+
+def _checked_fast_ref(fast, fmt):
+    with moe_fast.poisoned():
+        got = fast()
+    with kernels.allowed():
+        want = fast()
+    err = rel_err(got, want)
+    good = bool(not got.isnan().any() and err < tol(fmt))
+    return good, f"{err:.1e}" + ("" if good else " FAIL")
+
+
+# ------------------------------------------------------------------------------------ grouped GEMMs
+
+def grouped_cases(rows, quick):
+    ok = True
+    for name, inter, n in (("tp1", 3072, 8194), ("tp4", 768, 8194)) + (() if quick else (("tp1", 3072, 1024),)):
+        r = n * K
+        ids = torch.randint(0, E, (r,), generator=gen(3), device="cuda")
+        offs = torch.bincount(ids, minlength=E).cumsum(0).int()
+        x1 = torch.randn(r, H, generator=gen(4), device="cuda").to(BF16)
+        x2 = torch.randn(r, inter, generator=gen(5), device="cuda").to(BF16)
+        shapes = (("GEMM1", x1, 2 * inter, H), ("GEMM2", x2, H, inter))
+        for gname, x, n_out, k in shapes:
+            case = f"grouped {gname} {name}"
+            flops = 2 * r * n_out * k
+            act = 2 * r * (k + n_out)
+            wb = (torch.randn(E, n_out, k, generator=gen(6), device="cuda") * k ** -0.5).to(BF16)
+            row(rows, case, n, "bf16 _grouped_mm", bench(lambda: torch._grouped_mm(x, wb.transpose(1, 2), offs=offs)),
+                flops, E * n_out * k * 2 + act, PEAK["bf16"])
+            del wb
+            for f in FMTS:
+                w = qweight(f, (E, n_out, k), k ** -0.5, 7, gscale_dims=1)
+                good, err = _checked_fast_ref(lambda: kq.qgrouped(x, w, offs), f)
+                ok &= good
+                row(rows, case, n, f, bench(lambda: kq.qgrouped(x, w, offs)), flops,
+                    E * n_out * k * BITS[f] / 8 + act, PEAK["fp8" if f == "fp8" else "bf16"], err)
+                if f == "fp8":      # the GEMM alone, on rows quantized once (the MoE shares them by micro)
+                    xq, xs = qt.quantize_rows(x)
+                    row(rows, case, n, "fp8 scaled_grouped_mm only",
+                        bench(lambda: kq.scaled_grouped(xq, xs, w.codes, w.scales, offs, BF16)), flops,
+                        E * n_out * k + r * (k + 2 * n_out), PEAK["fp8"])
+                del w
+    return ok
+
+
+# ------------------------------------------------------------------------------------ the MoE op
+
+def moe_weights(fmt, inter, micros, seed):
+    if fmt == "bf16":
+        def rnd(*shape, std):
+            return (torch.randn(*shape, generator=gen(seed), device="cuda") * std).to(BF16)
+        return dict(w1=rnd(micros, E, 2 * inter, H, std=H ** -0.5), w2=rnd(micros, E, H, inter, std=inter ** -0.5),
+                    shared_w1=rnd(micros, 2 * inter, H, std=H ** -0.5), shared_w2=rnd(H, micros * inter, std=inter ** -0.5))
+    shared = "mxfp8" if fmt == "mxfp4" else fmt          # the MXFP4-mixed build keeps the shared MLP in MXFP8
+    return dict(w1=qweight(fmt, (micros, E, 2 * inter, H), H ** -0.5, seed, 1),
+                w2=qweight(fmt, (micros, E, H, inter), inter ** -0.5, seed + 1, 1),
+                shared_w1=qweight(shared, (micros, 2 * inter, H), H ** -0.5, seed + 2),
+                shared_w2=qweight(shared, (H, micros * inter), inter ** -0.5, seed + 3))
+
+
+def moe_args(x, gate, w, ms, mc):
+    return (x, gate, w["w1"], w["w2"], w["shared_w1"], w["shared_w2"], ms, mc, K, True)
+
+
+def run_op(fmt):
+    return moe_fast.moe_cuda if fmt == "bf16" else moe_quant_cuda
+
+
+def decode_bytes(x, gate, fmt, inter, mc):
+    """Bytes the decode path must read: the chosen experts' and the shared MLP's weights of the active
+    micros, the router, the tokens."""
+    _, idx = kernels.moe.route(x, gate, K, True)
+    shared = "mxfp8" if fmt == "mxfp4" else fmt
+    per = 3 * inter * H * mc
+    return (idx.unique().numel() * per * BITS[fmt] + per * BITS[shared]) / 8 + E * H * 4 + 4 * x.numel()
+
+
+def moe_cases(rows, quick):
+    ok = True
+    gate = torch.randn(E, H, generator=gen(8), device="cuda") * H ** -0.5
+    for name, inter, micros, ms, mc in (("tp4", 768, 1, 0, 1), ("tp1", 3072, 1, 0, 1)):
+        for n in (1, 8):
+            case = f"moe decode {name}"
+            for f in ("bf16",) + FMTS:
+                w = moe_weights(f, inter, micros, 9)
+                xs = [torch.randn(n, H, generator=gen(20 + i), device="cuda").to(BF16) for i in range(4)]
+                err = ""
+                if f != "bf16":
+                    args = moe_args(xs[0], gate, w, ms, mc)
+                    good, err = _checked_fast_ref(lambda: moe_quant_cuda(*args), f)
+                    ok &= good
+                nbytes = sum(decode_bytes(x, gate, f, inter, mc) for x in xs) / len(xs)
+                fn = run_op(f)
+
+                def run_all():
+                    for x in xs:
+                        fn(*moe_args(x, gate, w, ms, mc))
+                flops = 2 * n * (K + 1) * 3 * inter * H * mc
+                row(rows, case, n, f"{f} eager", bench(run_all) / len(xs), flops, nbytes, PEAK["bf16"], err)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    run_all()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run_all()
+                row(rows, case, n, f"{f} graph", bench(graph.replay) / len(xs), flops, nbytes, PEAK["bf16"])
+                del w, graph
+    cases = (("hybrid4", 768, 2, 0, 2, 2 * 2049), ("tp1", 3072, 1, 0, 1, 8194))
+    for name, inter, micros, ms, mc, n in cases[:1] if quick else cases:
+        case = f"moe denoise {name}"
+        x = torch.randn(n, H, generator=gen(30), device="cuda").to(BF16)
+        flops = 6 * n * (K + 1) * mc * H * inter
+        for f in ("bf16",) + FMTS:
+            w = moe_weights(f, inter, micros, 10)
+            args = moe_args(x, gate, w, ms, mc)
+            err = ""
+            if f != "bf16":
+                good, err = _checked_fast_ref(lambda: moe_quant_cuda(*args), f)
+                ok &= good
+            wbytes = 3 * E * inter * H * mc * BITS[f] / 8
+            row(rows, case, n, f, bench(lambda: run_op(f)(*args)), flops, wbytes + 4 * n * K * H * 2,
+                PEAK["fp8" if f == "fp8" else "bf16"], err)
+            del w, args
+    return ok
+
+
+# ------------------------------------------------------------------------------------ tuning
+
+def tune(rows):
+    """Sweeps the tiles of the linear, grouped and decode kernels at one shape each; prints the best."""
+    out = []
+    x = torch.randn(8194, H, generator=gen(40), device="cuda").to(BF16)
+    for f in ("mxfp8", "mxfp4", "nvfp4"):
+        w = qweight(f, (6144, H), H ** -0.5, 41)
+        best = []
+        for bm, bn, bk, warps, st in ((128, 128, 64, 8, 3), (128, 128, 32, 8, 3), (128, 128, 64, 8, 4),
+                                      (64, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 32, 8, 3),
+                                      (128, 128, 128, 8, 3)):
+            cfg = dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=st)
+            try:
+                ms = bench(lambda: qt.linear(x, f, w.codes, w.scales, w.gscale, w.inverse, cfg=cfg))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+                print(f"tune linear {f} {cfg}: {type(e).__name__}")
+                continue
+            best.append((ms, cfg))
+        ms, cfg = min(best, key=lambda b: b[0])
+        print(f"tune linear {f} M=8194: best {ms:.3f} ms ({2 * 8194 * 6144 * H / ms / 1e9:.0f} TFLOP/s) with {cfg}")
+        out.append(dict(kernel="linear", fmt=f, results=[(b[0], b[1]) for b in best]))
+        x1 = torch.randn(1, H, generator=gen(42), device="cuda").to(BF16)
+        best = []
+        for bn, bk, warps in ((16, 256, 4), (32, 256, 4), (32, 128, 4), (64, 128, 4), (16, 512, 4), (32, 512, 8)):
+            cfg = dict(BM=16, BN=bn, BK=bk, GROUP_M=1, num_warps=warps, num_stages=3)
+            best.append((bench(lambda: qt.linear(x1, f, w.codes, w.scales, w.gscale, w.inverse, cfg=cfg)), cfg))
+        ms, cfg = min(best, key=lambda b: b[0])
+        gbs = 6144 * H * BITS[f] / 8 / ms / 1e6
+        print(f"tune linear {f} M=1: best {ms * 1e3:.1f} us ({gbs:.0f} GB/s) with {cfg}")
+        out.append(dict(kernel="linear_small", fmt=f, results=[(b[0], b[1]) for b in best]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tune", action="store_true", help="sweep kernel tiles first")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    t0 = time.time()
+    chosen = {op: kernels.chosen(op, "cuda", BF16) for op in ("linear_mxfp4", "grouped_mm_nvfp4", "linear_fp8",
+                                                              "grouped_mm_fp8", "moe_quant")}
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  backends: {chosen}", flush=True)
+    ok = chosen == {"linear_mxfp4": "triton", "grouped_mm_nvfp4": "triton", "linear_fp8": "scaled_mm",
+                    "grouped_mm_fp8": "scaled_mm", "moe_quant": "triton"}
+    rows: list[dict] = []
+    tuned = tune(rows) if args.tune else None
+    for name, fn in (("linear", linear_cases), ("grouped", grouped_cases), ("moe", moe_cases)):
+        ok &= fn(rows, args.quick)
+        print(f"{name} done ({time.time() - t0:.0f} s)", flush=True)
+        torch.cuda.empty_cache()
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_kernels_quant.json").write_text(json.dumps(
+            dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows, tune=tuned), indent=1))
+    print(f"\n{'case':<22} {'N':>5}  {'path':<27} {'ms':>8}  {'rate':>14}  {'of floor':>8}  {'rel err':>8}")
+    for r in rows:
+        print(f"{r['case']:<22} {r['n']:>5}  {r['path']:<27} {r['ms']:>8.3f}  {r['rate']:>14}  {r['floor']:>8}  "
+              f"{r['err']:>8}")
+    print(f"checks: {'all passed' if ok else 'FAILED'}  ({time.time() - t0:.0f} s)")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

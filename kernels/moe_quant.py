@@ -1,0 +1,195 @@
+"""The `moe_quant` op: the `moe` op (moe.py) over quantized experts, resident as `quant.QWeight`s.
+
+    moe_quant(x [N, H], gate [E, H] fp32, w1: QWeight [micros, E, 2*I, H], w2: QWeight [micros, E, H, I],
+              shared_w1, shared_w2 (QWeight or float tensors as in `moe`, or None),
+              micro_start, micro_count, topk, norm_topk) -> [N, H] in x.dtype
+
+Routing, permutation, the micro partials summed before the route weight and the fp32 finalize are
+the `moe` op's (the reference shares `moe.routed_reference`; the CUDA paths reuse moe_fast.py's and
+moe_triton.py's kernels); only the GEMMs change, per weight format:
+  mxfp8 / mxfp4 / nvfp4  weight-only: the GEMM on the exactly dequantized weights (W8A16 / W4A16);
+  fp8 (per output channel)  W8A8: every GEMM's input rows quantized per row to E4M3 (amax / 448)
+      first, as `quant.grouped_mm_fp8` / `quant.linear_fp8` define.
+CUDA (bf16): grouped path (N > DECODE_MAX_TOKENS) on the Triton grouped GEMMs of quant_triton.py, or
+`torch._scaled_grouped_mm` for fp8 (each GEMM's rows quantized once for every micro); decode path
+reading only the chosen experts' quantized bytes (for fp8 the activations are quantized and
+dequantized per row first: the same numbers as W8A8 up to one bf16 rounding). Deterministic like
+`moe`: no atomics, fixed sum orders, no host sync.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .moe import routed_reference, swiglu_halves
+from .quant import QWeight, qgrouped, qlinear
+from .registry import backend, reference
+
+Weight = torch.Tensor | QWeight
+
+
+def _linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    return qlinear(x, w) if isinstance(w, QWeight) else F.linear(x, w)
+
+
+def _micro_rows(w: Weight, start: int, count: int) -> Weight:
+    """Rows of micros [start, start + count) of a [micros, r, K] pack as one [count * r, K] weight."""
+    if isinstance(w, QWeight):
+        return w[start:start + count].flat_rows()
+    return w[start:start + count].reshape(-1, w.shape[-1])
+
+
+def _micro_cols(w: Weight, start: int, count: int, width: int) -> Weight:
+    """Columns of micros [start, start + count) of a cols-packed [N, micros * width] weight."""
+    if isinstance(w, QWeight):
+        return w.cols(start * width, (start + count) * width)
+    return w[:, start * width:(start + count) * width]
+
+
+def shared_reference(x, shared_w1: Weight, shared_w2: Weight, micro_start: int, micro_count: int) -> torch.Tensor:
+    n = x.shape[0]
+    is_micro = shared_w1.shape[1] // 2
+    h = _linear(x, _micro_rows(shared_w1, micro_start, micro_count))
+    act = swiglu_halves(h.view(n, micro_count, 2 * is_micro)).reshape(n, -1)
+    return _linear(act, _micro_cols(shared_w2, micro_start, micro_count, is_micro))
+
+
+@reference("moe_quant")
+def moe_quant_reference(x: torch.Tensor, gate: torch.Tensor, w1: QWeight, w2: QWeight, shared_w1: Weight | None,
+                        shared_w2: Weight | None, micro_start: int, micro_count: int, topk: int,
+                        norm_topk: bool) -> torch.Tensor:
+    def expert_mlp(m, xs, offs):
+        return qgrouped(swiglu_halves(qgrouped(xs, w1[m], offs)), w2[m], offs)
+
+    out = routed_reference(x, gate, range(micro_start, micro_start + micro_count), topk, norm_topk, expert_mlp)
+    if shared_w1 is not None:
+        out = out + shared_reference(x, shared_w1, shared_w2, micro_start, micro_count).float()
+    return out.to(x.dtype)
+
+
+def _fast_available() -> bool:
+    from .moe import _fast_available as moe_fast_available
+    from .quant import _triton_available
+    return moe_fast_available() and _triton_available()
+
+
+@backend("moe_quant", "triton", devices=("cuda",), dtypes=(torch.bfloat16,), available=_fast_available)
+def moe_quant_triton(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk):
+    return moe_quant_cuda(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk)
+
+
+# ------------------------------------------------------------------------------------- CUDA paths
+
+def _check(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk):
+    n, h = x.shape
+    if not (isinstance(w1, QWeight) and isinstance(w2, QWeight)):
+        raise ValueError("moe_quant: the experts must be quantized (QWeight); use `moe` for float experts")
+    micros, e, two_i, h1 = w1.shape
+    if gate.shape != (e, h) or h1 != h or w2.shape != (micros, e, h, two_i // 2):
+        raise ValueError(f"moe_quant: shapes x {tuple(x.shape)}, gate {tuple(gate.shape)}, w1 {w1.shape}, "
+                         f"w2 {w2.shape} do not fit together")
+    if not (0 <= micro_start and micro_count >= 1 and micro_start + micro_count <= micros):
+        raise ValueError(f"moe_quant: micros [{micro_start}, {micro_start + micro_count}) outside 0..{micros}")
+    if not 1 <= topk <= e:
+        raise ValueError(f"moe_quant: top-k {topk} with {e} experts")
+    if not all(t.is_contiguous() for t in (*w1.tensors(), *w2.tensors(), gate)):
+        raise ValueError("moe_quant: the expert packs and the gate must be contiguous")
+    if (shared_w1 is None) != (shared_w2 is None):
+        raise ValueError("moe_quant: shared_w1 and shared_w2 come together")
+
+
+def moe_quant_cuda(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
+                   topk: int, norm_topk: bool, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The op on CUDA; `out` [N, H] x.dtype may be given."""
+    from .moe_fast import DECODE_MAX_TOKENS
+    x = x.contiguous()
+    _check(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk)
+    if out is None:
+        out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    args = (x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
+    return _decode(*args) if x.shape[0] <= DECODE_MAX_TOKENS else _grouped(*args)
+
+
+def _shared(x, shared_w1: Weight, shared_w2: Weight, micro_start: int, micro_count: int) -> torch.Tensor:
+    """The shared MLP over the active micros on the quantized (or float) linears, [N, H] x.dtype."""
+    from . import moe_triton as tk
+    is_micro = shared_w1.shape[1] // 2
+    h = _linear(x, _micro_rows(shared_w1, micro_start, micro_count))
+    return _linear(tk.swiglu(h, groups=micro_count), _micro_cols(shared_w2, micro_start, micro_count, is_micro))
+
+
+class _Gemm:
+    """One expert GEMM's input rows, prepared once for every micro: fp8 quantizes them per row."""
+
+    def __init__(self, rows: torch.Tensor, fmt: str):
+        from . import quant_triton as qt
+        self.rows, self.fmt = rows, fmt
+        self.q = qt.quantize_rows(rows) if fmt == "fp8" else None
+
+    def __call__(self, w: QWeight, offs: torch.Tensor) -> torch.Tensor:
+        from . import quant_triton as qt
+        from .quant import scaled_grouped
+        if self.q is not None:
+            return scaled_grouped(*self.q, w.codes, w.scales, offs, self.rows.dtype)
+        return qt.grouped(self.rows, w.fmt, w.codes, w.scales, offs, w.gscale, w.inverse)
+
+
+def _grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
+             out) -> torch.Tensor:
+    from . import moe_triton as tk
+    from .moe_fast import _route
+    shared = _shared(x, shared_w1, shared_w2, micro_start, micro_count) if shared_w1 is not None else None
+    w, inv, xs, offs = _route(x, gate, topk, norm_topk)
+    gemm1 = _Gemm(xs, w1.fmt)
+    partials = []
+    for m in range(micro_start, micro_start + micro_count):
+        act = tk.swiglu(gemm1(w1[m], offs))
+        partials.append(_Gemm(act, w2.fmt)(w2[m], offs))
+    for i in range(0, len(partials), 4):        # the finalize sums up to 4 micros in one pass
+        tk.finalize(partials[i:i + 4], inv, w, shared if i == 0 else out, out)
+    return out
+
+
+def _decode(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
+            out) -> torch.Tensor:
+    from . import moe_triton as tk
+    from . import quant_triton as qt
+    from .moe_fast import _empty
+    n, h = x.shape
+    mc = micro_count
+    dev = x.device
+    bn = 16                                           # token rows of one decode tile (tl.dot's minimum)
+    w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
+    s = active.shape[0]
+    inter = w2.shape[-1]
+    fq = qt.quantize_rows(x, fake=True) if "fp8" in (w1.fmt, getattr(shared_w1, "fmt", None)) else None
+    w1a, w2a = w1[micro_start:micro_start + mc], w2[micro_start:micro_start + mc]
+    act = _empty(mc, s, bn, inter, dtype=x.dtype, device=dev)
+    qt.decode_up(fq if w1.fmt == "fp8" else x, ids, active, w1.fmt, w1a.codes, w1a.scales, w1a.gscale, w1.inverse,
+                 act, s, inter)
+    if w2.fmt == "fp8":
+        qt.quantize_rows(act, fake=True, out=act)
+    y = _empty(n * topk, h, dtype=torch.float32, device=dev)
+    qt.decode_down(act, ids, active, w2.fmt, w2a.codes, w2a.scales, w2a.gscale, w2.inverse, y, s, inter)
+    ys = None
+    if shared_w1 is not None:
+        is_micro = shared_w1.shape[1] // 2
+        ys = _empty(n, h, dtype=torch.float32, device=dev)
+        act_s = _empty(mc, 1, bn, is_micro, dtype=x.dtype, device=dev)
+        if isinstance(shared_w1, QWeight):
+            sw1 = shared_w1[micro_start:micro_start + mc]
+            qt.decode_up(fq if shared_w1.fmt == "fp8" else x, ids, None, shared_w1.fmt, sw1.codes, sw1.scales,
+                         sw1.gscale, shared_w1.inverse, act_s, 1, is_micro)
+        else:
+            tk.decode_up(x, ids, None, None, shared_w1[micro_start:micro_start + mc], act_s, 1, is_micro)
+        if isinstance(shared_w2, QWeight):
+            if shared_w2.fmt == "fp8":
+                qt.quantize_rows(act_s, fake=True, out=act_s)
+            sw2 = shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro)
+            qt.decode_down(act_s, ids, None, shared_w2.fmt, sw2.codes, sw2.scales, sw2.gscale, shared_w2.inverse,
+                           ys, 1, is_micro, micro_cols=True)
+        else:
+            tk.decode_down(act_s, ids, None, None, shared_w2[:, micro_start * is_micro:], None, ys, 1, is_micro)
+    return tk.finalize([y], None, w, ys, out)

@@ -1,0 +1,463 @@
+"""Triton kernels of the quantized GEMMs and their launchers (the ops, their references and the
+registrations are in `quant.py`; the quantized MoE pipelines that chain these are in `moe_quant.py`).
+
+Hopper has no MX / FP4 tensor cores, so every kernel here is weight-only: it loads the compact codes
+and block scales, dequantizes them in registers (exactly as `quant.dequant_*` does: the element times
+its block scale in fp32, rounded once to the activation dtype) and runs a bf16 MMA. Formats, as the
+constexpr FMT:
+  0 MXFP8  codes float8_e4m3fn [N, K],       scales uint8 E8M0 [N, K/32]
+  1 MXFP4  codes uint8 [N, K/2] (E2M1 pairs, even column in the low nibble), scales E8M0 [N, K/32]
+  2 NVFP4  codes as MXFP4, scales float8_e4m3fn [N, K/16], times (or, INVERSE, divided by) an fp32
+           global scale per matrix
+  3 FP8    codes float8_e4m3fn [N, K], scales fp32 [N, 1] (per output channel)
+Kernels:
+  `linear`  x [M, K] @ W^T -> [M, N]: tiles of W rows x tokens ("swap AB": the dequantized weight is
+            the register operand of the MMA), grouped tile order for L2 reuse; for a few tokens a
+            split over K whose fp32 partials are summed in a fixed order by a second pass.
+  `grouped` rows of x sorted by group, offs = cumulative end row per group (torch._grouped_mm):
+            each program finds its group from the offsets on the device (no host sync, a grid sized
+            by the worst case), the same tiles as `linear`.
+  `decode_up` / `decode_down`  the MoE decode kernels of `moe_triton.py` on quantized experts: only
+            the chosen experts' bytes are read.
+  `quantize_rows`  per-row symmetric E4M3 (scale amax / 448) of the online FP8 path; `fake=True` writes
+            the dequantized values instead (the decode path's activations, see moe_quant.py).
+No atomics: every output element has one writer and every sum a fixed order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from .moe_fast import _empty           # NaN-filled under moe_fast.poisoned() (tests), else torch.empty
+from .moe_triton import next_pow2
+
+# Under Triton's CPU interpreter bf16 dot operands are multiplied as raw integers (numpy has no bf16):
+# the kernels then upcast them to fp32 first (see moe_triton.py).
+INTERPRET = bool(knobs.runtime.interpret)
+
+FMT = {"mxfp8": 0, "mxfp4": 1, "nvfp4": 2, "fp8": 3}
+BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16, "fp8": 1}
+PER_BYTE = {"mxfp8": 1, "mxfp4": 2, "nvfp4": 2, "fp8": 1}
+FP8_MAX = tl.constexpr(448.0)      # a constexpr: jit functions read no other globals
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _e2m1(c):
+    """Raw 4-bit E2M1 codes (uint32) -> fp32, built from the bits: magnitude codes 2..7 are normal
+    numbers 2^(e-1) * (1 + m/2), code 1 is 0.5, code 0 is zero; bit 3 is the sign."""
+    em = c & 7
+    bits = tl.where(em > 1, (em << 22) + (126 << 23), (em * 126) << 23) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0(b):
+    """E8M0 bytes -> fp32 2^(b - 127) (byte 0 the subnormal 2^-127, 255 NaN), as quant.e8m0_to_float."""
+    b = b.to(tl.uint32)
+    bits = tl.where(b == 0, 0x00400000, b << 23)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _wtile(c_ptr, s_ptr, g, rn, mn, k0, K, stride_c, stride_s,
+           FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+           UPCAST: tl.constexpr):
+    """Rows rn (mask mn) x columns [k0, k0 + BK) of a quantized [N, K] weight, dequantized [BN, BK];
+    k0 is a multiple of BK and BK of the scale block BS; columns past K read as zero. MX formats come
+    back in bf16 (an E4M3 / E2M1 value times a power of two is exact there, and half the registers of
+    fp32), NVFP4 and FP8 in fp32 (their scales are arbitrary: rounded once by the caller, as the
+    reference rounds). UPCAST (the interpreter, which has no bf16 arithmetic): fp32 throughout."""
+    MX: tl.constexpr = (FMT == 0 or FMT == 1) and not UPCAST
+    rowc = rn.to(tl.int64)[:, None] * stride_c
+    if FMT == 1 or FMT == 2:
+        rb = k0 // 2 + tl.arange(0, BK // 2)
+        byte = tl.load(c_ptr + rowc + rb[None, :], mask=mn[:, None] & (rb < K // 2)[None, :], other=0)
+        byte = byte.to(tl.uint32)
+        v = tl.interleave(_e2m1(byte & 15), _e2m1(byte >> 4))       # low nibble = even column
+        if MX:
+            v = v.to(tl.bfloat16)
+    else:
+        rk = k0 + tl.arange(0, BK)
+        v = tl.load(c_ptr + rowc + rk[None, :], mask=mn[:, None] & (rk < K)[None, :], other=0.0)
+        v = v.to(tl.bfloat16) if MX else v.to(tl.float32)
+    if FMT == 3:
+        s = tl.load(s_ptr + rn.to(tl.int64) * stride_s, mask=mn, other=0.0).to(tl.float32)
+        w = v * s[:, None]
+    else:
+        rs = k0 // BS + tl.arange(0, BK // BS)
+        sp = s_ptr + rn.to(tl.int64)[:, None] * stride_s + rs[None, :]
+        ms = mn[:, None] & (rs < K // BS)[None, :]
+        if FMT == 2:    # E4M3 block scales and the global scale, in the reference's fp32 order
+            s = tl.load(sp, mask=ms, other=0.0).to(tl.float32)
+            if INVERSE:
+                s = tl.div_rn(s, g)
+            else:
+                s = s * g
+        else:
+            s = _e8m0(tl.load(sp, mask=ms, other=0))
+            if MX:
+                s = s.to(tl.bfloat16)
+        w = v * tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // BS, BS)), (BN, BK))
+    return w
+
+
+@triton.jit
+def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row tiles of tokens sweep every weight tile before the next group, so
+    both the tokens' tiles and the weight tiles are read from L2 while they are reused."""
+    width = GROUP_M * num_n
+    first = (pid // width) * GROUP_M
+    size = tl.minimum(num_m - first, GROUP_M)
+    return first + (pid % width) % size, (pid % width) // size
+
+
+# ------------------------------------------------------------------------------------- dense linear
+
+@triton.jit
+def _linear_kernel(x_ptr, c_ptr, s_ptr, g_ptr, out_ptr, M, N, K, stride_xm, stride_c, stride_s, stride_om,
+                   k_split, FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m, pid_n = _tile_ids(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    split = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mm = rm < M
+    mn = rn < N
+    g = tl.load(g_ptr).to(tl.float32)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    k_lo = split * k_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
+        rk = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & (rk < K)[None, :],
+                     other=0.0)
+        w = _wtile(c_ptr, s_ptr, g, rn, mn, k0, K, stride_c, stride_s, FMT, INVERSE, BS, BN, BK, UPCAST)
+        acc = _dot(w.to(xt.dtype), tl.trans(xt), acc, UPCAST)
+    dst = out_ptr + split.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = r < MN
+    acc = tl.load(p_ptr + r, mask=m, other=0.0)
+    for s in tl.static_range(1, SPLITS):           # in split order: deterministic
+        acc += tl.load(p_ptr + s * MN + r, mask=m, other=0.0)
+    tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+# tile configs by token count (bench/bench_kernels_quant.py --tune sweeps them)
+LINEAR_LARGE = dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+LINEAR_MID = dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3)
+LINEAR_SMALL = dict(BM=16, BN=32, BK=256, GROUP_M=1, num_warps=4, num_stages=3)
+SMALL_M = 16
+TARGET_PROGRAMS = 264            # about two per SM of an H200 (132): enough loads in flight for a GEMV
+
+
+def _meta(fmt: str, codes: torch.Tensor, scales: torch.Tensor):
+    return dict(FMT=FMT[fmt], BS=BLOCK[fmt]), codes, scales
+
+
+def _gscale(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return g if g is not None else torch.ones((), dtype=torch.float32, device=like.device)
+
+
+def linear(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor, gscale: torch.Tensor | None = None,
+           inverse: bool = False, cfg: dict | None = None) -> torch.Tensor:
+    """x [..., K] (bf16 / fp16) @ dequant(W [N, K])^T -> [..., N] in x.dtype. W's rows may be strided
+    (a micro's column block of a cols-packed weight); its columns must be contiguous."""
+    k = x.shape[-1]
+    n = codes.shape[-2]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = _empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    small = m <= SMALL_M
+    c = dict(cfg or (LINEAR_SMALL if small else LINEAR_MID if m <= 256 else LINEAR_LARGE))
+    bm, bn, bk = c.pop("BM"), c.pop("BN"), c.pop("BK")
+    bk = max(bk, BLOCK[fmt] * 2)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    splits = 1
+    if small:
+        splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles), k // bk))
+    k_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    splits = triton.cdiv(k, k_split)
+    g = _gscale(gscale, x)
+    dst = out.view(-1, n) if splits == 1 else _empty(splits, m, n, dtype=torch.float32, device=x.device)
+    _linear_kernel[(tiles, splits)](x2, codes, scales, g, dst, m, n, k, x2.stride(0), codes.stride(-2),
+                                   scales.stride(-2), n, k_split, FMT=FMT[fmt], INVERSE=bool(inverse), BS=BLOCK[fmt],
+                                   BM=bm, BN=bn, BK=bk, UPCAST=INTERPRET, **c)
+    if splits > 1:
+        blk = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, blk),)](dst, out, m * n, SPLITS=splits, BLOCK=blk, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------ grouped GEMM
+
+@triton.jit
+def _grouped_kernel(x_ptr, c_ptr, s_ptr, g_ptr, offs_ptr, out_ptr, N, K, stride_xm, stride_cg, stride_c,
+                    stride_sg, stride_s, stride_gg, stride_om, num_m, G,
+                    G_PAD: tl.constexpr, FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    vm, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(N, BN), GROUP_M)
+    # which group this row tile belongs to: tiles are laid out group after group, each group's rows
+    # cut into BM-row tiles (a group of no rows has none); vm past the last tile does nothing
+    rg = tl.arange(0, G_PAD)
+    mg = rg < G
+    ends = tl.load(offs_ptr + rg, mask=mg, other=0)
+    starts = tl.load(offs_ptr + rg - 1, mask=mg & (rg > 0), other=0)
+    tiles = tl.where(mg, (ends - starts + BM - 1) // BM, 0)
+    cum = tl.cumsum(tiles, axis=0)
+    e = tl.sum((cum <= vm).to(tl.int32), axis=0)
+    if e < G:
+        first_tile = tl.sum(tl.where(rg == e, cum - tiles, 0), axis=0)
+        row0 = tl.sum(tl.where(rg == e, starts, 0), axis=0) + (vm - first_tile) * BM
+        row_end = tl.sum(tl.where(rg == e, ends, 0), axis=0)
+        rm = row0 + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        mm = rm < row_end
+        mn = rn < N
+        ce = c_ptr + e.to(tl.int64) * stride_cg
+        se = s_ptr + e.to(tl.int64) * stride_sg
+        g = tl.load(g_ptr + e * stride_gg).to(tl.float32)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :],
+                         mask=mm[:, None] & (rk < K)[None, :], other=0.0)
+            w = _wtile(ce, se, g, rn, mn, k0, K, stride_c, stride_s, FMT, INVERSE, BS, BN, BK, UPCAST)
+            acc = _dot(w.to(xt.dtype), tl.trans(xt), acc, UPCAST)
+        dst = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
+
+
+GROUPED = dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+GROUPED_FEW = dict(BM=32, BN=128, BK=64, GROUP_M=4, num_warps=4, num_stages=3)    # a few rows per group
+
+
+def grouped(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor,
+            gscale: torch.Tensor | None = None, inverse: bool = False, cfg: dict | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] rows sorted by group, W [G, N, K] quantized, offs [G] int32 cumulative end rows ->
+    [T, N] in x.dtype (rows past offs[-1] are not written). gscale (NVFP4): [G, 1, 1] or 0-d."""
+    t, k = x.shape
+    gcount, n = codes.shape[0], codes.shape[-2]
+    if out is None:
+        out = _empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    c = dict(cfg or (GROUPED if t >= 64 * gcount else GROUPED_FEW))
+    bm, bn, bk = c.pop("BM"), c.pop("BN"), c.pop("BK")
+    bk = max(bk, BLOCK[fmt] * 2)
+    num_m = triton.cdiv(t, bm) + gcount                 # the most row tiles any split into groups has
+    g = _gscale(gscale, x)
+    stride_gg = g.stride(0) if g.dim() == 3 else 0
+    _grouped_kernel[(num_m * triton.cdiv(n, bn),)](
+        x, codes, scales, g, offs, out, n, k, x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0),
+        scales.stride(1), stride_gg, out.stride(0), num_m, gcount, G_PAD=max(2, next_pow2(gcount)), FMT=FMT[fmt],
+        INVERSE=bool(inverse), BS=BLOCK[fmt], BM=bm, BN=bn, BK=bk, UPCAST=INTERPRET, **c)
+    return out
+
+
+# ------------------------------------------------------------------------------ MoE decode kernels
+
+@triton.jit
+def _qdecode_up_kernel(x_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, act_ptr, N, H, I, stride_x,
+                       c_sm, c_se, c_sr, s_sm, s_se, s_sr, g_se, S, SLOTS,
+                       K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+                       BLOCK_H: tl.constexpr, FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr,
+                       ROUTED: tl.constexpr, UPCAST: tl.constexpr):
+    """Gate/up GEMV + SwiGLU of (micro, slot) programs. ROUTED: slot s is the expert active[s] and serves
+    the tokens that chose it; else the one slot is the shared MLP (every token)."""
+    pid = tl.program_id(0)
+    m = pid // SLOTS
+    slot = pid % SLOTS
+    rn = tl.arange(0, BLOCK_N)
+    mn = rn < N
+    rk = tl.arange(0, K_PAD)
+    if ROUTED:
+        e = tl.load(active_ptr + slot)
+        ids = tl.load(ids_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & (rk[None, :] < K), other=-1)
+        sel = (tl.max((ids == e).to(tl.int32), axis=1) > 0) & mn & (e >= 0)
+        e = tl.maximum(e, 0)
+    else:
+        sel = mn
+        e = tl.full((), 0, tl.int32)
+    if tl.max(sel.to(tl.int32), axis=0) > 0:     # a slot past the chosen experts reads no weight
+        cb = c_ptr + m.to(tl.int64) * c_sm + e.to(tl.int64) * c_se
+        sb = s_ptr + m.to(tl.int64) * s_sm + e.to(tl.int64) * s_se
+        g = tl.load(g_ptr + e * g_se).to(tl.float32)
+        ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        mi = ri < I
+        acc1 = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            rh = h0 + tl.arange(0, BLOCK_H)
+            xt = tl.load(x_ptr + rn[:, None] * stride_x + rh[None, :], mask=mn[:, None] & (rh < H)[None, :],
+                         other=0.0)
+            wa = _wtile(cb, sb, g, ri, mi, h0, H, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_I, BLOCK_H, UPCAST).to(xt.dtype)
+            wb = _wtile(cb, sb, g, ri + I, mi, h0, H, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_I, BLOCK_H, UPCAST).to(xt.dtype)
+            acc1 = _dot(xt, tl.trans(wa), acc1, UPCAST)
+            acc2 = _dot(xt, tl.trans(wb), acc2, UPCAST)
+        act = acc1 * (acc2 * tl.sigmoid(acc2))
+        dst = act_ptr + (pid.to(tl.int64) * BLOCK_N + rn)[:, None] * I + ri[None, :]
+        tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=sel[:, None] & mi[None, :])
+
+
+@triton.jit
+def _qdecode_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_ptr, N, H, I,
+                         c_sm, c_se, c_sr, s_sm, s_se, s_sr, g_se, S, SLOTS, MC,
+                         K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HO: tl.constexpr,
+                         BLOCK_I: tl.constexpr, FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr,
+                         ROUTED: tl.constexpr, UPCAST: tl.constexpr):
+    """Down GEMV of each slot, the micro partials summed here (fp32): ROUTED slots write y [N*k, H] at
+    row t*k + j of each token t that chose the slot's expert as its j-th; the shared slot writes y [N, H]."""
+    slot = tl.program_id(0)
+    rh = tl.program_id(1) * BLOCK_HO + tl.arange(0, BLOCK_HO)
+    mh = rh < H
+    rn = tl.arange(0, BLOCK_N)
+    mn = rn < N
+    rk = tl.arange(0, K_PAD)
+    if ROUTED:
+        e = tl.load(active_ptr + slot)
+        ids = tl.load(ids_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & (rk[None, :] < K), other=-1)
+        hit = (ids == e) & (e >= 0)
+        sel = (tl.max(hit.to(tl.int32), axis=1) > 0) & mn
+        j = tl.sum(tl.where(hit, rk[None, :], 0), axis=1)
+        e = tl.maximum(e, 0)
+        dst = y_ptr + (rn * K + j).to(tl.int64)[:, None] * H + rh[None, :]
+    else:
+        sel = mn
+        e = tl.full((), 0, tl.int32)
+        dst = y_ptr + rn.to(tl.int64)[:, None] * H + rh[None, :]
+    if tl.max(sel.to(tl.int32), axis=0) > 0:
+        g = tl.load(g_ptr + e * g_se).to(tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_HO), dtype=tl.float32)
+        for m in range(MC):     # micro partials summed before the route weight (finalize)
+            src = act_ptr + ((m * SLOTS + slot).to(tl.int64) * BLOCK_N + rn)[:, None] * I
+            m64 = m + tl.zeros((), tl.int64)      # the loop index is a Python int under the interpreter
+            cb = c_ptr + m64 * c_sm + e.to(tl.int64) * c_se
+            sb = s_ptr + m64 * s_sm + e.to(tl.int64) * s_se
+            for i0 in range(0, I, BLOCK_I):
+                ri = i0 + tl.arange(0, BLOCK_I)
+                a = tl.load(src + ri[None, :], mask=sel[:, None] & (ri < I)[None, :], other=0.0)
+                wt = _wtile(cb, sb, g, rh, mh, i0, I, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_HO, BLOCK_I, UPCAST).to(a.dtype)
+                acc = _dot(a, tl.trans(wt), acc, UPCAST)
+        tl.store(dst, acc, mask=sel[:, None] & mh[None, :])
+
+
+DECODE_UP = dict(BLOCK_I=16, BLOCK_H=256, num_warps=4, num_stages=3)
+DECODE_DOWN = dict(BLOCK_HO=32, BLOCK_I=128, num_warps=4, num_stages=3)
+
+
+def _lead_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(micro, expert, row) strides of a [micros, E, rows, ·] pack or a [micros, rows, ·] one (expert 0)."""
+    return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (t.stride(0), 0, t.stride(1))
+
+
+def decode_up(x, ids, active, fmt: str, codes, scales, gscale, inverse: bool, act, slots: int, inter: int,
+              up: dict | None = None) -> None:
+    """Gate/up + SwiGLU for every (micro, slot). Routed (active given): codes [micros, E, 2I, H/pb] of
+    the active micros; shared (active None): [micros, 2I, H/pb] and slots == 1. act [micros, slots, 16, I]
+    receives the rows of the tokens each slot serves."""
+    cfg = dict(DECODE_UP, **(up or {}))
+    cfg["BLOCK_H"] = max(cfg["BLOCK_H"], 2 * BLOCK[fmt])
+    n, h = x.shape
+    mc = act.shape[0]
+    g = _gscale(gscale, x)
+    g_se = g.stride(0) if g.dim() == 3 else 0
+    grid = (mc * slots, triton.cdiv(inter, cfg["BLOCK_I"]))
+    _qdecode_up_kernel[grid](x, ids, active if active is not None else ids, codes, scales, g, act, n, h, inter,
+                             x.stride(0), *_lead_strides(codes), *_lead_strides(scales), g_se,
+                             active.shape[0] if active is not None else 1, slots, K=ids.shape[1],
+                             K_PAD=max(2, next_pow2(ids.shape[1])), BLOCK_N=act.shape[2], FMT=FMT[fmt],
+                             INVERSE=bool(inverse), BS=BLOCK[fmt], ROUTED=active is not None, UPCAST=INTERPRET,
+                             **cfg)
+
+
+def decode_down(act, ids, active, fmt: str, codes, scales, gscale, inverse: bool, y, slots: int, inter: int,
+                micro_cols: bool = False, down: dict | None = None) -> None:
+    """Down GEMV of every slot, micro partials summed. Routed: codes [micros, E, H, I/pb] of the active
+    micros, y [N*k, H] fp32; shared (active None): the cols-packed [H, micros*I/pb] block of the active
+    micros (`micro_cols`: micro m's columns start at m*I), y [N, H] fp32."""
+    cfg = dict(DECODE_DOWN, **(down or {}))
+    cfg["BLOCK_I"] = max(cfg["BLOCK_I"], 2 * BLOCK[fmt])
+    mc, _, bn, _ = act.shape
+    n, k = ids.shape
+    h = y.shape[1]
+    g = _gscale(gscale, y)
+    g_se = g.stride(0) if g.dim() == 3 else 0
+    if micro_cols:         # micro m = columns [m*I, (m+1)*I) of the [H, micros*I] block
+        pb, bs = PER_BYTE[fmt], BLOCK[fmt]
+        c_str = (inter // pb, 0, codes.stride(0))
+        s_str = ((inter // bs) if fmt != "fp8" else 0, 0, scales.stride(0))
+    else:
+        c_str, s_str = _lead_strides(codes), _lead_strides(scales)
+    grid = (slots, triton.cdiv(h, cfg["BLOCK_HO"]))
+    _qdecode_down_kernel[grid](act, ids, active if active is not None else ids, codes, scales, g, y, n, h, inter,
+                               *c_str, *s_str, g_se, active.shape[0] if active is not None else 1, slots, mc,
+                               K=k, K_PAD=max(2, next_pow2(k)), BLOCK_N=bn, FMT=FMT[fmt], INVERSE=bool(inverse),
+                               BS=BLOCK[fmt], ROUTED=active is not None, UPCAST=INTERPRET, **cfg)
+
+
+# ------------------------------------------------------------------------------- FP8 per-row scaling
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FAKE: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        rk = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + r * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    a = tl.max(amax, axis=0)
+    # IEEE divisions (Triton's `/` is the approximate one), so the codes are the reference's bit for bit
+    scale = tl.where(a > 0, tl.div_rn(a, tl.full((), FP8_MAX, tl.float32)), 1.0)
+    for k0 in range(0, K, BLOCK):
+        rk = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + r * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+        if FAKE:
+            tl.store(q_ptr + r * stride_q + rk, (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty), mask=rk < K)
+        else:
+            tl.store(q_ptr + r * stride_q + rk, q, mask=rk < K)
+    if not FAKE:
+        tl.store(s_ptr + r, scale)
+
+
+def quantize_rows(x: torch.Tensor, fake: bool = False, out: torch.Tensor | None = None):
+    """x [..., K] -> (codes float8_e4m3fn [..., K], scale fp32 [..., 1]) per row, as quant.quantize_fp8_rows;
+    fake: the dequantized rows in x.dtype instead (written to `out`, which may be x itself)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    if fake:
+        q = out if out is not None else _empty(*x.shape, dtype=x.dtype, device=x.device)
+        scale = q               # unused
+    else:
+        q = _empty(*x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = _empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+    q2 = q.view(-1, k)
+    if rows:
+        block = min(4096, next_pow2(k))
+        _quantize_rows_kernel[(rows,)](x2, q2, scale, k, x2.stride(0), q2.stride(0), FAKE=fake, BLOCK=block,
+                                       num_warps=4 if block <= 1024 else 8)
+    return q if fake else (q, scale)

@@ -1,0 +1,384 @@
+"""Quantized GEMMs and the quantized MoE op: the references (the quantized `moe_quant` on dequantized
+weights IS the `moe` op, QWeight's micro views are the dequantized weights' slices, the FP8 grouped GEMM
+is the per-group scaled matmul), the Triton kernels under Triton's CPU interpreter on small shapes, and
+(marked gpu) every CUDA backend against the reference on fresh random inputs at the real shapes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+import kernels.quant as kq
+from kernels.moe import moe_reference
+from kernels.moe_quant import moe_quant_reference
+
+KERNELS_DIR = Path(kernels.__file__).resolve().parent
+FMTS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
+
+
+def rel_err(got, want):
+    want = want.to(torch.float64)
+    return ((got.to(torch.float64) - want).norm() / want.norm()).item()
+
+
+def make_qmoe(n, fmt, shared_fmt, hidden=64, experts=8, inter=32, shared_inter=32, micros=3, inverse=False,
+              dtype=torch.bfloat16, device="cpu", seed=0):
+    """Random inputs of `moe_quant`: experts in `fmt`, the shared MLP in `shared_fmt` ("bf16": float)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def q(fmt_, shape, std, experts_pack=False):
+        if fmt_ == "bf16":
+            return (torch.randn(*shape, generator=g, device=device) * std).to(dtype)
+        return kq.random_qweight(fmt_, shape, std, device, g, inverse, gscale_dims=1 if experts_pack else 0)
+
+    return dict(x=torch.randn(n, hidden, generator=g, device=device).to(dtype),
+                gate=torch.randn(experts, hidden, generator=g, device=device) * hidden ** -0.5,
+                w1=q(fmt, (micros, experts, 2 * inter, hidden), hidden ** -0.5, True),
+                w2=q(fmt, (micros, experts, hidden, inter), inter ** -0.5, True),
+                shared_w1=q(shared_fmt, (micros, 2 * shared_inter, hidden), hidden ** -0.5) if shared_inter else None,
+                shared_w2=q(shared_fmt, (hidden, micros * shared_inter), shared_inter ** -0.5) if shared_inter else None)
+
+
+def qargs(t, micro_start, micro_count, topk=3, norm_topk=True):
+    return (t["x"], t["gate"], t["w1"], t["w2"], t["shared_w1"], t["shared_w2"], micro_start, micro_count, topk,
+            norm_topk)
+
+
+def dense_of(w, dtype):
+    return w.dequantize(dtype) if isinstance(w, kq.QWeight) else w
+
+
+# ------------------------------------------------------------------------------------ references
+
+@pytest.mark.parametrize("fmt,shared_fmt", [("mxfp4", "mxfp8"), ("nvfp4", "nvfp4"), ("mxfp8", "bf16")])
+def test_moe_quant_reference_is_the_moe_op_on_dequantized_weights(fmt, shared_fmt):
+    """Weight-only formats: bitwise the `moe` op on the dequantized packs (fp32), for every micro view."""
+    t = make_qmoe(13, fmt, shared_fmt, dtype=torch.float32, inverse=fmt == "nvfp4", seed=1)
+    d = {k: dense_of(v, torch.float32) for k, v in t.items()}
+    for ms, mc in ((0, 3), (1, 1), (1, 2)):
+        assert torch.equal(moe_quant_reference(*qargs(t, ms, mc)), moe_reference(*qargs(d, ms, mc)))
+    assert kernels.chosen("moe_quant", "cpu", torch.float32) == "torch"
+
+
+def test_moe_quant_reference_fp8_quantizes_each_gemm_input_per_row():
+    t = make_qmoe(9, "fp8", "fp8", dtype=torch.float32, seed=2)
+    got = moe_quant_reference(*qargs(t, 0, 2))
+    d = {k: dense_of(v, torch.float32) for k, v in t.items()}
+    weight_only = moe_reference(*qargs(d, 0, 2))
+    err = rel_err(got, weight_only)
+    assert 1e-3 < err < 0.08                     # the E4M3 activations differ, by about their rounding
+
+    def fq(v):                                   # the same op with activations quantized on the way in
+        q, s = kq.quantize_fp8_rows(v)
+        return q.float() * s
+    w, idx = kernels.moe.route(t["x"], t["gate"], 3, True)
+    want = torch.zeros_like(t["x"])
+    for tok in range(9):
+        for j in range(3):
+            e = idx[tok, j]
+            for m in range(2):
+                h = fq(t["x"][tok:tok + 1]) @ d["w1"][m, e].T
+                want[tok] += w[tok, j] * (fq(kernels.moe.swiglu_halves(h)) @ d["w2"][m, e].T)[0]
+    for m in range(2):
+        is_m = 32
+        h = fq(t["x"]) @ d["shared_w1"][m].T
+        want += fq(kernels.moe.swiglu_halves(h)) @ d["shared_w2"][:, m * is_m:(m + 1) * is_m].T
+    # E4M3 rounding of the hidden activations turns fp32-level differences into a few rounding steps:
+    # agreement well inside the activation quantization's own effect
+    assert rel_err(got, want) < 0.3 * rel_err(weight_only, want), (rel_err(got, want), rel_err(weight_only, want))
+
+
+def test_qweight_views_are_the_dequantized_slices():
+    g = torch.Generator().manual_seed(3)
+    for fmt in FMTS:
+        w = kq.random_qweight(fmt, (2, 3, 16, 128), generator=g, gscale_dims=1)
+        d = w.dequantize(torch.float32)
+        assert w.shape == (2, 3, 16, 128)
+        assert torch.equal(w[1].dequantize(torch.float32), d[1])
+        assert torch.equal(w[1][2].dequantize(torch.float32), d[1, 2])
+        rows = kq.random_qweight(fmt, (3, 16, 128), generator=g)       # a [micros, r, K] pack, one matrix
+        assert torch.equal(rows[1:3].flat_rows().dequantize(torch.float32),
+                           rows.dequantize(torch.float32)[1:3].reshape(-1, 128))
+        assert torch.equal(w[1][2].cols(32, 96).dequantize(torch.float32), d[1, 2][:, 32:96])
+    with pytest.raises(ValueError, match="cut the mxfp4 scale blocks"):
+        kq.random_qweight("mxfp4", (4, 64)).cols(16, 48)
+
+
+def test_grouped_fp8_reference_is_the_per_group_scaled_mm():
+    g = torch.Generator().manual_seed(4)
+    w = kq.random_qweight("fp8", (3, 16, 64), generator=g)
+    x = torch.randn(11, 64, generator=g)
+    offs = torch.tensor([4, 4, 11], dtype=torch.int32)
+    got = kernels.call("grouped_mm_fp8", x, w.codes, w.scales, offs)
+    want = torch.cat([kernels.call("linear_fp8", x[:4], w.codes[0], w.scales[0]),
+                      kernels.call("linear_fp8", x[4:], w.codes[2], w.scales[2])])
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_qlinear_and_qgrouped_dispatch_every_format():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 64, generator=g)
+    offs = torch.tensor([2, 5], dtype=torch.int32)
+    for fmt in FMTS:
+        w = kq.random_qweight(fmt, (2, 8, 64), generator=g, inverse=True, gscale_dims=1)
+        d = w.dequantize(torch.float32)
+        if fmt == "fp8":          # W8A8: the activations are quantized too
+            q, s = kq.quantize_fp8_rows(x)
+            x_used = q.float() * s
+        else:
+            x_used = x
+        assert torch.allclose(kq.qlinear(x, w[1]), F.linear(x_used, d[1]), rtol=1e-5, atol=1e-5), fmt
+        want = torch.cat([x_used[:2] @ d[0].T, x_used[2:] @ d[1].T])
+        assert torch.allclose(kq.qgrouped(x, w, offs), want, rtol=1e-5, atol=1e-5), fmt
+
+
+# ------------------------------------------------------------------- Triton, CPU interpreter
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_triton_interpreter_suite():
+    """The `test_interp_*` tests below run in a child pytest with TRITON_INTERPRET=1 (set before Triton
+    is first imported)."""
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("this is the child run")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                           "-k", "test_interp_"], cwd=KERNELS_DIR.parent, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def qt():
+    if not INTERPRETED:
+        pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
+    pytest.importorskip("triton")
+    from kernels._triton import round_bf16_in_interpreter, shim_interpreter_scalars
+    round_bf16_in_interpreter()
+    shim_interpreter_scalars()
+    from kernels import quant_triton
+    assert quant_triton.INTERPRET
+    return quant_triton
+
+
+def _poisoned(fn, *a, **kw):
+    from kernels import moe_fast
+    with moe_fast.poisoned():
+        return fn(*a, **kw)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_interp_linear_and_grouped(qt, fmt):
+    g = torch.Generator().manual_seed(10)
+    w = kq.random_qweight(fmt, (48, 192), 0.1, generator=g, inverse=fmt == "nvfp4")
+    d = w.dequantize(torch.bfloat16).float()
+    for m in (3, 40):           # the split-K path (a few tokens) and the tile path
+        x = torch.randn(2, m, 192, generator=g).bfloat16()
+        got = _poisoned(qt.linear, x, fmt, w.codes, w.scales, w.gscale, w.inverse)
+        assert got.shape == (2, m, 48) and not got.isnan().any()
+        assert rel_err(got, x.float() @ d.T) < 5e-3, m
+    # a micro's column block of a cols-packed weight: strided rows
+    blk = w.cols(64, 128)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    got = _poisoned(qt.linear, x, fmt, blk.codes, blk.scales, blk.gscale, blk.inverse)
+    assert rel_err(got, x.float() @ d[:, 64:128].T) < 5e-3
+    # grouped: an empty group, uneven groups
+    pack = kq.random_qweight(fmt, (3, 32, 64), 0.1, generator=g, inverse=fmt == "nvfp4", gscale_dims=1)
+    dp = pack.dequantize(torch.bfloat16).float()
+    x = torch.randn(37, 64, generator=g).bfloat16()
+    offs = torch.tensor([10, 10, 37], dtype=torch.int32)
+    got = _poisoned(qt.grouped, x, fmt, pack.codes, pack.scales, offs, pack.gscale, pack.inverse)
+    assert not got.isnan().any()
+    assert rel_err(got, torch.cat([x[:10].float() @ dp[0].T, x[10:].float() @ dp[2].T])) < 5e-3
+
+
+def test_interp_quantize_rows_is_the_reference(qt):
+    x = (torch.randn(7, 300, generator=torch.Generator().manual_seed(11)) * 3).bfloat16()
+    x[2] = 0
+    q, s = _poisoned(qt.quantize_rows, x)
+    q_ref, s_ref = kq.quantize_fp8_rows(x)
+    assert torch.equal(q.float(), q_ref.float()) and torch.equal(s, s_ref)
+    fake = _poisoned(qt.quantize_rows, x, fake=True)
+    assert torch.equal(fake, (q_ref.float() * s_ref).bfloat16())
+
+
+def _emulate_scaled_grouped(monkeypatch):
+    """torch._scaled_grouped_mm has no CPU kernel: the interpreter runs use the same product in fp32."""
+    def emu(xq, xs, wq, ws, offs, dtype):
+        acc = torch._grouped_mm(xq.float(), wq.float().transpose(1, 2), offs=offs)
+        grp = torch.searchsorted(offs, torch.arange(xq.shape[0], dtype=offs.dtype), right=True)
+        return (acc * xs * ws[..., 0].float()[grp.clamp_max(wq.shape[0] - 1).long()]).to(dtype)
+    monkeypatch.setattr(kq, "scaled_grouped", emu)
+
+
+@pytest.mark.parametrize("fmt,shared_fmt,n,micro_start,micro_count", [
+    ("mxfp4", "mxfp8", 3, 1, 2), ("mxfp4", "mxfp8", 37, 0, 3),      # the MXFP4-mixed build
+    ("nvfp4", "bf16", 5, 0, 3), ("nvfp4", "nvfp4", 40, 1, 1),       # float shared MLP; CT's inverse scale
+    ("fp8", "fp8", 8, 1, 2), ("fp8", "fp8", 37, 0, 2),               # online FP8 (W8A8)
+])
+def test_interp_moe_quant_paths(qt, monkeypatch, fmt, shared_fmt, n, micro_start, micro_count):
+    from kernels.moe_quant import moe_quant_cuda
+    _emulate_scaled_grouped(monkeypatch)
+    t = make_qmoe(n, fmt, shared_fmt, inverse=fmt == "nvfp4", seed=20 + n)
+    args = qargs(t, micro_start, micro_count)
+    out = torch.full_like(t["x"], float("nan"))
+    got = _poisoned(moe_quant_cuda, *args, out=out)
+    assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
+    # fp8: the activations' E4M3 rounding turns bf16-level differences into a few rounding steps
+    assert rel_err(got, moe_quant_reference(*args)) < (3e-2 if fmt == "fp8" else 1e-2)
+
+
+# ----------------------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+BF16 = torch.bfloat16
+BACKEND = {"linear_mxfp8": "triton", "linear_mxfp4": "triton", "linear_nvfp4": "triton",
+           "grouped_mm_mxfp8": "triton", "grouped_mm_mxfp4": "triton", "grouped_mm_nvfp4": "triton",
+           "linear_fp8": "scaled_mm", "grouped_mm_fp8": "scaled_mm", "moe_quant": "triton"}
+
+
+@gpu
+def test_gpu_backends_are_chosen():
+    for op, name in BACKEND.items():
+        assert kernels.chosen(op, "cuda", BF16) == name, op
+    assert kernels.chosen("quantize_fp8_rows", "cuda", BF16) == "triton"
+    assert kernels.chosen("fp8_scaled_mm", "cuda", torch.float8_e4m3fn) == "scaled_mm"
+
+
+def _fast_and_ref(fn, *args):
+    from kernels import moe_fast
+    with moe_fast.poisoned(), kernels.allowed("triton", "scaled_mm"):
+        got = fn(*args)
+    with kernels.allowed():
+        ref = fn(*args)
+    return got, ref
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m", [1, 8, 300, 2048])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 1024)])      # qkv at tp1; o_proj of a TP4 micro
+def test_gpu_linear_matches_reference(fmt, m, n, k):
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    w = kq.random_qweight(fmt, (n, k), k ** -0.5, "cuda", g, inverse=fmt == "nvfp4")
+    x = torch.randn(m, k, generator=g, device="cuda").to(BF16)
+    got, ref = _fast_and_ref(kq.qlinear, x, w)
+    assert not got.isnan().any()
+    assert rel_err(got, ref) < (2e-2 if fmt == "fp8" else 1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gpu_linear_on_a_micro_column_block(fmt):
+    """The AR micro of a cols-packed o_proj: strided weight rows."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = kq.random_qweight(fmt, (4096, 2 * 1024), 0.03, "cuda", g)
+    x = torch.randn(5, 1024, generator=g, device="cuda").to(BF16)
+    got, ref = _fast_and_ref(kq.qlinear, x, w.cols(1024, 2048))
+    assert not got.isnan().any() and rel_err(got, ref) < (2e-2 if fmt == "fp8" else 1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("rows,n,k", [(8194 * 8, 1536, 4096), (300 * 8, 4096, 768), (24, 1536, 4096)])
+def test_gpu_grouped_matches_reference(fmt, rows, n, k):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    e = 64
+    w = kq.random_qweight(fmt, (e, n, k), k ** -0.5, "cuda", g, inverse=fmt == "nvfp4", gscale_dims=1)
+    x = torch.randn(rows, k, generator=g, device="cuda").to(BF16)
+    ids = torch.randint(0, e - 4, (rows,), generator=g, device="cuda")     # some experts get no rows
+    offs = torch.bincount(ids, minlength=e).cumsum(0).int()
+    got, ref = _fast_and_ref(kq.qgrouped, x, w, offs)
+    assert not got.isnan().any()
+    assert rel_err(got, ref) < (2e-2 if fmt == "fp8" else 1e-2)
+
+
+@gpu
+def test_gpu_fp8_rows_and_scaled_mm():
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(1000, 4096, generator=g, device="cuda").to(BF16) * 3
+    q, s = kernels.call("quantize_fp8_rows", x)
+    with kernels.allowed():
+        q_ref, s_ref = kernels.call("quantize_fp8_rows", x)
+    assert torch.equal(q.float(), q_ref.float()) and torch.equal(s, s_ref)
+    w = kq.random_qweight("fp8", (2048, 4096), 0.02, "cuda", g)
+    got, ref = _fast_and_ref(kernels.call, "fp8_scaled_mm", q, s, w.codes, w.scales, BF16)
+    assert rel_err(got, ref) < 1e-2
+
+
+GPU_MOE = {  # name: (n, experts fmt, shared fmt, inter, micros, micro_start, micro_count)
+    "hybrid4_decode_mxfp4": (1, "mxfp4", "mxfp8", 768, 2, 1, 1),
+    "decode8_nvfp4": (8, "nvfp4", "nvfp4", 768, 2, 0, 2),
+    "decode4_fp8": (4, "fp8", "fp8", 768, 2, 0, 1),
+    "decode2_mxfp8_tp1": (2, "mxfp8", "mxfp8", 3072, 1, 0, 1),
+    "hybrid4_denoise_mxfp4": (4098, "mxfp4", "mxfp8", 768, 2, 0, 2),
+    "hybrid4_denoise_fp8": (4098, "fp8", "fp8", 768, 2, 0, 2),
+    "tp1_denoise_nvfp4": (1500, "nvfp4", "nvfp4", 3072, 1, 0, 1),
+    "small_mxfp8": (300, "mxfp8", "bf16", 768, 2, 1, 1),
+}
+
+
+def _gpu_moe(name, seed=0):
+    n, fmt, sfmt, inter, micros, ms, mc = GPU_MOE[name]
+    t = make_qmoe(n, fmt, sfmt, hidden=4096, experts=64, inter=inter, shared_inter=inter, micros=micros,
+                  inverse=fmt == "nvfp4", device="cuda", seed=seed)
+    return qargs(t, ms, mc, topk=8)
+
+
+@gpu
+@pytest.mark.parametrize("name", list(GPU_MOE))
+def test_gpu_moe_quant_matches_reference(name):
+    from kernels.moe_quant import moe_quant_cuda
+    args = _gpu_moe(name, seed=len(name))
+    with kernels.allowed():
+        ref = kernels.call("moe_quant", *args)
+    from kernels import moe_fast
+    out = torch.full_like(args[0], float("nan"))
+    with moe_fast.poisoned():
+        got = moe_quant_cuda(*args, out=out)
+    assert not got.isnan().any()
+    assert rel_err(got, ref) < (3e-2 if "fp8" in name else 1e-2)
+    with kernels.allowed("triton"):
+        assert kernels.chosen("moe_quant", "cuda", BF16) == "triton"
+
+
+@gpu
+@pytest.mark.parametrize("name", ["hybrid4_decode_mxfp4", "decode8_nvfp4", "hybrid4_denoise_mxfp4", "hybrid4_denoise_fp8"])
+def test_gpu_moe_quant_bitwise_reproducible_and_per_token(name):
+    from kernels.moe_quant import moe_quant_cuda
+    args = _gpu_moe(name, seed=3)
+    a, b = moe_quant_cuda(*args), moe_quant_cuda(*args)
+    assert torch.equal(a, b)
+    perm = torch.randperm(args[0].shape[0], device="cuda")
+    assert torch.equal(moe_quant_cuda(args[0][perm], *args[1:]), a[perm])
+
+
+@gpu
+@pytest.mark.parametrize("name", ["hybrid4_decode_mxfp4", "decode4_fp8"])
+def test_gpu_moe_quant_decode_cuda_graph_replay_equals_eager(name):
+    from kernels.moe_quant import moe_quant_cuda
+    args = _gpu_moe(name, seed=5)
+    x_static = args[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe_quant_cuda(x_static, *args[1:])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_quant_cuda(x_static, *args[1:])
+    for seed in (11, 12):
+        fresh = _gpu_moe(name, seed=seed)[0]
+        x_static.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe_quant_cuda(fresh, *args[1:]))
