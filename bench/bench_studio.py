@@ -53,11 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model}: {steps} steps, guidance {gen['diff_guidance_scale']}")
         for i in range(args.requests + 1):
             t = time.monotonic()
-            out = client.predict(prompts[i % len(prompts)], "think_recaption", "auto", i, False, steps,
-                                 gen["diff_guidance_scale"], "en_unified", "", gen["max_new_tokens"], api_name="/t2i")
+            status, _, timings, _ = client.predict(
+                prompts[i % len(prompts)], "think_recaption", "auto", i, False, steps, gen["diff_guidance_scale"],
+                "en_unified", "", gen["max_new_tokens"], api_name="/t2i")      # (status, image, timings, reasoning)
             wall = time.monotonic() - t
             label = "warm-up" if i == 0 else f"request {i}"
-            print(f"{label}: {wall:.2f}s wall | status {out[0]!r} | timings {out[4]!r}")
+            print(f"{label}: {wall:.2f}s wall | status {status!r} | timings {timings!r}")
     finally:
         proc.terminate()
         proc.wait(30)
