@@ -347,8 +347,15 @@ class EngineServer:
         kind = msg[0]
         if kind == "event":
             _, seq, ev = msg
-            if self._current is not None and self._current.seq == seq:
-                self._current.sub._push(ev)
+            if self._current is None or self._current.seq != seq:
+                return
+            if isinstance(ev, Error) and ev.kind == "engine" and self.world_size > 1:
+                # rank 0 failing in a collective is often the echo of another rank's death: name the cause
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    self._on_death(dead[0])
+                    return
+            self._current.sub._push(ev)
         elif kind == "end":
             if self._current is not None and self._current.seq == msg[1]:
                 job, self._current = self._current, None
