@@ -4,7 +4,8 @@ and the generalised causal mask (causal + full-attention blocks).
 Resident layout (see `parallel.py`): `qkv` is [micros, rows, H], each micro holding whole KV groups
 ([group q heads, k, v] x head_dim rows per KV head, as in the checkpoint), so a micro view and the
 all-micro view are both contiguous. `o_proj` is [H, micros * cols] with the micros' input columns
-side by side; a micro view is a column block.
+side by side; a micro view is a column block. Either may stay quantized (engine/model/packed.py:
+codes and scales in the same packing).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from torch import nn
 
 import kernels
 from engine.model.layers import RMSNorm
-from engine.model.packed import dense, micro_cols, micro_rows, read_cols, read_rows
+from engine.model.packed import (PackFormat, linear, micro_cols, micro_rows, packed_param, read_cols, read_rows,
+                                 store)
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
 
@@ -96,7 +98,8 @@ def attention_mask(index: torch.Tensor, blocks: torch.Tensor, kv_len: int) -> to
 
 class Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float,
-                 micros: int, storage_size: int, dtype=None, device=None):
+                 micros: int, storage_size: int, dtype=None, device=None,
+                 formats: dict[str, PackFormat | None] | None = None):
         super().__init__()
         ranks = micros * storage_size
         if kv_heads % ranks:
@@ -106,20 +109,23 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         rows = self.kv_per_micro * (self.group + 2) * head_dim
         cols = self.kv_per_micro * self.group * head_dim
-        self.qkv = nn.Parameter(torch.empty(micros, rows, hidden, dtype=dtype, device=device))
-        self.o_proj = nn.Parameter(torch.empty(hidden, micros * cols, dtype=dtype, device=device))
+        f = formats or {}            # "qkv" / "o_proj": kept quantized in that format (else float)
+        self.qkv = packed_param((micros, rows, hidden), f.get("qkv"), dtype, device)
+        self.o_proj = packed_param((hidden, micros * cols), f.get("o_proj"), dtype, device)
         self.q_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
         self.k_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
         self.micros = micros
 
     def load(self, ckpt: Checkpoint, prefix: str, layout: ShardLayout) -> None:
         """Read this shard's slices of `{prefix}qkv_proj`, `o_proj` (dequantized to the parameters' dtype
-        when the checkpoint is quantized) and the q/k norms."""
+        when the checkpoint is quantized, unless they stay quantized) and the q/k norms."""
         n = layout.logical_size
-        qkv = read_rows(ckpt, prefix + "qkv_proj", self.qkv.shape[1] * n, layout)
-        self.qkv.copy_(dense(qkv, self.qkv.dtype, self.qkv.device).view(self.qkv.shape))
-        o = read_cols(ckpt, prefix + "o_proj", self.o_proj.shape[1] // self.micros * n, layout)
-        self.o_proj.copy_(dense(o, self.o_proj.dtype, self.o_proj.device))
+        layer = prefix + "qkv_proj"
+        store(self.qkv, read_rows(ckpt, layer, self.qkv.shape[1] * n, layout, self.qkv.device), layer,
+              micro_rows=self.micros)
+        layer = prefix + "o_proj"
+        store(self.o_proj, read_cols(ckpt, layer, self.o_proj.shape[1] // self.micros * n, layout, self.o_proj.device),
+              layer)
         self.q_norm.weight.copy_(ckpt.read(prefix + "query_layernorm.weight"))
         self.k_norm.weight.copy_(ckpt.read(prefix + "key_layernorm.weight"))
 
@@ -127,7 +133,7 @@ class Attention(nn.Module):
         B, T, H = x.shape
         D, g = self.head_dim, self.group
         kv = self.kv_per_micro * view.micro_count
-        qkv = F.linear(x, micro_rows(self.qkv, view)).view(B, T, kv, g + 2, D)
+        qkv = linear(x, micro_rows(self.qkv, view)).view(B, T, kv, g + 2, D)
         # RoPE first, then the per-head RMSNorm, both in fp32 (official order), then back to the dtype
         norms = (batch.cos, batch.sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         sp = view.sp
@@ -155,7 +161,7 @@ class Attention(nn.Module):
                 out = torch.cat([head, out], dim=2)
         if sp.size > 1 and view.sp_kind == "ulysses":
             out = _heads_to_seq(out, sp)
-        return F.linear(out.transpose(1, 2).reshape(B, T, kv * g * D), micro_cols(self.o_proj, view, self.micros))
+        return linear(out.transpose(1, 2).reshape(B, T, kv * g * D), micro_cols(self.o_proj, view, self.micros))
 
 
 def _seq_to_heads(t: torch.Tensor, sp) -> torch.Tensor:

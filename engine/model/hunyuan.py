@@ -11,7 +11,7 @@ from torch import nn
 from engine.model.attention import AttnBatch, KVCache, attention_mask
 from engine.model.image_heads import TimestepEmbedder, UNetDown, UNetUp
 from engine.model.layers import rope_angles
-from engine.model.transformer import Transformer
+from engine.model.transformer import Resident, Transformer
 from engine.model.vae import AutoencoderKLConv3D
 from engine.model.vit import Siglip2VisionModel, VisionAligner
 from engine.parallel.layout import PhaseView, ShardLayout
@@ -20,12 +20,14 @@ from engine.spec.config import ModelConfig
 
 class HunyuanImage3(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: ShardLayout = ShardLayout(), dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", resident: Resident | None = None):
+        """`resident`: the backbone packs that stay quantized, by name (engine/model/weights.py
+        `resident_packs`); every other weight is allocated in `dtype`."""
         super().__init__()
         if cfg.patch_size != 1:
             raise ValueError(f"patch_size {cfg.patch_size} is not supported (the released models use 1)")
         self.cfg, self.layout, self.dtype = cfg, layout, dtype
-        self.transformer = Transformer(cfg, layout, dtype=dtype, device=device)
+        self.transformer = Transformer(cfg, layout, dtype=dtype, device=device, resident=resident)
         self.guidance_emb: TimestepEmbedder | None = None
         self.timestep_r_emb: TimestepEmbedder | None = None
         with torch.device(device):      # build (and default-initialise) the replicated modules in place

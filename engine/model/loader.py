@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.model.hunyuan import HunyuanImage3
-from engine.model.weights import Progress, load_weights
+from engine.model.weights import Progress, load_weights, plan_checkpoint, resident_packs
 from engine.parallel.layout import ShardLayout
 from engine.spec.buckets import Bucket, build_buckets
 from engine.spec.checkpoint import Checkpoint
@@ -50,8 +50,25 @@ def print_progress(done: int, total: int, what: str) -> None:
           file=sys.stderr, flush=True)
 
 
+RESIDENT_CHOICES = ("auto", "quantized", "dense")
+
+
+def keeps_quantized(device: torch.device | str, dtype: torch.dtype, resident: str = "auto") -> bool:
+    """Whether quantized weights stay quantized on the device ("auto": on CUDA in bf16, where the
+    quantized GEMM kernels run; elsewhere they are dequantized once at load, the reference path)."""
+    if resident not in RESIDENT_CHOICES:
+        raise ValueError(f"unknown resident {resident!r}; choose {', '.join(RESIDENT_CHOICES)}")
+    if resident == "auto":
+        return torch.device(device).type == "cuda" and dtype == torch.bfloat16
+    return resident == "quantized"
+
+
 def load(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-         layout: ShardLayout = ShardLayout(), progress: Progress | None = None) -> LoadedModel:
+         layout: ShardLayout = ShardLayout(), progress: Progress | None = None, quantize: str | None = None,
+         resident: str = "auto") -> LoadedModel:
+    """Open the folder and load this rank's shard. `quantize` ("fp8"): online FP8 from a high-precision
+    checkpoint. `resident`: whether quantized weights stay quantized ("auto", "quantized": also on the
+    CPU, through the reference ops; "dense": dequantized at load)."""
     t0 = time.perf_counter()
     folder = Path(folder)
     cc = CheckpointConfig.load(folder)
@@ -62,8 +79,11 @@ def load(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dt
                          f"{cc.model.vocab_size}")
     prompts = SystemPrompts.load(folder)
     ckpt = Checkpoint(folder)
-    model = HunyuanImage3(cc.model, layout, dtype or default_dtype(device), device)
-    load_weights(model, ckpt, progress)
+    dtype = dtype or default_dtype(device)
+    plan = plan_checkpoint(cc.model, ckpt, layout, quantize=quantize)     # before any weight is allocated
+    packs = resident_packs(cc.model, plan[1], quantize) if keeps_quantized(device, dtype, resident) else {}
+    model = HunyuanImage3(cc.model, layout, dtype, device, resident=packs)
+    load_weights(model, ckpt, progress, quantize=quantize, plan=plan)
     model.eval()
     return LoadedModel(folder, cc.model, cc.generation, tok, prompts, buckets, model,
                        time.perf_counter() - t0, ckpt.bytes_read)

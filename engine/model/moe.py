@@ -9,6 +9,8 @@ Resident layout, micro-major (see `parallel.py`):
   shared_w1 [micros, 2*Is_micro, H], shared_w2 [H, micros * Is_micro]
 AR uses one micro; denoise uses all micros of the storage shard with ONE routing pass shared by
 every micro and one weighted finalize (the micro partials are summed before the route weight).
+The packs may stay quantized in the same packing (engine/model/packed.py `QuantPack`; an NVFP4 pack
+has one global scale per expert); the forward then runs the `moe_quant` op.
 The output is this rank's partial sum; the caller all-reduces over the active TP group.
 """
 from __future__ import annotations
@@ -18,14 +20,15 @@ from torch import nn
 
 import kernels
 
-from engine.model.packed import dense, read_cols, read_gate_up
+from engine.model.packed import PackFormat, QuantPack, packed_param, read_cols, read_gate_up, store, value
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
 
 
 class MoE(nn.Module):
     def __init__(self, hidden: int, experts: int, topk: int, inter: int, shared_inter: int, norm_topk: bool,
-                 micros: int, storage_size: int, dtype=None, device=None):
+                 micros: int, storage_size: int, dtype=None, device=None,
+                 formats: dict[str, PackFormat | None] | None = None):
         super().__init__()
         ranks = micros * storage_size
         for n, what in ((inter, "expert intermediate size"), (shared_inter, "shared MLP intermediate size")):
@@ -34,35 +37,44 @@ class MoE(nn.Module):
         self.topk, self.norm_topk, self.experts = topk, norm_topk, experts
         self.inter_micro = inter // ranks
         self.shared_micro = shared_inter // ranks
+        f = dict(formats or {})      # "w1" / "w2" / "shared_w1" / "shared_w2": kept quantized in that format
+        if (f.get("w1") is None) != (f.get("w2") is None):
+            raise ValueError("the two expert packs are either both quantized or both float")
+        if f.get("w1") is None:       # the quantized op needs quantized experts; a lone shared MLP stays float
+            f = {}
         self.gate = nn.Parameter(torch.empty(experts, hidden, dtype=torch.float32, device=device))
-        self.w1 = nn.Parameter(torch.empty(micros, experts, 2 * self.inter_micro, hidden, dtype=dtype, device=device))
-        self.w2 = nn.Parameter(torch.empty(micros, experts, hidden, self.inter_micro, dtype=dtype, device=device))
-        self.shared_w1 = (nn.Parameter(torch.empty(micros, 2 * self.shared_micro, hidden, dtype=dtype, device=device))
+        self.w1 = packed_param((micros, experts, 2 * self.inter_micro, hidden), f.get("w1"), dtype, device, (experts,))
+        self.w2 = packed_param((micros, experts, hidden, self.inter_micro), f.get("w2"), dtype, device, (experts,))
+        self.shared_w1 = (packed_param((micros, 2 * self.shared_micro, hidden), f.get("shared_w1"), dtype, device)
                           if shared_inter else None)
-        self.shared_w2 = (nn.Parameter(torch.empty(hidden, micros * self.shared_micro, dtype=dtype, device=device))
+        self.shared_w2 = (packed_param((hidden, micros * self.shared_micro), f.get("shared_w2"), dtype, device)
                           if shared_inter else None)
         self.micros, self.inter, self.shared_inter = micros, inter, shared_inter
 
     def load(self, ckpt: Checkpoint, prefix: str, layout: ShardLayout) -> None:
         """Read the router (fp32, never quantized), this shard's slices of every expert and of the shared
-        MLP (dequantized to the parameters' dtype when the checkpoint is quantized)."""
+        MLP (dequantized to the parameters' dtype when the checkpoint is quantized, unless they stay
+        quantized)."""
         self.gate.copy_(ckpt.read(prefix + "gate.wg.weight"))
-        dt, dev = self.w1.dtype, self.w1.device
+        dev = self.gate.device
         if self.shared_w1 is not None:
-            self.shared_w1.copy_(dense(read_gate_up(ckpt, prefix + "shared_mlp.gate_and_up_proj", self.shared_inter,
-                                                    layout), dt, dev))
-            self.shared_w2.copy_(dense(read_cols(ckpt, prefix + "shared_mlp.down_proj", self.shared_inter, layout),
-                                       dt, dev))
+            layer = prefix + "shared_mlp.gate_and_up_proj"
+            store(self.shared_w1, read_gate_up(ckpt, layer, self.shared_inter, layout, dev), layer)
+            layer = prefix + "shared_mlp.down_proj"
+            store(self.shared_w2, read_cols(ckpt, layer, self.shared_inter, layout, dev), layer)
         for e in range(self.experts):
-            p = f"{prefix}experts.{e}."
-            self.w1[:, e].copy_(dense(read_gate_up(ckpt, p + "gate_and_up_proj", self.inter, layout), dt, dev))
-            down = dense(read_cols(ckpt, p + "down_proj", self.inter, layout), dt, dev)     # [H, micros * I_micro]
-            self.w2[:, e].copy_(down.view(down.shape[0], self.micros, -1).transpose(0, 1))
+            layer = f"{prefix}experts.{e}.gate_and_up_proj"
+            store(self.w1, read_gate_up(ckpt, layer, self.inter, layout, dev), layer, (slice(None), e), e)
+            layer = f"{prefix}experts.{e}.down_proj"          # read as [H, micros * I_micro]
+            store(self.w2, read_cols(ckpt, layer, self.inter, layout, dev), layer, (slice(None), e), e,
+                  micro_cols=self.micros)
 
     def forward(self, x: torch.Tensor, view: PhaseView) -> torch.Tensor:
         """This rank's partial sum of the routed experts and the shared MLP over the active micros (the
         caller all-reduces it over the TP group): the `moe` kernel op (kernels/moe.py)."""
         shape = x.shape
-        out = kernels.call("moe", x.reshape(-1, shape[-1]), self.gate, self.w1, self.w2, self.shared_w1,
-                           self.shared_w2, view.micro_start, view.micro_count, self.topk, self.norm_topk)
+        op = "moe_quant" if isinstance(self.w1, QuantPack) else "moe"     # kernels/moe_quant.py: quantized experts
+        out = kernels.call(op, x.reshape(-1, shape[-1]), self.gate, value(self.w1), value(self.w2),
+                           value(self.shared_w1), value(self.shared_w2), view.micro_start, view.micro_count, self.topk,
+                           self.norm_topk)
         return out.view(shape)

@@ -16,13 +16,27 @@ A read returns the layer's stored tensor set (`QuantTensors`: codes, scales, glo
 checkpoint's format, engine/spec/qtensors.py) with the same packed shape semantics: its codes and
 per-row scales are laid out as above, scalar scales are shared. A column (K) split must keep whole
 scale blocks in every micro (`check_col_split`, run by the load plan before anything is read). `dense`
-turns a read into the compute dtype by exact dequantization (the CPU reference path).
+turns a read into the compute dtype by exact dequantization (the CPU reference path). A layer the load
+quantizes itself (`--quantize fp8`, `Checkpoint.online`) comes back from the read as FP8 with one scale
+per output row of this shard's slice, quantized on the device it will live on.
+
+Resident quantized packs (CUDA): a packed weight may instead stay in its stored format, as a
+`QuantPack` (codes, scales and global scales as parameters, with the same micro-major leading dims and
+K columns of codes and scales), so a micro view is a slice of codes and scales (`micro_rows`,
+`micro_cols` return a `kernels.quant.QWeight` for it) and `linear` runs the quantized GEMM op of its
+format. `PackFormat` is a pack's kernel format; the load plan decides which packs stay quantized
+(engine/model/weights.py). `store` writes a read into either kind of parameter.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import kernels
+from kernels.quant import PER_BYTE, SCALE_BLOCK, QWeight, qlinear
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint, CheckpointError
 from engine.spec.qtensors import QuantTensors, TensorSet, read_tensors
@@ -49,23 +63,35 @@ def check_col_split(layer: str, n: int, fmt: WeightFormat, layout: ShardLayout, 
             f"this checkpoint needs a plan whose AR TP divides {n // fmt.block}")
 
 
-def read_rows(ckpt: Checkpoint, layer: str, n: int, layout: ShardLayout) -> QuantTensors:
+def _online(ckpt: Checkpoint, layer: str, q: QuantTensors, device) -> QuantTensors:
+    """A layer the load quantizes itself: FP8 E4M3 with one scale per output row (amax / 448), made on
+    the device the weight will live on (the Triton row quantizer on CUDA)."""
+    if layer not in ckpt.online:
+        return q
+    codes = q.codes if device is None else q.codes.to(device)
+    fp8, scale = kernels.call("quantize_fp8_rows", codes)
+    return QuantTensors(WeightFormat.FP8_CHANNEL, fp8, scale)
+
+
+def read_rows(ckpt: Checkpoint, layer: str, n: int, layout: ShardLayout, device=None) -> QuantTensors:
     """This shard's output rows [micros * r, K] of the [n, K] layer (view as [micros, r, K])."""
-    return read_tensors(ckpt, _tensor_set(ckpt, layer), rows=shard_block(n, layout))
+    q = read_tensors(ckpt, _tensor_set(ckpt, layer), rows=shard_block(n, layout))
+    return _online(ckpt, layer, q, device)
 
 
-def read_cols(ckpt: Checkpoint, layer: str, n: int, layout: ShardLayout) -> QuantTensors:
+def read_cols(ckpt: Checkpoint, layer: str, n: int, layout: ShardLayout, device=None) -> QuantTensors:
     """This shard's input columns [N, micros * c] of the [N, n] layer."""
     ts = _tensor_set(ckpt, layer)
     check_col_split(layer, n, ts.format, layout, "the input dimension")
-    return read_tensors(ckpt, ts, cols=shard_block(n, layout))
+    return _online(ckpt, layer, read_tensors(ckpt, ts, cols=shard_block(n, layout)), device)
 
 
-def read_gate_up(ckpt: Checkpoint, layer: str, inter: int, layout: ShardLayout) -> QuantTensors:
+def read_gate_up(ckpt: Checkpoint, layer: str, inter: int, layout: ShardLayout, device=None) -> QuantTensors:
     """[micros, 2 * I_micro, K]: each micro's [x1 block ; x2 block] of the [2 * inter, K] layer."""
     blk, M, ts = shard_block(inter, layout), layout.micros, _tensor_set(ckpt, layer)
     x1 = read_tensors(ckpt, ts, rows=blk)
     x2 = read_tensors(ckpt, ts, rows=slice(inter + blk.start, inter + blk.stop), scalars_of=x1)
+    x1, x2 = (_online(ckpt, layer, q, device) for q in (x1, x2))
     per_micro = [q.map_rows(lambda t: t.view(M, -1, t.shape[-1])) for q in (x1, x2)]
     return QuantTensors.join(per_micro, lambda ts: torch.cat(ts, dim=1))
 
@@ -88,12 +114,126 @@ def dense(q: QuantTensors, dtype: torch.dtype, device: torch.device | str | None
     return kernels.call("dequant_fp8", q.codes, q.scales, dtype)
 
 
-def micro_rows(param: torch.Tensor, view: PhaseView) -> torch.Tensor:
+# ------------------------------------------------------------------ resident quantized packs
+KERNEL_FORMAT = {WeightFormat.MXFP8: "mxfp8", WeightFormat.MXFP4: "mxfp4", WeightFormat.NVFP4: "nvfp4",
+                 WeightFormat.FP8_CHANNEL: "fp8", WeightFormat.FP8_TENSOR: "fp8"}
+
+
+@dataclass(frozen=True)
+class PackFormat:
+    """The kernel format a pack stays in ("mxfp8", "mxfp4", "nvfp4", "fp8" per output channel), and for
+    NVFP4 whether the global scale divides the block scale (compressed-tensors) or multiplies it."""
+    fmt: str
+    inverse: bool = False
+
+    @classmethod
+    def of(cls, fmt: WeightFormat, inverse: bool = False) -> "PackFormat":
+        return cls(KERNEL_FORMAT[fmt], inverse and fmt is WeightFormat.NVFP4)
+
+
+class QuantPack(nn.Module):
+    """A packed weight of logical shape [*lead, N, K] kept quantized: codes [*lead, N, K / per byte],
+    scales [*lead, N, K / block] (or [*lead, N, 1] for FP8), gscale (NVFP4) [*gscale_lead, 1, 1] or []
+    (one per expert of an expert pack: `gscale_lead` = (E,)). The tensors are parameters (never
+    trained), so the resident accounting and the pointer checks see them."""
+
+    def __init__(self, fmt: PackFormat, shape: tuple[int, ...], gscale_lead: tuple[int, ...] = (), device=None):
+        super().__init__()
+        *lead, n, k = shape
+        f = fmt.fmt
+        block = SCALE_BLOCK[f]
+        if block and k % block:
+            raise ValueError(f"a {f} pack needs K ({k}) to be a multiple of {block}")
+        self.format, self.shape = fmt, tuple(shape)
+
+        def param(*size, dtype):
+            return nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
+        self.codes = param(*lead, n, k // PER_BYTE[f], dtype=torch.uint8 if PER_BYTE[f] == 2 else torch.float8_e4m3fn)
+        if f == "fp8":
+            self.scales = param(*lead, n, 1, dtype=torch.float32)
+        else:
+            self.scales = param(*lead, n, k // block, dtype=torch.float8_e4m3fn if f == "nvfp4" else torch.uint8)
+        self.gscale = param(*gscale_lead, *((1, 1) if gscale_lead else ()), dtype=torch.float32) if f == "nvfp4" else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def value(self) -> QWeight:
+        return QWeight(self.format.fmt, self.codes, self.scales, self.gscale, self.format.inverse)
+
+    def _conform(self, q: QuantTensors, layer: str) -> QuantTensors:
+        if not q.format.quantized or PackFormat.of(q.format, q.global_inverse) != self.format:
+            raise CheckpointError(f"{layer} is stored as {q.format.value}, but its resident pack is {self.format.fmt}")
+        if q.format is WeightFormat.FP8_TENSOR:      # one scale: the same for every output channel
+            q = QuantTensors(WeightFormat.FP8_CHANNEL, q.codes, q.scales.reshape(()).expand(*q.codes.shape[:-1], 1))
+        return q
+
+    def fill(self, q: QuantTensors, layer: str, index=(), gindex=None, micro_rows: int | None = None,
+             micro_cols: int | None = None) -> None:
+        """Write a read of `layer` into [index] of the pack (see `store`); gindex: the global scale's."""
+        q = self._conform(q, layer)
+        codes, scales = q.codes, q.scales
+        if micro_rows:
+            codes, scales = (t.reshape(micro_rows, -1, t.shape[-1]) for t in (codes, scales))
+        if micro_cols:
+            codes = codes.view(codes.shape[0], micro_cols, -1).transpose(0, 1)
+            if self.format.fmt != "fp8":      # a per-channel scale is the same for every micro (broadcast)
+                scales = scales.view(scales.shape[0], micro_cols, -1).transpose(0, 1)
+        self.codes[index].copy_(codes)
+        self.scales[index].copy_(scales)
+        if self.gscale is not None:
+            (self.gscale[gindex] if gindex is not None else self.gscale).copy_(q.global_scale)
+
+
+Packed = torch.Tensor | QuantPack
+
+
+def packed_param(shape: tuple[int, ...], fmt: PackFormat | None, dtype, device, gscale_lead: tuple[int, ...] = ()
+                 ) -> Packed:
+    """A packed parameter: float (dequantized at load), or kept quantized in `fmt`."""
+    if fmt is None:
+        return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
+    return QuantPack(fmt, shape, gscale_lead, device)
+
+
+def store(target: Packed, q: QuantTensors, layer: str, index=(), gindex=None, micro_rows: int | None = None,
+          micro_cols: int | None = None) -> None:
+    """Write a read into target[index]: micro_rows=M: the read's rows are M micros one after another
+    (viewed [M, r, K]); micro_cols=M: its columns are M micros side by side (moved to a leading micro
+    dim). A float parameter receives the exact dequantization, a QuantPack the codes and scales."""
+    if isinstance(target, QuantPack):
+        target.fill(q, layer, index, gindex, micro_rows, micro_cols)
+        return
+    d = dense(q, target.dtype, target.device)
+    if micro_rows:
+        d = d.view(micro_rows, -1, d.shape[-1])
+    if micro_cols:
+        d = d.view(d.shape[0], micro_cols, -1).transpose(0, 1)
+    target[index].copy_(d)
+
+
+def value(param: Packed | None) -> torch.Tensor | QWeight | None:
+    """What the kernel ops take: the float tensor, or the pack's QWeight."""
+    return param.value() if isinstance(param, QuantPack) else param
+
+
+def micro_rows(param: Packed, view: PhaseView) -> torch.Tensor | QWeight:
     """The active micros of a rows-packed [micros, r, K] parameter as one [count * r, K] weight."""
+    if isinstance(param, QuantPack):
+        return param.value()[view.micros].flat_rows()
     return param[view.micros].reshape(-1, param.shape[-1])
 
 
-def micro_cols(param: torch.Tensor, view: PhaseView, micros: int) -> torch.Tensor:
+def micro_cols(param: Packed, view: PhaseView, micros: int) -> torch.Tensor | QWeight:
     """The active micros of a cols-packed [N, micros * c] parameter: [N, count * c]."""
     c = param.shape[1] // micros
-    return param[:, view.micro_start * c:(view.micro_start + view.micro_count) * c]
+    start, stop = view.micro_start * c, (view.micro_start + view.micro_count) * c
+    if isinstance(param, QuantPack):
+        return param.value().cols(start, stop)
+    return param[:, start:stop]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | QWeight) -> torch.Tensor:
+    """x @ w^T for a float weight or a quantized one (the GEMM op of its format)."""
+    return qlinear(x, w) if isinstance(w, QWeight) else F.linear(x, w)

@@ -2,6 +2,8 @@
 `ln_f` + `lm_head` for text. The image head reads the last layer's output WITHOUT `ln_f`."""
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,22 +13,31 @@ import kernels
 from engine.model.attention import Attention, AttnBatch, KVCache
 from engine.model.layers import RMSNorm
 from engine.model.moe import MoE
-from engine.model.packed import dense, micro_rows, read_rows
+from engine.model.packed import PackFormat, dense, micro_rows, read_rows
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
 from engine.spec.config import ModelConfig
 
 
+Resident = Mapping[str, PackFormat]   # pack name -> the format it stays quantized in (engine/model/weights.py)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, layout: ShardLayout, dtype=None, device=None):
+    def __init__(self, cfg: ModelConfig, i: int, layout: ShardLayout, dtype=None, device=None,
+                 resident: Resident | None = None):
         super().__init__()
         kw = dict(micros=layout.micros, storage_size=layout.storage_size, dtype=dtype, device=device)
+        r, p = resident or {}, f"model.layers.{i}."
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.rms_norm_eps, **kw)
+                                   cfg.rms_norm_eps, **kw, formats={"qkv": r.get(p + "self_attn.qkv_proj"),
+                                                                    "o_proj": r.get(p + "self_attn.o_proj")})
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        moe = {"w1": "experts.gate_and_up_proj", "w2": "experts.down_proj",
+               "shared_w1": "shared_mlp.gate_and_up_proj", "shared_w2": "shared_mlp.down_proj"}
         self.mlp = MoE(cfg.hidden_size, cfg.num_experts[i], cfg.moe_topk[i], cfg.moe_intermediate_size[i],
-                       cfg.shared_intermediate(i), cfg.norm_topk_prob, **kw)
+                       cfg.shared_intermediate(i), cfg.norm_topk_prob, **kw,
+                       formats={k: r.get(p + "mlp." + v) for k, v in moe.items()})
 
     def load(self, ckpt: Checkpoint, prefix: str, layout: ShardLayout) -> None:
         self.input_layernorm.weight.copy_(ckpt.read(prefix + "input_layernorm.weight"))
@@ -53,12 +64,14 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, dtype=None, device=None):
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, dtype=None, device=None,
+                 resident: Resident | None = None):
         super().__init__()
         self.cfg = cfg
         vocab_micro = layout.split(cfg.vocab_size, "vocab_size")
         self.wte = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, layout, dtype, device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, layout, dtype, device, resident)
+                                    for i in range(cfg.num_layers))
         self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head = nn.Parameter(torch.empty(layout.micros, vocab_micro, cfg.hidden_size, dtype=dtype,
                                                 device=device))

@@ -7,7 +7,9 @@ Quantized checkpoints: the backbone linears (qkv, o_proj, shared MLP, experts) m
 format of engine/spec/quant.py; each one's tensor set is found from the tensors themselves, compared with
 what `quantization_config` declares (the tensors win, with a warning naming the layer), checked
 against the plan's K splits, and validated with everything else before the first read. Everything
-else (router, embeddings, heads, norms, image-side modules) must be stored in high precision."""
+else (router, embeddings, heads, norms, image-side modules) must be stored in high precision.
+`resident_packs` says which packs may stay quantized on the device (the loader keeps them so on CUDA);
+`quantize="fp8"` makes FP8 weights from a high-precision checkpoint as it is read (online FP8)."""
 from __future__ import annotations
 
 import warnings
@@ -16,7 +18,7 @@ from typing import Callable
 import torch
 
 from engine.model.hunyuan import HunyuanImage3, image_side_modules
-from engine.model.packed import check_col_split
+from engine.model.packed import PackFormat, check_col_split
 from engine.parallel.layout import ShardLayout
 from engine.spec.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError, TensorSpec
 from engine.spec.config import ModelConfig
@@ -103,10 +105,17 @@ def _first_quantized(ckpt: Checkpoint, layers) -> str:
     return next(iter(layers))
 
 
+ONLINE_FORMATS = ("fp8",)
+
+
 def plan_checkpoint(cfg: ModelConfig, ckpt: Checkpoint, layout: ShardLayout = ShardLayout(),
-                    scheme: QuantScheme | None = None) -> tuple[dict[str, TensorSpec], dict[str, TensorSet]]:
+                    scheme: QuantScheme | None = None, quantize: str | None = None
+                    ) -> tuple[dict[str, TensorSpec], dict[str, TensorSet]]:
     """What the folder must hold (name -> spec) and the tensor set of every backbone linear, or a
-    CheckpointError naming the layer; reads no tensor."""
+    CheckpointError naming the layer; reads no tensor. `quantize` ("fp8"): the load quantizes the
+    backbone linears itself, which needs them stored in high precision."""
+    if quantize is not None and quantize not in ONLINE_FORMATS:
+        raise ValueError(f"unknown quantize {quantize!r} (supported: {', '.join(ONLINE_FORMATS)})")
     scheme = scheme or QuantScheme.from_config(cfg.raw, ckpt.folder)
     linears = backbone_linears(cfg)
     if scheme.unsupported:
@@ -128,6 +137,10 @@ def plan_checkpoint(cfg: ModelConfig, ckpt: Checkpoint, layout: ShardLayout = Sh
             mismatches.append(f"{layer}: quantization_config says {declared.value}, its tensors are "
                               f"{ts.format.value}; loading it as {ts.format.value}")
         f = ts.format
+        if quantize and f.quantized:
+            raise CheckpointError(f"--quantize {quantize} quantizes a high-precision checkpoint at load, but "
+                                  f"{ckpt.folder} is already quantized ({layer} is stored as {f.value}): load it as it "
+                                  "is, without --quantize")
         if f.block and k % f.block:
             raise CheckpointError(f"{layer} is stored as {f.value} but its K ({k}) is not a multiple of the "
                                   f"{f.block}-element block")
@@ -169,11 +182,48 @@ def plan_checkpoint(cfg: ModelConfig, ckpt: Checkpoint, layout: ShardLayout = Sh
     return expected, formats
 
 
-def load_weights(model: HunyuanImage3, ckpt: Checkpoint, progress: Progress | None = None) -> None:
-    """Plan and validate the checkpoint against the config, then read this rank's slices into the model."""
-    expected, formats = plan_checkpoint(model.cfg, ckpt, model.layout)
+def resident_packs(cfg: ModelConfig, formats: dict[str, TensorSet], quantize: str | None = None
+                   ) -> dict[str, PackFormat]:
+    """The backbone packs that can stay quantized on the device (pack name -> format): qkv, o_proj and
+    the shared MLP's two linears per layer, and `mlp.experts.gate_and_up_proj` / `.down_proj` for all
+    experts of a layer together, which need every expert in one format. A layer's MoE packs stay
+    quantized only when both expert packs do (the quantized MoE op takes quantized experts); anything
+    else is dequantized at load. With `quantize` every backbone linear is quantized by the load."""
+    def fmt(layer: str) -> PackFormat | None:
+        if quantize:
+            return PackFormat(quantize)
+        ts = formats.get(layer)
+        return PackFormat.of(ts.format, ts.global_inverse) if ts is not None and ts.format.quantized else None
+
+    out: dict[str, PackFormat] = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj"):
+            if (f := fmt(p + name)) is not None:
+                out[p + name] = f
+        experts = {}
+        for part in ("gate_and_up_proj", "down_proj"):
+            found = {fmt(p + f"mlp.experts.{e}.{part}") for e in range(cfg.num_experts[i])}
+            if len(found) == 1 and None not in found:
+                experts[p + f"mlp.experts.{part}"] = found.pop()
+        if len(experts) == 2:
+            out |= experts
+            for name in ("mlp.shared_mlp.gate_and_up_proj", "mlp.shared_mlp.down_proj"):
+                if cfg.shared_intermediate(i) and (f := fmt(p + name)) is not None:
+                    out[p + name] = f
+    return out
+
+
+def load_weights(model: HunyuanImage3, ckpt: Checkpoint, progress: Progress | None = None,
+                 quantize: str | None = None,
+                 plan: tuple[dict[str, TensorSpec], dict[str, TensorSet]] | None = None) -> None:
+    """Plan and validate the checkpoint against the config (or take the `plan` made before the model was
+    built), then read this rank's slices into the model; `quantize` ("fp8"): the backbone linears are
+    quantized as they are read (FP8 per output channel of this shard's slice)."""
+    expected, formats = plan or plan_checkpoint(model.cfg, ckpt, model.layout, quantize=quantize)
     ckpt.validate(expected, skipped=[n for n in ckpt.tensors if n.startswith(SKIPPED_PREFIXES)])
     ckpt.formats = formats
+    ckpt.online = frozenset(backbone_linears(model.cfg)) if quantize else frozenset()
     names, done = list(expected), 0
     tr = model.transformer
     with torch.no_grad():

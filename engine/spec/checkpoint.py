@@ -82,6 +82,8 @@ class Checkpoint:
         # layer -> its stored tensor set (engine/spec/qtensors.py), filled by the load plan; a layer not
         # listed is a plain float `layer.weight`
         self.formats: dict[str, object] = {}
+        # layers the load quantizes itself as they are read (`--quantize fp8`: FP8 per output channel)
+        self.online: frozenset[str] = frozenset()
         self.bytes_read = 0  # what this process actually pulled from disk (tests check per-rank reads)
 
     def close(self) -> None:
