@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                            "(default: the plan's, else 1; on cpu: gloo processes)")
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when available)")
     ap.add_argument("--dtype", default="auto", help="bfloat16, float16, float32 or auto (bf16 on GPU, fp32 on CPU)")
+    ap.add_argument("--quantize", choices=["fp8"], default=None,
+                    help="fp8: quantize a high-precision (BF16) checkpoint's backbone linears to FP8 at load, one scale "
+                         "per output channel, activations per token on CUDA (router, embeddings, heads, ViT, VAE "
+                         "untouched); about half the weight memory")
     ap.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1, or $GRADIO_SERVER_NAME; "
                                                   "0.0.0.0 for every interface)")
     ap.add_argument("--port", type=int, default=None, help="port (default 7860, or $GRADIO_SERVER_PORT; the next "
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         server = EngineServer(model, device=device, dtype=args.dtype, world_size=args.gpus, plan=args.plan, sp_kind=args.sp_attn,
-                              verbose=True, max_queue=args.max_queue)
+                              verbose=True, max_queue=args.max_queue, quantize=args.quantize)
     except (ConfigError, ValueError, OSError) as e:      # a wrong folder, an unknown plan or one that does not fit
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -53,6 +53,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                                   "(default: from --gpus; on cpu the ranks are gloo processes)")
     p.add_argument("--gpus", type=int, default=None, help="number of ranks (default: the plan's, else 1)")
     p.add_argument("--sp-attn", choices=["ulysses", "kv_gather"], help="sequence-parallel attention kind")
+    p.add_argument("--quantize", choices=["fp8"], default=None,
+                   help="fp8: quantize a high-precision checkpoint's backbone linears to FP8 at load (one scale per "
+                        "output channel; activations per token on CUDA)")
     p.add_argument("--cfg-serial", action="store_true", help="run the CFG branches one after the other")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run the AR decode and denoise steps eagerly on CUDA (by default each is a CUDA-graph replay)")
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.serve.server import EngineServer
         server = EngineServer(args.model, args.device, args.dtype, plan=plan.name, sp_kind=plan.sp_kind,
                               verbose=True, pipeline_options={"cfg_serial": args.cfg_serial,
-                                                "cuda_graph": args.cuda_graph})
+                                                "cuda_graph": args.cuda_graph}, quantize=args.quantize)
         with server:
             if not server.wait_ready():
                 print(f"error: the engine did not start: {server.health()['last_error']}", file=sys.stderr)
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine.model.loader import load, parse_dtype, print_progress
     from engine.runtime.pipeline import Pipeline
     try:
-        lm = load(args.model, args.device, parse_dtype(args.dtype, args.device), progress=print_progress)
+        lm = load(args.model, args.device, parse_dtype(args.dtype, args.device), progress=print_progress,
+                  quantize=args.quantize)
     except (ValueError, OSError) as e:
         print(f"error: cannot load {args.model}: {e}", file=sys.stderr)
         return 2

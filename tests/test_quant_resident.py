@@ -179,3 +179,58 @@ def test_online_fp8_refuses_a_quantized_checkpoint_and_unknown_formats(folders):
         load(folders["mxfp4"], quantize="fp8")
     with pytest.raises(ValueError, match="unknown quantize 'int4'"):
         load(folders["bf16"], quantize="int4")
+
+
+def test_quantize_flag_reaches_the_load(folders):
+    """`--quantize fp8` from the command line, app.py and EngineServer down to every rank's load."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import app
+    from engine.serve.server import EngineServer
+    root = Path(__file__).resolve().parents[1]
+    assert app.parse_args(["--quantize", "fp8"]).quantize == "fp8" and app.parse_args([]).quantize is None
+    p = subprocess.run([sys.executable, "-m", "engine", "text", "--model", str(folders["bf16"]), "--prompt", "a red circle",
+                        "--max-new-tokens", "4", "--seed", "1", "--quantize", "fp8"], cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0 and "[think]" in p.stdout, p.stderr[-2000:]
+    with pytest.raises(ValueError, match="unknown quantize 'int8'"):
+        EngineServer(folders["bf16"], quantize="int8")
+    with EngineServer(folders["mxfp4"], plan="tp2", quantize="fp8", preview_every=0) as server:   # two gloo ranks
+        assert not server.wait_ready(120)
+        assert "already quantized" in server.health()["last_error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct", "nvfp4-modelopt", "fp8-channel-modelopt", "online-fp8"])
+def test_gpu_resident_quantized_model_runs_on_the_fast_ops(folders, fmt):
+    """On CUDA bf16 the packs stay quantized by default and the layers run the Triton / scaled-mm ops
+    (each layer within its format's tolerance of the dequantized load); a whole request runs, with
+    the AR decode as a CUDA graph over the quantized decode kernels."""
+    online = fmt == "online-fp8"
+    folder, quantize = (folders["bf16"], "fp8") if online else (folders[fmt], None)
+    lm = load(folder, "cuda", torch.bfloat16, quantize=quantize)
+    dense = load(folder, "cuda", torch.bfloat16, quantize=quantize, resident="dense")
+    for op, name in (("moe_quant", "triton"), ("linear_mxfp8", "triton"), ("linear_nvfp4", "triton"),
+                     ("linear_fp8", "scaled_mm")):
+        assert kernels.chosen(op, "cuda", torch.bfloat16) == name, op
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tol = 5e-2 if fmt in W8A8 or online else 2e-2
+    for lq, ld in zip(lm.model.transformer.layers, dense.model.transformer.layers):
+        for name in PACKS:
+            assert isinstance(_param(lq, name), QuantPack), name
+        for n in (1, 6, 300):                 # decode and grouped paths
+            h = torch.randn(n, 64, generator=g, device="cuda").to(torch.bfloat16)
+            want = ld.mlp(h, PhaseView())
+            got = lm_out = lq.mlp(h, PhaseView())
+            assert not lm_out.isnan().any()
+            assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol, (fmt, n)
+            w = micro_rows(lq.self_attn.qkv, PhaseView())
+            want = linear(h, micro_rows(ld.self_attn.qkv, PhaseView()))
+            assert ((linear(h, w).float() - want.float()).norm() / want.float().norm()).item() < tol
+    q_bytes = sum(t.numel() * t.element_size() for t in lm.model.transformer.parameters())
+    d_bytes = sum(t.numel() * t.element_size() for t in dense.model.transformer.parameters())
+    assert q_bytes < 0.8 * d_bytes
+    text, img = _outcome(lm)
+    assert len(text) > 0 and img.size > 0

@@ -68,7 +68,7 @@ class EngineServer:
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | None = None,
                  world_size: int | None = None, plan: str | None = None, preview_every: int = 1,
                  verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S, sp_kind: str | None = None,
-                 pipeline_options: dict | None = None, max_queue: int | None = None):
+                 pipeline_options: dict | None = None, max_queue: int | None = None, quantize: str | None = None):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
@@ -77,9 +77,14 @@ class EngineServer:
         kv_gather); `pipeline_options` go to every rank's Pipeline (kv_handoff, cfg_serial). `max_queue`:
         how many requests may wait behind the running one (None: no limit); one more is refused at
         submit with Error('busy'), checked under the queue's lock so simultaneous arrivals cannot
-        overshoot it."""
+        overshoot it. `quantize` ("fp8"): every rank quantizes the backbone linears of a high-precision
+        checkpoint at load (engine/model/weights.py)."""
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0 (got {max_queue})")
+        from engine.model.weights import ONLINE_FORMATS
+        if quantize is not None and quantize not in ONLINE_FORMATS:
+            raise ValueError(f"unknown quantize {quantize!r} (supported: {', '.join(ONLINE_FORMATS)})")
+        self.quantize = quantize
         self.info = ModelInfo.from_folder(model)
         self.parallel: ParallelPlan = get_plan(plan, world_size, sp_kind)
         self.pipeline_options = dict(pipeline_options or {})
@@ -249,7 +254,7 @@ class EngineServer:
                 args=(rank, self.world_size, self.model, self.device, self.dtype,
                       req_r if lead else None, pipes[rank][1], self._cancel_seq,
                       self.preview_every, self.verbose, self.plan, init_method, self.parallel.sp_kind,
-                      self.pipeline_options))
+                      self.pipeline_options, self.quantize))
             p.start()
             procs.append(p)
         req_r.close()      # the children hold their ends; ours must close so a dead worker reads as EOF

@@ -18,7 +18,8 @@ NO_REQUEST = -1          # the cancel slot's value when no request is to be stop
 def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str | None,
                 requests: Connection | None, events: Connection | None, cancel_seq: Any,
                 preview_every: int = 1, verbose: bool = False, plan: str | None = None,
-                init_method: str = "", sp_kind: str | None = None, pipeline_options: dict | None = None) -> None:
+                init_method: str = "", sp_kind: str | None = None, pipeline_options: dict | None = None,
+                quantize: str | None = None) -> None:
     """Entry point of one engine worker process (rank `rank` of `world_size`). Rank 0 owns the request
     pipe and reports events; the other ranks follow it through a gloo control group and use their own
     `events` pipe only to say that a request failed on them. Load failures are reported by rank 0 as
@@ -58,7 +59,8 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
         rt = RankGroups.init(p, rank, dev, init_method)
         if p.world > 1:
             control = dist.new_group(list(range(p.world)), backend="gloo")
-        lm = load(model, dev, parse_dtype(dtype, dev), rt.layout, progress=progress if rank == 0 else None)
+        lm = load(model, dev, parse_dtype(dtype, dev), rt.layout, progress=progress if rank == 0 else None,
+                  quantize=quantize)
         p.check_model(lm.cfg)
         pointers = resident_pointers(lm.model)
         moved: list[str] = []          # phases at whose start a resident weight had moved (never, by design)
