@@ -71,26 +71,19 @@ def _e8m0(b):
 
 @triton.jit
 def _wtile(c_ptr, s_ptr, g, rn, mn, k0, K, stride_c, stride_s,
-           FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-           UPCAST: tl.constexpr):
-    """Rows rn (mask mn) x columns [k0, k0 + BK) of a quantized [N, K] weight, dequantized [BN, BK];
-    k0 is a multiple of BK and BK of the scale block BS; columns past K read as zero. MX formats come
-    back in bf16 (an E4M3 / E2M1 value times a power of two is exact there, and half the registers of
-    fp32), NVFP4 and FP8 in fp32 (their scales are arbitrary: rounded once by the caller, as the
-    reference rounds). UPCAST (the interpreter, which has no bf16 arithmetic): fp32 throughout."""
-    MX: tl.constexpr = (FMT == 0 or FMT == 1) and not UPCAST
+           FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows rn (mask mn) x columns [k0, k0 + BK) of a quantized [N, K] weight, dequantized to fp32
+    [BN, BK] (the caller rounds it once to the activation dtype, as the reference does); k0 is a
+    multiple of BK and BK of the scale block BS; columns past K read as zero."""
     rowc = rn.to(tl.int64)[:, None] * stride_c
     if FMT == 1 or FMT == 2:
         rb = k0 // 2 + tl.arange(0, BK // 2)
         byte = tl.load(c_ptr + rowc + rb[None, :], mask=mn[:, None] & (rb < K // 2)[None, :], other=0)
         byte = byte.to(tl.uint32)
         v = tl.interleave(_e2m1(byte & 15), _e2m1(byte >> 4))       # low nibble = even column
-        if MX:
-            v = v.to(tl.bfloat16)
     else:
         rk = k0 + tl.arange(0, BK)
-        v = tl.load(c_ptr + rowc + rk[None, :], mask=mn[:, None] & (rk < K)[None, :], other=0.0)
-        v = v.to(tl.bfloat16) if MX else v.to(tl.float32)
+        v = tl.load(c_ptr + rowc + rk[None, :], mask=mn[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
     if FMT == 3:
         s = tl.load(s_ptr + rn.to(tl.int64) * stride_s, mask=mn, other=0.0).to(tl.float32)
         w = v * s[:, None]
@@ -106,10 +99,18 @@ def _wtile(c_ptr, s_ptr, g, rn, mn, k0, K, stride_c, stride_s,
                 s = s * g
         else:
             s = _e8m0(tl.load(sp, mask=ms, other=0))
-            if MX:
-                s = s.to(tl.bfloat16)
         w = v * tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // BS, BS)), (BN, BK))
     return w
+
+
+@triton.jit
+def _global_scale(g_ptr, offset, FMT: tl.constexpr):
+    """NVFP4's fp32 global scale of the matrix (the other formats have none: g_ptr is any tensor)."""
+    if FMT == 2:
+        g = tl.load(g_ptr + offset).to(tl.float32)
+    else:
+        g = 1.0
+    return g
 
 
 @triton.jit
@@ -134,14 +135,14 @@ def _linear_kernel(x_ptr, c_ptr, s_ptr, g_ptr, out_ptr, M, N, K, stride_xm, stri
     rn = pid_n * BN + tl.arange(0, BN)
     mm = rm < M
     mn = rn < N
-    g = tl.load(g_ptr).to(tl.float32)
+    g = _global_scale(g_ptr, 0, FMT)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     k_lo = split * k_split
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
         rk = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & (rk < K)[None, :],
                      other=0.0)
-        w = _wtile(c_ptr, s_ptr, g, rn, mn, k0, K, stride_c, stride_s, FMT, INVERSE, BS, BN, BK, UPCAST)
+        w = _wtile(c_ptr, s_ptr, g, rn, mn, k0, K, stride_c, stride_s, FMT, INVERSE, BS, BN, BK)
         acc = _dot(w.to(xt.dtype), tl.trans(xt), acc, UPCAST)
     dst = out_ptr + split.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
@@ -157,20 +158,18 @@ def _sum_splits_kernel(p_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.const
     tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-# tile configs by token count (bench/bench_kernels_quant.py --tune sweeps them)
-LINEAR_LARGE = dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
-LINEAR_MID = dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=3)
-LINEAR_SMALL = dict(BM=16, BN=32, BK=256, GROUP_M=1, num_warps=4, num_stages=3)
+# tile configs by token count (bench/bench_kernels_quant.py --tune sweeps them; tools/compile_sm90.py shows
+# each one's registers and spills without a GPU: these spill nothing on sm_90 for any format)
+LINEAR_LARGE = dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
+LINEAR_MID = dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+LINEAR_SMALL = dict(BM=16, BN=32, BK=256, GROUP_M=1, num_warps=8, num_stages=3)
 SMALL_M = 16
 TARGET_PROGRAMS = 264            # about two per SM of an H200 (132): enough loads in flight for a GEMV
 
 
-def _meta(fmt: str, codes: torch.Tensor, scales: torch.Tensor):
-    return dict(FMT=FMT[fmt], BS=BLOCK[fmt]), codes, scales
-
-
 def _gscale(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return g if g is not None else torch.ones((), dtype=torch.float32, device=like.device)
+    """The global-scale argument: NVFP4's tensor, else any tensor of the device (never read)."""
+    return g if g is not None else like
 
 
 def linear(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor, gscale: torch.Tensor | None = None,
@@ -189,7 +188,7 @@ def linear(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor,
     small = m <= SMALL_M
     c = dict(cfg or (LINEAR_SMALL if small else LINEAR_MID if m <= 256 else LINEAR_LARGE))
     bm, bn, bk = c.pop("BM"), c.pop("BN"), c.pop("BK")
-    bk = max(bk, BLOCK[fmt] * 2)
+    bk = max(bk, BLOCK[fmt])           # whole scale blocks per K step
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     splits = 1
     if small:
@@ -235,20 +234,20 @@ def _grouped_kernel(x_ptr, c_ptr, s_ptr, g_ptr, offs_ptr, out_ptr, N, K, stride_
         mn = rn < N
         ce = c_ptr + e.to(tl.int64) * stride_cg
         se = s_ptr + e.to(tl.int64) * stride_sg
-        g = tl.load(g_ptr + e * stride_gg).to(tl.float32)
+        g = _global_scale(g_ptr, e * stride_gg, FMT)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :],
                          mask=mm[:, None] & (rk < K)[None, :], other=0.0)
-            w = _wtile(ce, se, g, rn, mn, k0, K, stride_c, stride_s, FMT, INVERSE, BS, BN, BK, UPCAST)
+            w = _wtile(ce, se, g, rn, mn, k0, K, stride_c, stride_s, FMT, INVERSE, BS, BN, BK)
             acc = _dot(w.to(xt.dtype), tl.trans(xt), acc, UPCAST)
         dst = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
 
 
-GROUPED = dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
-GROUPED_FEW = dict(BM=32, BN=128, BK=64, GROUP_M=4, num_warps=4, num_stages=3)    # a few rows per group
+GROUPED = dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
+GROUPED_FEW = dict(BM=64, BN=128, BK=32, GROUP_M=4, num_warps=8, num_stages=3)    # a few rows per group
 
 
 def grouped(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor,
@@ -264,10 +263,10 @@ def grouped(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor
         return out
     c = dict(cfg or (GROUPED if t >= 64 * gcount else GROUPED_FEW))
     bm, bn, bk = c.pop("BM"), c.pop("BN"), c.pop("BK")
-    bk = max(bk, BLOCK[fmt] * 2)
+    bk = max(bk, BLOCK[fmt])           # whole scale blocks per K step
     num_m = triton.cdiv(t, bm) + gcount                 # the most row tiles any split into groups has
     g = _gscale(gscale, x)
-    stride_gg = g.stride(0) if g.dim() == 3 else 0
+    stride_gg = g.stride(0) if gscale is not None and g.dim() == 3 else 0
     _grouped_kernel[(num_m * triton.cdiv(n, bn),)](
         x, codes, scales, g, offs, out, n, k, x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0),
         scales.stride(1), stride_gg, out.stride(0), num_m, gcount, G_PAD=max(2, next_pow2(gcount)), FMT=FMT[fmt],
@@ -302,7 +301,7 @@ def _qdecode_up_kernel(x_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, act_ptr,
     if tl.max(sel.to(tl.int32), axis=0) > 0:     # a slot past the chosen experts reads no weight
         cb = c_ptr + m.to(tl.int64) * c_sm + e.to(tl.int64) * c_se
         sb = s_ptr + m.to(tl.int64) * s_sm + e.to(tl.int64) * s_se
-        g = tl.load(g_ptr + e * g_se).to(tl.float32)
+        g = _global_scale(g_ptr, e * g_se, FMT)
         ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         mi = ri < I
         acc1 = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
@@ -311,8 +310,8 @@ def _qdecode_up_kernel(x_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, act_ptr,
             rh = h0 + tl.arange(0, BLOCK_H)
             xt = tl.load(x_ptr + rn[:, None] * stride_x + rh[None, :], mask=mn[:, None] & (rh < H)[None, :],
                          other=0.0)
-            wa = _wtile(cb, sb, g, ri, mi, h0, H, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_I, BLOCK_H, UPCAST).to(xt.dtype)
-            wb = _wtile(cb, sb, g, ri + I, mi, h0, H, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_I, BLOCK_H, UPCAST).to(xt.dtype)
+            wa = _wtile(cb, sb, g, ri, mi, h0, H, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_I, BLOCK_H).to(xt.dtype)
+            wb = _wtile(cb, sb, g, ri + I, mi, h0, H, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_I, BLOCK_H).to(xt.dtype)
             acc1 = _dot(xt, tl.trans(wa), acc1, UPCAST)
             acc2 = _dot(xt, tl.trans(wb), acc2, UPCAST)
         act = acc1 * (acc2 * tl.sigmoid(acc2))
@@ -347,7 +346,7 @@ def _qdecode_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_pt
         e = tl.full((), 0, tl.int32)
         dst = y_ptr + rn.to(tl.int64)[:, None] * H + rh[None, :]
     if tl.max(sel.to(tl.int32), axis=0) > 0:
-        g = tl.load(g_ptr + e * g_se).to(tl.float32)
+        g = _global_scale(g_ptr, e * g_se, FMT)
         acc = tl.zeros((BLOCK_N, BLOCK_HO), dtype=tl.float32)
         for m in range(MC):     # micro partials summed before the route weight (finalize)
             src = act_ptr + ((m * SLOTS + slot).to(tl.int64) * BLOCK_N + rn)[:, None] * I
@@ -357,13 +356,14 @@ def _qdecode_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_pt
             for i0 in range(0, I, BLOCK_I):
                 ri = i0 + tl.arange(0, BLOCK_I)
                 a = tl.load(src + ri[None, :], mask=sel[:, None] & (ri < I)[None, :], other=0.0)
-                wt = _wtile(cb, sb, g, rh, mh, i0, I, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_HO, BLOCK_I, UPCAST).to(a.dtype)
+                wt = _wtile(cb, sb, g, rh, mh, i0, I, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_HO, BLOCK_I).to(a.dtype)
                 acc = _dot(a, tl.trans(wt), acc, UPCAST)
         tl.store(dst, acc, mask=sel[:, None] & mh[None, :])
 
 
-DECODE_UP = dict(BLOCK_I=16, BLOCK_H=256, num_warps=4, num_stages=3)
+DECODE_UP = dict(BLOCK_I=16, BLOCK_H=128, num_warps=8, num_stages=3)
 DECODE_DOWN = dict(BLOCK_HO=32, BLOCK_I=128, num_warps=4, num_stages=3)
+DECODE_DOWN_FMT = {"fp8": dict(BLOCK_I=64)}       # fp32 scales per row: a narrower K step spills nothing
 
 
 def _lead_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -377,11 +377,11 @@ def decode_up(x, ids, active, fmt: str, codes, scales, gscale, inverse: bool, ac
     the active micros; shared (active None): [micros, 2I, H/pb] and slots == 1. act [micros, slots, 16, I]
     receives the rows of the tokens each slot serves."""
     cfg = dict(DECODE_UP, **(up or {}))
-    cfg["BLOCK_H"] = max(cfg["BLOCK_H"], 2 * BLOCK[fmt])
+    cfg["BLOCK_H"] = max(cfg["BLOCK_H"], BLOCK[fmt])
     n, h = x.shape
     mc = act.shape[0]
     g = _gscale(gscale, x)
-    g_se = g.stride(0) if g.dim() == 3 else 0
+    g_se = g.stride(0) if gscale is not None and g.dim() == 3 else 0
     grid = (mc * slots, triton.cdiv(inter, cfg["BLOCK_I"]))
     _qdecode_up_kernel[grid](x, ids, active if active is not None else ids, codes, scales, g, act, n, h, inter,
                              x.stride(0), *_lead_strides(codes), *_lead_strides(scales), g_se,
@@ -396,13 +396,13 @@ def decode_down(act, ids, active, fmt: str, codes, scales, gscale, inverse: bool
     """Down GEMV of every slot, micro partials summed. Routed: codes [micros, E, H, I/pb] of the active
     micros, y [N*k, H] fp32; shared (active None): the cols-packed [H, micros*I/pb] block of the active
     micros (`micro_cols`: micro m's columns start at m*I), y [N, H] fp32."""
-    cfg = dict(DECODE_DOWN, **(down or {}))
-    cfg["BLOCK_I"] = max(cfg["BLOCK_I"], 2 * BLOCK[fmt])
+    cfg = dict(DECODE_DOWN, **DECODE_DOWN_FMT.get(fmt, {}), **(down or {}))
+    cfg["BLOCK_I"] = max(cfg["BLOCK_I"], BLOCK[fmt])
     mc, _, bn, _ = act.shape
     n, k = ids.shape
     h = y.shape[1]
     g = _gscale(gscale, y)
-    g_se = g.stride(0) if g.dim() == 3 else 0
+    g_se = g.stride(0) if gscale is not None and g.dim() == 3 else 0
     if micro_cols:         # micro m = columns [m*I, (m+1)*I) of the [H, micros*I] block
         pb, bs = PER_BYTE[fmt], BLOCK[fmt]
         c_str = (inter // pb, 0, codes.stride(0))
