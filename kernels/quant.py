@@ -154,10 +154,12 @@ def grouped_mm_nvfp4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
 # ---------------------------------------------------------------- online FP8 (W8A8)
 @reference("quantize_fp8_rows")
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric E4M3 per row of the last dimension: scale = amax / 448 (an all-zero row gets scale 1)."""
+    """Symmetric E4M3 per row of the last dimension: scale = amax / 448 (an all-zero row gets scale 1).
+    Both divisions are IEEE divisions on every device: on CUDA, torch divides by a Python number as a
+    multiplication by its reciprocal, which is an ulp off for some rows, so the 448 is a tensor."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     codes = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes, scale
 

@@ -70,35 +70,53 @@ def _e8m0(b):
 
 
 @triton.jit
-def _wtile(c_ptr, s_ptr, g, rn, mn, k0, K, stride_c, stride_s,
-           FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Rows rn (mask mn) x columns [k0, k0 + BK) of a quantized [N, K] weight, dequantized to fp32
-    [BN, BK] (the caller rounds it once to the activation dtype, as the reference does); k0 is a
-    multiple of BK and BK of the scale block BS; columns past K read as zero."""
+def _wload(c_ptr, s_ptr, rn, mn, k0, K, stride_c, stride_s, FMT: tl.constexpr, BS: tl.constexpr,
+           BK: tl.constexpr):
+    """The stored codes and scales of rows rn (mask mn) x columns [k0, k0 + BK) of a quantized [N, K]
+    weight, as loaded (the loops issue these loads one K step ahead of their use, so the memory latency
+    overlaps the previous step's dequantization and MMA); columns past K read as zero."""
     rowc = rn.to(tl.int64)[:, None] * stride_c
     if FMT == 1 or FMT == 2:
-        rb = k0 // 2 + tl.arange(0, BK // 2)
-        byte = tl.load(c_ptr + rowc + rb[None, :], mask=mn[:, None] & (rb < K // 2)[None, :], other=0)
-        byte = byte.to(tl.uint32)
-        v = tl.interleave(_e2m1(byte & 15), _e2m1(byte >> 4))       # low nibble = even column
+        rb = k0 // 2 + tl.arange(0, BK // 2)             # byte j holds columns 2j (low nibble) and 2j + 1
+        codes = tl.load(c_ptr + rowc + rb[None, :], mask=mn[:, None] & (rb < K // 2)[None, :], other=0)
     else:
         rk = k0 + tl.arange(0, BK)
-        v = tl.load(c_ptr + rowc + rk[None, :], mask=mn[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
+        codes = tl.load(c_ptr + rowc + rk[None, :], mask=mn[:, None] & (rk < K)[None, :], other=0.0)
     if FMT == 3:
-        s = tl.load(s_ptr + rn.to(tl.int64) * stride_s, mask=mn, other=0.0).to(tl.float32)
-        w = v * s[:, None]
+        scales = tl.load(s_ptr + rn.to(tl.int64) * stride_s, mask=mn, other=0.0)
     else:
         rs = k0 // BS + tl.arange(0, BK // BS)
         sp = s_ptr + rn.to(tl.int64)[:, None] * stride_s + rs[None, :]
         ms = mn[:, None] & (rs < K // BS)[None, :]
-        if FMT == 2:    # E4M3 block scales and the global scale, in the reference's fp32 order
-            s = tl.load(sp, mask=ms, other=0.0).to(tl.float32)
+        if FMT == 2:
+            scales = tl.load(sp, mask=ms, other=0.0)
+        else:
+            scales = tl.load(sp, mask=ms, other=0)
+    return codes, scales
+
+
+@triton.jit
+def _wdequant(codes, scales, g, FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr):
+    """A `_wload` tile dequantized to fp32 [BN, BK] (the caller rounds it once to the activation dtype,
+    as the reference does): the element times its block's scale (E8M0, or NVFP4's E4M3 scale times /
+    divided by the global scale, in the reference's fp32 order), or its row's scale (FP8)."""
+    if FMT == 1 or FMT == 2:
+        byte = codes.to(tl.uint32)
+        v = tl.interleave(_e2m1(byte & 15), _e2m1(byte >> 4))       # low nibble = even column
+    else:
+        v = codes.to(tl.float32)
+    if FMT == 3:
+        w = v * scales.to(tl.float32)[:, None]
+    else:
+        if FMT == 2:
+            s = scales.to(tl.float32)
             if INVERSE:
                 s = tl.div_rn(s, g)
             else:
                 s = s * g
         else:
-            s = _e8m0(tl.load(sp, mask=ms, other=0))
+            s = _e8m0(scales)
         w = v * tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // BS, BS)), (BN, BK))
     return w
 
@@ -138,12 +156,16 @@ def _linear_kernel(x_ptr, c_ptr, s_ptr, g_ptr, out_ptr, M, N, K, stride_xm, stri
     g = _global_scale(g_ptr, 0, FMT)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     k_lo = split * k_split
-    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
+    k_hi = tl.minimum(k_lo + k_split, K)
+    cw, sw = _wload(c_ptr, s_ptr, rn, mn, k_lo, k_hi, stride_c, stride_s, FMT, BS, BK)
+    for k0 in range(k_lo, k_hi, BK):
         rk = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & (rk < K)[None, :],
                      other=0.0)
-        w = _wtile(c_ptr, s_ptr, g, rn, mn, k0, K, stride_c, stride_s, FMT, INVERSE, BS, BN, BK)
+        cn, sn = _wload(c_ptr, s_ptr, rn, mn, k0 + BK, k_hi, stride_c, stride_s, FMT, BS, BK)    # next step's
+        w = _wdequant(cw, sw, g, FMT, INVERSE, BS, BN, BK)
         acc = _dot(w.to(xt.dtype), tl.trans(xt), acc, UPCAST)
+        cw, sw = cn, sn
     dst = out_ptr + split.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
 
@@ -161,7 +183,7 @@ def _sum_splits_kernel(p_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.const
 # tile configs by token count (bench/bench_kernels_quant.py --tune sweeps them; tools/compile_sm90.py shows
 # each one's registers and spills without a GPU: these spill nothing on sm_90 for any format)
 LINEAR_LARGE = dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
-LINEAR_MID = dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+LINEAR_MID = dict(BM=64, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
 LINEAR_SMALL = dict(BM=16, BN=32, BK=256, GROUP_M=1, num_warps=8, num_stages=3)
 SMALL_M = 16
 TARGET_PROGRAMS = 264            # about two per SM of an H200 (132): enough loads in flight for a GEMV
@@ -236,18 +258,22 @@ def _grouped_kernel(x_ptr, c_ptr, s_ptr, g_ptr, offs_ptr, out_ptr, N, K, stride_
         se = s_ptr + e.to(tl.int64) * stride_sg
         g = _global_scale(g_ptr, e * stride_gg, FMT)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
+        cw, sw = _wload(ce, se, rn, mn, 0, K, stride_c, stride_s, FMT, BS, BK)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :],
                          mask=mm[:, None] & (rk < K)[None, :], other=0.0)
-            w = _wtile(ce, se, g, rn, mn, k0, K, stride_c, stride_s, FMT, INVERSE, BS, BN, BK)
+            cn, sn = _wload(ce, se, rn, mn, k0 + BK, K, stride_c, stride_s, FMT, BS, BK)
+            w = _wdequant(cw, sw, g, FMT, INVERSE, BS, BN, BK)
             acc = _dot(w.to(xt.dtype), tl.trans(xt), acc, UPCAST)
+            cw, sw = cn, sn
         dst = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
 
 
 GROUPED = dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
 GROUPED_FEW = dict(BM=64, BN=128, BK=32, GROUP_M=4, num_warps=8, num_stages=3)    # a few rows per group
+GROUPED_FMT = {"mxfp8": dict(BM=64), "fp8": dict(BM=64)}     # 8-bit codes: a 128-row tile spills on sm_90
 
 
 def grouped(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor,
@@ -261,7 +287,7 @@ def grouped(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor
         out = _empty(t, n, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    c = dict(cfg or (GROUPED if t >= 64 * gcount else GROUPED_FEW))
+    c = dict(cfg or (dict(GROUPED, **GROUPED_FMT.get(fmt, {})) if t >= 64 * gcount else GROUPED_FEW))
     bm, bn, bk = c.pop("BM"), c.pop("BN"), c.pop("BK")
     bk = max(bk, BLOCK[fmt])           # whole scale blocks per K step
     num_m = triton.cdiv(t, bm) + gcount                 # the most row tiles any split into groups has
@@ -306,14 +332,19 @@ def _qdecode_up_kernel(x_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, act_ptr,
         mi = ri < I
         acc1 = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
+        ca, sa = _wload(cb, sb, ri, mi, 0, H, c_sr, s_sr, FMT, BS, BLOCK_H)          # x1 rows
+        cc, sc = _wload(cb, sb, ri + I, mi, 0, H, c_sr, s_sr, FMT, BS, BLOCK_H)      # x2 rows
         for h0 in range(0, H, BLOCK_H):
             rh = h0 + tl.arange(0, BLOCK_H)
             xt = tl.load(x_ptr + rn[:, None] * stride_x + rh[None, :], mask=mn[:, None] & (rh < H)[None, :],
                          other=0.0)
-            wa = _wtile(cb, sb, g, ri, mi, h0, H, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_I, BLOCK_H).to(xt.dtype)
-            wb = _wtile(cb, sb, g, ri + I, mi, h0, H, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_I, BLOCK_H).to(xt.dtype)
+            na, nsa = _wload(cb, sb, ri, mi, h0 + BLOCK_H, H, c_sr, s_sr, FMT, BS, BLOCK_H)
+            nc, nsc = _wload(cb, sb, ri + I, mi, h0 + BLOCK_H, H, c_sr, s_sr, FMT, BS, BLOCK_H)
+            wa = _wdequant(ca, sa, g, FMT, INVERSE, BS, BLOCK_I, BLOCK_H).to(xt.dtype)
+            wb = _wdequant(cc, sc, g, FMT, INVERSE, BS, BLOCK_I, BLOCK_H).to(xt.dtype)
             acc1 = _dot(xt, tl.trans(wa), acc1, UPCAST)
             acc2 = _dot(xt, tl.trans(wb), acc2, UPCAST)
+            ca, sa, cc, sc = na, nsa, nc, nsc
         act = acc1 * (acc2 * tl.sigmoid(acc2))
         dst = act_ptr + (pid.to(tl.int64) * BLOCK_N + rn)[:, None] * I + ri[None, :]
         tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=sel[:, None] & mi[None, :])
@@ -353,17 +384,22 @@ def _qdecode_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_pt
             m64 = m + tl.zeros((), tl.int64)      # the loop index is a Python int under the interpreter
             cb = c_ptr + m64 * c_sm + e.to(tl.int64) * c_se
             sb = s_ptr + m64 * s_sm + e.to(tl.int64) * s_se
+            cw, sw = _wload(cb, sb, rh, mh, 0, I, c_sr, s_sr, FMT, BS, BLOCK_I)
             for i0 in range(0, I, BLOCK_I):
                 ri = i0 + tl.arange(0, BLOCK_I)
                 a = tl.load(src + ri[None, :], mask=sel[:, None] & (ri < I)[None, :], other=0.0)
-                wt = _wtile(cb, sb, g, rh, mh, i0, I, c_sr, s_sr, FMT, INVERSE, BS, BLOCK_HO, BLOCK_I).to(a.dtype)
+                cn, sn = _wload(cb, sb, rh, mh, i0 + BLOCK_I, I, c_sr, s_sr, FMT, BS, BLOCK_I)
+                wt = _wdequant(cw, sw, g, FMT, INVERSE, BS, BLOCK_HO, BLOCK_I).to(a.dtype)
                 acc = _dot(a, tl.trans(wt), acc, UPCAST)
+                cw, sw = cn, sn
         tl.store(dst, acc, mask=sel[:, None] & mh[None, :])
 
 
+# 128 code bytes per weight row and K step in every format (a 4-bit step spans twice the columns)
 DECODE_UP = dict(BLOCK_I=16, BLOCK_H=128, num_warps=8, num_stages=3)
-DECODE_DOWN = dict(BLOCK_HO=32, BLOCK_I=128, num_warps=4, num_stages=3)
-DECODE_DOWN_FMT = {"fp8": dict(BLOCK_I=64)}       # fp32 scales per row: a narrower K step spills nothing
+DECODE_DOWN = dict(BLOCK_HO=32, BLOCK_I=128, num_warps=8, num_stages=3)
+DECODE_UP_FMT = {"mxfp4": dict(BLOCK_H=256), "nvfp4": dict(BLOCK_H=256)}
+DECODE_DOWN_FMT = {"mxfp4": dict(BLOCK_I=256), "nvfp4": dict(BLOCK_I=256)}
 
 
 def _lead_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -376,7 +412,7 @@ def decode_up(x, ids, active, fmt: str, codes, scales, gscale, inverse: bool, ac
     """Gate/up + SwiGLU for every (micro, slot). Routed (active given): codes [micros, E, 2I, H/pb] of
     the active micros; shared (active None): [micros, 2I, H/pb] and slots == 1. act [micros, slots, 16, I]
     receives the rows of the tokens each slot serves."""
-    cfg = dict(DECODE_UP, **(up or {}))
+    cfg = dict(DECODE_UP, **DECODE_UP_FMT.get(fmt, {}), **(up or {}))
     cfg["BLOCK_H"] = max(cfg["BLOCK_H"], BLOCK[fmt])
     n, h = x.shape
     mc = act.shape[0]

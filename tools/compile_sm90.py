@@ -62,7 +62,7 @@ def cases(sections):
                        stride_cg="i32", stride_c="i32", stride_sg="i32", stride_s="i32", stride_gg="i32",
                        stride_om="i32", num_m="i32", G="i32")
             for name in ("GROUPED", "GROUPED_FEW"):
-                c, w, st = _split(getattr(qt, name))
+                c, w, st = _split(dict(qt.GROUPED, **qt.GROUPED_FMT.get(fmt, {})) if name == "GROUPED" else qt.GROUPED_FEW)
                 yield f"grouped {name} {fmt}", qt._grouped_kernel, sig, dict(meta, G_PAD=64, **c), w, st
         if "decode" in sections:
             lead = dict(c_sm="i32", c_se="i32", c_sr="i32", s_sm="i32", s_se="i32", s_sr="i32", g_se="i32",
@@ -71,7 +71,7 @@ def cases(sections):
                       I="i32", stride_x="i32", **lead)
             down = dict(act_ptr="*bf16", ids_ptr="*i32", active_ptr="*i32", **base, y_ptr="*fp32", N="i32", H="i32",
                         I="i32", **lead, MC="i32")
-            cu, wu, su = _split(qt.DECODE_UP)
+            cu, wu, su = _split(dict(qt.DECODE_UP, **qt.DECODE_UP_FMT.get(fmt, {})))
             cd, wd, sd = _split(dict(qt.DECODE_DOWN, **qt.DECODE_DOWN_FMT.get(fmt, {})))
             for routed in (True, False):
                 m = dict(meta, K=8, K_PAD=8, BLOCK_N=16, ROUTED=routed)
