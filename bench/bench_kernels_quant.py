@@ -3,7 +3,7 @@ E 64, top-8; I_micro 3072 at tp1, 768 for a TP4 micro; N = 1, 8, 1024, 8194 toke
 checked against its reference on fresh random inputs (outputs poisoned with NaN), then timed (median of
 triton.testing.do_bench) next to the bf16 path of the same shape.
 
-    python bench/bench_kernels_quant.py [--tune] [--quick]
+    python bench/bench_kernels_quant.py [--quick] [--tune [--tune-formats mxfp8,mxfp4,nvfp4]]
 
 Rows: the dense linear (qkv 6144 x 4096), the grouped expert GEMMs on permuted rows (GEMM1 2I x H and
 GEMM2 H x I, uniform random routing), the whole `moe_quant` op (decode: only the chosen experts' bytes,
@@ -220,41 +220,77 @@ def moe_cases(rows, quick):
 
 # ------------------------------------------------------------------------------------ tuning
 
-def tune(rows):
-    """Sweeps the tiles of the linear, grouped and decode kernels at one shape each; prints the best."""
+def _sweep(label, configs, run, work, unit):
+    """Times `run(cfg)` for each config (a config that does not compile is skipped); prints the best."""
+    res = []
+    for cfg in configs:
+        try:
+            res.append((bench(lambda: run(cfg)), cfg))
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
+            print(f"tune {label} {cfg}: {type(e).__name__}")
+    ms, cfg = min(res, key=lambda r: r[0])
+    print(f"tune {label}: best {ms * 1e3:.1f} us ({work / ms / 1e9:.0f} {unit}) with {cfg}", flush=True)
+    return dict(kernel=label, results=res)
+
+
+def tune(rows, fmts):
+    """Sweeps the tiles of every quantized kernel at one real shape each, per format; prints the best
+    (paste into quant_triton.py's config dicts: LINEAR_*, GROUPED / GROUPED_FMT, DECODE_*_FMT)."""
     out = []
     x = torch.randn(8194, H, generator=gen(40), device="cuda").to(BF16)
-    for f in ("mxfp8", "mxfp4", "nvfp4"):
+    x1 = x[:1].contiguous()
+    r = 8194 * K
+    ids = torch.randint(0, E, (r,), generator=gen(43), device="cuda")
+    offs = torch.bincount(ids, minlength=E).cumsum(0).int()
+    xr = torch.randn(r, H, generator=gen(44), device="cuda").to(BF16)
+    gate = torch.randn(E, H, generator=gen(45), device="cuda") * H ** -0.5
+    tiles = [dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=w, num_stages=st)
+             for bm, bn, bk, w, st in ((128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 32, 8, 3),
+                                       (64, 128, 64, 8, 4), (128, 64, 64, 4, 3), (128, 256, 32, 8, 3))]
+    for f in fmts:
         w = qweight(f, (6144, H), H ** -0.5, 41)
-        best = []
-        for bm, bn, bk, warps, st in ((128, 128, 64, 8, 3), (128, 128, 32, 8, 3), (128, 128, 64, 8, 4),
-                                      (64, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 32, 8, 3),
-                                      (128, 128, 128, 8, 3)):
-            cfg = dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=st)
-            try:
-                ms = bench(lambda: qt.linear(x, f, w.codes, w.scales, w.gscale, w.inverse, cfg=cfg))
-            except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
-                print(f"tune linear {f} {cfg}: {type(e).__name__}")
-                continue
-            best.append((ms, cfg))
-        ms, cfg = min(best, key=lambda b: b[0])
-        print(f"tune linear {f} M=8194: best {ms:.3f} ms ({2 * 8194 * 6144 * H / ms / 1e9:.0f} TFLOP/s) with {cfg}")
-        out.append(dict(kernel="linear", fmt=f, results=[(b[0], b[1]) for b in best]))
-        x1 = torch.randn(1, H, generator=gen(42), device="cuda").to(BF16)
-        best = []
-        for bn, bk, warps in ((16, 256, 4), (32, 256, 4), (32, 128, 4), (64, 128, 4), (16, 512, 4), (32, 512, 8)):
-            cfg = dict(BM=16, BN=bn, BK=bk, GROUP_M=1, num_warps=warps, num_stages=3)
-            best.append((bench(lambda: qt.linear(x1, f, w.codes, w.scales, w.gscale, w.inverse, cfg=cfg)), cfg))
-        ms, cfg = min(best, key=lambda b: b[0])
-        gbs = 6144 * H * BITS[f] / 8 / ms / 1e6
-        print(f"tune linear {f} M=1: best {ms * 1e3:.1f} us ({gbs:.0f} GB/s) with {cfg}")
-        out.append(dict(kernel="linear_small", fmt=f, results=[(b[0], b[1]) for b in best]))
+
+        def lin(cfg, xx):
+            return qt.linear(xx, f, w.codes, w.scales, w.gscale, w.inverse, cfg=cfg)
+        out.append(_sweep(f"linear {f} M=8194", tiles, lambda c: lin(c, x), 2 * 8194 * 6144 * H, "TFLOP/s"))
+        small = [dict(BM=16, BN=bn, BK=bk, GROUP_M=1, num_warps=wp, num_stages=3)
+                 for bn, bk, wp in ((32, 256, 8), (16, 256, 4), (32, 128, 4), (64, 128, 8), (32, 512, 8))]
+        out.append(_sweep(f"linear {f} M=1", small, lambda c: lin(c, x1), 6144 * H * BITS[f] / 8, "GB/s"))
+        del w
+        pack = qweight(f, (E, 2 * 3072, H), H ** -0.5, 46, gscale_dims=1)
+        out.append(_sweep(f"grouped {f} tp1 GEMM1", tiles,
+                          lambda c: qt.grouped(xr, f, pack.codes, pack.scales, offs, pack.gscale, pack.inverse, cfg=c),
+                          2 * r * 2 * 3072 * H, "TFLOP/s"))
+        del pack
+        wts = moe_weights(f, 768, 1, 47)
+        xs = [torch.randn(1, H, generator=gen(48 + i), device="cuda").to(BF16) for i in range(4)]
+        nbytes = sum(decode_bytes(t, gate, f, 768, 1) for t in xs) / len(xs)
+        base_up, base_down = dict(qt.DECODE_UP_FMT.get(f, {})), dict(qt.DECODE_DOWN_FMT.get(f, {}))
+        ups = [dict(BLOCK_I=bi, BLOCK_H=bh, num_warps=wp) for bi, bh, wp in
+               ((16, 128, 8), (16, 256, 8), (16, 64, 4), (32, 128, 8), (16, 512, 8))]
+        downs = [dict(BLOCK_HO=bho, BLOCK_I=bi, num_warps=wp) for bho, bi, wp in
+                 ((32, 128, 8), (32, 256, 8), (16, 128, 4), (64, 128, 8), (32, 64, 4))]
+
+        def dec(up=None, down=None):
+            if up is not None:
+                qt.DECODE_UP_FMT[f] = up
+            if down is not None:
+                qt.DECODE_DOWN_FMT[f] = down
+            for t in xs:
+                moe_quant_cuda(*moe_args(t, gate, wts, 0, 1))
+        out.append(_sweep(f"decode up {f} tp4 N=1 (whole op)", ups, lambda c: dec(up=c), nbytes * 4, "GB/s"))
+        qt.DECODE_UP_FMT[f] = base_up
+        out.append(_sweep(f"decode down {f} tp4 N=1 (whole op)", downs, lambda c: dec(down=c), nbytes * 4, "GB/s"))
+        qt.DECODE_DOWN_FMT[f] = base_down
+        del wts
+        torch.cuda.empty_cache()
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tune", action="store_true", help="sweep kernel tiles first")
+    ap.add_argument("--tune-formats", default="mxfp8,mxfp4,nvfp4", help="the formats --tune sweeps")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -265,7 +301,7 @@ def main() -> None:
     ok = chosen == {"linear_mxfp4": "triton", "grouped_mm_nvfp4": "triton", "linear_fp8": "scaled_mm",
                     "grouped_mm_fp8": "scaled_mm", "moe_quant": "triton"}
     rows: list[dict] = []
-    tuned = tune(rows) if args.tune else None
+    tuned = tune(rows, args.tune_formats.split(",")) if args.tune else None
     for name, fn in (("linear", linear_cases), ("grouped", grouped_cases), ("moe", moe_cases)):
         ok &= fn(rows, args.quick)
         print(f"{name} done ({time.time() - t0:.0f} s)", flush=True)
