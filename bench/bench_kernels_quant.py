@@ -128,9 +128,14 @@ def grouped_cases(rows, quick):
                     E * n_out * k * BITS[f] / 8 + act, PEAK["fp8" if f == "fp8" else "bf16"], err)
                 if f == "fp8":      # the GEMM alone, on rows quantized once (the MoE shares them by micro)
                     xq, xs = qt.quantize_rows(x)
-                    row(rows, case, n, "fp8 scaled_grouped_mm only",
-                        bench(lambda: kq.scaled_grouped(xq, xs, w.codes, w.scales, offs, BF16)), flops,
-                        E * n_out * k + r * (k + 2 * n_out), PEAK["fp8"])
+                    for fast in (False, True):          # cuBLAS / CUTLASS FP8 fast accumulation off and on
+                        kq.FP8_FAST_ACCUM = fast
+                        row(rows, case, n, f"fp8 GEMM only{' fast-accum' if fast else ''}",
+                            bench(lambda: kq.scaled_grouped(xq, xs, w.codes, w.scales, offs, BF16)), flops,
+                            E * n_out * k + r * (k + 2 * n_out), PEAK["fp8"])
+                    kq.FP8_FAST_ACCUM = False
+                    row(rows, case, n, "fp8 row quantizer only", bench(lambda: qt.quantize_rows(x)), 0,
+                        r * k * 3 + r * 4, PEAK["fp8"])
                 del w
     return ok
 
@@ -214,6 +219,11 @@ def moe_cases(rows, quick):
             wbytes = 3 * E * inter * H * mc * BITS[f] / 8
             row(rows, case, n, f, bench(lambda: run_op(f)(*args)), flops, wbytes + 4 * n * K * H * 2,
                 PEAK["fp8" if f == "fp8" else "bf16"], err)
+            if f == "fp8":
+                kq.FP8_FAST_ACCUM = True
+                row(rows, case, n, "fp8 fast-accum", bench(lambda: run_op(f)(*args)), flops,
+                    wbytes + 4 * n * K * H * 2, PEAK["fp8"])
+                kq.FP8_FAST_ACCUM = False
             del w, args
     return ok
 
