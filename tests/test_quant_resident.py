@@ -42,12 +42,14 @@ def folders(tmp_path_factory):
     return out
 
 
-def _outcome(lm):
-    events = list(Pipeline(lm, preview_every=0).run(Request(**REQ)))
+def _outcome(lm, text_only=False):
+    events = list(Pipeline(lm, preview_every=0).run(Request(**REQ, text_only=text_only)))
     assert not [e for e in events if isinstance(e, Error)], [e for e in events if isinstance(e, Error)]
+    text = "".join(e.delta for e in events if isinstance(e, Text))
+    if text_only:
+        return text, None
     img = next(e for e in events if isinstance(e, Image))
-    return "".join(e.delta for e in events if isinstance(e, Text)), np.asarray(PILImage.open(io.BytesIO(img.png)),
-                                                                                 dtype=np.float64)
+    return text, np.asarray(PILImage.open(io.BytesIO(img.png)), dtype=np.float64)
 
 
 def _param(module, name):
@@ -78,11 +80,11 @@ def test_resident_packs_run_a_request_as_the_dense_load(folders, fmt):
     q_bytes = sum(t.numel() * t.element_size() for t in quant.model.transformer.parameters())
     d_bytes = sum(t.numel() * t.element_size() for t in dense.model.transformer.parameters())
     assert q_bytes < 0.6 * d_bytes
-    text0, img0 = _outcome(dense)
-    text1, img1 = _outcome(quant)
-    if fmt in W8A8:       # the FP8 layers also quantize their activations (per layer: the view test below);
-        assert len(text1) > 0 and img1.size > 0       # the untrained tiny model's sampling then drifts
-    else:                 # weight-only formats: the reference ops compute exactly the dense load's numbers
+    if fmt in W8A8:       # the FP8 layers also quantize their activations (per layer: the view test below),
+        text, _ = _outcome(quant, text_only=True)     # and the untrained tiny model's sampling then drifts
+        assert len(text) > 0
+    elif fmt != "mxfp8-ct":   # weight-only: the reference ops compute exactly the dense load's numbers
+        (text0, img0), (text1, img1) = _outcome(dense), _outcome(quant)      # (mxfp8-ct: mxfp8's tensors)
         assert text1 == text0 and np.array_equal(img0, img1)
 
 
@@ -102,10 +104,10 @@ def _transformers(folder, layout, quantize=None):
     return out
 
 
-LAYOUTS = [ShardLayout(1, 0, 1), ShardLayout(2, 1, 2), ShardLayout(2, 0, 4), ShardLayout(4, 3, 1), ShardLayout(8, 5, 1)]
+LAYOUTS = [ShardLayout(2, 1, 2), ShardLayout(2, 0, 4), ShardLayout(8, 5, 1)]     # tp1: the request test
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct", "fp8-channel-modelopt", "nvfp4-modelopt"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-modelopt"])     # MX; NVFP4 experts with FP8 per-tensor dense
 def test_every_micro_view_of_every_shard_is_the_dense_view(folders, fmt):
     """Each rank's packs, viewed per AR micro and for the whole storage shard (denoise), dequantize to the
     dense parameters' views; the quantized MoE of each view is the dense MoE's, bit for bit (weight-only
