@@ -239,7 +239,8 @@ def _sweep(label, configs, run, work, unit):
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
             print(f"tune {label} {cfg}: {type(e).__name__}")
     ms, cfg = min(res, key=lambda r: r[0])
-    print(f"tune {label}: best {ms * 1e3:.1f} us ({work / ms / 1e9:.0f} {unit}) with {cfg}", flush=True)
+    rate = work / ms / (1e9 if unit == "TFLOP/s" else 1e6)         # work per ms -> TFLOP/s or GB/s
+    print(f"tune {label}: best {ms * 1e3:.1f} us ({rate:.0f} {unit}) with {cfg}", flush=True)
     return dict(kernel=label, results=res)
 
 
