@@ -20,6 +20,7 @@ from kernels.moe_quant import moe_quant_reference
 
 KERNELS_DIR = Path(kernels.__file__).resolve().parent
 FMTS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
+FAST_FMTS = ("mxfp8", "nvfp4", "fp8")     # formats whose CUDA dense/grouped GEMMs are not the reference
 
 
 def rel_err(got, want):
@@ -241,8 +242,9 @@ def test_interp_moe_quant_paths(qt, monkeypatch, fmt, shared_fmt, n, micro_start
 
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16
-BACKEND = {"linear_mxfp8": "triton", "linear_mxfp4": "triton", "linear_nvfp4": "triton",
-           "grouped_mm_mxfp8": "triton", "grouped_mm_mxfp4": "triton", "grouped_mm_nvfp4": "triton",
+# MXFP4's tile GEMMs run the reference on CUDA until their Triton kernel passes (kernels/quant.py)
+BACKEND = {"linear_mxfp8": "triton", "linear_mxfp4": "torch", "linear_nvfp4": "triton",
+           "grouped_mm_mxfp8": "triton", "grouped_mm_mxfp4": "torch", "grouped_mm_nvfp4": "triton",
            "linear_fp8": "scaled_mm", "grouped_mm_fp8": "scaled_mm", "moe_quant": "triton"}
 
 
@@ -264,7 +266,7 @@ def _fast_and_ref(fn, *args):
 
 
 @gpu
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", FAST_FMTS)
 @pytest.mark.parametrize("m", [1, 8, 300, 2048])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 1024)])      # qkv at tp1; o_proj of a TP4 micro
 def test_gpu_linear_matches_reference(fmt, m, n, k):
@@ -277,7 +279,7 @@ def test_gpu_linear_matches_reference(fmt, m, n, k):
 
 
 @gpu
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", FAST_FMTS)
 def test_gpu_linear_on_a_micro_column_block(fmt):
     """The AR micro of a cols-packed o_proj: strided weight rows."""
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -288,7 +290,7 @@ def test_gpu_linear_on_a_micro_column_block(fmt):
 
 
 @gpu
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", FAST_FMTS)
 @pytest.mark.parametrize("rows,n,k", [(8194 * 8, 1536, 4096), (300 * 8, 4096, 768), (24, 1536, 4096)])
 def test_gpu_grouped_matches_reference(fmt, rows, n, k):
     g = torch.Generator(device="cuda").manual_seed(rows)
@@ -300,6 +302,24 @@ def test_gpu_grouped_matches_reference(fmt, rows, n, k):
     got, ref = _fast_and_ref(kq.qgrouped, x, w, offs)
     assert not got.isnan().any()
     assert rel_err(got, ref) < (2e-2 if fmt == "fp8" else 1e-2)
+
+
+@gpu
+@pytest.mark.xfail(strict=True, reason="the MXFP4 Triton tile GEMM failed its check at the tp1 MoE shapes on the "
+                                       "H200 (2026-12-01); the engine runs MXFP4 GEMMs as the reference until fixed")
+@pytest.mark.parametrize("rows,n,k", [(8194 * 8, 6144, 4096), (8194 * 8, 4096, 3072)])   # tp1: GEMM1, GEMM2
+def test_gpu_triton_mxfp4_tiles_at_the_one_gpu_shapes(rows, n, k):
+    from kernels import quant_triton as qt
+    g = torch.Generator(device="cuda").manual_seed(rows + n)
+    e = 64
+    w = kq.random_qweight("mxfp4", (e, n, k), k ** -0.5, "cuda", g)
+    x = torch.randn(rows, k, generator=g, device="cuda").to(BF16)
+    ids = torch.randint(0, e, (rows,), generator=g, device="cuda")
+    offs = torch.bincount(ids, minlength=e).cumsum(0).int()
+    got = qt.grouped(x, "mxfp4", w.codes, w.scales, offs)
+    with kernels.allowed():
+        ref = kq.qgrouped(x, w, offs)
+    assert not got.isnan().any() and rel_err(got, ref) < 1e-2
 
 
 @gpu
