@@ -123,13 +123,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.parallel.plan import PlanError, get_plan
     from engine.runtime.request import Request
-    try:
-        plan = get_plan(args.plan, args.gpus, args.sp_attn)
-    except PlanError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     if (problem := device_problem(args.device)) is not None:
         print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        name = args.plan
+        if args.device.startswith("cuda") and args.plan is None and args.gpus is None:
+            from engine.serve.server import fitting_plan     # the fewest GPUs the checkpoint fits
+            name = fitting_plan(args.model, args.dtype, args.quantize, verbose=True)
+        plan = get_plan(name, args.gpus, args.sp_attn)
+    except (PlanError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     req = Request(prompt=args.prompt, images=args.image, bot_task=args.bot_task, size=args.size,
                   seed=args.seed, system_prompt=args.system_prompt, custom_system_prompt=args.custom_system_prompt,

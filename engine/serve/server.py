@@ -86,6 +86,8 @@ class EngineServer:
             raise ValueError(f"unknown quantize {quantize!r} (supported: {', '.join(ONLINE_FORMATS)})")
         self.quantize = quantize
         self.info = ModelInfo.from_folder(model)
+        if device.startswith("cuda") and plan is None and world_size is None:
+            plan = fitting_plan(model, dtype, quantize, verbose)
         self.parallel: ParallelPlan = get_plan(plan, world_size, sp_kind)
         self.pipeline_options = dict(pipeline_options or {})
         self.parallel.check_model(self.info.cfg)
@@ -416,6 +418,42 @@ class EngineServer:
             self._req_conn.send((job.seq, job.sub.request))
         except (OSError, ValueError) as e:   # the worker died between messages: the sentinel handles it
             self._last_error = f"could not hand the request to the engine: {e}"
+
+
+def gpu_memory() -> list[int]:
+    """Total memory of each visible GPU in bytes, read with nvidia-smi (this process opens no CUDA
+    context); [] when it cannot be read."""
+    import shutil
+    import subprocess
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=15).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    sizes = [int(v) * 2 ** 20 for v in out.split() if v.strip().isdigit()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        sizes = [sizes[int(i)] for i in visible.split(",") if i.strip().isdigit() and int(i) < len(sizes)]
+    return sizes
+
+
+def fitting_plan(model: str | Path, dtype: str | None, quantize: str | None, verbose: bool) -> str | None:
+    """On CUDA with neither a plan nor a GPU count given: the plan of the fewest GPUs that fits, from the
+    checkpoint's headers (engine/parallel/fit.py); PlanError saying what each plan needs when none does."""
+    from engine.parallel.fit import choose_plan
+    from engine.spec.checkpoint import Checkpoint
+    from engine.spec.config import CheckpointConfig
+    sizes = gpu_memory()
+    if not sizes:
+        return None
+    dtype_bytes = 4 if dtype in ("float32", "fp32") else 2
+    plan, est = choose_plan(Checkpoint(model), CheckpointConfig.load(model), len(sizes), min(sizes), quantize,
+                            dtype_bytes=dtype_bytes)
+    if verbose:
+        print(f"engine: {len(sizes)} GPU(s) of {min(sizes) / 2 ** 30:.0f} GiB: plan {est.describe()}", flush=True)
+    return plan.name
 
 
 def _detach_images(req: Request) -> Request:
