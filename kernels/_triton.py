@@ -25,7 +25,18 @@ def available() -> bool:
 
 
 def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+if HAS_TRITON:
+    @triton.jit
+    def dot(a, b, acc, UPCAST: tl.constexpr):
+        """tl.dot, with the operands taken to fp32 first under the interpreter (UPCAST): it multiplies bf16
+        as raw integers otherwise."""
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, acc)
 
 
 def round_bf16_in_interpreter() -> None:

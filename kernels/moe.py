@@ -87,6 +87,20 @@ def routed_reference(x: torch.Tensor, gate: torch.Tensor, micros: range, topk: i
     return (partial[inv.view(n, topk)] * w.unsqueeze(-1)).sum(dim=1)
 
 
+def check_packs(op: str, x, gate, w1_shape, w2_shape, micro_start: int, micro_count: int, topk: int) -> None:
+    """The expert packs' shapes against x and the gate, the micro range and top-k (the `moe` and
+    `moe_quant` ops' common checks)."""
+    n, h = x.shape
+    micros, e, two_i, h1 = w1_shape
+    if tuple(gate.shape) != (e, h) or h1 != h or tuple(w2_shape) != (micros, e, h, two_i // 2):
+        raise ValueError(f"{op}: shapes x {tuple(x.shape)}, gate {tuple(gate.shape)}, w1 {tuple(w1_shape)}, "
+                         f"w2 {tuple(w2_shape)} do not fit together")
+    if not (0 <= micro_start and micro_count >= 1 and micro_start + micro_count <= micros):
+        raise ValueError(f"{op}: micros [{micro_start}, {micro_start + micro_count}) outside 0..{micros}")
+    if not 1 <= topk <= e:
+        raise ValueError(f"{op}: top-k {topk} with {e} experts")
+
+
 @reference("moe")
 def moe_reference(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                   shared_w1: torch.Tensor | None, shared_w2: torch.Tensor | None,

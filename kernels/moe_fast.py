@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import moe_triton as tk
+from .moe import check_packs
 
 DECODE_MAX_TOKENS = 8
 
@@ -43,15 +44,8 @@ def poisoned() -> Iterator[None]:
 
 
 def _check(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk):
-    n, h = x.shape
-    micros, e, two_i, h1 = w1.shape
-    if gate.shape != (e, h) or h1 != h or w2.shape != (micros, e, h, two_i // 2):
-        raise ValueError(f"moe: shapes x {tuple(x.shape)}, gate {tuple(gate.shape)}, w1 {tuple(w1.shape)}, "
-                         f"w2 {tuple(w2.shape)} do not fit together")
-    if not (0 <= micro_start and micro_count >= 1 and micro_start + micro_count <= micros):
-        raise ValueError(f"moe: micros [{micro_start}, {micro_start + micro_count}) outside 0..{micros}")
-    if not 1 <= topk <= e:
-        raise ValueError(f"moe: top-k {topk} with {e} experts")
+    check_packs("moe", x, gate, w1.shape, w2.shape, micro_start, micro_count, topk)
+    h, micros = x.shape[1], w1.shape[0]
     if not (w1.is_contiguous() and w2.is_contiguous() and gate.is_contiguous()):
         raise ValueError("moe: the expert packs and the gate must be contiguous")
     if (shared_w1 is None) != (shared_w2 is None):

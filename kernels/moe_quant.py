@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .moe import routed_reference, swiglu_halves
+from .moe import check_packs, routed_reference, swiglu_halves
 from .quant import QWeight, qgrouped, qlinear
 from .registry import backend, reference
 
@@ -81,17 +81,9 @@ def moe_quant_triton(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_c
 # ------------------------------------------------------------------------------------- CUDA paths
 
 def _check(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk):
-    n, h = x.shape
     if not (isinstance(w1, QWeight) and isinstance(w2, QWeight)):
         raise ValueError("moe_quant: the experts must be quantized (QWeight); use `moe` for float experts")
-    micros, e, two_i, h1 = w1.shape
-    if gate.shape != (e, h) or h1 != h or w2.shape != (micros, e, h, two_i // 2):
-        raise ValueError(f"moe_quant: shapes x {tuple(x.shape)}, gate {tuple(gate.shape)}, w1 {w1.shape}, "
-                         f"w2 {w2.shape} do not fit together")
-    if not (0 <= micro_start and micro_count >= 1 and micro_start + micro_count <= micros):
-        raise ValueError(f"moe_quant: micros [{micro_start}, {micro_start + micro_count}) outside 0..{micros}")
-    if not 1 <= topk <= e:
-        raise ValueError(f"moe_quant: top-k {topk} with {e} experts")
+    check_packs("moe_quant", x, gate, w1.shape, w2.shape, micro_start, micro_count, topk)
     if not all(t.is_contiguous() for t in (*w1.tensors(), *w2.tensors(), gate)):
         raise ValueError("moe_quant: the expert packs and the gate must be contiguous")
     if (shared_w1 is None) != (shared_w2 is None):

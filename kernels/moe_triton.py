@@ -21,22 +21,14 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from ._triton import dot, next_pow2
+
 # Triton's CPU interpreter multiplies bf16 dot operands as their raw 16-bit integers (numpy has no
 # bf16), so under the interpreter the kernels upcast dot operands to fp32 first. Decided when this
 # module is imported, as the interpreter itself is (`triton.jit` looks at TRITON_INTERPRET then).
 INTERPRET = bool(knobs.runtime.interpret)
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr):
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc)
 
 
 # ----------------------------------------------------------------------------------------- routing
@@ -329,8 +321,8 @@ def _decode_up_kernel(x_ptr, ids_ptr, active_ptr, w1_ptr, sw1_ptr, act_ptr, N, H
             xt = tl.load(x_ptr + rn[:, None] * stride_x + rh[None, :], mask=mn[:, None] & mh[None, :], other=0.0)
             wa = tl.load(base + ri[:, None] * H + rh[None, :], mask=mi[:, None] & mh[None, :], other=0.0)
             wb = tl.load(base + (ri + I)[:, None] * H + rh[None, :], mask=mi[:, None] & mh[None, :], other=0.0)
-            acc1 = _dot(xt, tl.trans(wa), acc1, UPCAST)
-            acc2 = _dot(xt, tl.trans(wb), acc2, UPCAST)
+            acc1 = dot(xt, tl.trans(wa), acc1, UPCAST)
+            acc2 = dot(xt, tl.trans(wb), acc2, UPCAST)
         act = acc1 * (acc2 * tl.sigmoid(acc2))
         dst = act_ptr + (pid.to(tl.int64) * BLOCK_N + rn)[:, None] * I + ri[None, :]
         tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=sel[:, None] & mi[None, :])
@@ -373,7 +365,7 @@ def _decode_down_kernel(act_ptr, ids_ptr, active_ptr, w2_ptr, sw2_ptr, y_ptr, ys
                 mi = ri < I
                 a = tl.load(src + ri[None, :], mask=sel[:, None] & mi[None, :], other=0.0)
                 wt = tl.load(wm + rh[:, None] * sh + ri[None, :], mask=mh[:, None] & mi[None, :], other=0.0)
-                acc = _dot(a, tl.trans(wt), acc, UPCAST)
+                acc = dot(a, tl.trans(wt), acc, UPCAST)
         tl.store(dst, acc, mask=sel[:, None] & mh[None, :])
 
 

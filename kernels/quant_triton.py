@@ -31,7 +31,7 @@ import triton.language as tl
 from triton import knobs
 
 from .moe_fast import _empty           # NaN-filled under moe_fast.poisoned() (tests), else torch.empty
-from .moe_triton import next_pow2
+from ._triton import dot, next_pow2
 
 # Under Triton's CPU interpreter bf16 dot operands are multiplied as raw integers (numpy has no bf16):
 # the kernels then upcast them to fp32 first (see moe_triton.py).
@@ -41,14 +41,6 @@ FMT = {"mxfp8": 0, "mxfp4": 1, "nvfp4": 2, "fp8": 3}
 BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16, "fp8": 1}
 PER_BYTE = {"mxfp8": 1, "mxfp4": 2, "nvfp4": 2, "fp8": 1}
 FP8_MAX = tl.constexpr(448.0)      # a constexpr: jit functions read no other globals
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr):
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -164,7 +156,7 @@ def _linear_kernel(x_ptr, c_ptr, s_ptr, g_ptr, out_ptr, M, N, K, stride_xm, stri
                      other=0.0)
         cn, sn = _wload(c_ptr, s_ptr, rn, mn, k0 + BK, k_hi, stride_c, stride_s, FMT, BS, BK)    # next step's
         w = _wdequant(cw, sw, g, FMT, INVERSE, BS, BN, BK)
-        acc = _dot(w.to(xt.dtype), tl.trans(xt), acc, UPCAST)
+        acc = dot(w.to(xt.dtype), tl.trans(xt), acc, UPCAST)
         cw, sw = cn, sn
     dst = out_ptr + split.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
@@ -265,7 +257,7 @@ def _grouped_kernel(x_ptr, c_ptr, s_ptr, g_ptr, offs_ptr, out_ptr, N, K, stride_
                          mask=mm[:, None] & (rk < K)[None, :], other=0.0)
             cn, sn = _wload(ce, se, rn, mn, k0 + BK, K, stride_c, stride_s, FMT, BS, BK)
             w = _wdequant(cw, sw, g, FMT, INVERSE, BS, BN, BK)
-            acc = _dot(w.to(xt.dtype), tl.trans(xt), acc, UPCAST)
+            acc = dot(w.to(xt.dtype), tl.trans(xt), acc, UPCAST)
             cw, sw = cn, sn
         dst = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
@@ -342,8 +334,8 @@ def _qdecode_up_kernel(x_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, act_ptr,
             nc, nsc = _wload(cb, sb, ri + I, mi, h0 + BLOCK_H, H, c_sr, s_sr, FMT, BS, BLOCK_H)
             wa = _wdequant(ca, sa, g, FMT, INVERSE, BS, BLOCK_I, BLOCK_H).to(xt.dtype)
             wb = _wdequant(cc, sc, g, FMT, INVERSE, BS, BLOCK_I, BLOCK_H).to(xt.dtype)
-            acc1 = _dot(xt, tl.trans(wa), acc1, UPCAST)
-            acc2 = _dot(xt, tl.trans(wb), acc2, UPCAST)
+            acc1 = dot(xt, tl.trans(wa), acc1, UPCAST)
+            acc2 = dot(xt, tl.trans(wb), acc2, UPCAST)
             ca, sa, cc, sc = na, nsa, nc, nsc
         act = acc1 * (acc2 * tl.sigmoid(acc2))
         dst = act_ptr + (pid.to(tl.int64) * BLOCK_N + rn)[:, None] * I + ri[None, :]
@@ -390,7 +382,7 @@ def _qdecode_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_pt
                 a = tl.load(src + ri[None, :], mask=sel[:, None] & (ri < I)[None, :], other=0.0)
                 cn, sn = _wload(cb, sb, rh, mh, i0 + BLOCK_I, I, c_sr, s_sr, FMT, BS, BLOCK_I)
                 wt = _wdequant(cw, sw, g, FMT, INVERSE, BS, BLOCK_HO, BLOCK_I).to(a.dtype)
-                acc = _dot(a, tl.trans(wt), acc, UPCAST)
+                acc = dot(a, tl.trans(wt), acc, UPCAST)
                 cw, sw = cn, sn
         tl.store(dst, acc, mask=sel[:, None] & mh[None, :])
 

@@ -160,29 +160,13 @@ def test_triton_interpreter_suite():
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
 
 
-def _shim_interpreter_scalars():
-    """Triton 3.6's interpreter keeps scalars as 1-element arrays and converts them with int(),
-    which numpy >= 2.4 refuses for 1-d arrays (kernel loops over a runtime bound fail). Convert
-    through the element instead; the kernels themselves are unchanged."""
-    import triton.runtime.interpreter as ti
-    if getattr(ti, "_moe_scalar_shim", False):
-        return
-    orig = ti._patch_lang_tensor
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    ti._patch_lang_tensor = patched
-    ti._moe_scalar_shim = True
-
-
 @pytest.fixture(scope="module")
 def interp():
     if not INTERPRETED:
         pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
     pytest.importorskip("triton")
-    _shim_interpreter_scalars()
+    from kernels._triton import shim_interpreter_scalars
+    shim_interpreter_scalars()
     from kernels import moe_fast
     assert moe_fast.tk.INTERPRET
     return moe_fast
