@@ -3,20 +3,13 @@ the Triton kernels under Triton's CPU interpreter, and (marked gpu) every CUDA p
 reference on fresh random bf16 inputs."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreter import INTERPRETED, run_interpreter_suite
 
 import kernels
 from kernels.moe import moe_reference
-
-KERNELS_DIR = Path(kernels.__file__).resolve().parent
-
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -143,21 +136,12 @@ def test_reference_agrees_with_the_engine_moe():
 
 # --------------------------------------------------------------- Triton kernels, CPU interpreter
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def test_triton_interpreter_suite():
     """The `test_interp_*` tests below need TRITON_INTERPRET=1 before Triton is first imported (its
     own library functions are decorated then), so they run in a child pytest with it set."""
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this is the child run")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                           "-k", "test_interp_"], cwd=KERNELS_DIR.parent, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_interpreter_suite(__file__)
 
 
 @pytest.fixture(scope="module")

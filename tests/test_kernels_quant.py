@@ -4,21 +4,16 @@ is the per-group scaled matmul), the Triton kernels under Triton's CPU interpret
 (marked gpu) every CUDA backend against the reference on fresh random inputs at the real shapes."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreter import INTERPRETED, run_interpreter_suite
 
 import kernels
 import kernels.quant as kq
 from kernels.moe import moe_reference
 from kernels.moe_quant import moe_quant_reference
 
-KERNELS_DIR = Path(kernels.__file__).resolve().parent
 FMTS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
 FAST_FMTS = ("mxfp8", "nvfp4", "fp8")     # formats whose CUDA dense/grouped GEMMs are not the reference
 
@@ -141,21 +136,12 @@ def test_qlinear_and_qgrouped_dispatch_every_format():
 
 # ------------------------------------------------------------------- Triton, CPU interpreter
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def test_triton_interpreter_suite():
     """The `test_interp_*` tests below run in a child pytest with TRITON_INTERPRET=1 (set before Triton
     is first imported)."""
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this is the child run")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                           "-k", "test_interp_"], cwd=KERNELS_DIR.parent, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_interpreter_suite(__file__)
 
 
 @pytest.fixture(scope="module")
