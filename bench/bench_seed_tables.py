@@ -117,9 +117,10 @@ def ar_phase(model: HunyuanImage3, view: PhaseView, prefill: int, cot: int, ref:
             "tokens": cot, "decode_s": cot * per_token / 1e3}
 
 
-def image_sequence(prefix: int) -> Sequence:
-    """A stand-in image-stage sequence: `prefix` text tokens, <timestep>, the 64x64 image, <eoi>."""
-    meta, start, hw = prefix, prefix + 1, SIDE * SIDE
+def image_sequence(prefix: int, meta_tokens: int = 1) -> Sequence:
+    """A stand-in image-stage sequence: `prefix` text tokens, <timestep> (Distil: and <guidance>
+    <timestep_r>: meta_tokens 3), the 64x64 image, <eoi>."""
+    meta, start, hw = prefix, prefix + meta_tokens, SIDE * SIDE
     n = start + hw + 1
     pos = [(i, i) for i in range(n)]
     for r in range(SIDE):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, engine, tables, eval).
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, engine, quant, onegpu, tables, eval).
 # Each section's log goes to $OUT/<section>.log; a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -23,6 +23,10 @@ for section in "$@"; do
       run gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py ;;
     tables)
       run seed_tables 330 python3 bench/bench_seed_tables.py --profile ;;
+    quant)
+      run quant_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_quant.py tests/test_quant_resident.py ;;
+    onegpu)
+      run one_gpu 330 python3 bench/bench_one_gpu.py --fp8-speedup ;;
     eval)
       run eval_cuda 240 python3 -m train.evaluate --model assets/model --n 40 --n-edit 40 --device cuda --json "$OUT/eval_cuda.json" ;;
     *) echo "unknown section $section" ;;
