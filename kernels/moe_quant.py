@@ -125,8 +125,6 @@ class _Gemm:
         from .quant import scaled_grouped
         if self.q is not None:
             return scaled_grouped(*self.q, w.codes, w.scales, offs, self.rows.dtype)
-        if w.fmt == "mxfp4":                 # its Triton tile GEMM is not trusted yet (see quant.py)
-            return qgrouped(self.rows, w, offs)
         return qt.grouped(self.rows, w.fmt, w.codes, w.scales, offs, w.gscale, w.inverse)
 
 

@@ -311,12 +311,11 @@ def linear_mxfp8_triton(x, codes, scales):
     return _tk().linear(x, "mxfp8", codes, scales)
 
 
-# MXFP4's Triton tile GEMMs (`quant_triton.linear` / `grouped` with "mxfp4") are NOT registered: the whole
-# `moe_quant` op at the one-GPU shapes (tp1: I 3072, 8194 tokens) failed its check against the reference
-# on the H200 (bench_kernels_quant, 2026-12-01, relative error 1.0) while the hybrid4 shapes passed. Until
-# that is found, CUDA runs MXFP4's dense and grouped GEMMs as the reference does (exact dequantization of
-# the resident 4-bit codes, then the bf16 GEMM on the tensor cores); MXFP4's decode GEMVs passed and stay.
-# tests/test_kernels_quant.py::test_gpu_triton_mxfp4_tiles_at_the_one_gpu_shapes tracks the kernel.
+@backend("linear_mxfp4", "triton", devices=("cuda",), dtypes=_HALF, available=_triton_available)
+def linear_mxfp4_triton(x, packed, scales):
+    if not _fits(x, packed):
+        return linear_mxfp4(x, packed, scales)
+    return _tk().linear(x, "mxfp4", packed, scales)
 
 
 @backend("linear_nvfp4", "triton", devices=("cuda",), dtypes=_HALF, available=_triton_available)
@@ -335,6 +334,13 @@ def grouped_mm_mxfp8_triton(x, codes, scales, offs):
     if not _grouped_fits(x, codes, offs):
         return grouped_mm_mxfp8(x, codes, scales, offs)
     return _tk().grouped(x, "mxfp8", codes, scales, offs)
+
+
+@backend("grouped_mm_mxfp4", "triton", devices=("cuda",), dtypes=_HALF, available=_triton_available)
+def grouped_mm_mxfp4_triton(x, packed, scales, offs):
+    if not _grouped_fits(x, packed, offs):
+        return grouped_mm_mxfp4(x, packed, scales, offs)
+    return _tk().grouped(x, "mxfp4", packed, scales, offs)
 
 
 @backend("grouped_mm_nvfp4", "triton", devices=("cuda",), dtypes=_HALF, available=_triton_available)

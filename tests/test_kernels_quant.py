@@ -15,7 +15,7 @@ from kernels.moe import moe_reference
 from kernels.moe_quant import moe_quant_reference
 
 FMTS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
-FAST_FMTS = ("mxfp8", "nvfp4", "fp8")     # formats whose CUDA dense/grouped GEMMs are not the reference
+FAST_FMTS = FMTS                          # formats whose CUDA dense/grouped GEMMs are not the reference
 
 
 def rel_err(got, want):
@@ -228,9 +228,8 @@ def test_interp_moe_quant_paths(qt, monkeypatch, fmt, shared_fmt, n, micro_start
 
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16
-# MXFP4's tile GEMMs run the reference on CUDA until their Triton kernel passes (kernels/quant.py)
-BACKEND = {"linear_mxfp8": "triton", "linear_mxfp4": "torch", "linear_nvfp4": "triton",
-           "grouped_mm_mxfp8": "triton", "grouped_mm_mxfp4": "torch", "grouped_mm_nvfp4": "triton",
+BACKEND = {"linear_mxfp8": "triton", "linear_mxfp4": "triton", "linear_nvfp4": "triton",
+           "grouped_mm_mxfp8": "triton", "grouped_mm_mxfp4": "triton", "grouped_mm_nvfp4": "triton",
            "linear_fp8": "scaled_mm", "grouped_mm_fp8": "scaled_mm", "moe_quant": "triton"}
 
 
@@ -291,8 +290,6 @@ def test_gpu_grouped_matches_reference(fmt, rows, n, k):
 
 
 @gpu
-@pytest.mark.xfail(strict=True, reason="the MXFP4 Triton tile GEMM failed its check at the tp1 MoE shapes on the "
-                                       "H200 (2026-12-01); the engine runs MXFP4 GEMMs as the reference until fixed")
 @pytest.mark.parametrize("rows,n,k", [(8194 * 8, 6144, 4096), (8194 * 8, 4096, 3072)])   # tp1: GEMM1, GEMM2
 def test_gpu_triton_mxfp4_tiles_at_the_one_gpu_shapes(rows, n, k):
     from kernels import quant_triton as qt
@@ -329,6 +326,7 @@ GPU_MOE = {  # name: (n, experts fmt, shared fmt, inter, micros, micro_start, mi
     "hybrid4_denoise_mxfp4": (4098, "mxfp4", "mxfp8", 768, 2, 0, 2),
     "hybrid4_denoise_fp8": (4098, "fp8", "fp8", 768, 2, 0, 2),
     "tp1_denoise_nvfp4": (1500, "nvfp4", "nvfp4", 3072, 1, 0, 1),
+    "tp1_denoise_mxfp4": (8194, "mxfp4", "mxfp8", 3072, 1, 0, 1),     # the one-GPU MXFP4-mixed build's DiT step
     "small_mxfp8": (300, "mxfp8", "bf16", 768, 2, 1, 1),
 }
 
