@@ -46,6 +46,7 @@ from engine.runtime.handoff import cache_heads                   # noqa: E402
 from engine.spec.config import ModelConfig                       # noqa: E402
 
 DEV = "cuda"
+STEP_GRAPH = True            # denoise steps as CUDA graphs (the engine's default on CUDA)
 PREFILL, SIDE, VOCAB = 1251, 64, 120000
 STD = 0.02
 FP8_MAX = 448.0
@@ -176,7 +177,7 @@ class Request:
         self.step.graph = None                    # captured again: once per request
         self.decode(self.cot)
         marks["decode"] = time.perf_counter()
-        r = self.runner(graph=True)
+        r = self.runner(graph=STEP_GRAPH)
         r.prefill()
         x = self.noise()
         for _, x, _ in denoise(r, x, steps, 3.0, 2.5, cfg=not self.distil, distil=self.distil):
@@ -210,7 +211,7 @@ def measure(name: str, cfg: ModelConfig, resident, cot: int, distil: bool, whole
         row["ms_per_token"] = sorted(times[4:])[len(times[4:]) // 2]
         row["graph"] = req.step.graph is not None
         row["step_ms"] = req.step_ms(graph=False)
-        row["step_ms_graph"] = req.step_ms(graph=True)
+        row["step_ms_graph"] = req.step_ms(graph=True) if STEP_GRAPH else float("nan")
         z = req.noise()
         row["vae_ms"] = median_ms(lambda: model.decode_image(z), 2)
         if whole_steps:
@@ -234,7 +235,7 @@ def fp8_speedup(cfg: ModelConfig) -> dict:
         kq.FP8_FAST_ACCUM = fast
         with torch.no_grad():
             req = Request(model, plan, 750, distil=False)
-            out[name] = req.step_ms(graph=True)
+            out[name] = req.step_ms(graph=STEP_GRAPH)
         kq.FP8_FAST_ACCUM = False
         print(f"hybrid4 rank DiT step {name}: {out[name]:.1f} ms", flush=True)
         del req
@@ -248,12 +249,17 @@ def main() -> None:
     ap.add_argument("--cot", type=int, default=750)
     ap.add_argument("--fp8-speedup", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny config, tiny workloads: checks the script")
+    ap.add_argument("--tiny", action="store_true", help="the tiny config and workloads on the GPU (debugging)")
+    ap.add_argument("--no-step-graph", action="store_true", help="denoise steps eagerly")
     args = ap.parse_args()
+    global STEP_GRAPH
+    STEP_GRAPH = not args.no_step_graph
     base = json.loads(Path(args.config).read_text())
-    if args.smoke:
+    if args.smoke or args.tiny:
         global DEV, PREFILL, SIDE, VOCAB
         from tools.tiny import tiny_config
-        DEV = seed_tables.DEV = "cpu"
+        if args.smoke:
+            DEV = seed_tables.DEV = "cpu"
         PREFILL, SIDE, VOCAB, args.cot = 40, 4, 500, 6
         seed_tables.SIDE = SIDE
         base = tiny_config(512, distil=False)

@@ -94,6 +94,9 @@ def _select_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, active_ptr,
     lg = tl.where(me[None, :], lg, float("-inf"))
     p = tl.exp(lg - tl.max(lg, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
+    # a token whose logits are not finite (an overflowed activation) still picks k distinct real experts
+    # (its probabilities read as 0): an expert id out of range would send dispatch out of bounds
+    p = tl.where(p == p, p, 0.0)
     # top-k by repeated arg-max (the lowest expert id wins a tie); taken and padded columns hold -1
     cur = tl.where(me[None, :], p, -1.0)
     wk = tl.zeros((BLOCK_N, K_PAD), dtype=tl.float32)

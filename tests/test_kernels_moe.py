@@ -199,6 +199,14 @@ def test_interp_router_and_counting_sort(interp):
     chosen = sorted(set(ids1.reshape(-1).tolist()))
     assert active.tolist() == chosen + [-1] * (12 - len(chosen))
     torch.testing.assert_close(w1_, kernels.moe.route(x[:3], gate, 4, False)[0], rtol=1e-5, atol=1e-6)
+    # a token with non-finite logits (an overflowed activation) still gets k distinct experts in range
+    xb = x[:40].clone()
+    xb[3], xb[7, 5] = float("nan"), float("inf")
+    for plan, rows in ((True, 40), (False, 12)):
+        _, ids_b, extra = tk.router_select(tk.router_logits(xb[:rows], gate), 4, True, plan=plan)
+        assert ids_b.min() >= 0 and ids_b.max() < 16 and all(len(set(r)) == 4 for r in ids_b.tolist())
+        if plan:
+            assert int(extra[1].sum()) == rows * 4
     # the decode GEMV splits the hidden size (here 3 slices, the last one partial)
     xw = torch.randn(3, 1100, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     gw = torch.randn(16, 1100, generator=torch.Generator().manual_seed(3))
