@@ -184,6 +184,7 @@ def bench_conv_shape(name: str, cin: int, cout: int, T: int, S: int, g: torch.Ge
     out = torch.empty_like(ref)
     for variant, fn, moved in (
             ("  its frames copy (channels last)", lambda: conv.frames_channels_last(x), 2 * x.nbytes),
+            ("  same copy, PyTorch's permute", lambda: x.permute(0, 2, 3, 4, 1).contiguous(), 2 * x.nbytes),
             ("  its tap sum (Triton)", lambda: conv.sum_taps(y, b, 1, T, cout, cpad, k0 - 1, out),
              y.nbytes + out.nbytes)):
         ms = median_ms(fn)

@@ -6,10 +6,11 @@ as one 2D convolution over the frames.
 Why a second path: at the VAE decoder's shapes cuDNN's 3D kernels reach about a third of the H200's
 fp16 rate, its channels-last 2D kernels much more. A 3D conv is a sum of 2D convs over its temporal
 taps, output frame t = sum_k W[:, :, k] (*) x[t + k - pt] with zero frames outside [0, T). So the
-frames are folded into the batch (channels last), every tap is computed by ONE conv2d whose output
-channels are the taps stacked (weight [taps*Cout, Cin, kh, kw]; a matmul for 1x1 kernels), and a
-Triton kernel sums each output frame's taps from its neighbour frames, adds the bias once and writes
-the [B,Cout,T,H,W] result (contiguous, as F.conv3d's). It computes taps*T frame-taps, as many as
+frames are folded into the batch (channels last: one tiled-transpose pass, a view for a
+channels_last_3d x), every tap is computed by ONE conv2d whose output channels are the taps stacked
+(weight [taps*Cout, Cin, kh, kw]; a matmul for 1x1 kernels), and a Triton kernel sums each output
+frame's taps from its neighbour frames, adds the bias once and writes the [B,Cout,T,H,W] result
+(contiguous, as F.conv3d's; the same kernel does the transpose). It computes taps*T frame-taps, as many as
 cuDNN's padded 3D conv; taps that can see no frame (|k - pt| >= T, all but the centre at T = 1) are
 left out. Each tap's sum is rounded to the conv's dtype before the three are added in fp32: one more
 rounding than F.conv3d, within that dtype's bounds.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, available, next_pow2, tl, triton
+from ._triton import HAS_TRITON, INTERPRET, available, next_pow2, tl, triton
 from .registry import backend, reference
 
 CHANNEL_ALIGN = 8      # cuDNN's tensor-core kernels want channel counts in multiples of 8 (fp16/bf16)
@@ -38,38 +39,60 @@ def conv3d_same_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 if HAS_TRITON:
     @triton.jit
-    def _sum_taps_kernel(y_ptr, bias_ptr, out_ptr, T, P, C, stride_yn, stride_yp, stride_yk,
-                         stride_ob, stride_oc, stride_ot, stride_op,
-                         TAPS: tl.constexpr, FIRST: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        """out[b, c, t, p] = bias[c] + sum_k y[b*T + t + k + FIRST, p, k, c] over the frames in [0, T).
-        y is the stacked-tap conv2d output (channels last: c is unit-stride), out any strides; the
-        tile is loaded along c and stored along p (Triton moves it through shared memory)."""
+    def _tap_sum_kernel(y_ptr, bias_ptr, out_ptr, T, P, C, syb, syt, syp, syk, syc, sob, soc, sot, sop,
+                        TAPS: tl.constexpr, FIRST: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        """out[b, c, t, p] = bias[c] + sum_k y[b, t + k + FIRST, p, k, c] over the frames inside [0, T),
+        both in any strides (p: the H*W pixels). The conv's tap sum (y: its stacked conv2d output,
+        channels last) and, with one tap, the channels-last copy of the frames. A tile is loaded
+        along y's unit-stride dim and stored along out's (Triton moves it through shared memory)."""
         n = tl.program_id(2)
-        b = n // T
+        b = (n // T).to(tl.int64)
         t = n % T
-        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        p = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)
+        c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
         mask = (p < P)[:, None] & (c < C)[None, :]
-        p64 = p.to(tl.int64)[:, None]
-        acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+        pc = p[:, None] * syp + c[None, :] * syc
         for k in tl.static_range(TAPS):
             s = t + k + FIRST
             inside = (s >= 0) & (s < T)
             s = tl.minimum(tl.maximum(s, 0), T - 1)         # a valid address even where masked off
-            src = y_ptr + (b * T + s).to(tl.int64) * stride_yn + p64 * stride_yp + k * stride_yk + c[None, :]
-            acc += tl.load(src, mask=mask & inside, other=0.0).to(tl.float32)
+            src = y_ptr + b * syb + s.to(tl.int64) * syt + k * syk + pc
+            v = tl.load(src, mask=mask & inside, other=0.0).to(tl.float32)
+            if k == 0:
+                acc = v               # (one tap: a plain copy, -0.0 kept)
+            else:
+                acc += v
         if HAS_BIAS:
             acc += tl.load(bias_ptr + c, mask=c < C, other=0.0).to(tl.float32)[None, :]
-        dst = (out_ptr + b.to(tl.int64) * stride_ob + c.to(tl.int64)[None, :] * stride_oc
-               + t.to(tl.int64) * stride_ot + p64 * stride_op)
+        dst = out_ptr + b * sob + c[None, :] * soc + t.to(tl.int64) * sot + p[:, None] * sop
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _launch(y, y_strides, bias, out, out_strides, B: int, T: int, P: int, C: int, taps: int, first: int) -> None:
+    block_c = max(16, min(64, next_pow2(C)))
+    grid = (triton.cdiv(P, 4096 // block_c), triton.cdiv(C, block_c), B * T)
+    _tap_sum_kernel[grid](y, bias if bias is not None else y, out, T, P, C, *y_strides, *out_strides,
+                          TAPS=taps, FIRST=first, HAS_BIAS=bias is not None,
+                          BLOCK_P=4096 // block_c, BLOCK_C=block_c, num_warps=4)
+
+
+def _triton_runs(x: torch.Tensor) -> bool:
+    return HAS_TRITON and (x.is_cuda or INTERPRET)
+
+
 def frames_channels_last(x: torch.Tensor) -> torch.Tensor:
-    """[B,C,T,H,W] -> [B*T,C,H,W] in channels-last memory (a view when x is channels_last_3d)."""
+    """[B,C,T,H,W] -> [B*T,C,H,W] in channels-last memory: a view when x is channels_last_3d, else
+    one tiled-transpose pass (PyTorch's strided copy where Triton cannot run or H, W do not merge)."""
     B, C, T, H, W = x.shape
-    return x.permute(0, 2, 3, 4, 1).contiguous().view(B * T, H, W, C).permute(0, 3, 1, 2)
+    xt = x.permute(0, 2, 3, 4, 1)
+    if xt.is_contiguous() or not _triton_runs(x) or x.stride(3) != W * x.stride(4):
+        f = xt.contiguous()
+    else:
+        f = torch.empty((B, T, H, W, C), dtype=x.dtype, device=x.device)
+        sb, sc, st, _, sp = x.stride()
+        _launch(x, (sb, st, sp, 0, sc), None, f, (T * H * W * C, 1, H * W * C, C), B, T, H * W, C, 1, 0)
+    return f.view(B * T, H, W, C).permute(0, 3, 1, 2)
 
 
 def used_taps(kt: int, pt: int, T: int) -> tuple[int, int]:
@@ -100,17 +123,12 @@ def tap_outputs(frames: torch.Tensor, w: torch.Tensor, padding: tuple[int, int])
 
 def sum_taps(y: torch.Tensor, bias: torch.Tensor | None, B: int, T: int, cout: int, cpad: int,
              first: int, out: torch.Tensor) -> torch.Tensor:
-    """Launch `_sum_taps_kernel`: y [B*T, taps*cpad, H, W] channels last -> out [B,cout,T,H,W]."""
-    taps = y.shape[1] // cpad
+    """y [B*T, taps*cpad, H, W] channels last (tap k of frame s at channels k*cpad...) -> out
+    [B,cout,T,H,W]: out[:, :, t] = bias + sum_k tap k of frame t + k + first."""
+    ch = y.shape[1]
     P = y.shape[2] * y.shape[3]
-    o = out.view(B, cout, T, P)
-    block_c = max(16, min(64, next_pow2(cout)))
-    block_p = 4096 // block_c
-    grid = (triton.cdiv(P, block_p), triton.cdiv(cout, block_c), B * T)
-    _sum_taps_kernel[grid](y, bias if bias is not None else y, o, T, P, cout,
-                           y.stride(0), y.stride(3), cpad, *o.stride(),
-                           TAPS=taps, FIRST=first, HAS_BIAS=bias is not None,
-                           BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)
+    _launch(y, (T * P * ch, P * ch, ch, cpad, 1), bias, out, out.view(B, cout, T, P).stride(),
+            B, T, P, cout, ch // cpad, first)
     return out
 
 

@@ -136,6 +136,15 @@ def test_interp_conv_taps_equals_conv3d(interp, B, cin, cout, T, H, W, k, bias):
     assert torch.equal(conv.conv3d_same_taps(xs, w, b, pad), got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_interp_frames_channels_last_is_the_permute_copy(interp, dtype):
+    x = torch.randn(2, 24, 3, 5, 7, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for v in (x, x[:, 4:20]):                              # contiguous; a channel slice (strided b)
+        f = conv.frames_channels_last(v)
+        assert f.shape == (6, v.shape[1], 5, 7) and f.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(f, v.transpose(1, 2).reshape(6, v.shape[1], 5, 7))
+
+
 def test_interp_conv_taps_bf16(interp):
     x, w, b, pad = _conv_inputs(1, 16, 16, 4, 6, 5, 3, True, torch.Generator().manual_seed(9), dtype=torch.bfloat16)
     want = F.conv3d(x.float(), w.float(), b.float(), padding=pad)
@@ -182,10 +191,11 @@ def test_kernels_compile_for_hopper():
     i32 = "i32"
     for dt in ("fp16", "bf16"):
         p = f"*{dt}"
-        for taps, first, has_bias, block_c in ((3, -1, True, 64), (1, 0, False, 16), (3, -1, False, 16)):
-            _sm90_compile(conv._sum_taps_kernel, dict(
-                y_ptr=p, bias_ptr=p, out_ptr=p, T=i32, P=i32, C=i32, stride_yn=i32, stride_yp=i32, stride_yk=i32,
-                stride_ob=i32, stride_oc=i32, stride_ot=i32, stride_op=i32),
+        for taps, first, has_bias, block_c in ((3, -1, True, 64), (1, 0, False, 16), (3, -1, False, 16),
+                                               (2, 0, True, 64), (1, 0, True, 64)):
+            _sm90_compile(conv._tap_sum_kernel, dict(
+                y_ptr=p, bias_ptr=p, out_ptr=p, T=i32, P=i32, C=i32, **{s: i32 for s in (
+                    "syb", "syt", "syp", "syk", "syc", "sob", "soc", "sot", "sop")}),
                 dict(TAPS=taps, FIRST=first, HAS_BIAS=has_bias, BLOCK_P=4096 // block_c, BLOCK_C=block_c), 4)
     for xt in ("*fp32", "*fp16", "*bf16"):
         _sm90_compile(group_norm._gn_partial_kernel, dict(x_ptr=xt, part_ptr="*fp32", N=i32, CHUNK=i32, SPLIT=i32),
