@@ -206,21 +206,20 @@ def bench_gn() -> None:
                 return group_norm.group_norm_swish_ref(x, w, b, 32, 1e-6, HALF)
         r = ref()
         fast = lambda: group_norm.group_norm_swish_triton(x, w, b, 32, 1e-6, HALF)  # noqa: E731
-        for variant, fn, d in (("reference (autocast ops)", ref, None), ("triton", fast, diff(poisoned(fast, (r.shape, r.dtype)), r))):
+        checked = diff(poisoned(fast, (r.shape, r.dtype)), r)
+        for variant, fn, d in (("reference (autocast ops)", ref, None), ("triton", fast, checked)):
             ms = median_ms(fn)
             row(what, variant, ms, least / ms / 1e6, f"GB/s {least / ms / 1e6 / FLOOR_GBS:.0%}", d)
 
 
 def bench_decode(cfg: dict) -> None:
-    vae = AutoencoderKLConv3D(cfg).to(DEV)
+    with torch.device(DEV):
+        vae = AutoencoderKLConv3D(cfg)
     g = torch.Generator(DEV).manual_seed(2)
-    with torch.no_grad():
-        for name, p in vae.named_parameters():   # O(1) activations: norms ~1, kernels ~1/sqrt(fan_in)
-            if p.ndim == 1:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g, device=DEV) if "norm" in name and name.endswith(
-                    "weight") else 0.05 * torch.randn(p.shape, generator=g, device=DEV))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g, device=DEV) / p[0].numel() ** 0.5)
+    for name, p in vae.named_parameters():   # O(1) activations: norms ~1, biases ~0.05, kernels ~1/sqrt(fan_in)
+        r = torch.randn(p.shape, generator=g, device=DEV)
+        p.copy_(1 + 0.1 * r if ".norm" in name and name.endswith(".weight") else
+                0.05 * r if p.ndim == 1 else r / p[0].numel() ** 0.5)
     side = 4 if DRY else 64
     z = torch.randn(1, cfg["latent_channels"], side, side, generator=g, device=DEV)
     what = f"vae decode {16 * side}^2"
