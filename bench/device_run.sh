@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, engine, quant, onegpu, tables, eval).
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, onegpu, tables, eval).
 # Each section's log goes to $OUT/<section>.log; a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -19,6 +19,9 @@ for section in "$@"; do
       run kernel_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_ops.py tests/test_kernels_moe.py
       run bench_ops 100 python3 bench/bench_kernels_ops.py
       run bench_moe 200 python3 bench/bench_kernels_moe.py --quick ;;
+    vae)
+      run vae_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_kernels_vae.py
+      run bench_convs 400 python3 bench/bench_convs.py ;;
     engine)
       run gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py ;;
     tables)

@@ -10,7 +10,9 @@ and the multi-GPU decoder of the official code are left out; they do not change 
 
 Every forward op mirrors the official one (same op, same order, same in-place vs out-of-place
 choice), so the module also matches the official numbers when the caller wraps it in
-`torch.autocast` the way the official pipeline does.
+`torch.autocast` the way the official pipeline does. The convs and the GroupNorm + swish pairs run
+as kernel ops (`conv3d_same`, `group_norm_swish`) whose references are those same ops; on CUDA the
+fast backends compute the same math in fewer, faster passes (kernels/conv.py, kernels/group_norm.py).
 """
 
 from __future__ import annotations
@@ -19,14 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import kernels
+
 GROUPS = 32  # every GroupNorm of the official VAE uses 32 groups, eps 1e-6
 EPS = 1e-6
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
-
-
-def _swish(x: Tensor) -> Tensor:
-    # Written as x*sigmoid(x) (not F.silu) to keep the official rounding and autocast behaviour.
-    return x * torch.sigmoid(x)
 
 
 def _norm(channels: int) -> nn.GroupNorm:
@@ -34,15 +33,27 @@ def _norm(channels: int) -> nn.GroupNorm:
 
 
 class _Conv3d(nn.Conv3d):
-    """A 'same' zero-padded 3D conv. On a single frame (T == 1) only the centre temporal tap sees
-    data, so it runs as the equivalent 2D conv: exact, and 3x fewer MACs for still images."""
+    """A 'same' zero-padded 3D conv, run by the `conv3d_same` kernel op (on one frame it is the
+    equivalent 2D conv; on CUDA fp16/bf16 a 2D conv over the frames, see kernels/conv.py)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[2] == 1:
-            k = self.weight.shape[2] // 2
-            y = F.conv2d(x[:, :, 0], self.weight[:, :, k], self.bias, padding=self.padding[1:])
-            return y.unsqueeze(2)
-        return super().forward(x)
+        w, b = self.weight, self.bias
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            # the cast autocast makes inside F.conv3d, made here so that the op is chosen for the dtype
+            # it runs in
+            dt = torch.get_autocast_dtype(dev)
+            x, w, b = x.to(dt), w.to(dt), (b.to(dt) if b is not None else None)
+        return kernels.call("conv3d_same", x, w, b, self.padding)
+
+
+def _norm_swish(norm: nn.GroupNorm, x: Tensor) -> Tensor:
+    """swish of the normed x (y * sigmoid(y), not F.silu: the official rounding and autocast
+    behaviour) as a conv's input, one op; under autocast its result is already in the autocast
+    dtype (the conv would cast it)."""
+    dev = x.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    return kernels.call("group_norm_swish", x, norm.weight, norm.bias, norm.num_groups, norm.eps, dt)
 
 
 def _conv(cin: int, cout: int, kernel: int = 3) -> nn.Conv3d:
@@ -83,8 +94,8 @@ class ResnetBlock(nn.Module):
         self.nin_shortcut = _conv(in_channels, out_channels, 1) if in_channels != out_channels else None
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.conv1(_swish(self.norm1(x)))
-        h = self.conv2(_swish(self.norm2(h)))
+        h = self.conv1(_norm_swish(self.norm1, x))
+        h = self.conv2(_norm_swish(self.norm2, h))
         if self.nin_shortcut is not None:
             x = self.nin_shortcut(x)
         return x + h
@@ -222,7 +233,7 @@ class Encoder(nn.Module):
         b, c, t, hh, ww = h.shape
         # Shortcut to the 2*z moment channels: mean over groups of consecutive channels.
         shortcut = h.reshape(b, c // self.out_group, self.out_group, t, hh, ww).mean(dim=2)
-        h = self.conv_out(_swish(self.norm_out(h)))
+        h = self.conv_out(_norm_swish(self.norm_out, h))
         h += shortcut  # in place, as official: the sum keeps conv_out's dtype under autocast
         return h
 
@@ -257,7 +268,7 @@ class Decoder(nn.Module):
         h = self.mid(h)
         for level in self.up:
             h = level(h)
-        return self.conv_out(_swish(self.norm_out(h)))
+        return self.conv_out(_norm_swish(self.norm_out, h))
 
 
 class AutoencoderKLConv3D(nn.Module):
