@@ -26,6 +26,7 @@ No atomics: every output element has one writer and every sum a fixed order.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton import knobs
@@ -172,6 +173,13 @@ def _sum_splits_kernel(p_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.const
     tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
+# Rows (per group, for the grouped GEMM) from which a GEMM dequantizes its weight once (one pass over the
+# codes into a bf16 copy, `dequant`) and multiplies on the tensor cores at the bf16 rate (F.linear,
+# torch._grouped_mm), instead of dequantizing every weight tile for every row tile in registers (those
+# W4A16 / W8A16 tiles reach about a third of the bf16 rate on Hopper): the prefill's and the denoise
+# phase's row counts; decode and small batches keep the register-dequantizing kernels.
+DEQUANT_ROWS = 256
+
 # tile configs by token count (bench/bench_kernels_quant.py --tune sweeps them; tools/compile_sm90.py shows
 # each one's registers and spills without a GPU: these spill nothing on sm_90 for any format)
 LINEAR_LARGE = dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
@@ -196,6 +204,8 @@ def linear(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if cfg is None and m >= DEQUANT_ROWS and fmt != "fp8" and not INTERPRET:    # see DEQUANT_ROWS
+        return F.linear(x, dequant(fmt, codes, scales, gscale, inverse, x.dtype))
     out = _empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -263,6 +273,39 @@ def _grouped_kernel(x_ptr, c_ptr, s_ptr, g_ptr, offs_ptr, out_ptr, N, K, stride_
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mn[:, None] & mm[None, :])
 
 
+@triton.jit
+def _dequant_kernel(c_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_c, stride_s, stride_cg, stride_sg, stride_gg,
+                    FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
+    """One [BN, BK] tile of matrix program_id(2) of a [G, N, K] pack, dequantized as the reference does."""
+    e = tl.program_id(2).to(tl.int64)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    mn = rn < N
+    codes, scales = _wload(c_ptr + e * stride_cg, s_ptr + e * stride_sg, rn, mn, k0, K, stride_c, stride_s, FMT,
+                           BS, BK)
+    w = _wdequant(codes, scales, _global_scale(g_ptr, e * stride_gg, FMT), FMT, INVERSE, BS, BN, BK)
+    rk = k0 + tl.arange(0, BK)
+    dst = out_ptr + e * N * K + rn.to(tl.int64)[:, None] * K + rk[None, :]
+    tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=mn[:, None] & (rk < K)[None, :])
+
+
+def dequant(fmt: str, codes: torch.Tensor, scales: torch.Tensor, gscale: torch.Tensor | None, inverse: bool,
+            dtype: torch.dtype) -> torch.Tensor:
+    """A [G, N, K] (or [N, K]) pack -> its exact dequantization in `dtype`, in one pass."""
+    c3, s3 = (codes, scales) if codes.dim() == 3 else (codes[None], scales[None])
+    gcount, n = c3.shape[0], c3.shape[1]
+    k = c3.shape[2] * PER_BYTE[fmt]
+    out = _empty(gcount, n, k, dtype=dtype, device=codes.device)
+    g = _gscale(gscale, codes)
+    stride_gg = g.stride(0) if gscale is not None and g.dim() == 3 else 0
+    bn, bk = 64, 128
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk), gcount)](
+        c3, s3, g, out, n, k, c3.stride(1), s3.stride(1), c3.stride(0), s3.stride(0), stride_gg, FMT=FMT[fmt],
+        INVERSE=bool(inverse), BS=BLOCK[fmt], BN=bn, BK=bk, num_warps=4)
+    return out if codes.dim() == 3 else out[0]
+
+
 GROUPED = dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
 GROUPED_FEW = dict(BM=64, BN=128, BK=32, GROUP_M=4, num_warps=8, num_stages=3)    # a few rows per group
 GROUPED_FMT = {"mxfp8": dict(BM=64), "fp8": dict(BM=64)}     # 8-bit codes: a 128-row tile spills on sm_90
@@ -275,6 +318,10 @@ def grouped(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor
     [T, N] in x.dtype (rows past offs[-1] are not written). gscale (NVFP4): [G, 1, 1] or 0-d."""
     t, k = x.shape
     gcount, n = codes.shape[0], codes.shape[-2]
+    if cfg is None and t > 0 and t >= DEQUANT_ROWS * gcount and fmt != "fp8" and x.dtype == torch.bfloat16 \
+            and not INTERPRET:
+        y = torch._grouped_mm(x, dequant(fmt, codes, scales, gscale, inverse, x.dtype).transpose(1, 2), offs=offs)
+        return y if out is None else out.copy_(y)
     if out is None:
         out = _empty(t, n, dtype=x.dtype, device=x.device)
     if t == 0:

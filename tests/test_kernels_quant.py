@@ -188,6 +188,19 @@ def test_interp_linear_and_grouped(qt, fmt):
     assert rel_err(got, torch.cat([x[:10].float() @ dp[0].T, x[10:].float() @ dp[2].T])) < 5e-3
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_interp_dequant_is_the_reference_bitwise(qt, fmt):
+    """The one-pass dequantization of the large-batch GEMMs (a [G, N, K] pack and a strided [N, K] block)."""
+    g = torch.Generator().manual_seed(12)
+    w = kq.random_qweight(fmt, (3, 40, 320), 0.1, generator=g, inverse=fmt == "nvfp4", gscale_dims=1)
+    got = _poisoned(qt.dequant, fmt, w.codes, w.scales, w.gscale, w.inverse, torch.bfloat16)
+    assert torch.equal(got, w.dequantize(torch.bfloat16))
+    blk = w[1].cols(64, 256) if fmt != "nvfp4" else None
+    if blk is not None:
+        got = _poisoned(qt.dequant, fmt, blk.codes, blk.scales, None, False, torch.bfloat16)
+        assert torch.equal(got, blk.dequantize(torch.bfloat16))
+
+
 def test_interp_quantize_rows_is_the_reference(qt):
     x = (torch.randn(7, 300, generator=torch.Generator().manual_seed(11)) * 3).bfloat16()
     x[2] = 0
@@ -252,7 +265,7 @@ def _fast_and_ref(fn, *args):
 
 @gpu
 @pytest.mark.parametrize("fmt", FAST_FMTS)
-@pytest.mark.parametrize("m", [1, 8, 300, 2048])
+@pytest.mark.parametrize("m", [1, 8, 100, 300, 2048])      # split-K, tiles, dequantize + bf16 GEMM
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 1024)])      # qkv at tp1; o_proj of a TP4 micro
 def test_gpu_linear_matches_reference(fmt, m, n, k):
     g = torch.Generator(device="cuda").manual_seed(m + n)
