@@ -4,6 +4,14 @@ checked against its reference on fresh random inputs (outputs poisoned with NaN)
 triton.testing.do_bench) next to the bf16 path of the same shape.
 
     python bench/bench_kernels_quant.py [--quick] [--tune [--tune-formats mxfp8,mxfp4,nvfp4]]
+    python bench/bench_kernels_quant.py --decode [--sweep] [--sections kernels,linear,moe]
+
+--decode runs only the decode rows, the tile kernels of quant_triton.py ("old") against the GEMVs of
+quant_gemv.py ("new"), every format, each checked first (scratch poisoned): the routed gate/up and down
+kernels alone (tp1, one token), the dense qkv / o linears at 1 token (qkv also at 8), and one MoE layer's
+whole decode (`moe_quant`, CUDA graph) at tp1 / tp4 with 1 and 8 tokens (8: both DECODE_TB). The
+switches it informs: kernels.moe_quant.DECODE_KERNELS, kernels.quant.GEMV_LINEAR / quant_gemv.LINEAR_MAX_M,
+quant_gemv.DECODE_TB, quant_gemv.DECODE_UP / DECODE_DOWN / LINEAR (--sweep: a few tiles of each).
 
 Rows: the dense linear (qkv 6144 x 4096), the grouped expert GEMMs on permuted rows (GEMM1 2I x H and
 GEMM2 H x I, uniform random routing), the whole `moe_quant` op (decode: only the chosen experts' bytes,
@@ -263,7 +271,9 @@ def _timed_graph(fn):
 def decode_op_cases(rows):
     """One MoE layer's decode (`moe_quant`, routed top-8 + shared MLP) at the tp1 and tp4 shapes, 1 and 8
     tokens, the tile kernels (old) against the GEMVs (new), checked against the reference."""
+    from kernels import quant_gemv as qg
     ok = True
+    tb0 = qg.DECODE_TB
     gate = torch.randn(E, H, generator=gen(8), device="cuda") * H ** -0.5
     for name, inter in (("tp1", 3072), ("tp4", 768)):
         for f in FMTS:
@@ -272,17 +282,22 @@ def decode_op_cases(rows):
                 xs = [torch.randn(n, H, generator=gen(20 + i), device="cuda").to(BF16) for i in range(4)]
                 nbytes = sum(decode_bytes(x, gate, f, inter, 1) for x in xs) / len(xs)
                 flops = 2 * n * (K + 1) * 3 * inter * H
-                for kind in ("tile", "gemv"):
+                # the GEMVs' tokens per pass (quant_gemv.DECODE_TB) matter from 3 tokens on: both at 8
+                for kind, tb in (("tile", None),) + ((("gemv", 2), ("gemv", 4)) if n > 2 else (("gemv", None),)):
                     _set_decode(kind)
+                    if tb is not None:
+                        qg.DECODE_TB = tb
                     good, err = _checked_moe(moe_args(xs[1], gate, w, 0, 1), f)
                     ok &= good
 
                     def run_all():
                         for x in xs:
                             moe_quant_cuda(*moe_args(x, gate, w, 0, 1))
-                    label = f"{f}{'+mxfp8 shared' if f == 'mxfp4' else ''} {'old tile' if kind == 'tile' else 'new gemv'}"
+                    label = (f"{f}{'+mxfp8 shared' if f == 'mxfp4' else ''} "
+                             f"{'old tile' if kind == 'tile' else 'new gemv'}{f' DECODE_TB={tb}' if tb else ''}")
                     row(rows, f"moe decode {name}", n, label, _timed_graph(run_all) / len(xs), flops, nbytes,
                         PEAK["bf16"], err)
+                    qg.DECODE_TB = tb0
             del w
             torch.cuda.empty_cache()
     _set_decode("gemv")

@@ -542,7 +542,10 @@ def _gemv_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_ptr, 
 
 
 PREP_X = True        # decode_up reads x prepared by `prep` (one small launch) rather than bf16 x strided
-DECODE_TB = 4        # the most tokens one pass multiplies (2: fewer registers for N > 2, 3+ tokens re-read)
+# The most tokens one pass multiplies (2 or 4). A kernel's registers are those of its largest bucket: with 4,
+# every program of an N > 2 launch holds ~200 (one CTA of 8 warps per SM); with 2, ~128, and a slot's 3+
+# tokens take more passes over its rows (from L1 / L2). bench --decode times both at 8 tokens.
+DECODE_TB = 2
 
 
 def _max_t(n: int, cfg: dict) -> int:

@@ -138,8 +138,8 @@ def _swiglu_ref(h, inter):
     return (h[..., :inter] * F.silu(h[..., inter:])).bfloat16().double()
 
 
-@pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("n,tb", [(1, 4), (3, 4), (8, 4), (8, 2)])
+@pytest.mark.parametrize("fmt,n,tb", [(f, n, 4) for f in FMTS for n in (1, 8)] + [("mxfp4", 3, 4), ("nvfp4", 3, 4),
+                                                                                   ("mxfp4", 8, 2)])
 def test_interp_gemv_decode_pair_routed_and_shared(qg, fmt, n, tb):
     """decode_up / decode_down on the chosen experts of micros [1, 3) of 3, and on the shared MLP's
     micro block: every served act row and every y row against the fp64 reference on the dequantized
@@ -154,7 +154,7 @@ def test_interp_gemv_decode_pair_routed_and_shared(qg, fmt, n, tb):
     w2 = _qw(fmt, (micros, e, h, inter), inter ** -0.5, g, inverse=inv, gscale_dims=1)
     d1, d2 = w1.dequantize(torch.float32).double(), w2.dequantize(torch.float32).double()
     ph = qg.act_ph(fmt)
-    up, down = dict(BI=8, G=4, num_warps=4, TB=tb), dict(R=16, G=4, num_warps=4, TB=tb)
+    up, down = dict(BI=8, G=2, num_warps=4, TB=tb), dict(R=16, G=4, num_warps=4, TB=tb)    # up: 2 K steps
 
     def unprep(a):
         return a.view(*a.shape[:-1], ph, inter // ph).transpose(-1, -2).reshape(a.shape) / qg.XSCALE if ph else a
@@ -211,8 +211,8 @@ def _emulate_scaled_grouped(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt,shared_fmt,n,micro_start,micro_count", [
-    ("mxfp4", "mxfp8", 1, 0, 3), ("mxfp4", "mxfp8", 3, 1, 2), ("mxfp4", "mxfp8", 8, 1, 1),   # MXFP4-mixed
-    ("mxfp8", "mxfp8", 2, 0, 2), ("nvfp4", "nvfp4", 5, 1, 2), ("nvfp4", "bf16", 1, 0, 1), ("fp8", "fp8", 8, 0, 2),
+    ("mxfp4", "mxfp8", 1, 0, 3), ("mxfp4", "mxfp8", 8, 1, 2),                                # MXFP4-mixed
+    ("mxfp8", "mxfp8", 2, 0, 2), ("nvfp4", "bf16", 3, 1, 1), ("fp8", "fp8", 5, 0, 2),
 ])
 def test_interp_moe_quant_decode_on_the_gemvs(qg, monkeypatch, fmt, shared_fmt, n, micro_start, micro_count):
     """The whole decode path with DECODE_KERNELS = "gemv": against the op's reference, and the tile

@@ -228,8 +228,9 @@ def test_interp_moe_quant_paths(qt, monkeypatch, fmt, shared_fmt, n, micro_start
 
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16
-# MXFP4's tile GEMMs run the reference on CUDA until their Triton kernel passes (kernels/quant.py)
-BACKEND = {"linear_mxfp8": "triton", "linear_mxfp4": "torch", "linear_nvfp4": "triton",
+# MXFP4's tile GEMMs run the reference on CUDA until their Triton kernel passes (kernels/quant.py); its dense
+# op is registered for the decode GEMV of a few tokens (tests/test_kernels_gemv.py) and runs the reference beyond
+BACKEND = {"linear_mxfp8": "triton", "linear_mxfp4": "triton", "linear_nvfp4": "triton",
            "grouped_mm_mxfp8": "triton", "grouped_mm_mxfp4": "torch", "grouped_mm_nvfp4": "triton",
            "linear_fp8": "scaled_mm", "grouped_mm_fp8": "scaled_mm", "moe_quant": "triton"}
 

@@ -144,7 +144,7 @@ def gemv_cases(fmt: str, base: dict):
                 N="i32", H="i32", I="i32", KW="i32", **lead, MC="i32")
     cu = dict(qg.DECODE_UP, **qg.DECODE_UP_FMT.get(fmt, {}))
     cd = dict(qg.DECODE_DOWN, **qg.DECODE_DOWN_FMT.get(fmt, {}))
-    for routed, max_t in ((True, 1), (True, 4), (False, 4)):
+    for routed, max_t in ((True, 1), (True, 2), (True, 4), (False, 2)):       # 1 token; 2 / 4 tokens a pass
         m = dict(meta, K=8, K_PAD=8, BLOCK_N=8, N_PAD=8, ROUTED=routed, MAX_T=max_t)
         wu = cu["num_warps"]
         yield (f"gemv_up routed={routed} T<={max_t} {fmt}", qg._gemv_up_kernel, up,
