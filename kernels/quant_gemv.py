@@ -9,12 +9,13 @@ The tile path dequantizes in registers, interleaves nibbles, broadcasts block sc
 tile into an MMA operand layout (shared memory); here each value costs about 3 integer ops and one
 fp32 FMA, in the layout the codes are loaded in:
 
-* Codes are read as 32-bit words (8 E2M1 or 4 E4M3 codes, column order inside the word). One word
-  shift + mask places two codes at once in the bf16 bit positions of the two halves of a register
-  (E2M1 s|e1e0|m -> bf16 sign, exponent bits 1..0, mantissa bit 6; E4M3 s|e3..e0|m2..m0 likewise):
-  each half is then the code times 2^-126 (E2M1) or 2^-120 (E4M3) exactly, subnormal codes
-  included (E2M1's 0.5 is the bf16 subnormal 2^-127; no flush-to-zero anywhere), and a shift or a
-  mask makes each an fp32. The pair holds columns (P, P + PH/2) of the word, so x is used in "phases".
+* Codes are read as 32-bit words (8 E2M1 or 4 E4M3 codes, column order inside the word). Two shifts
+  and two masks of a word place two codes at once in the bf16 bit positions of the two halves of a
+  register (E2M1 s|e1e0|m -> bf16 sign, exponent bits 1..0, mantissa bit 6; E4M3 s|e3..e0|m2..m0
+  likewise): each half is then the code times 2^-126 (E2M1) or 2^-120 (E4M3) exactly, subnormal
+  codes included (E2M1's 0.5 is the subnormal 2^-127; the FMAs are fma.rn.f32, no flush to zero),
+  and one shift or mask makes each an fp32. The pair holds columns (P, P + PH/2) of the word, so x is
+  used in "phases". (E4M3's NaN code reads as a finite 480: checkpoints hold none.)
 * The activations are read in phases: x_q[w] = x[w * PH + q] * 2^64 (fp32). `prep` writes them so
   (PREP=True: one 16-byte load per thread, word and phase), or the kernel reads bf16 x strided
   (PREP=False). The 2^64 keeps every product x * code * 2^-126 a normal fp32 (no precision lost for
@@ -31,9 +32,12 @@ fp32 FMA, in the layout the codes are loaded in:
   The block scales are loaded as a [G, R] tile with contiguity 1 (tl.max_contiguous), which makes
   Triton give it the layout of the chunk sums (no shared memory in the loop; tools/compile_sm90.py
   `gemv` checks that no layout conversion through shared memory is left in any loop).
-* Tokens: T <= 4 per pass, one accumulator each; the routed slots of the MoE serve only the tokens
-  that chose the slot's expert (compacted on the device), so a slot usually multiplies 1-2 tokens
-  however many the batch has. More tokens than 4: further passes over the (L2-resident) weight rows.
+* The next K step's codes and scales are loaded before this step's arithmetic (registers, no shared
+  memory): two steps of bytes in flight per thread.
+* Tokens: up to DECODE_TB (2 or 4) per pass, one accumulator each; the routed slots of the MoE serve
+  only the tokens that chose the slot's expert (compacted on the device), so a slot usually multiplies
+  1-2 tokens however many the batch has; more: further passes over the (L1 / L2-resident) rows. Only
+  the buckets a launch can need are compiled (1 token: the 1-token loop alone, ~60-80 registers).
 
 No atomics: every output element has one writer and every sum a fixed order.
 """
