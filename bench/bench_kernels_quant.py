@@ -4,6 +4,14 @@ checked against its reference on fresh random inputs (outputs poisoned with NaN)
 triton.testing.do_bench) next to the bf16 path of the same shape.
 
     python bench/bench_kernels_quant.py [--quick] [--tune [--tune-formats mxfp8,mxfp4,nvfp4]]
+    python bench/bench_kernels_quant.py --decode [--sweep] [--sections kernels,linear,moe]
+
+--decode runs only the decode rows, the tile kernels of quant_triton.py ("old") against the GEMVs of
+quant_gemv.py ("new"), every format, each checked first (scratch poisoned): the routed gate/up and down
+kernels alone (tp1, one token), the dense qkv / o linears at 1 token (qkv also at 8), and one MoE layer's
+whole decode (`moe_quant`, CUDA graph) at tp1 / tp4 with 1 and 8 tokens (8: both DECODE_TB). The
+switches it informs: kernels.moe_quant.DECODE_KERNELS, kernels.quant.GEMV_LINEAR / quant_gemv.LINEAR_MAX_M,
+quant_gemv.DECODE_TB, quant_gemv.DECODE_UP / DECODE_DOWN / LINEAR (--sweep: a few tiles of each).
 
 Rows: the dense linear (qkv 6144 x 4096), the grouped expert GEMMs on permuted rows (GEMM1 2I x H and
 GEMM2 H x I, uniform random routing), the whole `moe_quant` op (decode: only the chosen experts' bytes,
@@ -89,6 +97,17 @@ def linear_cases(rows, quick):
             row(rows, "linear 6144x4096", m, f, bench(lambda: kq.qlinear(x, w)), flops,
                 n_out * k * BITS[f] / 8 + act, PEAK["fp8" if f == "fp8" else "bf16"], err)
     return ok
+
+
+def _checked_moe(args, fmt):
+    """The CUDA op (scratch poisoned) against the `moe_quant` reference on the same inputs."""
+    with moe_fast.poisoned():
+        got = moe_quant_cuda(*args)
+    with kernels.allowed():
+        want = kernels.call("moe_quant", *args)
+    err = rel_err(got, want)
+    good = bool(not got.isnan().any() and err < tol(fmt))
+    return good, f"{err:.1e}" + ("" if good else " FAIL")
 
 
 def _checked_fast_ref(fast, fmt):
@@ -183,8 +202,7 @@ def moe_cases(rows, quick):
                 xs = [torch.randn(n, H, generator=gen(20 + i), device="cuda").to(BF16) for i in range(4)]
                 err = ""
                 if f != "bf16":
-                    args = moe_args(xs[0], gate, w, ms, mc)
-                    good, err = _checked_fast_ref(lambda: moe_quant_cuda(*args), f)
+                    good, err = _checked_moe(moe_args(xs[0], gate, w, ms, mc), f)
                     ok &= good
                 nbytes = sum(decode_bytes(x, gate, f, inter, mc) for x in xs) / len(xs)
                 fn = run_op(f)
@@ -214,7 +232,7 @@ def moe_cases(rows, quick):
             args = moe_args(x, gate, w, ms, mc)
             err = ""
             if f != "bf16":
-                good, err = _checked_fast_ref(lambda: moe_quant_cuda(*args), f)
+                good, err = _checked_moe(args, f)
                 ok &= good
             wbytes = 3 * E * inter * H * mc * BITS[f] / 8
             row(rows, case, n, f, bench(lambda: run_op(f)(*args)), flops, wbytes + 4 * n * K * H * 2,
@@ -225,6 +243,199 @@ def moe_cases(rows, quick):
                     wbytes + 4 * n * K * H * 2, PEAK["fp8"])
                 kq.FP8_FAST_ACCUM = False
             del w, args
+    return ok
+
+
+# ------------------------------------------------------------------------------------ decode: old vs new
+
+def _set_decode(kind):
+    import kernels.moe_quant as mq
+    mq.DECODE_KERNELS = kind
+
+
+def _timed_graph(fn):
+    """Median ms of `fn` replayed as a CUDA graph (captured after one warm-up run on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = bench(graph.replay)
+    del graph
+    return ms
+
+
+def decode_op_cases(rows):
+    """One MoE layer's decode (`moe_quant`, routed top-8 + shared MLP) at the tp1 and tp4 shapes, 1 and 8
+    tokens, the tile kernels (old) against the GEMVs (new), checked against the reference."""
+    from kernels import quant_gemv as qg
+    ok = True
+    tb0 = qg.DECODE_TB
+    gate = torch.randn(E, H, generator=gen(8), device="cuda") * H ** -0.5
+    for name, inter in (("tp1", 3072), ("tp4", 768)):
+        for f in FMTS:
+            w = moe_weights(f, inter, 1, 9)
+            for n in (1, 8):
+                xs = [torch.randn(n, H, generator=gen(20 + i), device="cuda").to(BF16) for i in range(4)]
+                nbytes = sum(decode_bytes(x, gate, f, inter, 1) for x in xs) / len(xs)
+                flops = 2 * n * (K + 1) * 3 * inter * H
+                # the GEMVs' tokens per pass (quant_gemv.DECODE_TB) matter from 3 tokens on: both at 8
+                for kind, tb in (("tile", None),) + ((("gemv", 2), ("gemv", 4)) if n > 2 else (("gemv", None),)):
+                    _set_decode(kind)
+                    if tb is not None:
+                        qg.DECODE_TB = tb
+                    good, err = _checked_moe(moe_args(xs[1], gate, w, 0, 1), f)
+                    ok &= good
+
+                    def run_all():
+                        for x in xs:
+                            moe_quant_cuda(*moe_args(x, gate, w, 0, 1))
+                    label = (f"{f}{'+mxfp8 shared' if f == 'mxfp4' else ''} "
+                             f"{'old tile' if kind == 'tile' else 'new gemv'}{f' DECODE_TB={tb}' if tb else ''}")
+                    row(rows, f"moe decode {name}", n, label, _timed_graph(run_all) / len(xs), flops, nbytes,
+                        PEAK["bf16"], err)
+                    qg.DECODE_TB = tb0
+            del w
+            torch.cuda.empty_cache()
+    _set_decode("gemv")
+    return ok
+
+
+def _routing(n, seed):
+    from kernels import moe_triton as tk
+    gate = torch.randn(E, H, generator=gen(seed), device="cuda") * H ** -0.5
+    x = torch.randn(n, H, generator=gen(seed + 1), device="cuda").to(BF16)
+    _, ids, active = tk.router_select(tk.router_logits(x, gate), K, True, plan=False)
+    return x, ids, active
+
+
+def decode_kernel_cases(rows, sweep):
+    """The routed gate/up and down kernels alone (tp1, 1 token, the 8 chosen experts), old vs new, and
+    (sweep) a few tile configs of the new ones: which kernel and tile win, in GB/s of expert weights."""
+    from kernels import quant_gemv as qg
+    inter = 3072
+    x, ids, active = _routing(1, 50)
+    s = active.shape[0]
+    ok = True
+    for f in ("mxfp4", "mxfp8", "nvfp4"):
+        w1 = qweight(f, (1, E, 2 * inter, H), H ** -0.5, 51, 1)
+        w2 = qweight(f, (1, E, H, inter), inter ** -0.5, 52, 1)
+        up_bytes = K * 2 * inter * H * BITS[f] / 8
+        down_bytes = K * H * inter * BITS[f] / 8
+        # reference: the dequantized experts of the chosen ones
+        e = active.long()
+        d1 = w1[0].dequantize(BF16)[e]                       # [8, 2I, H]
+        h = torch.einsum("h,eoh->eo", x[0].float(), d1.float())
+        want_act = (h[:, :inter] * F.silu(h[:, inter:])).to(BF16)
+        d2 = w2[0].dequantize(BF16)[e]
+        want_y = torch.einsum("ei,ehi->eh", want_act.float(), d2.float())
+        act_old = torch.empty(1, s, 16, inter, dtype=BF16, device="cuda")
+        y = torch.empty(K, H, dtype=torch.float32, device="cuda")
+        args1 = (ids, active, f, w1.codes, w1.scales, w1.gscale, w1.inverse)
+        args2 = (ids, active, f, w2.codes, w2.scales, w2.gscale, w2.inverse)
+        row(rows, "routed up tp1", 1, f"{f} old tile",
+            bench(lambda: qt.decode_up(x, *args1, act_old, s, inter)), 0, up_bytes, PEAK["bf16"])
+        row(rows, "routed down tp1", 1, f"{f} old tile",
+            bench(lambda: qt.decode_down(act_old, *args2, y, s, inter)), 0, down_bytes, PEAK["bf16"])
+        ph = qg.act_ph(f)
+        xp = qg.prep(x, f)
+        row(rows, "prep x", 1, f"{f}", bench(lambda: qg.prep(x, f)), 0, H * 6, PEAK["bf16"])
+        ups = [dict(qg.DECODE_UP, **qg.DECODE_UP_FMT.get(f, {}))]
+        downs = [dict(qg.DECODE_DOWN, **qg.DECODE_DOWN_FMT.get(f, {}))]
+        if sweep:
+            ups += [dict(BI=bi, G=g, num_warps=nw) for bi, g, nw in ((16, 32, 8), (4, 32, 4), (8, 32, 4), (16, 32, 4),
+                                                                        (8, 16, 4), (32, 32, 8))]
+            downs += [dict(R=r, G=g, num_warps=nw) for r, g, nw in ((32, 32, 8), (8, 32, 4), (16, 32, 4), (32, 32, 4),
+                                                                       (16, 16, 8), (64, 32, 8))]
+        for i, cfg in enumerate(ups):
+            act = torch.full((1, s, 1, inter), float("nan"), device="cuda")
+            qg.decode_up(xp, *args1, act, s, inter, cfg, x_prepared=True, act_prep=ph)
+            got = _unprep(act[0, :, 0], f) if ph else act[0, :, 0]
+            err = rel_err(got.float(), want_act.float())
+            good = bool(not got.isnan().any() and err < 1e-2)
+            ok &= good
+            row(rows, "routed up tp1", 1, f"{f} new gemv{' ' + _cfg(cfg) if i else ''}",
+                bench(lambda: qg.decode_up(xp, *args1, act, s, inter, cfg, x_prepared=True, act_prep=ph)), 0, up_bytes,
+                PEAK["bf16"], f"{err:.1e}" + ("" if good else " FAIL"))
+        act_in = _prep_rows(want_act, f).reshape(1, s, 1, inter) if ph else want_act.reshape(1, s, 1, inter)
+        for i, cfg in enumerate(downs):
+            y.fill_(float("nan"))
+            qg.decode_down(act_in, *args2, y, s, inter, down=cfg, act_prepared=bool(ph))
+            got = y.view(1, K, H)[0]
+            # y row j is the token's j-th choice; active is ascending: map expert order to route order
+            order = _route_order(ids, active)
+            err = rel_err(got, want_y[order])
+            good = bool(not got.isnan().any() and err < 1e-2)
+            ok &= good
+            row(rows, "routed down tp1", 1, f"{f} new gemv{' ' + _cfg(cfg) if i else ''}",
+                bench(lambda: qg.decode_down(act_in, *args2, y, s, inter, down=cfg, act_prepared=bool(ph))), 0,
+                down_bytes, PEAK["bf16"], f"{err:.1e}" + ("" if good else " FAIL"))
+        del w1, w2, d1, d2
+        torch.cuda.empty_cache()
+    return ok
+
+
+def _cfg(cfg):
+    return ",".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def _unprep(a, fmt):
+    """Prepared rows (fp32, phase-major, times 2^64) back to the natural order."""
+    from kernels import quant_gemv as qg
+    ph = qg.PH[fmt]
+    r, k = a.shape
+    return (a.view(r, ph, k // ph).transpose(1, 2).reshape(r, k) / qg.XSCALE)
+
+
+def _prep_rows(a, fmt):
+    from kernels import quant_gemv as qg
+    return qg.prep(a, fmt)
+
+
+def _route_order(ids, active):
+    """For 1 token: the slot of each of its K choices (y's rows are in choice order)."""
+    return torch.searchsorted(active[active >= 0].contiguous(), ids[0].contiguous())
+
+
+def decode_linear_cases(rows, sweep):
+    """The dense linears of one token (qkv 6144 x 4096, o 4096 x 4096; 8 tokens for qkv): the split-K
+    tile path (old) against the GEMV (new), every format, checked against the dequantized reference."""
+    from kernels import quant_gemv as qg
+    ok = True
+    for name, n_out, m in (("qkv 6144x4096", 6144, 1), ("o 4096x4096", 4096, 1), ("qkv 6144x4096", 6144, 8)):
+        x = torch.randn(m, H, generator=gen(60 + m), device="cuda").to(BF16)
+        for f in FMTS:
+            w = qweight(f, (n_out, H), H ** -0.5, 61)
+            want = F.linear(x, w.dequantize(BF16))
+            nbytes = n_out * H * BITS[f] / 8 + 2 * m * (H + n_out)
+            cfgs = [dict(qg.LINEAR)]
+            if sweep and m == 1:
+                cfgs += [dict(R=r, G=32, num_warps=nw, PREP=p) for r, nw, p in
+                         ((8, 4, True), (16, 4, True), (32, 8, True), (16, 8, False), (8, 8, True))]
+            with moe_fast.poisoned():
+                got = qt.linear(x, f, w.codes, w.scales, w.gscale, w.inverse)
+            err = rel_err(got, want)
+            good = bool(not got.isnan().any() and err < tol(f))
+            ok &= good
+            row(rows, f"linear {name}", m, f"{f} old split-K tile",
+                bench(lambda: qt.linear(x, f, w.codes, w.scales, w.gscale, w.inverse)), 0, nbytes, PEAK["bf16"],
+                f"{err:.1e}" + ("" if good else " FAIL"))
+            for i, cfg in enumerate(cfgs):
+                with moe_fast.poisoned():
+                    got = qg.linear(x, f, w.codes, w.scales, w.gscale, w.inverse, cfg=cfg)
+                err = rel_err(got, want)
+                good = bool(not got.isnan().any() and err < tol(f))
+                ok &= good
+                row(rows, f"linear {name}", m, f"{f} new gemv{' ' + _cfg(cfg) if i else ''}",
+                    bench(lambda: qg.linear(x, f, w.codes, w.scales, w.gscale, w.inverse, cfg=cfg)), 0, nbytes,
+                    PEAK["bf16"], f"{err:.1e}" + ("" if good else " FAIL"))
+            if f == "fp8":
+                row(rows, f"linear {name}", m, "fp8 scaled_mm (W8A8)", bench(lambda: kq.qlinear(x, w)), 0, nbytes,
+                    PEAK["fp8"])
+            del w
     return ok
 
 
@@ -303,7 +514,12 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="sweep kernel tiles first")
     ap.add_argument("--tune-formats", default="mxfp8,mxfp4,nvfp4", help="the formats --tune sweeps")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--decode", action="store_true", help="only the decode rows: old tile kernels vs new GEMVs")
+    ap.add_argument("--sweep", action="store_true", help="with --decode: a few tile configs of the new kernels")
+    ap.add_argument("--sections", default="kernels,linear,moe", help="with --decode: which of kernels,linear,moe")
     args = ap.parse_args()
+    if args.decode:
+        return decode_main(args.sweep, args.sections.split(","))
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     t0 = time.time()
     chosen = {op: kernels.chosen(op, "cuda", BF16) for op in ("linear_mxfp4", "grouped_mm_nvfp4", "linear_fp8",
@@ -324,6 +540,35 @@ def main() -> None:
     for r in rows:
         print(f"{r['case']:<22} {r['n']:>5}  {r['path']:<27} {r['ms']:>8.3f}  {r['rate']:>14}  {r['floor']:>8}  "
               f"{r['err']:>8}")
+    print(f"checks: {'all passed' if ok else 'FAILED'}  ({time.time() - t0:.0f} s)")
+    sys.exit(0 if ok else 1)
+
+
+def _print(rows):
+    print(f"\n{'case':<24} {'N':>3}  {'path':<48} {'ms':>8}  {'rate':>11}  {'of floor':>8}  {'rel err':>8}")
+    for r in rows:
+        print(f"{r['case']:<24} {r['n']:>3}  {r['path']:<48} {r['ms']:>8.4f}  {r['rate']:>11}  {r['floor']:>8}  "
+              f"{r['err']:>8}")
+
+
+def decode_main(sweep: bool, sections: list[str]) -> None:
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    t0 = time.time()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  moe_quant backend: "
+          f"{kernels.chosen('moe_quant', 'cuda', BF16)}", flush=True)
+    ok = kernels.chosen("moe_quant", "cuda", BF16) == "triton"
+    rows: list[dict] = []
+    for name, fn in (("kernels", lambda r: decode_kernel_cases(r, sweep)), ("linear", lambda r: decode_linear_cases(r, sweep)),
+                     ("moe", decode_op_cases)):
+        if name not in sections:
+            continue
+        ok &= fn(rows)
+        print(f"{name} done ({time.time() - t0:.0f} s)", flush=True)
+        torch.cuda.empty_cache()
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_kernels_quant_decode.json").write_text(json.dumps(
+            dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=1))
+    _print(rows)
     print(f"checks: {'all passed' if ok else 'FAILED'}  ({time.time() - t0:.0f} s)")
     sys.exit(0 if ok else 1)
 

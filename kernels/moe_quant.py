@@ -12,9 +12,10 @@ moe_triton.py's kernels); only the GEMMs change, per weight format:
       first, as `quant.grouped_mm_fp8` / `quant.linear_fp8` define.
 CUDA (bf16): grouped path (N > DECODE_MAX_TOKENS) on the Triton grouped GEMMs of quant_triton.py, or
 `torch._scaled_grouped_mm` for fp8 (each GEMM's rows quantized once for every micro); decode path
-reading only the chosen experts' quantized bytes (for fp8 the activations are quantized and
-dequantized per row first: the same numbers as W8A8 up to one bf16 rounding). Deterministic like
-`moe`: no atomics, fixed sum orders, no host sync.
+reading only the chosen experts' quantized bytes, on quant_gemv.py's GEMVs (DECODE_KERNELS = "gemv") or
+quant_triton.py's tile kernels ("tile") (for fp8 the activations are quantized and dequantized per row
+first: the same numbers as W8A8 up to one bf16 rounding). Deterministic like `moe`: no atomics, fixed
+sum orders, no host sync.
 """
 from __future__ import annotations
 
@@ -144,8 +145,73 @@ def _grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_star
     return out
 
 
+# Which kernels the decode path (N <= DECODE_MAX_TOKENS) runs: "gemv" = quant_gemv.py (no tensor cores,
+# fp32 FMA on the codes as loaded, activations prepared once), "tile" = quant_triton.py's decode_up /
+# decode_down (dequantized tiles into bf16 MMAs). bench/bench_kernels_quant.py --decode times both.
+DECODE_KERNELS = "gemv"
+
+
 def _decode(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
             out) -> torch.Tensor:
+    q1, q2 = isinstance(shared_w1, QWeight), isinstance(shared_w2, QWeight)
+    if DECODE_KERNELS == "gemv" and q1 == q2:
+        return _decode_gemv(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
+    return _decode_tile(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
+
+
+def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
+                 out) -> torch.Tensor:
+    """The decode path on quant_gemv's GEMVs: x prepared once per code-word width (prep), gate/up +
+    SwiGLU writing act prepared for the down GEMV (fp32; FP8 writes bf16 act, quantized per row in
+    place, read as is), down GEMV summing the micros, the shared MLP likewise, one finalize."""
+    from . import moe_triton as tk
+    from . import quant_gemv as qg
+    from . import quant_triton as qt
+    from .moe_fast import _empty
+    n, h = x.shape
+    mc = micro_count
+    dev = x.device
+    w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
+    s = active.shape[0]
+    inter = w2.shape[-1]
+    fq = qt.quantize_rows(x, fake=True) if "fp8" in (w1.fmt, getattr(shared_w1, "fmt", None)) else None
+    preps: dict[str, torch.Tensor] = {}
+
+    def x_in(fmt: str) -> torch.Tensor:          # the up GEMV's activations of `fmt`, prepared once
+        key = ("fq" if fmt == "fp8" else "x") + str(qg.PH[fmt])
+        if key not in preps:
+            preps[key] = qg.prep(fq if fmt == "fp8" else x, fmt) if qg.PREP_X else (fq if fmt == "fp8" else x)
+        return preps[key]
+
+    def mlp(fmt_up, fmt_down, wa: QWeight, wb: QWeight, slots, width, act_active, y, micro_cols):
+        ph = qg.act_ph(fmt_down)
+        act = _empty(mc, slots, n, width, dtype=torch.float32 if ph else x.dtype, device=dev)
+        qg.decode_up(x_in(fmt_up), ids, act_active, fmt_up, wa.codes, wa.scales, wa.gscale, wa.inverse, act, slots,
+                     width, x_prepared=qg.PREP_X, act_prep=ph)
+        if not ph:
+            qt.quantize_rows(act, fake=True, out=act)
+        qg.decode_down(act, ids, act_active, fmt_down, wb.codes, wb.scales, wb.gscale, wb.inverse, y, slots, width,
+                       micro_cols=micro_cols, act_prepared=bool(ph))
+
+    y = _empty(n * topk, h, dtype=torch.float32, device=dev)
+    mlp(w1.fmt, w2.fmt, w1[micro_start:micro_start + mc], w2[micro_start:micro_start + mc], s, inter, active, y,
+        False)
+    ys = None
+    if shared_w1 is not None:
+        is_micro = shared_w1.shape[1] // 2
+        ys = _empty(n, h, dtype=torch.float32, device=dev)
+        if isinstance(shared_w1, QWeight):
+            mlp(shared_w1.fmt, shared_w2.fmt, shared_w1[micro_start:micro_start + mc],
+                shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro), 1, is_micro, None, ys, True)
+        else:                                     # a float shared MLP: the bf16 decode kernels
+            act_s = _empty(mc, 1, 16, is_micro, dtype=x.dtype, device=dev)
+            tk.decode_up(x, ids, None, None, shared_w1[micro_start:micro_start + mc], act_s, 1, is_micro)
+            tk.decode_down(act_s, ids, None, None, shared_w2[:, micro_start * is_micro:], None, ys, 1, is_micro)
+    return tk.finalize([y], None, w, ys, out)
+
+
+def _decode_tile(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
+                 out) -> torch.Tensor:
     from . import moe_triton as tk
     from . import quant_triton as qt
     from .moe_fast import _empty

@@ -313,13 +313,35 @@ def _fits(x: torch.Tensor, codes: torch.Tensor) -> bool:
 def linear_mxfp8_triton(x, codes, scales):
     if not _fits(x, codes):
         return linear_mxfp8(x, codes, scales)
+    if _gemv_rows(x, codes, "mxfp8"):
+        return _gemv().linear(x, "mxfp8", codes, scales)
     return _tk().linear(x, "mxfp8", codes, scales)
+
+
+# Dense linears of a few tokens (decode: at most quant_gemv.LINEAR_MAX_M rows) on quant_gemv's GEMV, per
+# format, instead of the split-K tile kernel (MXFP8, NVFP4), or
+# torch._scaled_mm (FP8: the activations quantized per row first, as W8A8 does). The rows count is a
+# host-known shape. bench/bench_kernels_quant.py --decode times both sides.
+GEMV_LINEAR = {"mxfp8": True, "mxfp4": True, "nvfp4": True, "fp8": False}
+
+
+def _gemv():
+    from . import quant_gemv
+    return quant_gemv
+
+
+def _gemv_rows(x: torch.Tensor, codes: torch.Tensor, fmt: str) -> bool:
+    qg = _gemv()
+    return (GEMV_LINEAR.get(fmt, False) and x.numel() // x.shape[-1] <= qg.LINEAR_MAX_M
+            and qg.fits(codes, x.shape[-1], fmt))
 
 
 @backend("linear_mxfp4", "triton", devices=("cuda",), dtypes=_HALF, available=_triton_available)
 def linear_mxfp4_triton(x, packed, scales):
     if not _fits(x, packed):
         return linear_mxfp4(x, packed, scales)
+    if _gemv_rows(x, packed, "mxfp4"):
+        return _gemv().linear(x, "mxfp4", packed, scales)
     return _tk().linear(x, "mxfp4", packed, scales)
 
 
@@ -327,6 +349,8 @@ def linear_mxfp4_triton(x, packed, scales):
 def linear_nvfp4_triton(x, packed, scales, global_scale, inverse):
     if not _fits(x, packed) or global_scale.numel() != 1:
         return linear_nvfp4(x, packed, scales, global_scale, inverse)
+    if _gemv_rows(x, packed, "nvfp4"):
+        return _gemv().linear(x, "nvfp4", packed, scales, global_scale.reshape(()).float(), inverse)
     return _tk().linear(x, "nvfp4", packed, scales, global_scale.reshape(()).float(), inverse)
 
 
@@ -387,6 +411,8 @@ def linear_fp8_cuda(x, wq, w_scale):
     k, n = x.shape[-1], wq.shape[0]
     if not _scaled_mm_fits(k, n, x.dtype) or wq.stride(1) != 1 or w_scale.numel() != n:
         return linear_fp8(x, wq, w_scale)
+    if _gemv_rows(x, wq, "fp8") and w_scale.dim() == 2:
+        return _gemv().linear(_tk().quantize_rows(x, fake=True), "fp8", wq, w_scale.float())
     xq, xs = _tk().quantize_rows(x.reshape(-1, k))
     out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.float().reshape(1, n).contiguous(),
                            out_dtype=x.dtype, use_fast_accum=FP8_FAST_ACCUM)
