@@ -278,6 +278,38 @@ def _gpu_decode_args(name, seed=0):
     return qargs(t, ms, mc, topk=8)
 
 
+def fp8_decode_semantics(x, gate, w1, w2, shared_w1, shared_w2, ms, mc, topk, norm_topk):
+    """What the FP8 decode path computes (moe_quant's note): each GEMM input fake-quantized per row to
+    E4M3 and rounded to bf16, the weights exact, fp32 products; micro partials summed before the route
+    weights. The W8A8 reference differs from it by those bf16 roundings, which can flip an E4M3 rounding
+    of the next GEMM's input (a few 1e-2 on two tokens); against this the kernels must agree closely."""
+    import torch.nn.functional as F
+
+    def fake(v):
+        q, s = kq.quantize_fp8_rows(v.to(torch.bfloat16))
+        return (q.float() * s).to(torch.bfloat16).float()
+
+    def mlp(xq, a, b):                     # a [mc, 2I, H], b [mc, H, I]: micro partials summed
+        h = torch.einsum("th,mih->tmi", xq, a)
+        g, u = h.chunk(2, -1)
+        return torch.einsum("tmi,mhi->th", fake(g * F.silu(u)), b)
+
+    w, idx = kernels.moe.route(x, gate, topk, norm_topk)
+    xq = fake(x)
+    m = slice(ms, ms + mc)
+    w1d, w2d = w1[m].dequantize(torch.float32), w2[m].dequantize(torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(topk):
+            e = idx[t, j]
+            out[t] += w[t, j].float() * mlp(xq[t:t + 1], w1d[:, e], w2d[:, e])[0]
+    if shared_w1 is not None:
+        i = shared_w1.shape[1] // 2
+        s2 = shared_w2.dequantize(torch.float32)[:, ms * i:(ms + mc) * i].reshape(-1, mc, i).transpose(0, 1)
+        out += mlp(xq, shared_w1[m].dequantize(torch.float32), s2)
+    return out.to(x.dtype)
+
+
 @gpu
 @pytest.mark.parametrize("name", list(GPU_DECODE))
 def test_gpu_moe_decode_gemv_matches_reference(name, gemv_calls, monkeypatch):
@@ -291,7 +323,11 @@ def test_gpu_moe_decode_gemv_matches_reference(name, gemv_calls, monkeypatch):
         got = moe_quant.moe_quant_cuda(*args, out=out)
     assert gemv_calls["decode_up"] >= 1 and gemv_calls["decode_down"] >= 1
     assert not got.isnan().any()
-    assert rel_err(got, ref) < (3e-2 if "fp8" in name else 1e-2)
+    if GPU_DECODE[name][1] == "fp8":
+        assert rel_err(got, fp8_decode_semantics(*args)) < 5e-3
+        assert rel_err(got, ref) < 5e-2
+    else:
+        assert rel_err(got, ref) < 1e-2
     with kernels.allowed("triton"):
         assert kernels.chosen("moe_quant", "cuda", BF16) == "triton"
 
