@@ -238,12 +238,15 @@ def evaluate_examples(pipe: Pipeline, bot_task: str | None, seeds: int, log=prin
 
 def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None = 2, device: str = "cpu",
              n_edit: int | None = None, save_dir: str | Path | None = None, log=print,
-             bot_task: str | None = None, example_seeds: int = 0, quantize: str | None = None) -> dict:
+             bot_task: str | None = None, example_seeds: int = 0, quantize: str | None = None,
+             resident: str = "auto") -> dict:
     """The metrics of one reasoning mode (`bot_task`; None: the checkpoint's default). `quantize`
-    ("fp8"): the model quantized online at load, as `--quantize fp8` serves it."""
+    ("fp8"): the model quantized online at load, as `--quantize fp8` serves it; `resident` as `load`'s
+    ("quantized" on the CPU: the quantized weights stay quantized and run the reference ops, so FP8 is
+    W8A8 with per-token activation scales, the semantics the CUDA kernels compute)."""
     if threads:
         torch.set_num_threads(threads)
-    lm = load(model, device, quantize=quantize)
+    lm = load(model, device, quantize=quantize, resident=resident)
     pipe = Pipeline(lm, preview_every=0)
     tok, sp = lm.tok, lm.tok.special
     mode = bot_task or lm.gen.bot_task
@@ -396,7 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (the timing target is 2 cores)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quantize", choices=["fp8"], default=None,
-                    help="quantize the backbone at load (online FP8: W8A8 on CUDA, weights rounded on the CPU)")
+                    help="quantize the backbone at load (online FP8)")
+    ap.add_argument("--resident", choices=["auto", "quantized", "dense"], default="auto",
+                    help="quantized weights stay quantized (CUDA default) or are dequantized at load (CPU "
+                         "default); 'quantized' on the CPU runs the reference ops (FP8: W8A8)")
     ap.add_argument("--json", help="also write the metrics here (a list, one entry per mode)")
     ap.add_argument("--save-images", help="write every generated image into this folder (one subfolder a mode)")
     ap.add_argument("--quiet", action="store_true")
@@ -413,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         save = str(Path(args.save_images) / mode) if args.save_images else None
         ms.append(evaluate(args.model, args.n, args.seed, args.threads, args.device, args.n_edit, save,
                            log=(lambda *_: None) if args.quiet else print,
-                           bot_task=MODES.get(mode), example_seeds=args.example_seeds, quantize=args.quantize))
+                           bot_task=MODES.get(mode), example_seeds=args.example_seeds, quantize=args.quantize,
+                           resident=args.resident))
     cmd = "python -m train.evaluate " + " ".join(sys.argv[1:] if argv is None else argv)
     print(table(ms))
     print(f"command: {cmd}")
