@@ -20,18 +20,19 @@ for section in "$@"; do
       run bench_ops 100 python3 bench/bench_kernels_ops.py
       run bench_moe 200 python3 bench/bench_kernels_moe.py --quick ;;
     vae)
-      run vae_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_kernels_vae.py
-      run bench_convs 400 python3 bench/bench_convs.py ;;
+      run vae_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_kernels_vae.py
+      run bench_convs 200 python3 bench/bench_convs.py ;;
     engine)
       run gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py ;;
     tables)
       run seed_tables 330 python3 bench/bench_seed_tables.py --profile ;;
     quant)
-      run quant_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_quant.py tests/test_quant_resident.py ;;
+      run quant_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_quant.py tests/test_kernels_gemv.py tests/test_quant_resident.py
+      run bench_decode 240 python3 bench/bench_kernels_quant.py --decode ;;
     onegpu)
       run one_gpu 330 python3 bench/bench_one_gpu.py --fp8-speedup ;;
     eval)
-      run eval_cuda 240 python3 -m train.evaluate --model assets/model --n 40 --n-edit 40 --device cuda --json "$OUT/eval_cuda.json" ;;
+      run eval_cuda 240 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 40 --n-edit 40 --device cuda --json "$OUT/eval_cuda.json" ;;
     *) echo "unknown section $section" ;;
   esac
 done
