@@ -309,6 +309,15 @@ def _fits(x: torch.Tensor, codes: torch.Tensor) -> bool:
     return codes.stride(-1) == 1 and x.device == codes.device
 
 
+@backend("linear_mxfp8", "triton", devices=("cuda",), dtypes=_HALF, available=_triton_available)
+def linear_mxfp8_triton(x, codes, scales):
+    if not _fits(x, codes):
+        return linear_mxfp8(x, codes, scales)
+    if _gemv_rows(x, codes, "mxfp8"):
+        return _gemv().linear(x, "mxfp8", codes, scales)
+    return _tk().linear(x, "mxfp8", codes, scales)
+
+
 # Dense linears of a few tokens (decode: at most quant_gemv.LINEAR_MAX_M rows) on quant_gemv's GEMV, per
 # format, instead of the split-K tile kernel (MXFP8, NVFP4), or
 # torch._scaled_mm (FP8: the activations quantized per row first, as W8A8 does). The rows count is a
@@ -327,22 +336,13 @@ def _gemv_rows(x: torch.Tensor, codes: torch.Tensor, fmt: str) -> bool:
             and qg.fits(codes, x.shape[-1], fmt))
 
 
-def _mx_linear(fmt: str, ref):
-    """The CUDA backend of an MX-format dense op: the GEMV for a few tokens, else the tile kernel (which
-    dequantizes once and runs bf16 from quant_triton.DEQUANT_ROWS rows)."""
-    def run(x, codes, scales):
-        if not _fits(x, codes):
-            return ref(x, codes, scales)
-        if _gemv_rows(x, codes, fmt):
-            return _gemv().linear(x, fmt, codes, scales)
-        return _tk().linear(x, fmt, codes, scales)
-    return run
-
-
-linear_mxfp8_triton = backend("linear_mxfp8", "triton", devices=("cuda",), dtypes=_HALF,
-                              available=_triton_available)(_mx_linear("mxfp8", linear_mxfp8))
-linear_mxfp4_triton = backend("linear_mxfp4", "triton", devices=("cuda",), dtypes=_HALF,
-                              available=_triton_available)(_mx_linear("mxfp4", linear_mxfp4))
+@backend("linear_mxfp4", "triton", devices=("cuda",), dtypes=_HALF, available=_triton_available)
+def linear_mxfp4_triton(x, packed, scales):
+    if not _fits(x, packed):
+        return linear_mxfp4(x, packed, scales)
+    if _gemv_rows(x, packed, "mxfp4"):
+        return _gemv().linear(x, "mxfp4", packed, scales)
+    return _tk().linear(x, "mxfp4", packed, scales)
 
 
 @backend("linear_nvfp4", "triton", devices=("cuda",), dtypes=_HALF, available=_triton_available)
