@@ -1,6 +1,7 @@
 """Quantized HunyuanImage-3.0 on ONE GPU (issue 17), at the real shapes with random weights:
 
-    python bench/bench_one_gpu.py [--builds mxfp4-distil,fp8-instruct] [--fp8-speedup] [--cot 750]
+    python bench/bench_one_gpu.py [--builds mxfp4-distil,mxfp8-distil,nvfp4-distil,fp8-instruct]
+                                  [--fp8-speedup] [--cot 750] [--profile-decode]
 
 Builds: `mxfp4-distil` is the AutoRound MXFP4-mixed Instruct-Distil as it is resident (experts MXFP4,
 attention and shared-MLP linears MXFP8, router fp32, everything else bf16), `fp8-instruct` the Instruct
@@ -49,6 +50,14 @@ DEV = "cuda"
 STEP_GRAPH = True            # denoise steps as CUDA graphs (the engine's default on CUDA)
 PREFILL, SIDE, VOCAB = 1251, 64, 120000
 STD = 0.02
+PROFILE_DECODE = False
+# build: (Distil?, expert format, dense-linear format, whole-request denoise steps (0: not chained))
+BUILDS = {
+    "mxfp4-distil": (True, "mxfp4", "mxfp8", 8),     # AutoRound MXFP4-mixed Instruct-Distil
+    "mxfp8-distil": (True, "mxfp8", "mxfp8", 8),     # AutoRound / compressed-tensors MXFP8 Distil
+    "nvfp4-distil": (True, "nvfp4", "fp8", 8),       # ModelOpt mixed: FP8 dense, NVFP4 experts
+    "fp8-instruct": (False, "fp8", "fp8", 0),        # online --quantize fp8 of the BF16 Instruct
+}
 FP8_MAX = 448.0
 
 
@@ -210,6 +219,10 @@ def measure(name: str, cfg: ModelConfig, resident, cot: int, distil: bool, whole
         times = req.decode(64)
         row["ms_per_token"] = sorted(times[4:])[len(times[4:]) // 2]
         row["graph"] = req.step.graph is not None
+        if PROFILE_DECODE and cuda:
+            seed_tables.profile(lambda: req.step.graph.replay(), f"{name} decode step (graph replay)", rows=32)
+            seed_tables.profile(lambda: req.step._forward(req.cache.max_len, masked=True),
+                                f"{name} decode step (eager: the graph's kernels)", rows=32)
         row["step_ms"] = req.step_ms(graph=False)
         row["step_ms_graph"] = req.step_ms(graph=True) if STEP_GRAPH else float("nan")
         z = req.noise()
@@ -251,9 +264,11 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny config, tiny workloads: checks the script")
     ap.add_argument("--tiny", action="store_true", help="the tiny config and workloads on the GPU (debugging)")
     ap.add_argument("--no-step-graph", action="store_true", help="denoise steps eagerly")
+    ap.add_argument("--profile-decode", action="store_true", help="kernel tables of one decode step")
     args = ap.parse_args()
-    global STEP_GRAPH
+    global STEP_GRAPH, PROFILE_DECODE
     STEP_GRAPH = not args.no_step_graph
+    PROFILE_DECODE = args.profile_decode
     base = json.loads(Path(args.config).read_text())
     if args.smoke or args.tiny:
         global DEV, PREFILL, SIDE, VOCAB
@@ -265,14 +280,11 @@ def main() -> None:
         base = tiny_config(512, distil=False)
     rows, speed = [], {}
     for b in filter(None, args.builds.split(",")):
-        if b == "mxfp4-distil":
-            cfg = ModelConfig.from_dict(dict(base, cfg_distilled=True, use_meanflow=True))
-            rows.append(measure(b, cfg, resident_formats(cfg, "mxfp4", "mxfp8"), args.cot, True, 8))
-        elif b == "fp8-instruct":
-            cfg = ModelConfig.from_dict(base)
-            rows.append(measure(b, cfg, resident_formats(cfg, "fp8", "fp8"), args.cot, False, 0))
-        else:
-            raise SystemExit(f"unknown build {b!r} (mxfp4-distil, fp8-instruct)")
+        if b not in BUILDS:
+            raise SystemExit(f"unknown build {b!r} ({', '.join(BUILDS)})")
+        distil, experts, dense, whole = BUILDS[b]
+        cfg = ModelConfig.from_dict(dict(base, cfg_distilled=True, use_meanflow=True) if distil else base)
+        rows.append(measure(b, cfg, resident_formats(cfg, experts, dense), args.cot, distil, whole))
     if args.fp8_speedup:
         speed = fp8_speedup(ModelConfig.from_dict(base))
     if os.environ.get("OUT"):
