@@ -9,8 +9,12 @@ length - T + t and sees keys j <= its own index (causal within the last T keys; 
 step). GQA: query head h reads KV head h // (Hq / Hkv). Scale 1/sqrt(D), softmax and accumulation in
 fp32, the result in q's dtype. Requires length >= T (every query sees at least one key).
 
-The Triton backend is split-KV flash-decoding: programs (B * Hkv, cdiv(L, CHUNK)) each take the G
-query heads of one KV head (G * T rows, padded to 16 for tl.dot) over one CHUNK of keys, stopping at
+The reference is SDPA: on the CPU over the valid slice (a host read of `length`), on a GPU over the
+whole cache under a mask made on the device (graph-safe; the fallback for shapes the kernels do not
+take, such as the test models' head_dim 8 and 32).
+
+The Triton backend is split-KV flash-decoding: programs (B * Hkv, cdiv(L, CHUNK)) each take the G query
+heads of one KV head (G * T rows, padded to 16 for tl.dot) over one CHUNK of keys, stopping at
 `length`; programs whose chunk starts at or past `length` exit at once. A second kernel combines the
 live chunks of each query row in chunk order (deterministic, no atomics). The grid depends on L only,
 never on `length`, and nothing is read back to the host.
@@ -34,23 +38,39 @@ MAX_T = 8         # queries per call (the decode step has 1)
 MIN_ROWS = 16     # tl.dot's smallest M: the G * T query rows of a KV head are padded to it
 
 
-def _causal_mask(T: int, n: int, device) -> torch.Tensor | None:
-    """[T, n] bool: query t (at index n - T + t) sees keys j <= n - T + t; None for T == 1."""
-    if T == 1:
+def _causal_mask(T: int, n: int, length, device) -> torch.Tensor | None:
+    """[T, n] bool over keys [0, n): query t (at index length - T + t) sees keys j <= length - T + t.
+    `length` an int or a device tensor (no host read); None where every key is visible."""
+    if T == 1 and isinstance(length, int):
         return None
     keys = torch.arange(n, device=device)
-    return keys[None, :] <= (n - T + torch.arange(T, device=device))[:, None]
+    return keys[None, :] <= (length - T + torch.arange(T, device=device))[:, None]
 
 
 @reference("decode_attention")
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          length: torch.Tensor) -> torch.Tensor:
-    """SDPA on the valid slice (reads `length` on the host: the CPU path)."""
-    n = min(int(length.reshape(-1)[0]), k_cache.shape[2])
-    k, v = k_cache[:, :, :n], v_cache[:, :, :n]
-    g = q.shape[1] // k_cache.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(q.shape[2], n, q.device),
-                                          enable_gqa=g > 1)
+    """SDPA. On the CPU over the valid slice (`length` read on the host); on other devices over the
+    whole static cache under a mask built on the device (no host read, so a graph can capture it: the
+    CUDA fallback where the Triton kernels do not fit, e.g. fp32 or head_dim < 64)."""
+    L = k_cache.shape[2]
+    T = q.shape[2]
+    gqa = q.shape[1] // k_cache.shape[1] > 1
+    if q.device.type == "cpu":
+        n = min(int(length.reshape(-1)[0]), L)
+        return F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n],
+                                              attn_mask=_causal_mask(T, n, n, q.device), enable_gqa=gqa)
+    return masked_whole_cache(q, k_cache, v_cache, length)
+
+
+def masked_whole_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       length: torch.Tensor) -> torch.Tensor:
+    """SDPA over the whole static cache, keys past `length` masked on the device (the decode step's
+    attention before this op; the reference off the CPU)."""
+    L = k_cache.shape[2]
+    n = length.reshape(-1)[:1].clamp(max=L)
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=_causal_mask(q.shape[2], L, n, q.device),
+                                          enable_gqa=q.shape[1] // k_cache.shape[1] > 1)
 
 
 if HAS_TRITON:
