@@ -125,7 +125,7 @@ def time_shape(Hq: int, Hkv: int, L: int, dt: torch.dtype, device: str, layers: 
                         GBs=floor_bytes / us / 1e3, floor=floor_bytes / us / 1e3 / FLOOR_GBS)
         for name, make in (("triton", op), ("sdpa_masked_whole", masked), ("sdpa_slice", sliced)):
             rows.append(row(name, bench_time(make(0)), graph_time(make, layers)))
-        for chunk in (64, 256, 512):            # the split size (the module's CHUNK is the default)
+        for chunk in (32, 128, 256):            # the split size (the module's CHUNK is the default)
             rows.append(row(f"triton chunk {chunk}",
                             bench_time(lambda c=chunk: da.launch(q, ks[0], vs[0], length, chunk=c)), float("nan")))
     return rows

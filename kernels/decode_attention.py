@@ -32,7 +32,11 @@ from ._triton import HAS_TRITON, INTERPRET, available, next_pow2, tl, triton
 from ._triton import dot as _dot  # noqa: F401  (used inside the kernels)
 from .registry import backend, reference
 
-CHUNK = 128       # keys per split program: at L 2000-8000 and Hkv 8, 128-512 programs for 132 SMs
+# keys per split program. Small, so that a short valid prefix still fills the 132 SMs (length 1251 at
+# Hkv 8: 160 programs; the chunks past `length` exit at once) while the fp32 partials stay small next
+# to K and V (G * D * 4 bytes per chunk and query head vs 2 * CHUNK * D * 2). bench/bench_decode_attention.py
+# sweeps it.
+CHUNK = 64
 BLOCK_N = 64      # keys per tile inside a chunk
 MAX_T = 8         # queries per call (the decode step has 1)
 MIN_ROWS = 16     # tl.dot's smallest M: the G * T query rows of a KV head are padded to it

@@ -239,6 +239,20 @@ def test_gpu_gqa_and_causal_queries(dt, G, T):
         check(kernels.call("decode_attention", q, k, v, torch.tensor([n], device="cuda")), q, k, v, n)
 
 
+def _capture(fn):
+    """fn() warmed up on a side stream (compiles outside the capture), then captured: (graph, output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_graph_replay_at_a_new_length():
@@ -247,15 +261,7 @@ def test_gpu_graph_replay_at_a_new_length():
     assert kernels.chosen("decode_attention", "cuda", dt) == "triton"
     q, k, v = inputs(1, 8, 4, 1, 128, 2017, dt, "cuda", seed=5)
     length = torch.tensor([300], device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            kernels.call("decode_attention", q, k, v, length)     # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = kernels.call("decode_attention", q, k, v, length)
+    graph, out = _capture(lambda: kernels.call("decode_attention", q, k, v, length))
     for n in (1251, 1, 2017, 300):
         length.fill_(n)
         graph.replay()
@@ -272,10 +278,7 @@ def test_gpu_fallback_captures_too():
     for dt, D in ((torch.bfloat16, 32), (torch.float32, 128)):
         q, k, v = inputs(1, 2, 4, 1, D, 100, dt, "cuda", seed=D)
         length = torch.tensor([40], device="cuda")
-        kernels.call("decode_attention", q, k, v, length)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = kernels.call("decode_attention", q, k, v, length)
+        graph, out = _capture(lambda: kernels.call("decode_attention", q, k, v, length))
         length.fill_(77)
         graph.replay()
         torch.cuda.synchronize()
