@@ -113,6 +113,42 @@ def test_static_decode_step_through_the_op_equals_sliced(tiny, monkeypatch):
     assert lengths == [L + s + 1 for s in range(len(words)) for _ in range(c.num_layers)]
 
 
+def _attention_decode(device, dtype, heads, kv, D, L, n, seed=0):
+    """One engine `Attention` layer decoding the token at index n - 1 over a cache whose first n - 1
+    slots are filled: (the device-length batch's output, the sliced batch's output, the op's backend)."""
+    from engine.model.attention import Attention, AttnBatch, KVCache
+    from engine.model.layers import rope_angles
+    from engine.parallel.layout import PhaseView
+    g = torch.Generator(device).manual_seed(seed)
+    H = 256
+    attn = Attention(H, heads, kv, D, 1e-5, micros=1, storage_size=1, dtype=dtype, device=device)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, device=device) * 0.1 + (1 if p.dim() == 1 else 0))
+    x = torch.randn(1, 1, H, generator=g, device=device).to(dtype)
+    index = torch.tensor([n - 1], device=device)
+    cos, sin = rope_angles(torch.stack([index, index], 1), D, 10000.0)
+    outs = []
+    for dev_len in (True, False):
+        cache = KVCache.allocate(1, 1, kv, L, D, dtype, device)
+        torch.manual_seed(seed)
+        cache.k[0][:, :, :n - 1] = torch.randn(1, kv, n - 1, D).to(device, dtype)
+        cache.v[0][:, :, :n - 1] = torch.randn(1, kv, n - 1, D).to(device, dtype)
+        cache.k[0][:, :, n:] = 1e4              # stale slots past the token: must not count
+        batch = (AttnBatch(index, cos, sin, L, None, kv_len_dev=torch.tensor([n], device=device)) if dev_len
+                 else AttnBatch(index, cos, sin, n, None))
+        with torch.no_grad():
+            outs.append(attn(x, batch, cache, 0, PhaseView()))
+    return outs[0], outs[1], kernels.chosen("decode_attention", device, dtype)
+
+
+def test_attention_with_a_device_length_equals_sliced():
+    for n in (1, 9, 30):
+        fast, sliced, impl = _attention_decode("cpu", torch.float32, 8, 2, 16, 32, n)
+        assert impl == "torch"
+        torch.testing.assert_close(fast, sliced, rtol=1e-5, atol=1e-5)
+
+
 # ---- Triton interpreter (CPU) -----------------------------------------------------------------------
 
 def test_triton_interpreter_suite():
@@ -284,3 +320,17 @@ def test_gpu_fallback_captures_too():
         torch.cuda.synchronize()
         tol = 2e-2 if dt == torch.bfloat16 else 1e-4
         torch.testing.assert_close(out.double(), naive(q, k, v, 77), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("heads,kv", [(32, 8), (8, 2)])
+def test_gpu_engine_attention_through_the_op(heads, kv):
+    """The engine's attention layer at the real head shape decodes through the Triton op and equals the
+    sliced SDPA step."""
+    for n in (1, 1251, 2017):
+        fast, sliced, impl = _attention_decode("cuda", torch.bfloat16, heads, kv, 128, 2017, n, seed=n)
+        assert impl == "triton"
+        assert torch.isfinite(fast).all()
+        rel = ((fast.float() - sliced.float()).norm() / sliced.float().norm()).item()
+        assert rel < 1e-2, rel          # bf16 rounding of two attention orders, through o_proj
