@@ -78,7 +78,9 @@ def masked_whole_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 if HAS_TRITON:
-    @triton.jit
+    # L and the split count change with the cache size only; compiling a variant per divisibility of
+    # theirs buys nothing (they index rows, never set an alignment)
+    @triton.jit(do_not_specialize=["KV", "L", "n_splits"])
     def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, KV, L, n_splits, qk_scale,
                       stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kl,
                       stride_vb, stride_vh, stride_vl,
@@ -126,7 +128,7 @@ if HAS_TRITON:
             tl.store(l_ptr + part, l_i, mask=live)
             tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], acc, mask=live[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["KV", "L", "n_splits"])
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, out_ptr, KV, L, n_splits,
                         G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                         BLOCK_S: tl.constexpr):
