@@ -6,6 +6,7 @@ This package imports nothing of `engine`.
 """
 from .registry import allowed, call, chosen, ops  # noqa: F401
 from . import conv  # noqa: F401,E402  conv3d_same (the VAE's 3D convs as 2D convs over frames)
+from . import decode_attention  # noqa: F401,E402  decode_attention (GQA over a static cache's prefix)
 from . import group_norm  # noqa: F401,E402  group_norm_swish
 from . import moe  # noqa: F401,E402  moe (routed + shared MoE, deterministic fp32 finalize)
 from . import moe_quant  # noqa: F401,E402  moe_quant (the moe op over quantized experts)

@@ -76,6 +76,10 @@ class AttnBatch:
     masked_rows: when set, only the first `masked_rows` query rows need the mask and every later row sees
       all kv_len keys (a denoise step: the meta tokens are causal, the image tokens see everything
       before the image's end); those rows run unmasked, on the fastest attention kernel.
+    kv_len_dev: when set (a CUDA decode step, no sequence parallelism), a device int64 tensor [1] holding
+      the number of valid keys; attention reads only keys [0, kv_len_dev) through the `decode_attention`
+      op, the queries being the last T of them (causal among themselves), and `kv_len` is only the
+      cache's static bound. No host read of it, so one captured graph serves every position.
     """
     index: torch.Tensor
     cos: torch.Tensor
@@ -84,6 +88,7 @@ class AttnBatch:
     mask: torch.Tensor | None
     gathered: torch.Tensor | None = None
     masked_rows: int | None = None
+    kv_len_dev: torch.Tensor | None = None
 
 
 def attention_mask(index: torch.Tensor, blocks: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -148,9 +153,15 @@ class Attention(nn.Module):
             else:
                 # KV all-gather: local queries, the whole sequence's keys and values (cache replicated over SP)
                 cache.write(layer, batch.gathered, sp.all_gather(k, dim=2), sp.all_gather(v, dim=2))
+        m = batch.masked_rows
+        if batch.kv_len_dev is not None:
+            # the valid prefix of the static cache, its length on the device (a graph-captured decode step)
+            if sp.size > 1 or m is not None or batch.mask is not None:
+                raise ValueError("a device KV length is for an unmasked step without sequence parallelism")
+            out = kernels.call("decode_attention", q, cache.k[layer], cache.v[layer], batch.kv_len_dev)
+            return linear(out.transpose(1, 2).reshape(B, T, kv * g * D), micro_cols(self.o_proj, view, self.micros))
         keys = cache.k[layer][:, :, :batch.kv_len]
         values = cache.v[layer][:, :, :batch.kv_len]
-        m = batch.masked_rows
         if m is None:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=g > 1)
         else:      # unmasked rows on the flash path, the few causal rows with their mask

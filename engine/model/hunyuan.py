@@ -43,27 +43,31 @@ class HunyuanImage3(nn.Module):
 
     def attn_batch(self, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor, kv_len: int,
                    view: PhaseView, masked: bool = True, gathered: torch.Tensor | None = None,
-                   masked_rows: int | None = None) -> AttnBatch:
+                   masked_rows: int | None = None, kv_len_dev: torch.Tensor | None = None) -> AttnBatch:
         """RoPE tables and mask for the tokens at sequence indices `index` [T] (see `backbone`).
-        `masked_rows`: only that many leading query rows need the mask (see AttnBatch)."""
+        `masked_rows`: only that many leading query rows need the mask; `kv_len_dev`: the number of valid
+        keys as a device tensor, `kv_len` then the static bound (see AttnBatch)."""
         cos, sin = rope_angles(pos.index_select(0, index), self.cfg.head_dim, self.cfg.rope_theta)
         rows = gathered if gathered is not None and view.sp_kind == "ulysses" else index
         if masked_rows is not None:
             rows = rows[:masked_rows]
         mask = attention_mask(rows, blocks, kv_len) if masked else None
-        return AttnBatch(index, cos, sin, kv_len, mask, gathered, masked_rows)
+        return AttnBatch(index, cos, sin, kv_len, mask, gathered, masked_rows, kv_len_dev)
 
     def backbone(self, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor,
                  cache: KVCache, kv_len: int, view: PhaseView, masked: bool = True,
-                 gathered: torch.Tensor | None = None, batch: AttnBatch | None = None) -> torch.Tensor:
+                 gathered: torch.Tensor | None = None, batch: AttnBatch | None = None,
+                 kv_len_dev: torch.Tensor | None = None) -> torch.Tensor:
         """Run the layers on embeddings x [B, T, H] of the tokens at sequence indices `index` [T].
 
         pos [>=kv_len, 2] and blocks [>=kv_len] describe the whole sequence; keys [0, kv_len) of the cache
         are attended to. `masked=False` when every query may see every key (a decode step). Under sequence
         parallelism x holds this rank's tokens and `gathered` [S] the indices of every rank's tokens.
         A `batch` prepared once by `attn_batch` (the same tokens at every denoise step) skips rebuilding it.
+        `kv_len_dev` (a device tensor [1], with masked=False): the number of valid keys, read on the device
+        (a CUDA-graph decode step); kv_len is then the cache's static bound.
         """
-        batch = batch or self.attn_batch(index, pos, blocks, kv_len, view, masked, gathered)
+        batch = batch or self.attn_batch(index, pos, blocks, kv_len, view, masked, gathered, kv_len_dev=kv_len_dev)
         return self.transformer(x, batch, cache, view)
 
     def vae_autocast(self) -> contextlib.AbstractContextManager:
