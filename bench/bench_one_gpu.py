@@ -219,9 +219,22 @@ def measure(name: str, cfg: ModelConfig, resident, cot: int, distil: bool, whole
         times = req.decode(64)
         row["ms_per_token"] = sorted(times[4:])[len(times[4:]) // 2]
         row["graph"] = req.step.graph is not None
-        if PROFILE_DECODE and cuda:
+        if PROFILE_DECODE and cuda:       # where a token's time goes: the graph vs sampling + the host read
+            split = {"graph": [], "sample": []}
+            for s in range(16):
+                sync()
+                t0 = time.perf_counter()
+                logits = req.step(s % 100, PREFILL + 64 + s)
+                sync()
+                t1 = time.perf_counter()
+                int(kernels.call("sample", logits, 0.6, 1024, 0.95, req.gen, False, None))
+                split["graph"].append((t1 - t0) * 1e3)
+                split["sample"].append((time.perf_counter() - t1) * 1e3)
+            row |= {f"split_{k}_ms": sorted(v)[len(v) // 2] for k, v in split.items()}
+            print(f"{name}: one token = step {row['split_graph_ms']:.3f} ms (graph replay + the slot copy) + "
+                  f"sample and the host read {row['split_sample_ms']:.3f} ms", flush=True)
             seed_tables.profile(lambda: req.step.graph.replay(), f"{name} decode step (graph replay)", rows=32)
-            seed_tables.profile(lambda: req.step._forward(req.cache.max_len, masked=True),
+            seed_tables.profile(lambda: req.step._static_forward(),
                                 f"{name} decode step (eager: the graph's kernels)", rows=32)
         row["step_ms"] = req.step_ms(graph=False)
         row["step_ms_graph"] = req.step_ms(graph=True) if STEP_GRAPH else float("nan")

@@ -171,8 +171,6 @@ def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
     n, h = x.shape
     mc = micro_count
     dev = x.device
-    w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
-    s = active.shape[0]
     inter = w2.shape[-1]
     fq = qt.quantize_rows(x, fake=True) if "fp8" in (w1.fmt, getattr(shared_w1, "fmt", None)) else None
     preps: dict[str, torch.Tensor] = {}
@@ -183,7 +181,7 @@ def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
             preps[key] = qg.prep(fq if fmt == "fp8" else x, fmt) if qg.PREP_X else (fq if fmt == "fp8" else x)
         return preps[key]
 
-    def mlp(fmt_up, fmt_down, wa: QWeight, wb: QWeight, slots, width, act_active, y, micro_cols):
+    def mlp(fmt_up, fmt_down, wa: QWeight, wb: QWeight, ids, slots, width, act_active, y, micro_cols):
         ph = qg.act_ph(fmt_down)
         act = _empty(mc, slots, n, width, dtype=torch.float32 if ph else x.dtype, device=dev)
         qg.decode_up(x_in(fmt_up), ids, act_active, fmt_up, wa.codes, wa.scales, wa.gscale, wa.inverse, act, slots,
@@ -193,21 +191,48 @@ def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
         qg.decode_down(act, ids, act_active, fmt_down, wb.codes, wb.scales, wb.gscale, wb.inverse, y, slots, width,
                        micro_cols=micro_cols, act_prepared=bool(ph))
 
-    y = _empty(n * topk, h, dtype=torch.float32, device=dev)
-    mlp(w1.fmt, w2.fmt, w1[micro_start:micro_start + mc], w2[micro_start:micro_start + mc], s, inter, active, y,
-        False)
-    ys = None
-    if shared_w1 is not None:
-        is_micro = shared_w1.shape[1] // 2
-        ys = _empty(n, h, dtype=torch.float32, device=dev)
-        if isinstance(shared_w1, QWeight):
+    # A quantized shared MLP does not depend on the routing: it runs on a side stream (inside a captured
+    # decode graph: a parallel branch) while the main stream routes and runs the routed experts, so the
+    # small routing kernels and each GEMV's tail overlap the other's weight reads. Its output `ys` is made
+    # on the main stream before the fork and read after the join. (Its GEMVs read no routing: `ids` there
+    # only gives the top-k width.)
+    ys = _empty(n, h, dtype=torch.float32, device=dev) if shared_w1 is not None else None
+    is_micro = shared_w1.shape[1] // 2 if shared_w1 is not None else 0
+    side = _side_stream(dev) if isinstance(shared_w1, QWeight) and dev.type == "cuda" else None
+    if side is not None:
+        for f in (shared_w1.fmt, w1.fmt):         # both branches' inputs made here, before the fork
+            x_in(f)
+        main = torch.cuda.current_stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
             mlp(shared_w1.fmt, shared_w2.fmt, shared_w1[micro_start:micro_start + mc],
-                shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro), 1, is_micro, None, ys, True)
-        else:                                     # a float shared MLP: the bf16 decode kernels
-            act_s = _empty(mc, 1, 16, is_micro, dtype=x.dtype, device=dev)
-            tk.decode_up(x, ids, None, None, shared_w1[micro_start:micro_start + mc], act_s, 1, is_micro)
-            tk.decode_down(act_s, ids, None, None, shared_w2[:, micro_start * is_micro:], None, ys, 1, is_micro)
+                shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro),
+                _empty(n, topk, dtype=torch.int32, device=dev), 1, is_micro, None, ys, True)
+    w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
+    y = _empty(n * topk, h, dtype=torch.float32, device=dev)
+    mlp(w1.fmt, w2.fmt, w1[micro_start:micro_start + mc], w2[micro_start:micro_start + mc], ids, active.shape[0],
+        inter, active, y, False)
+    if side is not None:
+        main.wait_stream(side)
+    elif isinstance(shared_w1, QWeight):          # (no side stream off CUDA: the interpreter's tests)
+        mlp(shared_w1.fmt, shared_w2.fmt, shared_w1[micro_start:micro_start + mc],
+            shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro), ids, 1, is_micro, None, ys, True)
+    elif shared_w1 is not None:                   # a float shared MLP: the bf16 decode kernels
+        act_s = _empty(mc, 1, 16, is_micro, dtype=x.dtype, device=dev)
+        tk.decode_up(x, ids, None, None, shared_w1[micro_start:micro_start + mc], act_s, 1, is_micro)
+        tk.decode_down(act_s, ids, None, None, shared_w2[:, micro_start * is_micro:], None, ys, 1, is_micro)
     return tk.finalize([y], None, w, ys, out)
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(dev: torch.device) -> torch.cuda.Stream:
+    """One side stream per device, made once (a graph capture records its work as a parallel branch)."""
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SIDE:
+        _SIDE[i] = torch.cuda.Stream(device=i)
+    return _SIDE[i]
 
 
 def _decode_tile(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
@@ -218,9 +243,9 @@ def _decode_tile(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
     n, h = x.shape
     mc = micro_count
     dev = x.device
-    bn = 16                                           # token rows of one decode tile (tl.dot's minimum)
     w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
     s = active.shape[0]
+    bn = 16                                           # token rows of one decode tile (tl.dot's minimum)
     inter = w2.shape[-1]
     fq = qt.quantize_rows(x, fake=True) if "fp8" in (w1.fmt, getattr(shared_w1, "fmt", None)) else None
     w1a, w2a = w1[micro_start:micro_start + mc], w2[micro_start:micro_start + mc]
