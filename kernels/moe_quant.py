@@ -176,7 +176,7 @@ def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
     preps: dict[str, torch.Tensor] = {}
 
     def x_in(fmt: str) -> torch.Tensor:          # the up GEMV's activations of `fmt`, prepared once
-        key = ("fq" if fmt == "fp8" else "x") + str(qg.PH[fmt])
+        key = _x_key(fmt)
         if key not in preps:
             preps[key] = qg.prep(fq if fmt == "fp8" else x, fmt) if qg.PREP_X else (fq if fmt == "fp8" else x)
         return preps[key]
@@ -200,8 +200,8 @@ def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
     is_micro = shared_w1.shape[1] // 2 if shared_w1 is not None else 0
     side = _side_stream(dev) if isinstance(shared_w1, QWeight) and dev.type == "cuda" else None
     if side is not None:
-        for f in (shared_w1.fmt, w1.fmt):         # both branches' inputs made here, before the fork
-            x_in(f)
+        if _x_key(shared_w1.fmt) == _x_key(w1.fmt):   # one prepared input for both branches: made before the fork
+            x_in(w1.fmt)
         main = torch.cuda.current_stream(dev)
         side.wait_stream(main)
         with torch.cuda.stream(side):
@@ -222,6 +222,12 @@ def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
         tk.decode_up(x, ids, None, None, shared_w1[micro_start:micro_start + mc], act_s, 1, is_micro)
         tk.decode_down(act_s, ids, None, None, shared_w2[:, micro_start * is_micro:], None, ys, 1, is_micro)
     return tk.finalize([y], None, w, ys, out)
+
+
+def _x_key(fmt: str) -> str:
+    """Which prepared input an up GEMV of `fmt` reads (formats of one code-word width share it)."""
+    from . import quant_gemv as qg
+    return ("fq" if fmt == "fp8" else "x") + str(qg.PH[fmt])
 
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
