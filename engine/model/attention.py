@@ -69,7 +69,8 @@ class AttnBatch:
     index: [T] sequence (= cache) indices of this rank's tokens.
     cos, sin: [T, head_dim] fp32 RoPE tables for those tokens.
     kv_len: keys [0, kv_len) of the cache are attended to.
-    mask: [Q, kv_len] bool (True = attend) or None when every query sees every key; Q = T, or S for
+    mask: [Q, kv_len] bool (True = attend) or None when every query sees every key (on CUDA the same
+      mask in additive form, 0 / -inf in the compute dtype, made once for all layers); Q = T, or S for
       Ulysses, whose attention runs on the whole sequence for a slice of the heads. With `masked_rows`
       it holds only those leading rows.
     gathered: [S] indices of the tokens of all sequence-parallel ranks, in SP rank order (SP only).

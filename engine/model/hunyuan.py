@@ -52,6 +52,10 @@ class HunyuanImage3(nn.Module):
         if masked_rows is not None:
             rows = rows[:masked_rows]
         mask = attention_mask(rows, blocks, kv_len) if masked else None
+        if mask is not None and mask.device.type == "cuda":
+            # SDPA turns a bool mask into an additive one at every call (three kernels and ~80 us of host
+            # time a layer: the prefill is host-bound); made once here for all layers, same values
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return AttnBatch(index, cos, sin, kv_len, mask, gathered, masked_rows, kv_len_dev)
 
     def backbone(self, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor,
