@@ -165,15 +165,22 @@ class Attention(nn.Module):
         values = cache.v[layer][:, :, :batch.kv_len]
         if m is None:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=g > 1)
-        else:      # unmasked rows on the flash path, the few causal rows with their mask
-            out = F.scaled_dot_product_attention(q[:, :, m:], keys, values, enable_gqa=g > 1)
+        else:
+            # every row unmasked on the flash path, then the m causal rows again with their mask, written
+            # over the first m rows: no slice of q and no concatenated copy of the whole output
+            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=g > 1)
             if m:
                 head = F.scaled_dot_product_attention(q[:, :, :m], keys, values, attn_mask=batch.mask,
                                                       enable_gqa=g > 1)
-                out = torch.cat([head, out], dim=2)
+                if torch.is_grad_enabled():         # autograd keeps SDPA's output: never written in place
+                    out = torch.cat([head, out[:, :, m:]], dim=2)
+                else:
+                    out[:, :, :m] = head
         if sp.size > 1 and view.sp_kind == "ulysses":
-            out = _heads_to_seq(out, sp)
-        return linear(out.transpose(1, 2).reshape(B, T, kv * g * D), micro_cols(self.o_proj, view, self.micros))
+            flat = _heads_to_tokens(out, sp)
+        else:
+            flat = out.transpose(1, 2).reshape(B, T, kv * g * D)
+        return linear(flat, micro_cols(self.o_proj, view, self.micros))
 
 
 def _seq_to_heads(t: torch.Tensor, sp) -> torch.Tensor:
@@ -183,9 +190,10 @@ def _seq_to_heads(t: torch.Tensor, sp) -> torch.Tensor:
     return x.permute(1, 2, 0, 3, 4).reshape(B, h // sp.size, sp.size * T, D)
 
 
-def _heads_to_seq(t: torch.Tensor, sp) -> torch.Tensor:
-    """Inverse of `_seq_to_heads`: [B, h/sp, sp*T, D] -> [B, h, T, D]."""
+def _heads_to_tokens(t: torch.Tensor, sp) -> torch.Tensor:
+    """Inverse of `_seq_to_heads`, straight into the o_proj's input: [B, h/sp, sp*T, D] (all tokens, my
+    head chunk) -> [B, T, h*D] (my tokens, every head; one copy after the exchange)."""
     B, hc, S, D = t.shape
     T = S // sp.size
-    x = sp.all_to_all(t.reshape(B, hc, sp.size, T, D).permute(2, 0, 1, 3, 4))
-    return x.transpose(0, 1).reshape(B, sp.size * hc, T, D)
+    x = sp.all_to_all(t.reshape(B, hc, sp.size, T, D).permute(2, 0, 1, 3, 4))     # [sp, B, hc, T, D]
+    return x.permute(1, 3, 0, 2, 4).reshape(B, T, sp.size * hc * D)
