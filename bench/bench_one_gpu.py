@@ -177,14 +177,14 @@ class Request:
         return median_ms(lambda: r.velocity(1, x, t, rr, g), steps)
 
     def whole(self, steps: int) -> dict:
-        """The request end to end, timed once (the graphs captured inside it, as a real request does)."""
+        """The request end to end, timed once, as a request after the engine's first runs: the decode graph
+        replayed (the engine keeps it with its KV pool), the denoise step graph captured inside."""
         sync()
         marks = {"start": time.perf_counter()}
         self.prefill()
         sync()
         marks["prefill"] = time.perf_counter()
-        self.step.graph = None                    # captured again: once per request
-        self.decode(self.cot)
+        self.decode(self.cot)                     # the engine's decode graph: captured once, at its first request
         marks["decode"] = time.perf_counter()
         r = self.runner(graph=STEP_GRAPH)
         r.prefill()

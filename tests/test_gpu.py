@@ -135,3 +135,27 @@ def test_same_seed_same_image_twice_on_cuda(tiny_dir, which, monkeypatch):
               size="256x256")
     a, b = _run_text(lm, True, monkeypatch, **kw), _run_text(lm, True, monkeypatch, **kw)
     assert a[0] == b[0] and a[1] == b[1]
+
+
+def test_decode_graph_captured_once_for_many_requests(tiny_dir, monkeypatch):
+    """The AR decode graph lives with the pipeline's KV pool: captured at the first request, replayed by
+    the next ones (which fit the pool), and a request on the reused pool gives a fresh pipeline's bytes."""
+    from engine.runtime.decode_step import DecodeStep
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    captures = []
+    orig = DecodeStep._capture
+
+    def recording(self):
+        orig(self)
+        captures.append(self.graph is not None)
+    monkeypatch.setattr(DecodeStep, "_capture", recording)
+    p = Pipeline(lm, preview_every=0)
+    first = dict(prompt="three blue triangles on white", bot_task="think_recaption", max_new_tokens=40, steps=3,
+                 seed=2)
+    second = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=32, steps=3, seed=9)
+    outcome(list(p.run(Request(**first))))
+    got = outcome(list(p.run(Request(**second))))
+    assert captures == [True], f"the decode graph was captured {captures}, not once"
+    fresh = outcome(list(Pipeline(lm, preview_every=0).run(Request(**second))))
+    assert got[0] == fresh[0] and np.array_equal(got[1], fresh[1])
+    assert p._kv.allocations == 1

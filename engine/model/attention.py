@@ -53,6 +53,10 @@ class KVCache:
                 b[:, :, :keep] = a[:, :, :keep]
         return out
 
+    def prefix(self, length: int) -> "KVCache":
+        """A view of the first `length` positions (shares storage)."""
+        return KVCache([t[:, :, :length] for t in self.k], [t[:, :, :length] for t in self.v])
+
     def heads(self, heads: slice) -> "KVCache":
         """A view of some KV heads (the AR micro's heads and the denoise heads of one allocation)."""
         return KVCache([t[:, heads] for t in self.k], [t[:, heads] for t in self.v])

@@ -18,7 +18,6 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import KVCache
 from engine.model.loader import LoadedModel
 from engine.parallel.groups import RankGroups
 from engine.parallel.layout import Comm
@@ -28,6 +27,7 @@ from engine.runtime.denoise import DenoiseRunner, denoise
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
 from engine.runtime.handoff import cache_heads, gather_sibling_heads, reusable_prefix
 from engine.runtime.images import align_to_reference, png_bytes, to_pil
+from engine.runtime.kv_pool import KVPool
 from engine.runtime.request import Prepared, Request, RequestError, prepare, with_seed
 from engine.runtime.sequence import image_phase_sequence, text_phase_sequence
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
@@ -59,6 +59,7 @@ class Pipeline:
         # previews decode a pooled latent of at most this many tokens (cheap on a GPU, tighter on a CPU)
         self.preview_tokens = preview_tokens or (256 if lm.model.device.type == "cuda" else 64)
         self.kv_handoff = kv_handoff
+        self._kv: KVPool | None = None      # the requests' KV cache and the AR decode step (graph) over it
         f = lm.cfg.vae_downsample_factor
         self.max_image_tokens = max((b.height // f[0]) * (b.width // f[1]) for b in lm.buckets)
 
@@ -134,8 +135,9 @@ class Pipeline:
         heads = cache_heads(rt.plan, rt.rank, rt.denoise.sp.rank,
                             model.transformer.layers[0].self_attn.kv_per_micro)
         n_img = 1 if text_only else p.images_out
-        cache = KVCache.allocate(cfg.num_layers, len(branches) * n_img, heads.alloc.stop, budget + 1, cfg.head_dim,
-                                 model.dtype, dev)
+        if self._kv is None or self._kv.heads != heads.alloc.stop:
+            self._kv = KVPool(model, heads.alloc.stop, cfg.max_position_embeddings + 1)
+        cache = self._kv.take(len(branches) * n_img, budget + 1)
 
         cot_text, ratio_index, text_res = None, None, TextResult()
         if run_ar:
@@ -143,9 +145,10 @@ class Pipeline:
             max_new = min(p.max_new_tokens, budget - len(ar_seq) - self.max_image_tokens - 16)
             T = ar_seq.tensors(dev, length=cache.max_len)     # positions for every cache slot
             emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
+            step = self._kv.decode_step(heads.ar, T["pos"], T["blocks"], rt.ar, self.cuda_graph)
             for ev in generate_text(model, tok, emb, T["pos"], T["blocks"], cache.rows(slice(0, 1)).heads(heads.ar),
                                     plan, p.sampling, text_gen, max_new, rt.ar,
-                                    cancelled, agree, use_graph=self.cuda_graph):
+                                    cancelled, agree, use_graph=self.cuda_graph, step=step):
                 if isinstance(ev, TextResult):
                     text_res = ev
                 else:

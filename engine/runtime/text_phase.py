@@ -101,13 +101,14 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
                   generator: torch.Generator | None, max_new_tokens: int, view: PhaseView,
                   cancelled: Callable[[], bool] = lambda: False,
                   agree: Callable[[int, bool], tuple[int, bool]] = lambda t, c: (t, c),
-                  use_graph: bool = False) -> Iterator[Text | TextResult]:
+                  use_graph: bool = False, step: DecodeStep | None = None) -> Iterator[Text | TextResult]:
     """Yields Text events as tokens are produced, then the TextResult.
 
     prompt_embeds [1, L, H] are the embedded prompt (images already instantiated); pos/blocks describe
     the prompt plus room for max_new_tokens generated tokens; `cache` holds at least that many slots.
     `agree(token, cancel)` makes every rank continue with rank 0's token and cancel decision.
-    Single-token steps go through `DecodeStep` (a CUDA graph on GPUs with `use_graph`).
+    Single-token steps go through `DecodeStep` (a CUDA graph on GPUs with `use_graph`): `step`, one kept
+    across requests over the same storage (engine/runtime/kv_pool.py), or one made for this request.
     """
     dev = prompt_embeds.device
     L = prompt_embeds.shape[1]
@@ -119,7 +120,7 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
     tracker = SectionTracker(tok, {"think": "think", "recaption": "recaption"}.get(plan.first_task, "answer"))
     allowed_ratio = torch.tensor(tok.special.ratio, device=dev)
     done_transitions: set[int] = set()
-    step = DecodeStep(model, pos, blocks, cache, view, use_graph)
+    step = step or DecodeStep(model, pos, blocks, cache, view, use_graph)
 
     t0 = time.perf_counter()
     h = model.backbone(prompt_embeds, torch.arange(L, device=dev), pos, blocks, cache, L, view)
