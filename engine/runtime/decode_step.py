@@ -1,8 +1,9 @@
 """One decode step of the AR phase: a token at a sequence index -> next-token logits.
 
 On the CPU it attends to the cache up to the token. On CUDA the step runs over static buffers (token,
-index, length = index + 1) so that it can be captured once per request as a CUDA graph: a token then
-costs one graph replay instead of thousands of kernel launches from Python. Its attention reads only
+index, length = index + 1) so that it can be captured as a CUDA graph, once per pipeline over its KV pool
+(engine/runtime/kv_pool.py): a token then costs one graph replay instead of thousands of kernel launches
+from Python. Its attention reads only
 the valid prefix of the static cache, the `decode_attention` op taking the length from the device
 buffer (under sequence parallelism, which the AR phase does not use, it attends to the whole static
 cache under a mask instead). The eager CUDA step (graphs off, or a group that cannot be captured) runs
