@@ -213,6 +213,14 @@ def test_interp_router_and_counting_sort(interp):
     lg = tk.router_logits(xw, gw)
     assert lg.shape == (3, 3, 16)
     torch.testing.assert_close(lg.sum(0), xw.float() @ gw.T, rtol=1e-5, atol=1e-5)
+    # many tokens: the tensor-core form (bf16 x times the fp32 gate's three bf16 parts), split over H:
+    # the fp32 logits up to the summation order (a gate of one bf16 part would be ~1e-3 off)
+    xm = torch.randn(200, 2048, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    gm = torch.randn(16, 2048, generator=torch.Generator().manual_seed(5))
+    lm = tk.router_logits(xm, gm)
+    assert lm.shape[0] > 1                        # split over H
+    truth = xm.double() @ gm.double().T
+    assert ((lm.sum(0).double() - truth).abs().max() / truth.abs().max()).item() < 1e-5
 
 
 def test_interp_finalize_sums_micros_then_routes_in_fp32(interp):
