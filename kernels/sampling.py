@@ -123,8 +123,10 @@ TOPK_CHUNK = 4096           # keys per program of the digit and compact passes (
 if HAS_TRITON:
     @triton.jit
     def _key(x_ptr, offs, inside):
-        """The order-preserving uint32 key of x[offs] (0 outside, below every real key)."""
+        """The order-preserving uint32 key of x[offs] (0 outside, below every real key); -0.0 is +0.0, as
+        the float comparisons of the other kernels have it."""
         b = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.uint32, bitcast=True)
+        b = tl.where(b == 0x80000000, 0, b)
         key = tl.where((b >> 31) != 0, b ^ 0xFFFFFFFF, b | 0x80000000)
         return tl.where(inside, key, 0)
 
