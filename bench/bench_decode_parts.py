@@ -146,8 +146,8 @@ def topk_section() -> None:
     x = _topk_logits(9)["-inf padded"]
     rows = []
     for k in (1024, 4096):
-        for label, fn in ((f"torch.topk k={k}", lambda: x.topk(k)),
-                          *((f"topk_desc k={k} chunk={c}", (lambda c=c: sampling.topk_desc(x, k, chunk=c)))
+        for label, fn in ((f"torch.topk k={k}", lambda k=k: x.topk(k)),
+                          *((f"topk_desc k={k} chunk={c}", (lambda c=c, k=k: sampling.topk_desc(x, k, chunk=c)))
                             for c in (2048, 4096, 8192))):
             bench_us = do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
             try:

@@ -159,7 +159,7 @@ if HAS_TRITON:
         key = _key(x_ptr, offs, inside)
         live = inside
         if LEVEL > 0:
-            prefix, k_rem, gt = _descend(hist_ptr, P, K, LEVEL, BLOCK_P)
+            prefix, _k_rem, _gt = _descend(hist_ptr, P, K, LEVEL, BLOCK_P)
             live = inside & ((key >> (32 - 8 * LEVEL)) == prefix)
         digit = ((key >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
         h = tl.histogram(digit, 256, mask=live)
