@@ -109,8 +109,9 @@ def sample_ref(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
 # others: the sign bit set), so -inf is an ordinary small key and NaN sorts above +inf (ignored, harmless).
 # 1. digits, 4 launches of the same kernel (LEVEL 0..3): each program of a CHUNK of x writes the histogram
 #    of the LEVEL-th byte of the keys whose higher bytes equal the k-th key's (its 256 counts into
-#    hist[LEVEL, program]); it derives those higher bytes itself from the earlier levels' histograms (a
-#    few KB, redundant per program, cheaper than a launch). Integer counts, no atomics: deterministic.
+#    hist[LEVEL, program]); it derives those higher bytes itself from the earlier levels' histograms (1 KB
+#    a program a level, read redundantly by every program: cheaper than a launch). Integer counts, no
+#    atomics: deterministic.
 # 2. compact: every program derives the k-th key, the number G of keys above it and, per chunk, the
 #    count above it and tied with it (all from the histograms), so it knows where its chunk's survivors
 #    go: the keys above the k-th in id order into [0, G), the first k - G ties in id order into [G, k).
