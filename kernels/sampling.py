@@ -4,8 +4,8 @@ The distribution is the engine's `choose` (the HF warpers in order): logits / te
 top_k largest (every token tied with the k-th value too), then keep the most likely survivors whose
 accumulated probability, summed from the least likely up as `choose` does, exceeds 1 - top_p (the most
 likely token always stays), then one seeded draw. `choose` sorts all V = 133120 logits for the top-p
-step; here only the k survivors of a top-k are in order (torch.topk returns them sorted), and the top-p
-cut becomes a value `thr` and a count: kept = {x > thr} and the `n_tie` highest-id tokens with x == thr.
+step; here only the k survivors of a top-k are in order (a radix-select top-k returns them sorted), and the
+top-p cut becomes a value `thr` and a count: kept = {x > thr} and the `n_tie` highest-id tokens with x == thr.
 
 - top_k == 0 (disabled, or >= V) with top_p < 1 still needs every logit in order, so that case sorts the
   whole vocabulary: correct, only slower (the engine's default top_k is 1024).
@@ -28,6 +28,7 @@ from ._triton import HAS_TRITON, available, next_pow2, tl, triton
 from .registry import backend, reference
 
 MAX_TRITON_K = 4096        # the top-p cut runs in one block of the sorted survivors
+TOPK = "triton"            # the top-k of sample_device: "triton" (topk_desc) or "torch" (x.topk), for the bench
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -101,7 +102,125 @@ def sample_ref(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     return _draw(x.softmax(-1), generator)
 
 
-# ---- CUDA: torch.topk (the k survivors, sorted) + three small Triton kernels ---------------------------
+# ---- CUDA top-k: a radix select over order-preserving keys, then one sort of the k survivors ----------
+#
+# torch.topk(x, 1024) at V = 133120 is a dozen small kernels and a radix sort (~66 us of CUDA time). Here:
+# every fp32 maps to a uint32 key whose unsigned order is the float order (negatives: all bits flipped;
+# others: the sign bit set), so -inf is an ordinary small key and NaN sorts above +inf (ignored, harmless).
+# 1. digits, 4 launches of the same kernel (LEVEL 0..3): each program of a CHUNK of x writes the histogram
+#    of the LEVEL-th byte of the keys whose higher bytes equal the k-th key's (its 256 counts into
+#    hist[LEVEL, program]); it derives those higher bytes itself from the earlier levels' histograms (1 KB
+#    a program a level, read redundantly by every program: cheaper than a launch). Integer counts, no
+#    atomics: deterministic.
+# 2. compact: every program derives the k-th key, the number G of keys above it and, per chunk, the
+#    count above it and tied with it (all from the histograms), so it knows where its chunk's survivors
+#    go: the keys above the k-th in id order into [0, G), the first k - G ties in id order into [G, k).
+# 3. sort: one program sorts the k (key, id) pairs descending, packed as key << 32 | (2^32 - 1 - id)
+#    into uint64 (equal values in id order), and unpacks the values and ids.
+# Six launches of fixed grids; nothing reads the device or depends on the data's shape (graph-capturable).
+
+TOPK_CHUNK = 4096           # keys per program of the digit and compact passes (33 programs at V = 133120)
+
+if HAS_TRITON:
+    @triton.jit
+    def _key(x_ptr, offs, inside):
+        """The order-preserving uint32 key of x[offs] (0 outside, below every real key); -0.0 is +0.0, as
+        the float comparisons of the other kernels have it."""
+        b = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.uint32, bitcast=True)
+        b = tl.where(b == 0x80000000, 0, b)
+        key = tl.where((b >> 31) != 0, b ^ 0xFFFFFFFF, b | 0x80000000)
+        return tl.where(inside, key, 0)
+
+    @triton.jit
+    def _descend(hist_ptr, P, K, LEVEL: tl.constexpr, BLOCK_P: tl.constexpr):
+        """The k-th largest key's bytes above LEVEL from the histograms of the levels below it ->
+        (prefix, k_rem: its rank among the keys with that prefix, gt [BLOCK_P]: per chunk, the keys above
+        it already decided by those bytes)."""
+        rows = tl.arange(0, BLOCK_P)
+        bins = tl.arange(0, 256)
+        prefix = tl.full((), 0, tl.uint32)
+        k_rem = K + tl.full((), 0, tl.int32)
+        gt = tl.zeros((BLOCK_P,), dtype=tl.int32)
+        for j in tl.static_range(LEVEL):
+            h = tl.load(hist_ptr + (j * P + rows[:, None]) * 256 + bins[None, :], mask=rows[:, None] < P, other=0)
+            tot = tl.sum(h, axis=0)
+            ge = tl.cumsum(tot, axis=0, reverse=True)          # keys with this byte or a larger one
+            d = tl.max(tl.where(ge >= k_rem, bins, 0), axis=0)  # the k-th key's byte: ge[0] >= k_rem always
+            above = bins[None, :] > d
+            k_rem -= tl.sum(tl.where(bins > d, tot, 0), axis=0)
+            gt += tl.sum(tl.where(above, h, 0), axis=1)
+            prefix = (prefix << 8) | d.to(tl.uint32)
+        return prefix, k_rem, gt
+
+    @triton.jit
+    def _digit_kernel(x_ptr, hist_ptr, V, K, P, LEVEL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid * CHUNK + tl.arange(0, CHUNK)
+        inside = offs < V
+        key = _key(x_ptr, offs, inside)
+        live = inside
+        if LEVEL > 0:
+            prefix, _k_rem, _gt = _descend(hist_ptr, P, K, LEVEL, BLOCK_P)
+            live = inside & ((key >> (32 - 8 * LEVEL)) == prefix)
+        digit = ((key >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32)
+        h = tl.histogram(digit, 256, mask=live)
+        tl.store(hist_ptr + (LEVEL * P + pid) * 256 + tl.arange(0, 256), h)
+
+    @triton.jit
+    def _compact_kernel(x_ptr, hist_ptr, pack_ptr, V, K, P, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr):
+        pid = tl.program_id(0)
+        kth, n_tie, gt = _descend(hist_ptr, P, K, 4, BLOCK_P)  # n_tie: the ties at the k-th key to take
+        rows = tl.arange(0, BLOCK_P)
+        eq = tl.load(hist_ptr + (3 * P + rows) * 256 + (kth & 0xFF).to(tl.int32), mask=rows < P, other=0)
+        before = rows < pid
+        gt_before = tl.sum(tl.where(before, gt, 0), axis=0)
+        eq_before = tl.sum(tl.where(before, eq, 0), axis=0)
+        n_gt = K - n_tie
+        offs = pid * CHUNK + tl.arange(0, CHUNK)
+        inside = offs < V
+        key = _key(x_ptr, offs, inside)
+        is_gt = inside & (key > kth)
+        is_eq = inside & (key == kth)
+        pos_gt = gt_before + tl.cumsum(is_gt.to(tl.int32), axis=0) - 1
+        rank_eq = eq_before + tl.cumsum(is_eq.to(tl.int32), axis=0) - 1
+        pos = tl.where(is_gt, pos_gt, n_gt + rank_eq)
+        take = (is_gt & (pos_gt < n_gt)) | (is_eq & (rank_eq < n_tie))   # bounds hold by construction
+        packed = (key.to(tl.uint64) << 32) | (0xFFFFFFFF - offs.to(tl.uint32)).to(tl.uint64)
+        tl.store(pack_ptr + pos, packed.to(tl.int64, bitcast=True), mask=take & (pos >= 0) & (pos < K))
+
+    @triton.jit
+    def _sort_kernel(pack_ptr, vals_ptr, idx_ptr, K, BLOCK_K: tl.constexpr):
+        d = tl.arange(0, BLOCK_K)
+        live = d < K
+        packed = tl.load(pack_ptr + d, mask=live, other=0).to(tl.uint64, bitcast=True)   # stored as int64
+        packed = tl.sort(packed, descending=True)
+        key = (packed >> 32).to(tl.uint32)
+        bits = tl.where((key >> 31) != 0, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF)
+        tl.store(vals_ptr + d, bits.to(tl.float32, bitcast=True), mask=live)
+        tl.store(idx_ptr + d, (0xFFFFFFFF - (packed & 0xFFFFFFFF)).to(tl.int64), mask=live)
+
+
+def topk_desc(x: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k) of x [V] fp32 (1 <= k <= min(V, MAX_TRITON_K)) by the Triton kernels -> (vals [k]
+    fp32, exactly torch.topk's values; idx [k] int64, distinct, x[idx] == vals; ties at the k-th value:
+    the lowest ids)."""
+    V = x.numel()
+    assert x.dim() == 1 and x.dtype == torch.float32 and 1 <= k <= min(V, MAX_TRITON_K) and V < 2 ** 31
+    P = triton.cdiv(V, chunk)
+    BLOCK_P = max(2, next_pow2(P))
+    hist = torch.empty((4, P, 256), dtype=torch.int32, device=x.device)
+    for level in range(4):
+        _digit_kernel[(P,)](x, hist, V, k, P, LEVEL=level, CHUNK=chunk, BLOCK_P=BLOCK_P, num_warps=8)
+    pack = torch.empty(k, dtype=torch.int64, device=x.device)     # uint64 bits (torch's uint64 is thin)
+    _compact_kernel[(P,)](x, hist, pack, V, k, P, CHUNK=chunk, BLOCK_P=BLOCK_P, num_warps=8)
+    vals = torch.empty(k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(k, dtype=torch.int64, device=x.device)
+    BLOCK_K = max(2, next_pow2(k))
+    _sort_kernel[(1,)](pack, vals, idx, k, BLOCK_K=BLOCK_K, num_warps=16 if BLOCK_K >= 2048 else 8)
+    return vals, idx
+
+
+# ---- CUDA: topk_desc (the k survivors, sorted) + three small Triton kernels ---------------------------
 #
 # 1. counts: per chunk of V, #{x >= kth} and #{x == kth} (top-p only; summed later, never atomically);
 # 2. pick: every program derives the cut (thr, n_tie) from the sorted survivors and the counts (a few
@@ -192,7 +311,7 @@ def sample_device(x: torch.Tensor, top_k: int, top_p: float, generator: torch.Ge
     V = x.numel()
     k_on, p_on = 0 < top_k < V, top_p < 1.0
     if k_on:
-        vals, idx = x.topk(top_k)
+        vals, idx = topk_desc(x, top_k) if TOPK == "triton" and top_k <= MAX_TRITON_K else x.topk(top_k)
         K = top_k
     else:
         vals, idx, K = x.max().view(1), x, 1
