@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, decodeprof, onegpu, tables, eval).
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval).
 # Each section's log goes to $OUT/<section>.log; a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -33,6 +33,12 @@ for section in "$@"; do
       run verify_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_decode_attention.py tests/test_kernels_moe.py tests/test_quant_resident.py tests/test_gpu.py
       run verify_quant 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gemv.py tests/test_kernels_quant.py -k "decode or graph"
       run bench_dattn 120 python3 bench/bench_decode_attention.py ;;
+    final)
+      run final_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_sampling_topk.py tests/test_kernels_ops.py tests/test_kernels_moe.py tests/test_gpu.py
+      run final_quant 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gemv.py tests/test_kernels_quant.py tests/test_quant_resident.py -k "decode or graph or resident"
+      run decode_parts 60 python3 bench/bench_decode_parts.py --sections topk,sample
+      run one_gpu 200 python3 bench/bench_one_gpu.py --builds mxfp4-distil,fp8-instruct,mxfp8-distil,nvfp4-distil --fp8-speedup
+      run seed_tables 120 python3 bench/bench_seed_tables.py --profile ;;
     decodeprof)
       run one_gpu_prof 300 python3 bench/bench_one_gpu.py --builds mxfp4-distil,mxfp8-distil,nvfp4-distil --profile-decode
       run grouped_layout 90 python3 bench/bench_grouped_layout.py ;;
