@@ -29,6 +29,10 @@ from .registry import backend, reference
 
 MAX_TRITON_K = 4096        # the top-p cut runs in one block of the sorted survivors
 TOPK = "triton"            # the top-k of sample_device: "triton" (topk_desc) or "torch" (x.topk), for the bench
+# topk_desc up to this k, torch.topk above: inside a decode step (the sample op queued behind the step's
+# graph, its host cost hidden) topk_desc took 45.1 us of GPU time against torch.topk's 70.7 at k = 1024,
+# but 114.9 against 74.0 at k = 4096 (bench_decode_parts.py topk, one H200, 2026-12-01)
+TOPK_TRITON_MAX_K = 1024
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -311,7 +315,7 @@ def sample_device(x: torch.Tensor, top_k: int, top_p: float, generator: torch.Ge
     V = x.numel()
     k_on, p_on = 0 < top_k < V, top_p < 1.0
     if k_on:
-        vals, idx = topk_desc(x, top_k) if TOPK == "triton" and top_k <= MAX_TRITON_K else x.topk(top_k)
+        vals, idx = topk_desc(x, top_k) if TOPK == "triton" and top_k <= TOPK_TRITON_MAX_K else x.topk(top_k)
         K = top_k
     else:
         vals, idx, K = x.max().view(1), x, 1

@@ -3,7 +3,7 @@ torch.topk. Under Triton's CPU interpreter on small shapes: the values equal tor
 ids are distinct, in range and give the values, on tie-heavy inputs (a few levels, bf16-rounded), -inf
 blocks, one value everywhere, k == V; and the whole `sample_device` on them equals `sample_ref` for the
 same generator state. Without a GPU: every variant compiles for sm_90. Marked gpu: the same at
-V = 133120 with k 1024 and 4096, the sampler using it, and a CUDA-graph replay equal to eager."""
+V = 133120 with k 1024 and 4096, and the sampler using it (up to TOPK_TRITON_MAX_K)."""
 from __future__ import annotations
 
 import pytest
@@ -197,39 +197,5 @@ def test_gpu_sample_uses_the_triton_topk_and_equals_torch_topk(monkeypatch):
                 ref = kernels.call("sample", logits, t, k, p, torch.Generator("cuda").manual_seed(seed))
                 monkeypatch.setattr(sampling, "TOPK", "triton")
                 assert int(tok) == int(ref), (name, t, k, p, seed)
-                n += 1
-    assert len(calls) == n
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_sample_graph_replay_equals_eager():
-    """sample_device on topk_desc captures in a CUDA graph; each replay draws the token an eager call
-    draws from the same generator state."""
-    graph = torch.cuda.CUDAGraph()
-    if not hasattr(graph, "register_generator_state"):
-        pytest.skip("this torch cannot register a generator with a CUDA graph")
-    logits = _inputs(V_MODEL, 7, "cuda")["-inf padded"]
-    gen = torch.Generator("cuda").manual_seed(1)
-    for t, k, p in ((0.6, 1024, 0.95), (1.0, 4096, 1.0)):
-        graph = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                kernels.call("sample", logits, t, k, p, gen)
-        torch.cuda.current_stream().wait_stream(s)
-        graph.register_generator_state(gen)
-        with torch.cuda.graph(graph):
-            tok = kernels.call("sample", logits, t, k, p, gen)
-        drawn = []
-        for _ in range(6):
-            state = gen.get_state()
-            graph.replay()
-            twin = torch.Generator("cuda")
-            twin.set_state(state)
-            eager = kernels.call("sample", logits, t, k, p, twin)
-            assert int(tok) == int(eager), (t, k, p)
-            drawn.append(int(tok))
-        assert len(set(drawn)) > 1, drawn            # new noise per replay
-        del graph
+                n += k <= sampling.TOPK_TRITON_MAX_K
+    assert len(calls) == n and n > 0
