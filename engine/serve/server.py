@@ -43,6 +43,7 @@ from engine.serve.info import ModelInfo
 from engine.serve.worker import NO_REQUEST, worker_main
 
 CANCEL_GRACE_S = 60.0       # a worker that ignores a cancel this long is considered hung and restarted
+DEATH_GRACE_S = 2.0         # an engine error of a multi-rank request waits this long for a rank's death to show
 
 @dataclass
 class _Job:
@@ -358,7 +359,8 @@ class EngineServer:
                 return
             if isinstance(ev, Error) and ev.kind == "engine" and self.world_size > 1:
                 # rank 0 failing in a collective is often the echo of another rank's death: name the cause
-                dead = [p for p in self._procs if not p.is_alive()]
+                # (the broken pipe can reach rank 0 before the dying process reads as dead: wait briefly)
+                dead = self._dead_within(DEATH_GRACE_S)
                 if dead:
                     self._on_death(dead[0])
                     return
@@ -386,6 +388,15 @@ class EngineServer:
             self._state = "ready"
         elif kind == "failed":
             self._fail(f"the engine could not load the model: {msg[1]}")
+
+    def _dead_within(self, seconds: float) -> list:
+        """The worker processes that are dead now or within `seconds` (at once if one already is)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            dead = [p for p in self._procs if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
 
     def _on_death(self, proc: Any) -> None:
         proc.join(1.0)
