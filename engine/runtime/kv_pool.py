@@ -48,12 +48,11 @@ class KVPool:
 
     def _allocate(self, rows: int, length: int) -> None:
         m, cfg = self.model, self.model.cfg
-        length = min(max(length, -(-length // GRAIN) * GRAIN), max(length, self.limit))
-        self.cache = self.steps = None                # the old storage goes before the new one is made
+        length = max(length, min(-(-length // GRAIN) * GRAIN, self.limit))   # whole grains, up to the limit
+        self.cache, self.steps = None, {}             # the old storage (and its graphs) go before the new is made
         self.cache = KVCache.allocate(cfg.num_layers, rows, self.heads, length, cfg.head_dim, m.dtype, m.device)
         self.pos = torch.zeros(length, 2, dtype=torch.long, device=m.device)
         self.blocks = torch.full((length,), -1, dtype=torch.long, device=m.device)
-        self.steps = {}
         self.allocations += 1
 
     def decode_step(self, ar_heads: slice, pos: torch.Tensor, blocks: torch.Tensor, view: PhaseView,
