@@ -208,16 +208,27 @@ def vae_vit(model: HunyuanImage3) -> dict:
     return out
 
 
-def profile(fn, label: str, rows: int = 14) -> None:
-    """The CUDA kernels of one call of `fn`, by total time (where a stage's time goes)."""
+def profile(fn, label: str, rows: int = 24) -> None:
+    """The CUDA kernels of one call of `fn`, by total time (where a stage's time goes), then the
+    operators that launched them, by the CUDA time of their own kernels (which op an elementwise
+    kernel belongs to)."""
     from torch.profiler import ProfilerActivity, profile as prof
     fn()
     torch.cuda.synchronize()
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         fn()
         torch.cuda.synchronize()
+    events = p.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    ops = [e for e in events if e.device_type != torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
     print(f"\nprofile: {label}")
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+    for title, evs, key in (("kernels", kernels, "device_time_total"), ("operators (self CUDA time)", ops,
+                                                                       "self_device_time_total")):
+        evs = sorted(evs, key=lambda e: getattr(e, key), reverse=True)[:rows]
+        total = sum(getattr(e, key) for e in (kernels if title == "kernels" else ops)) / 1e3
+        print(f"{title}: {total:.1f} ms in all")
+        for e in evs:
+            print(f"  {getattr(e, key) / 1e3:9.3f} ms {e.count:5d}x  {e.key[:90]}")
 
 
 def register_two_dispatch() -> None:

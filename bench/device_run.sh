@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval).
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep).
 # Each section's log goes to $OUT/<section>.log; a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -46,6 +46,11 @@ for section in "$@"; do
       run one_gpu 330 python3 bench/bench_one_gpu.py --fp8-speedup ;;
     eval)
       run eval_cuda 240 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 40 --n-edit 40 --device cuda --json "$OUT/eval_cuda.json" ;;
+    dattn)
+      run denoise_attention 120 python3 bench/bench_denoise_attention.py ;;
+    evalsep)   # CUDA vs CPU on the edits: the reference ops on CUDA (seed 2), the fast paths on a second sample (seed 3)
+      run eval_cuda_torch 240 env HUNYUAN_KERNELS=torch python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 10 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda_torch.json"
+      run eval_cuda_s3 200 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 20 --n-edit 200 --seed 3 --device cuda --json "$OUT/eval_cuda_s3.json" ;;
     *) echo "unknown section $section" ;;
   esac
 done

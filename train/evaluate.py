@@ -50,6 +50,7 @@ from .detect import Detection, SceneDetection, detect
 T2I_ATTRS = ("color", "shape", "count", "position")
 # The studio's names for the reasoning modes -> the engine's bot_task (webui/options.py REASONING_MODES).
 MODES = {"off": "image", "think": "think", "think_recaption": "think_recaption"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What the studio's examples for the embedded model ask for (webui/examples.py), in the checks' terms:
 # T2I prompts -> check_t2i's check; edit prompts -> (task, check_edit's check).
 EXAMPLE_T2I_CHECKS = {
@@ -239,14 +240,14 @@ def evaluate_examples(pipe: Pipeline, bot_task: str | None, seeds: int, log=prin
 def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None = 2, device: str = "cpu",
              n_edit: int | None = None, save_dir: str | Path | None = None, log=print,
              bot_task: str | None = None, example_seeds: int = 0, quantize: str | None = None,
-             resident: str = "auto") -> dict:
+             resident: str = "auto", dtype: torch.dtype | None = None) -> dict:
     """The metrics of one reasoning mode (`bot_task`; None: the checkpoint's default). `quantize`
     ("fp8"): the model quantized online at load, as `--quantize fp8` serves it; `resident` as `load`'s
     ("quantized" on the CPU: the quantized weights stay quantized and run the reference ops, so FP8 is
     W8A8 with per-token activation scales, the semantics the CUDA kernels compute)."""
     if threads:
         torch.set_num_threads(threads)
-    lm = load(model, device, quantize=quantize, resident=resident)
+    lm = load(model, device, dtype, quantize=quantize, resident=resident)
     pipe = Pipeline(lm, preview_every=0)
     tok, sp = lm.tok, lm.tok.special
     mode = bot_task or lm.gen.bot_task
@@ -398,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (the timing target is 2 cores)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="weights' and activations' dtype (default: fp32 on the CPU, bf16 on CUDA); bf16 on "
+                         "the CPU separates bf16 itself from CUDA's fast paths")
     ap.add_argument("--quantize", choices=["fp8"], default=None,
                     help="quantize the backbone at load (online FP8)")
     ap.add_argument("--resident", choices=["auto", "quantized", "dense"], default="auto",
@@ -420,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         ms.append(evaluate(args.model, args.n, args.seed, args.threads, args.device, args.n_edit, save,
                            log=(lambda *_: None) if args.quiet else print,
                            bot_task=MODES.get(mode), example_seeds=args.example_seeds, quantize=args.quantize,
-                           resident=args.resident))
+                           resident=args.resident, dtype=DTYPES.get(args.dtype)))
     cmd = "python -m train.evaluate " + " ".join(sys.argv[1:] if argv is None else argv)
     print(table(ms))
     print(f"command: {cmd}")
