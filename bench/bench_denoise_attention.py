@@ -11,6 +11,9 @@ image row unmasked. T2I: S 4098, kv_len 6102; TI2I: S 4098, kv_len 10851. The fo
              attention, exact because no image row is masked (a view in and out, no copy)
   + a backend forced (cudnn / flash / efficient) where it accepts the form
   meta       the 3 causal meta rows again under their bool mask (what a step adds per layer)
+The Ulysses layout copies around it (q of [2, 16, 2049, 128] and k/v of [2, 4, 2049, 128] from sequence
+shards to head shards, the output back) are timed as the engine writes them (a permute then reshape)
+and as a concatenation of the SP chunks (one batched copy kernel), with the GB/s they reach.
 Each form is first checked against fp32 attention (GQA by repeat) on the same inputs; times are medians
 of triton.testing.do_bench. TFLOP/s counts 4 * B * Hq * S * kv_len * D.
 """
@@ -79,6 +82,33 @@ def run(name: str, S: int, kv_len: int, device: str, dt: torch.dtype, timer, row
     rows.append(dict(case=name, form="meta (3 rows, additive)", backend="default", ms=ms, tflops=None))
 
 
+def copies(device: str, dt: torch.dtype, timer, rows: list) -> None:
+    """The exchange's layout copies at one rank's shapes (the exchange itself is a no-op here)."""
+    sp, B, T = 2, 2, 2049
+    for what, h in (("q", 16), ("k/v", 4)):
+        x = torch.randn(sp, B, h // sp, T, D, device=device).to(dt)    # what all_to_all returns
+        permute = lambda: x.permute(1, 2, 0, 3, 4).reshape(B, h // sp, sp * T, D)
+        cat = lambda: torch.cat(x.unbind(0), dim=2)
+        assert torch.equal(permute(), cat())
+        for form, fn in (("permute+reshape", permute), ("cat of chunks", cat)):
+            ms = timer(fn)
+            rows.append(dict(case="copy", form=f"{what} seq->heads {form}", backend="", ms=ms,
+                             gbs=2 * x.numel() * x.element_size() / ms / 1e6))
+    o = torch.randn(sp, B, 8, T, D, device=device).to(dt)              # out after the return exchange
+    tok = lambda: o.permute(1, 3, 0, 2, 4).reshape(B, T, sp * 8 * D)
+    ms = timer(tok)
+    rows.append(dict(case="copy", form="out heads->tokens permute", backend="", ms=ms,
+                     gbs=2 * o.numel() * o.element_size() / ms / 1e6))
+    out = torch.randn(B, 8, sp * T, D, device=device).to(dt)          # attention's output, before the exchange
+    send = lambda: out.view(B, 8, sp, T, D).permute(2, 0, 1, 3, 4).contiguous()
+    stack = lambda: torch.stack(out.split(T, dim=2))
+    assert torch.equal(send(), stack())
+    for form, fn in (("permute.contiguous", send), ("stack of chunks", stack)):
+        ms = timer(fn)
+        rows.append(dict(case="copy", form=f"out send buffer {form}", backend="", ms=ms,
+                         gbs=2 * out.numel() * out.element_size() / ms / 1e6))
+
+
 class _null:
     def __enter__(self):
         return self
@@ -97,17 +127,19 @@ def main() -> None:
             fn()
             return 1.0
         run("tiny", 64, 200, "cpu", torch.float32, timer, rows)
+        copies("cpu", torch.float32, timer, rows)
     else:
         import triton.testing
         def timer(fn):
             return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
         for name, S, kv_len in (("T2I", 4098, 6102), ("TI2I", 4098, 10851)):
             run(name, S, kv_len, "cuda", torch.bfloat16, timer, rows)
-    print(f"{'case':6} {'form':26} {'backend':9} {'ms':>8} {'TFLOP/s':>8}")
+        copies("cuda", torch.bfloat16, timer, rows)
+    print(f"{'case':6} {'form':36} {'backend':9} {'ms':>8} {'TFLOP/s or GB/s':>8}")
     for r in rows:
         ms = f"{r['ms']:8.3f}" if r["ms"] is not None else "   -    "
-        tf = f"{r['tflops']:8.0f}" if r.get("tflops") else ""
-        print(f"{r['case']:6} {r['form']:26} {r['backend']:9} {ms} {tf} {r.get('why', '')}")
+        tf = f"{r['tflops']:8.0f}" if r.get("tflops") else (f"{r['gbs']:8.0f}" if r.get("gbs") else "")
+        print(f"{r['case']:6} {r['form']:36} {r['backend']:9} {ms} {tf} {r.get('why', '')}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "denoise_attention.json"), "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep).
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep, evals4).
 # Each section's log goes to $OUT/<section>.log; a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -51,6 +51,8 @@ for section in "$@"; do
     evalsep)   # CUDA vs CPU on the edits: the reference ops on CUDA (seed 2), the fast paths on a second sample (seed 3)
       run eval_cuda_torch 240 env HUNYUAN_KERNELS=torch python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 10 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda_torch.json"
       run eval_cuda_s3 200 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 20 --n-edit 200 --seed 3 --device cuda --json "$OUT/eval_cuda_s3.json" ;;
+    evals4)    # a third sample of the edits (300), on CUDA with the fast paths
+      run eval_cuda_s4 240 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 10 --n-edit 300 --seed 4 --device cuda --json "$OUT/eval_cuda_s4.json" ;;
     *) echo "unknown section $section" ;;
   esac
 done
