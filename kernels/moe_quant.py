@@ -151,9 +151,8 @@ class _Gemm:
 def _grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
              out) -> torch.Tensor:
     from . import moe_triton as tk
-    from .moe_fast import _route
+    from .moe_fast import _empty, _route
     shared = _shared(x, shared_w1, shared_w2, micro_start, micro_count) if shared_w1 is not None else None
-    from .moe_fast import _empty
     w, inv, xs, offs = _route(x, gate, topk, norm_topk)
     inter = w1.shape[2] // 2
     gemm1 = _Gemm(xs, w1.fmt)

@@ -1,4 +1,4 @@
-"""The packed, micro-major layout of tensor-parallel weights, defined once: which slice of an official
+"""The packed per-micro layout of tensor-parallel weights, defined once: which slice of an official
 checkpoint tensor a storage shard keeps, how it is packed, and which part of it a phase uses.
 
 A dimension of size n split over the AR group (storage_size * micros logical ranks) gives each micro
