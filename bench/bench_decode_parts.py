@@ -187,7 +187,7 @@ def moe_section() -> None:
     layers = []
     for i in range(LAYERS):
         w1 = kq.random_qweight("mxfp4", (1, E, 2 * I, H), H ** -0.5, "cuda", gen)
-        w2 = kq.random_qweight("mxfp4", (1, E, H, I), I ** -0.5, "cuda", gen)
+        w2 = kq.random_qweight("mxfp4", (E, H, I), I ** -0.5, "cuda", gen)
         s1 = kq.random_qweight("mxfp8", (1, 2 * I, H), H ** -0.5, "cuda", gen)
         s2 = kq.random_qweight("mxfp8", (H, I), I ** -0.5, "cuda", gen)
         gate = torch.randn(E, H, device="cuda", generator=gen) * H ** -0.5

@@ -45,7 +45,7 @@ def weights(inter, micros, seed, layers=1):
         return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
 
     return [dict(gate=rnd(E, H, scale=H ** -0.5, dtype=torch.float32),
-                 w1=rnd(micros, E, 2 * inter, H, scale=H ** -0.5), w2=rnd(micros, E, H, inter, scale=inter ** -0.5),
+                 w1=rnd(micros, E, 2 * inter, H, scale=H ** -0.5), w2=rnd(E, H, micros * inter, scale=inter ** -0.5),
                  shared_w1=rnd(micros, 2 * inter, H, scale=H ** -0.5),
                  shared_w2=rnd(H, micros * inter, scale=inter ** -0.5)) for _ in range(layers)]
 
@@ -59,7 +59,8 @@ def op_args(x, w, ms, mc):
 
 
 def engine_today(x, gate, w1, w2, sw1, sw2, ms, mc, k, norm):
-    """engine/moe.py as of this branch: per-micro bf16 partial sums, atomic index_add_ finalize in bf16."""
+    """The engine's first MoE (the baseline): per-micro GEMMs and bf16 partial sums, atomic index_add_
+    finalize in bf16 (on today's packs: micro m's down weights are w2[:, :, m*I:(m+1)*I])."""
     w, idx = route(x, gate, k, norm)
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
@@ -68,9 +69,10 @@ def engine_today(x, gate, w1, w2, sw1, sw2, ms, mc, k, norm):
     counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)
     partial = None
+    is_inter = w1.shape[2] // 2
     for m in range(ms, ms + mc):
         y = torch._grouped_mm(swiglu_halves(torch._grouped_mm(xs, w1[m].transpose(1, 2), offs=offs)),
-                              w2[m].transpose(1, 2), offs=offs)
+                              w2[:, :, m * is_inter:(m + 1) * is_inter].transpose(1, 2), offs=offs)
         partial = y if partial is None else partial + y
     out = torch.zeros_like(x).index_add_(0, token, (partial.float() * w.reshape(-1)[order].unsqueeze(1)).to(x.dtype))
     is_m = sw1.shape[1] // 2
@@ -118,12 +120,12 @@ def denoise_case(name, rows, quick):
     order = idx.reshape(-1).argsort(stable=True)
     xs = x.index_select(0, order // K)
     offs = torch.bincount(idx.reshape(-1), minlength=E).cumsum(0).int()
-    act = torch.randn(xs.shape[0], inter, device="cuda").bfloat16()
+    act = torch.randn(xs.shape[0], mc * inter, device="cuda").bfloat16()
 
-    def gemms():
+    def gemms():                          # as the fast path: GEMM1 per micro, one GEMM2 over all of them
         for m in range(ms, ms + mc):
             torch._grouped_mm(xs, w["w1"][m].transpose(1, 2), offs=offs)
-            torch._grouped_mm(act, w["w2"][m].transpose(1, 2), offs=offs)
+        torch._grouped_mm(act, moe_fast._down_cols(w["w2"], ms, mc, inter), offs=offs)
     t["grouped GEMMs only"] = bench(gemms)
     for path, ms_ in t.items():
         f = gemm_flops if path == "grouped GEMMs only" else flops

@@ -165,11 +165,11 @@ def moe_weights(fmt, inter, micros, seed):
     if fmt == "bf16":
         def rnd(*shape, std):
             return (torch.randn(*shape, generator=gen(seed), device="cuda") * std).to(BF16)
-        return dict(w1=rnd(micros, E, 2 * inter, H, std=H ** -0.5), w2=rnd(micros, E, H, inter, std=inter ** -0.5),
+        return dict(w1=rnd(micros, E, 2 * inter, H, std=H ** -0.5), w2=rnd(E, H, micros * inter, std=inter ** -0.5),
                     shared_w1=rnd(micros, 2 * inter, H, std=H ** -0.5), shared_w2=rnd(H, micros * inter, std=inter ** -0.5))
     shared = "mxfp8" if fmt == "mxfp4" else fmt          # the MXFP4-mixed build keeps the shared MLP in MXFP8
     return dict(w1=qweight(fmt, (micros, E, 2 * inter, H), H ** -0.5, seed, 1),
-                w2=qweight(fmt, (micros, E, H, inter), inter ** -0.5, seed + 1, 1),
+                w2=qweight(fmt, (E, H, micros * inter), inter ** -0.5, seed + 1, 1),
                 shared_w1=qweight(shared, (micros, 2 * inter, H), H ** -0.5, seed + 2),
                 shared_w2=qweight(shared, (H, micros * inter), inter ** -0.5, seed + 3))
 
@@ -322,7 +322,7 @@ def decode_kernel_cases(rows, sweep):
     ok = True
     for f in ("mxfp4", "mxfp8", "nvfp4"):
         w1 = qweight(f, (1, E, 2 * inter, H), H ** -0.5, 51, 1)
-        w2 = qweight(f, (1, E, H, inter), inter ** -0.5, 52, 1)
+        w2 = qweight(f, (E, H, inter), inter ** -0.5, 52, 1)          # one micro: the whole row
         up_bytes = K * 2 * inter * H * BITS[f] / 8
         down_bytes = K * H * inter * BITS[f] / 8
         # reference: the dequantized experts of the chosen ones
@@ -330,7 +330,7 @@ def decode_kernel_cases(rows, sweep):
         d1 = w1[0].dequantize(BF16)[e]                       # [8, 2I, H]
         h = torch.einsum("h,eoh->eo", x[0].float(), d1.float())
         want_act = (h[:, :inter] * F.silu(h[:, inter:])).to(BF16)
-        d2 = w2[0].dequantize(BF16)[e]
+        d2 = w2.dequantize(BF16)[e]
         want_y = torch.einsum("ei,ehi->eh", want_act.float(), d2.float())
         act_old = torch.empty(1, s, 16, inter, dtype=BF16, device="cuda")
         y = torch.empty(K, H, dtype=torch.float32, device="cuda")

@@ -1,17 +1,20 @@
 """The `moe` op: the whole routed + shared mixture-of-experts block of one rank, on raw tensors.
 
-    moe(x [N, H], gate [E, H] fp32, w1 [micros, E, 2*I, H], w2 [micros, E, H, I],
+    moe(x [N, H], gate [E, H] fp32, w1 [micros, E, 2*I, H], w2 [E, H, micros*I],
         shared_w1 [micros, 2*Is, H] | None, shared_w2 [H, micros*Is] | None,
         micro_start, micro_count, topk, norm_topk) -> [N, H] in x.dtype
 
-The weights are the engine's resident micro-major packs (engine/moe.py); the op uses micros
+The weights are the engine's resident packs (engine/model/moe.py): gate/up micro-major, the down
+packs cols-packed (micro m of expert e = w2[e, :, m*I:(m+1)*I]); the op uses micros
 [micro_start, micro_start + micro_count): one in AR, every micro of the storage shard in denoise.
 
   router   fp32 softmax over F.linear(x.float(), gate), top-k, renormalised (clamp_min 1e-8) when
            norm_topk;
-  experts  per micro m and route (token t, expert e): y_m = swiglu(x_t @ w1[m, e]^T) @ w2[m, e]^T,
-           swiglu(h) = h[:, :I] * silu(h[:, I:]) (first half linear, second half through SiLU);
-           the micro partials are summed (fp32) BEFORE the route weight is applied;
+  experts  per route (token t, expert e): the SwiGLU activations of every active micro side by side,
+           a_m = swiglu(x_t @ w1[m, e]^T), swiglu(h) = h[:, :I] * silu(h[:, I:]) (first half linear,
+           second half through SiLU), then ONE down GEMM y = [a_ms .. a_ms+mc-1] @ w2[e, :, active
+           micro columns]^T over K = micro_count * I: the micro partials are summed in its fp32
+           accumulation, BEFORE the route weight is applied;
   finalize the k routes of each token gathered and summed in fp32 with their weights, then the
            shared MLP (same SwiGLU per micro, then @ shared_w2[:, active micro columns]^T) added,
            cast to x.dtype once. No atomics: the result is bitwise reproducible, and each token's
@@ -64,11 +67,12 @@ def shared_mlp_reference(x, shared_w1, shared_w2, micro_start: int, micro_count:
     return F.linear(act, shared_w2[:, micro_start * is_micro:(micro_start + micro_count) * is_micro])
 
 
-def routed_reference(x: torch.Tensor, gate: torch.Tensor, micros: range, topk: int, norm_topk: bool,
-                     expert_mlp: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The routed part of the op in fp32 [N, H]: routing, the rows grouped by expert, `expert_mlp(m, xs,
-    offs)` of every micro on them (GEMM1 -> SwiGLU -> GEMM2), the micro partials summed, then the
-    weighted finalize. Shared by the bf16 and the quantized references (moe_quant.py)."""
+def routed_reference(x: torch.Tensor, gate: torch.Tensor, topk: int, norm_topk: bool,
+                     expert_mlp: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The routed part of the op in fp32 [N, H]: routing, the rows grouped by expert, `expert_mlp(xs,
+    offs)` on them (the whole routed row of every active micro: GEMM1 + SwiGLU per micro, one GEMM2 over
+    all of them), then the weighted finalize. Shared by the bf16 and the quantized references
+    (moe_quant.py)."""
     n, _ = x.shape
     w, idx = route(x, gate, topk, norm_topk)
     flat = idx.reshape(-1)                                  # route r = t*k + j
@@ -78,10 +82,7 @@ def routed_reference(x: torch.Tensor, gate: torch.Tensor, micros: range, topk: i
     counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)
-    partial = None
-    for m in micros:
-        y = expert_mlp(m, xs, offs).float()
-        partial = y if partial is None else partial + y
+    partial = expert_mlp(xs, offs).float()
     # finalize: row of each route through the inverse permutation, k routes summed per token in fp32
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
     return (partial[inv.view(n, topk)] * w.unsqueeze(-1)).sum(dim=1)
@@ -92,7 +93,7 @@ def check_packs(op: str, x, gate, w1_shape, w2_shape, micro_start: int, micro_co
     `moe_quant` ops' common checks)."""
     n, h = x.shape
     micros, e, two_i, h1 = w1_shape
-    if tuple(gate.shape) != (e, h) or h1 != h or tuple(w2_shape) != (micros, e, h, two_i // 2):
+    if tuple(gate.shape) != (e, h) or h1 != h or tuple(w2_shape) != (e, h, micros * (two_i // 2)):
         raise ValueError(f"{op}: shapes x {tuple(x.shape)}, gate {tuple(gate.shape)}, w1 {tuple(w1_shape)}, "
                          f"w2 {tuple(w2_shape)} do not fit together")
     if not (0 <= micro_start and micro_count >= 1 and micro_start + micro_count <= micros):
@@ -105,11 +106,15 @@ def check_packs(op: str, x, gate, w1_shape, w2_shape, micro_start: int, micro_co
 def moe_reference(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                   shared_w1: torch.Tensor | None, shared_w2: torch.Tensor | None,
                   micro_start: int, micro_count: int, topk: int, norm_topk: bool) -> torch.Tensor:
-    def expert_mlp(m, xs, offs):
-        h = grouped_mm(xs, w1[m].transpose(1, 2), offs)
-        return grouped_mm(swiglu_halves(h), w2[m].transpose(1, 2), offs)
+    inter = w1.shape[2] // 2
 
-    out = routed_reference(x, gate, range(micro_start, micro_start + micro_count), topk, norm_topk, expert_mlp)
+    def expert_mlp(xs, offs):
+        act = torch.cat([swiglu_halves(grouped_mm(xs, w1[m].transpose(1, 2), offs))
+                         for m in range(micro_start, micro_start + micro_count)], dim=-1)
+        w2a = w2[:, :, micro_start * inter:(micro_start + micro_count) * inter]
+        return grouped_mm(act, w2a.transpose(1, 2), offs)
+
+    out = routed_reference(x, gate, topk, norm_topk, expert_mlp)
     if shared_w1 is not None:
         out = out + shared_mlp_reference(x, shared_w1, shared_w2, micro_start, micro_count).float()
     return out.to(x.dtype)

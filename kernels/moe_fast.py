@@ -2,10 +2,14 @@
 kernels of `moe_triton.py` and `torch._grouped_mm`.
 
   grouped (denoise, prefill; N > DECODE_MAX_TOKENS): one routing pass for every micro, a stable
-      counting sort on the device, per micro GEMM1 -> SwiGLU -> GEMM2 on the same permuted rows, the
-      shared MLP, then ONE finalize that sums micros and routes per token in fp32.
-  two-dispatch (ablation only, `two_dispatch=True`): routing, permutation and finalize repeated per
-      micro, each micro's output cast and added, as a naive per-micro implementation does.
+      counting sort on the device, per micro GEMM1 -> SwiGLU on the same permuted rows, each micro's
+      SwiGLU written into its column block of ONE activation buffer [R, micro_count * I], then ONE
+      grouped down GEMM over K = micro_count * I on the active micros' columns of the cols-packed
+      w2 [E, H, micros * I] (a strided view, no weight copy), the shared MLP, then ONE finalize
+      (one partial) that sums the routes per token in fp32.
+  two-dispatch (ablation only, `two_dispatch=True`): routing, permutation, both GEMMs and finalize
+      repeated per micro (GEMM2 on micro m's column block, K = I), each micro's output cast and added,
+      as a naive per-micro implementation does.
   decode (N <= DECODE_MAX_TOKENS): reads only the chosen experts' weights of the active micros;
       five launches, no host sync, no data-dependent allocation: CUDA-graph capturable.
 
@@ -92,28 +96,37 @@ def _route(x, gate, topk, norm_topk):
     return w, inv, xs, offs
 
 
-def _expert_mlp(xs, w1m, w2m, offs):
-    """One micro of every expert on the permuted rows: GEMM1 -> SwiGLU -> GEMM2, [R, H] x.dtype."""
-    hmid = torch._grouped_mm(xs, w1m.transpose(1, 2), offs=offs)
-    return torch._grouped_mm(tk.swiglu(hmid), w2m.transpose(1, 2), offs=offs)
+def _down_cols(w2: torch.Tensor, micro_start: int, micro_count: int, inter: int) -> torch.Tensor:
+    """The active micros' down weights as torch._grouped_mm's [E, K, H] operand: the column block
+    w2[:, :, ms*I:(ms+mc)*I] transposed, a view (strides (H*micros*I, 1, micros*I): the column-major
+    operand cuBLAS / CUTLASS take with its leading dimension micros*I; its start must be 16-byte
+    aligned, true when I * element size is a multiple of 16, as every real shape is)."""
+    return w2[:, :, micro_start * inter:(micro_start + micro_count) * inter].transpose(1, 2)
+
+
+def _expert_mlp(xs, w1, w2, offs, micro_start: int, micro_count: int) -> torch.Tensor:
+    """Micros [micro_start, +micro_count) of every expert on the permuted rows, [R, H] x.dtype: GEMM1 +
+    SwiGLU per micro into its column block of one activation buffer, then one GEMM2 over all of them."""
+    inter = w1.shape[2] // 2
+    act = _empty(xs.shape[0], micro_count * inter, dtype=xs.dtype, device=xs.device)
+    for i in range(micro_count):
+        hmid = torch._grouped_mm(xs, w1[micro_start + i].transpose(1, 2), offs=offs)
+        tk.swiglu(hmid, out=act[:, i * inter:(i + 1) * inter])
+    return torch._grouped_mm(act, _down_cols(w2, micro_start, micro_count, inter), offs=offs)
 
 
 def moe_grouped(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out,
                 two_dispatch: bool = False) -> torch.Tensor:
-    micros = range(micro_start, micro_start + micro_count)
     shared = shared_mlp(x, shared_w1, shared_w2, micro_start, micro_count) if shared_w1 is not None else None
     if not two_dispatch:
         w, inv, xs, offs = _route(x, gate, topk, norm_topk)
-        partials = [_expert_mlp(xs, w1[m], w2[m], offs) for m in micros]
-        for i in range(0, len(partials), 4):        # the finalize sums up to 4 micros in one pass
-            chunk = partials[i:i + 4]
-            tk.finalize(chunk, inv, w, shared if i == 0 else out, out)
-        return out
+        return tk.finalize(_expert_mlp(xs, w1, w2, offs, micro_start, micro_count), inv, w, shared, out)
     acc = shared
+    micros = range(micro_start, micro_start + micro_count)
     for m in micros:                                  # the ablation: everything again per micro
         w, inv, xs, offs = _route(x, gate, topk, norm_topk)
         res = out if m == micros[-1] else _empty(*x.shape, dtype=x.dtype, device=x.device)
-        acc = tk.finalize([_expert_mlp(xs, w1[m], w2[m], offs)], inv, w, acc, res)
+        acc = tk.finalize(_expert_mlp(xs, w1, w2, offs, m, 1), inv, w, acc, res)
     return out
 
 
@@ -122,13 +135,14 @@ def moe_grouped(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count,
 def moe_decode(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
                out) -> torch.Tensor:
     n, h = x.shape
-    inter = w2.shape[-1]
+    inter = w1.shape[2] // 2
     mc = micro_count
     dev = x.device
     w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
     s = active.shape[0]
     bn = 16                                           # token rows of one decode tile (tl.dot's minimum)
-    w1a, w2a = w1[micro_start:micro_start + mc], w2[micro_start:micro_start + mc]
+    w1a = w1[micro_start:micro_start + mc]
+    w2a = w2[:, :, micro_start * inter:]              # micro m of the active ones at column m * I
     y = _empty(n * topk, h, dtype=torch.float32, device=dev)
     ys = None
     if shared_w1 is None:
@@ -151,4 +165,4 @@ def moe_decode(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, 
             tk.decode_up(x, ids, None, None, sw1, act_s, 1, is_micro)
             tk.decode_down(act, ids, active, w2a, None, y, None, s, inter)
             tk.decode_down(act_s, ids, None, None, sw2, None, ys, 1, is_micro)
-    return tk.finalize([y], None, w, ys, out)
+    return tk.finalize(y, None, w, ys, out)

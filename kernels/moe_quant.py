@@ -1,21 +1,25 @@
 """The `moe_quant` op: the `moe` op (moe.py) over quantized experts, resident as `quant.QWeight`s.
 
-    moe_quant(x [N, H], gate [E, H] fp32, w1: QWeight [micros, E, 2*I, H], w2: QWeight [micros, E, H, I],
+    moe_quant(x [N, H], gate [E, H] fp32, w1: QWeight [micros, E, 2*I, H], w2: QWeight [E, H, micros*I],
               shared_w1, shared_w2 (QWeight or float tensors as in `moe`, or None),
               micro_start, micro_count, topk, norm_topk) -> [N, H] in x.dtype
 
-Routing, permutation, the micro partials summed before the route weight and the fp32 finalize are
-the `moe` op's (the reference shares `moe.routed_reference`; the CUDA paths reuse moe_fast.py's and
-moe_triton.py's kernels); only the GEMMs change, per weight format:
+The packs are the `moe` op's in the same packing (codes and scales along K: the down pack's micro m
+is the column block w2.cols(m*I, (m+1)*I), whole scale blocks). Routing, permutation, ONE down GEMM
+over the active micros' columns (the micro partials summed before the route weight) and the fp32
+finalize are the `moe` op's (the reference shares `moe.routed_reference`; the CUDA paths reuse
+moe_fast.py's and moe_triton.py's kernels); only the GEMMs change, per weight format:
   mxfp8 / mxfp4 / nvfp4  weight-only: the GEMM on the exactly dequantized weights (W8A16 / W4A16);
   fp8 (per output channel)  W8A8: every GEMM's input rows quantized per row to E4M3 (amax / 448)
-      first, as `quant.grouped_mm_fp8` / `quant.linear_fp8` define.
+      first, as `quant.grouped_mm_fp8` / `quant.linear_fp8` define; the down GEMM's row is the whole
+      routed row of every active micro (micro_count * I), quantized once.
 CUDA (bf16): grouped path (N > DECODE_MAX_TOKENS) on the Triton grouped GEMMs of quant_triton.py, or
-`torch._scaled_grouped_mm` for fp8 (each GEMM's rows quantized once for every micro); decode path
-reading only the chosen experts' quantized bytes, on quant_gemv.py's GEMVs (DECODE_KERNELS = "gemv") or
-quant_triton.py's tile kernels ("tile") (for fp8 the activations are quantized and dequantized per row
-first: the same numbers as W8A8 up to one bf16 rounding). Deterministic like `moe`: no atomics, fixed
-sum orders, no host sync.
+`torch._scaled_grouped_mm` for fp8 (GEMM1's rows quantized once for every micro), the down GEMM on the
+strided column block of the pack; decode path reading only the chosen experts' quantized bytes, on
+quant_gemv.py's GEMVs (DECODE_KERNELS = "gemv") or quant_triton.py's tile kernels ("tile") (for fp8
+the activations are quantized and dequantized per row first, a down row over all its micros: the same
+numbers as W8A8 up to one bf16 rounding). Deterministic like `moe`: no atomics, fixed sum orders, no
+host sync.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .moe import check_packs, routed_reference, swiglu_halves
-from .quant import QWeight, qgrouped, qlinear
+from .quant import SCALE_BLOCK, QWeight, qgrouped, qlinear
 from .registry import backend, reference
 
 Weight = torch.Tensor | QWeight
@@ -47,6 +51,16 @@ def _micro_cols(w: Weight, start: int, count: int, width: int) -> Weight:
     return w[:, start * width:(start + count) * width]
 
 
+def _expert_cols(w2: QWeight, start: int, count: int, inter: int) -> QWeight:
+    """Micros [start, start + count) of the cols-packed [E, H, micros * I] down pack: [E, H, count * I]
+    (a strided view of its codes and scales)."""
+    block = SCALE_BLOCK[w2.fmt]
+    if block and inter % block:
+        raise ValueError(f"moe_quant: I_micro {inter} is not a multiple of the {w2.fmt} scale block of {block}: "
+                         f"a micro's column block of the down pack would cut its scale blocks")
+    return w2.cols(start * inter, (start + count) * inter)
+
+
 def shared_reference(x, shared_w1: Weight, shared_w2: Weight, micro_start: int, micro_count: int) -> torch.Tensor:
     n = x.shape[0]
     is_micro = shared_w1.shape[1] // 2
@@ -59,10 +73,14 @@ def shared_reference(x, shared_w1: Weight, shared_w2: Weight, micro_start: int, 
 def moe_quant_reference(x: torch.Tensor, gate: torch.Tensor, w1: QWeight, w2: QWeight, shared_w1: Weight | None,
                         shared_w2: Weight | None, micro_start: int, micro_count: int, topk: int,
                         norm_topk: bool) -> torch.Tensor:
-    def expert_mlp(m, xs, offs):
-        return qgrouped(swiglu_halves(qgrouped(xs, w1[m], offs)), w2[m], offs)
+    inter = w1.shape[2] // 2
 
-    out = routed_reference(x, gate, range(micro_start, micro_start + micro_count), topk, norm_topk, expert_mlp)
+    def expert_mlp(xs, offs):
+        act = torch.cat([swiglu_halves(qgrouped(xs, w1[m], offs))
+                         for m in range(micro_start, micro_start + micro_count)], dim=-1)
+        return qgrouped(act, _expert_cols(w2, micro_start, micro_count, inter), offs)
+
+    out = routed_reference(x, gate, topk, norm_topk, expert_mlp)
     if shared_w1 is not None:
         out = out + shared_reference(x, shared_w1, shared_w2, micro_start, micro_count).float()
     return out.to(x.dtype)
@@ -114,7 +132,8 @@ def _shared(x, shared_w1: Weight, shared_w2: Weight, micro_start: int, micro_cou
 
 
 class _Gemm:
-    """One expert GEMM's input rows, prepared once for every micro: fp8 quantizes them per row."""
+    """One expert GEMM's input rows, prepared once for every weight they meet (GEMM1: every micro):
+    fp8 quantizes them per row."""
 
     def __init__(self, rows: torch.Tensor, fmt: str):
         from . import quant_triton as qt
@@ -132,17 +151,16 @@ class _Gemm:
 def _grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
              out) -> torch.Tensor:
     from . import moe_triton as tk
-    from .moe_fast import _route
+    from .moe_fast import _empty, _route
     shared = _shared(x, shared_w1, shared_w2, micro_start, micro_count) if shared_w1 is not None else None
     w, inv, xs, offs = _route(x, gate, topk, norm_topk)
+    inter = w1.shape[2] // 2
     gemm1 = _Gemm(xs, w1.fmt)
-    partials = []
-    for m in range(micro_start, micro_start + micro_count):
-        act = tk.swiglu(gemm1(w1[m], offs))
-        partials.append(_Gemm(act, w2.fmt)(w2[m], offs))
-    for i in range(0, len(partials), 4):        # the finalize sums up to 4 micros in one pass
-        tk.finalize(partials[i:i + 4], inv, w, shared if i == 0 else out, out)
-    return out
+    act = _empty(xs.shape[0], micro_count * inter, dtype=x.dtype, device=x.device)
+    for i in range(micro_count):                # each micro's SwiGLU into its column block of act
+        tk.swiglu(gemm1(w1[micro_start + i], offs), out=act[:, i * inter:(i + 1) * inter])
+    y = _Gemm(act, w2.fmt)(_expert_cols(w2, micro_start, micro_count, inter), offs)     # one down GEMM
+    return tk.finalize(y, inv, w, shared, out)
 
 
 # Which kernels the decode path (N <= DECODE_MAX_TOKENS) runs: "gemv" = quant_gemv.py (no tensor cores,
@@ -171,7 +189,7 @@ def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
     n, h = x.shape
     mc = micro_count
     dev = x.device
-    inter = w2.shape[-1]
+    inter = w1.shape[2] // 2
     fq = qt.quantize_rows(x, fake=True) if "fp8" in (w1.fmt, getattr(shared_w1, "fmt", None)) else None
     preps: dict[str, torch.Tensor] = {}
 
@@ -181,15 +199,15 @@ def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
             preps[key] = qg.prep(fq if fmt == "fp8" else x, fmt) if qg.PREP_X else (fq if fmt == "fp8" else x)
         return preps[key]
 
-    def mlp(fmt_up, fmt_down, wa: QWeight, wb: QWeight, ids, slots, width, act_active, y, micro_cols):
+    def mlp(fmt_up, fmt_down, wa: QWeight, wb: QWeight, ids, slots, width, act_active, y):
         ph = qg.act_ph(fmt_down)
         act = _empty(mc, slots, n, width, dtype=torch.float32 if ph else x.dtype, device=dev)
         qg.decode_up(x_in(fmt_up), ids, act_active, fmt_up, wa.codes, wa.scales, wa.gscale, wa.inverse, act, slots,
                      width, x_prepared=qg.PREP_X, act_prep=ph)
-        if not ph:
-            qt.quantize_rows(act, fake=True, out=act)
+        if not ph:                 # fp8: a down row (every micro's slice of it) quantized once
+            qt.quantize_rows(act, fake=True, out=act, micros=mc)
         qg.decode_down(act, ids, act_active, fmt_down, wb.codes, wb.scales, wb.gscale, wb.inverse, y, slots, width,
-                       micro_cols=micro_cols, act_prepared=bool(ph))
+                       act_prepared=bool(ph))
 
     # A quantized shared MLP does not depend on the routing: it runs on a side stream (inside a captured
     # decode graph: a parallel branch) while the main stream routes and runs the routed experts, so the
@@ -207,21 +225,21 @@ def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
         with torch.cuda.stream(side):
             mlp(shared_w1.fmt, shared_w2.fmt, shared_w1[micro_start:micro_start + mc],
                 shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro),
-                _empty(n, topk, dtype=torch.int32, device=dev), 1, is_micro, None, ys, True)
+                _empty(n, topk, dtype=torch.int32, device=dev), 1, is_micro, None, ys)
     w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
     y = _empty(n * topk, h, dtype=torch.float32, device=dev)
-    mlp(w1.fmt, w2.fmt, w1[micro_start:micro_start + mc], w2[micro_start:micro_start + mc], ids, active.shape[0],
-        inter, active, y, False)
+    mlp(w1.fmt, w2.fmt, w1[micro_start:micro_start + mc], _expert_cols(w2, micro_start, mc, inter), ids,
+        active.shape[0], inter, active, y)
     if side is not None:
         main.wait_stream(side)
     elif isinstance(shared_w1, QWeight):          # (no side stream off CUDA: the interpreter's tests)
         mlp(shared_w1.fmt, shared_w2.fmt, shared_w1[micro_start:micro_start + mc],
-            shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro), ids, 1, is_micro, None, ys, True)
+            shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro), ids, 1, is_micro, None, ys)
     elif shared_w1 is not None:                   # a float shared MLP: the bf16 decode kernels
         act_s = _empty(mc, 1, 16, is_micro, dtype=x.dtype, device=dev)
         tk.decode_up(x, ids, None, None, shared_w1[micro_start:micro_start + mc], act_s, 1, is_micro)
         tk.decode_down(act_s, ids, None, None, shared_w2[:, micro_start * is_micro:], None, ys, 1, is_micro)
-    return tk.finalize([y], None, w, ys, out)
+    return tk.finalize(y, None, w, ys, out)
 
 
 def _x_key(fmt: str) -> str:
@@ -252,14 +270,14 @@ def _decode_tile(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
     w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
     s = active.shape[0]
     bn = 16                                           # token rows of one decode tile (tl.dot's minimum)
-    inter = w2.shape[-1]
+    inter = w1.shape[2] // 2
     fq = qt.quantize_rows(x, fake=True) if "fp8" in (w1.fmt, getattr(shared_w1, "fmt", None)) else None
-    w1a, w2a = w1[micro_start:micro_start + mc], w2[micro_start:micro_start + mc]
+    w1a, w2a = w1[micro_start:micro_start + mc], _expert_cols(w2, micro_start, mc, inter)
     act = _empty(mc, s, bn, inter, dtype=x.dtype, device=dev)
     qt.decode_up(fq if w1.fmt == "fp8" else x, ids, active, w1.fmt, w1a.codes, w1a.scales, w1a.gscale, w1.inverse,
                  act, s, inter)
-    if w2.fmt == "fp8":
-        qt.quantize_rows(act, fake=True, out=act)
+    if w2.fmt == "fp8":                               # a down row over all its micros quantized once
+        qt.quantize_rows(act, fake=True, out=act, micros=mc)
     y = _empty(n * topk, h, dtype=torch.float32, device=dev)
     qt.decode_down(act, ids, active, w2.fmt, w2a.codes, w2a.scales, w2a.gscale, w2.inverse, y, s, inter)
     ys = None
@@ -275,10 +293,10 @@ def _decode_tile(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
             tk.decode_up(x, ids, None, None, shared_w1[micro_start:micro_start + mc], act_s, 1, is_micro)
         if isinstance(shared_w2, QWeight):
             if shared_w2.fmt == "fp8":
-                qt.quantize_rows(act_s, fake=True, out=act_s)
+                qt.quantize_rows(act_s, fake=True, out=act_s, micros=mc)
             sw2 = shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro)
             qt.decode_down(act_s, ids, None, shared_w2.fmt, sw2.codes, sw2.scales, sw2.gscale, shared_w2.inverse,
-                           ys, 1, is_micro, micro_cols=True)
+                           ys, 1, is_micro)
         else:
             tk.decode_down(act_s, ids, None, None, shared_w2[:, micro_start * is_micro:], None, ys, 1, is_micro)
-    return tk.finalize([y], None, w, ys, out)
+    return tk.finalize(y, None, w, ys, out)

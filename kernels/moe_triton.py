@@ -264,11 +264,16 @@ def _swiglu_kernel(h_ptr, out_ptr, I, stride_h, stride_o, BLOCK_I: tl.constexpr)
     tl.store(out_ptr + r * stride_o + g * I + ri, (a * (b * tl.sigmoid(b))).to(out_ptr.dtype.element_ty), mask=mi)
 
 
-def swiglu(h: torch.Tensor, groups: int = 1) -> torch.Tensor:
-    """[R, groups*2I] -> [R, groups*I]: per group, first half linear times SiLU of the second half."""
+def swiglu(h: torch.Tensor, groups: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, groups*2I] -> [R, groups*I]: per group, first half linear times SiLU of the second half.
+    `out` may be given: any [R, groups*I] view with unit column stride (a micro's column block of the
+    grouped path's activation buffer [R, micros*I]: written in place, no copy)."""
     r, width = h.shape
     i = width // (2 * groups)
-    out = torch.empty(r, groups * i, dtype=h.dtype, device=h.device)
+    if out is None:
+        out = torch.empty(r, groups * i, dtype=h.dtype, device=h.device)
+    elif tuple(out.shape) != (r, groups * i) or (r and out.stride(1) != 1) or h.stride(1) != 1:
+        raise ValueError(f"swiglu: out {tuple(out.shape)} / {out.stride()} for h {tuple(h.shape)} / {h.stride()}")
     bi = min(2048, next_pow2(i))
     if r:
         _swiglu_kernel[(r, groups, triton.cdiv(i, bi))](h, out, i, h.stride(0), out.stride(0), BLOCK_I=bi,
@@ -277,9 +282,9 @@ def swiglu(h: torch.Tensor, groups: int = 1) -> torch.Tensor:
 
 
 @triton.jit
-def _finalize_kernel(p0_ptr, p1_ptr, p2_ptr, p3_ptr, inv_ptr, w_ptr, add_ptr, out_ptr, H,
-                     K: tl.constexpr, K_PAD: tl.constexpr, MICROS: tl.constexpr, HAS_ADD: tl.constexpr,
-                     IDENTITY: tl.constexpr, BLOCK_H: tl.constexpr):
+def _finalize_kernel(p_ptr, inv_ptr, w_ptr, add_ptr, out_ptr, H,
+                     K: tl.constexpr, K_PAD: tl.constexpr, HAS_ADD: tl.constexpr, IDENTITY: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
     t = tl.program_id(0)
     rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mh = rh < H
@@ -291,37 +296,27 @@ def _finalize_kernel(p0_ptr, p1_ptr, p2_ptr, p3_ptr, inv_ptr, w_ptr, add_ptr, ou
         rows = tl.load(inv_ptr + t * K + rk, mask=mk, other=0)
     wt = tl.load(w_ptr + t * K + rk, mask=mk, other=0.0)
     offs = rows.to(tl.int64)[:, None] * H + rh[None, :]
-    m2 = mk[:, None] & mh[None, :]
-    # micro partials summed first (fp32), the route weight applied once, the k routes summed in fp32
-    y = tl.load(p0_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-    if MICROS > 1:
-        y += tl.load(p1_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-    if MICROS > 2:
-        y += tl.load(p2_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-    if MICROS > 3:
-        y += tl.load(p3_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+    # each route's row (its micros already summed by the down GEMM) times its weight, the k routes
+    # summed in fp32
+    y = tl.load(p_ptr + offs, mask=mk[:, None] & mh[None, :], other=0.0).to(tl.float32)
     acc = tl.sum(y * wt[:, None], axis=0)
     if HAS_ADD:
         acc += tl.load(add_ptr + t.to(tl.int64) * H + rh, mask=mh, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * H + rh, acc.to(out_ptr.dtype.element_ty), mask=mh)
 
 
-def finalize(partials: list[torch.Tensor], inv: torch.Tensor | None, w: torch.Tensor, add: torch.Tensor | None,
+def finalize(partial: torch.Tensor, inv: torch.Tensor | None, w: torch.Tensor, add: torch.Tensor | None,
              out: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * sum_m partials[m][row(t, j)] + add[t], in fp32, cast once.
-    row(t, j) = inv[t, j], or t*k + j when inv is None (partials already in route order)."""
-    if not 1 <= len(partials) <= 4:
-        raise ValueError("finalize takes 1 to 4 micro partials")
+    """out[t] = sum_j w[t, j] * partial[row(t, j)] + add[t], in fp32, cast once.
+    row(t, j) = inv[t, j], or t*k + j when inv is None (the partial already in route order)."""
     n, k = w.shape
     h = out.shape[1]
-    p = list(partials) + [partials[0]] * (4 - len(partials))
     bh = min(1024 if n >= 256 else 256, next_pow2(h))     # a few tokens: more programs
     if n:
-        _finalize_kernel[(n, triton.cdiv(h, bh))](*p, inv if inv is not None else w, w,
+        _finalize_kernel[(n, triton.cdiv(h, bh))](partial, inv if inv is not None else w, w,
                                                   add if add is not None else out, out, h, K=k,
-                                                  K_PAD=max(2, next_pow2(k)), MICROS=len(partials),
-                                                  HAS_ADD=add is not None, IDENTITY=inv is None, BLOCK_H=bh,
-                                                  num_warps=4)
+                                                  K_PAD=max(2, next_pow2(k)), HAS_ADD=add is not None,
+                                                  IDENTITY=inv is None, BLOCK_H=bh, num_warps=4)
     return out
 
 
@@ -366,7 +361,7 @@ def _decode_up_kernel(x_ptr, ids_ptr, active_ptr, w1_ptr, sw1_ptr, act_ptr, N, H
 
 @triton.jit
 def _decode_down_kernel(act_ptr, ids_ptr, active_ptr, w2_ptr, sw2_ptr, y_ptr, ys_ptr, N, H, I,
-                        w2_sm, w2_se, sw2_sm, sw2_sh, S, SLOTS, MC,
+                        w2_se, w2_sh, sw2_sh, S, SLOTS, MC,
                         K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HO: tl.constexpr,
                         BLOCK_I: tl.constexpr, UPCAST: tl.constexpr):
     slot = tl.program_id(0)
@@ -382,20 +377,18 @@ def _decode_down_kernel(act_ptr, ids_ptr, active_ptr, w2_ptr, sw2_ptr, y_ptr, ys
         sel = (tl.max(hit.to(tl.int32), axis=1) > 0) & mn
         j = tl.sum(tl.where(hit, rk[None, :], 0), axis=1)
         base = w2_ptr + tl.maximum(e, 0).to(tl.int64) * w2_se
-        sm = w2_sm
-        sh = I
+        sh = w2_sh
         dst = y_ptr + (rn * K + j).to(tl.int64)[:, None] * H + rh[None, :]
     else:           # shared MLP: one row per token
         sel = mn
         base = sw2_ptr
-        sm = sw2_sm
         sh = sw2_sh
         dst = ys_ptr + rn.to(tl.int64)[:, None] * H + rh[None, :]
     if tl.max(sel.to(tl.int32), axis=0) > 0:
         acc = tl.zeros((BLOCK_N, BLOCK_HO), dtype=tl.float32)
         for m in range(MC):     # micro partials summed here, before the route weight
             src = act_ptr + ((m * SLOTS + slot).to(tl.int64) * BLOCK_N + rn)[:, None] * I
-            wm = base + sm.to(tl.int64) * m
+            wm = base + I * m   # both packs are cols-packed: micro m's columns start at m * I
             for i0 in range(0, I, BLOCK_I):
                 ri = i0 + tl.arange(0, BLOCK_I)
                 mi = ri < I
@@ -430,16 +423,21 @@ def decode_up(x, ids, active, w1, sw1, act, slots: int, inter: int, up=None) -> 
 def decode_down(act, ids, active, w2, sw2, y, ys, slots: int, inter: int, down=None) -> None:
     """Down GEMV of every slot, micro partials summed: routed slots write y [N*k, H] fp32 at row
     t*k + j of each token t that chose the slot's expert as its j-th; the shared slot writes ys [N, H].
-    w2 = [micros, E, H, I] of the active micros; sw2 = shared_w2[:, active micro columns]."""
+    Both packs are read from the first active micro's columns: w2 = expert_w2[:, :, micro_start*I:]
+    ([E, H, ·]), sw2 = shared_w2[:, micro_start*I:] ([H, ·]); micro m is then at column m*I. The
+    columns must be contiguous (views of the resident packs are)."""
     cfg = dict(DECODE_DOWN, **(down or {}))
     mc, _, bn, _ = act.shape
     n, k = ids.shape
     h = (y if y is not None else ys).shape[1]
     s = active.shape[0] if active is not None else 0
-    w2_sm, w2_se = (w2.stride(0), w2.stride(1)) if w2 is not None else (0, 0)
-    sw2_sm, sw2_sh = (inter, sw2.stride(0)) if sw2 is not None else (0, 0)
+    for w, cols in ((w2, 3), (sw2, 2)):
+        if w is not None and (w.dim() != cols or w.stride(-1) != 1 or w.shape[-1] < mc * inter):
+            raise ValueError(f"decode_down: a down pack view {tuple(w.shape)} / {w.stride()} for {mc} micros of {inter}")
+    w2_se, w2_sh = (w2.stride(0), w2.stride(1)) if w2 is not None else (0, 0)
+    sw2_sh = sw2.stride(0) if sw2 is not None else 0
     grid = (slots, triton.cdiv(h, cfg["BLOCK_HO"]))
     _decode_down_kernel[grid](act, ids, active if active is not None else ids, w2 if w2 is not None else sw2,
                               sw2 if sw2 is not None else w2, y if y is not None else ys,
-                              ys if ys is not None else y, n, h, inter, w2_sm, w2_se, sw2_sm, sw2_sh, s, slots, mc,
+                              ys if ys is not None else y, n, h, inter, w2_se, w2_sh, sw2_sh, s, slots, mc,
                               K=k, K_PAD=max(2, next_pow2(k)), BLOCK_N=bn, UPCAST=INTERPRET, **cfg)

@@ -205,9 +205,10 @@ class QWeight:
     """One quantized weight [..., N, K] as plain tensors: `fmt` one of FORMATS ("fp8": E4M3 with an
     fp32 scale per output channel); codes [..., N, K / PER_BYTE]; scales [..., N, K / block] or
     [..., N, 1] (fp8); gscale (nvfp4) fp32, broadcasting against scales from the right ([] for one
-    matrix, [E, 1, 1] for the experts of a [micros, E, N, K] pack), `inverse`: it divides the block
-    scale. Leading dims are the packed layout's; indexing the first one indexes a gscale only when
-    the gscale has that dim too (an expert's global scale is the same in every micro)."""
+    matrix, [E, 1, 1] for the experts of a [micros, E, N, K] gate/up pack or an [E, N, K] down pack),
+    `inverse`: it divides the block scale. Leading dims are the packed layout's; indexing the first
+    one indexes a gscale only when the gscale has that dim too (an expert's global scale is the same
+    in every micro)."""
     fmt: str
     codes: torch.Tensor
     scales: torch.Tensor
@@ -246,8 +247,10 @@ class QWeight:
                        scales=self.scales.reshape(-1, self.scales.shape[-1]))
 
     def cols(self, start: int, stop: int) -> "QWeight":
-        """Input columns [start, stop) (element indices, on whole scale blocks): codes and block scales
-        sliced to match, per-channel scales kept."""
+        """Input columns [start, stop) (element indices, on whole scale blocks) of every matrix: a
+        micro block of a cols-packed [N, micros * c] weight or of an [E, N, micros * c] expert pack (a
+        strided view of the same codes). Codes and block scales sliced to match, per-channel scales and
+        the global scales kept."""
         b = SCALE_BLOCK[self.fmt]
         if b and (start % b or stop % b):
             raise ValueError(f"columns {start}:{stop} cut the {self.fmt} scale blocks of {b}")

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ._triton import next_pow2
 from .moe_fast import _empty
-from .quant_triton import BLOCK, FMT, _e8m0
+from .quant_triton import BLOCK, FMT, _e8m0, col_strides
 
 PH = {"mxfp8": 4, "mxfp4": 8, "nvfp4": 8, "fp8": 4}       # columns per 32-bit code word
 XSCALE = 2.0 ** 64                                          # the prescale of prepared activations
@@ -615,11 +615,12 @@ def decode_up(x, ids, active, fmt: str, codes, scales, gscale, inverse: bool, ac
 
 
 def decode_down(act, ids, active, fmt: str, codes, scales, gscale, inverse: bool, y, slots: int, inter: int,
-                micro_cols: bool = False, down: dict | None = None, *, act_prepared: bool = False) -> None:
-    """Down GEMV of every slot, micro partials summed, as quant_triton.decode_down: routed codes
-    [micros, E, H, I/pb], y [N*k, H] fp32; shared (active None) the cols-packed [H, micros*I/pb] block
-    (`micro_cols`), y [N, H] fp32. act: [micros, slots, 16, I] bf16, or (act_prepared) fp32 as
-    decode_up(act_prep=PH) writes it."""
+                down: dict | None = None, *, act_prepared: bool = False) -> None:
+    """Down GEMV of every slot, micro partials summed, as quant_triton.decode_down: both packs
+    cols-packed, codes and scales of the active micros' column block (`QWeight.cols`; micro m's columns
+    start at m*I): routed [E, H, micros*I/pb], y [N*k, H] fp32; shared (active None) [H, micros*I/pb],
+    y [N, H] fp32. act: [micros, slots, 16, I] bf16, or (act_prepared) fp32 as decode_up(act_prep=PH)
+    writes it."""
     cfg = dict(DECODE_DOWN, **DECODE_DOWN_FMT.get(fmt, {}), **(down or {}))
     mc, _, bn, _ = act.shape
     n, k = ids.shape
@@ -628,16 +629,13 @@ def decode_down(act, ids, active, fmt: str, codes, scales, gscale, inverse: bool
     cw = _chunk_words(fmt)
     ph = PH[fmt]
     kw = inter // ph
+    bs = BLOCK[fmt]
     if act_prepared != (act.dtype == torch.float32):
         raise ValueError("prepared act is fp32, plain act bf16 / fp16")
-    if micro_cols:         # micro m = columns [m*I, (m+1)*I) of the [H, micros*I] block
-        bs = BLOCK[fmt]
-        c_str = (kw, 0, words.stride(0))
-        s_str = ((inter // bs) if fmt != "fp8" else 0, 0, scales.stride(0))
-    else:
-        c_str, s_str = _lead_strides(words), _lead_strides(scales)
-        if words.shape[-1] != kw:
-            raise ValueError(f"act has {inter} columns, the {fmt} weight {words.shape[-1] * ph}")
+    if words.dim() != (3 if active is not None else 2) or words.shape[-1] != mc * kw or inter % ph or inter % bs:
+        raise ValueError(f"act has {mc} micros of {inter} columns, the {fmt} weight block {words.shape[-1] * ph}")
+    c_str = col_strides(words, kw)
+    s_str = col_strides(scales, inter // bs if fmt != "fp8" else 0)
     g, r, even = _tile(cfg, kw, cw, cfg["R"])
     gs = _gscale(gscale, y)
     grid = (slots, triton.cdiv(h, r))

@@ -442,7 +442,8 @@ DECODE_DOWN_FMT = {"mxfp4": dict(BLOCK_I=256), "nvfp4": dict(BLOCK_I=256)}
 
 
 def _lead_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """(micro, expert, row) strides of a [micros, E, rows, ·] pack or a [micros, rows, ·] one (expert 0)."""
+    """(micro, expert, row) strides of a rows-packed (gate/up) [micros, E, rows, ·] pack or a
+    [micros, rows, ·] one (expert 0)."""
     return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (t.stride(0), 0, t.stride(1))
 
 
@@ -466,11 +467,18 @@ def decode_up(x, ids, active, fmt: str, codes, scales, gscale, inverse: bool, ac
                              **cfg)
 
 
+def col_strides(t: torch.Tensor, per_micro: int) -> tuple[int, int, int]:
+    """(micro, expert, row) strides of the active micros' column block of a cols-packed down pack:
+    [E, H, micros * c] (routed experts) or [H, micros * c] (the shared MLP, expert 0); micro m starts at
+    column m * per_micro (per_micro = 0: every micro reads the same column, a per-channel scale)."""
+    return (per_micro, t.stride(0), t.stride(1)) if t.dim() == 3 else (per_micro, 0, t.stride(0))
+
+
 def decode_down(act, ids, active, fmt: str, codes, scales, gscale, inverse: bool, y, slots: int, inter: int,
-                micro_cols: bool = False, down: dict | None = None) -> None:
-    """Down GEMV of every slot, micro partials summed. Routed: codes [micros, E, H, I/pb] of the active
-    micros, y [N*k, H] fp32; shared (active None): the cols-packed [H, micros*I/pb] block of the active
-    micros (`micro_cols`: micro m's columns start at m*I), y [N, H] fp32."""
+                down: dict | None = None) -> None:
+    """Down GEMV of every slot, micro partials summed. Both packs are cols-packed, codes and scales of
+    the active micros' column block (`QWeight.cols`): routed [E, H, micros*I/pb], y [N*k, H] fp32;
+    shared (active None) [H, micros*I/pb], y [N, H] fp32; micro m's columns start at m*I."""
     cfg = dict(DECODE_DOWN, **DECODE_DOWN_FMT.get(fmt, {}), **(down or {}))
     cfg["BLOCK_I"] = max(cfg["BLOCK_I"], BLOCK[fmt])
     mc, _, bn, _ = act.shape
@@ -478,12 +486,11 @@ def decode_down(act, ids, active, fmt: str, codes, scales, gscale, inverse: bool
     h = y.shape[1]
     g = _gscale(gscale, y)
     g_se = g.stride(0) if gscale is not None and g.dim() == 3 else 0
-    if micro_cols:         # micro m = columns [m*I, (m+1)*I) of the [H, micros*I] block
-        pb, bs = PER_BYTE[fmt], BLOCK[fmt]
-        c_str = (inter // pb, 0, codes.stride(0))
-        s_str = ((inter // bs) if fmt != "fp8" else 0, 0, scales.stride(0))
-    else:
-        c_str, s_str = _lead_strides(codes), _lead_strides(scales)
+    pb, bs = PER_BYTE[fmt], BLOCK[fmt]
+    if codes.dim() != (3 if active is not None else 2) or codes.shape[-1] * pb != mc * inter or inter % bs:
+        raise ValueError(f"decode_down: {fmt} codes {tuple(codes.shape)} for {mc} micros of {inter} columns")
+    c_str = col_strides(codes, inter // pb)
+    s_str = col_strides(scales, inter // bs if fmt != "fp8" else 0)
     grid = (slots, triton.cdiv(h, cfg["BLOCK_HO"]))
     _qdecode_down_kernel[grid](act, ids, active if active is not None else ids, codes, scales, g, y, n, h, inter,
                                *c_str, *s_str, g_se, active.shape[0] if active is not None else 1, slots, mc,
@@ -494,33 +501,45 @@ def decode_down(act, ids, active, fmt: str, codes, scales, gscale, inverse: bool
 # ------------------------------------------------------------------------------- FP8 per-row scaling
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FAKE: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, SEGS, seg_x, seg_q, FAKE: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Row r = its SEGS segments of K (segment j at j * seg_x: the decode act's micro slices), one scale."""
     r = tl.program_id(0).to(tl.int64)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        rk = k0 + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + r * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
+    for j in range(0, SEGS):
+        xr = x_ptr + r * stride_x + j * seg_x
+        for k0 in range(0, K, BLOCK):
+            rk = k0 + tl.arange(0, BLOCK)
+            v = tl.load(xr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
     a = tl.max(amax, axis=0)
     # IEEE divisions (Triton's `/` is the approximate one), so the codes are the reference's bit for bit
     scale = tl.where(a > 0, tl.div_rn(a, tl.full((), FP8_MAX, tl.float32)), 1.0)
-    for k0 in range(0, K, BLOCK):
-        rk = k0 + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + r * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-        if FAKE:
-            tl.store(q_ptr + r * stride_q + rk, (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty), mask=rk < K)
-        else:
-            tl.store(q_ptr + r * stride_q + rk, q, mask=rk < K)
+    for j in range(0, SEGS):
+        xr = x_ptr + r * stride_x + j * seg_x
+        qr = q_ptr + r * stride_q + j * seg_q
+        for k0 in range(0, K, BLOCK):
+            rk = k0 + tl.arange(0, BLOCK)
+            v = tl.load(xr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+            if FAKE:
+                tl.store(qr + rk, (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty), mask=rk < K)
+            else:
+                tl.store(qr + rk, q, mask=rk < K)
     if not FAKE:
         tl.store(s_ptr + r, scale)
 
 
-def quantize_rows(x: torch.Tensor, fake: bool = False, out: torch.Tensor | None = None):
+def quantize_rows(x: torch.Tensor, fake: bool = False, out: torch.Tensor | None = None, micros: int = 1):
     """x [..., K] -> (codes float8_e4m3fn [..., K], scale fp32 [..., 1]) per row, as quant.quantize_fp8_rows;
-    fake: the dequantized rows in x.dtype instead (written to `out`, which may be x itself)."""
+    fake: the dequantized rows in x.dtype instead (written to `out`, which may be x itself).
+    micros > 1 (fake only, x contiguous [micros, ..., K]: the decode paths' act): a row is the
+    concatenation of x[m, ..., :] over the micros, one down-GEMM row over all of them, one scale."""
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    if micros > 1:
+        if not (fake and x.is_contiguous() and x.shape[0] == micros and (out is None or out.is_contiguous())):
+            raise ValueError("quantize_rows over micros: fake, on a contiguous [micros, ..., K]")
+    x2 = x.reshape(micros, -1, k)[0] if micros > 1 else x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
@@ -530,9 +549,10 @@ def quantize_rows(x: torch.Tensor, fake: bool = False, out: torch.Tensor | None 
     else:
         q = _empty(*x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         scale = _empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
-    q2 = q.view(-1, k)
+    q2 = q.view(micros, -1, k)[0] if micros > 1 else q.view(-1, k)
     if rows:
         block = min(4096, next_pow2(k))
-        _quantize_rows_kernel[(rows,)](x2, q2, scale, k, x2.stride(0), q2.stride(0), FAKE=fake, BLOCK=block,
-                                       num_warps=4 if block <= 1024 else 8)
+        seg = rows * k if micros > 1 else 0     # micro m's slice of a row: m * rows * K elements on
+        _quantize_rows_kernel[(rows,)](x2, q2, scale, k, x2.stride(0), q2.stride(0), micros, seg, seg, FAKE=fake,
+                                       BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return q if fake else (q, scale)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image as PILImage
 
+import kernels
 from engine.runtime.events import Error, Image, Text
 from engine.model.loader import load
 from engine.model.moe import MoE
@@ -60,6 +61,11 @@ def test_grouped_moe_bf16_matches_fp32():
     mb.load_state_dict({k: v.to(v.dtype if k == "gate" else torch.bfloat16) for k, v in m.state_dict().items()})
     out = mb(x.bfloat16(), PhaseView(0, 2)).float()
     assert (out - ref).norm() / ref.norm() < 0.02
+    # the AR view of the second micro: one down GEMM on the strided column block of w2 [E, H, 2 * I_micro]
+    ref1 = m(x, PhaseView(1, 1))
+    out1 = mb(x.bfloat16(), PhaseView(1, 1)).float()
+    assert (out1 - ref1).norm() / ref1.norm() < 0.02
+    assert kernels.chosen("moe", "cuda", torch.bfloat16) == "triton"      # bf16 ran the fast path
 
 
 # With a GPU per rank (tp2 on a 2-GPU machine, every plan on 4) the ranks talk NCCL; with fewer GPUs

@@ -141,9 +141,10 @@ def _swiglu_ref(h, inter):
 @pytest.mark.parametrize("fmt,n,tb", [(f, n, 4) for f in FMTS for n in (1, 8)] + [("mxfp4", 3, 4), ("nvfp4", 3, 4),
                                                                                    ("mxfp4", 8, 2)])
 def test_interp_gemv_decode_pair_routed_and_shared(qg, fmt, n, tb):
-    """decode_up / decode_down on the chosen experts of micros [1, 3) of 3, and on the shared MLP's
-    micro block: every served act row and every y row against the fp64 reference on the dequantized
-    weights (act: one bf16 rounding; y from the kernel's own act, so to fp32 summation order)."""
+    """decode_up / decode_down on the chosen experts of micros [1, 3) of 3 (the down GEMV on the column
+    block of the cols-packed [E, H, micros * I] pack), and on the shared MLP's micro block: every served
+    act row and every y row against the fp64 reference on the dequantized weights (act: one bf16
+    rounding; y from the kernel's own act, so to fp32 summation order)."""
     g = torch.Generator().manual_seed(5 + n)
     h, inter, e, k, micros, ms, mc = 128, 64, 8, 3, 3, 1, 2
     inv = fmt == "nvfp4"
@@ -151,7 +152,7 @@ def test_interp_gemv_decode_pair_routed_and_shared(qg, fmt, n, tb):
     s = active.shape[0]
     x = torch.randn(n, h, generator=g).bfloat16()
     w1 = _qw(fmt, (micros, e, 2 * inter, h), h ** -0.5, g, inverse=inv, gscale_dims=1)
-    w2 = _qw(fmt, (micros, e, h, inter), inter ** -0.5, g, inverse=inv, gscale_dims=1)
+    w2 = _qw(fmt, (e, h, micros * inter), inter ** -0.5, g, inverse=inv, gscale_dims=1)
     d1, d2 = w1.dequantize(torch.float32).double(), w2.dequantize(torch.float32).double()
     ph = qg.act_ph(fmt)
     up, down = dict(BI=8, G=2, num_warps=4, TB=tb), dict(R=16, G=4, num_warps=4, TB=tb)    # up: 2 K steps
@@ -160,7 +161,7 @@ def test_interp_gemv_decode_pair_routed_and_shared(qg, fmt, n, tb):
         return a.view(*a.shape[:-1], ph, inter // ph).transpose(-1, -2).reshape(a.shape) / qg.XSCALE if ph else a
 
     # routed
-    wa, wb = w1[ms:ms + mc], w2[ms:ms + mc]
+    wa, wb = w1[ms:ms + mc], w2.cols(ms * inter, (ms + mc) * inter)
     act = torch.full((mc, s, n, inter), float("nan"), dtype=torch.float32 if ph else torch.bfloat16)
     qg.decode_up(qg.prep(x, fmt), ids, active, fmt, wa.codes, wa.scales, wa.gscale, wa.inverse, act, s, inter, up,
                  x_prepared=True, act_prep=ph)
@@ -182,7 +183,7 @@ def test_interp_gemv_decode_pair_routed_and_shared(qg, fmt, n, tb):
         for j in range(k):
             ex = int(ids[t, j])
             si = int((active == ex).nonzero()[0, 0])
-            want[t * k + j] = sum(a[m, si, t] @ d2[ms + m, ex].T for m in range(mc))
+            want[t * k + j] = sum(a[m, si, t] @ d2[ex, :, (ms + m) * inter:(ms + m + 1) * inter].T for m in range(mc))
     assert not y.isnan().any() and rel_err(y, want) < 1e-5
     # shared: slot 0 serves every token; down on the cols-packed [H, micros * I] block
     sw1 = _qw(fmt, (micros, 2 * inter, h), h ** -0.5, g, inverse=inv)
@@ -196,8 +197,8 @@ def test_interp_gemv_decode_pair_routed_and_shared(qg, fmt, n, tb):
     for m in range(mc):
         assert rel_err(a_s[m, 0], _swiglu_ref(x.double() @ ds1[ms + m].T, inter)) < 5e-3
     ys = torch.full((n, h), float("nan"))
-    qg.decode_down(act_s, ids, None, fmt, s2.codes, s2.scales, s2.gscale, s2.inverse, ys, 1, inter, micro_cols=True,
-                   down=down, act_prepared=bool(ph))
+    qg.decode_down(act_s, ids, None, fmt, s2.codes, s2.scales, s2.gscale, s2.inverse, ys, 1, inter, down=down,
+                   act_prepared=bool(ph))
     want_s = sum(a_s[m, 0] @ ds2[:, (ms + m) * inter:(ms + m + 1) * inter].T for m in range(mc))
     assert not ys.isnan().any() and rel_err(ys, want_s) < 1e-5
 
@@ -267,6 +268,7 @@ GPU_DECODE = {  # name: (n, experts fmt, shared fmt, inter, micros, micro_start,
     "hybrid4_n5_mxfp8": (5, "mxfp8", "bf16", 768, 2, 1, 1),
     "hybrid4_n8_nvfp4": (8, "nvfp4", "nvfp4", 768, 2, 0, 2),
     "hybrid4_n2_fp8": (2, "fp8", "fp8", 768, 2, 0, 1),
+    "hybrid4_n8_fp8_two_micros": (8, "fp8", "fp8", 768, 2, 0, 2),    # a down row over both micros, one scale
 }
 
 
@@ -280,8 +282,8 @@ def _gpu_decode_args(name, seed=0):
 
 def fp8_decode_semantics(x, gate, w1, w2, shared_w1, shared_w2, ms, mc, topk, norm_topk):
     """What the FP8 decode path computes (moe_quant's note): each GEMM input fake-quantized per row to
-    E4M3 and rounded to bf16, the weights exact, fp32 products; micro partials summed before the route
-    weights. The W8A8 reference differs from it by those bf16 roundings, which can flip an E4M3 rounding
+    E4M3 and rounded to bf16 (a down GEMM's row: every active micro's activations, one scale), the
+    weights exact, fp32 products; micro partials summed before the route weights. The W8A8 reference differs from it by those bf16 roundings, which can flip an E4M3 rounding
     of the next GEMM's input (a few 1e-2 on two tokens); against this the kernels must agree closely."""
     import torch.nn.functional as F
 
@@ -289,23 +291,24 @@ def fp8_decode_semantics(x, gate, w1, w2, shared_w1, shared_w2, ms, mc, topk, no
         q, s = kq.quantize_fp8_rows(v.to(torch.bfloat16))
         return (q.float() * s).to(torch.bfloat16).float()
 
-    def mlp(xq, a, b):                     # a [mc, 2I, H], b [mc, H, I]: micro partials summed
+    def mlp(xq, a, b):                     # a [mc, 2I, H], b [H, mc * I]: one down GEMM over the micros
         h = torch.einsum("th,mih->tmi", xq, a)
         g, u = h.chunk(2, -1)
-        return torch.einsum("tmi,mhi->th", fake(g * F.silu(u)), b)
+        return fake((g * F.silu(u)).flatten(1)) @ b.T
 
     w, idx = kernels.moe.route(x, gate, topk, norm_topk)
     xq = fake(x)
     m = slice(ms, ms + mc)
-    w1d, w2d = w1[m].dequantize(torch.float32), w2[m].dequantize(torch.float32)
+    i2 = w1.shape[2] // 2
+    w1d, w2d = w1[m].dequantize(torch.float32), w2.cols(ms * i2, (ms + mc) * i2).dequantize(torch.float32)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):
         for j in range(topk):
             e = idx[t, j]
-            out[t] += w[t, j].float() * mlp(xq[t:t + 1], w1d[:, e], w2d[:, e])[0]
+            out[t] += w[t, j].float() * mlp(xq[t:t + 1], w1d[:, e], w2d[e])[0]
     if shared_w1 is not None:
         i = shared_w1.shape[1] // 2
-        s2 = shared_w2.dequantize(torch.float32)[:, ms * i:(ms + mc) * i].reshape(-1, mc, i).transpose(0, 1)
+        s2 = shared_w2.dequantize(torch.float32)[:, ms * i:(ms + mc) * i]
         out += mlp(xq, shared_w1[m].dequantize(torch.float32), s2)
     return out.to(x.dtype)
 

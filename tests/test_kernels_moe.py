@@ -15,7 +15,8 @@ from kernels.moe import moe_reference
 
 def make_moe(n, hidden=64, experts=8, inter=32, shared_inter=32, micros=3, dtype=torch.float32,
              device="cpu", seed=0):
-    """Random inputs of the op in the engine's micro-major layout (scaled so activations stay O(1))."""
+    """Random inputs of the op in the engine's layout: gate/up micro-major, the down packs cols-packed
+    (scaled so activations stay O(1))."""
     g = torch.Generator(device=device).manual_seed(seed)     # drawn where they live (GPU shapes are GBs)
 
     def rnd(*shape, scale=1.0, dt=dtype):
@@ -25,7 +26,7 @@ def make_moe(n, hidden=64, experts=8, inter=32, shared_inter=32, micros=3, dtype
         x=rnd(n, hidden),
         gate=rnd(experts, hidden, scale=hidden ** -0.5, dt=torch.float32),
         w1=rnd(micros, experts, 2 * inter, hidden, scale=hidden ** -0.5),
-        w2=rnd(micros, experts, hidden, inter, scale=inter ** -0.5),
+        w2=rnd(experts, hidden, micros * inter, scale=inter ** -0.5),
         shared_w1=rnd(micros, 2 * shared_inter, hidden, scale=hidden ** -0.5) if shared_inter else None,
         shared_w2=rnd(hidden, micros * shared_inter, scale=shared_inter ** -0.5) if shared_inter else None,
     )
@@ -40,7 +41,7 @@ def moe_loop_fp64(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_coun
     """The op written independently: token by token, route by route, micro by micro, in fp64."""
     d = torch.float64
     out = torch.zeros(x.shape, dtype=d)
-    inter = w2.shape[-1]
+    inter = w1.shape[2] // 2
     for t in range(x.shape[0]):
         xt = x[t].to(d)
         probs = torch.softmax(gate.to(d) @ xt, dim=0)
@@ -52,7 +53,7 @@ def moe_loop_fp64(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_coun
             y = torch.zeros(x.shape[1], dtype=d)
             for m in range(micro_start, micro_start + micro_count):
                 h = w1[m, e].to(d) @ xt
-                y += w2[m, e].to(d) @ (h[:inter] * F.silu(h[inter:]))
+                y += w2[e, :, m * inter:(m + 1) * inter].to(d) @ (h[:inter] * F.silu(h[inter:]))
             out[t] += we * y
         if shared_w1 is not None:
             is_micro = shared_w1.shape[1] // 2
@@ -223,23 +224,39 @@ def test_interp_router_and_counting_sort(interp):
     assert ((lm.sum(0).double() - truth).abs().max() / truth.abs().max()).item() < 1e-5
 
 
-def test_interp_finalize_sums_micros_then_routes_in_fp32(interp):
+def test_interp_finalize_weights_and_sums_routes_in_fp32(interp):
     tk = interp.tk
     g = torch.Generator().manual_seed(4)
     n, k, h = 6, 3, 40
-    parts = [torch.randn(n * k, h, generator=g).to(torch.bfloat16) for _ in range(3)]
+    part = torch.randn(n * k, h, generator=g).to(torch.bfloat16)
     inv = torch.randperm(n * k, generator=g).int().view(n, k)
     w = torch.rand(n, k, generator=g)
     add = torch.randn(n, h, generator=g).to(torch.bfloat16)
     out = torch.full((n, h), float("nan"), dtype=torch.bfloat16)
-    tk.finalize(parts, inv, w, add, out)
-    total = sum(p.float() for p in parts)
-    want = (total[inv.long()] * w.unsqueeze(-1)).sum(1) + add.float()
+    tk.finalize(part, inv, w, add, out)
+    want = (part.float()[inv.long()] * w.unsqueeze(-1)).sum(1) + add.float()
     # one bf16 rounding of the fp32 sum (the interpreter truncates where CUDA rounds to nearest)
     assert ((out.float() - want).abs() <= want.abs() * 2 ** -7).all()
-    parts_only = torch.full((n, h), float("nan"), dtype=torch.float32)
-    tk.finalize(parts[:1], None, w, None, parts_only)     # route order rows, no addend, fp32 out
-    torch.testing.assert_close(parts_only, (parts[0].float().view(n, k, h) * w.unsqueeze(-1)).sum(1))
+    part_only = torch.full((n, h), float("nan"), dtype=torch.float32)
+    tk.finalize(part, None, w, None, part_only)           # route order rows, no addend, fp32 out
+    torch.testing.assert_close(part_only, (part.float().view(n, k, h) * w.unsqueeze(-1)).sum(1))
+
+
+def test_interp_swiglu_writes_a_micro_column_block_in_place(interp):
+    """The grouped path's SwiGLU of micro i lands in columns [i*I, (i+1)*I) of one [R, micros*I]
+    activation buffer (out=, strided rows): the other columns stay untouched."""
+    tk = interp.tk
+    g = torch.Generator().manual_seed(6)
+    r, inter = 7, 24
+    h = torch.randn(r, 2 * inter, generator=g).to(torch.bfloat16)
+    act = torch.full((r, 3 * inter), float("nan"), dtype=torch.bfloat16)
+    got = tk.swiglu(h, out=act[:, inter:2 * inter])
+    assert got.data_ptr() == act[:, inter:].data_ptr()
+    torch.testing.assert_close(act[:, inter:2 * inter], tk.swiglu(h))
+    assert act[:, :inter].isnan().all() and act[:, 2 * inter:].isnan().all()
+    torch.testing.assert_close(tk.swiglu(h).float(), kernels.moe.swiglu_halves(h.float()), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="swiglu"):
+        tk.swiglu(h, out=act[:, :inter + 1])
 
 
 # ------------------------------------------------------------------------------------ GPU tests
@@ -250,6 +267,7 @@ GPU_SHAPES = {  # name: (n, hidden, experts, topk, inter, shared_inter, micros, 
     "small": (300, 256, 16, 4, 64, 64, 3, 1, 2),
     "decode_small": (3, 256, 16, 4, 64, 64, 2, 1, 1),
     "hybrid4_denoise": (4098, 4096, 64, 8, 768, 768, 2, 0, 2),
+    "hybrid4_prefill": (600, 4096, 64, 8, 768, 768, 2, 1, 1),   # grouped, K 768 of the [E, H, 1536] pack (strided)
     "hybrid4_decode": (1, 4096, 64, 8, 768, 768, 2, 1, 1),
     "decode8": (8, 4096, 64, 8, 768, 768, 2, 0, 1),
     "tp1_denoise": (2000, 4096, 64, 8, 3072, 3072, 1, 0, 1),

@@ -36,7 +36,7 @@ def make_qmoe(n, fmt, shared_fmt, hidden=64, experts=8, inter=32, shared_inter=3
     return dict(x=torch.randn(n, hidden, generator=g, device=device).to(dtype),
                 gate=torch.randn(experts, hidden, generator=g, device=device) * hidden ** -0.5,
                 w1=q(fmt, (micros, experts, 2 * inter, hidden), hidden ** -0.5, True),
-                w2=q(fmt, (micros, experts, hidden, inter), inter ** -0.5, True),
+                w2=q(fmt, (experts, hidden, micros * inter), inter ** -0.5, True),
                 shared_w1=q(shared_fmt, (micros, 2 * shared_inter, hidden), hidden ** -0.5) if shared_inter else None,
                 shared_w2=q(shared_fmt, (hidden, micros * shared_inter), shared_inter ** -0.5) if shared_inter else None)
 
@@ -78,13 +78,11 @@ def test_moe_quant_reference_fp8_quantizes_each_gemm_input_per_row():
     for tok in range(9):
         for j in range(3):
             e = idx[tok, j]
-            for m in range(2):
-                h = fq(t["x"][tok:tok + 1]) @ d["w1"][m, e].T
-                want[tok] += w[tok, j] * (fq(kernels.moe.swiglu_halves(h)) @ d["w2"][m, e].T)[0]
-    for m in range(2):
-        is_m = 32
-        h = fq(t["x"]) @ d["shared_w1"][m].T
-        want += fq(kernels.moe.swiglu_halves(h)) @ d["shared_w2"][:, m * is_m:(m + 1) * is_m].T
+            # the down GEMM's input: both micros' activations side by side, quantized as ONE row
+            act = torch.cat([kernels.moe.swiglu_halves(fq(t["x"][tok:tok + 1]) @ d["w1"][m, e].T) for m in range(2)], -1)
+            want[tok] += w[tok, j] * (fq(act) @ d["w2"][e, :, :64].T)[0]
+    act = torch.cat([kernels.moe.swiglu_halves(fq(t["x"]) @ d["shared_w1"][m].T) for m in range(2)], -1)
+    want += fq(act) @ d["shared_w2"][:, :64].T
     # E4M3 rounding of the hidden activations turns fp32-level differences into a few rounding steps:
     # agreement well inside the activation quantization's own effect
     assert rel_err(got, want) < 0.3 * rel_err(weight_only, want), (rel_err(got, want), rel_err(weight_only, want))
@@ -102,8 +100,28 @@ def test_qweight_views_are_the_dequantized_slices():
         assert torch.equal(rows[1:3].flat_rows().dequantize(torch.float32),
                            rows.dequantize(torch.float32)[1:3].reshape(-1, 128))
         assert torch.equal(w[1][2].cols(32, 96).dequantize(torch.float32), d[1, 2][:, 32:96])
+        # a column block of a cols-packed [E, N, micros * c] expert pack, and an expert of it
+        down = kq.random_qweight(fmt, (3, 16, 2 * 64), generator=g, gscale_dims=1)
+        dd = down.dequantize(torch.float32)
+        blk = down.cols(64, 128)
+        assert blk.shape == (3, 16, 64) and blk.codes.data_ptr() != down.codes.data_ptr()
+        assert torch.equal(blk.dequantize(torch.float32), dd[:, :, 64:])
+        assert torch.equal(blk[2].dequantize(torch.float32), dd[2, :, 64:])
     with pytest.raises(ValueError, match="cut the mxfp4 scale blocks"):
         kq.random_qweight("mxfp4", (4, 64)).cols(16, 48)
+
+
+def test_moe_quant_refuses_a_micro_that_cuts_scale_blocks():
+    """I_micro 16 of an MXFP4 down pack (blocks of 32): a micro's column block would cut the blocks."""
+    t = make_qmoe(5, "mxfp4", "bf16", inter=16, micros=2)
+    with pytest.raises(ValueError, match="I_micro 16 is not a multiple of the mxfp4 scale block of 32"):
+        moe_quant_reference(*qargs(t, 0, 2))
+    from engine.model.moe import MoE
+    from engine.model.packed import PackFormat
+    f = {"w1": PackFormat("mxfp4"), "w2": PackFormat("mxfp4")}
+    with pytest.raises(ValueError, match="16 input columns per micro are not a multiple of the mxfp4 scale block of 32"):
+        MoE(64, 8, 2, 64, 0, True, micros=2, storage_size=2, formats=f)       # 64 / 4 micro shards = 16
+    assert MoE(64, 8, 2, 128, 0, True, micros=2, storage_size=2, formats=f).w2.shape == (8, 64, 64)
 
 
 def test_grouped_fp8_reference_is_the_per_group_scaled_mm():
@@ -341,6 +359,11 @@ GPU_MOE = {  # name: (n, experts fmt, shared fmt, inter, micros, micro_start, mi
     "tp1_denoise_nvfp4": (1500, "nvfp4", "nvfp4", 3072, 1, 0, 1),
     "tp1_denoise_mxfp4": (8194, "mxfp4", "mxfp8", 3072, 1, 0, 1),     # the one-GPU MXFP4-mixed build's DiT step
     "small_mxfp8": (300, "mxfp8", "bf16", 768, 2, 1, 1),
+    # the AR prefill of a 2-micro shard: the down GEMM on the second micro's strided column block
+    "prefill_fp8": (300, "fp8", "fp8", 768, 2, 1, 1),
+    "prefill_nvfp4": (600, "nvfp4", "nvfp4", 768, 2, 1, 1),
+    "prefill_mxfp4": (4098, "mxfp4", "mxfp8", 768, 2, 1, 1),
+    "decode8_fp8_two_micros": (8, "fp8", "fp8", 768, 2, 0, 2),
 }
 
 

@@ -1,5 +1,5 @@
 """Quantized weights kept resident (the CUDA layout, exercised here on the CPU through the reference
-ops): the packs hold codes and scales in the micro-major packing, every micro view of every plan's
+ops): the packs hold codes and scales in the engine's packing (gate/up micro-major, down cols-packed), every micro view of every plan's
 shard dequantizes to the dense shard's view, a whole request gives the dense load's text and image, and
 `--quantize fp8` (online FP8 from a high-precision checkpoint) in both residencies."""
 from __future__ import annotations
@@ -118,7 +118,11 @@ def test_every_micro_view_of_every_shard_is_the_dense_view(folders, fmt):
         views = [PhaseView(m, 1) for m in range(layout.micros)] + [PhaseView(0, layout.micros)]
         for lq, ld in zip(tq.layers, td.layers):
             aq, ad = lq.self_attn, ld.self_attn
+            mq, md = lq.mlp, ld.mlp
             for view in views:
+                # the cols-packed expert down pack: a view's micros are one column block of codes and scales
+                c0, c1 = view.micro_start * md.inter_micro, (view.micro_start + view.micro_count) * md.inter_micro
+                assert torch.equal(mq.w2.value().cols(c0, c1).dequantize(torch.float32), md.w2[:, :, c0:c1])
                 wq, wd = micro_rows(aq.qkv, view), micro_rows(ad.qkv, view)
                 assert torch.equal(wq.dequantize(torch.float32), wd), (layout, view)
                 oq, od = micro_cols(aq.o_proj, view, aq.micros), micro_cols(ad.o_proj, view, ad.micros)
@@ -135,6 +139,22 @@ def test_every_micro_view_of_every_shard_is_the_dense_view(folders, fmt):
                     assert ((got - want).norm() / want.norm()).item() < 0.1
                 else:
                     assert torch.equal(got, want), (layout, view)
+
+
+def test_expert_down_pack_is_the_checkpoints_columns_as_stored(folders):
+    """w2 [E, H, micros * I_micro]: expert e's row block is the official down_proj [H, I] restricted to
+    the storage shard's input columns, in checkpoint order (micro m = columns [m*I_micro, (m+1)*I_micro))."""
+    ck = Checkpoint(folders["bf16"])
+    for layout in LAYOUTS:
+        _, td = _transformers(folders["bf16"], layout)
+        for i, layer in enumerate(td.layers):
+            m = layer.mlp
+            width = m.micros * m.inter_micro
+            assert m.w2.shape == (m.experts, m.gate.shape[1], width)
+            for e in range(m.experts):
+                full = ck.read(f"model.layers.{i}.mlp.experts.{e}.down_proj.weight")
+                cols = full[:, layout.storage_rank * width:(layout.storage_rank + 1) * width]
+                assert torch.equal(m.w2[e], cols.to(m.w2.dtype)), (layout, i, e)
 
 
 def test_online_fp8_dense_and_resident(folders):

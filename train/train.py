@@ -308,7 +308,7 @@ def export_tensors(model: HunyuanImage3) -> dict[str, torch.Tensor]:
                     p + "mlp.shared_mlp.down_proj.weight": m.shared_w2}
         for e in range(cfg.num_experts[i]):
             out |= {p + f"mlp.experts.{e}.gate_and_up_proj.weight": m.w1[0, e],
-                    p + f"mlp.experts.{e}.down_proj.weight": m.w2[0, e]}
+                    p + f"mlp.experts.{e}.down_proj.weight": m.w2[e]}
     for prefix, mod in model.replicated_modules().items():
         out |= {f"{prefix}.{k}": v for k, v in mod.state_dict().items()}
     # the unused SigLIP2 pooling head the official checkpoint carries (skipped at load): zeros

@@ -3,14 +3,17 @@
 `moe` kernel op (kernels/moe.py: its PyTorch reference and the CUDA paths); this module owns the
 resident weights and how they are read from the checkpoint.
 
-Resident layout, micro-major (see `parallel.py`):
+Resident layout (see engine/model/packed.py): the gate/up packs micro-major, the down packs with the
+micros' input columns side by side (cols-packed):
   w1 [micros, E, 2*I_micro, H]  rows of a micro = [x1 block ; x2 block] of that micro's slice of I
-  w2 [micros, E, H, I_micro]
+  w2 [E, H, micros * I_micro]   micro m of expert e = w2[e, :, m*I_micro:(m+1)*I_micro]
   shared_w1 [micros, 2*Is_micro, H], shared_w2 [H, micros * Is_micro]
 AR uses one micro; denoise uses all micros of the storage shard with ONE routing pass shared by
-every micro and one weighted finalize (the micro partials are summed before the route weight).
-The packs may stay quantized in the same packing (engine/model/packed.py `QuantPack`; an NVFP4 pack
-has one global scale per expert); the forward then runs the `moe_quant` op.
+every micro, ONE down GEMM over the active micros' columns (K = micro_count * I_micro: the micro
+partials are summed in its fp32 accumulation, before the route weight) and one weighted finalize.
+The packs may stay quantized in the same packing (engine/model/packed.py `QuantPack`, codes and scales
+along K; an NVFP4 pack has one global scale per expert; a micro's column block must be whole scale
+blocks of the format); the forward then runs the `moe_quant` op.
 The output is this rank's partial sum; the caller all-reduces over the active TP group.
 """
 from __future__ import annotations
@@ -20,7 +23,8 @@ from torch import nn
 
 import kernels
 
-from engine.model.packed import PackFormat, QuantPack, packed_param, read_cols, read_gate_up, store, value
+from engine.model.packed import (PackFormat, QuantPack, check_micro_cols, packed_param, read_cols, read_gate_up, store,
+                                 value)
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
 
@@ -44,7 +48,8 @@ class MoE(nn.Module):
             f = {}
         self.gate = nn.Parameter(torch.empty(experts, hidden, dtype=torch.float32, device=device))
         self.w1 = packed_param((micros, experts, 2 * self.inter_micro, hidden), f.get("w1"), dtype, device, (experts,))
-        self.w2 = packed_param((micros, experts, hidden, self.inter_micro), f.get("w2"), dtype, device, (experts,))
+        check_micro_cols(f.get("w2"), self.inter_micro, "the expert down pack")
+        self.w2 = packed_param((experts, hidden, micros * self.inter_micro), f.get("w2"), dtype, device, (experts,))
         self.shared_w1 = (packed_param((micros, 2 * self.shared_micro, hidden), f.get("shared_w1"), dtype, device)
                           if shared_inter else None)
         self.shared_w2 = (packed_param((hidden, micros * self.shared_micro), f.get("shared_w2"), dtype, device)
@@ -65,9 +70,8 @@ class MoE(nn.Module):
         for e in range(self.experts):
             layer = f"{prefix}experts.{e}.gate_and_up_proj"
             store(self.w1, read_gate_up(ckpt, layer, self.inter, layout, dev), layer, (slice(None), e), e)
-            layer = f"{prefix}experts.{e}.down_proj"          # read as [H, micros * I_micro]
-            store(self.w2, read_cols(ckpt, layer, self.inter, layout, dev), layer, (slice(None), e), e,
-                  micro_cols=self.micros)
+            layer = f"{prefix}experts.{e}.down_proj"          # read as [H, micros * I_micro]: stored as is
+            store(self.w2, read_cols(ckpt, layer, self.inter, layout, dev), layer, e, e)
 
     def forward(self, x: torch.Tensor, view: PhaseView) -> torch.Tensor:
         """This rank's partial sum of the routed experts and the shared MLP over the active micros (the

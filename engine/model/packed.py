@@ -1,4 +1,4 @@
-"""The packed, micro-major layout of tensor-parallel weights, defined once: which slice of an official
+"""The packed per-micro layout of tensor-parallel weights, defined once: which slice of an official
 checkpoint tensor a storage shard keeps, how it is packed, and which part of it a phase uses.
 
 A dimension of size n split over the AR group (storage_size * micros logical ranks) gives each micro
@@ -6,8 +6,9 @@ n / logical_size; storage shard s keeps the contiguous block of its `micros` mic
 s * micros * (n / logical_size). Two packings:
 - rows (column-parallel weights: fused QKV by whole KV groups, gate/up, lm_head, expert gate/up):
   [micros, rows_per_micro, K]; a phase's micro range is a contiguous leading slice.
-- cols (row-parallel weights: o_proj, shared down): [N, micros * cols_per_micro], the micros' input
-  columns side by side; a phase's micro range is a column block.
+- cols (row-parallel weights: o_proj, shared down, expert down): [..., N, micros * cols_per_micro], the
+  micros' input columns side by side (an expert pack has the expert as its leading dim); a phase's
+  micro range is a column block.
 Gate/up pairs are checkpoint rows [x1 (I) ; x2 (I)]; a micro keeps [x1 block ; x2 block] of its slice,
 so SwiGLU stays local to the micro. The modules that own packed parameters read and view them only
 through these helpers.
@@ -21,8 +22,8 @@ quantizes itself (`--quantize fp8`, `Checkpoint.online`) comes back from the rea
 per output row of this shard's slice, quantized on the device it will live on.
 
 Resident quantized packs (CUDA): a packed weight may instead stay in its stored format, as a
-`QuantPack` (codes, scales and global scales as parameters, with the same micro-major leading dims and
-K columns of codes and scales), so a micro view is a slice of codes and scales (`micro_rows`,
+`QuantPack` (codes, scales and global scales as parameters, with the same leading dims and K columns
+of codes and scales), so a micro view is a slice of codes and scales (`micro_rows`,
 `micro_cols` return a `kernels.quant.QWeight` for it) and `linear` runs the quantized GEMM op of its
 format. `PackFormat` is a pack's kernel format; the load plan decides which packs stay quantized
 (engine/model/weights.py). `store` writes a read into either kind of parameter.
@@ -169,17 +170,12 @@ class QuantPack(nn.Module):
             q = QuantTensors(WeightFormat.FP8_CHANNEL, q.codes, q.scales.reshape(()).expand(*q.codes.shape[:-1], 1))
         return q
 
-    def fill(self, q: QuantTensors, layer: str, index=(), gindex=None, micro_rows: int | None = None,
-             micro_cols: int | None = None) -> None:
+    def fill(self, q: QuantTensors, layer: str, index=(), gindex=None, micro_rows: int | None = None) -> None:
         """Write a read of `layer` into [index] of the pack (see `store`); gindex: the global scale's."""
         q = self._conform(q, layer)
         codes, scales = q.codes, q.scales
         if micro_rows:
             codes, scales = (t.reshape(micro_rows, -1, t.shape[-1]) for t in (codes, scales))
-        if micro_cols:
-            codes = codes.view(codes.shape[0], micro_cols, -1).transpose(0, 1)
-            if self.format.fmt != "fp8":      # a per-channel scale is the same for every micro (broadcast)
-                scales = scales.view(scales.shape[0], micro_cols, -1).transpose(0, 1)
         self.codes[index].copy_(codes)
         self.scales[index].copy_(scales)
         if self.gscale is not None:
@@ -197,19 +193,25 @@ def packed_param(shape: tuple[int, ...], fmt: PackFormat | None, dtype, device, 
     return QuantPack(fmt, shape, gscale_lead, device)
 
 
-def store(target: Packed, q: QuantTensors, layer: str, index=(), gindex=None, micro_rows: int | None = None,
-          micro_cols: int | None = None) -> None:
+def check_micro_cols(fmt: PackFormat | None, per_micro: int, what: str) -> None:
+    """A cols-packed pack kept quantized: each micro's column block must be whole scale blocks of its
+    format (a phase's micro range is then a slice of codes and scales along K)."""
+    block = SCALE_BLOCK[fmt.fmt] if fmt is not None else None
+    if block and per_micro % block:
+        raise ValueError(f"{what}: {per_micro} input columns per micro are not a multiple of the {fmt.fmt} "
+                         f"scale block of {block}, so a micro's column block would cut the scale blocks")
+
+
+def store(target: Packed, q: QuantTensors, layer: str, index=(), gindex=None, micro_rows: int | None = None) -> None:
     """Write a read into target[index]: micro_rows=M: the read's rows are M micros one after another
-    (viewed [M, r, K]); micro_cols=M: its columns are M micros side by side (moved to a leading micro
-    dim). A float parameter receives the exact dequantization, a QuantPack the codes and scales."""
+    (viewed [M, r, K]); a cols-packed read ([N, micros * c]) is stored as it is. A float parameter
+    receives the exact dequantization, a QuantPack the codes and scales."""
     if isinstance(target, QuantPack):
-        target.fill(q, layer, index, gindex, micro_rows, micro_cols)
+        target.fill(q, layer, index, gindex, micro_rows)
         return
     d = dense(q, target.dtype, target.device)
     if micro_rows:
         d = d.view(micro_rows, -1, d.shape[-1])
-    if micro_cols:
-        d = d.view(d.shape[0], micro_cols, -1).transpose(0, 1)
     target[index].copy_(d)
 
 
