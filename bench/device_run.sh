@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep, evals4).
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep, evals4, w2, w2b).
 # Each section's log goes to $OUT/<section>.log; a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -53,6 +53,14 @@ for section in "$@"; do
       run eval_cuda_s3 200 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 20 --n-edit 200 --seed 3 --device cuda --json "$OUT/eval_cuda_s3.json" ;;
     evals4)    # a third sample of the edits (300), on CUDA with the fast paths
       run eval_cuda_s4 240 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 10 --n-edit 300 --seed 4 --device cuda --json "$OUT/eval_cuda_s4.json" ;;
+    w2)        # the cols-packed expert down pack: its GPU tests, the layout bench, one hybrid4 rank's tables
+      run w2_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe.py tests/test_kernels_quant.py tests/test_kernels_gemv.py
+      run grouped_layout 90 python3 bench/bench_grouped_layout.py
+      run seed_hybrid4 150 python3 bench/bench_seed_tables.py --plans hybrid4 --profile ;;
+    w2b)       # the engine's GPU tests, the one-GPU quantized builds, every plan's tables, a third edit sample
+      run w2b_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_quant_resident.py tests/test_kernels_decode_attention.py tests/test_kernels_sampling_topk.py tests/test_kernels_ops.py
+      run one_gpu 200 python3 bench/bench_one_gpu.py --builds mxfp4-distil,fp8-instruct,mxfp8-distil,nvfp4-distil --fp8-speedup
+      run seed_tables 150 python3 bench/bench_seed_tables.py ;;
     *) echo "unknown section $section" ;;
   esac
 done
