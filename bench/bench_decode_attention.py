@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels                                   # noqa: E402
 from kernels import decode_attention as da       # noqa: E402
+from graph_timing import graph_replay_ms         # noqa: E402
 
 FLOOR_GBS = 4300.0
 D = 128
@@ -75,29 +76,7 @@ def bench_time(fn) -> float:
 
 def graph_time(make_call, layers: int = 32) -> float:
     """us per call of `layers` calls replayed from one CUDA graph (each on its own layer's cache)."""
-    calls = [make_call(i) for i in range(layers)]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (5 * layers))
-    return sorted(times)[len(times) // 2]
+    return graph_replay_ms([make_call(i) for i in range(layers)]) * 1e3 / layers
 
 
 def time_shape(Hq: int, Hkv: int, L: int, dt: torch.dtype, device: str, layers: int = 32) -> list[dict]:

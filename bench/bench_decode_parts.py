@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels                                   # noqa: E402
 import kernels.quant as kq                       # noqa: E402
 from kernels import moe_quant, quant_gemv as qg  # noqa: E402
+from graph_timing import graph_replay_ms         # noqa: E402
 
 V, H, E, K, I = 133120, 4096, 64, 8, 3072
 LAYERS = 32
@@ -87,26 +88,7 @@ def _two_stage(x: torch.Tensor, k: int):
 
 def _graph_us(fn, calls: int = 20) -> float:
     """GPU microseconds per call of fn, captured `calls` times in one CUDA graph (no host launch cost)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[5] * 1e3 / calls
+    return graph_replay_ms([fn] * calls) * 1e3 / calls
 
 
 def _topk_logits(seed: int) -> dict[str, torch.Tensor]:
@@ -202,28 +184,9 @@ def moe_section() -> None:
         return y
 
     def timed(label: str) -> None:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(10):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        ms = sorted(times)[5]
+        ms = graph_replay_ms([step])
         us = ms * 1e3 / LAYERS
         print(f"  {label:<44}{us:8.1f} us/layer {nbytes / (us * 1e-6) / 1e9:7.0f} GB/s", flush=True)
-        del graph
 
     print(f"\nMoE decode layer (MXFP4 experts + MXFP8 shared, tp1, 1 token) x {LAYERS} in one graph, "
           f"{nbytes / 1e6:.0f} MB of weights a layer")
