@@ -164,27 +164,29 @@ class Attention(nn.Module):
             if sp.size > 1 or m is not None or batch.mask is not None:
                 raise ValueError("a device KV length is for an unmasked step without sequence parallelism")
             out = kernels.call("decode_attention", q, cache.k[layer], cache.v[layer], batch.kv_len_dev)
-            return linear(out.transpose(1, 2).reshape(B, T, kv * g * D), micro_cols(self.o_proj, view, self.micros))
-        keys = cache.k[layer][:, :, :batch.kv_len]
-        values = cache.v[layer][:, :, :batch.kv_len]
-        if m is None:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=g > 1)
         else:
-            # every row unmasked on the flash path, then the m causal rows again with their mask, written
-            # over the first m rows: no slice of q and no concatenated copy of the whole output
-            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=g > 1)
-            if m:
-                head = F.scaled_dot_product_attention(q[:, :, :m], keys, values, attn_mask=batch.mask,
-                                                      enable_gqa=g > 1)
-                if torch.is_grad_enabled():         # autograd keeps SDPA's output: never written in place
-                    out = torch.cat([head, out[:, :, m:]], dim=2)
-                else:
-                    out[:, :, :m] = head
+            out = self._attend(q, cache.k[layer][:, :, :batch.kv_len], cache.v[layer][:, :, :batch.kv_len], batch)
         if sp.size > 1 and view.sp_kind == "ulysses":
             flat = _heads_to_tokens(out, sp)
         else:
             flat = out.transpose(1, 2).reshape(B, T, kv * g * D)
         return linear(flat, micro_cols(self.o_proj, view, self.micros))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
+        """SDPA of q over the cache's first kv_len keys, under the batch's mask."""
+        gqa, m = self.group > 1, batch.masked_rows
+        if m is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=gqa)
+        # every row unmasked on the flash path, then the m causal rows again with their mask, written
+        # over the first m rows: no slice of q and no concatenated copy of the whole output
+        out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
+        if m:
+            head = F.scaled_dot_product_attention(q[:, :, :m], keys, values, attn_mask=batch.mask, enable_gqa=gqa)
+            if torch.is_grad_enabled():         # autograd keeps SDPA's output: never written in place
+                out = torch.cat([head, out[:, :, m:]], dim=2)
+            else:
+                out[:, :, :m] = head
+        return out
 
 
 def _seq_to_heads(t: torch.Tensor, sp) -> torch.Tensor:
