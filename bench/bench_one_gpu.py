@@ -42,6 +42,7 @@ from engine.model.packed import PackFormat, QuantPack            # noqa: E402
 from engine.parallel.layout import PhaseView                     # noqa: E402
 from engine.parallel.plan import ParallelPlan, get_plan          # noqa: E402
 from engine.runtime.decode_step import DecodeStep                # noqa: E402
+from engine.runtime.prefill_step import PrefillStep              # noqa: E402
 from engine.runtime.denoise import DenoiseRunner, denoise        # noqa: E402
 from engine.runtime.handoff import cache_heads                   # noqa: E402
 from engine.spec.config import ModelConfig                       # noqa: E402
@@ -134,13 +135,11 @@ class Request:
         self.cache = KVCache.allocate(cfg.num_layers, 1, kvr, self.n, cfg.head_dim, model.dtype, DEV)
         self.ids = torch.randint(0, VOCAB, (1, PREFILL), device=DEV)
         self.step = DecodeStep(model, self.pos, self.blocks, self.cache, self.view, use_graph=True)
+        self.prefill_step = PrefillStep(model, self.cache, self.view, use_graph=True)
         self.gen = torch.Generator(DEV).manual_seed(0)
 
     def prefill(self) -> torch.Tensor:
-        m = self.model
-        h = m.backbone(m.transformer.embed(self.ids), torch.arange(PREFILL, device=DEV), self.pos, self.blocks,
-                       self.cache, PREFILL, self.view)
-        return m.transformer.logits(h[:, -1], self.view)
+        return self.prefill_step(self.model.transformer.embed(self.ids), self.pos, self.blocks)
 
     def decode(self, tokens: int) -> list[float]:
         """`tokens` forced decode steps (graph replay, sample op, one host read each): ms per token."""

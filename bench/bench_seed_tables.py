@@ -4,7 +4,7 @@ shapes (`bench/instruct_config.json`) with random bf16 weights, on ONE GPU.
     python bench/bench_seed_tables.py [--plans hybrid4,tp4,tp2sp2,tp2cfg2] [--steps 3] [--decode 48]
 
 Each plan builds rank 0's resident shard and runs that rank's exact work through the engine's own code
-(the backbone prefill, `DecodeStep` graph replays + the `sample` op, `DenoiseRunner.prefill` and its
+(the `PrefillStep` prefill, a CUDA graph per length bucket, `DecodeStep` graph replays + the `sample` op, `DenoiseRunner.prefill` and its
 steps, the VAE decode), with every collective replaced by `FakeComm`: shapes kept, nothing moved.
 Every figure is therefore COMPUTE ONLY, FOR ONE RANK, WITHOUT COMMUNICATION.
 
@@ -34,6 +34,7 @@ from engine.model.hunyuan import HunyuanImage3                  # noqa: E402
 from engine.parallel.layout import Comm, PhaseView              # noqa: E402
 from engine.parallel.plan import ParallelPlan, get_plan          # noqa: E402
 from engine.runtime.decode_step import DecodeStep                # noqa: E402
+from engine.runtime.prefill_step import GRAIN, PrefillStep       # noqa: E402
 from engine.runtime.denoise import DenoiseRunner                 # noqa: E402
 from engine.runtime.handoff import cache_heads                   # noqa: E402
 from engine.runtime.sequence import GenImageSpan, Sequence       # noqa: E402
@@ -91,29 +92,38 @@ def text_positions(n: int, block: tuple[int, int] | None = None):
 
 
 def ar_phase(model: HunyuanImage3, view: PhaseView, prefill: int, cot: int, ref: int, decode_n: int) -> dict:
+    """The prefill through the engine's `PrefillStep` (a CUDA graph per length bucket where the prompt is
+    short enough; the plain forward's eager time printed beside it), then `decode_n` graph decode steps."""
     cfg = model.cfg
     kvr = model.transformer.layers[0].self_attn.kv_per_micro
-    n = prefill + decode_n + 8
+    n = prefill + max(decode_n, GRAIN) + 8           # room for the prefill's bucket and the decode steps
     pos, blocks = text_positions(n, (8, 8 + ref) if ref else None)
     cache = KVCache.allocate(cfg.num_layers, 1, kvr, n, cfg.head_dim, model.dtype, DEV)
     ids = torch.randint(0, min(120000, model.cfg.vocab_size), (1, prefill), device=DEV)
-    index = torch.arange(prefill, device=DEV)
+    graphed = PrefillStep(model, cache, view, use_graph=True)
+    plain = PrefillStep(model, cache, view, padded=False)
 
-    def run_prefill():
-        h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, prefill, view)
-        return model.transformer.logits(h[:, -1], view)
-    prefill_ms = median_ms(run_prefill, 3)
-    enqueue = []              # host time to issue the prefill's kernels: close to prefill_ms = launch-bound
-    for _ in range(3):
+    def timed(step: PrefillStep) -> tuple[float, float]:
+        """(median wall ms, median host ms to issue it) of the prefill through `step`."""
+        def run():
+            return step(model.transformer.embed(ids), pos, blocks)
+        wall = median_ms(run, 3)
+        enqueue = []
+        for _ in range(3):
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            enqueue.append((time.perf_counter() - t0) * 1e3)
         if DEV == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run_prefill()
-        enqueue.append((time.perf_counter() - t0) * 1e3)
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-    print(f"prefill of {prefill} tokens: {prefill_ms:.1f} ms, of which host enqueue {sorted(enqueue)[1]:.1f} ms",
-          flush=True)
+        return wall, sorted(enqueue)[1]
+    eager_ms, eager_enqueue = timed(plain)
+    prefill_ms, enqueue = timed(graphed)
+    b = graphed.bucket(prefill)
+    how = f"graph of bucket {b}" if b in graphed.graphs else "eager (no graph for this length)"
+    print(f"prefill of {prefill} tokens: {prefill_ms:.1f} ms ({how}; host enqueue {enqueue:.1f} ms); the plain "
+          f"eager forward {eager_ms:.1f} ms, of which host enqueue {eager_enqueue:.1f} ms", flush=True)
     step = DecodeStep(model, pos, blocks, cache, view, use_graph=True)
     gen = torch.Generator(DEV).manual_seed(0)
     token = 0
@@ -124,7 +134,8 @@ def ar_phase(model: HunyuanImage3, view: PhaseView, prefill: int, cot: int, ref:
         token = int(kernels.call("sample", logits, 0.6, 1024, 0.95, gen, False, None)) % min(120000, cfg.vocab_size)
         times.append((time.perf_counter() - t0) * 1e3)
     per_token = sorted(times[4:])[len(times[4:]) // 2]
-    return {"prefill_ms": prefill_ms, "prefill_enqueue_ms": sorted(enqueue)[1], "ms_per_token": per_token, "graph": step.graph is not None,
+    return {"prefill_ms": prefill_ms, "prefill_enqueue_ms": enqueue, "prefill_eager_ms": eager_ms,
+            "prefill_graph": b in graphed.graphs, "ms_per_token": per_token, "graph": step.graph is not None,
             "tokens": cot, "decode_s": cot * per_token / 1e3}
 
 

@@ -91,8 +91,9 @@ def _run_text(lm, graph: bool, monkeypatch, **kw):
     """A real request (reasoning + image) with graph decode on or off; returns (text, png, captured)."""
     from engine.runtime.decode_step import DecodeStep
     from engine.runtime.denoise import DenoiseRunner
+    from engine.runtime.prefill_step import PrefillStep
     captured = []
-    orig, orig_dn = DecodeStep._capture, DenoiseRunner._capture
+    orig, orig_dn, orig_pf = DecodeStep._capture, DenoiseRunner._capture, PrefillStep._capture
 
     def recording(self):
         orig(self)
@@ -101,11 +102,16 @@ def _run_text(lm, graph: bool, monkeypatch, **kw):
     def recording_dn(self, *a):
         orig_dn(self, *a)
         captured.append(("denoise", self._graph is not None))
+    def recording_pf(self, b):
+        orig_pf(self, b)
+        captured.append(("prefill", b in self.graphs))
     monkeypatch.setattr(DecodeStep, "_capture", recording)
     monkeypatch.setattr(DenoiseRunner, "_capture", recording_dn)
+    monkeypatch.setattr(PrefillStep, "_capture", recording_pf)
     ev = list(Pipeline(lm, preview_every=0, cuda_graph=graph).run(Request(**kw)))
     monkeypatch.setattr(DecodeStep, "_capture", orig)
     monkeypatch.setattr(DenoiseRunner, "_capture", orig_dn)
+    monkeypatch.setattr(PrefillStep, "_capture", orig_pf)
     errors = [e for e in ev if isinstance(e, Error)]
     assert not errors, errors
     img = next(e for e in ev if isinstance(e, Image))
@@ -115,8 +121,9 @@ def _run_text(lm, graph: bool, monkeypatch, **kw):
 @pytest.mark.parametrize("which,dtype", [("tiny", torch.bfloat16), ("embedded", torch.bfloat16),
                                          ("tiny", torch.float32)])
 def test_cuda_graph_decode_equals_eager(tiny_dir, which, dtype, monkeypatch):
-    """Graph decode gives the eager tokens, token for token, over a whole request (sampled, 64 new tokens
-    at most), and the graph really ran (bf16: capture must succeed; fp32 reports whether it could)."""
+    """Graph prefill and decode give the eager tokens, token for token, over a whole request (sampled, 64
+    new tokens at most), and the graphs really ran (bf16: capture must succeed; fp32 reports whether it
+    could)."""
     from engine import EMBEDDED_MODEL
     lm = load(tiny_dir if which == "tiny" else EMBEDDED_MODEL, "cuda", dtype)
     kw = dict(prompt="two red circles and a blue star", bot_task="think_recaption", max_new_tokens=64,
@@ -127,7 +134,7 @@ def test_cuda_graph_decode_equals_eager(tiny_dir, which, dtype, monkeypatch):
           f"{eager[3].ar_ms_per_token:.2f} ms/token, graph {graph[3].ar_ms_per_token:.2f} ms/token")
     assert eager[2] == []                             # graphs off: nothing captured
     if dtype == torch.bfloat16:
-        assert graph[2] == [True, ("denoise", True)], f"a graph was not captured: {graph[2]}"
+        assert graph[2] == [("prefill", True), True, ("denoise", True)], f"a graph was not captured: {graph[2]}"
     assert graph[3].ar_tokens >= 8 and graph[0] == eager[0]
     assert graph[1] == eager[1]             # the same CoT, graph denoise steps or eager: the same image bytes
 
@@ -145,16 +152,23 @@ def test_same_seed_same_image_twice_on_cuda(tiny_dir, which, monkeypatch):
 
 def test_decode_graph_captured_once_for_many_requests(tiny_dir, monkeypatch):
     """The AR decode graph lives with the pipeline's KV pool: captured at the first request, replayed by
-    the next ones (which fit the pool), and a request on the reused pool gives a fresh pipeline's bytes."""
+    the next ones (which fit the pool), and a request on the reused pool gives a fresh pipeline's bytes.
+    The prefill graphs live there too: one capture per prompt-length bucket, never twice."""
     from engine.runtime.decode_step import DecodeStep
+    from engine.runtime.prefill_step import PrefillStep
     lm = load(tiny_dir, "cuda", torch.bfloat16)
-    captures = []
-    orig = DecodeStep._capture
+    captures, buckets = [], []
+    orig, orig_pf = DecodeStep._capture, PrefillStep._capture
 
     def recording(self):
         orig(self)
         captures.append(self.graph is not None)
+
+    def recording_pf(self, b):
+        orig_pf(self, b)
+        buckets.append((b, b in self.graphs))
     monkeypatch.setattr(DecodeStep, "_capture", recording)
+    monkeypatch.setattr(PrefillStep, "_capture", recording_pf)
     p = Pipeline(lm, preview_every=0)
     first = dict(prompt="three blue triangles on white", bot_task="think_recaption", max_new_tokens=40, steps=3,
                  seed=2)
@@ -162,6 +176,35 @@ def test_decode_graph_captured_once_for_many_requests(tiny_dir, monkeypatch):
     outcome(list(p.run(Request(**first))))
     got = outcome(list(p.run(Request(**second))))
     assert captures == [True], f"the decode graph was captured {captures}, not once"
+    assert buckets and all(ok for _, ok in buckets) and len({b for b, _ in buckets}) == len(buckets), buckets
     fresh = outcome(list(Pipeline(lm, preview_every=0).run(Request(**second))))
     assert got[0] == fresh[0] and np.array_equal(got[1], fresh[1])
     assert p._kv.allocations == 1
+
+
+def test_prefill_graph_replays_equal_eager_per_bucket(tiny_dir):
+    """Prefill graphs: one per length bucket, replayed for any prompt of that bucket with that prompt's own
+    values (two lengths in one bucket, one in the next), bitwise equal to the eager padded prefill, and
+    the eager padded prefill equal to the plain forward up to bf16 rounding."""
+    from engine.model.attention import KVCache
+    from engine.runtime.prefill_step import GRAIN, PrefillStep
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    model, cfg, view = lm.model, lm.cfg, PhaseView()
+    n = 3 * GRAIN
+    pos = torch.arange(n, device="cuda").unsqueeze(1).repeat(1, 2)
+    blocks = torch.full((n,), -1, device="cuda")
+
+    def fresh():
+        return KVCache.allocate(cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim, model.dtype, "cuda")
+    graph = PrefillStep(model, fresh(), view, use_graph=True)
+    eager, plain = PrefillStep(model, fresh(), view), PrefillStep(model, fresh(), view, padded=False)
+    assert graph.use_graph and not eager.use_graph
+    with torch.no_grad():
+        for L in (GRAIN - 30, GRAIN - 3, GRAIN + 5):
+            emb = model.transformer.embed(torch.randint(0, 1000, (1, L), device="cuda"))
+            g, e, p = (s(emb, pos, blocks).clone() for s in (graph, eager, plain))
+            assert torch.equal(g, e), L
+            assert (e - p).abs().max().item() <= 0.05 * p.abs().max().item(), L
+            for a, b in zip(graph.cache.k + graph.cache.v, eager.cache.k + eager.cache.v):
+                assert torch.equal(a[:, :, :L], b[:, :, :L])
+    assert sorted(graph.graphs) == [GRAIN, 2 * GRAIN] and not graph.failed

@@ -1,5 +1,5 @@
-"""The pipeline's KV pool: one cache allocation and one AR decode step (on CUDA: one captured graph)
-serve every request that fits, and a request on a reused pool gives what it gives on a fresh pipeline."""
+"""The pipeline's KV pool: one cache allocation, one AR prefill step and one AR decode step (on CUDA:
+their captured graphs) serve every request that fits, and a request on a reused pool gives what it gives on a fresh pipeline."""
 from __future__ import annotations
 
 from engine.runtime.events import Error, Image, Text
@@ -21,11 +21,11 @@ def test_a_reused_pool_gives_a_fresh_pipelines_result(tiny):
     reused = Pipeline(tiny, preview_every=0)
     _run(reused, A)
     pool = reused._kv
-    step = next(iter(pool.steps.values()))
+    steps = list(pool.steps.values())
     got = _run(reused, B)                       # B runs over what A left in the cache
     assert got == _run(Pipeline(tiny, preview_every=0), B)
     assert pool is reused._kv and pool.allocations == 1
-    assert list(pool.steps.values()) == [step]   # the same decode step (its graph, on CUDA) for both
+    assert list(pool.steps.values()) == steps and len(steps) == 2   # the same prefill and decode steps (graphs)
 
 
 def test_the_pool_grows_for_a_longer_request(tiny):

@@ -205,3 +205,39 @@ def test_per_token_time_counts_sampled_tokens_only(tiny):
     line = Timings(ar_tokens=res.sampled, ar_forced=forced, ar_ms_per_token=2.0, ar_prefill_ms=5).summary()
     assert "x 6 sampled tokens + 4 forced" in line
     assert "1 tokens" not in Timings(ar_tokens=1, ar_prefill_ms=5).summary()     # reasoning off: one choice
+
+
+def test_padded_prefill_equals_plain(tiny):
+    """On CUDA a short prompt's prefill runs padded to its length bucket (the shape its graph captures).
+    The padding must be invisible: the same logits, the same K/V of the prompt, the same decode after it,
+    even where the blocks given for the positions after the prompt would join the prompt's last
+    full-attention block (the padding is made causal)."""
+    from engine.runtime.decode_step import DecodeStep
+    from engine.runtime.prefill_step import GRAIN, PrefillStep
+    model, tok = tiny.model, tiny.tok
+    seq = text_phase_sequence(tok, "", "a small green triangle above a red square", [], "think", 256)
+    L = len(seq)
+    T = seq.tensors(length=L + GRAIN + 8)
+    blocks = T["blocks"].clone()
+    blocks[L - 4:L + 12] = 7          # a full-attention block ending the prompt, "continued" past it
+    view = PhaseView()
+    emb = model.transformer.embed(T["ids"][None, :L])
+    runs = []
+    with torch.no_grad():
+        for padded in (False, True):
+            cache = _cache(tiny, L + GRAIN + 8)
+            prefill = PrefillStep(model, cache, view, padded=padded)
+            assert prefill.bucket(L) == (-(-L // GRAIN) * GRAIN if padded else None)
+            if padded:       # what an earlier, longer prompt with a block there leaves in the static buffers
+                prefill.blocks.fill_(7)
+                prefill.emb.normal_()
+            logits = [prefill(emb, T["pos"], blocks)]
+            step = DecodeStep(model, T["pos"], blocks, cache, view)
+            for s, t in enumerate(tok.encode(" blue circle")):
+                logits.append(step(t, L + s))
+            runs.append((torch.stack(logits), cache))
+    (plain, c0), (pad, c1) = runs
+    assert (plain - pad).abs().max().item() <= 1e-4
+    for a, b in zip(c0.k + c0.v, c1.k + c1.v):
+        assert (a[:, :, :L + 2] - b[:, :, :L + 2]).abs().max().item() <= 1e-5
+    assert not torch.equal(plain[0], plain[1])           # the steps really moved on

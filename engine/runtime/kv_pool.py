@@ -19,6 +19,7 @@ from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import PhaseView
 from engine.runtime.decode_step import DecodeStep
+from engine.runtime.prefill_step import PrefillStep
 
 GRAIN = 1024            # positions are allocated in multiples of this (fewer regrowths, fewer captures)
 
@@ -29,7 +30,7 @@ class KVPool:
         self.cache: KVCache | None = None
         self.pos: torch.Tensor | None = None          # [length, 2] positions the decode step reads
         self.blocks: torch.Tensor | None = None       # [length] full-attention block ids (masked steps)
-        self.steps: dict[tuple, DecodeStep] = {}
+        self.steps: dict[tuple, DecodeStep | PrefillStep] = {}
         self.allocations = 0                          # how often storage was (re)allocated (tests)
 
     @property
@@ -66,4 +67,11 @@ class KVPool:
         if key not in self.steps:
             self.steps[key] = DecodeStep(self.model, self.pos, self.blocks,
                                          self.cache.rows(slice(0, 1)).heads(ar_heads), view, use_graph)
+        return self.steps[key]
+
+    def prefill_step(self, ar_heads: slice, view: PhaseView, use_graph: bool) -> PrefillStep:
+        """The AR prefill over row 0's `ar_heads`, made once per pool storage (its graphs per bucket)."""
+        key = ("prefill", ar_heads.start, ar_heads.stop, id(view), use_graph)
+        if key not in self.steps:
+            self.steps[key] = PrefillStep(self.model, self.cache.rows(slice(0, 1)).heads(ar_heads), view, use_graph)
         return self.steps[key]

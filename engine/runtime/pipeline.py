@@ -146,9 +146,10 @@ class Pipeline:
             T = ar_seq.tensors(dev, length=cache.max_len)     # positions for every cache slot
             emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
             step = self._kv.decode_step(heads.ar, T["pos"], T["blocks"], rt.ar, self.cuda_graph)
+            prefill = self._kv.prefill_step(heads.ar, rt.ar, self.cuda_graph)
             for ev in generate_text(model, tok, emb, T["pos"], T["blocks"], cache.rows(slice(0, 1)).heads(heads.ar),
                                     plan, p.sampling, text_gen, max_new, rt.ar,
-                                    cancelled, agree, use_graph=self.cuda_graph, step=step):
+                                    cancelled, agree, use_graph=self.cuda_graph, step=step, prefill=prefill):
                 if isinstance(ev, TextResult):
                     text_res = ev
                 else:

@@ -22,6 +22,7 @@ from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import PhaseView
 from engine.runtime.decode_step import DecodeStep
+from engine.runtime.prefill_step import PrefillStep
 from engine.runtime.events import Text
 from engine.runtime.sampling import SamplingParams, choose
 from engine.spec.tokenizer import SpecialIds, TextStream, Tokenizer
@@ -101,14 +102,16 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
                   generator: torch.Generator | None, max_new_tokens: int, view: PhaseView,
                   cancelled: Callable[[], bool] = lambda: False,
                   agree: Callable[[int, bool], tuple[int, bool]] = lambda t, c: (t, c),
-                  use_graph: bool = False, step: DecodeStep | None = None) -> Iterator[Text | TextResult]:
+                  use_graph: bool = False, step: DecodeStep | None = None,
+                  prefill: PrefillStep | None = None) -> Iterator[Text | TextResult]:
     """Yields Text events as tokens are produced, then the TextResult.
 
     prompt_embeds [1, L, H] are the embedded prompt (images already instantiated); pos/blocks describe
     the prompt plus room for max_new_tokens generated tokens; `cache` holds at least that many slots.
     `agree(token, cancel)` makes every rank continue with rank 0's token and cancel decision.
-    Single-token steps go through `DecodeStep` (a CUDA graph on GPUs with `use_graph`): `step`, one kept
-    across requests over the same storage (engine/runtime/kv_pool.py), or one made for this request.
+    The prompt's forward goes through `PrefillStep` and single-token steps through `DecodeStep` (CUDA
+    graphs on GPUs with `use_graph`): `prefill` and `step`, kept across requests over the same storage
+    (engine/runtime/kv_pool.py), or made for this request.
     """
     dev = prompt_embeds.device
     L = prompt_embeds.shape[1]
@@ -121,10 +124,10 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
     allowed_ratio = torch.tensor(tok.special.ratio, device=dev)
     done_transitions: set[int] = set()
     step = step or DecodeStep(model, pos, blocks, cache, view, use_graph)
+    prefill = prefill or PrefillStep(model, cache, view, use_graph)
 
     t0 = time.perf_counter()
-    h = model.backbone(prompt_embeds, torch.arange(L, device=dev), pos, blocks, cache, L, view)
-    logits = model.transformer.logits(h[:, -1], view)[0]
+    logits = prefill(prompt_embeds, pos, blocks)
     # the one-step ratio pass starts right after `<img_size_B>` (the end of its prompt)
     fed, t_first = L, None
     last = plan.ratio_trigger if plan.first_task == "img_ratio" else None

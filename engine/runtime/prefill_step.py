@@ -1,0 +1,103 @@
+"""The AR prefill: the prompt's forward -> the logits of its last token.
+
+A short prompt's prefill is host-bound on a GPU: a T2I prompt of ~1250 tokens needs ~25 ms of kernels
+but ~30-60 ms to issue them from Python (32 layers of norms, RoPE, routing, grouped GEMMs). On CUDA a
+prompt of at most GRAPH_MAX tokens therefore runs padded to a length bucket (a multiple of GRAIN) over
+static buffers, and with graphs on each bucket is captured once and replayed: the prefill then costs
+its kernels' time. Padding rows sit after the prompt, are causal (block -1) and so invisible to every
+prompt row; they write K/V at positions [L, bucket), which the decode steps overwrite before any query
+reads them (each step writes its own position first). The eager CUDA prefill of such a prompt runs the
+very same padded forward, so graph and eager give the same tokens. Longer prompts (a TI2I prompt with
+reference images: GPU-bound) and the CPU run the plain forward of exactly the prompt.
+
+Graphs of every bucket share one memory pool: they never run at once, and each replay's logits are
+read before the next replay.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from engine.model.attention import KVCache
+from engine.model.hunyuan import HunyuanImage3
+from engine.parallel.layout import PhaseView, graph_safe
+
+GRAIN = 128            # bucket lengths: multiples of this (at most GRAIN - 1 padding rows)
+GRAPH_MAX = 2048       # longer prompts are GPU-bound (their kernels outlast issuing them): no padding
+
+
+class PrefillStep:
+    def __init__(self, model: HunyuanImage3, cache: KVCache, view: PhaseView, use_graph: bool = False,
+                 padded: bool | None = None):
+        """`padded`: run short prompts at their bucket (default: on CUDA; tests set it on the CPU)."""
+        self.model, self.cache, self.view = model, cache, view
+        dev = model.device
+        self.padded = dev.type == "cuda" if padded is None else padded
+        self.use_graph = use_graph and dev.type == "cuda" and self.padded and graph_safe(view.tp, view.sp)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: set[int] = set()          # buckets whose capture failed: they run eagerly
+        self._pool = None
+        if self.padded:
+            n = min(GRAPH_MAX, cache.max_len)
+            self.emb = torch.zeros(1, n, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+            self.pos = torch.zeros(n, 2, dtype=torch.long, device=dev)
+            self.blocks = torch.full((n,), -1, dtype=torch.long, device=dev)
+            self.index = torch.arange(n, device=dev)
+            self.last = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def bucket(self, length: int) -> int | None:
+        """The padded length a prompt of `length` tokens runs at, or None for the plain forward."""
+        if not self.padded or length > GRAPH_MAX:
+            return None
+        b = -(-length // GRAIN) * GRAIN
+        return b if b <= self.emb.shape[1] else None
+
+    def __call__(self, embeds: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """embeds [1, L, H] of the prompt at sequence indices [0, L); pos [>=L, 2] and blocks [>=L] describe
+        the sequence. Writes the prompt's K/V at [0, L) of the cache; returns fp32 logits [vocab]."""
+        L = embeds.shape[1]
+        b = self.bucket(L)
+        if b is None:
+            m = self.model
+            h = m.backbone(embeds, torch.arange(L, device=embeds.device), pos, blocks, self.cache, L, self.view)
+            return m.transformer.logits(h[:, -1], self.view)[0]
+        self.emb[:, :L].copy_(embeds)
+        self.emb[:, L:b].zero_()
+        self.pos[:L].copy_(pos[:L])
+        self.blocks[:L].copy_(blocks[:L])
+        self.blocks[L:b].fill_(-1)            # padding is causal: no prompt row sees it
+        self.last.fill_(L - 1)
+        if self.use_graph and b not in self.graphs and b not in self.failed:
+            self._capture(b)
+        if b in self.graphs:
+            graph, logits = self.graphs[b]
+            graph.replay()
+            return logits
+        return self._forward(b)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The bucket's forward over the static buffers (what a graph captures)."""
+        m = self.model
+        h = m.backbone(self.emb[:, :b], self.index[:b], self.pos, self.blocks, self.cache, b, self.view)
+        return m.transformer.logits(h.index_select(1, self.last)[:, 0], self.view)[0]
+
+    def _capture(self, b: int) -> None:
+        """Warm up on a side stream, then capture bucket b. On any failure that bucket runs eagerly:
+        capture is an optimisation, never a reason to fail a request."""
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(b)
+            torch.cuda.current_stream().wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._forward(b)
+            self.graphs[b] = (graph, logits)
+        except Exception as e:  # noqa: BLE001
+            print(f"engine: CUDA-graph prefill of {b} tokens unavailable ({type(e).__name__}: {e}); running "
+                  f"it eagerly", file=sys.stderr)
+            self.failed.add(b)
