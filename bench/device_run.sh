@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep, evals4, w2, w2b).
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep, evals4, w2, w2b, pf).
 # Each section's log goes to $OUT/<section>.log; a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -61,6 +61,9 @@ for section in "$@"; do
       run w2b_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_quant_resident.py tests/test_kernels_decode_attention.py tests/test_kernels_sampling_topk.py tests/test_kernels_ops.py
       run one_gpu 200 python3 bench/bench_one_gpu.py --builds mxfp4-distil,fp8-instruct,mxfp8-distil,nvfp4-distil --fp8-speedup
       run seed_tables 150 python3 bench/bench_seed_tables.py ;;
+    pf)        # the prefill graphs: the engine's GPU tests, then hybrid4's tables with the profile
+      run pf_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_kernels_moe.py
+      run seed_hybrid4 150 python3 bench/bench_seed_tables.py --plans hybrid4 --profile ;;
     *) echo "unknown section $section" ;;
   esac
 done
