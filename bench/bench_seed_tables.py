@@ -48,13 +48,18 @@ STEPS, SIDE = 50, 64                               # 1024x1024 image: 64x64 late
 
 
 class FakeComm(Comm):
-    """A group of `size` ranks whose collectives return the right shapes and cost nothing."""
+    """A group of `size` ranks whose collectives return the right shapes and move nothing. What the real
+    group does on the rank itself stays: the all-to-all makes its send buffer contiguous first, as NCCL
+    needs it (engine/parallel/groups.py), and returns a contiguous result, as NCCL writes it."""
 
     def __init__(self, size: int):
         self.size, self.rank = size, 0
 
     def all_gather(self, t, dim):
         return torch.cat([t] * self.size, dim=dim) if self.size > 1 else t
+
+    def all_to_all(self, t):
+        return t.contiguous() if self.size > 1 else t
 
 
 DEV = "cuda"

@@ -6,6 +6,10 @@ heads, then k, then v (the checkpoint's per-group packing). Semantics are the en
 rotate-half RoPE in fp32 (a `qkv`-dtype tensor times fp32 cos/sin promotes), then RMSNorm of the fp32
 rotated head (normalised in fp32; its weight multiply happens in fp32, the norm's input dtype), then
 rounded to the dtype of `qkv`. v passes through unchanged.
+
+`parts` > 1 (Ulysses sequence parallelism over `parts` ranks) returns q, k and v already in the layout the
+heads exchange sends, [parts, B, h / parts, T, D] with part r holding heads [r*h/parts, (r+1)*h/parts):
+contiguous, so the all-to-all needs no copy of them first.
 """
 from __future__ import annotations
 
@@ -30,14 +34,30 @@ def _split(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return q, qkv[:, :, :, g].transpose(1, 2), qkv[:, :, :, g + 1].transpose(1, 2)
 
 
+def _check_parts(qkv: torch.Tensor, parts: int) -> None:
+    if parts < 1 or qkv.shape[2] % parts:
+        raise ValueError(f"rope_qk_norm: {qkv.shape[2]} KV heads do not split into {parts} parts")
+
+
+def _in_parts(t: torch.Tensor, parts: int) -> torch.Tensor:
+    """[B, h, T, D] -> [parts, B, h/parts, T, D], contiguous (parts 1: unchanged)."""
+    if parts == 1:
+        return t
+    B, h, T, D = t.shape
+    return t.reshape(B, parts, h // parts, T, D).transpose(0, 1).contiguous()
+
+
 @reference("rope_qk_norm")
 def rope_qk_norm_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
-                     k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [B, T, kv, g+2, D] -> q [B, kv*g, T, D], k [B, kv, T, D], v [B, kv, T, D] in qkv's dtype."""
+                     k_weight: torch.Tensor, eps: float,
+                     parts: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [B, T, kv, g+2, D] -> q [B, kv*g, T, D], k [B, kv, T, D], v [B, kv, T, D] in qkv's dtype (each
+    [parts, B, heads/parts, T, D] for parts > 1)."""
+    _check_parts(qkv, parts)
     q, k, v = _split(qkv)
     q = rms_norm_ref(_apply_rope(q, cos, sin), q_weight, eps).to(qkv.dtype)
     k = rms_norm_ref(_apply_rope(k, cos, sin), k_weight, eps).to(qkv.dtype)
-    return q, k, v.to(qkv.dtype)
+    return _in_parts(q, parts), _in_parts(k, parts), _in_parts(v.to(qkv.dtype), parts)
 
 
 @reference("rope_qk_norm_cache")
@@ -55,7 +75,7 @@ def rope_qk_norm_cache_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 if HAS_TRITON:
     @triton.jit
     def _rope_qk_norm_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, index_ptr,
-                             T, KV, stride_xb, stride_xt, stride_ct, stride_st,
+                             B, T, KV, KV_P, stride_xb, stride_xt, stride_ct, stride_st,
                              stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, eps,
                              G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, INDEXED: tl.constexpr):
         # one program: one token (b, t) and BLOCK_R of its kv * (G + 2) head rows, in qkv's memory order
@@ -90,22 +110,25 @@ if HAS_TRITON:
         y1 = (w1 * (r1 * rstd)).to(x1.dtype)
         y2 = (w2 * (r2 * rstd)).to(x1.dtype)
 
-        # q: [B, KV * G, T, D] contiguous
-        qh = kvh * G + j
-        dst_q = q_ptr + ((b * (KV * G) + qh) * T + t)[:, None] * D + d[None, :]
+        # q: [parts, B, KV_P * G, T, D] contiguous (KV_P = KV / parts KV heads a part; parts 1: [B, KV * G, T, D])
+        part = kvh // KV_P
+        kvc = kvh % KV_P
+        dst_q = q_ptr + (((part * B + b) * (KV_P * G) + kvc * G + j) * T + t)[:, None] * D + d[None, :]
         mq = m2 & is_q
         tl.store(dst_q, y1, mask=mq)
         tl.store(dst_q + HALF, y2, mask=mq)
-        # k and v: fresh [B, KV, T, D] or the cache at the token's sequence index
+        # k and v: the cache at the token's sequence index, or fresh [parts, B, KV_P, T, D] as q
         if INDEXED:
             pos = tl.load(index_ptr + t).to(tl.int64)
+            dst_k = k_ptr + b * stride_kb + (kvh * stride_kh + pos * stride_kt)[:, None] + d[None, :]
+            dst_v = v_ptr + b * stride_vb + (kvh * stride_vh + pos * stride_vt)[:, None] + d[None, :]
         else:
-            pos = t
-        dst_k = k_ptr + b * stride_kb + (kvh * stride_kh + pos * stride_kt)[:, None] + d[None, :]
+            fresh = (((part * B + b) * KV_P + kvc) * T + t)[:, None] * D + d[None, :]
+            dst_k = k_ptr + fresh
+            dst_v = v_ptr + fresh
         mk = m2 & (j == G)[:, None]
         tl.store(dst_k, y1, mask=mk)
         tl.store(dst_k + HALF, y2, mask=mk)
-        dst_v = v_ptr + b * stride_vb + (kvh * stride_vh + pos * stride_vt)[:, None] + d[None, :]
         mv = m2 & (j == G + 1)[:, None]
         tl.store(dst_v, x1, mask=mv)
         tl.store(dst_v + HALF, x2, mask=mv)
@@ -128,33 +151,37 @@ def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _launch(qkv, cos, sin, q_weight, k_weight, eps, k_out, v_out, index) -> torch.Tensor:
+def _launch(qkv, cos, sin, q_weight, k_weight, eps, k_out, v_out, index, parts: int = 1) -> torch.Tensor:
+    """k_out/v_out: the cache (index given) or fresh contiguous [parts, B, kv/parts, T, D] buffers."""
     qkv = _inner_contiguous(qkv)
     B, T, kv, g2, D = qkv.shape
     g = g2 - 2
     cos, sin = (c if c.stride(-1) == 1 else c.contiguous() for c in (cos, sin))
-    q = torch.empty(B, kv * g, T, D, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(*((parts,) if parts > 1 else ()), B, kv * g // parts, T, D, dtype=qkv.dtype, device=qkv.device)
     rows = kv * g2
     block_r = min(next_pow2(rows), max(1, 2048 // D))
     if B * T:
         _rope_qk_norm_kernel[(B * T, triton.cdiv(rows, block_r))](
             qkv, cos, sin, q_weight.contiguous(), k_weight.contiguous(), q, k_out, v_out,
-            index if index is not None else qkv, T, kv, qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
-            k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1), v_out.stride(2),
+            index if index is not None else qkv, B, T, kv, kv // parts, qkv.stride(0), qkv.stride(1), cos.stride(0),
+            sin.stride(0), k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1),
+            v_out.stride(2),
             eps, G=g, D=D, BLOCK_R=block_r, INDEXED=index is not None, num_warps=4)
     return q
 
 
 @backend("rope_qk_norm", "triton", devices=("cuda",), dtypes=FLOATS, available=available)
 def rope_qk_norm_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
-                        k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As the reference; k and v come back contiguous [B, kv, T, D] (ready for a collective)."""
+                        k_weight: torch.Tensor, eps: float,
+                        parts: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As the reference; q, k and v come back contiguous (ready for a collective)."""
+    _check_parts(qkv, parts)
     if not _fits(qkv, cos, sin, q_weight, k_weight):
-        return rope_qk_norm_ref(qkv, cos, sin, q_weight, k_weight, eps)
+        return rope_qk_norm_ref(qkv, cos, sin, q_weight, k_weight, eps, parts)
     B, T, kv, _, D = qkv.shape
-    k = torch.empty(B, kv, T, D, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(*((parts,) if parts > 1 else ()), B, kv // parts, T, D, dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)
-    return _launch(qkv, cos, sin, q_weight, k_weight, eps, k, v, None), k, v
+    return _launch(qkv, cos, sin, q_weight, k_weight, eps, k, v, None, parts), k, v
 
 
 @backend("rope_qk_norm_cache", "triton", devices=("cuda",), dtypes=FLOATS, available=available)

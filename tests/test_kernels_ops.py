@@ -309,6 +309,13 @@ def _check_rope(qkv, cos, sin, qw, kw, dtype, max_len, fast, fast_cache):
     for a, b in zip(out, ref):
         close(a, b.contiguous(), dtype)
     assert torch.equal(out[2], ref[2])            # v passes through unchanged
+    for parts in (p for p in (2, kv) if p > 1 and kv % p == 0):
+        # the Ulysses exchange's send layout: part r = heads [r*h/parts, (r+1)*h/parts), contiguous
+        split = fast(qkv, cos, sin, qw, kw, 1e-5, parts)
+        for a, b in zip(split, out):
+            h = b.shape[1]
+            assert a.is_contiguous() and a.shape == (parts, B, h // parts, T, D)
+            assert torch.equal(a, b.reshape(B, parts, h // parts, T, D).transpose(0, 1))
     index = torch.randperm(max_len, device=qkv.device)[:T]
     ck = torch.full((B, kv, max_len, D), float("nan"), dtype=dtype, device=qkv.device)
     cv = torch.full_like(ck, float("nan"))
@@ -392,7 +399,7 @@ def test_triton_kernels_compile_for_hopper():
         for indexed in (False, True):
             _sm90_compile(rope._rope_qk_norm_kernel, dict(
                 qkv_ptr=p, cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr=p, kw_ptr=p, q_ptr=p, k_ptr=p, v_ptr=p,
-                index_ptr="*i64" if indexed else p, T=i32, KV=i32, stride_xb=i32, stride_xt=i32, stride_ct=i32,
+                index_ptr="*i64" if indexed else p, B=i32, T=i32, KV=i32, KV_P=i32, stride_xb=i32, stride_xt=i32, stride_ct=i32,
                 stride_st=i32, stride_kb=i32, stride_kh=i32, stride_kt=i32, stride_vb=i32, stride_vh=i32,
                 stride_vt=i32, eps=f32), dict(G=4, D=128, BLOCK_R=16, INDEXED=indexed), 4)
     _sm90_compile(sampling._count_kernel, dict(x_ptr="*fp32", vals_ptr="*fp32", ge_ptr="*i32", eq_ptr="*i32",

@@ -65,6 +65,13 @@ class KVCache:
         self.k[layer].index_copy_(2, index, k)
         self.v[layer].index_copy_(2, index, v)
 
+    def write_chunks(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [n, B, heads, T, D] (what a heads exchange returns): chunk r at sequence indices
+        index[r*T:(r+1)*T], written as they are (no reassembled [B, heads, n*T, D] copy first)."""
+        T = k.shape[3]
+        for r in range(k.shape[0]):
+            self.write(layer, index[r * T:(r + 1) * T], k[r], v[r])
+
 
 @dataclass
 class AttnBatch:
@@ -149,15 +156,17 @@ class Attention(nn.Module):
         sp = view.sp
         if sp.size == 1:         # one pass: q out, k and v straight into the cache
             q = kernels.call("rope_qk_norm_cache", qkv, *norms, cache.k[layer], cache.v[layer], batch.index)
+        elif view.sp_kind == "ulysses":
+            # sequence shards -> head shards: this rank attends for 1/sp of the heads over the whole
+            # sequence. RoPE writes the exchange's send layout [sp, B, h/sp, T, D]; what comes back is
+            # chunk r = SP rank r's tokens: q is put together once, k and v go chunk by chunk to the cache
+            q, k, v = (sp.all_to_all(t) for t in kernels.call("rope_qk_norm", qkv, *norms, parts=sp.size))
+            q = torch.cat(q.unbind(0), dim=2)
+            cache.write_chunks(layer, batch.gathered, k, v)
         else:
+            # KV all-gather: local queries, the whole sequence's keys and values (cache replicated over SP)
             q, k, v = kernels.call("rope_qk_norm", qkv, *norms)
-            if view.sp_kind == "ulysses":
-                # sequence shards -> head shards: this rank attends for 1/sp of the heads over the whole sequence
-                q, k, v = (_seq_to_heads(t, sp) for t in (q, k, v))
-                cache.write(layer, batch.gathered, k, v)
-            else:
-                # KV all-gather: local queries, the whole sequence's keys and values (cache replicated over SP)
-                cache.write(layer, batch.gathered, sp.all_gather(k, dim=2), sp.all_gather(v, dim=2))
+            cache.write(layer, batch.gathered, sp.all_gather(k, dim=2), sp.all_gather(v, dim=2))
         m = batch.masked_rows
         if batch.kv_len_dev is not None:
             # the valid prefix of the static cache, its length on the device (a graph-captured decode step)
@@ -189,15 +198,8 @@ class Attention(nn.Module):
         return out
 
 
-def _seq_to_heads(t: torch.Tensor, sp) -> torch.Tensor:
-    """[B, h, T, D] (my tokens, all heads) -> [B, h/sp, sp*T, D] (all tokens, my head chunk)."""
-    B, h, T, D = t.shape
-    x = sp.all_to_all(t.reshape(B, sp.size, h // sp.size, T, D).transpose(0, 1))
-    return x.permute(1, 2, 0, 3, 4).reshape(B, h // sp.size, sp.size * T, D)
-
-
 def _heads_to_tokens(t: torch.Tensor, sp) -> torch.Tensor:
-    """Inverse of `_seq_to_heads`, straight into the o_proj's input: [B, h/sp, sp*T, D] (all tokens, my
+    """Inverse of the heads exchange of q/k/v, straight into the o_proj's input: [B, h/sp, sp*T, D] (all tokens, my
     head chunk) -> [B, T, h*D] (my tokens, every head; one copy after the exchange)."""
     B, hc, S, D = t.shape
     T = S // sp.size
