@@ -60,7 +60,8 @@ CONFIGS = {
 _WLOAD = {"ptr": 0, "host": 1, "device": 2}
 
 
-@triton.jit
+# micro_start / MC unspecialised: AR prefill (micro 1 alone) and denoise (micros 0, 1) share one compile
+@triton.jit(do_not_specialize=["micro_start", "MC"])
 def _gemm1_swiglu_kernel(x_ptr, src_ptr, offs_ptr, w1_ptr, w1_desc, act_ptr, H, I, stride_x, stride_act,
                          micro_start, NT_MICRO, MC, W_ROWS,
                          E: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
