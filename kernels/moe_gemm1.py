@@ -161,8 +161,10 @@ def gemm1_swiglu(x: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, w1: tor
         raise ValueError(f"gemm1_swiglu: x {tuple(x.shape)} / {x.stride()}, w1 {tuple(w1.shape)}, offs {tuple(offs.shape)}")
     if act.shape[0] != r or act.shape[1] < micro_count * inter or (r and act.stride(1) != 1):
         raise ValueError(f"gemm1_swiglu: act {tuple(act.shape)} / {act.stride()} for {r} rows of {micro_count} x {inter}")
-    if h % bk or not 0 <= micro_start < micro_start + micro_count <= micros:
-        raise ValueError(f"gemm1_swiglu: H {h} not a multiple of BK {bk}, or micros [{micro_start}, +{micro_count}) of {micros}")
+    if h % bk:
+        raise ValueError(f"gemm1_swiglu: H {h} is not a multiple of BK {bk}")
+    if not 0 <= micro_start < micro_start + micro_count <= micros:
+        raise ValueError(f"gemm1_swiglu: micros [{micro_start}, +{micro_count}) of {micros}")
     if r == 0:
         return act
     wload = _WLOAD[cfg["WLOAD"]]
