@@ -42,9 +42,10 @@ DT = torch.float32 if DRY else torch.bfloat16    # the interpreter's bf16 dot is
 if DRY:
     H, E, K, I, MICROS = 64, 8, 4, 48, 2
     SHAPES = {"hybrid4 denoise": (37, 0, 2), "AR prefill": (23, 1, 1)}
-    DRY_TILES = dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=1)
+    DRY_TILES = dict(BM=16, BN=32, BK=32, WLOAD="ptr", FUSE_N=False, num_warps=4, num_stages=1)
     VARIANTS = {"ptr": dict(DRY_TILES), "ptr-g1": dict(DRY_TILES, GROUP_M=1), "tma": dict(DRY_TILES, WLOAD="host"),
-                "dtma": dict(DRY_TILES, WLOAD="device")}
+                "dtma": dict(DRY_TILES, WLOAD="device"), "f-ptr": dict(DRY_TILES, FUSE_N=True),
+                "f-tma": dict(DRY_TILES, WLOAD="host", FUSE_N=True)}
 else:
     H, E, K, I, MICROS = 4096, 64, 8, 768, 2
     SHAPES = {"hybrid4 denoise": (2 * 2049, 0, 2), "AR prefill": (1251, 1, 1), "TI2I denoise": (6200, 0, 2)}

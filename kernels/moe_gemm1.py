@@ -30,6 +30,11 @@ built in the kernel by tl.make_tensor_descriptor, which needs a global scratch a
 an expert's end and columns past I are clamped to valid ones for the pointer loads (no masks in the
 K loop) and masked only at the store; the TMA forms read the neighbouring rows there (or zeros past
 the pack), which only reach masked columns. H must be a multiple of BK (4096 is).
+
+FUSE_N: the gate and up tiles as ONE [2BN, BK] weight tile and ONE [BM, 2BN] accumulator (split into the
+halves in the epilogue), so each K step is one wide MMA on the A tile instead of two narrow ones; with
+TMA the tile is a [2, BN, BK] box of the pack seen as [micros*E*2, I, H] (zeros past I). The fastest
+form on the H200 (see CONFIG).
 """
 from __future__ import annotations
 
@@ -40,21 +45,25 @@ import triton.language as tl
 from ._triton import dot, next_pow2
 from .moe_triton import INTERPRET
 
-# the tile configuration the engine runs (bench/bench_gemm1.py times the alternatives in CONFIGS)
-CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, WLOAD="ptr", num_warps=8, num_stages=3)
+# the tile configuration the engine runs (bench/bench_gemm1.py times the alternatives in CONFIGS). First
+# H200 sweep (one run, +-5% noise): this one ~620 TFLOP/s at hybrid4 denoise (uniform routing), the
+# two-dot forms ~540, the pointer-loaded weights ~500, BM 64 / BN 64 / BK 128 tiles slower still.
+CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, WLOAD="host", FUSE_N=True, num_warps=8, num_stages=4)
 
-# the variants bench/bench_gemm1.py tries on the GPU (name -> CONFIG overrides)
+# the variants bench/bench_gemm1.py tries on the GPU (name -> CONFIG overrides); "f-" = FUSE_N (one
+# [BM, 2BN] accumulator), tma / dtma = weight tiles by a host / in-kernel tensor descriptor, ptr = pointers
+_T = dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4)
 CONFIGS = {
-    "m128n128k64w8s3": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-    "m128n128k64w8s4": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
-    "m128n128k64w8s3g1": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, GROUP_M=1),
-    "m128n64k64w4s4": dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4),
-    "m64n128k64w4s4": dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-    "m64n256k64w8s3": dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3),
-    "m128n128k64w8s3-tma": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, WLOAD="host"),
-    "m128n128k64w8s4-tma": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, WLOAD="host"),
-    "m64n128k64w4s4-tma": dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, WLOAD="host"),
-    "m128n128k64w8s3-dtma": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, WLOAD="device"),
+    "f-tma-m128n128s4": dict(_T, WLOAD="host", FUSE_N=True),
+    "f-tma-m128n128s3": dict(_T, WLOAD="host", FUSE_N=True, num_stages=3),
+    "f-tma-m128n128s4g16": dict(_T, WLOAD="host", FUSE_N=True, GROUP_M=16),
+    "f-dtma-m128n128s4": dict(_T, WLOAD="device", FUSE_N=True),
+    "f-ptr-m128n128s4": dict(_T, WLOAD="ptr", FUSE_N=True),
+    "f-tma-m64n128s4w4": dict(_T, WLOAD="host", FUSE_N=True, BM=64, num_warps=4),
+    "tma-m128n128s4": dict(_T, WLOAD="host", FUSE_N=False),
+    "dtma-m128n128s4": dict(_T, WLOAD="device", FUSE_N=False),
+    "ptr-m128n128s4": dict(_T, WLOAD="ptr", FUSE_N=False),
+    "ptr-m128n128s3g1": dict(_T, WLOAD="ptr", FUSE_N=False, num_stages=3, GROUP_M=1),
 }
 
 _WLOAD = {"ptr": 0, "host": 1, "device": 2}
@@ -65,7 +74,7 @@ _WLOAD = {"ptr": 0, "host": 1, "device": 2}
 def _gemm1_swiglu_kernel(x_ptr, src_ptr, offs_ptr, w1_ptr, w1_desc, act_ptr, H, I, stride_x, stride_act,
                          micro_start, NT_MICRO, MC, W_ROWS,
                          E: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         GROUP_M: tl.constexpr, WLOAD: tl.constexpr, UPCAST: tl.constexpr):
+                         GROUP_M: tl.constexpr, WLOAD: tl.constexpr, FUSE_N: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     nt = MC * NT_MICRO                                 # N tiles of one M tile: every micro's columns
     # this program's expert, from offs alone: tiles per expert, their cumulative sum, then how many
@@ -101,29 +110,53 @@ def _gemm1_swiglu_kernel(x_ptr, src_ptr, offs_ptr, w1_ptr, w1_desc, act_ptr, H, 
         a_ptrs = x_ptr + tok.to(tl.int64)[:, None] * stride_x + rk[None, :]
         # the expert's gate/up block of this micro: rows ((ms+m)*E + e)*2I .. of the pack seen as [., H]
         w_row = ((micro_start + m) * E + e).to(tl.int64) * (2 * I)
-        if WLOAD == 0:
-            wc = tl.minimum(cols, I - 1)
-            g_ptrs = w1_ptr + (w_row + wc)[:, None] * H + rk[None, :]
-            u_ptrs = w1_ptr + (w_row + I + wc)[:, None] * H + rk[None, :]
-        if WLOAD == 1:
-            wd = w1_desc
-        if WLOAD == 2:
-            wd = tl.make_tensor_descriptor(w1_ptr, shape=[W_ROWS, H], strides=[H, 1], block_shape=[BN, BK])
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, H, BK):
-            a = tl.load(a_ptrs)
+        if FUSE_N:
+            # both halves as ONE [2BN, BK] weight tile (gate rows j0.., then up rows I+j0..) and one
+            # [BM, 2BN] accumulator: one wide MMA per K step instead of two narrow ones on the same A
+            r2 = tl.arange(0, 2 * BN)
             if WLOAD == 0:
-                bg = tl.load(g_ptrs)
-                bu = tl.load(u_ptrs)
-                g_ptrs += BK
-                u_ptrs += BK
-            else:
-                bg = wd.load([(w_row + j0).to(tl.int32), k])
-                bu = wd.load([(w_row + I + j0).to(tl.int32), k])
-            acc_g = dot(a, tl.trans(bg), acc_g, UPCAST)
-            acc_u = dot(a, tl.trans(bu), acc_u, UPCAST)
-            a_ptrs += BK
+                wc2 = (r2 // BN) * I + tl.minimum(j0 + r2 % BN, I - 1)
+                b_ptrs = w1_ptr + (w_row + wc2)[:, None] * H + rk[None, :]
+            if WLOAD == 1:
+                wd = w1_desc
+            if WLOAD == 2:
+                wd = tl.make_tensor_descriptor(w1_ptr, shape=[W_ROWS // I, I, H], strides=[I * H, H, 1],
+                                               block_shape=[2, BN, BK])
+            acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+            for k in range(0, H, BK):
+                a = tl.load(a_ptrs)
+                if WLOAD == 0:
+                    b = tl.load(b_ptrs)
+                    b_ptrs += BK
+                else:   # [2, BN, BK] of the pack seen as [micros*E*2, I, H]: zeros past I
+                    b = wd.load([((micro_start + m) * E + e) * 2, j0, k]).reshape(2 * BN, BK)
+                acc = dot(a, tl.trans(b), acc, UPCAST)
+                a_ptrs += BK
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+        else:
+            if WLOAD == 0:
+                wc = tl.minimum(cols, I - 1)
+                g_ptrs = w1_ptr + (w_row + wc)[:, None] * H + rk[None, :]
+                u_ptrs = w1_ptr + (w_row + I + wc)[:, None] * H + rk[None, :]
+            if WLOAD == 1:
+                wd = w1_desc
+            if WLOAD == 2:
+                wd = tl.make_tensor_descriptor(w1_ptr, shape=[W_ROWS, H], strides=[H, 1], block_shape=[BN, BK])
+            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+            for k in range(0, H, BK):
+                a = tl.load(a_ptrs)
+                if WLOAD == 0:
+                    bg = tl.load(g_ptrs)
+                    bu = tl.load(u_ptrs)
+                    g_ptrs += BK
+                    u_ptrs += BK
+                else:
+                    bg = wd.load([(w_row + j0).to(tl.int32), k])
+                    bu = wd.load([(w_row + I + j0).to(tl.int32), k])
+                acc_g = dot(a, tl.trans(bg), acc_g, UPCAST)
+                acc_u = dot(a, tl.trans(bu), acc_u, UPCAST)
+                a_ptrs += BK
         act = acc_g * (acc_u * tl.sigmoid(acc_u))
         dst = act_ptr + rows.to(tl.int64)[:, None] * stride_act + (m * I + cols)[None, :]
         tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -172,13 +205,16 @@ def gemm1_swiglu(x: torch.Tensor, src: torch.Tensor, offs: torch.Tensor, w1: tor
     desc = w1
     if wload == 1:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        desc = TensorDescriptor.from_tensor(w1.view(w_rows, h), [bn, bk])
+        if cfg["FUSE_N"]:
+            desc = TensorDescriptor.from_tensor(w1.view(micros * e * 2, inter, h), [2, bn, bk])
+        else:
+            desc = TensorDescriptor.from_tensor(w1.view(w_rows, h), [bn, bk])
     elif wload == 2:
         _device_descriptor_scratch()
     nt_micro = triton.cdiv(inter, bn)
     grid = (tiles_bound(r, e, bm) * micro_count * nt_micro,)
     _gemm1_swiglu_kernel[grid](x, src, offs, w1, desc, act, h, inter, x.stride(0), act.stride(0), micro_start,
                                nt_micro, micro_count, w_rows, E=e, E_PAD=max(2, next_pow2(e)), BM=bm, BN=bn, BK=bk,
-                               GROUP_M=cfg["GROUP_M"], WLOAD=wload, UPCAST=INTERPRET,
+                               GROUP_M=cfg["GROUP_M"], WLOAD=wload, FUSE_N=bool(cfg["FUSE_N"]), UPCAST=INTERPRET,
                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return act

@@ -89,6 +89,9 @@ CFGS = {  # small tiles for the interpreter; every weight-load form and both til
     "ptr-wide": dict(BM=32, BN=32, BK=64, GROUP_M=1, WLOAD="ptr", num_warps=4, num_stages=2),
     "tma": dict(BM=16, BN=32, BK=32, GROUP_M=4, WLOAD="host", num_warps=4, num_stages=2),
     "dtma": dict(BM=16, BN=16, BK=32, GROUP_M=8, WLOAD="device", num_warps=4, num_stages=2),
+    "fuse": dict(BM=16, BN=16, BK=32, GROUP_M=2, WLOAD="ptr", FUSE_N=True, num_warps=4, num_stages=2),
+    "fuse-tma": dict(BM=16, BN=32, BK=32, GROUP_M=4, WLOAD="host", FUSE_N=True, num_warps=4, num_stages=2),
+    "fuse-dtma": dict(BM=16, BN=16, BK=32, GROUP_M=8, WLOAD="device", FUSE_N=True, num_warps=4, num_stages=2),
 }
 
 
