@@ -6,7 +6,9 @@ kernels of `moe_triton.py` and `torch._grouped_mm`.
       SwiGLU written into its column block of ONE activation buffer [R, micro_count * I], then ONE
       grouped down GEMM over K = micro_count * I on the active micros' columns of the cols-packed
       w2 [E, H, micros * I] (a strided view, no weight copy), the shared MLP, then ONE finalize
-      (one partial) that sums the routes per token in fp32.
+      (one partial) that sums the routes per token in fp32. With GEMM1 = "fused", dispatch only
+      writes each row's token and one kernel (moe_gemm1.py) does every micro's GEMM1 + SwiGLU on
+      x rows it gathers itself.
   two-dispatch (ablation only, `two_dispatch=True`): routing, permutation, both GEMMs and finalize
       repeated per micro (GEMM2 on micro m's column block, K = I), each micro's output cast and added,
       as a naive per-micro implementation does.
@@ -23,10 +25,17 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from . import moe_gemm1
 from . import moe_triton as tk
 from .moe import check_packs
 
 DECODE_MAX_TOKENS = 8
+
+# The grouped path's GEMM1: "grouped_mm" = dispatch copies x rows into xs, then per micro
+# torch._grouped_mm -> [R, 2I] and SwiGLU into act; "fused" = moe_gemm1.gemm1_swiglu, x rows gathered
+# by the kernel, every micro's GEMM1 + SwiGLU in one launch (no xs, no [R, 2I] intermediate).
+# bench/bench_gemm1.py times both. The two-dispatch ablation keeps "grouped_mm".
+GEMM1 = "grouped_mm"
 
 _POISON = [False]
 
@@ -96,6 +105,15 @@ def _route(x, gate, topk, norm_topk):
     return w, inv, xs, offs
 
 
+def _route_rows(x, gate, topk, norm_topk):
+    """`_route` for the fused GEMM1: the token of each permuted row (src [N*k] int32) instead of the
+    rows themselves."""
+    w, ids, (rank, counts, block_tokens) = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=True)
+    base, offs = tk.route_plan(counts)
+    inv, src = tk.dispatch_rows(ids, rank, base, block_tokens)
+    return w, inv, src, offs
+
+
 def _down_cols(w2: torch.Tensor, micro_start: int, micro_count: int, inter: int) -> torch.Tensor:
     """The active micros' down weights as torch._grouped_mm's [E, K, H] operand: the column block
     w2[:, :, ms*I:(ms+mc)*I] transposed, a view (strides (H*micros*I, 1, micros*I): the column-major
@@ -115,9 +133,20 @@ def _expert_mlp(xs, w1, w2, offs, micro_start: int, micro_count: int) -> torch.T
     return torch._grouped_mm(act, _down_cols(w2, micro_start, micro_count, inter), offs=offs)
 
 
+def _expert_mlp_fused(x, src, w1, w2, offs, micro_start: int, micro_count: int) -> torch.Tensor:
+    """`_expert_mlp` with GEMM1 + SwiGLU of every micro in one kernel reading x[src] directly."""
+    inter = w1.shape[2] // 2
+    act = _empty(src.shape[0], micro_count * inter, dtype=x.dtype, device=x.device)
+    moe_gemm1.gemm1_swiglu(x, src, offs, w1, micro_start, micro_count, act)
+    return torch._grouped_mm(act, _down_cols(w2, micro_start, micro_count, inter), offs=offs)
+
+
 def moe_grouped(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out,
                 two_dispatch: bool = False) -> torch.Tensor:
     shared = shared_mlp(x, shared_w1, shared_w2, micro_start, micro_count) if shared_w1 is not None else None
+    if not two_dispatch and GEMM1 == "fused":
+        w, inv, src, offs = _route_rows(x, gate, topk, norm_topk)
+        return tk.finalize(_expert_mlp_fused(x, src, w1, w2, offs, micro_start, micro_count), inv, w, shared, out)
     if not two_dispatch:
         w, inv, xs, offs = _route(x, gate, topk, norm_topk)
         return tk.finalize(_expert_mlp(xs, w1, w2, offs, micro_start, micro_count), inv, w, shared, out)

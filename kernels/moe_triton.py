@@ -7,7 +7,8 @@ Routing, shared by both paths:
                    counting sort (per token-block expert histogram, each route's rank in its block),
                    for the decode path the compact list of the experts any token chose.
 Grouped (denoise / prefill) path: `route_plan` (expert offsets + block bases, one program),
-`dispatch` (each route's row in expert order, x rows copied there), `swiglu`, `finalize`.
+`dispatch` (each route's row in expert order, x rows copied there; `dispatch_rows`: the rows' tokens
+instead, for moe_gemm1's gathering GEMM1), `swiglu`, `finalize`.
 Decode path: `decode_up` (gate/up GEMV + SwiGLU of the chosen experts and the shared MLP),
 `decode_down` (down GEMV, micro partials summed), then the same `finalize`.
 
@@ -248,6 +249,36 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, rank: torch.Tensor, base: torch
     _dispatch_kernel[(n,)](x, ids, rank, base, inv, xs, h, x.stride(0), block_tokens, E=base.shape[1], K=k,
                            K_PAD=max(2, next_pow2(k)), BLOCK_H=min(1024, next_pow2(h)), num_warps=4)
     return inv
+
+
+@triton.jit
+def _dispatch_rows_kernel(ids_ptr, rank_ptr, base_ptr, inv_ptr, src_ptr, N, block_tokens,
+                          E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rk = tl.arange(0, K_PAD)
+    m = (rt < N)[:, None] & (rk < K)[None, :]
+    at = rt[:, None] * K + rk[None, :]
+    e = tl.load(ids_ptr + at, mask=m, other=0)
+    pos = tl.load(base_ptr + (rt // block_tokens)[:, None] * E + e, mask=m, other=0)
+    pos += tl.load(rank_ptr + at, mask=m, other=0)
+    tl.store(inv_ptr + at, pos, mask=m)
+    tl.store(src_ptr + pos, tl.broadcast_to(rt[:, None], (BLOCK_T, K_PAD)), mask=m)
+
+
+def dispatch_rows(ids: torch.Tensor, rank: torch.Tensor, base: torch.Tensor, block_tokens: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dispatch` without the copy: -> (inv [N, k] int32, the row of each route in expert order;
+    src [N*k] int32, the token of each row, its inverse), for kernels that gather x rows themselves
+    (moe_gemm1.gemm1_swiglu). The routes are a permutation of the rows, so every src element is
+    written once."""
+    n, k = ids.shape
+    inv = torch.empty_like(ids)
+    src = torch.empty(n * k, dtype=torch.int32, device=ids.device)
+    bt = 64
+    if n:
+        _dispatch_rows_kernel[(triton.cdiv(n, bt),)](ids, rank, base, inv, src, n, block_tokens, E=base.shape[1], K=k,
+                                                     K_PAD=max(2, next_pow2(k)), BLOCK_T=bt, num_warps=4)
+    return inv, src
 
 
 # ---------------------------------------------------------------------------------- grouped path
