@@ -2,13 +2,13 @@
 kernels of `moe_triton.py` and `torch._grouped_mm`.
 
   grouped (denoise, prefill; N > DECODE_MAX_TOKENS): one routing pass for every micro, a stable
-      counting sort on the device, per micro GEMM1 -> SwiGLU on the same permuted rows, each micro's
-      SwiGLU written into its column block of ONE activation buffer [R, micro_count * I], then ONE
-      grouped down GEMM over K = micro_count * I on the active micros' columns of the cols-packed
-      w2 [E, H, micros * I] (a strided view, no weight copy), the shared MLP, then ONE finalize
-      (one partial) that sums the routes per token in fp32. With GEMM1 = "fused", dispatch only
-      writes each row's token and one kernel (moe_gemm1.py) does every micro's GEMM1 + SwiGLU on
-      x rows it gathers itself.
+      counting sort on the device that gives each route its row in expert order (no x rows copied),
+      ONE kernel (moe_gemm1.py) doing every active micro's GEMM1 + SwiGLU on the x rows it gathers
+      itself into its column block of one activation buffer [R, micro_count * I], then ONE grouped down
+      GEMM over K = micro_count * I on the active micros' columns of the cols-packed w2 [E, H, micros * I]
+      (a strided view, no weight copy), the shared MLP, then ONE finalize (one partial) that sums the
+      routes per token in fp32. GEMM1 = "grouped_mm" runs the earlier form instead (dispatch copies the x
+      rows into xs, then per micro torch._grouped_mm -> [R, 2I] and SwiGLU), for bench/bench_gemm1.py.
   two-dispatch (ablation only, `two_dispatch=True`): routing, permutation, both GEMMs and finalize
       repeated per micro (GEMM2 on micro m's column block, K = I), each micro's output cast and added,
       as a naive per-micro implementation does.
@@ -31,11 +31,12 @@ from .moe import check_packs
 
 DECODE_MAX_TOKENS = 8
 
-# The grouped path's GEMM1: "grouped_mm" = dispatch copies x rows into xs, then per micro
-# torch._grouped_mm -> [R, 2I] and SwiGLU into act; "fused" = moe_gemm1.gemm1_swiglu, x rows gathered
-# by the kernel, every micro's GEMM1 + SwiGLU in one launch (no xs, no [R, 2I] intermediate).
-# bench/bench_gemm1.py times both. The two-dispatch ablation keeps "grouped_mm".
-GEMM1 = "grouped_mm"
+# The grouped path's GEMM1: "fused" = moe_gemm1.gemm1_swiglu, x rows gathered by the kernel, every
+# micro's GEMM1 + SwiGLU in one launch (no xs, no [R, 2I] intermediate): on the H200 1.33 vs 1.51 ms a
+# hybrid4 denoise layer (bench/bench_gemm1.py, 2026-12-01); "grouped_mm" = dispatch copies x rows into
+# xs, then per micro torch._grouped_mm -> [R, 2I] and SwiGLU into act. The two-dispatch ablation keeps
+# "grouped_mm" (a naive per-micro implementation), as does moe_quant.
+GEMM1 = "fused"
 
 _POISON = [False]
 
