@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep, evals4, w2, w2b, pf).
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep, evals4, w2, w2b, pf, g1).
 # Each section's log goes to $OUT/<section>.log; a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -64,6 +64,10 @@ for section in "$@"; do
     pf)        # the prefill graphs: the engine's GPU tests, then hybrid4's tables with the profile
       run pf_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_kernels_moe.py
       run seed_hybrid4 150 python3 bench/bench_seed_tables.py --plans hybrid4 --profile ;;
+    g1)        # the fused GEMM1 default and the Ulysses send layout: their GPU tests, the GEMM1 bench, every plan's tables
+      run g1_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe_gemm1.py tests/test_kernels_moe.py tests/test_kernels_ops.py tests/test_gpu.py
+      run bench_gemm1 120 python3 bench/bench_gemm1.py
+      run seed_tables 200 python3 bench/bench_seed_tables.py --profile ;;
     *) echo "unknown section $section" ;;
   esac
 done
