@@ -67,7 +67,7 @@ for section in "$@"; do
     g1)        # the fused GEMM1 default and the Ulysses send layout: their GPU tests, the GEMM1 bench, every plan's tables
       run g1_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe_gemm1.py tests/test_kernels_moe.py tests/test_kernels_ops.py tests/test_gpu.py
       run bench_gemm1 120 python3 bench/bench_gemm1.py
-      run seed_tables 200 python3 bench/bench_seed_tables.py --profile ;;
+      run seed_tables 240 python3 bench/bench_seed_tables.py --profile ;;
     *) echo "unknown section $section" ;;
   esac
 done
