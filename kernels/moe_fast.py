@@ -145,7 +145,7 @@ def _expert_mlp_fused(x, src, w1, w2, offs, micro_start: int, micro_count: int) 
 def moe_grouped(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out,
                 two_dispatch: bool = False) -> torch.Tensor:
     shared = shared_mlp(x, shared_w1, shared_w2, micro_start, micro_count) if shared_w1 is not None else None
-    if not two_dispatch and GEMM1 == "fused":
+    if not two_dispatch and GEMM1 == "fused" and moe_gemm1.fits(x, w1):
         w, inv, src, offs = _route_rows(x, gate, topk, norm_topk)
         return tk.finalize(_expert_mlp_fused(x, src, w1, w2, offs, micro_start, micro_count), inv, w, shared, out)
     if not two_dispatch:

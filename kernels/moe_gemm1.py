@@ -175,6 +175,14 @@ def _device_descriptor_scratch() -> None:
         _ALLOCATOR[0] = True
 
 
+def fits(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Shapes the default CONFIG runs (host-known, never data): H a multiple of BK, and 16-byte aligned
+    rows for the weight descriptor (every real checkpoint: H 4096). Other shapes take torch._grouped_mm."""
+    h, inter = w1.shape[3], w1.shape[2] // 2
+    return (x.dtype == w1.dtype and x.shape[1] == h and h % CONFIG["BK"] == 0 and w1.is_contiguous()
+            and (h * w1.element_size()) % 16 == 0 and (inter * h * w1.element_size()) % 16 == 0)
+
+
 def tiles_bound(rows: int, experts: int, bm: int) -> int:
     """The M tiles any routing of `rows` permuted rows over `experts` experts can need:
     sum_e cdiv(c_e, BM) <= sum_e (c_e / BM + 1)."""

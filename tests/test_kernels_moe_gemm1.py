@@ -261,3 +261,14 @@ def test_gpu_fused_grouped_path_is_capturable(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_shapes_the_kernel_cannot_run_take_grouped_mm():
+    """`fits` is host-known shape arithmetic: H off the K tile (or misaligned rows) sends the grouped path
+    to torch._grouped_mm instead of a launch error."""
+    from kernels import moe_gemm1
+    w1 = torch.zeros(2, 4, 2 * 48, 64, dtype=torch.bfloat16)
+    assert moe_gemm1.fits(torch.zeros(3, 64, dtype=torch.bfloat16), w1)
+    assert not moe_gemm1.fits(torch.zeros(3, 64, dtype=torch.float32), w1)          # dtypes differ
+    w1_odd = torch.zeros(2, 4, 2 * 48, 72, dtype=torch.bfloat16)                    # H 72: not a multiple of 64
+    assert not moe_gemm1.fits(torch.zeros(3, 72, dtype=torch.bfloat16), w1_odd)
