@@ -7,8 +7,9 @@ kernels of `moe_triton.py` and `torch._grouped_mm`.
       itself into its column block of one activation buffer [R, micro_count * I], then ONE grouped down
       GEMM over K = micro_count * I on the active micros' columns of the cols-packed w2 [E, H, micros * I]
       (a strided view, no weight copy; torch._grouped_mm, or moe_gemm2's kernel with GEMM2 = "fused"),
-      the shared MLP, then ONE finalize (one partial) that sums the routes per token in fp32. GEMM1 = "grouped_mm" runs the earlier form instead (dispatch copies the x
-      rows into xs, then per micro torch._grouped_mm -> [R, 2I] and SwiGLU), for bench/bench_gemm1.py.
+      the shared MLP, then ONE finalize (one partial) that sums the routes per token in fp32.
+      GEMM1 = "grouped_mm" runs the earlier form instead (dispatch copies the x rows into xs, then per
+      micro torch._grouped_mm -> [R, 2I] and SwiGLU), for bench/bench_gemm1.py.
   two-dispatch (ablation only, `two_dispatch=True`): routing, permutation, both GEMMs and finalize
       repeated per micro (GEMM2 on micro m's column block, K = I), each micro's output cast and added,
       as a naive per-micro implementation does.
