@@ -42,6 +42,11 @@ def loop_truth(act, offs, w2, micro_start, micro_count, dtype=torch.float64):
     return out
 
 
+def _variants():
+    from kernels import moe_gemm2
+    return list(moe_gemm2.CONFIGS)
+
+
 def down_cols_mm(act, offs, w2, micro_start, micro_count):
     from kernels.moe_fast import _down_cols
     return torch._grouped_mm(act, _down_cols(w2, micro_start, micro_count, act.shape[1] // micro_count), offs=offs)
@@ -94,6 +99,23 @@ def test_interp_gemm2_equals_the_loop_and_grouped_mm(interp, cfg, inter, micro_s
     want = loop_truth(act, offs, w2, micro_start, micro_count)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, down_cols_mm(act, offs, w2, micro_start, micro_count), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["CONFIG"] + _variants())
+def test_interp_gemm2_engine_tiles(interp, variant):
+    """The GPU tile variants themselves (BM up to 256, BN up to 256, BK up to 128) at a small shape: an
+    expert over two BM 256 tiles, empty ones (the last too), H ragged for BN 128 and 256, K = 2 x 64."""
+    from kernels import moe_gemm2
+    cfg = moe_gemm2.CONFIG if variant == "CONFIG" else moe_gemm2.CONFIGS[variant]
+    g = torch.Generator().manual_seed(11)
+    counts, h, inter = (300, 0, 40, 3, 0), 160, 64
+    offs = offs_of(counts)
+    act = torch.randn(int(offs[-1]), 2 * inter, generator=g)
+    w2 = torch.randn(len(counts), h, 2 * inter, generator=g) * inter ** -0.5
+    out = torch.full((act.shape[0], h), float("nan"))
+    moe_gemm2.gemm2(act, offs, w2, 0, 2, out, config=cfg)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), loop_truth(act, offs, w2, 0, 2), rtol=1e-4, atol=1e-4)
 
 
 def test_interp_gemm2_allocates_out_and_takes_no_rows(interp):
@@ -221,11 +243,6 @@ def _gpu_case(n, micro_count, seed, skewed=False):
     act = torch.randn(n * REAL["k"], micro_count * inter, generator=g, device="cuda").to(BF16)
     w2 = (torch.randn(e, h, REAL["micros"] * inter, generator=g, device="cuda") * inter ** -0.5).to(BF16)
     return act, offs, w2
-
-
-def _variants():
-    from kernels import moe_gemm2
-    return list(moe_gemm2.CONFIGS)
 
 
 @gpu
