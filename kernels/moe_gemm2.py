@@ -157,6 +157,8 @@ def gemm2(act: torch.Tensor, offs: torch.Tensor, w2: torch.Tensor, micro_start: 
         return out
     aload, wload = _ALOAD[cfg["ALOAD"]], _WLOAD[cfg["WLOAD"]]
     a_desc, w_desc = act, w2
+    if aload and (act.stride(0) * act.element_size() % 16 or act.data_ptr() % 16):
+        raise ValueError(f"gemm2: ALOAD='host' (TMA) needs act's rows 16-byte aligned, stride {act.stride(0)}")
     if aload or wload == 1:
         from triton.tools.tensor_descriptor import TensorDescriptor
         if aload:      # zeros past R; rows past an expert's end are the next expert's (masked at the store)

@@ -147,6 +147,8 @@ def test_interp_gemm2_rejects_what_it_cannot_run(interp):
         moe_gemm2.gemm2(torch.randn(r, 32), offs.long(), w2, 0, 1, config=cfg)
     with pytest.raises(ValueError, match="out"):
         moe_gemm2.gemm2(torch.randn(r, 32), offs, w2, 0, 1, out=torch.empty(r, H + 1), config=cfg)
+    with pytest.raises(ValueError, match="TMA"):                          # rows of 33 fp32: not 16-byte aligned
+        moe_gemm2.gemm2(torch.randn(r, 33)[:, :32], offs, w2, 0, 1, config=CFGS["tma-tma"])
     with pytest.raises(ValueError, match="dtype"):
         moe_gemm2.gemm2(torch.randn(r, 32).double(), offs, w2, 0, 1, config=cfg)
 
