@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep, evals4, w2, w2b, pf, g1).
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep, evals4, w2, w2b, pf, g1, g2).
 # Each section's log goes to $OUT/<section>.log; a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -68,6 +68,13 @@ for section in "$@"; do
       run g1_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe_gemm1.py tests/test_kernels_moe.py tests/test_kernels_ops.py tests/test_gpu.py
       run bench_gemm1 120 python3 bench/bench_gemm1.py
       run seed_tables 240 python3 bench/bench_seed_tables.py --profile ;;
+    g2)        # the fused down GEMM: its GPU tests and bench, hybrid4's tables with it off and on, the quantized builds' requests, an edit sample
+      run g2_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe_gemm2.py
+      run bench_gemm2 120 python3 bench/bench_gemm2.py
+      run seed_gemm2_off 90 env HUNYUAN_GEMM2=grouped_mm python3 bench/bench_seed_tables.py --plans hybrid4
+      run seed_gemm2_on 90 env HUNYUAN_GEMM2=fused python3 bench/bench_seed_tables.py --plans hybrid4
+      run quant_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_resident.py
+      run eval_cuda_s2 150 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 10 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda_s2.json" ;;
     *) echo "unknown section $section" ;;
   esac
 done
