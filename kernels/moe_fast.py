@@ -6,10 +6,9 @@ kernels of `moe_triton.py` and `torch._grouped_mm`.
       ONE kernel (moe_gemm1.py) doing every active micro's GEMM1 + SwiGLU on the x rows it gathers
       itself into its column block of one activation buffer [R, micro_count * I], then ONE grouped down
       GEMM over K = micro_count * I on the active micros' columns of the cols-packed w2 [E, H, micros * I]
-      (a strided view, no weight copy; torch._grouped_mm, or moe_gemm2's kernel with GEMM2 = "fused"),
-      the shared MLP, then ONE finalize (one partial) that sums the routes per token in fp32.
-      GEMM1 = "grouped_mm" runs the earlier form instead (dispatch copies the x rows into xs, then per
-      micro torch._grouped_mm -> [R, 2I] and SwiGLU), for bench/bench_gemm1.py.
+      (a strided view, no weight copy), the shared MLP, then ONE finalize (one partial) that sums the
+      routes per token in fp32. GEMM1 = "grouped_mm" runs the earlier form instead (dispatch copies the x
+      rows into xs, then per micro torch._grouped_mm -> [R, 2I] and SwiGLU), for bench/bench_gemm1.py.
   two-dispatch (ablation only, `two_dispatch=True`): routing, permutation, both GEMMs and finalize
       repeated per micro (GEMM2 on micro m's column block, K = I), each micro's output cast and added,
       as a naive per-micro implementation does.
@@ -21,13 +20,12 @@ Which pipeline runs depends on N, a host-known shape, never on data.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from . import moe_gemm1, moe_gemm2
+from . import moe_gemm1
 from . import moe_triton as tk
 from .moe import check_packs
 
@@ -39,15 +37,6 @@ DECODE_MAX_TOKENS = 8
 # xs, then per micro torch._grouped_mm -> [R, 2I] and SwiGLU into act. The two-dispatch ablation keeps
 # "grouped_mm" (a naive per-micro implementation), as does moe_quant.
 GEMM1 = "fused"
-
-# The grouped path's down GEMM after the fused GEMM1: "grouped_mm" = torch._grouped_mm on the strided
-# `_down_cols` view (H200, hybrid4 denoise: 0.70-0.80 ms a layer); "fused" = moe_gemm2.gemm2 (one Triton
-# kernel, same tile scheme as moe_gemm1), used only when K = micro_count * I is a multiple of its BK
-# (else grouped_mm: a host shape decision). HUNYUAN_GEMM2 ("fused" / "grouped_mm"), read once at
-# import, overrides the default so one process can be benched each way.
-GEMM2 = os.environ.get("HUNYUAN_GEMM2", "grouped_mm")
-if GEMM2 not in ("grouped_mm", "fused"):
-    raise ValueError(f"HUNYUAN_GEMM2={GEMM2!r}: 'fused' or 'grouped_mm'")
 
 _POISON = [False]
 
@@ -146,14 +135,10 @@ def _expert_mlp(xs, w1, w2, offs, micro_start: int, micro_count: int) -> torch.T
 
 
 def _expert_mlp_fused(x, src, w1, w2, offs, micro_start: int, micro_count: int) -> torch.Tensor:
-    """`_expert_mlp` with GEMM1 + SwiGLU of every micro in one kernel reading x[src] directly, then the
-    down GEMM by GEMM2's choice."""
+    """`_expert_mlp` with GEMM1 + SwiGLU of every micro in one kernel reading x[src] directly."""
     inter = w1.shape[2] // 2
     act = _empty(src.shape[0], micro_count * inter, dtype=x.dtype, device=x.device)
     moe_gemm1.gemm1_swiglu(x, src, offs, w1, micro_start, micro_count, act)
-    if GEMM2 == "fused" and (micro_count * inter) % moe_gemm2.CONFIG["BK"] == 0:
-        out = _empty(src.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
-        return moe_gemm2.gemm2(act, offs, w2, micro_start, micro_count, out)
     return torch._grouped_mm(act, _down_cols(w2, micro_start, micro_count, inter), offs=offs)
 
 
