@@ -68,11 +68,8 @@ for section in "$@"; do
       run g1_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe_gemm1.py tests/test_kernels_moe.py tests/test_kernels_ops.py tests/test_gpu.py
       run bench_gemm1 120 python3 bench/bench_gemm1.py
       run seed_tables 240 python3 bench/bench_seed_tables.py --profile ;;
-    g2)        # the fused down GEMM: its GPU tests and bench, hybrid4's tables with it off and on, the quantized builds' requests, an edit sample
-      run g2_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe_gemm2.py
-      run bench_gemm2 120 python3 bench/bench_gemm2.py
-      run seed_gemm2_off 90 env HUNYUAN_GEMM2=grouped_mm python3 bench/bench_seed_tables.py --plans hybrid4
-      run seed_gemm2_on 90 env HUNYUAN_GEMM2=fused python3 bench/bench_seed_tables.py --plans hybrid4
+    g2)        # hybrid4's tables, the quantized builds' requests, an edit sample (the fused down GEMM this section also ran is gone: ce54bed^2)
+      run seed_hybrid4 90 python3 bench/bench_seed_tables.py --plans hybrid4
       run quant_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_resident.py
       run eval_cuda_s2 150 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 10 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda_s2.json" ;;
     *) echo "unknown section $section" ;;
