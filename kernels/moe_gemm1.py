@@ -45,8 +45,8 @@ import triton.language as tl
 from ._triton import dot, next_pow2
 from .moe_triton import INTERPRET
 
-# the tile configuration the engine runs (bench/bench_gemm1.py times the alternatives in CONFIGS). H200
-# (bench_gemm1, +-5% run to run): this one 1.33 ms = 621 TFLOP/s at hybrid4 denoise (uniform routing;
+# the tile configuration the engine runs (bench/bench_gemm1.py times the alternatives in CONFIGS). One H200,
+# 2026-12-01 (`python bench/bench_gemm1.py`, +-5% run to run): this one 1.33 ms = 621 TFLOP/s at hybrid4 denoise (uniform routing;
 # today's dispatch + 2 grouped GEMM1s + SwiGLU 1.51 ms), the two-dot TMA forms ~560-600, pointer-loaded
 # weights ~540, BM 64 / BN 64 / BK 128 tiles slower still. In the whole op (profiler, per layer): this
 # kernel 1.31 ms where torch._grouped_mm's two GEMM1s took 1.34 ms plus dispatch 83 us and SwiGLU 78 us.

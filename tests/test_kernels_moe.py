@@ -343,7 +343,8 @@ def test_gpu_decode_cuda_graph_replay_equals_eager(name):
 
 @gpu
 def test_gpu_grouped_path_is_capturable():
-    """No host sync in the denoise path either: it captures, and the replay equals eager."""
+    """No host sync in the denoise path either (its default fused GEMM1, moe_gemm1, included): it
+    captures, and the replay equals eager."""
     from kernels import moe_fast
     args = _gpu_inputs("small", seed=6)
     eager = moe_fast.moe_cuda(*args)
