@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAS_TRITON, INTERPRET, available, next_pow2, tl, triton
-from ._triton import dot as _dot  # noqa: F401  (used inside the kernels)
 from .registry import backend, reference
 
 # keys per split program. Small, so that a short valid prefix still fills the 132 SMs (length 1251 at
@@ -78,6 +77,8 @@ def masked_whole_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 if HAS_TRITON:
+    from ._triton import dot as _dot  # noqa: F401  (called inside the kernels below)
+
     # L and the split count change with the cache size only; compiling a variant per divisibility of
     # theirs buys nothing (they index rows, never set an alignment)
     @triton.jit(do_not_specialize=["KV", "L", "n_splits"])

@@ -8,7 +8,11 @@ import pytest
 from engine.model.loader import load
 from tools.tiny import make_tiny
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+# the real models' tensor names and shapes and the released base config (copied from the workplace's
+# shared/reference, so that no test depends on a folder outside the repository)
+REFERENCE = Path(__file__).resolve().parent / "data" / "reference"
+MANIFEST = REFERENCE / "hunyuan_image3_manifest.json"
+BASE_CONFIG = REFERENCE / "base_config_reference.json"
 
 
 @pytest.fixture(scope="session")

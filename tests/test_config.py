@@ -8,12 +8,10 @@ import pytest
 from engine.spec.buckets import SizeError, build_buckets, parse_size
 from engine.spec.config import CheckpointConfig, ConfigError, GenerationConfig, ModelConfig
 
-from conftest import SHARED
-
-BASE = SHARED / "reference/base_config_reference.json"
+from conftest import BASE_CONFIG as BASE
 
 
-@pytest.mark.skipif(not BASE.exists(), reason="reference config absent")
+
 def test_released_config_defaults():
     cfg = ModelConfig.from_dict(json.loads(BASE.read_text()))
     assert (cfg.patch_size, cfg.patch_embed_hidden_dim, cfg.image_base_size) == (1, 1024, 1024)

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import MANIFEST
 from engine.parallel.fit import GIB, choose_plan, estimate
 from engine.parallel.plan import PRESETS, PlanError
 from engine.spec.checkpoint import Checkpoint, TensorInfo
 from engine.spec.config import CheckpointConfig, GenerationConfig, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-MANIFEST = ROOT.parent / "shared" / "reference" / "hunyuan_image3_manifest.json"
 
 
 def test_the_weights_split_over_the_storage_shards(tiny_dir):
@@ -44,7 +44,6 @@ class _Headers:
         self.tensors = {n: TensorInfo(n, tuple(s), dtype, "x") for n, s in shapes.items()}
 
 
-@pytest.mark.skipif(not MANIFEST.exists(), reason="needs ../shared/reference (the real tensor manifest)")
 def test_the_real_instruct_model_in_bf16_needs_two_h200_and_fp8_fits_one():
     shapes = json.loads(MANIFEST.read_text())["instruct"]["shapes"]
     cfg = ModelConfig.from_dict(json.loads((ROOT / "bench" / "instruct_config.json").read_text()))

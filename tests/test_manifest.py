@@ -9,11 +9,8 @@ import pytest
 from engine.spec.config import ModelConfig
 from engine.model.weights import SKIPPED_PREFIXES, checkpoint_shapes, vit_head_shapes
 
-from conftest import SHARED
+from conftest import BASE_CONFIG, MANIFEST
 
-MANIFEST = SHARED / "reference/hunyuan_image3_manifest.json"
-BASE_CONFIG = SHARED / "reference/base_config_reference.json"
-pytestmark = pytest.mark.skipif(not MANIFEST.exists(), reason=f"{MANIFEST} not present")
 
 
 def real_config(distil: bool) -> ModelConfig:

@@ -21,10 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import MANIFEST
 from engine.model.vae import AutoencoderKLConv3D
 
 DATA = Path(__file__).parent / "data" / "vae_golden.safetensors"
-MANIFEST = Path(__file__).parents[1].parent / "shared/reference/hunyuan_image3_manifest.json"
 
 TINY = {"_class_name": "AutoencoderKLConv3D", "block_out_channels": [32, 32, 32, 32, 32], "in_channels": 3,
         "out_channels": 3, "latent_channels": 16, "layers_per_block": 1, "ffactor_spatial": 16,
@@ -69,8 +69,6 @@ def golden() -> dict[str, torch.Tensor]:
 
 
 def test_real_config_matches_manifest():
-    if not MANIFEST.exists():
-        pytest.skip(f"checkpoint manifest not found at {MANIFEST}")
     shapes = json.loads(MANIFEST.read_text())["instruct"]["shapes"]
     expected = {k[len("vae."):]: tuple(v) for k, v in shapes.items() if k.startswith("vae.")}
     assert len(expected) == 280

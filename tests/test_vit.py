@@ -25,10 +25,10 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import REFERENCE
 from engine.model.vit import Siglip2VisionModel, VisionAligner, VitInput, naflex_target_size, vit_preprocess
 
 DATA = Path(__file__).parent / "data" / "vit_golden.safetensors"
-REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference"
 
 TINY_VIT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_channels": 3, "patch_size": 16, "num_patches": 16, "hidden_act": "gelu_pytorch_tanh",
@@ -102,10 +102,7 @@ def _batch(inputs: list[VitInput]):
 
 
 def _reference_json(name: str) -> dict:
-    path = REFERENCE / name
-    if not path.exists():
-        pytest.skip(f"{path} not found (shared reference data is outside the repo)")
-    return json.loads(path.read_text())
+    return json.loads((REFERENCE / name).read_text())
 
 
 def test_real_config_names_and_shapes_match_manifest():
