@@ -250,9 +250,8 @@ def bench_decode(cfg: dict) -> None:
 def main() -> None:
     cfg = json.loads(Path(__file__).with_name("instruct_config.json").read_text())
     if DRY:
-        from kernels._triton import round_bf16_in_interpreter, shim_interpreter_scalars
-        round_bf16_in_interpreter()
-        shim_interpreter_scalars()
+        from kernels._triton import prepare_interpreter
+        prepare_interpreter()
         cfg["vae"] = {**cfg["vae"], "block_out_channels": [32, 32, 32, 32, 32], "latent_channels": 16,
                       "layers_per_block": 1}
     with torch.no_grad():

@@ -122,9 +122,8 @@ def decode_attn(dry: bool) -> tuple[list[dict], list[dict]]:
     for i, (Hq, Hkv, L, lengths) in enumerate(shapes):
         for n in lengths:
             if dry:
-                from kernels._triton import round_bf16_in_interpreter, shim_interpreter_scalars
-                shim_interpreter_scalars()
-                round_bf16_in_interpreter()
+                from kernels._triton import prepare_interpreter
+                prepare_interpreter()
                 q, k, v = (torch.randn(1, h, s, D).to(dt) for h, s in ((Hq, 1), (Hkv, L), (Hkv, L)))
                 out = da.launch(q, k, v, torch.tensor([n]))
                 err = (out.float() - naive(q, k, v, n)).abs().max().item()

@@ -184,8 +184,8 @@ def main():
     ap.add_argument("--shapes", default="", help="comma-separated case names (default: all)")
     a = ap.parse_args()
     if DRY:
-        from kernels._triton import shim_interpreter_scalars
-        shim_interpreter_scalars()
+        from kernels._triton import prepare_interpreter
+        prepare_interpreter()
     variants = {k: v for k, v in VARIANTS.items() if not a.variants or k in a.variants.split(",")}
     shapes = [s for s in SHAPES if not a.shapes or s in a.shapes.split(",")]
     t0 = time.time()

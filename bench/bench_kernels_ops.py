@@ -132,8 +132,8 @@ def main() -> None:
     args = ap.parse_args()
     dev = "cpu" if args.dry else "cuda"
     if args.dry:
-        from kernels._triton import round_bf16_in_interpreter
-        round_bf16_in_interpreter()
+        from kernels._triton import prepare_interpreter
+        prepare_interpreter()
     if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("needs a CUDA device (or --dry)")
     H, D, V = (256, 16, 3000) if args.dry else (HIDDEN, HEAD_DIM, VOCAB)

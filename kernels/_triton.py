@@ -81,3 +81,34 @@ def shim_interpreter_scalars() -> None:
 
     ti._patch_lang_tensor = patched
     ti._scalar_shim = True
+
+
+def shim_interpreter_masks() -> None:
+    """Triton 3.9's interpreter gives `block_mask & scalar_condition` an int32 handle (its binary op
+    promotes the scalar's splat), and its load/store then refuse the mask ("mask has unsupported
+    dtype"); the compiled kernel treats it as the i1 it is. Hand the interpreter's load/store a bool view
+    of such masks. For tests and dry runs only; a no-op unless TRITON_INTERPRET=1."""
+    if not (HAS_TRITON and INTERPRET):
+        return
+    import numpy as np
+    import triton.runtime.interpreter as ti
+    b = ti.InterpreterBuilder
+    if getattr(b, "_mask_shim", False):
+        return
+
+    def as_bool(mask):
+        if mask is None or mask.data.dtype == np.bool_:
+            return mask
+        return ti.TensorHandle(mask.data.astype(np.bool_), tl.int1)
+
+    load, store = b.create_masked_load, b.create_masked_store
+    b.create_masked_load = lambda self, ptrs, mask, *a, **kw: load(self, ptrs, as_bool(mask), *a, **kw)
+    b.create_masked_store = lambda self, ptrs, value, mask, *a, **kw: store(self, ptrs, value, as_bool(mask), *a, **kw)
+    b._mask_shim = True
+
+
+def prepare_interpreter() -> None:
+    """Every fix above, for a test or dry run under TRITON_INTERPRET=1 (a no-op otherwise)."""
+    round_bf16_in_interpreter()
+    shim_interpreter_scalars()
+    shim_interpreter_masks()

@@ -317,10 +317,10 @@ def _linear_kernel(x_ptr, c_ptr, s_ptr, g_ptr, out_ptr, M, N, KW, stride_x, stri
         dst = out_ptr + t64 * stride_o + rr
         tl.store(dst, o0.to(out_ptr.dtype.element_ty), mask=mr)
         if TB > 1:
-            tl.store(dst + stride_o, o1.to(out_ptr.dtype.element_ty), mask=mr & (t0 + 1 < M))
+            tl.store(dst + stride_o, o1.to(out_ptr.dtype.element_ty), mask=mr & (t64 + 1 < M))
         if TB > 2:
-            tl.store(dst + 2 * stride_o, o2.to(out_ptr.dtype.element_ty), mask=mr & (t0 + 2 < M))
-            tl.store(dst + 3 * stride_o, o3.to(out_ptr.dtype.element_ty), mask=mr & (t0 + 3 < M))
+            tl.store(dst + 2 * stride_o, o2.to(out_ptr.dtype.element_ty), mask=mr & (t64 + 2 < M))
+            tl.store(dst + 3 * stride_o, o3.to(out_ptr.dtype.element_ty), mask=mr & (t64 + 3 < M))
 
 
 # rows per program x chunks along K per step (G lanes: a power of two <= 32), warps, and whether the

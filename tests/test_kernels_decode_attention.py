@@ -160,9 +160,8 @@ def test_triton_interpreter_suite():
 def interpreter():
     if not INTERPRETED:
         pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
-    from kernels._triton import round_bf16_in_interpreter, shim_interpreter_scalars
-    shim_interpreter_scalars()
-    round_bf16_in_interpreter()
+    from kernels._triton import prepare_interpreter
+    prepare_interpreter()
 
 
 @pytest.mark.parametrize("B,D,L,n,view", [(1, 64, 37, 1, False), (2, 64, 37, 17, True), (1, 128, 37, 37, False),

@@ -38,9 +38,8 @@ def qg():
     if not INTERPRETED:
         pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
     pytest.importorskip("triton")
-    from kernels._triton import round_bf16_in_interpreter, shim_interpreter_scalars
-    round_bf16_in_interpreter()
-    shim_interpreter_scalars()
+    from kernels._triton import prepare_interpreter
+    prepare_interpreter()
     from kernels import quant_gemv
     return quant_gemv
 

@@ -150,8 +150,8 @@ def interp():
     if not INTERPRETED:
         pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
     pytest.importorskip("triton")
-    from kernels._triton import shim_interpreter_scalars
-    shim_interpreter_scalars()
+    from kernels._triton import prepare_interpreter
+    prepare_interpreter()
     from kernels import moe_fast
     assert moe_fast.tk.INTERPRET
     return moe_fast

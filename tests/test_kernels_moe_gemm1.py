@@ -61,8 +61,8 @@ def test_triton_interpreter_suite():
 def interp():
     if not INTERPRETED:
         pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
-    from kernels._triton import shim_interpreter_scalars
-    shim_interpreter_scalars()
+    from kernels._triton import prepare_interpreter
+    prepare_interpreter()
     from kernels import moe_fast, moe_gemm1
     assert moe_gemm1.INTERPRET
     return moe_fast

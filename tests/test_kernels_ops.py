@@ -273,8 +273,8 @@ def test_triton_kernels_run_on_cpu():
 @pytest.fixture
 def rounding_interpreter():
     """bf16 results of the interpreter rounded as on the GPU (see kernels._triton)."""
-    from kernels._triton import round_bf16_in_interpreter
-    round_bf16_in_interpreter()
+    from kernels._triton import prepare_interpreter
+    prepare_interpreter()
 
 
 @interp

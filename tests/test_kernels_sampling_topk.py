@@ -61,8 +61,8 @@ def interp():
     if not INTERPRETED:
         pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
     pytest.importorskip("triton")
-    from kernels._triton import shim_interpreter_scalars
-    shim_interpreter_scalars()
+    from kernels._triton import prepare_interpreter
+    prepare_interpreter()
 
 
 TIES = ("bf16", "few levels", "-inf padded", "-inf block", "all equal")

@@ -104,10 +104,9 @@ def interp(monkeypatch):
     if not INTERPRETED:
         pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
     pytest.importorskip("triton")
-    from kernels._triton import INTERPRET, round_bf16_in_interpreter, shim_interpreter_scalars
+    from kernels._triton import INTERPRET, prepare_interpreter
     assert INTERPRET
-    round_bf16_in_interpreter()
-    shim_interpreter_scalars()
+    prepare_interpreter()
     real = torch.empty
 
     def nan_empty(*a, **kw):
