@@ -97,7 +97,7 @@ def shim_interpreter_masks() -> None:
         return
 
     def as_bool(mask):
-        if mask is None or mask.data.dtype == np.bool_:
+        if not (isinstance(mask, ti.TensorHandle) and isinstance(mask.data, np.ndarray)) or mask.data.dtype == np.bool_:
             return mask
         return ti.TensorHandle(mask.data.astype(np.bool_), tl.int1)
 
