@@ -1,16 +1,19 @@
-"""Fused GPU ops, one module each, with the plain-PyTorch reference of each beside it (the CPU path).
+"""Fused GPU ops, each with its plain-PyTorch reference beside it (the CPU path).
 
-`kernels.registry` picks the implementation per device type and dtype; the engine calls ops only
-through it (`kernels.call("op", ...)`), so a backend is an entry there, never a patch of the engine.
-This package imports nothing of `engine`.
+`kernels.registry` picks the implementation per device type, dtype and the arguments' shapes; the
+engine calls ops only through it (`kernels.call("op", ...)`), so a backend is an entry there, never a
+patch of the engine. This package imports nothing of `engine`.
+
+    registry.py          ops, their variants, `call`, `chosen`, `allowed`
+    _triton.py           Triton where it imports (CPU builds of torch have none), interpreter fixes
+    scratch.py           scratch buffers (NaN-poisoned in tests)
+    norm.py              rms_norm, add_rms_norm
+    rope.py              rope_qk_norm, rope_qk_norm_cache
+    decode_attention.py  decode_attention (GQA over a static cache's valid prefix)
+    sampling.py          sample
+    moe/                 moe (routed + shared MoE)
+    quant/               quantized weights: dequant_*, linear_*, grouped_mm_*, FP8, moe_quant
+    vae/                 conv3d_same, group_norm_swish
 """
 from .registry import allowed, call, chosen, ops  # noqa: F401
-from . import conv  # noqa: F401,E402  conv3d_same (the VAE's 3D convs as 2D convs over frames)
-from . import decode_attention  # noqa: F401,E402  decode_attention (GQA over a static cache's prefix)
-from . import group_norm  # noqa: F401,E402  group_norm_swish
-from . import moe  # noqa: F401,E402  moe (routed + shared MoE, deterministic fp32 finalize)
-from . import moe_quant  # noqa: F401,E402  moe_quant (the moe op over quantized experts)
-from . import norm  # noqa: F401,E402  rms_norm, add_rms_norm
-from . import quant  # noqa: F401,E402  dequant_*, linear_* / grouped_mm_* on quantized weights, FP8
-from . import rope  # noqa: F401,E402  rope_qk_norm, rope_qk_norm_cache
-from . import sampling  # noqa: F401,E402  sample
+from . import decode_attention, moe, norm, quant, rope, sampling, vae  # noqa: F401,E402  (register the ops)

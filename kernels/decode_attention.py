@@ -206,9 +206,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length
 
 
 @backend("decode_attention", "triton", devices=("cuda",), dtypes=(torch.bfloat16, torch.float16),
-         available=available)
+         available=available, fits=fits)
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             length: torch.Tensor) -> torch.Tensor:
-    if not fits(q, k_cache, v_cache, length):
-        return decode_attention_ref(q, k_cache, v_cache, length)
     return launch(q, k_cache, v_cache, length)

@@ -83,16 +83,15 @@ def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.shape[-1] <= MAX_TRITON_WIDTH and weight.shape == (x.shape[-1],) and x.device == weight.device
 
 
-@backend("rms_norm", "triton", devices=("cuda",), dtypes=FLOATS, available=available)
+@backend("rms_norm", "triton", devices=("cuda",), dtypes=FLOATS, available=available,
+         fits=lambda x, weight, eps: _fits(x, weight))
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not _fits(x, weight):
-        return rms_norm_ref(x, weight, eps)
     return _launch(x, None, weight, eps)[0]
 
 
-@backend("add_rms_norm", "triton", devices=("cuda",), dtypes=FLOATS, available=available)
+@backend("add_rms_norm", "triton", devices=("cuda",), dtypes=FLOATS, available=available,
+         fits=lambda x, residual, weight, eps: (_fits(x, weight) and residual.shape == x.shape
+                                                and residual.dtype == x.dtype))
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _fits(x, weight) or residual.shape != x.shape or residual.dtype != x.dtype:
-        return add_rms_norm_ref(x, residual, weight, eps)
     return _launch(x, residual, weight, eps)

@@ -170,28 +170,28 @@ def _launch(qkv, cos, sin, q_weight, k_weight, eps, k_out, v_out, index, parts: 
     return q
 
 
-@backend("rope_qk_norm", "triton", devices=("cuda",), dtypes=FLOATS, available=available)
+@backend("rope_qk_norm", "triton", devices=("cuda",), dtypes=FLOATS, available=available,
+         fits=lambda qkv, cos, sin, q_weight, k_weight, *a, **k: _fits(qkv, cos, sin, q_weight, k_weight))
 def rope_qk_norm_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
                         k_weight: torch.Tensor, eps: float,
                         parts: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As the reference; q, k and v come back contiguous (ready for a collective)."""
     _check_parts(qkv, parts)
-    if not _fits(qkv, cos, sin, q_weight, k_weight):
-        return rope_qk_norm_ref(qkv, cos, sin, q_weight, k_weight, eps, parts)
     B, T, kv, _, D = qkv.shape
     k = torch.empty(*((parts,) if parts > 1 else ()), B, kv // parts, T, D, dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)
     return _launch(qkv, cos, sin, q_weight, k_weight, eps, k, v, None, parts), k, v
 
 
-@backend("rope_qk_norm_cache", "triton", devices=("cuda",), dtypes=FLOATS, available=available)
+def _cache_fits(qkv, cos, sin, q_weight, k_weight, eps, cache_k, cache_v, index) -> bool:
+    B, T, kv, _, D = qkv.shape
+    return (_fits(qkv, cos, sin, q_weight, k_weight) and index.shape == (T,) and not index.is_floating_point()
+            and all(c.dtype == qkv.dtype and c.shape[0] == B and c.shape[1] == kv and c.shape[3] == D
+                    and c.stride(3) == 1 for c in (cache_k, cache_v)))
+
+
+@backend("rope_qk_norm_cache", "triton", devices=("cuda",), dtypes=FLOATS, available=available, fits=_cache_fits)
 def rope_qk_norm_cache_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
                               k_weight: torch.Tensor, eps: float, cache_k: torch.Tensor, cache_v: torch.Tensor,
                               index: torch.Tensor) -> torch.Tensor:
-    B, T, kv, _, D = qkv.shape
-    ok = (_fits(qkv, cos, sin, q_weight, k_weight) and index.shape == (T,) and not index.is_floating_point()
-          and all(c.dtype == qkv.dtype and c.shape[0] == B and c.shape[1] == kv and c.shape[3] == D
-                  and c.stride(3) == 1 for c in (cache_k, cache_v)))
-    if not ok:
-        return rope_qk_norm_cache_ref(qkv, cos, sin, q_weight, k_weight, eps, cache_k, cache_v, index)
     return _launch(qkv, cos, sin, q_weight, k_weight, eps, cache_k, cache_v, index)

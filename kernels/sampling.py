@@ -28,8 +28,7 @@ from ._triton import HAS_TRITON, available, next_pow2, tl, triton
 from .registry import backend, reference
 
 MAX_TRITON_K = 4096        # the top-p cut runs in one block of the sorted survivors
-TOPK = "triton"            # the top-k of sample_device: "triton" (topk_desc) or "torch" (x.topk), for the bench
-# topk_desc up to this k, torch.topk above: inside a decode step (the sample op queued behind the step's
+# the "triton" variant (top-k by topk_desc) up to this k, "triton_torch_topk" (torch.topk, then the same cut) above: inside a decode step (the sample op queued behind the step's
 # graph, its host cost hidden) topk_desc took 45.1 us of GPU time against torch.topk's 70.7 at k = 1024,
 # but 114.9 against 74.0 at k = 4096 (bench_decode_parts.py topk, one H200, 2026-12-01)
 TOPK_TRITON_MAX_K = 1024
@@ -309,13 +308,14 @@ PICK_BLOCK = 4096
 
 
 def sample_device(x: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator | None,
-                  block: int = PICK_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                  block: int = PICK_BLOCK, radix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The draw from x = logits / temperature [V] fp32 by the Triton kernels (top-k at most
-    MAX_TRITON_K, or off with top_p == 1) -> (token, [thr, n_tie] of the top-p cut for the tests)."""
+    MAX_TRITON_K, or off with top_p == 1) -> (token, [thr, n_tie] of the top-p cut for the tests). The
+    top-k by `topk_desc` (radix) or by torch.topk."""
     V = x.numel()
     k_on, p_on = 0 < top_k < V, top_p < 1.0
     if k_on:
-        vals, idx = topk_desc(x, top_k) if TOPK == "triton" and top_k <= TOPK_TRITON_MAX_K else x.topk(top_k)
+        vals, idx = topk_desc(x, top_k) if radix else x.topk(top_k)
         K = top_k
     else:
         vals, idx, K = x.max().view(1), x, 1
@@ -336,14 +336,27 @@ def sample_device(x: torch.Tensor, top_k: int, top_p: float, generator: torch.Ge
     return out, cut
 
 
-@backend("sample", "triton", devices=("cuda",), dtypes=(torch.float32,), available=available)
+def _device_fits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator, greedy: bool = False,
+                 allowed: torch.Tensor | None = None, max_k: int = MAX_TRITON_K) -> bool:
+    """One row, sampled (ratio tokens and greedy are one or two ops already, the reference's), with a
+    top-k of at most `max_k` or none at all with top_p == 1 (top-p over the whole vocabulary sorts it:
+    the reference)."""
+    k_on = 0 < top_k < logits.numel()
+    return (allowed is None and not greedy and logits.dim() == 1 and (k_on or top_p >= 1.0)
+            and (not k_on or top_k <= max_k))
+
+
+@backend("sample", "triton", devices=("cuda",), dtypes=(torch.float32,), available=available,
+         fits=lambda *a, **k: _device_fits(*a, **k, max_k=TOPK_TRITON_MAX_K))
 def sample_triton(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                   generator: torch.Generator | None, greedy: bool = False,
                   allowed: torch.Tensor | None = None) -> torch.Tensor:
-    V = logits.numel()
-    k_on = 0 < top_k < V
-    if allowed is not None or greedy or logits.dim() != 1 or (top_p < 1.0 and not k_on) \
-            or (k_on and top_k > MAX_TRITON_K):
-        # ratio tokens / greedy are one or two ops already; top-p over the whole vocabulary sorts it
-        return sample_ref(logits, temperature, top_k, top_p, generator, greedy, allowed)
     return sample_device(logits.contiguous() / temperature, top_k, top_p, generator)[0]
+
+
+@backend("sample", "triton_torch_topk", devices=("cuda",), dtypes=(torch.float32,), available=available,
+         fits=_device_fits)
+def sample_triton_torch_topk(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                             generator: torch.Generator | None, greedy: bool = False,
+                             allowed: torch.Tensor | None = None) -> torch.Tensor:
+    return sample_device(logits.contiguous() / temperature, top_k, top_p, generator, radix=False)[0]

@@ -65,7 +65,7 @@ def test_grouped_moe_bf16_matches_fp32():
     ref1 = m(x, PhaseView(1, 1))
     out1 = mb(x.bfloat16(), PhaseView(1, 1)).float()
     assert (out1 - ref1).norm() / ref1.norm() < 0.02
-    assert kernels.chosen("moe", "cuda", torch.bfloat16) == "triton"      # bf16 ran the fast path
+    assert kernels.chosen("moe") == "fused"          # bf16 ran the fast path (300 tokens: the grouped path, GEMM1 fused)
 
 
 # With a GPU per rank (tp2 on a 2-GPU machine, every plan on 4) the ranks talk NCCL; with fewer GPUs

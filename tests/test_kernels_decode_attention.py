@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from interpreter import INTERPRETED, run_interpreter_suite
+from kernel_support import INTERPRETED, interpreted, run_interpreter_suite
 
 import kernels
 from kernels import decode_attention as da
@@ -66,8 +66,8 @@ def test_reference_is_masked_softmax(dtype, G, T, n):
     for length in (torch.tensor([n]), torch.tensor(n)):          # shape [1] or []
         check(da.decode_attention_ref(q, k, v, length), q, k, v, n)
         check(da.masked_whole_cache(q, k, v, length), q, k, v, n)   # the reference off the CPU
-    assert kernels.chosen("decode_attention", "cpu", dtype) == "torch"
     check(kernels.call("decode_attention", q, k, v, torch.tensor([n])), q, k, v, n)
+    assert kernels.chosen("decode_attention") == "torch"
 
 
 def test_reference_ignores_keys_past_length():
@@ -139,7 +139,9 @@ def _attention_decode(device, dtype, heads, kv, D, L, n, seed=0):
                  else AttnBatch(index, cos, sin, n, None))
         with torch.no_grad():
             outs.append(attn(x, batch, cache, 0, PhaseView()))
-    return outs[0], outs[1], kernels.chosen("decode_attention", device, dtype)
+        if dev_len:
+            impl = kernels.chosen("decode_attention")
+    return outs[0], outs[1], impl
 
 
 def test_attention_with_a_device_length_equals_sliced():
@@ -158,10 +160,7 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture
 def interpreter():
-    if not INTERPRETED:
-        pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
-    from kernels._triton import prepare_interpreter
-    prepare_interpreter()
+    interpreted()
 
 
 @pytest.mark.parametrize("B,D,L,n,view", [(1, 64, 37, 1, False), (2, 64, 37, 17, True), (1, 128, 37, 37, False),
@@ -252,12 +251,12 @@ def _poison_pool(*nbytes: int) -> None:
 @pytest.mark.parametrize("view", [False, True])
 def test_gpu_real_shapes(Hq, Hkv, L, view):
     dt = torch.bfloat16
-    assert kernels.chosen("decode_attention", "cuda", dt) == "triton"
     q, k, v = inputs(1, Hkv, Hq // Hkv, 1, 128, L, dt, "cuda", seed=L + Hq, view=view)
     for n in (1, 1251, 2017):
         _poison_pool(Hq * 128 * 2, Hkv * -(-L // da.CHUNK) * (Hq // Hkv) * 128 * 4)
         length = torch.tensor([n], device="cuda")
         out = kernels.call("decode_attention", q, k, v, length)
+        assert kernels.chosen("decode_attention") == "triton"
         check(out, q, k, v, n)
         ref = da.decode_attention_ref(q, k, v, length)        # cuda: the masked whole-cache SDPA
         torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dt], atol=TOL[dt])
@@ -268,10 +267,10 @@ def test_gpu_real_shapes(Hq, Hkv, L, view):
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("G,T", [(4, 1), (4, 4), (8, 8), (1, 1)])
 def test_gpu_gqa_and_causal_queries(dt, G, T):
-    assert kernels.chosen("decode_attention", "cuda", dt) == "triton"
     q, k, v = inputs(2, 2, G, T, 128, 777, dt, "cuda", seed=G * 10 + T, view=True)
     for n in (T, 129, 777):
         check(kernels.call("decode_attention", q, k, v, torch.tensor([n], device="cuda")), q, k, v, n)
+        assert kernels.chosen("decode_attention") == "triton"
 
 
 def _capture(fn):
@@ -293,10 +292,10 @@ def _capture(fn):
 def test_gpu_graph_replay_at_a_new_length():
     """Captured once at one length, replayed after the length tensor changes in place: the new prefix."""
     dt = torch.bfloat16
-    assert kernels.chosen("decode_attention", "cuda", dt) == "triton"
     q, k, v = inputs(1, 8, 4, 1, 128, 2017, dt, "cuda", seed=5)
     length = torch.tensor([300], device="cuda")
     graph, out = _capture(lambda: kernels.call("decode_attention", q, k, v, length))
+    assert kernels.chosen("decode_attention") == "triton"
     for n in (1251, 1, 2017, 300):
         length.fill_(n)
         graph.replay()

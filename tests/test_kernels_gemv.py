@@ -1,4 +1,4 @@
-"""kernels/quant_gemv.py: the decode GEMVs on quantized weights. Under Triton's CPU interpreter on small
+"""kernels/quant/gemv.py: the decode GEMVs on quantized weights. Under Triton's CPU interpreter on small
 shapes (every format, 1 / 3 / 8 tokens, routed and shared slots, several micros): the dense GEMV is the
 fp32 dot product on the exactly dequantized weight (MX formats: the reference's bf16 weights) up to the
 summation order; the MoE decode pair against a per-slot reference; the whole `moe_quant` decode path on
@@ -9,17 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter import INTERPRETED, run_interpreter_suite
+from kernel_support import interpreted, poisoned, rel_err, run_interpreter_suite
 
 import kernels
 import kernels.quant as kq
 
 FMTS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
-
-
-def rel_err(got, want):
-    want = want.to(torch.float64)
-    return ((got.to(torch.float64) - want).norm() / want.norm()).item()
 
 
 def _qw(fmt, shape, std, g, device="cpu", inverse=False, gscale_dims=0):
@@ -35,19 +30,7 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture(scope="module")
 def qg():
-    if not INTERPRETED:
-        pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
-    pytest.importorskip("triton")
-    from kernels._triton import prepare_interpreter
-    prepare_interpreter()
-    from kernels import quant_gemv
-    return quant_gemv
-
-
-def _poisoned(fn, *a, **kw):
-    from kernels import moe_fast
-    with moe_fast.poisoned():
-        return fn(*a, **kw)
+    return interpreted("kernels.quant.gemv")
 
 
 SMALL = dict(R=16, G=4, num_warps=4)          # several K steps on the small shapes
@@ -62,13 +45,13 @@ def test_interp_gemv_linear_is_the_dot_product_on_the_dequantized_weight(qg, fmt
         for m in (1, 3, 8):
             for prep in (True, False):
                 x = torch.randn(m, 256, generator=g)                     # fp32: nothing rounded on the way out
-                got = _poisoned(qg.linear, x, fmt, w.codes, w.scales, w.gscale, w.inverse, cfg=dict(SMALL, PREP=prep))
+                got = poisoned(qg.linear, x, fmt, w.codes, w.scales, w.gscale, w.inverse, cfg=dict(SMALL, PREP=prep))
                 assert got.shape == (m, 40) and not got.isnan().any()
                 assert rel_err(got, x.double() @ wf.T) < 1e-6, (inverse, m, prep)
         # bf16 tokens against the registered op's reference (its weights rounded to bf16: NVFP4 / FP8 differ
         # by that rounding; FP8 here is weight-only, as the decode path runs it on quantized activations)
         x = torch.randn(2, 5, 256, generator=g).bfloat16()
-        got = _poisoned(qg.linear, x, fmt, w.codes, w.scales, w.gscale, w.inverse, cfg=dict(SMALL, PREP=True))
+        got = poisoned(qg.linear, x, fmt, w.codes, w.scales, w.gscale, w.inverse, cfg=dict(SMALL, PREP=True))
         assert got.shape == (2, 5, 40) and got.dtype == torch.bfloat16
         assert rel_err(got, F.linear(x, w.dequantize(torch.bfloat16)).float()) < 5e-3
 
@@ -79,14 +62,14 @@ def test_interp_gemv_linear_strided_rows_and_k_tails(qg):
         w = _qw(fmt, (24, 512), 0.1, g)
         blk = w.cols(128, 384)                                           # a micro's block of a cols-packed weight
         x = torch.randn(3, 256, generator=g)
-        got = _poisoned(qg.linear, x, fmt, blk.codes, blk.scales, blk.gscale, blk.inverse, cfg=dict(SMALL, PREP=True))
+        got = poisoned(qg.linear, x, fmt, blk.codes, blk.scales, blk.gscale, blk.inverse, cfg=dict(SMALL, PREP=True))
         assert rel_err(got, x.double() @ w.dequantize(torch.float32).double()[:, 128:384].T) < 1e-6, fmt
     # K a multiple of 16 only (FP8: the last step masked) and 7 MX blocks (one chunk a step)
     for fmt, k in (("fp8", 208), ("mxfp4", 224), ("mxfp8", 224), ("nvfp4", 208)):
         w = _qw(fmt, (20, k), 0.1, g)
         x = torch.randn(2, k, generator=g)
         for prep in (True, False):
-            got = _poisoned(qg.linear, x, fmt, w.codes, w.scales, w.gscale, w.inverse, cfg=dict(SMALL, PREP=prep))
+            got = poisoned(qg.linear, x, fmt, w.codes, w.scales, w.gscale, w.inverse, cfg=dict(SMALL, PREP=prep))
             assert rel_err(got, x.double() @ w.dequantize(torch.float32).double().T) < 1e-6, (fmt, k)
 
 
@@ -103,12 +86,12 @@ def test_interp_gemv_every_code_value(qg):
     for fmt, w in cases:
         k = w.shape[-1]
         x = torch.randn(2, k, generator=g)
-        got = _poisoned(qg.linear, x, fmt, w.codes, w.scales, cfg=dict(SMALL, PREP=True))
+        got = poisoned(qg.linear, x, fmt, w.codes, w.scales, cfg=dict(SMALL, PREP=True))
         assert rel_err(got, x.double() @ w.dequantize(torch.float32).double().T) < 1e-6, fmt
         for col in (0, 1, 5, k - 1):                                     # one column at a time: each value
             e = torch.zeros(1, k)
             e[0, col] = 1.0
-            got = _poisoned(qg.linear, e, fmt, w.codes, w.scales, cfg=dict(SMALL, PREP=False))
+            got = poisoned(qg.linear, e, fmt, w.codes, w.scales, cfg=dict(SMALL, PREP=False))
             assert torch.equal(got[0], w.dequantize(torch.float32)[:, col]), (fmt, col)
 
 
@@ -116,7 +99,7 @@ def test_interp_prep_is_the_phase_major_prescaled_layout(qg):
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     for fmt in ("mxfp4", "mxfp8"):
         ph = qg.PH[fmt]
-        got = _poisoned(qg.prep, x, fmt)
+        got = poisoned(qg.prep, x, fmt)
         want = x.float().view(3, 64 // ph, ph).transpose(1, 2).reshape(3, 64) * qg.XSCALE
         assert got.dtype == torch.float32 and torch.equal(got, want)
 
@@ -207,7 +190,8 @@ def _emulate_scaled_grouped(monkeypatch):
         acc = torch._grouped_mm(xq.float(), wq.float().transpose(1, 2), offs=offs)
         grp = torch.searchsorted(offs, torch.arange(xq.shape[0], dtype=offs.dtype), right=True)
         return (acc * xs * ws[..., 0].float()[grp.clamp_max(wq.shape[0] - 1).long()]).to(dtype)
-    monkeypatch.setattr(kq, "scaled_grouped", emu)
+    from kernels.quant import cuda
+    monkeypatch.setattr(cuda, "scaled_grouped", emu)
 
 
 @pytest.mark.parametrize("fmt,shared_fmt,n,micro_start,micro_count", [
@@ -215,24 +199,20 @@ def _emulate_scaled_grouped(monkeypatch):
     ("mxfp8", "mxfp8", 2, 0, 2), ("nvfp4", "bf16", 3, 1, 1), ("fp8", "fp8", 5, 0, 2),
 ])
 def test_interp_moe_quant_decode_on_the_gemvs(qg, monkeypatch, fmt, shared_fmt, n, micro_start, micro_count):
-    """The whole decode path with DECODE_KERNELS = "gemv": against the op's reference, and the tile
-    kernels' result (the same weights and activations: equal up to summation order and roundings)."""
+    """The op's decode variant (on the GEMVs) against the op's reference."""
     from test_kernels_quant import make_qmoe, qargs
-    from kernels import moe_quant
+    from kernels.quant import moe, moe_cuda
     _emulate_scaled_grouped(monkeypatch)
     t = make_qmoe(n, fmt, shared_fmt, hidden=128, inter=64, shared_inter=64, inverse=fmt == "nvfp4", seed=30 + n)
     args = qargs(t, micro_start, micro_count)
     calls = []
     real = qg.decode_up
     monkeypatch.setattr(qg, "decode_up", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(moe_quant, "DECODE_KERNELS", "gemv")
     out = torch.full_like(t["x"], float("nan"))
-    got = _poisoned(moe_quant.moe_quant_cuda, *args, out=out)
+    assert moe_cuda.decode_fits(*args)
+    got = poisoned(moe_cuda.moe_quant_decode, *args, out=out)
     assert calls and got.data_ptr() == out.data_ptr() and not got.isnan().any()
-    tol = 3e-2 if fmt == "fp8" else 1e-2
-    assert rel_err(got, moe_quant.moe_quant_reference(*args)) < tol
-    monkeypatch.setattr(moe_quant, "DECODE_KERNELS", "tile")
-    assert rel_err(got, _poisoned(moe_quant.moe_quant_cuda, *args)) < tol
+    assert rel_err(got, moe.moe_quant_reference(*args)) < (3e-2 if fmt == "fp8" else 1e-2)
 
 
 # ----------------------------------------------------------------------------------------- GPU
@@ -244,7 +224,7 @@ BF16 = torch.bfloat16
 @pytest.fixture
 def gemv_calls(monkeypatch):
     """Counts the GEMV launchers' calls (a GPU test fails if the GEMVs did not run)."""
-    from kernels import quant_gemv
+    from kernels.quant import gemv as quant_gemv
     calls = {"decode_up": 0, "decode_down": 0, "linear": 0}
     for name in calls:
         real = getattr(quant_gemv, name)
@@ -314,15 +294,14 @@ def fp8_decode_semantics(x, gate, w1, w2, shared_w1, shared_w2, ms, mc, topk, no
 
 @gpu
 @pytest.mark.parametrize("name", list(GPU_DECODE))
-def test_gpu_moe_decode_gemv_matches_reference(name, gemv_calls, monkeypatch):
-    from kernels import moe_fast, moe_quant
-    monkeypatch.setattr(moe_quant, "DECODE_KERNELS", "gemv")
+def test_gpu_moe_decode_gemv_matches_reference(name, gemv_calls):
+    from test_kernels_quant import moe_quant_cuda
     args = _gpu_decode_args(name, seed=len(name))
     with kernels.allowed():
         ref = kernels.call("moe_quant", *args)
     out = torch.full_like(args[0], float("nan"))
-    with moe_fast.poisoned():
-        got = moe_quant.moe_quant_cuda(*args, out=out)
+    got = poisoned(moe_quant_cuda, *args, out=out)
+    assert kernels.chosen("moe_quant") == "decode"
     assert gemv_calls["decode_up"] >= 1 and gemv_calls["decode_down"] >= 1
     assert not got.isnan().any()
     if GPU_DECODE[name][1] == "fp8":
@@ -330,34 +309,31 @@ def test_gpu_moe_decode_gemv_matches_reference(name, gemv_calls, monkeypatch):
         assert rel_err(got, ref) < 5e-2
     else:
         assert rel_err(got, ref) < 1e-2
-    with kernels.allowed("triton"):
-        assert kernels.chosen("moe_quant", "cuda", BF16) == "triton"
 
 
 @gpu
 @pytest.mark.parametrize("name", ["tp1_n1_mxfp4", "hybrid4_n8_mxfp4"])
-def test_gpu_moe_decode_gemv_graph_replay_reproducible_per_token(name, gemv_calls, monkeypatch):
-    from kernels import moe_quant
-    monkeypatch.setattr(moe_quant, "DECODE_KERNELS", "gemv")
+def test_gpu_moe_decode_gemv_graph_replay_reproducible_per_token(name, gemv_calls):
+    from test_kernels_quant import moe_quant_cuda
     args = _gpu_decode_args(name, seed=7)
-    a, b = moe_quant.moe_quant_cuda(*args), moe_quant.moe_quant_cuda(*args)
+    a, b = moe_quant_cuda(*args), moe_quant_cuda(*args)
     assert torch.equal(a, b)
     perm = torch.randperm(args[0].shape[0], device="cuda")
-    assert torch.equal(moe_quant.moe_quant_cuda(args[0][perm], *args[1:]), a[perm])
+    assert torch.equal(moe_quant_cuda(args[0][perm], *args[1:]), a[perm])
     x_static = args[0].clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        moe_quant.moe_quant_cuda(x_static, *args[1:])
+        moe_quant_cuda(x_static, *args[1:])
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe_quant.moe_quant_cuda(x_static, *args[1:])
+        out = moe_quant_cuda(x_static, *args[1:])
     fresh = _gpu_decode_args(name, seed=8)[0]
     x_static.copy_(fresh)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, moe_quant.moe_quant_cuda(fresh, *args[1:]))
+    assert torch.equal(out, moe_quant_cuda(fresh, *args[1:]))
     assert gemv_calls["decode_up"] > 0
 
 
@@ -366,12 +342,11 @@ def test_gpu_moe_decode_gemv_graph_replay_reproducible_per_token(name, gemv_call
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 1024)])     # qkv, o at tp1; o of a TP4 micro
 def test_gpu_gemv_linear_matches_reference(fmt, m, n, k, gemv_calls):
-    from kernels import moe_fast, quant_gemv
+    from kernels.quant import gemv as quant_gemv
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     w = _qw(fmt, (n, k), k ** -0.5, g, "cuda", inverse=fmt == "nvfp4")
     x = torch.randn(m, k, generator=g, device="cuda").to(BF16)
-    with moe_fast.poisoned():
-        got = quant_gemv.linear(x, fmt, w.codes, w.scales, w.gscale, w.inverse)
+    got = poisoned(quant_gemv.linear, x, fmt, w.codes, w.scales, w.gscale, w.inverse)
     ref = F.linear(x, w.dequantize(BF16))                                # weight-only (FP8 too: the GEMV alone)
     assert gemv_calls["linear"] == 1 and not got.isnan().any()
     assert rel_err(got, ref) < 1e-2
@@ -379,9 +354,8 @@ def test_gpu_gemv_linear_matches_reference(fmt, m, n, k, gemv_calls):
 
 @gpu
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
-def test_gpu_qlinear_of_a_few_tokens_runs_the_gemv(fmt, gemv_calls, monkeypatch):
-    """The registered dense op routes decode-sized inputs to the GEMV (GEMV_LINEAR), larger ones not."""
-    monkeypatch.setitem(kq.GEMV_LINEAR, fmt, True)
+def test_gpu_qlinear_of_a_few_tokens_runs_the_gemv(fmt, gemv_calls):
+    """The registered dense op routes decode-sized inputs to the "gemv" variant, larger ones not."""
     g = torch.Generator(device="cuda").manual_seed(9)
     w = _qw(fmt, (4096, 2 * 1024), 0.03, g, "cuda", inverse=fmt == "nvfp4")
     blk = w.cols(1024, 2048)                                              # a cols-packed micro block: strided rows
@@ -390,5 +364,7 @@ def test_gpu_qlinear_of_a_few_tokens_runs_the_gemv(fmt, gemv_calls, monkeypatch)
     with kernels.allowed():
         ref = kq.qlinear(x, blk)
     assert gemv_calls["linear"] == 1 and rel_err(got, ref) < 1e-2
+    kq.qlinear(x, blk)
+    assert kernels.chosen("linear_" + fmt) == "gemv"
     kq.qlinear(torch.randn(64, 1024, device="cuda").to(BF16), blk)
-    assert gemv_calls["linear"] == 1
+    assert gemv_calls["linear"] == 2 and kernels.chosen("linear_" + fmt) == "triton"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter import INTERPRETED, run_interpreter_suite
+from kernel_support import interpreted, poisoned, rel_err, run_interpreter_suite
 
 import kernels
 from kernels.moe import moe_reference
@@ -63,11 +63,6 @@ def moe_loop_fp64(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_coun
     return out
 
 
-def rel_err(got, want):
-    want = want.to(torch.float64)
-    return ((got.to(torch.float64) - want).norm() / want.norm()).item()
-
-
 # ---------------------------------------------------------------------------- the reference
 
 @pytest.mark.parametrize("n", [1, 23])
@@ -91,11 +86,11 @@ def test_reference_bf16_within_bf16_bounds_and_shared_is_different_width():
 
 
 def test_kernels_call_uses_the_reference_on_cpu():
-    assert kernels.chosen("moe", "cpu", torch.float32) == "torch"
-    assert kernels.chosen("moe", "cpu", torch.bfloat16) == "torch"
-    t = make_moe(5)
-    args = call_args(t, 0, 2, 2, True)
-    assert torch.equal(kernels.call("moe", *args), moe_reference(*args))
+    for dt in (torch.float32, torch.bfloat16):
+        t = make_moe(5, dtype=dt)
+        args = call_args(t, 0, 2, 2, True)
+        assert torch.equal(kernels.call("moe", *args), moe_reference(*args))
+        assert kernels.chosen("moe") == "torch"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -147,29 +142,22 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture(scope="module")
 def interp():
-    if not INTERPRETED:
-        pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
-    pytest.importorskip("triton")
-    from kernels._triton import prepare_interpreter
-    prepare_interpreter()
-    from kernels import moe_fast
-    assert moe_fast.tk.INTERPRET
-    return moe_fast
+    return interpreted("kernels.moe.cuda")
 
 
-INTERP_CASES = [  # (n, micro_start, micro_count, shared_inter, two_dispatch)
-    (1, 0, 1, 32, False), (5, 1, 2, 32, False), (8, 0, 3, 0, False), (6, 1, 2, 48, False),  # decode path
-    (37, 0, 1, 32, False), (70, 1, 2, 32, False), (37, 0, 3, 0, False), (37, 1, 2, 32, True),  # grouped path
+INTERP_CASES = [  # (n, micro_start, micro_count, shared_inter, variant)
+    (1, 0, 1, 32, "decode"), (5, 1, 2, 32, "decode"), (8, 0, 3, 0, "decode"), (6, 1, 2, 48, "decode"),
+    (37, 0, 1, 32, "grouped"), (70, 1, 2, 32, "grouped"), (37, 0, 3, 0, "grouped"),
 ]
 
 
-@pytest.mark.parametrize("n,micro_start,micro_count,shared_inter,two_dispatch", INTERP_CASES)
-def test_interp_pipelines(interp, n, micro_start, micro_count, shared_inter, two_dispatch):
+@pytest.mark.parametrize("n,micro_start,micro_count,shared_inter,variant", INTERP_CASES)
+def test_interp_pipelines(interp, n, micro_start, micro_count, shared_inter, variant):
     t = make_moe(n, shared_inter=shared_inter, dtype=torch.bfloat16, seed=100 + n)
     args = call_args(t, micro_start, micro_count, 3, True)
     out = torch.full_like(t["x"], float("nan"))
-    with interp.poisoned():                       # every scratch buffer starts as NaN
-        got = interp.moe_cuda(*args, two_dispatch=two_dispatch, out=out)
+    run = interp.moe_decode if variant == "decode" else interp.moe_grouped
+    got = poisoned(run, *args, out=out)           # every scratch buffer starts as NaN
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
     truth = moe_loop_fp64(*args)
     ref = moe_reference(*args)
@@ -180,7 +168,7 @@ def test_interp_pipelines(interp, n, micro_start, micro_count, shared_inter, two
 def test_interp_router_and_counting_sort(interp):
     """The routing kernels alone: same experts and weights as the reference router, and the
     counting sort gives exactly the stable argsort permutation of the reference."""
-    tk = interp.tk
+    from kernels.moe import triton_kernels as tk
     t = make_moe(150, experts=16, dtype=torch.bfloat16, seed=9)
     x, gate = t["x"], t["gate"]
     w_ref, idx_ref = kernels.moe.route(x, gate, 4, True)
@@ -225,7 +213,7 @@ def test_interp_router_and_counting_sort(interp):
 
 
 def test_interp_finalize_weights_and_sums_routes_in_fp32(interp):
-    tk = interp.tk
+    from kernels.moe import triton_kernels as tk
     g = torch.Generator().manual_seed(4)
     n, k, h = 6, 3, 40
     part = torch.randn(n * k, h, generator=g).to(torch.bfloat16)
@@ -245,7 +233,7 @@ def test_interp_finalize_weights_and_sums_routes_in_fp32(interp):
 def test_interp_swiglu_writes_a_micro_column_block_in_place(interp):
     """The grouped path's SwiGLU of micro i lands in columns [i*I, (i+1)*I) of one [R, micros*I]
     activation buffer (out=, strided rows): the other columns stay untouched."""
-    tk = interp.tk
+    from kernels.moe import triton_kernels as tk
     g = torch.Generator().manual_seed(6)
     r, inter = 7, 24
     h = torch.randn(r, 2 * inter, generator=g).to(torch.bfloat16)
@@ -281,31 +269,36 @@ def _gpu_inputs(name, seed=0):
     return call_args(t, ms, mc, k, True)
 
 
-def _fast(args, **kw):
-    from kernels import moe_fast
+def _fast(args, variant=None):
+    """The op through the registry (only `variant` allowed, when given) on poisoned scratch; asserts a
+    CUDA variant ran (that one, when given)."""
     out = torch.full_like(args[0], float("nan"))
-    with moe_fast.poisoned():
-        return moe_fast.moe_cuda(*args, out=out, **kw)
-
-
-@gpu
-def test_gpu_triton_backend_is_chosen():
-    assert kernels.chosen("moe", "cuda", BF16) == "triton"
+    with kernels.allowed(*((variant,) if variant else ("decode", "fused", "grouped"))):
+        got = poisoned(kernels.call, "moe", *args, out=out)
+    assert kernels.chosen("moe") == (variant or ("decode" if args[0].shape[0] <= 8 else "fused"))
+    return got
 
 
 @gpu
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
-@pytest.mark.parametrize("two_dispatch", [False, True])
-def test_gpu_fast_paths_match_reference(name, two_dispatch):
-    args = _gpu_inputs(name, seed=len(name) + two_dispatch)
+@pytest.mark.parametrize("variant", ["decode", "fused", "grouped"])
+def test_gpu_variants_match_reference(name, variant):
+    args = _gpu_inputs(name, seed=len(name) + len(variant))
+    if variant == "decode" and args[0].shape[0] > 8:
+        pytest.skip("the decode variant takes at most 8 tokens (decode_fits)")
     with kernels.allowed():
         ref = kernels.call("moe", *args)
-    got = _fast(args, two_dispatch=two_dispatch)
+    got = _fast(args, variant)
     assert not got.isnan().any()
     assert rel_err(got, ref) < 1e-2
-    with kernels.allowed("triton"):
-        assert kernels.chosen("moe", "cuda", BF16) == "triton"
-        assert rel_err(kernels.call("moe", *args), ref) < 1e-2
+
+
+@gpu
+def test_gpu_default_variants_by_size():
+    """The registry's order: decode up to 8 tokens, the fused grouped path above."""
+    for name, want in (("decode8", "decode"), ("hybrid4_prefill", "fused")):
+        kernels.call("moe", *_gpu_inputs(name))
+        assert kernels.chosen("moe") == want, name
 
 
 @gpu
@@ -322,38 +315,36 @@ def test_gpu_fast_path_bitwise_reproducible_and_per_token(name):
 @gpu
 @pytest.mark.parametrize("name", ["decode_small", "hybrid4_decode", "decode8"])
 def test_gpu_decode_cuda_graph_replay_equals_eager(name):
-    from kernels import moe_fast
     args = _gpu_inputs(name, seed=5)
     x_static = args[0].clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):                 # warm up (compile) outside the capture
-        moe_fast.moe_cuda(x_static, *args[1:])
+        kernels.call("moe", x_static, *args[1:])
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe_fast.moe_cuda(x_static, *args[1:])
+        out = kernels.call("moe", x_static, *args[1:])
     for seed in (11, 12):                         # new tokens copied in, replayed, compared
         fresh = _gpu_inputs(name, seed=seed)[0]
         x_static.copy_(fresh)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, moe_fast.moe_cuda(fresh, *args[1:]))
+        assert torch.equal(out, kernels.call("moe", fresh, *args[1:]))
 
 
 @gpu
 def test_gpu_grouped_path_is_capturable():
-    """No host sync in the denoise path either (its default fused GEMM1, moe_gemm1, included): it
+    """No host sync in the denoise path either (its default fused GEMM1, moe/gemm1.py, included): it
     captures, and the replay equals eager."""
-    from kernels import moe_fast
     args = _gpu_inputs("small", seed=6)
-    eager = moe_fast.moe_cuda(*args)
+    eager = kernels.call("moe", *args)
     x_static = args[0].clone()
-    moe_fast.moe_cuda(x_static, *args[1:])
+    kernels.call("moe", x_static, *args[1:])
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe_fast.moe_cuda(x_static, *args[1:])
+        out = kernels.call("moe", x_static, *args[1:])
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)

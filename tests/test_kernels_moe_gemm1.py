@@ -1,25 +1,20 @@
-"""kernels/moe_gemm1.py (the fused GEMM1 + SwiGLU of the grouped MoE path) and moe_triton.dispatch_rows.
+"""kernels/moe/gemm1.py (the fused GEMM1 + SwiGLU of the grouped MoE path) and triton_kernels.dispatch_rows.
 Under Triton's CPU interpreter at small shapes (I a non-multiple of the tile, experts with no rows, one or
 two micros from micro 0 or 1, every weight-load form): the kernel equals today's path (dispatch, per
-micro grouped GEMM, SwiGLU) in fp32 on poisoned outputs, and the `moe` pipeline with moe_fast.GEMM1 =
-"fused" equals the fp64 loop as the unfused one does. Marked gpu: every tile variant at the real
-hybrid4 shapes in bf16 against today's path and an fp32 truth, and the whole op with the switch on."""
+micro grouped GEMM, SwiGLU) in fp32 on poisoned outputs, and the `moe` op's "fused" variant equals the
+fp64 loop as the "grouped" one does. Marked gpu: every tile variant at the real hybrid4 shapes in bf16
+against today's path and an fp32 truth, and the "fused" variant of the whole op against "grouped"."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter import INTERPRETED, run_interpreter_suite
+from kernel_support import interpreted, poisoned, rel_err, run_interpreter_suite
 
 import kernels
 
 N, K, E, H, MICROS = 37, 4, 8, 64, 2
 NO_ROWS = (3, 5, 7)                   # experts the crafted gate never picks (the last one among them)
-
-
-def rel_err(got, want):
-    want = want.to(torch.float64)
-    return ((got.to(torch.float64) - want).norm() / want.norm()).item()
 
 
 def routing(tk, x, gate, k):
@@ -59,17 +54,11 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture(scope="module")
 def interp():
-    if not INTERPRETED:
-        pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
-    from kernels._triton import prepare_interpreter
-    prepare_interpreter()
-    from kernels import moe_fast, moe_gemm1
-    assert moe_gemm1.INTERPRET
-    return moe_fast
+    return interpreted("kernels.moe.cuda")
 
 
 def test_interp_dispatch_rows_is_dispatch_without_the_copy(interp):
-    tk = interp.tk
+    from kernels.moe import triton_kernels as tk
     g = torch.Generator().manual_seed(1)
     x = torch.randn(150, 32, generator=g)
     gate = torch.randn(16, 32, generator=g)
@@ -99,8 +88,8 @@ CFGS = {  # small tiles for the interpreter; every weight-load form and both til
 @pytest.mark.parametrize("inter", [32, 48])
 @pytest.mark.parametrize("micro_start,micro_count", [(0, 1), (1, 1), (0, 2)])
 def test_interp_gemm1_swiglu_equals_the_current_path(interp, cfg, inter, micro_start, micro_count):
-    from kernels import moe_gemm1
-    tk = interp.tk
+    from kernels.moe import gemm1 as moe_gemm1
+    from kernels.moe import triton_kernels as tk
     x, gate, w1 = crafted(inter, seed=inter + micro_start + 3 * micro_count)
     r = routing(tk, x, gate, K)
     ids, rank, base, bt, offs = r
@@ -117,7 +106,7 @@ def test_interp_gemm1_swiglu_equals_the_current_path(interp, cfg, inter, micro_s
 
 
 def test_interp_gemm1_swiglu_rejects_what_it_cannot_run(interp):
-    from kernels import moe_gemm1
+    from kernels.moe import gemm1 as moe_gemm1
     x, gate, w1 = crafted(32, seed=2)
     src = torch.zeros(N * K, dtype=torch.int32)
     offs = torch.full((E,), N * K, dtype=torch.int32)
@@ -131,10 +120,10 @@ def test_interp_gemm1_swiglu_rejects_what_it_cannot_run(interp):
 
 @pytest.mark.parametrize("n,micro_start,micro_count,shared_inter", [(37, 0, 1, 32), (70, 1, 2, 32), (37, 0, 3, 0)])
 def test_interp_moe_pipeline_with_the_fused_gemm1(interp, monkeypatch, n, micro_start, micro_count, shared_inter):
-    """The whole grouped pipeline with the switch on (moe_gemm1.CONFIG, the engine's tiles) against
-    the fp64 loop, as tests/test_kernels_moe.py checks it with the switch off, and against it off."""
+    """The "fused" variant (gemm1.CONFIG, the engine's tiles) against the fp64 loop, as
+    tests/test_kernels_moe.py checks "grouped", and against "grouped"."""
     from test_kernels_moe import call_args, make_moe, moe_loop_fp64
-    from kernels import moe_gemm1
+    from kernels.moe import gemm1 as moe_gemm1
     from kernels.moe import moe_reference
     calls = []
     real = moe_gemm1.gemm1_swiglu
@@ -142,17 +131,15 @@ def test_interp_moe_pipeline_with_the_fused_gemm1(interp, monkeypatch, n, micro_
     t = make_moe(n, shared_inter=shared_inter, dtype=torch.bfloat16, seed=200 + n)
     args = call_args(t, micro_start, micro_count, 3, True)
     outs = {}
-    for mode in ("fused", "grouped_mm"):
-        monkeypatch.setattr(interp, "GEMM1", mode)
+    for variant in ("fused", "grouped"):
         out = torch.full_like(t["x"], float("nan"))
-        with interp.poisoned():
-            outs[mode] = interp.moe_cuda(*args, out=out)
-        assert outs[mode].data_ptr() == out.data_ptr() and not out.isnan().any()
+        outs[variant] = poisoned(getattr(interp, "moe_" + variant), *args, out=out)
+        assert outs[variant].data_ptr() == out.data_ptr() and not out.isnan().any()
         assert len(calls) == 1                          # the fused kernel ran (once, for every micro), then not
     truth = moe_loop_fp64(*args)
     ref = moe_reference(*args)
     assert rel_err(outs["fused"], truth) < max(1e-2, 1.5 * rel_err(ref, truth))
-    assert rel_err(outs["fused"], outs["grouped_mm"]) < 1e-2
+    assert rel_err(outs["fused"], outs["grouped"]) < 1e-2
 
 
 # ------------------------------------------------------------------------------------ GPU tests
@@ -163,7 +150,7 @@ REAL = dict(h=4096, e=64, k=8, inter=768)
 
 
 def _gpu_case(n, seed, skewed=False):
-    from kernels import moe_triton as tk
+    from kernels.moe import triton_kernels as tk
     g = torch.Generator(device="cuda").manual_seed(seed)
     h, e = REAL["h"], REAL["e"]
     x = torch.randn(n, h, generator=g, device="cuda")
@@ -193,7 +180,7 @@ def _truth(x, w1, r, micro_start, micro_count, inter):
 
 
 def _variants():
-    from kernels import moe_gemm1
+    from kernels.moe import gemm1 as moe_gemm1
     return list(moe_gemm1.CONFIGS)
 
 
@@ -201,7 +188,7 @@ def _variants():
 @pytest.mark.parametrize("variant", _variants())
 @pytest.mark.parametrize("n,micro_start,micro_count,skewed", [(4098, 0, 2, False), (1251, 1, 1, True)])
 def test_gpu_gemm1_swiglu_variants_match_the_current_path(variant, n, micro_start, micro_count, skewed):
-    from kernels import moe_gemm1
+    from kernels.moe import gemm1 as moe_gemm1
     tk, x, w1, r = _gpu_case(n, seed=n + skewed, skewed=skewed)
     inter = REAL["inter"]
     cur = current_path(tk, x, w1, r, micro_start, micro_count, inter)
@@ -222,33 +209,19 @@ def test_gpu_gemm1_swiglu_variants_match_the_current_path(variant, n, micro_star
 
 @gpu
 @pytest.mark.parametrize("name", ["hybrid4_denoise", "hybrid4_prefill", "small"])
-def test_gpu_moe_op_with_the_fused_gemm1(monkeypatch, name):
+def test_gpu_fused_variant_equals_grouped_and_is_reproducible(name):
     from test_kernels_moe import _fast, _gpu_inputs
-    from kernels import moe_fast, moe_gemm1
-    calls = []
-    real = moe_gemm1.gemm1_swiglu
-    monkeypatch.setattr(moe_gemm1, "gemm1_swiglu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     args = _gpu_inputs(name, seed=21)
-    with kernels.allowed():
-        ref = kernels.call("moe", *args)
-    monkeypatch.setattr(moe_fast, "GEMM1", "grouped_mm")
-    off = _fast(args)
-    assert not calls
-    monkeypatch.setattr(moe_fast, "GEMM1", "fused")
-    on = _fast(args)
-    assert calls, "the fused GEMM1 did not run"
+    on, off = _fast(args, "fused"), _fast(args, "grouped")
     assert not on.isnan().any()
-    assert rel_err(on, ref) < 1e-2 and rel_err(on, off) < 1e-2
-    assert torch.equal(on, _fast(args))                  # bitwise reproducible
-    with kernels.allowed("triton"):
-        assert kernels.chosen("moe", "cuda", BF16) == "triton"
-        assert rel_err(kernels.call("moe", *args), ref) < 1e-2
+    assert rel_err(on, off) < 1e-2
+    assert torch.equal(on, _fast(args, "fused"))          # bitwise reproducible
 
 
 def test_shapes_the_kernel_cannot_run_take_grouped_mm():
     """`fits` is host-known shape arithmetic: H off the K tile (or misaligned rows) sends the grouped path
     to torch._grouped_mm instead of a launch error."""
-    from kernels import moe_gemm1
+    from kernels.moe import gemm1 as moe_gemm1
     w1 = torch.zeros(2, 4, 2 * 48, 64, dtype=torch.bfloat16)
     assert moe_gemm1.fits(torch.zeros(3, 64, dtype=torch.bfloat16), w1)
     assert not moe_gemm1.fits(torch.zeros(3, 64, dtype=torch.float32), w1)          # dtypes differ

@@ -8,15 +8,12 @@ Triton backend asserted to be the one chosen.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import kernels
+from kernel_support import INTERPRETED, interpreted, run_interpreter_suite
 from kernels import norm, rope, sampling
 from engine.model.attention import Attention, AttnBatch, KVCache
 from engine.model.layers import RMSNorm, rope_angles
@@ -57,9 +54,6 @@ def choose(logits, params, generator, allowed=None):
         x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return torch.multinomial(x.softmax(-1), 1, generator=generator)[0]
 
-ROOT = Path(__file__).resolve().parents[1]
-INTERP = os.environ.get("TRITON_INTERPRET", "") == "1"
-interp = pytest.mark.skipif(not INTERP, reason="runs inside the TRITON_INTERPRET=1 subprocess")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 SMALL_TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}   # ~2 ulp of each dtype
@@ -136,10 +130,9 @@ def test_rope_qk_norm_reference_is_the_engine_attention(monkeypatch, dtype):
 
 
 def test_cpu_chooses_the_references():
-    for op in ("rms_norm", "add_rms_norm", "rope_qk_norm", "rope_qk_norm_cache"):
+    for op in ("rms_norm", "add_rms_norm", "rope_qk_norm", "rope_qk_norm_cache", "sample"):
         for dt in FLOATS:
-            assert kernels.chosen(op, "cpu", dt) == "torch"
-    assert kernels.chosen("sample", "cpu", torch.float32) == "torch"
+            assert [i.backend for i in kernels.registry.candidates(op, "cpu", dt)] == ["torch"], op
 
 
 # ---- sampling vs choose ---------------------------------------------------------------------------
@@ -259,25 +252,17 @@ def test_sample_greedy_and_allowed_equal_choose():
 
 # ---- Triton interpreter (CPU) ---------------------------------------------------------------------
 
-@pytest.mark.skipif(INTERP, reason="this is the driver")
-def test_triton_kernels_run_on_cpu():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    summary = r.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, r.stdout[-2000:]
+def test_triton_interpreter_suite():
+    """The `test_interp_*` tests below run in a child pytest with TRITON_INTERPRET=1."""
+    run_interpreter_suite(__file__)
 
 
 @pytest.fixture
 def rounding_interpreter():
     """bf16 results of the interpreter rounded as on the GPU (see kernels._triton)."""
-    from kernels._triton import prepare_interpreter
-    prepare_interpreter()
+    interpreted()
 
 
-@interp
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_interp_norm(rounding_interpreter, dtype):
     g = torch.Generator().manual_seed(0)
@@ -328,7 +313,6 @@ def _check_rope(qkv, cos, sin, qw, kw, dtype, max_len, fast, fast_cache):
     assert ck[:, :, rest].isnan().all() and cv[:, :, rest].isnan().all()
 
 
-@interp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_interp_rope(rounding_interpreter, dtype):
     for shape in ((2, 5, 2, 4, 16), (1, 1, 3, 1, 8)):
@@ -340,8 +324,7 @@ def _cut_of(c):
     return float(thr), (None if n is None else int(n))
 
 
-@interp
-def test_interp_sample():
+def test_interp_sample(rounding_interpreter):
     V, block = 1000, 128                          # 8 chunks: ties counted across chunks
     cases = [(0.6, 200, 0.95), (1.0, 50, 1.0), (0.8, 100, 0.5), (1.0, 0, 1.0), (1.0, 3, 0.1), (0.5, 1, 0.9)]
     for seed in range(3):
@@ -379,7 +362,7 @@ def _sm90_compile(fn, sig: dict, const: dict, num_warps: int):
                           options={"num_warps": num_warps})
 
 
-@pytest.mark.skipif(INTERP, reason="compiles for the GPU")
+@pytest.mark.skipif(INTERPRETED, reason="compiles for the GPU")
 def test_triton_kernels_compile_for_hopper():
     """Every kernel variant the ops launch compiles to an sm_90 cubin (Triton's bundled ptxas; no GPU
     needed), so a GPU run does not start with a compile error."""
@@ -427,8 +410,6 @@ def _poison_pool(*shapes_dtypes):
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("rows,width", [(1, 4096), (3, 1000), (4098, 4096), (8196, 4096)])
 def test_gpu_norms(dtype, rows, width):
-    for op in ("rms_norm", "add_rms_norm"):
-        assert kernels.chosen(op, "cuda", dtype) == "triton"
     g = torch.Generator("cuda").manual_seed(rows)
     x = (torch.randn(rows, width, generator=g, device="cuda") * 3).to(dtype)
     r = torch.randn(rows, width, generator=g, device="cuda").to(dtype)
@@ -437,6 +418,7 @@ def test_gpu_norms(dtype, rows, width):
     close(kernels.call("rms_norm", x, w, 1e-5), norm.rms_norm_ref(x, w, 1e-5), dtype)
     _poison_pool(((rows, width), dtype), ((rows, width), dtype))
     y, s = kernels.call("add_rms_norm", x, r, w, 1e-5)
+    assert kernels.chosen("rms_norm") == kernels.chosen("add_rms_norm") == "triton"
     y_ref, s_ref = norm.add_rms_norm_ref(x, r, w, 1e-5)
     assert torch.equal(s, s_ref)
     close(y, y_ref, dtype)
@@ -450,12 +432,11 @@ def test_gpu_norms(dtype, rows, width):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,T,kv", [(1, 1, 2), (1, 1, 4), (1, 1, 8), (1, 7, 3), (2, 4098, 2), (1, 8196, 8)])
 def test_gpu_rope(dtype, B, T, kv):
-    for op in ("rope_qk_norm", "rope_qk_norm_cache"):
-        assert kernels.chosen(op, "cuda", dtype) == "triton"
     inputs = _rope_inputs(B, T, kv, 4, 128, dtype, "cuda", seed=T)
     _poison_pool(((B, kv * 4, T, 128), dtype), ((B, kv, T, 128), dtype), ((B, kv, T, 128), dtype))
     _check_rope(*inputs, dtype, T + 16,
                 lambda *a: kernels.call("rope_qk_norm", *a), lambda *a: kernels.call("rope_qk_norm_cache", *a))
+    assert kernels.chosen("rope_qk_norm") == kernels.chosen("rope_qk_norm_cache") == "triton"
 
 
 
@@ -510,7 +491,6 @@ def test_gpu_graph_replay_equals_eager_at_decode_size():
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_sample_matches_reference_without_host_sync():
-    assert kernels.chosen("sample", "cuda", torch.float32) == "triton"
     V = 133120
     cases = [(0.6, 1024, 0.95), (1.0, 1024, 1.0), (0.8, 50, 0.5), (1.0, 0, 1.0), (0.6, 4096, 0.99)]
     cut_miss = tok_miss = total = 0
@@ -523,11 +503,13 @@ def test_gpu_sample_matches_reference_without_host_sync():
             torch.cuda.set_sync_debug_mode("error")        # any host read inside the op raises
             try:
                 tok = kernels.call("sample", logits, t, k, p, g1)
+                ran = kernels.chosen("sample")
                 with kernels.allowed():
                     ref = kernels.call("sample", logits, t, k, p, g2)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             assert tok.device.type == "cuda" and tok.dtype == torch.long and tok.dim() == 0
+            assert ran == ("triton" if k <= 1024 else "triton_torch_topk"), (k, ran)   # top-k off: the radix variant
             total += 1
             tok_miss += int(tok != ref)
             if 0 < k < V and p < 1:

@@ -7,20 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter import INTERPRETED, run_interpreter_suite
+from kernel_support import interpreted, poisoned, rel_err, run_interpreter_suite
 
 import kernels
 import kernels.quant as kq
 from kernels.moe import moe_reference
-from kernels.moe_quant import moe_quant_reference
+from kernels.quant.moe import moe_quant_reference
 
 FMTS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
 FAST_FMTS = FMTS                          # formats whose CUDA dense/grouped GEMMs are not the reference
-
-
-def rel_err(got, want):
-    want = want.to(torch.float64)
-    return ((got.to(torch.float64) - want).norm() / want.norm()).item()
 
 
 def make_qmoe(n, fmt, shared_fmt, hidden=64, experts=8, inter=32, shared_inter=32, micros=3, inverse=False,
@@ -59,7 +54,8 @@ def test_moe_quant_reference_is_the_moe_op_on_dequantized_weights(fmt, shared_fm
     d = {k: dense_of(v, torch.float32) for k, v in t.items()}
     for ms, mc in ((0, 3), (1, 1), (1, 2)):
         assert torch.equal(moe_quant_reference(*qargs(t, ms, mc)), moe_reference(*qargs(d, ms, mc)))
-    assert kernels.chosen("moe_quant", "cpu", torch.float32) == "torch"
+    kernels.call("moe_quant", *qargs(t, 0, 3))
+    assert kernels.chosen("moe_quant") == "torch"
 
 
 def test_moe_quant_reference_fp8_quantizes_each_gemm_input_per_row():
@@ -164,20 +160,7 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture(scope="module")
 def qt():
-    if not INTERPRETED:
-        pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
-    pytest.importorskip("triton")
-    from kernels._triton import prepare_interpreter
-    prepare_interpreter()
-    from kernels import quant_triton
-    assert quant_triton.INTERPRET
-    return quant_triton
-
-
-def _poisoned(fn, *a, **kw):
-    from kernels import moe_fast
-    with moe_fast.poisoned():
-        return fn(*a, **kw)
+    return interpreted("kernels.quant.triton_kernels")
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -187,20 +170,20 @@ def test_interp_linear_and_grouped(qt, fmt):
     d = w.dequantize(torch.bfloat16).float()
     for m in (3, 40):           # the split-K path (a few tokens) and the tile path
         x = torch.randn(2, m, 192, generator=g).bfloat16()
-        got = _poisoned(qt.linear, x, fmt, w.codes, w.scales, w.gscale, w.inverse)
+        got = poisoned(qt.linear, x, fmt, w.codes, w.scales, w.gscale, w.inverse)
         assert got.shape == (2, m, 48) and not got.isnan().any()
         assert rel_err(got, x.float() @ d.T) < 5e-3, m
     # a micro's column block of a cols-packed weight: strided rows
     blk = w.cols(64, 128)
     x = torch.randn(5, 64, generator=g).bfloat16()
-    got = _poisoned(qt.linear, x, fmt, blk.codes, blk.scales, blk.gscale, blk.inverse)
+    got = poisoned(qt.linear, x, fmt, blk.codes, blk.scales, blk.gscale, blk.inverse)
     assert rel_err(got, x.float() @ d[:, 64:128].T) < 5e-3
     # grouped: an empty group, uneven groups
     pack = kq.random_qweight(fmt, (3, 32, 64), 0.1, generator=g, inverse=fmt == "nvfp4", gscale_dims=1)
     dp = pack.dequantize(torch.bfloat16).float()
     x = torch.randn(37, 64, generator=g).bfloat16()
     offs = torch.tensor([10, 10, 37], dtype=torch.int32)
-    got = _poisoned(qt.grouped, x, fmt, pack.codes, pack.scales, offs, pack.gscale, pack.inverse)
+    got = poisoned(qt.grouped, x, fmt, pack.codes, pack.scales, offs, pack.gscale, pack.inverse)
     assert not got.isnan().any()
     assert rel_err(got, torch.cat([x[:10].float() @ dp[0].T, x[10:].float() @ dp[2].T])) < 5e-3
 
@@ -210,21 +193,21 @@ def test_interp_dequant_is_the_reference_bitwise(qt, fmt):
     """The one-pass dequantization of the large-batch GEMMs (a [G, N, K] pack and a strided [N, K] block)."""
     g = torch.Generator().manual_seed(12)
     w = kq.random_qweight(fmt, (3, 40, 320), 0.1, generator=g, inverse=fmt == "nvfp4", gscale_dims=1)
-    got = _poisoned(qt.dequant, fmt, w.codes, w.scales, w.gscale, w.inverse, torch.bfloat16)
+    got = poisoned(qt.dequant, fmt, w.codes, w.scales, w.gscale, w.inverse, torch.bfloat16)
     assert torch.equal(got, w.dequantize(torch.bfloat16))
     blk = w[1].cols(64, 256) if fmt != "nvfp4" else None
     if blk is not None:
-        got = _poisoned(qt.dequant, fmt, blk.codes, blk.scales, None, False, torch.bfloat16)
+        got = poisoned(qt.dequant, fmt, blk.codes, blk.scales, None, False, torch.bfloat16)
         assert torch.equal(got, blk.dequantize(torch.bfloat16))
 
 
 def test_interp_quantize_rows_is_the_reference(qt):
     x = (torch.randn(7, 300, generator=torch.Generator().manual_seed(11)) * 3).bfloat16()
     x[2] = 0
-    q, s = _poisoned(qt.quantize_rows, x)
+    q, s = poisoned(qt.quantize_rows, x)
     q_ref, s_ref = kq.quantize_fp8_rows(x)
     assert torch.equal(q.float(), q_ref.float()) and torch.equal(s, s_ref)
-    fake = _poisoned(qt.quantize_rows, x, fake=True)
+    fake = poisoned(qt.quantize_rows, x, fake=True)
     assert torch.equal(fake, (q_ref.float() * s_ref).bfloat16())
 
 
@@ -234,7 +217,8 @@ def _emulate_scaled_grouped(monkeypatch):
         acc = torch._grouped_mm(xq.float(), wq.float().transpose(1, 2), offs=offs)
         grp = torch.searchsorted(offs, torch.arange(xq.shape[0], dtype=offs.dtype), right=True)
         return (acc * xs * ws[..., 0].float()[grp.clamp_max(wq.shape[0] - 1).long()]).to(dtype)
-    monkeypatch.setattr(kq, "scaled_grouped", emu)
+    from kernels.quant import cuda
+    monkeypatch.setattr(cuda, "scaled_grouped", emu)
 
 
 @pytest.mark.parametrize("fmt,shared_fmt,n,micro_start,micro_count", [
@@ -243,12 +227,13 @@ def _emulate_scaled_grouped(monkeypatch):
     ("fp8", "fp8", 8, 1, 2), ("fp8", "fp8", 37, 0, 2),               # online FP8 (W8A8)
 ])
 def test_interp_moe_quant_paths(qt, monkeypatch, fmt, shared_fmt, n, micro_start, micro_count):
-    from kernels.moe_quant import moe_quant_cuda
+    from kernels.quant import moe_cuda
     _emulate_scaled_grouped(monkeypatch)
     t = make_qmoe(n, fmt, shared_fmt, inverse=fmt == "nvfp4", seed=20 + n)
     args = qargs(t, micro_start, micro_count)
     out = torch.full_like(t["x"], float("nan"))
-    got = _poisoned(moe_quant_cuda, *args, out=out)
+    variant = moe_cuda.moe_quant_decode if moe_cuda.decode_fits(*args) else moe_cuda.moe_quant_grouped
+    got = poisoned(variant, *args, out=out)
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
     # fp8: the activations' E4M3 rounding turns bf16-level differences into a few rounding steps
     assert rel_err(got, moe_quant_reference(*args)) < (3e-2 if fmt == "fp8" else 1e-2)
@@ -258,23 +243,24 @@ def test_interp_moe_quant_paths(qt, monkeypatch, fmt, shared_fmt, n, micro_start
 
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16
-BACKEND = {"linear_mxfp8": "triton", "linear_mxfp4": "triton", "linear_nvfp4": "triton",
-           "grouped_mm_mxfp8": "triton", "grouped_mm_mxfp4": "triton", "grouped_mm_nvfp4": "triton",
-           "linear_fp8": "scaled_mm", "grouped_mm_fp8": "scaled_mm", "moe_quant": "triton"}
+VARIANTS = {"linear_mxfp8": ["gemv", "triton"], "linear_mxfp4": ["gemv", "triton"],
+            "linear_nvfp4": ["gemv", "triton"], "grouped_mm_mxfp8": ["triton"], "grouped_mm_mxfp4": ["triton"],
+            "grouped_mm_nvfp4": ["triton"], "linear_fp8": ["scaled_mm"], "grouped_mm_fp8": ["scaled_mm"],
+            "quantize_fp8_rows": ["triton"], "moe_quant": ["decode", "grouped"]}
 
 
 @gpu
-def test_gpu_backends_are_chosen():
-    for op, name in BACKEND.items():
-        assert kernels.chosen(op, "cuda", BF16) == name, op
-    assert kernels.chosen("quantize_fp8_rows", "cuda", BF16) == "triton"
-    assert kernels.chosen("fp8_scaled_mm", "cuda", torch.float8_e4m3fn) == "scaled_mm"
+def test_gpu_variants_are_available():
+    for op, names in VARIANTS.items():
+        assert [i.backend for i in kernels.registry.candidates(op, "cuda", BF16)] == names + ["torch"], op
+    assert [i.backend for i in kernels.registry.candidates("fp8_scaled_mm", "cuda", torch.float8_e4m3fn)] == \
+        ["scaled_mm", "torch"]
 
 
-def _fast_and_ref(fn, *args):
-    from kernels import moe_fast
-    with moe_fast.poisoned(), kernels.allowed("triton", "scaled_mm"):
-        got = fn(*args)
+def _fast_and_ref(op, fn, *args):
+    """fn(*args) on the CUDA variants (poisoned scratch; asserted one ran) and on the reference."""
+    got = poisoned(fn, *args)
+    assert kernels.chosen(op) not in (None, "torch"), op
     with kernels.allowed():
         ref = fn(*args)
     return got, ref
@@ -288,7 +274,8 @@ def test_gpu_linear_matches_reference(fmt, m, n, k):
     g = torch.Generator(device="cuda").manual_seed(m + n)
     w = kq.random_qweight(fmt, (n, k), k ** -0.5, "cuda", g, inverse=fmt == "nvfp4")
     x = torch.randn(m, k, generator=g, device="cuda").to(BF16)
-    got, ref = _fast_and_ref(kq.qlinear, x, w)
+    got, ref = _fast_and_ref("linear_" + fmt, kq.qlinear, x, w)
+    assert kernels.chosen("linear_" + fmt) == ("gemv" if m <= 8 and fmt != "fp8" else VARIANTS["linear_" + fmt][-1])
     assert not got.isnan().any()
     assert rel_err(got, ref) < (2e-2 if fmt == "fp8" else 1e-2)
 
@@ -300,7 +287,7 @@ def test_gpu_linear_on_a_micro_column_block(fmt):
     g = torch.Generator(device="cuda").manual_seed(1)
     w = kq.random_qweight(fmt, (4096, 2 * 1024), 0.03, "cuda", g)
     x = torch.randn(5, 1024, generator=g, device="cuda").to(BF16)
-    got, ref = _fast_and_ref(kq.qlinear, x, w.cols(1024, 2048))
+    got, ref = _fast_and_ref("linear_" + fmt, kq.qlinear, x, w.cols(1024, 2048))
     assert not got.isnan().any() and rel_err(got, ref) < (2e-2 if fmt == "fp8" else 1e-2)
 
 
@@ -314,7 +301,7 @@ def test_gpu_grouped_matches_reference(fmt, rows, n, k):
     x = torch.randn(rows, k, generator=g, device="cuda").to(BF16)
     ids = torch.randint(0, e - 4, (rows,), generator=g, device="cuda")     # some experts get no rows
     offs = torch.bincount(ids, minlength=e).cumsum(0).int()
-    got, ref = _fast_and_ref(kq.qgrouped, x, w, offs)
+    got, ref = _fast_and_ref("grouped_mm_" + fmt, kq.qgrouped, x, w, offs)
     assert not got.isnan().any()
     assert rel_err(got, ref) < (2e-2 if fmt == "fp8" else 1e-2)
 
@@ -322,7 +309,7 @@ def test_gpu_grouped_matches_reference(fmt, rows, n, k):
 @gpu
 @pytest.mark.parametrize("rows,n,k", [(8194 * 8, 6144, 4096), (8194 * 8, 4096, 3072)])   # tp1: GEMM1, GEMM2
 def test_gpu_triton_mxfp4_tiles_at_the_one_gpu_shapes(rows, n, k):
-    from kernels import quant_triton as qt
+    from kernels.quant import triton_kernels as qt
     g = torch.Generator(device="cuda").manual_seed(rows + n)
     e = 64
     w = kq.random_qweight("mxfp4", (e, n, k), k ** -0.5, "cuda", g)
@@ -344,7 +331,7 @@ def test_gpu_fp8_rows_and_scaled_mm():
         q_ref, s_ref = kernels.call("quantize_fp8_rows", x)
     assert torch.equal(q.float(), q_ref.float()) and torch.equal(s, s_ref)
     w = kq.random_qweight("fp8", (2048, 4096), 0.02, "cuda", g)
-    got, ref = _fast_and_ref(kernels.call, "fp8_scaled_mm", q, s, w.codes, w.scales, BF16)
+    got, ref = _fast_and_ref("fp8_scaled_mm", kernels.call, "fp8_scaled_mm", q, s, w.codes, w.scales, BF16)
     assert rel_err(got, ref) < 1e-2
 
 
@@ -366,6 +353,14 @@ GPU_MOE = {  # name: (n, experts fmt, shared fmt, inter, micros, micro_start, mi
 }
 
 
+def moe_quant_cuda(*args, out=None):
+    """The op on its CUDA variants (decode up to 8 tokens, else grouped), asserted to have run."""
+    with kernels.allowed("decode", "grouped"):
+        got = kernels.call("moe_quant", *args, **({} if out is None else {"out": out}))
+    assert kernels.chosen("moe_quant") == ("decode" if args[0].shape[0] <= 8 else "grouped")
+    return got
+
+
 def _gpu_moe(name, seed=0):
     n, fmt, sfmt, inter, micros, ms, mc = GPU_MOE[name]
     t = make_qmoe(n, fmt, sfmt, hidden=4096, experts=64, inter=inter, shared_inter=inter, micros=micros,
@@ -376,24 +371,18 @@ def _gpu_moe(name, seed=0):
 @gpu
 @pytest.mark.parametrize("name", list(GPU_MOE))
 def test_gpu_moe_quant_matches_reference(name):
-    from kernels.moe_quant import moe_quant_cuda
     args = _gpu_moe(name, seed=len(name))
     with kernels.allowed():
         ref = kernels.call("moe_quant", *args)
-    from kernels import moe_fast
     out = torch.full_like(args[0], float("nan"))
-    with moe_fast.poisoned():
-        got = moe_quant_cuda(*args, out=out)
+    got = poisoned(moe_quant_cuda, *args, out=out)
     assert not got.isnan().any()
     assert rel_err(got, ref) < (3e-2 if "fp8" in name else 1e-2)
-    with kernels.allowed("triton"):
-        assert kernels.chosen("moe_quant", "cuda", BF16) == "triton"
 
 
 @gpu
 @pytest.mark.parametrize("name", ["hybrid4_decode_mxfp4", "decode8_nvfp4", "hybrid4_denoise_mxfp4", "hybrid4_denoise_fp8"])
 def test_gpu_moe_quant_bitwise_reproducible_and_per_token(name):
-    from kernels.moe_quant import moe_quant_cuda
     args = _gpu_moe(name, seed=3)
     a, b = moe_quant_cuda(*args), moe_quant_cuda(*args)
     assert torch.equal(a, b)
@@ -404,7 +393,6 @@ def test_gpu_moe_quant_bitwise_reproducible_and_per_token(name):
 @gpu
 @pytest.mark.parametrize("name", ["hybrid4_decode_mxfp4", "decode4_fp8"])
 def test_gpu_moe_quant_decode_cuda_graph_replay_equals_eager(name):
-    from kernels.moe_quant import moe_quant_cuda
     args = _gpu_moe(name, seed=5)
     x_static = args[0].clone()
     side = torch.cuda.Stream()

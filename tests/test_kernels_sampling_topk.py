@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreter import INTERPRETED, run_interpreter_suite
+from kernel_support import INTERPRETED, interpreted, run_interpreter_suite
 
 import kernels
 from kernels import sampling
@@ -58,11 +58,7 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture(scope="module")
 def interp():
-    if not INTERPRETED:
-        pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
-    pytest.importorskip("triton")
-    from kernels._triton import prepare_interpreter
-    prepare_interpreter()
+    interpreted()
 
 
 TIES = ("bf16", "few levels", "-inf padded", "-inf block", "all equal")
@@ -164,7 +160,6 @@ def _poison_pool(*shapes_dtypes):
 @needs_cuda
 @pytest.mark.parametrize("k", [1024, 4096, 1, 50])
 def test_gpu_topk_equals_torch_at_the_vocabulary(k):
-    assert sampling.TOPK == "triton"
     for seed in range(3):
         for name, x in _inputs(V_MODEL, seed, "cuda").items():
             _poison_pool(((k,), torch.float32), ((k,), torch.int64), ((4, 33, 256), torch.int32))
@@ -179,7 +174,6 @@ def test_gpu_topk_equals_torch_at_the_vocabulary(k):
 def test_gpu_sample_uses_the_triton_topk_and_equals_torch_topk(monkeypatch):
     """The sampler on topk_desc picks the same token as on torch.topk for the same generator state (the
     same survivors: equal values, the same ids above the k-th), without a host sync."""
-    assert kernels.chosen("sample", "cuda", torch.float32) == "triton"
     real, calls = sampling.topk_desc, []
     monkeypatch.setattr(sampling, "topk_desc", lambda x, k: calls.append(k) or real(x, k))
     n = 0
@@ -193,9 +187,10 @@ def test_gpu_sample_uses_the_triton_topk_and_equals_torch_topk(monkeypatch):
                     tok = kernels.call("sample", logits, t, k, p, torch.Generator("cuda").manual_seed(seed))
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-                monkeypatch.setattr(sampling, "TOPK", "torch")
-                ref = kernels.call("sample", logits, t, k, p, torch.Generator("cuda").manual_seed(seed))
-                monkeypatch.setattr(sampling, "TOPK", "triton")
+                assert kernels.chosen("sample") == ("triton" if k <= sampling.TOPK_TRITON_MAX_K else "triton_torch_topk")
+                with kernels.allowed("triton_torch_topk"):
+                    ref = kernels.call("sample", logits, t, k, p, torch.Generator("cuda").manual_seed(seed))
+                assert kernels.chosen("sample") == "triton_torch_topk"
                 assert int(tok) == int(ref), (name, t, k, p, seed)
                 n += k <= sampling.TOPK_TRITON_MAX_K
     assert len(calls) == n and n > 0

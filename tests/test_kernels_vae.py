@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter import INTERPRETED, run_interpreter_suite
+from kernel_support import INTERPRETED, interpreted, run_interpreter_suite
 
 import kernels
-from kernels import conv, group_norm
+from kernels.vae import conv, group_norm
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 HALVES = (torch.float16, torch.bfloat16)
@@ -44,8 +44,8 @@ def _conv_inputs(B, cin, cout, T, H, W, k, bias, g, device="cpu", dtype=torch.fl
 
 def test_cpu_chooses_the_references():
     for dt in (torch.float32, *HALVES):
-        assert kernels.chosen("conv3d_same", "cpu", dt) == "torch"
-        assert kernels.chosen("group_norm_swish", "cpu", dt) == "torch"
+        for op in ("conv3d_same", "group_norm_swish"):
+            assert [i.backend for i in kernels.registry.candidates(op, "cpu", dt)] == ["torch"], op
 
 
 def test_references_are_the_old_module_code():
@@ -101,12 +101,7 @@ def test_triton_interpreter_suite():
 @pytest.fixture
 def interp(monkeypatch):
     """Interpreter shims, and every torch.empty of a float dtype NaN-filled (unwritten outputs fail)."""
-    if not INTERPRETED:
-        pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
-    pytest.importorskip("triton")
-    from kernels._triton import INTERPRET, prepare_interpreter
-    assert INTERPRET
-    prepare_interpreter()
+    interpreted()
     real = torch.empty
 
     def nan_empty(*a, **kw):
@@ -157,14 +152,12 @@ def test_interp_conv_taps_bf16(interp):
 @pytest.mark.parametrize("in_dtype,out_dtype", [(torch.float32, None), (torch.float32, torch.bfloat16),
                                                 (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("block,split", [(4096, 1024), (16, 3)])   # one block per group; many, merged
-def test_interp_group_norm_swish(interp, monkeypatch, shape, groups, in_dtype, out_dtype, block, split):
-    monkeypatch.setattr(group_norm, "BLOCK", block)
-    monkeypatch.setattr(group_norm, "MAX_SPLIT", split)
+def test_interp_group_norm_swish(interp, shape, groups, in_dtype, out_dtype, block, split):
     g = torch.Generator().manual_seed(groups)
     x = (torch.randn(shape, generator=g) * 3 + 2).to(in_dtype)
     w, b = torch.randn(shape[1], generator=g) * 0.3 + 1, torch.randn(shape[1], generator=g) * 0.2
     want = group_norm.group_norm_swish_ref(x.float(), w, b, groups, 1e-6, out_dtype)
-    got = group_norm.group_norm_swish_triton(x, w, b, groups, 1e-6, out_dtype)
+    got = group_norm.launch(x, w, b, groups, 1e-6, out_dtype, block=block, max_split=split)
     assert got.dtype == (out_dtype or in_dtype) and got.shape == x.shape
     tol = 1e-5 if got.dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(got.float(), want.float().to(got.dtype).float(), rtol=tol, atol=tol)
@@ -227,13 +220,13 @@ def _err(got, want):
     (1, 128, 128, 4, 96, 80, 3), (2, 64, 48, 2, 33, 47, 3), (1, 256, 512, 1, 32, 32, 3), (1, 128, 3, 4, 64, 64, 3),
     (1, 1024, 1024, 1, 16, 16, 1), (1, 64, 64, 4, 20, 20, 1)])
 def test_gpu_conv3d_same(dtype, B, cin, cout, T, H, W, k):
-    assert kernels.chosen("conv3d_same", "cuda", dtype) == "taps2d"
     x, w, b, pad = _conv_inputs(B, cin, cout, T, H, W, k, True, torch.Generator("cuda").manual_seed(cin + T),
                                 device="cuda", dtype=dtype)
     truth = F.conv3d(x.double(), w.double(), b.double(), padding=pad)     # exact for the rounded inputs
     ref = conv.conv3d_same_ref(x, w, b, pad)
     _poison_pool((ref.shape, dtype), ((B * T, 3 * cout, H, W), dtype))
     got = kernels.call("conv3d_same", x, w, b, pad)
+    assert kernels.chosen("conv3d_same") == "taps2d"
     assert got.shape == ref.shape and got.dtype == dtype and torch.isfinite(got).all()
     # the fast path rounds each tap's sum once more than F.conv3d: its error to the exact result
     # stays within a small multiple of the reference's own
@@ -247,7 +240,6 @@ def test_gpu_conv3d_same(dtype, B, cin, cout, T, H, W, k):
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 128, 4, 256, 256), (2, 64, 3, 17, 29), (1, 1024, 1, 64, 64)])
 def test_gpu_group_norm_swish(in_dtype, shape):
-    assert kernels.chosen("group_norm_swish", "cuda", in_dtype) == "triton"
     g = torch.Generator("cuda").manual_seed(shape[1])
     x = (torch.randn(shape, generator=g, device="cuda") * 2 + 0.5).to(in_dtype)
     w = torch.randn(shape[1], generator=g, device="cuda") * 0.1 + 1
@@ -257,6 +249,7 @@ def test_gpu_group_norm_swish(in_dtype, shape):
         ref = group_norm.group_norm_swish_ref(x, w, b, 32, 1e-6, out_dtype)
         _poison_pool((shape, out_dtype))
         got = kernels.call("group_norm_swish", x, w, b, 32, 1e-6, out_dtype)
+    assert kernels.chosen("group_norm_swish") == "triton"
     assert got.dtype == out_dtype and torch.isfinite(got).all()
     tol = 2e-3 if out_dtype == torch.float16 else 1.6e-2
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
@@ -290,9 +283,8 @@ def test_gpu_vae_decode_fast_equals_reference():
             truth, ref = decode(False), decode(True)
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
-    assert kernels.chosen("conv3d_same", "cuda", torch.float16) == "taps2d"
-    assert kernels.chosen("group_norm_swish", "cuda", torch.float32) == "triton"
     got = decode(True)
+    assert kernels.chosen("conv3d_same") == "taps2d" and kernels.chosen("group_norm_swish") == "triton"
     assert torch.isfinite(got).all()
     def rms(a):
         return a.double().square().mean().sqrt().item()

@@ -100,3 +100,129 @@ def test_the_check_sees_a_wrong_way_import():
 def test_each_sub_package_says_what_lives_there(package):
     doc = ast.get_docstring(ast.parse((ROOT / package.replace(".", "/") / "__init__.py").read_text()))
     assert doc and len(doc.split()) >= 12, f"{package} needs a docstring saying what lives there and what it may import"
+
+
+# ------------------------------------------------------------------------------------------- kernels
+
+# kernels/ in levels: a module imports only its own level and those before it (no back-arrows)
+KERNEL_LEVELS = [
+    {"kernels.registry", "kernels._triton", "kernels.scratch"},                    # the machinery
+    {"kernels.norm", "kernels.rope", "kernels.decode_attention", "kernels.sampling", "kernels.vae",
+     "kernels.moe"},                                                               # op families
+    {"kernels.quant"},                                                             # uses the moe family
+    {"kernels"},                                                                   # the package: registers all
+]
+
+
+def _kernel_modules() -> set[str]:
+    return {_module_name(p) for p in _files("kernels")}
+
+
+def _kernel_imports(path: Path, modules: set[str]) -> set[str]:
+    """The kernels modules `path` imports (anywhere in it, function bodies too), `from pkg import mod`
+    resolved to the module."""
+    out = set()
+    tree = ast.parse(path.read_text(), str(path))
+    name = _module_name(path)
+    me = name.split(".")
+    package = me if path.name == "__init__.py" else me[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom):
+            base = (".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+                    if node.level else (node.module or ""))
+            subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules}
+            out |= subs if subs else ({base} if base in modules else set())
+    # a module's own packages are initialised before it runs: importing from them is no circle
+    return out - {".".join(me[:i]) for i in range(1, len(me) + 1)}
+
+
+def _kernel_level(module: str) -> int:
+    for i, level in enumerate(KERNEL_LEVELS):
+        if any(module == m or module.startswith(m + ".") for m in level if m != "kernels"):
+            return i
+    return len(KERNEL_LEVELS) - 1
+
+
+def _kernel_graph() -> dict[str, set[str]]:
+    modules = _kernel_modules()
+    return {_module_name(p): _kernel_imports(p, modules) for p in _files("kernels")}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_kernels_import_without_circles_or_back_arrows():
+    graph = _kernel_graph()
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    back = [f"{a} imports {b}" for a, bs in graph.items() for b in bs if _kernel_level(b) > _kernel_level(a)]
+    assert back == []
+
+
+def test_the_kernel_check_sees_a_circle_and_a_back_arrow():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _kernel_level("kernels.moe.cuda") < _kernel_level("kernels.quant.moe")
+    probe = ROOT / "kernels" / "moe" / "_back_arrow_probe.py"
+    probe.write_text("from ..quant import formats\n")
+    try:
+        graph = _kernel_graph()
+        assert "kernels.quant.formats" in graph["kernels.moe._back_arrow_probe"]
+    finally:
+        probe.unlink()
+
+
+def _kernel_aliases(tree: ast.AST) -> set[str]:
+    """Names bound to a kernels module by this file's imports."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("kernels")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kernels") and not node.level:
+            names |= {a.asname or a.name for a in node.names if a.name.islower()}
+    return names
+
+
+def _assigned_kernel_globals() -> list[str]:
+    """`mod.NAME = ...` (or monkeypatch.setattr(mod, "NAME", ...)) on a kernels module, outside kernels/:
+    a switch flipped from outside. Spies on functions (lower-case names) in tests are not switches."""
+    bad = []
+    for path in _files("engine", "webui", "bench", "tools", "tests", "train") + [ROOT / "app.py"]:
+        tree = ast.parse(path.read_text(), str(path))
+        aliases = _kernel_aliases(tree)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AugAssign) else []
+            for t in targets:
+                base = t
+                while isinstance(base, (ast.Attribute, ast.Subscript)):
+                    base = base.value
+                if isinstance(t, (ast.Attribute, ast.Subscript)) and isinstance(base, ast.Name) and base.id in aliases:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} assigns {ast.unparse(t)}")
+            if (isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("setattr", "setitem"))
+                    and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id in aliases
+                    and isinstance(node.args[1], ast.Constant) and str(node.args[1].value).isupper()):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} sets {node.args[0].id}.{node.args[1].value}")
+    return bad
+
+
+def test_no_kernels_switch_is_flipped_from_outside():
+    assert _assigned_kernel_globals() == []

@@ -16,8 +16,9 @@ PACKAGES = ("engine", "kernels", "webui", "tools")
 
 # Modules that are Triton kernels and nothing else: they are imported only once the registry has found
 # Triton importable, and without it they must fail with ImportError for Triton, not for anything else.
-TRITON_KERNEL_MODULES = {"kernels.moe_triton", "kernels.moe_gemm1", "kernels.moe_fast", "kernels.quant_triton",
-                         "kernels.quant_gemv"}
+TRITON_KERNEL_MODULES = {"kernels.moe.cuda", "kernels.moe.triton_kernels", "kernels.moe.gemm1",
+                         "kernels.quant.cuda", "kernels.quant.moe_cuda", "kernels.quant.triton_kernels",
+                         "kernels.quant.gemv"}
 
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys, traceback
@@ -33,8 +34,9 @@ for name in names:
     except BaseException as e:
         failed[name] = f"{type(e).__name__}: {e}"
 import kernels
-print(json.dumps({"ok": ok, "failed": failed, "ops": kernels.ops(),
-                  "chosen": {op: kernels.chosen(op, "cpu", None) for op in kernels.ops()}}))
+from kernels.registry import candidates
+print(json.dumps({"ok": ok, "failed": failed,
+                  "ops": {op: [i.backend for i in candidates(op, "cuda", None)] for op in kernels.ops()}}))
 """ % (PACKAGES,)
 
 
@@ -60,9 +62,9 @@ def test_every_module_imports_without_triton(tmp_path):
     for name in TRITON_KERNEL_MODULES:     # listed ones exist and fail for Triton alone
         assert res["failed"].get(name) == "ModuleNotFoundError: No module named 'triton'", (name, res["failed"])
     assert {"app", "engine.serve.server", "engine.runtime.pipeline", "webui.studio", "tools.tiny"} <= set(res["ok"])
-    # every op is still there, and the CPU picks its reference
-    assert {"moe", "moe_quant", "rms_norm", "sample", "decode_attention"} <= set(res["ops"])
-    assert set(res["chosen"].values()) == {"torch"}, res["chosen"]
+    # every op is still there; with no Triton only its reference would run, on a GPU too
+    assert {"moe", "moe_quant", "rms_norm", "sample", "decode_attention", "linear_mxfp4"} <= set(res["ops"])
+    assert all(v == ["torch"] for v in res["ops"].values()), res["ops"]
 
 
 def test_engine_generates_a_png_without_triton(tmp_path):

@@ -1,10 +1,10 @@
-"""Compile the quantized Triton kernels (kernels/quant_triton.py) for the H200 (sm_90) on a machine
+"""Compile the quantized Triton kernels (kernels/quant/triton_kernels.py, gemv.py) for the H200 (sm_90) on a machine
 without a GPU, at the tile configs the launchers use, and print each one's registers, stack (spills)
 and whether its MMA is Hopper's wgmma. Catches compile errors and register spills before a GPU run.
 
-    python -m tools.compile_sm90 [linear grouped decode quantize gemv]
+    python -m tools.compile_sm90 [linear grouped quantize gemv]
 
-`gemv` (quant_gemv.py) also prints each innermost loop's SASS instruction count and any shared-memory
+`gemv` (gemv.py) also prints each innermost loop's SASS instruction count and any shared-memory
 traffic / barrier in it (a layout conversion the GEMV design must not have).
 
 Needs only Triton (its bundled ptxas / cuobjdump); nothing runs.
@@ -22,7 +22,7 @@ try:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import quant_triton as qt
+    from kernels.quant import triton_kernels as qt
     TARGET = GPUTarget("cuda", 90, 32)
     BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 except ImportError:     # the module still imports (tests walk every module); main() says what is missing
@@ -105,19 +105,6 @@ def cases(sections):
             for name in ("GROUPED", "GROUPED_FEW"):
                 c, w, st = _split(dict(qt.GROUPED, **qt.GROUPED_FMT.get(fmt, {})) if name == "GROUPED" else qt.GROUPED_FEW)
                 yield f"grouped {name} {fmt}", qt._grouped_kernel, sig, dict(meta, G_PAD=64, **c), w, st
-        if "decode" in sections:
-            lead = dict(c_sm="i32", c_se="i32", c_sr="i32", s_sm="i32", s_se="i32", s_sr="i32", g_se="i32",
-                        S="i32", SLOTS="i32")
-            up = dict(x_ptr="*bf16", ids_ptr="*i32", active_ptr="*i32", **base, act_ptr="*bf16", N="i32", H="i32",
-                      I="i32", stride_x="i32", **lead)
-            down = dict(act_ptr="*bf16", ids_ptr="*i32", active_ptr="*i32", **base, y_ptr="*fp32", N="i32", H="i32",
-                        I="i32", **lead, MC="i32")
-            cu, wu, su = _split(dict(qt.DECODE_UP, **qt.DECODE_UP_FMT.get(fmt, {})))
-            cd, wd, sd = _split(dict(qt.DECODE_DOWN, **qt.DECODE_DOWN_FMT.get(fmt, {})))
-            for routed in (True, False):
-                m = dict(meta, K=8, K_PAD=8, BLOCK_N=16, ROUTED=routed)
-                yield f"decode_up routed={routed} {fmt}", qt._qdecode_up_kernel, up, dict(m, **cu), wu, su
-                yield f"decode_down routed={routed} {fmt}", qt._qdecode_down_kernel, down, dict(m, **cd), wd, sd
         if "gemv" in sections:
             yield from gemv_cases(fmt, base)
     if "quantize" in sections:
@@ -131,13 +118,13 @@ def cases(sections):
 
 def gemv_cases(fmt: str, base: dict):
     """quant_gemv's kernels at the launchers' tiles: every token bucket is compiled into each kernel."""
-    from kernels import quant_gemv as qg
+    from kernels.quant import gemv as qg
     base = dict(base, c_ptr="*i32")
     cw = qg._chunk_words(fmt)
     meta = dict(FMT=qg.FMT[fmt], INVERSE=fmt == "nvfp4", CW=cw, EVEN_K=True)
     aligned = ("x_ptr", "c_ptr", "s_ptr", "act_ptr", "y_ptr", "out_ptr", "KW", "stride_x", "stride_c", "stride_s",
                "stride_o", "c_sm", "c_se", "c_sr", "s_sm", "s_se", "s_sr", "I", "H")
-    xt = "*fp32" if qg.PREP_X else "*bf16"
+    xt = "*fp32"                           # decode_up reads x prepared by gemv.prep
     lead = dict(c_sm="i32", c_se="i32", c_sr="i32", s_sm="i32", s_se="i32", s_sr="i32", g_se="i32", SLOTS="i32")
     ph = qg.act_ph(fmt)
     up = dict(x_ptr=xt, ids_ptr="*i32", active_ptr="*i32", **base, act_ptr="*fp32" if ph else "*bf16", N="i32",
@@ -150,7 +137,7 @@ def gemv_cases(fmt: str, base: dict):
         m = dict(meta, K=8, K_PAD=8, BLOCK_N=8, N_PAD=8, ROUTED=routed, MAX_T=max_t)
         wu = cu["num_warps"]
         yield (f"gemv_up routed={routed} T<={max_t} {fmt}", qg._gemv_up_kernel, up,
-               dict(m, BI=cu["BI"], G=cu["G"], PREP=qg.PREP_X, ACT_PH=ph), wu, 1, aligned)
+               dict(m, BI=cu["BI"], G=cu["G"], PREP=True, ACT_PH=ph), wu, 1, aligned)
         yield (f"gemv_down routed={routed} T<={max_t} {fmt}", qg._gemv_down_kernel, down,
                dict(m, R=cd["R"], G=cd["G"], PREP=bool(ph)), cd["num_warps"], 1, aligned)
     lin = dict(x_ptr="*fp32" if qg.LINEAR["PREP"] else "*bf16", **base, out_ptr="*bf16", M="i32", N="i32", KW="i32",
@@ -165,7 +152,7 @@ def main(argv: list[str]) -> int:
     if triton is None:
         print("error: tools.compile_sm90 needs Triton (pip install triton)", file=sys.stderr)
         return 2
-    sections = set(argv) or {"linear", "grouped", "decode", "quantize", "gemv"}
+    sections = set(argv) or {"linear", "grouped", "quantize", "gemv"}
     bad = 0
     for name, fn, sig, consts, warps, stages, *aligned in cases(sections):
         try:

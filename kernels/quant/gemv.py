@@ -1,11 +1,11 @@
 """Weight-only GEMV kernels for a few tokens (decode) on quantized weights, without tensor cores: the
-MoE decode pair (`decode_up`, `decode_down`, the contract of quant_triton's kernels of the same names)
-and a small-M dense `linear`. The formats and their storage are quant_triton.py's (FMT 0 MXFP8,
+MoE decode pair (`decode_up`, `decode_down`) and a small-M dense `linear`. The formats and their storage
+are triton_kernels.py's (FMT 0 MXFP8,
 1 MXFP4, 2 NVFP4, 3 FP8 per channel).
 
 Why no tl.dot: at 1-8 tokens a GEMV is bound by the memory reads of the weight, and a 4-bit weight at
 4.3 TB/s is ~9.6e12 values/s, so the kernel is bound by the instructions it spends per weight value.
-The tile path dequantizes in registers, interleaves nibbles, broadcasts block scales and moves the
+A tile kernel dequantizes in registers, interleaves nibbles, broadcasts block scales and moves the
 tile into an MMA operand layout (shared memory); here each value costs about 3 integer ops and one
 fp32 FMA, in the layout the codes are loaded in:
 
@@ -47,9 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import next_pow2
-from .moe_fast import _empty
-from .quant_triton import BLOCK, FMT, _e8m0, col_strides
+from .._triton import next_pow2
+from ..scratch import empty as _empty
+from .triton_kernels import BLOCK, FMT, _e8m0, col_strides
 
 PH = {"mxfp8": 4, "mxfp4": 8, "nvfp4": 8, "fp8": 4}       # columns per 32-bit code word
 XSCALE = 2.0 ** 64                                          # the prescale of prepared activations
@@ -346,7 +346,7 @@ def _tile(cfg: dict, kw: int, cw: int, rows: int) -> tuple[int, int, bool]:
 def linear(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor, gscale: torch.Tensor | None = None,
            inverse: bool = False, cfg: dict | None = None) -> torch.Tensor:
     """x [..., K] (bf16 / fp16, at most a few tokens) @ dequant(W [N, K])^T -> [..., N] in x.dtype, as
-    quant_triton.linear (FP8: weight-only here; the caller passes activations already quantized)."""
+    triton_kernels.linear (FP8: weight-only here; the caller passes activations already quantized)."""
     c = dict(LINEAR, **(cfg or {}))
     k, n = x.shape[-1], codes.shape[-2]
     x2 = x.reshape(-1, k)
@@ -545,7 +545,6 @@ def _gemv_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_ptr, 
                            EVEN_K, PREP, ROUTED)
 
 
-PREP_X = True        # decode_up reads x prepared by `prep` (one small launch) rather than bf16 x strided
 # The most tokens one pass multiplies (2 or 4). A kernel's registers are those of its largest bucket: with 4,
 # every program of an N > 2 launch holds ~200 (one CTA of 8 warps per SM); with 2, ~128, and a slot's 3+
 # tokens take more passes over its rows (from L1 / L2). bench --decode times both at 8 tokens.
@@ -588,7 +587,7 @@ def act_ph(fmt: str) -> int:
 
 def decode_up(x, ids, active, fmt: str, codes, scales, gscale, inverse: bool, act, slots: int, inter: int,
               up: dict | None = None, *, x_prepared: bool = False, act_prep: int = 0) -> None:
-    """Gate/up + SwiGLU for every (micro, slot), as quant_triton.decode_up: routed (active given) codes
+    """Gate/up + SwiGLU for every (micro, slot), the quantized form of moe/triton_kernels.decode_up: routed (active given) codes
     [micros, E, 2I, H/pb], shared (active None) [micros, 2I, H/pb] with slots == 1; act [micros, slots,
     16, I] gets the rows of the tokens each slot serves. x: [N, H] bf16, or (x_prepared) `prep(x, fmt)`.
     act_prep = PH > 0: act is fp32 and written prepared for a down GEMV of that PH (`act_ph`)."""
@@ -616,7 +615,7 @@ def decode_up(x, ids, active, fmt: str, codes, scales, gscale, inverse: bool, ac
 
 def decode_down(act, ids, active, fmt: str, codes, scales, gscale, inverse: bool, y, slots: int, inter: int,
                 down: dict | None = None, *, act_prepared: bool = False) -> None:
-    """Down GEMV of every slot, micro partials summed, as quant_triton.decode_down: both packs
+    """Down GEMV of every slot, micro partials summed, the quantized form of moe/triton_kernels.decode_down: both packs
     cols-packed, codes and scales of the active micros' column block (`QWeight.cols`; micro m's columns
     start at m*I): routed [E, H, micros*I/pb], y [N*k, H] fp32; shared (active None) [H, micros*I/pb],
     y [N, H] fp32. act: [micros, slots, 16, I] bf16, or (act_prepared) fp32 as decode_up(act_prep=PH)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import FLOATS, HAS_TRITON, available, next_pow2, tl, triton
-from .registry import backend, reference
+from .._triton import FLOATS, HAS_TRITON, available, next_pow2, tl, triton
+from ..registry import backend, reference
 
 BLOCK = 4096          # elements a program loads at once
 MAX_SPLIT = 1024      # chunks per group of the statistics pass (its partials fit one finalize block)
@@ -102,24 +102,35 @@ def _fits(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | Non
             and weight is not None and bias is not None and weight.shape == (C,) and bias.shape == (C,))
 
 
-@backend("group_norm_swish", "triton", devices=("cuda",), dtypes=FLOATS, available=available)
+def _op_fits(x, weight, bias, groups: int, eps: float, out_dtype: torch.dtype | None = None) -> bool:
+    """Under autocast without an output dtype the reference's own casts decide it: the reference runs."""
+    return _fits(x, weight, bias, groups) and not (out_dtype is None and torch.is_autocast_enabled(x.device.type))
+
+
+@backend("group_norm_swish", "triton", devices=("cuda",), dtypes=FLOATS, available=available, fits=_op_fits)
 def group_norm_swish_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float,
                             out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`group_norm_swish_ref` in three launches: chunk statistics, their merge per group, the normalise.
-    (Any device where Triton runs: the CPU tests call it under the interpreter.)"""
-    if not _fits(x, weight, bias, groups) or (out_dtype is None and torch.is_autocast_enabled(x.device.type)):
-        return group_norm_swish_ref(x, weight, bias, groups, eps, out_dtype)
+    """`group_norm_swish_ref` in three launches: chunk statistics, their merge per group, the normalise,
+    for the shapes `_op_fits` takes. (Any device where Triton runs: the CPU tests call it under the
+    interpreter.)"""
+    return launch(x, weight, bias, groups, eps, out_dtype)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float,
+           out_dtype: torch.dtype | None = None, block: int = BLOCK, max_split: int = MAX_SPLIT) -> torch.Tensor:
+    """The three kernels (block / max_split exposed so the tests reach the many-chunk merge on small
+    shapes)."""
     B, C = x.shape[:2]
     S = x[0, 0].numel()
     N = (C // groups) * S                       # elements of one (batch, group): contiguous in x
-    nblocks = triton.cdiv(N, BLOCK)
-    iters = triton.cdiv(nblocks, MAX_SPLIT)
+    nblocks = triton.cdiv(N, block)
+    iters = triton.cdiv(nblocks, max_split)
     split = triton.cdiv(nblocks, iters)
     part = torch.empty((B * groups, split, 3), dtype=torch.float32, device=x.device)
     stats = torch.empty((B * groups, 2), dtype=torch.float32, device=x.device)
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    _gn_partial_kernel[(B * groups, split)](x, part, N, iters * BLOCK, split, BLOCK=BLOCK, num_warps=8)
+    _gn_partial_kernel[(B * groups, split)](x, part, N, iters * block, split, BLOCK=block, num_warps=8)
     _gn_stats_kernel[(B * groups,)](part, stats, split, eps, BLOCK_S=next_pow2(split), num_warps=4)
-    _gn_swish_kernel[(B * C, triton.cdiv(S, BLOCK))](x, stats, weight, bias, out, C, S, C // groups,
-                                                    BLOCK=BLOCK, num_warps=8)
+    _gn_swish_kernel[(B * C, triton.cdiv(S, block))](x, stats, weight, bias, out, C, S, C // groups,
+                                                    BLOCK=block, num_warps=8)
     return out

@@ -21,7 +21,8 @@ packs cols-packed (micro m of expert e = w2[e, :, m*I:(m+1)*I]); the op uses mic
            result does not depend on which other tokens share its batch.
 
 The result is this rank's partial sum; the caller all-reduces over the active TP group.
-Backends: "torch" (this file, every device; the CPU path) and "triton" (CUDA, bf16: `moe_fast.py`).
+The reference is this file (every device; the CPU path); the CUDA variants are `cuda.py`'s, declared in
+`__init__.py`.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .registry import backend, reference
+from ..registry import reference
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, topk: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +73,7 @@ def routed_reference(x: torch.Tensor, gate: torch.Tensor, topk: int, norm_topk: 
     """The routed part of the op in fp32 [N, H]: routing, the rows grouped by expert, `expert_mlp(xs,
     offs)` on them (the whole routed row of every active micro: GEMM1 + SwiGLU per micro, one GEMM2 over
     all of them), then the weighted finalize. Shared by the bf16 and the quantized references
-    (moe_quant.py)."""
+    (quant/moe.py)."""
     n, _ = x.shape
     w, idx = route(x, gate, topk, norm_topk)
     flat = idx.reshape(-1)                                  # route r = t*k + j
@@ -118,19 +119,3 @@ def moe_reference(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: tor
     if shared_w1 is not None:
         out = out + shared_mlp_reference(x, shared_w1, shared_w2, micro_start, micro_count).float()
     return out.to(x.dtype)
-
-
-def _fast_available() -> bool:
-    if not (torch.cuda.is_available() and hasattr(torch, "_grouped_mm")):
-        return False
-    try:
-        from . import moe_fast  # noqa: F401  (imports Triton)
-    except ImportError:
-        return False
-    return True
-
-
-@backend("moe", "triton", devices=("cuda",), dtypes=(torch.bfloat16,), available=_fast_available)
-def moe_triton(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk):
-    from .moe_fast import moe_cuda     # imported once by _fast_available; here a module-cache lookup
-    return moe_cuda(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk)

@@ -1,8 +1,8 @@
-"""Triton kernels of the quantized GEMMs and their launchers (the ops, their references and the
-registrations are in `quant.py`; the quantized MoE pipelines that chain these are in `moe_quant.py`).
+"""Triton kernels of the quantized GEMMs and their launchers (the ops and their references are linear.py's,
+their CUDA variants cuda.py's; the quantized MoE pipelines that chain these are moe_cuda.py's).
 
 Hopper has no MX / FP4 tensor cores, so every kernel here is weight-only: it loads the compact codes
-and block scales, dequantizes them in registers (exactly as `quant.dequant_*` does: the element times
+and block scales, dequantizes them in registers (exactly as `formats.dequant_*` does: the element times
 its block scale in fp32, rounded once to the activation dtype) and runs a bf16 MMA. Formats, as the
 constexpr FMT:
   0 MXFP8  codes float8_e4m3fn [N, K],       scales uint8 E8M0 [N, K/32]
@@ -17,10 +17,8 @@ Kernels:
   `grouped` rows of x sorted by group, offs = cumulative end row per group (torch._grouped_mm):
             each program finds its group from the offsets on the device (no host sync, a grid sized
             by the worst case), the same tiles as `linear`.
-  `decode_up` / `decode_down`  the MoE decode kernels of `moe_triton.py` on quantized experts: only
-            the chosen experts' bytes are read.
   `quantize_rows`  per-row symmetric E4M3 (scale amax / 448) of the online FP8 path; `fake=True` writes
-            the dequantized values instead (the decode path's activations, see moe_quant.py).
+            the dequantized values instead (the decode path's activations, see moe_cuda.py).
 No atomics: every output element has one writer and every sum a fixed order.
 """
 from __future__ import annotations
@@ -31,11 +29,11 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from .moe_fast import _empty           # NaN-filled under moe_fast.poisoned() (tests), else torch.empty
-from ._triton import dot, next_pow2
+from .._triton import dot, next_pow2
+from ..scratch import empty as _empty      # NaN-filled under scratch.poisoned() (tests)
 
 # Under Triton's CPU interpreter bf16 dot operands are multiplied as raw integers (numpy has no bf16):
-# the kernels then upcast them to fp32 first (see moe_triton.py).
+# the kernels then upcast them to fp32 first (see moe/triton_kernels.py).
 INTERPRET = bool(knobs.runtime.interpret)
 
 FMT = {"mxfp8": 0, "mxfp4": 1, "nvfp4": 2, "fp8": 3}
@@ -339,163 +337,13 @@ def grouped(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor
     return out
 
 
-# ------------------------------------------------------------------------------ MoE decode kernels
-
-@triton.jit
-def _qdecode_up_kernel(x_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, act_ptr, N, H, I, stride_x,
-                       c_sm, c_se, c_sr, s_sm, s_se, s_sr, g_se, S, SLOTS,
-                       K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
-                       BLOCK_H: tl.constexpr, FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr,
-                       ROUTED: tl.constexpr, UPCAST: tl.constexpr):
-    """Gate/up GEMV + SwiGLU of (micro, slot) programs. ROUTED: slot s is the expert active[s] and serves
-    the tokens that chose it; else the one slot is the shared MLP (every token)."""
-    pid = tl.program_id(0)
-    m = pid // SLOTS
-    slot = pid % SLOTS
-    rn = tl.arange(0, BLOCK_N)
-    mn = rn < N
-    rk = tl.arange(0, K_PAD)
-    if ROUTED:
-        e = tl.load(active_ptr + slot)
-        ids = tl.load(ids_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & (rk[None, :] < K), other=-1)
-        sel = (tl.max((ids == e).to(tl.int32), axis=1) > 0) & mn & (e >= 0)
-        e = tl.maximum(e, 0)
-    else:
-        sel = mn
-        e = tl.full((), 0, tl.int32)
-    if tl.max(sel.to(tl.int32), axis=0) > 0:     # a slot past the chosen experts reads no weight
-        cb = c_ptr + m.to(tl.int64) * c_sm + e.to(tl.int64) * c_se
-        sb = s_ptr + m.to(tl.int64) * s_sm + e.to(tl.int64) * s_se
-        g = _global_scale(g_ptr, e * g_se, FMT)
-        ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        mi = ri < I
-        acc1 = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
-        ca, sa = _wload(cb, sb, ri, mi, 0, H, c_sr, s_sr, FMT, BS, BLOCK_H)          # x1 rows
-        cc, sc = _wload(cb, sb, ri + I, mi, 0, H, c_sr, s_sr, FMT, BS, BLOCK_H)      # x2 rows
-        for h0 in range(0, H, BLOCK_H):
-            rh = h0 + tl.arange(0, BLOCK_H)
-            xt = tl.load(x_ptr + rn[:, None] * stride_x + rh[None, :], mask=mn[:, None] & (rh < H)[None, :],
-                         other=0.0)
-            na, nsa = _wload(cb, sb, ri, mi, h0 + BLOCK_H, H, c_sr, s_sr, FMT, BS, BLOCK_H)
-            nc, nsc = _wload(cb, sb, ri + I, mi, h0 + BLOCK_H, H, c_sr, s_sr, FMT, BS, BLOCK_H)
-            wa = _wdequant(ca, sa, g, FMT, INVERSE, BS, BLOCK_I, BLOCK_H).to(xt.dtype)
-            wb = _wdequant(cc, sc, g, FMT, INVERSE, BS, BLOCK_I, BLOCK_H).to(xt.dtype)
-            acc1 = dot(xt, tl.trans(wa), acc1, UPCAST)
-            acc2 = dot(xt, tl.trans(wb), acc2, UPCAST)
-            ca, sa, cc, sc = na, nsa, nc, nsc
-        act = acc1 * (acc2 * tl.sigmoid(acc2))
-        dst = act_ptr + (pid.to(tl.int64) * BLOCK_N + rn)[:, None] * I + ri[None, :]
-        tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=sel[:, None] & mi[None, :])
-
-
-@triton.jit
-def _qdecode_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_ptr, N, H, I,
-                         c_sm, c_se, c_sr, s_sm, s_se, s_sr, g_se, S, SLOTS, MC,
-                         K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HO: tl.constexpr,
-                         BLOCK_I: tl.constexpr, FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr,
-                         ROUTED: tl.constexpr, UPCAST: tl.constexpr):
-    """Down GEMV of each slot, the micro partials summed here (fp32): ROUTED slots write y [N*k, H] at
-    row t*k + j of each token t that chose the slot's expert as its j-th; the shared slot writes y [N, H]."""
-    slot = tl.program_id(0)
-    rh = tl.program_id(1) * BLOCK_HO + tl.arange(0, BLOCK_HO)
-    mh = rh < H
-    rn = tl.arange(0, BLOCK_N)
-    mn = rn < N
-    rk = tl.arange(0, K_PAD)
-    if ROUTED:
-        e = tl.load(active_ptr + slot)
-        ids = tl.load(ids_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & (rk[None, :] < K), other=-1)
-        hit = (ids == e) & (e >= 0)
-        sel = (tl.max(hit.to(tl.int32), axis=1) > 0) & mn
-        j = tl.sum(tl.where(hit, rk[None, :], 0), axis=1)
-        e = tl.maximum(e, 0)
-        dst = y_ptr + (rn * K + j).to(tl.int64)[:, None] * H + rh[None, :]
-    else:
-        sel = mn
-        e = tl.full((), 0, tl.int32)
-        dst = y_ptr + rn.to(tl.int64)[:, None] * H + rh[None, :]
-    if tl.max(sel.to(tl.int32), axis=0) > 0:
-        g = _global_scale(g_ptr, e * g_se, FMT)
-        acc = tl.zeros((BLOCK_N, BLOCK_HO), dtype=tl.float32)
-        for m in range(MC):     # micro partials summed before the route weight (finalize)
-            src = act_ptr + ((m * SLOTS + slot).to(tl.int64) * BLOCK_N + rn)[:, None] * I
-            m64 = m + tl.zeros((), tl.int64)      # the loop index is a Python int under the interpreter
-            cb = c_ptr + m64 * c_sm + e.to(tl.int64) * c_se
-            sb = s_ptr + m64 * s_sm + e.to(tl.int64) * s_se
-            cw, sw = _wload(cb, sb, rh, mh, 0, I, c_sr, s_sr, FMT, BS, BLOCK_I)
-            for i0 in range(0, I, BLOCK_I):
-                ri = i0 + tl.arange(0, BLOCK_I)
-                a = tl.load(src + ri[None, :], mask=sel[:, None] & (ri < I)[None, :], other=0.0)
-                cn, sn = _wload(cb, sb, rh, mh, i0 + BLOCK_I, I, c_sr, s_sr, FMT, BS, BLOCK_I)
-                wt = _wdequant(cw, sw, g, FMT, INVERSE, BS, BLOCK_HO, BLOCK_I).to(a.dtype)
-                acc = dot(a, tl.trans(wt), acc, UPCAST)
-                cw, sw = cn, sn
-        tl.store(dst, acc, mask=sel[:, None] & mh[None, :])
-
-
-# 128 code bytes per weight row and K step in every format (a 4-bit step spans twice the columns)
-DECODE_UP = dict(BLOCK_I=16, BLOCK_H=128, num_warps=8, num_stages=3)
-DECODE_DOWN = dict(BLOCK_HO=32, BLOCK_I=128, num_warps=8, num_stages=3)
-DECODE_UP_FMT = {"mxfp4": dict(BLOCK_H=256), "nvfp4": dict(BLOCK_H=256)}
-DECODE_DOWN_FMT = {"mxfp4": dict(BLOCK_I=256), "nvfp4": dict(BLOCK_I=256)}
-
-
-def _lead_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """(micro, expert, row) strides of a rows-packed (gate/up) [micros, E, rows, ·] pack or a
-    [micros, rows, ·] one (expert 0)."""
-    return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (t.stride(0), 0, t.stride(1))
-
-
-def decode_up(x, ids, active, fmt: str, codes, scales, gscale, inverse: bool, act, slots: int, inter: int,
-              up: dict | None = None) -> None:
-    """Gate/up + SwiGLU for every (micro, slot). Routed (active given): codes [micros, E, 2I, H/pb] of
-    the active micros; shared (active None): [micros, 2I, H/pb] and slots == 1. act [micros, slots, 16, I]
-    receives the rows of the tokens each slot serves."""
-    cfg = dict(DECODE_UP, **DECODE_UP_FMT.get(fmt, {}), **(up or {}))
-    cfg["BLOCK_H"] = max(cfg["BLOCK_H"], BLOCK[fmt])
-    n, h = x.shape
-    mc = act.shape[0]
-    g = _gscale(gscale, x)
-    g_se = g.stride(0) if gscale is not None and g.dim() == 3 else 0
-    grid = (mc * slots, triton.cdiv(inter, cfg["BLOCK_I"]))
-    _qdecode_up_kernel[grid](x, ids, active if active is not None else ids, codes, scales, g, act, n, h, inter,
-                             x.stride(0), *_lead_strides(codes), *_lead_strides(scales), g_se,
-                             active.shape[0] if active is not None else 1, slots, K=ids.shape[1],
-                             K_PAD=max(2, next_pow2(ids.shape[1])), BLOCK_N=act.shape[2], FMT=FMT[fmt],
-                             INVERSE=bool(inverse), BS=BLOCK[fmt], ROUTED=active is not None, UPCAST=INTERPRET,
-                             **cfg)
-
+# ------------------------------------------------------------------------------ shared by gemv.py
 
 def col_strides(t: torch.Tensor, per_micro: int) -> tuple[int, int, int]:
     """(micro, expert, row) strides of the active micros' column block of a cols-packed down pack:
     [E, H, micros * c] (routed experts) or [H, micros * c] (the shared MLP, expert 0); micro m starts at
     column m * per_micro (per_micro = 0: every micro reads the same column, a per-channel scale)."""
     return (per_micro, t.stride(0), t.stride(1)) if t.dim() == 3 else (per_micro, 0, t.stride(0))
-
-
-def decode_down(act, ids, active, fmt: str, codes, scales, gscale, inverse: bool, y, slots: int, inter: int,
-                down: dict | None = None) -> None:
-    """Down GEMV of every slot, micro partials summed. Both packs are cols-packed, codes and scales of
-    the active micros' column block (`QWeight.cols`): routed [E, H, micros*I/pb], y [N*k, H] fp32;
-    shared (active None) [H, micros*I/pb], y [N, H] fp32; micro m's columns start at m*I."""
-    cfg = dict(DECODE_DOWN, **DECODE_DOWN_FMT.get(fmt, {}), **(down or {}))
-    cfg["BLOCK_I"] = max(cfg["BLOCK_I"], BLOCK[fmt])
-    mc, _, bn, _ = act.shape
-    n, k = ids.shape
-    h = y.shape[1]
-    g = _gscale(gscale, y)
-    g_se = g.stride(0) if gscale is not None and g.dim() == 3 else 0
-    pb, bs = PER_BYTE[fmt], BLOCK[fmt]
-    if codes.dim() != (3 if active is not None else 2) or codes.shape[-1] * pb != mc * inter or inter % bs:
-        raise ValueError(f"decode_down: {fmt} codes {tuple(codes.shape)} for {mc} micros of {inter} columns")
-    c_str = col_strides(codes, inter // pb)
-    s_str = col_strides(scales, inter // bs if fmt != "fp8" else 0)
-    grid = (slots, triton.cdiv(h, cfg["BLOCK_HO"]))
-    _qdecode_down_kernel[grid](act, ids, active if active is not None else ids, codes, scales, g, y, n, h, inter,
-                               *c_str, *s_str, g_se, active.shape[0] if active is not None else 1, slots, mc,
-                               K=k, K_PAD=max(2, next_pow2(k)), BLOCK_N=bn, FMT=FMT[fmt], INVERSE=bool(inverse),
-                               BS=BLOCK[fmt], ROUTED=active is not None, UPCAST=INTERPRET, **cfg)
 
 
 # ------------------------------------------------------------------------------- FP8 per-row scaling

@@ -1,5 +1,5 @@
 """Triton kernels of the MoE fast paths and their thin launchers (the op, its reference and the
-pipelines that chain these are in `moe.py` and `moe_fast.py`).
+pipelines that chain these are in `cuda.py`).
 
 Routing, shared by both paths:
   `router_logits`  fp32 logits x @ gate^T (bf16 x upcast in registers: no fp32 copy of x);
@@ -8,7 +8,7 @@ Routing, shared by both paths:
                    for the decode path the compact list of the experts any token chose.
 Grouped (denoise / prefill) path: `route_plan` (expert offsets + block bases, one program),
 `dispatch` (each route's row in expert order, x rows copied there; `dispatch_rows`: the rows' tokens
-instead, for moe_gemm1's gathering GEMM1), `swiglu`, `finalize`.
+instead, for gemm1.py's gathering GEMM1), `swiglu`, `finalize`.
 Decode path: `decode_up` (gate/up GEMV + SwiGLU of the chosen experts and the shared MLP),
 `decode_down` (down GEMV, micro partials summed), then the same `finalize`.
 
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from ._triton import dot, next_pow2
+from .._triton import dot, next_pow2
 
 # Triton's CPU interpreter multiplies bf16 dot operands as their raw 16-bit integers (numpy has no
 # bf16), so under the interpreter the kernels upcast dot operands to fp32 first. Decided when this
@@ -269,7 +269,7 @@ def dispatch_rows(ids: torch.Tensor, rank: torch.Tensor, base: torch.Tensor, blo
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`dispatch` without the copy: -> (inv [N, k] int32, the row of each route in expert order;
     src [N*k] int32, the token of each row, its inverse), for kernels that gather x rows themselves
-    (moe_gemm1.gemm1_swiglu). The routes are a permutation of the rows, so every src element is
+    (gemm1.gemm1_swiglu). The routes are a permutation of the rows, so every src element is
     written once."""
     n, k = ids.shape
     inv = torch.empty_like(ids)

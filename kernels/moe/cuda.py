@@ -1,60 +1,38 @@
-"""The CUDA pipelines of the `moe` op (definition and reference: `moe.py`), built from the Triton
-kernels of `moe_triton.py` and `torch._grouped_mm`.
+"""The CUDA pipelines of the `moe` op (definition and reference: `reference.py`), built from the Triton
+kernels of `triton_kernels.py` and `gemm1.py` and `torch._grouped_mm`. Each is a variant of the op in the
+registry, preferred in this order (the order they are registered below):
 
-  grouped (denoise, prefill; N > DECODE_MAX_TOKENS): one routing pass for every micro, a stable
-      counting sort on the device that gives each route its row in expert order (no x rows copied),
-      ONE kernel (moe_gemm1.py) doing every active micro's GEMM1 + SwiGLU on the x rows it gathers
-      itself into its column block of one activation buffer [R, micro_count * I], then ONE grouped down
-      GEMM over K = micro_count * I on the active micros' columns of the cols-packed w2 [E, H, micros * I]
-      (a strided view, no weight copy), the shared MLP, then ONE finalize (one partial) that sums the
-      routes per token in fp32. GEMM1 = "grouped_mm" runs the earlier form instead (dispatch copies the x
-      rows into xs, then per micro torch._grouped_mm -> [R, 2I] and SwiGLU), for bench/bench_gemm1.py.
-  two-dispatch (ablation only, `two_dispatch=True`): routing, permutation, both GEMMs and finalize
-      repeated per micro (GEMM2 on micro m's column block, K = I), each micro's output cast and added,
-      as a naive per-micro implementation does.
-  decode (N <= DECODE_MAX_TOKENS): reads only the chosen experts' weights of the active micros;
-      five launches, no host sync, no data-dependent allocation: CUDA-graph capturable.
+  decode (N <= DECODE_MAX_TOKENS): reads only the chosen experts' weights of the active micros; five
+      launches, no host sync, no data-dependent allocation: CUDA-graph capturable.
+  fused (denoise, prefill): one routing pass for every micro, a stable counting sort on the device that
+      gives each route its row in expert order (no x rows copied), ONE kernel (gemm1.py) doing every
+      active micro's GEMM1 + SwiGLU on the x rows it gathers itself into its column block of one
+      activation buffer [R, micro_count * I], then ONE grouped down GEMM over K = micro_count * I on the
+      active micros' columns of the cols-packed w2 [E, H, micros * I] (a strided view, no weight copy),
+      the shared MLP, then ONE finalize (one partial) that sums the routes per token in fp32. On the
+      H200 1.33 vs 1.51 ms a hybrid4 denoise layer against `grouped` (bench gemm1 suite, 2026-12-01).
+  grouped (shapes the fused GEMM1 does not take): the same with dispatch copying the x rows into xs,
+      then per micro torch._grouped_mm -> [R, 2I] and SwiGLU into act's column block.
 
-Which pipeline runs depends on N, a host-known shape, never on data.
+Which one runs depends on N and the packs' shapes (host-known), never on data.
 """
 from __future__ import annotations
-
-import contextlib
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from . import moe_gemm1
-from . import moe_triton as tk
-from .moe import check_packs
+from ..registry import backend
+from ..scratch import empty as _empty
+from . import gemm1
+from . import triton_kernels as tk
+from .reference import check_packs
 
 DECODE_MAX_TOKENS = 8
 
-# The grouped path's GEMM1: "fused" = moe_gemm1.gemm1_swiglu, x rows gathered by the kernel, every
-# micro's GEMM1 + SwiGLU in one launch (no xs, no [R, 2I] intermediate): on the H200 1.33 vs 1.51 ms a
-# hybrid4 denoise layer (bench/bench_gemm1.py, 2026-12-01); "grouped_mm" = dispatch copies x rows into
-# xs, then per micro torch._grouped_mm -> [R, 2I] and SwiGLU into act. The two-dispatch ablation keeps
-# "grouped_mm" (a naive per-micro implementation), as does moe_quant.
-GEMM1 = "fused"
 
-_POISON = [False]
-
-
-def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if _POISON[-1]:
-        return torch.full(shape, float("nan") if dtype.is_floating_point else 0, dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-@contextlib.contextmanager
-def poisoned() -> Iterator[None]:
-    """Tests: every scratch buffer starts as NaN, so an element read before it is written shows up."""
-    _POISON.append(True)
-    try:
-        yield
-    finally:
-        _POISON.pop()
+def available() -> bool:
+    """A GPU and torch._grouped_mm (this module is imported only where Triton is)."""
+    return torch.cuda.is_available() and hasattr(torch, "_grouped_mm")
 
 
 def _check(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk):
@@ -69,19 +47,52 @@ def _check(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk
         raise ValueError(f"moe: shared MLP shapes {tuple(shared_w1.shape)}, {tuple(shared_w2.shape)}")
 
 
-def moe_cuda(x, gate, w1, w2, shared_w1, shared_w2, micro_start: int, micro_count: int, topk: int,
-             norm_topk: bool, *, two_dispatch: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The `moe` op on CUDA (signature: `moe.moe_reference`); `out` [N, H] x.dtype may be given."""
+def _prepared(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, out):
     x = x.contiguous()
     _check(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk)
-    if out is None:
-        out = torch.empty_like(x)
+    return x, torch.empty_like(x) if out is None else out
+
+
+def decode_fits(x, *args, **kwargs) -> bool:
+    return x.shape[0] <= DECODE_MAX_TOKENS
+
+
+def fused_fits(x, gate, w1, *args, **kwargs) -> bool:
+    return gemm1.fits(x, w1)
+
+
+@backend("moe", "decode", dtypes=(torch.bfloat16,), available=available, fits=decode_fits)
+def moe_decode(x, gate, w1, w2, shared_w1, shared_w2, micro_start: int, micro_count: int, topk: int,
+               norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The `decode` variant (signature: `reference.moe_reference`; `out` [N, H] x.dtype may be given)."""
+    x, out = _prepared(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, out)
     if x.shape[0] == 0:
         return out
-    if x.shape[0] <= DECODE_MAX_TOKENS and not two_dispatch:
-        return moe_decode(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
-    return moe_grouped(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out,
-                       two_dispatch=two_dispatch)
+    return _decode(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
+
+
+def grouped(x, gate, w1, w2, shared_w1, shared_w2, micro_start: int, micro_count: int, topk: int,
+            norm_topk: bool, out: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
+    """The grouped path: GEMM1 + SwiGLU in one kernel (`fused`) or on torch._grouped_mm."""
+    x, out = _prepared(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, out)
+    if x.shape[0] == 0:
+        return out
+    shared = shared_mlp(x, shared_w1, shared_w2, micro_start, micro_count) if shared_w1 is not None else None
+    if fused:
+        w, inv, src, offs = _permute_rows(x, gate, topk, norm_topk)
+        return tk.finalize(_expert_mlp_fused(x, src, w1, w2, offs, micro_start, micro_count), inv, w, shared, out)
+    w, inv, xs, offs = permute(x, gate, topk, norm_topk)
+    return tk.finalize(expert_mlp(xs, w1, w2, offs, micro_start, micro_count), inv, w, shared, out)
+
+
+@backend("moe", "fused", dtypes=(torch.bfloat16,), available=available, fits=fused_fits)
+def moe_fused(*args, **kwargs) -> torch.Tensor:
+    return grouped(*args, **kwargs, fused=True)
+
+
+@backend("moe", "grouped", dtypes=(torch.bfloat16,), available=available)
+def moe_grouped(*args, **kwargs) -> torch.Tensor:
+    return grouped(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------- grouped path
@@ -95,22 +106,28 @@ def shared_mlp(x, shared_w1, shared_w2, micro_start: int, micro_count: int) -> t
     return F.linear(act, shared_w2[:, micro_start * is_micro:(micro_start + micro_count) * is_micro])
 
 
-def _route(x, gate, topk, norm_topk):
+def _plan(x, gate, topk, norm_topk):
+    """Routing and the expert-order plan of the grouped paths: weights, ids, each route's rank in its
+    expert, the plan's bases and end offsets, and the tokens per counting block."""
+    w, ids, (rank, counts, block_tokens) = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=True)
+    base, offs = tk.route_plan(counts)
+    return w, ids, rank, base, offs, block_tokens
+
+
+def permute(x, gate, topk, norm_topk):
     """One routing pass: weights, the row of every route in expert order (inv), the permuted rows
     of x, and the expert end offsets for torch._grouped_mm."""
     n, h = x.shape
-    w, ids, (rank, counts, block_tokens) = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=True)
-    base, offs = tk.route_plan(counts)
+    w, ids, rank, base, offs, block_tokens = _plan(x, gate, topk, norm_topk)
     xs = _empty(n * topk, h, dtype=x.dtype, device=x.device)
     inv = tk.dispatch(x, ids, rank, base, block_tokens, xs)
     return w, inv, xs, offs
 
 
-def _route_rows(x, gate, topk, norm_topk):
-    """`_route` for the fused GEMM1: the token of each permuted row (src [N*k] int32) instead of the
+def _permute_rows(x, gate, topk, norm_topk):
+    """`permute` for the fused GEMM1: the token of each permuted row (src [N*k] int32) instead of the
     rows themselves."""
-    w, ids, (rank, counts, block_tokens) = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=True)
-    base, offs = tk.route_plan(counts)
+    w, ids, rank, base, offs, block_tokens = _plan(x, gate, topk, norm_topk)
     inv, src = tk.dispatch_rows(ids, rank, base, block_tokens)
     return w, inv, src, offs
 
@@ -123,7 +140,7 @@ def _down_cols(w2: torch.Tensor, micro_start: int, micro_count: int, inter: int)
     return w2[:, :, micro_start * inter:(micro_start + micro_count) * inter].transpose(1, 2)
 
 
-def _expert_mlp(xs, w1, w2, offs, micro_start: int, micro_count: int) -> torch.Tensor:
+def expert_mlp(xs, w1, w2, offs, micro_start: int, micro_count: int) -> torch.Tensor:
     """Micros [micro_start, +micro_count) of every expert on the permuted rows, [R, H] x.dtype: GEMM1 +
     SwiGLU per micro into its column block of one activation buffer, then one GEMM2 over all of them."""
     inter = w1.shape[2] // 2
@@ -135,35 +152,17 @@ def _expert_mlp(xs, w1, w2, offs, micro_start: int, micro_count: int) -> torch.T
 
 
 def _expert_mlp_fused(x, src, w1, w2, offs, micro_start: int, micro_count: int) -> torch.Tensor:
-    """`_expert_mlp` with GEMM1 + SwiGLU of every micro in one kernel reading x[src] directly."""
+    """`expert_mlp` with GEMM1 + SwiGLU of every micro in one kernel reading x[src] directly."""
     inter = w1.shape[2] // 2
     act = _empty(src.shape[0], micro_count * inter, dtype=x.dtype, device=x.device)
-    moe_gemm1.gemm1_swiglu(x, src, offs, w1, micro_start, micro_count, act)
+    gemm1.gemm1_swiglu(x, src, offs, w1, micro_start, micro_count, act)
     return torch._grouped_mm(act, _down_cols(w2, micro_start, micro_count, inter), offs=offs)
-
-
-def moe_grouped(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out,
-                two_dispatch: bool = False) -> torch.Tensor:
-    shared = shared_mlp(x, shared_w1, shared_w2, micro_start, micro_count) if shared_w1 is not None else None
-    if not two_dispatch and GEMM1 == "fused" and moe_gemm1.fits(x, w1):
-        w, inv, src, offs = _route_rows(x, gate, topk, norm_topk)
-        return tk.finalize(_expert_mlp_fused(x, src, w1, w2, offs, micro_start, micro_count), inv, w, shared, out)
-    if not two_dispatch:
-        w, inv, xs, offs = _route(x, gate, topk, norm_topk)
-        return tk.finalize(_expert_mlp(xs, w1, w2, offs, micro_start, micro_count), inv, w, shared, out)
-    acc = shared
-    micros = range(micro_start, micro_start + micro_count)
-    for m in micros:                                  # the ablation: everything again per micro
-        w, inv, xs, offs = _route(x, gate, topk, norm_topk)
-        res = out if m == micros[-1] else _empty(*x.shape, dtype=x.dtype, device=x.device)
-        acc = tk.finalize(_expert_mlp(xs, w1, w2, offs, m, 1), inv, w, acc, res)
-    return out
 
 
 # ----------------------------------------------------------------------------------- decode path
 
-def moe_decode(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
-               out) -> torch.Tensor:
+def _decode(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
+            out) -> torch.Tensor:
     n, h = x.shape
     inter = w1.shape[2] // 2
     mc = micro_count

@@ -6,10 +6,10 @@ column j < I:
     act[r, m*I + j] = (x[src[r]] . w1[ms+m, e, j]) * silu(x[src[r]] . w1[ms+m, e, I + j])
 
 accumulated in fp32 and cast once to act's dtype. It replaces three steps of the unfused path
-(`moe_fast._route` / `_expert_mlp`): dispatch copying each token's row into its k routes' rows of xs
+(`cuda.permute` / `cuda.expert_mlp`): dispatch copying each token's row into its k routes' rows of xs
 [N*k, H], per micro torch._grouped_mm -> hmid [R, 2I], and SwiGLU of hmid into act's column block.
 Here the A operand is gathered straight from x by src (the token of each permuted row,
-`moe_triton.dispatch_rows`), so xs never exists; each program computes a BM x BN tile of BOTH halves
+`triton_kernels.dispatch_rows`), so xs never exists; each program computes a BM x BN tile of BOTH halves
 (two fp32 accumulators: gate columns j.. and up columns I+j.. of one expert and micro) and writes
 their SwiGLU product, so the 2I-wide intermediate never reaches memory either. One launch covers all
 micros.
@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import dot, next_pow2
-from .moe_triton import INTERPRET
+from .._triton import dot, next_pow2
+from .triton_kernels import INTERPRET
 
 # the tile configuration the engine runs (bench/bench_gemm1.py times the alternatives in CONFIGS). One H200,
 # 2026-12-01 (`python bench/bench_gemm1.py`, +-5% run to run): this one 1.33 ms = 621 TFLOP/s at hybrid4 denoise (uniform routing;

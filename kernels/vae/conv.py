@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, INTERPRET, available, next_pow2, tl, triton
-from .registry import backend, reference
+from .._triton import HAS_TRITON, INTERPRET, available, next_pow2, tl, triton
+from ..registry import backend, reference
 
 CHANNEL_ALIGN = 8      # cuDNN's tensor-core kernels want channel counts in multiples of 8 (fp16/bf16)
 
@@ -139,13 +139,12 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padd
             and (bias is None or bias.dtype == x.dtype))
 
 
-@backend("conv3d_same", "taps2d", devices=("cuda",), dtypes=(torch.float16, torch.bfloat16), available=available)
+@backend("conv3d_same", "taps2d", devices=("cuda",), dtypes=(torch.float16, torch.bfloat16), available=available,
+         fits=_fits)
 def conv3d_same_taps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      padding: tuple[int, int, int]) -> torch.Tensor:
-    """The stacked-tap 2D version of `conv3d_same_ref` (any device where Triton runs: the CPU tests
-    call it under the interpreter)."""
-    if not _fits(x, weight, bias, padding):
-        return conv3d_same_ref(x, weight, bias, padding)
+    """The stacked-tap 2D version of `conv3d_same_ref` for the shapes `_fits` takes (any device where
+    Triton runs: the CPU tests call it under the interpreter)."""
     B, _, T, H, W = x.shape
     cout, _, kt, kh, kw = weight.shape
     pt, ph, pw = padding

@@ -1,0 +1,177 @@
+"""The CUDA variants of the `moe_quant` op (definition and reference: moe.py), preferred in this order:
+
+  decode   N <= DECODE_MAX_TOKENS: reads only the chosen experts' quantized bytes, on gemv.py's GEMVs (no
+           tensor cores, fp32 FMA on the codes as loaded, activations prepared once); for fp8 the
+           activations are quantized and dequantized per row first, a down row over all its micros
+           (the same numbers as W8A8 up to one bf16 rounding)
+  grouped  every N: routing and permutation as `moe`'s grouped path (moe/cuda.py), the expert GEMMs on
+           triton_kernels.py's grouped GEMMs, or torch._scaled_grouped_mm for fp8 (GEMM1's rows
+           quantized once for every micro), the down GEMM on the strided column block of the pack
+
+The tile decode kernels (dequantized tiles into bf16 MMAs) lost to the GEMVs in every case measured
+(bench kernels-quant --decode, 2026-11-30) and were removed; they stay in git history.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..moe import triton_kernels as tk
+from ..moe.cuda import DECODE_MAX_TOKENS, permute
+from ..moe.cuda import available as moe_available
+from ..moe.reference import check_packs
+from ..registry import backend
+from ..scratch import empty as _empty
+from . import cuda
+from . import gemv as qg
+from . import triton_kernels as qt
+from .formats import QWeight
+from .moe import Weight, _expert_cols, _linear, _micro_cols, _micro_rows
+
+def _check(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk):
+    if not (isinstance(w1, QWeight) and isinstance(w2, QWeight)):
+        raise ValueError("moe_quant: the experts must be quantized (QWeight); use `moe` for float experts")
+    check_packs("moe_quant", x, gate, w1.shape, w2.shape, micro_start, micro_count, topk)
+    if not all(t.is_contiguous() for t in (*w1.tensors(), *w2.tensors(), gate)):
+        raise ValueError("moe_quant: the expert packs and the gate must be contiguous")
+    if (shared_w1 is None) != (shared_w2 is None):
+        raise ValueError("moe_quant: shared_w1 and shared_w2 come together")
+
+
+def _run(path, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out):
+    x = x.contiguous()
+    _check(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk)
+    if out is None:
+        out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    return path(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
+
+
+def decode_fits(x, gate, w1, w2, shared_w1, shared_w2, *args, **kwargs) -> bool:
+    """Decode-sized, and the shared MLP quantized in both linears or in neither (the GEMVs' pairing)."""
+    return x.shape[0] <= DECODE_MAX_TOKENS and isinstance(shared_w1, QWeight) == isinstance(shared_w2, QWeight)
+
+
+@backend("moe_quant", "decode", dtypes=(torch.bfloat16,), available=moe_available, fits=decode_fits)
+def moe_quant_decode(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
+                     topk: int, norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The `decode` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given)."""
+    return _run(_decode_gemv, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
+
+
+@backend("moe_quant", "grouped", dtypes=(torch.bfloat16,), available=moe_available)
+def moe_quant_grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
+                      topk: int, norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The `grouped` variant: every N."""
+    return _run(_grouped, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
+
+
+def _shared(x, shared_w1: Weight, shared_w2: Weight, micro_start: int, micro_count: int) -> torch.Tensor:
+    """The shared MLP over the active micros on the quantized (or float) linears, [N, H] x.dtype."""
+    is_micro = shared_w1.shape[1] // 2
+    h = _linear(x, _micro_rows(shared_w1, micro_start, micro_count))
+    return _linear(tk.swiglu(h, groups=micro_count), _micro_cols(shared_w2, micro_start, micro_count, is_micro))
+
+
+class _Gemm:
+    """One expert GEMM's input rows, prepared once for every weight they meet (GEMM1: every micro):
+    fp8 quantizes them per row."""
+
+    def __init__(self, rows: torch.Tensor, fmt: str):
+        self.rows, self.fmt = rows, fmt
+        self.q = qt.quantize_rows(rows) if fmt == "fp8" else None
+
+    def __call__(self, w: QWeight, offs: torch.Tensor) -> torch.Tensor:
+        if self.q is not None:
+            return cuda.scaled_grouped(*self.q, w.codes, w.scales, offs, self.rows.dtype)
+        return qt.grouped(self.rows, w.fmt, w.codes, w.scales, offs, w.gscale, w.inverse)
+
+
+def _grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
+             out) -> torch.Tensor:
+    shared = _shared(x, shared_w1, shared_w2, micro_start, micro_count) if shared_w1 is not None else None
+    w, inv, xs, offs = permute(x, gate, topk, norm_topk)
+    inter = w1.shape[2] // 2
+    gemm1 = _Gemm(xs, w1.fmt)
+    act = _empty(xs.shape[0], micro_count * inter, dtype=x.dtype, device=x.device)
+    for i in range(micro_count):                # each micro's SwiGLU into its column block of act
+        tk.swiglu(gemm1(w1[micro_start + i], offs), out=act[:, i * inter:(i + 1) * inter])
+    y = _Gemm(act, w2.fmt)(_expert_cols(w2, micro_start, micro_count, inter), offs)     # one down GEMM
+    return tk.finalize(y, inv, w, shared, out)
+
+
+def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
+                 out) -> torch.Tensor:
+    """The decode path on gemv.py's GEMVs: x prepared once per code-word width (prep), gate/up +
+    SwiGLU writing act prepared for the down GEMV (fp32; FP8 writes bf16 act, quantized per row in
+    place, read as is), down GEMV summing the micros, the shared MLP likewise, one finalize."""
+    n, h = x.shape
+    mc = micro_count
+    dev = x.device
+    inter = w1.shape[2] // 2
+    fq = qt.quantize_rows(x, fake=True) if "fp8" in (w1.fmt, getattr(shared_w1, "fmt", None)) else None
+    preps: dict[str, torch.Tensor] = {}
+
+    def x_in(fmt: str) -> torch.Tensor:          # the up GEMV's activations of `fmt`, prepared once
+        key = _x_key(fmt)
+        if key not in preps:
+            preps[key] = qg.prep(fq if fmt == "fp8" else x, fmt)
+        return preps[key]
+
+    def mlp(fmt_up, fmt_down, wa: QWeight, wb: QWeight, ids, slots, width, act_active, y):
+        ph = qg.act_ph(fmt_down)
+        act = _empty(mc, slots, n, width, dtype=torch.float32 if ph else x.dtype, device=dev)
+        qg.decode_up(x_in(fmt_up), ids, act_active, fmt_up, wa.codes, wa.scales, wa.gscale, wa.inverse, act, slots,
+                     width, x_prepared=True, act_prep=ph)
+        if not ph:                 # fp8: a down row (every micro's slice of it) quantized once
+            qt.quantize_rows(act, fake=True, out=act, micros=mc)
+        qg.decode_down(act, ids, act_active, fmt_down, wb.codes, wb.scales, wb.gscale, wb.inverse, y, slots, width,
+                       act_prepared=bool(ph))
+
+    # A quantized shared MLP does not depend on the routing: it runs on a side stream (inside a captured
+    # decode graph: a parallel branch) while the main stream routes and runs the routed experts, so the
+    # small routing kernels and each GEMV's tail overlap the other's weight reads. Its output `ys` is made
+    # on the main stream before the fork and read after the join. (Its GEMVs read no routing: `ids` there
+    # only gives the top-k width.)
+    ys = _empty(n, h, dtype=torch.float32, device=dev) if shared_w1 is not None else None
+    is_micro = shared_w1.shape[1] // 2 if shared_w1 is not None else 0
+    side = _side_stream(dev) if isinstance(shared_w1, QWeight) and dev.type == "cuda" else None
+    if side is not None:
+        if _x_key(shared_w1.fmt) == _x_key(w1.fmt):   # one prepared input for both branches: made before the fork
+            x_in(w1.fmt)
+        main = torch.cuda.current_stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            mlp(shared_w1.fmt, shared_w2.fmt, shared_w1[micro_start:micro_start + mc],
+                shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro),
+                _empty(n, topk, dtype=torch.int32, device=dev), 1, is_micro, None, ys)
+    w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
+    y = _empty(n * topk, h, dtype=torch.float32, device=dev)
+    mlp(w1.fmt, w2.fmt, w1[micro_start:micro_start + mc], _expert_cols(w2, micro_start, mc, inter), ids,
+        active.shape[0], inter, active, y)
+    if side is not None:
+        main.wait_stream(side)
+    elif isinstance(shared_w1, QWeight):          # (no side stream off CUDA: the interpreter's tests)
+        mlp(shared_w1.fmt, shared_w2.fmt, shared_w1[micro_start:micro_start + mc],
+            shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro), ids, 1, is_micro, None, ys)
+    elif shared_w1 is not None:                   # a float shared MLP: the bf16 decode kernels
+        act_s = _empty(mc, 1, 16, is_micro, dtype=x.dtype, device=dev)
+        tk.decode_up(x, ids, None, None, shared_w1[micro_start:micro_start + mc], act_s, 1, is_micro)
+        tk.decode_down(act_s, ids, None, None, shared_w2[:, micro_start * is_micro:], None, ys, 1, is_micro)
+    return tk.finalize(y, None, w, ys, out)
+
+
+def _x_key(fmt: str) -> str:
+    """Which prepared input an up GEMV of `fmt` reads (formats of one code-word width share it)."""
+    return ("fq" if fmt == "fp8" else "x") + str(qg.PH[fmt])
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(dev: torch.device) -> torch.cuda.Stream:
+    """One side stream per device, made once (a graph capture records its work as a parallel branch)."""
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SIDE:
+        _SIDE[i] = torch.cuda.Stream(device=i)
+    return _SIDE[i]
