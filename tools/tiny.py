@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.model.weights import checkpoint_shapes, vit_head_shapes
+from engine.spec import names
 from engine.spec.config import ModelConfig
 from engine.spec.tokenizer import OFFICIAL_SPECIAL_TOKENS
 
@@ -146,19 +147,22 @@ def _init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g) * fan_in ** -0.5
 
 
+FP32_PREFIXES = tuple(m + "." for m in (names.VAE, names.VISION_MODEL, names.VISION_ALIGNER))
+
+
 def _dtype_for(name: str) -> torch.dtype:
     # As the official checkpoint: an fp32 router, fp32 VAE / ViT / aligner, bf16 elsewhere.
-    if name.endswith("mlp.gate.wg.weight") or name.startswith(("vae.", "vision_model.", "vision_aligner.")):
+    if name.endswith(names.ROUTER) or name.startswith(FP32_PREFIXES):
         return torch.float32
     return torch.bfloat16
 
 
 def write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], shards: int = 3) -> None:
-    names = list(tensors)
-    per = -(-len(names) // shards)
+    listed = list(tensors)
+    per = -(-len(listed) // shards)
     weight_map, total = {}, 0
     for k in range(shards):
-        chunk = names[k * per:(k + 1) * per]
+        chunk = listed[k * per:(k + 1) * per]
         file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         save_file({n: tensors[n].contiguous() for n in chunk}, str(folder / file), metadata={"format": "pt"})
         for n in chunk:
@@ -205,3 +209,4 @@ def make_tiny(out: str | Path, distil: bool = False, seed: int = 0, blocks: bool
         from tools.tiny_quant import quantize_folder
         quantize_folder(out, quant)
     return out
+
