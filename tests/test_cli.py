@@ -1,4 +1,5 @@
-"""The command line from a clean folder: make-tiny, then text and generate (T2I and TI2I)."""
+"""The command line from a clean folder: a tiny checkpoint (`python -m tools.tiny`), then text and generate
+(T2I and TI2I)."""
 from __future__ import annotations
 
 import subprocess
@@ -14,8 +15,8 @@ from engine import EMBEDDED_MODEL
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def run(*args, check=True, module="engine"):
+    p = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     if check:
         assert p.returncode == 0, p.stderr[-2000:]
     return p
@@ -23,7 +24,7 @@ def run(*args, check=True):
 
 def test_make_tiny_then_text_and_generate(tmp_path):
     model = tmp_path / "tiny"
-    run("make-tiny", str(model))
+    assert "wrote" in run(str(model), module="tools.tiny").stdout
     for f in ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
               "system_prompt.py"):
         assert (model / f).exists(), f

@@ -1,4 +1,4 @@
-"""`python -m engine make-tiny OUT_DIR [--distil] [--seed N] [--blocks] [--quant FORMAT]`: a complete
+"""`python -m tools.tiny OUT_DIR [--distil] [--seed N] [--blocks] [--quant FORMAT]`: a complete
 checkpoint folder in the official layout (config keys, generation config, sharded safetensors + index, tokenizer.json with
 every official special token, system_prompt.py) with tiny dimensions and random weights.
 
@@ -7,8 +7,10 @@ Dimensions allow every parallel plan up to 8 ranks: 8 KV heads, expert and share
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
+import sys
 import zlib
 from pathlib import Path
 from typing import Iterable
@@ -210,3 +212,27 @@ def make_tiny(out: str | Path, distil: bool = False, seed: int = 0, blocks: bool
         quantize_folder(out, quant)
     return out
 
+
+def main(argv: list[str] | None = None) -> int:
+    from tools.tiny_quant import QUANT_FORMATS
+    ap = argparse.ArgumentParser(prog="python -m tools.tiny",
+                                 description="Write a tiny random checkpoint in the official layout.")
+    ap.add_argument("out")
+    ap.add_argument("--distil", action="store_true", help="an Instruct-Distil checkpoint")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--blocks", action="store_true",
+                    help="dimensions whose every plan split keeps whole 32-element blocks (for --quant on gloo plans)")
+    ap.add_argument("--quant", metavar="FORMAT",
+                    help="quantize the backbone linears as a real tool lays them out: mxfp8, mxfp4 (auto-round); "
+                         "mxfp8-ct, mxfp4-ct, nvfp4-ct (compressed-tensors); fp8-modelopt, fp8-channel-modelopt, "
+                         "nvfp4-modelopt (ModelOpt)")
+    args = ap.parse_args(argv)
+    if args.quant and args.quant not in QUANT_FORMATS:
+        print(f"error: unknown --quant {args.quant!r}; choose one of {', '.join(QUANT_FORMATS)}", file=sys.stderr)
+        return 2
+    print(f"wrote {make_tiny(args.out, distil=args.distil, seed=args.seed, blocks=args.blocks, quant=args.quant)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
