@@ -72,3 +72,18 @@ def test_cuda_without_a_gpu_is_refused_at_start_in_one_sentence(tmp_path, tiny_d
         assert "--device cuda was asked for, but this machine has no CUDA GPU" in p.stderr
         assert "run with --device cpu" in p.stderr
     assert "studio: open" not in app.stdout
+
+
+def test_the_studio_without_its_embedded_model_names_the_folder(tmp_path, monkeypatch, capsys):
+    """The embedded model ships with the repository: without it `python app.py` ends with one line naming the
+    missing folder (it used to make a tiny random checkpoint with tools/, which the run time never imports)."""
+    import app
+    missing = tmp_path / "assets" / "model"
+    monkeypatch.setattr(app, "EMBEDDED_MODEL", missing)
+    monkeypatch.setattr(app.signal, "signal", lambda *a: None)          # main's SIGTERM handler: not in pytest
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    assert app.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"error: the embedded model is missing: {missing} has no config.json (it "
+                                        "ships with the repository under assets/model); restore it, or start "
+                                        "with --model DIR"]
