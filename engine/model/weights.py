@@ -195,7 +195,8 @@ def resident_packs(cfg: ModelConfig, formats: dict[str, TensorSet], quantize: st
             found = {fmt(layer) for layer in layers}      # a pack has one format: all its layers in it
             if len(found) == 1 and None not in found:
                 kept[pack] = found.pop()
-        if any(n.experts_pack(x) not in kept for x in names.MLP_LINEARS):   # the quantized MoE op takes both
+        if any(n.experts_pack(x) not in kept for x in names.MLP_LINEARS):
+            # the quantized MoE op takes both expert packs quantized: else the layer's MoE is all float
             kept = {pack: f for pack, f in kept.items() if pack in (n.qkv_proj, n.o_proj)}
         out |= kept
     return out
