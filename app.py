@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 from engine import EMBEDDED_MODEL
-TINY_NOTICE = ("**No embedded model is installed yet**, so this studio runs a tiny *random* checkpoint: every "
-               "stage streams for real, but the text is random tokens and the images are noise. "
-               "Start it with `--model DIR` to serve a real checkpoint.")
 EMBEDDED_NOTICE = ("This is the small **embedded demo model** (9.7 M parameters with the HunyuanImage-3.0 "
                    "architecture). It knows simple scenes: circles, squares, triangles, diamonds and stars in "
                    "red, orange, yellow, green, blue or purple, on white, gray or black, and edits that "
@@ -28,28 +23,13 @@ EMBEDDED_NOTICE = ("This is the small **embedded demo model** (9.7 M parameters 
                    "HunyuanImage-3.0-Instruct or -Instruct-Distil.")
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hunyuan-studio"
-
-
-def default_model() -> tuple[Path, str | None]:
-    """The embedded model under assets/ when it exists; until then a tiny random checkpoint, made once
-    into the cache folder and reused. Returns (folder, notice for the page or None)."""
-    if (EMBEDDED_MODEL / "config.json").exists():
-        return EMBEDDED_MODEL, EMBEDDED_NOTICE
-    tiny = cache_dir() / "tiny"
-    if not (tiny / "config.json").exists():
-        from tools.tiny import make_tiny
-        print(f"no embedded model under {EMBEDDED_MODEL}: making a tiny random checkpoint in {tiny}", flush=True)
-        tiny.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=tiny.parent))
-        make_tiny(tmp / "model")
-        if tiny.exists():           # a half-made folder from an interrupted run
-            shutil.rmtree(tiny)
-        os.replace(tmp / "model", tiny)      # appears complete or not at all
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tiny, TINY_NOTICE
+def default_model() -> tuple[Path, str]:
+    """The embedded model under assets/ and the page's note on it. It ships in the repository, so a missing
+    folder is a broken checkout: say which folder (the run time never makes a stand-in: that needs tools/)."""
+    if not (EMBEDDED_MODEL / "config.json").exists():
+        raise FileNotFoundError(f"the embedded model is missing: {EMBEDDED_MODEL} has no config.json (it ships "
+                                "with the repository under assets/model); restore it, or start with --model DIR")
+    return EMBEDDED_MODEL, EMBEDDED_NOTICE
 
 
 def parse_auth(value: str | None) -> tuple[str, str] | None:
@@ -69,7 +49,7 @@ def default_device() -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python app.py", description="HunyuanImage-3.0 studio (Gradio web UI).")
     ap.add_argument("--model", help="checkpoint folder in the official layout (default: the embedded model "
-                                    "under assets/model; until it exists, a tiny random checkpoint)")
+                                    "under assets/model)")
     ap.add_argument("--plan", default=None, help="parallel plan: tp1, tp2, tp4, hybrid4, tp2sp2, tp2cfg2, tp8, "
                                                   "hybrid8, ... (default: from --gpus)")
     ap.add_argument("--gpus", type=int, default=None, help="number of GPUs = engine ranks, one process each "
@@ -149,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     from engine.spec.config import ConfigError
     from engine.serve.server import EngineServer
 
-    if args.model:
-        model, notice = Path(args.model), None
-    else:
-        model, notice = default_model()
+    try:
+        model, notice = (Path(args.model), None) if args.model else default_model()
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     device = default_device() if args.device == "auto" else args.device
     from engine.__main__ import device_problem
     if (problem := device_problem(device)) is not None:     # before the page is served, not at the first request

@@ -1,4 +1,5 @@
-"""Command line: `python -m engine {make-tiny, text, generate} ...` (see --help of each)."""
+"""Command line: `python -m engine {text, generate} ...` (see --help of each). A tiny checkpoint to run them on
+is a development tool's job: `python -m tools.tiny OUT_DIR`."""
 from __future__ import annotations
 
 import argparse
@@ -90,17 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    mk = sub.add_parser("make-tiny", help="write a tiny random checkpoint in the official layout")
-    mk.add_argument("out")
-    mk.add_argument("--distil", action="store_true", help="an Instruct-Distil checkpoint")
-    mk.add_argument("--seed", type=int, default=0)
-    mk.add_argument("--blocks", action="store_true",
-                    help="dimensions whose every plan split keeps whole 32-element blocks (for --quant on gloo plans)")
-    mk.add_argument("--quant", metavar="FORMAT",
-                    help="quantize the backbone linears as a real tool lays them out: mxfp8, mxfp4 (auto-round); "
-                         "mxfp8-ct, mxfp4-ct, nvfp4-ct (compressed-tensors); fp8-modelopt, fp8-channel-modelopt, "
-                         "nvfp4-modelopt (ModelOpt)")
-
     tx = sub.add_parser("text", help="run the text (AR) phase and stream it")
     _add_common(tx)
 
@@ -112,15 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--out", required=True, help="output PNG path")
 
     args = ap.parse_args(argv)
-    if args.cmd == "make-tiny":
-        from tools.tiny import make_tiny
-        from tools.tiny_quant import QUANT_FORMATS
-        if args.quant and args.quant not in QUANT_FORMATS:
-            print(f"error: unknown --quant {args.quant!r}; choose one of {', '.join(QUANT_FORMATS)}", file=sys.stderr)
-            return 2
-        print(f"wrote {make_tiny(args.out, distil=args.distil, seed=args.seed, blocks=args.blocks, quant=args.quant)}")
-        return 0
-
     from engine.parallel.plan import PlanError, get_plan
     from engine.runtime.request import Request
     if (problem := device_problem(args.device)) is not None:

@@ -1,4 +1,5 @@
-"""The command line from a clean folder: make-tiny, then text and generate (T2I and TI2I)."""
+"""The command line from a clean folder: a tiny checkpoint (`python -m tools.tiny`), then text and generate
+(T2I and TI2I)."""
 from __future__ import annotations
 
 import subprocess
@@ -14,8 +15,8 @@ from engine import EMBEDDED_MODEL
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def run(*args, check=True, module="engine"):
+    p = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     if check:
         assert p.returncode == 0, p.stderr[-2000:]
     return p
@@ -23,7 +24,7 @@ def run(*args, check=True):
 
 def test_make_tiny_then_text_and_generate(tmp_path):
     model = tmp_path / "tiny"
-    run("make-tiny", str(model))
+    assert "wrote" in run(str(model), module="tools.tiny").stdout
     for f in ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
               "system_prompt.py"):
         assert (model / f).exists(), f
@@ -71,3 +72,18 @@ def test_cuda_without_a_gpu_is_refused_at_start_in_one_sentence(tmp_path, tiny_d
         assert "--device cuda was asked for, but this machine has no CUDA GPU" in p.stderr
         assert "run with --device cpu" in p.stderr
     assert "studio: open" not in app.stdout
+
+
+def test_the_studio_without_its_embedded_model_names_the_folder(tmp_path, monkeypatch, capsys):
+    """The embedded model ships with the repository: without it `python app.py` ends with one line naming the
+    missing folder (it used to make a tiny random checkpoint with tools/, which the run time never imports)."""
+    import app
+    missing = tmp_path / "assets" / "model"
+    monkeypatch.setattr(app, "EMBEDDED_MODEL", missing)
+    monkeypatch.setattr(app.signal, "signal", lambda *a: None)          # main's SIGTERM handler: not in pytest
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    assert app.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"error: the embedded model is missing: {missing} has no config.json (it "
+                                        "ships with the repository under assets/model); restore it, or start "
+                                        "with --model DIR"]

@@ -1,7 +1,8 @@
 """The package's imports run one way (DESIGN §1): serve -> runtime -> model -> parallel -> spec;
 `kernels` imports nothing of `engine`; the web UI uses only the serving client, events and requests;
-nothing at run time imports the development tools or the trainer. Imports needed only for type
-hints (`if TYPE_CHECKING:`) are not imports at run time and are not counted."""
+nothing at run time (`engine/`, `kernels/`, `webui/`, `app.py`; the command line included) imports the
+development tools, the trainer, the tests or the benchmarks. Imports needed only for type hints
+(`if TYPE_CHECKING:`) are not imports at run time and are not counted."""
 from __future__ import annotations
 
 import ast
@@ -20,14 +21,14 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module) of every import in the file, outside `if TYPE_CHECKING:` blocks."""
+def _imports(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in the file of `module`, outside `if TYPE_CHECKING:` blocks."""
     tree = ast.parse(path.read_text(), str(path))
     skip: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip |= {id(n) for b in node.body for n in ast.walk(b)}
-    me = _module_name(path).split(".")
+    me = module.split(".")
     package = me if path.name == "__init__.py" else me[:-1]
     out = []
     for node in ast.walk(tree):
@@ -56,14 +57,19 @@ def _layer(module: str) -> int | None:
     return LAYERS.index(parts[1])
 
 
-def _violations() -> list[str]:
+def _run_time() -> dict[Path, str]:
+    """Every file of the run time and its module name."""
+    return {p: _module_name(p) for p in _files("engine", "kernels", "webui") + [ROOT / "app.py"]}
+
+
+def _violations(files: dict[Path, str] | None = None) -> list[str]:
+    """What breaks the rules in `files` (file -> module name; default: the whole run time)."""
     bad = []
-    for path in _files("engine", "kernels", "webui") + [ROOT / "app.py"]:
-        me = _module_name(path)
-        for line, mod in _imports(path):
-            where = f"{path.relative_to(ROOT)}:{line} imports {mod}"
+    for path, me in (files or _run_time()).items():
+        for line, mod in _imports(path, me):
+            where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line} imports {mod}"
             top = mod.split(".")[0]
-            if top in ("tools", "train", "tests", "bench") and me not in ("engine.__main__", "app"):
+            if top in ("tools", "train", "tests", "bench"):
                 bad.append(where + " (a development tool at run time)")
             if me.startswith("kernels") and top in ("engine", "webui"):
                 bad.append(where + " (kernels import nothing of the engine)")
@@ -93,6 +99,18 @@ def test_the_check_sees_a_wrong_way_import():
     finally:
         bad.unlink()
     assert len(found) == 2 and "may not import engine.runtime" in found[0] and "engine.serve" in found[1]
+
+
+@pytest.mark.parametrize("module", ["app", "engine.__main__", "engine.model.weights", "kernels.registry",
+                                    "webui.studio"])
+def test_the_check_sees_a_tool_imported_at_run_time(module, tmp_path):
+    """tools or train imported by a run-time module, even lazily inside a function, is reported; the command
+    line and the studio's entry point have no exemption (both once imported the tiny-checkpoint maker)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def make():\n    from tools.tiny import make_tiny\n    import train.train\n")
+    found = _violations({probe: module})
+    assert [v.removeprefix(f"{probe}:") for v in found] == [
+        "2 imports tools.tiny (a development tool at run time)", "3 imports train.train (a development tool at run time)"]
 
 
 @pytest.mark.parametrize("package", ["engine.spec", "engine.parallel", "engine.model", "engine.runtime",

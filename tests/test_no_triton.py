@@ -70,10 +70,10 @@ def test_every_module_imports_without_triton(tmp_path):
 def test_engine_generates_a_png_without_triton(tmp_path):
     env = _env(tmp_path)
     tiny, out = tmp_path / "tiny", tmp_path / "out.png"
-    for argv in (["make-tiny", str(tiny)],
-                 ["generate", "--model", str(tiny), "--prompt", "a red circle", "--steps", "2", "--seed", "3",
-                  "--max-new-tokens", "8", "--out", str(out)]):
-        proc = subprocess.run([sys.executable, "-m", "engine", *argv], cwd=ROOT, env=env, capture_output=True,
+    for argv in (["tools.tiny", str(tiny)],
+                 ["engine", "generate", "--model", str(tiny), "--prompt", "a red circle", "--steps", "2", "--seed",
+                  "3", "--max-new-tokens", "8", "--out", str(out)]):
+        proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with Image.open(out) as im:

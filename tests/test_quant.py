@@ -314,7 +314,7 @@ def test_modelopt_side_config_and_make_tiny_cli(tmp_path):
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "mo"
-    p = subprocess.run([sys.executable, "-m", "engine", "make-tiny", str(out), "--blocks", "--quant", "nvfp4-modelopt"],
+    p = subprocess.run([sys.executable, "-m", "tools.tiny", str(out), "--blocks", "--quant", "nvfp4-modelopt"],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     hf = json.loads((out / "hf_quant_config.json").read_text())
@@ -325,6 +325,6 @@ def test_modelopt_side_config_and_make_tiny_cli(tmp_path):
         warnings.simplefilter("error", FormatMismatchWarning)
         lm = load(out)
     assert lm.model.transformer.layers[0].mlp.w1.dtype == torch.float32
-    p = subprocess.run([sys.executable, "-m", "engine", "make-tiny", str(tmp_path / "x"), "--quant", "int3"],
+    p = subprocess.run([sys.executable, "-m", "tools.tiny", str(tmp_path / "x"), "--quant", "int3"],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "unknown --quant 'int3'" in p.stderr

@@ -23,6 +23,7 @@ from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.serve.server import EngineServer
 from engine.model.loader import load
+from engine.spec import names
 from engine.spec.checkpoint import Checkpoint
 from engine.spec.config import CheckpointConfig
 from engine.spec.qtensors import read_tensors
@@ -70,7 +71,7 @@ def _backbone(folder, layout):
     with torch.no_grad():
         tr.load_ends(ck, layout)
         for i, layer in enumerate(tr.layers):
-            layer.load(ck, f"model.layers.{i}.", layout)
+            layer.load(ck, names.layer(i), layout)
     return tr, ck.bytes_read
 
 

@@ -20,6 +20,7 @@ from engine.parallel.layout import PhaseView, ShardLayout
 from engine.runtime.events import Error, Image, Text
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
+from engine.spec import names
 from engine.spec.checkpoint import Checkpoint, CheckpointError
 from engine.spec.config import CheckpointConfig
 from tools.tiny import make_tiny
@@ -99,7 +100,7 @@ def _transformers(folder, layout, quantize=None):
         tr = Transformer(cc.model, layout, resident=resident_packs(cc.model, formats, quantize) if keep else None)
         with torch.no_grad():
             for i, layer in enumerate(tr.layers):
-                layer.load(ck, f"model.layers.{i}.", layout)
+                layer.load(ck, names.layer(i), layout)
         out.append(tr)
     return out
 

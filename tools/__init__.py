@@ -1,1 +1,1 @@
-"""Development tools, never imported at run time: the tiny-checkpoint maker (`python -m engine make-tiny`)."""
+"""Development tools, never imported at run time: the tiny-checkpoint maker (`python -m tools.tiny`)."""

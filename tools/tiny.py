@@ -1,4 +1,4 @@
-"""`python -m engine make-tiny OUT_DIR [--distil] [--seed N] [--blocks] [--quant FORMAT]`: a complete
+"""`python -m tools.tiny OUT_DIR [--distil] [--seed N] [--blocks] [--quant FORMAT]`: a complete
 checkpoint folder in the official layout (config keys, generation config, sharded safetensors + index, tokenizer.json with
 every official special token, system_prompt.py) with tiny dimensions and random weights.
 
@@ -7,8 +7,10 @@ Dimensions allow every parallel plan up to 8 ranks: 8 KV heads, expert and share
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
+import sys
 import zlib
 from pathlib import Path
 from typing import Iterable
@@ -19,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.model.weights import checkpoint_shapes, vit_head_shapes
+from engine.spec import names
 from engine.spec.config import ModelConfig
 from engine.spec.tokenizer import OFFICIAL_SPECIAL_TOKENS
 
@@ -146,19 +149,22 @@ def _init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g) * fan_in ** -0.5
 
 
+FP32_PREFIXES = tuple(m + "." for m in (names.VAE, names.VISION_MODEL, names.VISION_ALIGNER))
+
+
 def _dtype_for(name: str) -> torch.dtype:
     # As the official checkpoint: an fp32 router, fp32 VAE / ViT / aligner, bf16 elsewhere.
-    if name.endswith("mlp.gate.wg.weight") or name.startswith(("vae.", "vision_model.", "vision_aligner.")):
+    if name.endswith(names.ROUTER) or name.startswith(FP32_PREFIXES):
         return torch.float32
     return torch.bfloat16
 
 
 def write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], shards: int = 3) -> None:
-    names = list(tensors)
-    per = -(-len(names) // shards)
+    listed = list(tensors)
+    per = -(-len(listed) // shards)
     weight_map, total = {}, 0
     for k in range(shards):
-        chunk = names[k * per:(k + 1) * per]
+        chunk = listed[k * per:(k + 1) * per]
         file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         save_file({n: tensors[n].contiguous() for n in chunk}, str(folder / file), metadata={"format": "pt"})
         for n in chunk:
@@ -205,3 +211,28 @@ def make_tiny(out: str | Path, distil: bool = False, seed: int = 0, blocks: bool
         from tools.tiny_quant import quantize_folder
         quantize_folder(out, quant)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tools.tiny_quant import QUANT_FORMATS
+    ap = argparse.ArgumentParser(prog="python -m tools.tiny",
+                                 description="Write a tiny random checkpoint in the official layout.")
+    ap.add_argument("out")
+    ap.add_argument("--distil", action="store_true", help="an Instruct-Distil checkpoint")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--blocks", action="store_true",
+                    help="dimensions whose every plan split keeps whole 32-element blocks (for --quant on gloo plans)")
+    ap.add_argument("--quant", metavar="FORMAT",
+                    help="quantize the backbone linears as a real tool lays them out: mxfp8, mxfp4 (auto-round); "
+                         "mxfp8-ct, mxfp4-ct, nvfp4-ct (compressed-tensors); fp8-modelopt, fp8-channel-modelopt, "
+                         "nvfp4-modelopt (ModelOpt)")
+    args = ap.parse_args(argv)
+    if args.quant and args.quant not in QUANT_FORMATS:
+        print(f"error: unknown --quant {args.quant!r}; choose one of {', '.join(QUANT_FORMATS)}", file=sys.stderr)
+        return 2
+    print(f"wrote {make_tiny(args.out, distil=args.distil, seed=args.seed, blocks=args.blocks, quant=args.quant)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Our own writer of quantized tiny checkpoints (`python -m engine make-tiny OUT --quant FORMAT`), laid out
+"""Our own writer of quantized tiny checkpoints (`python -m tools.tiny OUT --quant FORMAT`), laid out
 as the real tools write them (research/quant_formats.md §2-§5; checked against auto-round 0.15.0 and
 llm-compressor 0.14.0.1 outputs on the same tiny model): the tool keeps the source's shard files and puts
 each quantized layer's tensors in the shard that held its weight, updates the index, and adds the
@@ -30,12 +30,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.model.weights import backbone_linears
+from engine.spec import names
 from engine.spec.config import ModelConfig
 from kernels.quant import E2M1_VALUES, FP8_MAX, pack_fp4, quantize_fp8_rows
 
 QUANT_FORMATS = ("mxfp8", "mxfp4", "mxfp8-ct", "mxfp4-ct", "nvfp4-ct", "fp8-modelopt", "fp8-channel-modelopt",
                  "nvfp4-modelopt")
-EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 # what each tool leaves in high precision (the card's --ignore_layers, auto-round's own skips)
 CARD_IGNORE = "vision,guidance_emb,timestep_emb,timestep_r_emb,final_layer,wte"
 CT_IGNORE = ["re:.*lm_head", "re:.*ln_f", "re:.*wte", "re:.*mlp\\.gate\\.wg", "re:vision_model\\..*",
@@ -43,6 +43,11 @@ CT_IGNORE = ["re:.*lm_head", "re:.*ln_f", "re:.*wte", "re:.*mlp\\.gate\\.wg", "r
              "re:timestep.*", "re:guidance_emb.*"]
 MODELOPT_EXCLUDE = ["lm_head", "model.wte", "model.layers.*.mlp.gate.wg", "vision_model*", "vision_aligner*", "vae*",
                     "patch_embed*", "final_layer*", "time_embed*", "timestep_emb*", "timestep_r_emb*", "guidance_emb*"]
+
+
+def _expert(layer: str) -> bool:
+    """A backbone linear of one expert (read into the pack its layer's experts share)."""
+    return names.pack_of(layer) not in (None, layer)
 
 
 # ------------------------------------------------------------------ element quantizers (round to nearest)
@@ -119,7 +124,7 @@ def _ar_group(targets: list[str], bits: int) -> dict:
 
 def _config(fmt: str, layer_fmt: dict[str, str], kept: list[str]) -> tuple[dict, dict[str, dict]]:
     """(quantization_config, {extra file name: content})."""
-    experts = sorted(l for l, f in layer_fmt.items() if EXPERT.search(l))
+    experts = sorted(l for l in layer_fmt if _expert(l))
     if fmt in ("mxfp8", "mxfp4"):
         qc = {"quant_method": "auto-round", "packing_format": "auto_round:llm_compressor", "bits": 8, "group_size": 32,
               "sym": True, "data_type": "mx_fp", "iters": 0, "model_free": True, "autoround_version": "0.15.0",
@@ -174,7 +179,7 @@ def _config(fmt: str, layer_fmt: dict[str, str], kept: list[str]) -> tuple[dict,
 
 
 def _layer_format(fmt: str, layer: str) -> str:
-    expert = bool(EXPERT.search(layer))
+    expert = _expert(layer)
     return {"mxfp8": "mxfp8", "mxfp8-ct": "mxfp8", "mxfp4": "mxfp4" if expert else "mxfp8",
             "mxfp4-ct": "mxfp4" if expert else "mxfp8", "nvfp4-ct": "nvfp4-ct", "fp8-modelopt": "fp8",
             "fp8-channel-modelopt": "fp8-channel", "nvfp4-modelopt": "nvfp4-modelopt" if expert else "fp8"}[fmt]

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.spec import names
 from engine.spec.config import ModelConfig
 from engine.model.weights import checkpoint_shapes, vit_head_shapes
 from tools.tiny import _dtype_for, tiny_config, write_checkpoint
@@ -105,8 +106,8 @@ def size_report(cfg: dict) -> dict:
         n = 1
         for d in shape:
             n *= d
-        key = name.split(".")[0] if not name.startswith("model.layers") else "model.layers"
-        if name.startswith(("model.wte", "lm_head")):
+        key = name.split(".")[0] if not name.startswith(names.LAYERS) else names.LAYERS.rstrip(".")
+        if name in (names.WTE, names.weight(names.LM_HEAD)):
             key = "embeddings"
         nbytes = n * (4 if _dtype_for(name) == __import__("torch").float32 else 2)
         g = groups.setdefault(key, [0, 0])

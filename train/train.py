@@ -79,6 +79,8 @@ from engine.model.layers import rope_angles
 from engine.model.hunyuan import HunyuanImage3
 from engine.model.weights import vit_head_shapes
 from engine.parallel.layout import PhaseView
+from engine.spec import names
+from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ
 from engine.runtime.sequence import CondImageLayout, image_phase_sequence, text_phase_sequence
 from engine.spec.tokenizer import Tokenizer
 from engine.model.vit import vit_preprocess
@@ -295,20 +297,18 @@ def export_tensors(model: HunyuanImage3) -> dict[str, torch.Tensor]:
     engine.model.load_weights for the one-shard, one-micro layout the trainer uses)."""
     cfg, tr = model.cfg, model.transformer
     assert model.layout.logical_size == 1
-    out = {"model.wte.weight": tr.wte, "model.ln_f.weight": tr.ln_f.weight, "lm_head.weight": tr.lm_head[0]}
+    w = names.weight
+    out = {names.WTE: tr.wte, names.LN_F: tr.ln_f.weight, w(names.LM_HEAD): tr.lm_head[0]}
     for i, layer in enumerate(tr.layers):
-        p, att, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
-        out |= {p + "input_layernorm.weight": layer.input_layernorm.weight,
-                p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-                p + "self_attn.qkv_proj.weight": att.qkv[0], p + "self_attn.o_proj.weight": att.o_proj,
-                p + "self_attn.query_layernorm.weight": att.q_norm.weight,
-                p + "self_attn.key_layernorm.weight": att.k_norm.weight, p + "mlp.gate.wg.weight": m.gate}
+        n, att, m = names.layer(i), layer.self_attn, layer.mlp
+        out |= {n.input_layernorm: layer.input_layernorm.weight,
+                n.post_attention_layernorm: layer.post_attention_layernorm.weight,
+                w(n.qkv_proj): att.qkv[0], w(n.o_proj): att.o_proj,
+                n.query_layernorm: att.q_norm.weight, n.key_layernorm: att.k_norm.weight, n.router: m.gate}
         if m.shared_w1 is not None:
-            out |= {p + "mlp.shared_mlp.gate_and_up_proj.weight": m.shared_w1[0],
-                    p + "mlp.shared_mlp.down_proj.weight": m.shared_w2}
+            out |= {w(n.shared(GATE_AND_UP_PROJ)): m.shared_w1[0], w(n.shared(DOWN_PROJ)): m.shared_w2}
         for e in range(cfg.num_experts[i]):
-            out |= {p + f"mlp.experts.{e}.gate_and_up_proj.weight": m.w1[0, e],
-                    p + f"mlp.experts.{e}.down_proj.weight": m.w2[e]}
+            out |= {w(n.expert(e, GATE_AND_UP_PROJ)): m.w1[0, e], w(n.expert(e, DOWN_PROJ)): m.w2[e]}
     for prefix, mod in model.replicated_modules().items():
         out |= {f"{prefix}.{k}": v for k, v in mod.state_dict().items()}
     # the unused SigLIP2 pooling head the official checkpoint carries (skipped at load): zeros

@@ -21,6 +21,7 @@ from engine.model.packed import (PackFormat, linear, micro_cols, micro_rows, pac
                                  store)
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
+from engine.spec.names import LayerNames
 
 
 class KVCache:
@@ -133,18 +134,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
         self.micros = micros
 
-    def load(self, ckpt: Checkpoint, prefix: str, layout: ShardLayout) -> None:
-        """Read this shard's slices of `{prefix}qkv_proj`, `o_proj` (dequantized to the parameters' dtype
+    def load(self, ckpt: Checkpoint, names: LayerNames, layout: ShardLayout) -> None:
+        """Read this shard's slices of the layer's `qkv_proj`, `o_proj` (dequantized to the parameters' dtype
         when the checkpoint is quantized, unless they stay quantized) and the q/k norms."""
         n = layout.logical_size
-        layer = prefix + "qkv_proj"
+        layer = names.qkv_proj
         store(self.qkv, read_rows(ckpt, layer, self.qkv.shape[1] * n, layout, self.qkv.device), layer,
               micro_rows=self.micros)
-        layer = prefix + "o_proj"
+        layer = names.o_proj
         store(self.o_proj, read_cols(ckpt, layer, self.o_proj.shape[1] // self.micros * n, layout, self.o_proj.device),
               layer)
-        self.q_norm.weight.copy_(ckpt.read(prefix + "query_layernorm.weight"))
-        self.k_norm.weight.copy_(ckpt.read(prefix + "key_layernorm.weight"))
+        self.q_norm.weight.copy_(ckpt.read(names.query_layernorm))
+        self.k_norm.weight.copy_(ckpt.read(names.key_layernorm))
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache, layer: int, view: PhaseView) -> torch.Tensor:
         B, T, H = x.shape

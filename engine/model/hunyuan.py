@@ -1,6 +1,7 @@
 """The whole HunyuanImage-3.0 model as one rank keeps it resident: the backbone (tensor-parallel,
 packed micro-major) and the replicated image-side modules, which keep the official parameter names so
-that their checkpoint names are their `state_dict` keys under a prefix (engine/model/weights.py)."""
+that their checkpoint names are their `state_dict` keys under a prefix (engine/spec/names.py); each one is
+the model's attribute of that name (`model.vae`, `model.patch_embed`, ...)."""
 from __future__ import annotations
 
 import contextlib
@@ -15,6 +16,7 @@ from engine.model.transformer import Resident, Transformer
 from engine.model.vae import AutoencoderKLConv3D
 from engine.model.vit import Siglip2VisionModel, VisionAligner
 from engine.parallel.layout import PhaseView, ShardLayout
+from engine.spec import names
 from engine.spec.config import ModelConfig
 
 
@@ -102,16 +104,16 @@ def image_side_modules(cfg: ModelConfig, dtype: torch.dtype | None = None,
     kw = dict(dtype=dtype, device=device)
     on_gpu = device is not None and torch.device(device).type == "cuda"
     vit = dict(device=device, dtype=dtype if on_gpu and dtype is not None else torch.float32)
-    names = ["timestep_emb", "time_embed", "time_embed_2"]
-    names += ["guidance_emb"] if cfg.cfg_distilled else []
-    names += ["timestep_r_emb"] if cfg.use_meanflow else []
-    mods: dict[str, nn.Module] = {n: TimestepEmbedder(H, **kw) for n in names}
-    mods |= {"patch_embed": UNetDown(latent, cfg.patch_embed_hidden_dim, H, **kw),
-             "final_layer": UNetUp(H, cfg.patch_embed_hidden_dim, latent, **kw),
-             "vae": AutoencoderKLConv3D(cfg.vae).to(device),
-             "vision_model": Siglip2VisionModel(cfg.vit).to(**vit),
-             "vision_aligner": VisionAligner(cfg.vit_aligner).to(**vit)}
+    embedders = list(names.TIMESTEP_EMBEDDERS)
+    embedders += [names.GUIDANCE_EMB] if cfg.cfg_distilled else []
+    embedders += [names.TIMESTEP_R_EMB] if cfg.use_meanflow else []
+    mods: dict[str, nn.Module] = {n: TimestepEmbedder(H, **kw) for n in embedders}
+    mods |= {names.PATCH_EMBED: UNetDown(latent, cfg.patch_embed_hidden_dim, H, **kw),
+             names.FINAL_LAYER: UNetUp(H, cfg.patch_embed_hidden_dim, latent, **kw),
+             names.VAE: AutoencoderKLConv3D(cfg.vae).to(device),
+             names.VISION_MODEL: Siglip2VisionModel(cfg.vit).to(**vit),
+             names.VISION_ALIGNER: VisionAligner(cfg.vit_aligner).to(**vit)}
     if on_gpu:      # the heads' 3x3 convolutions at 64x64 x 4096 channels: channels-last is cuDNN's fast layout
-        for name in ("patch_embed", "final_layer"):
+        for name in (names.PATCH_EMBED, names.FINAL_LAYER):
             mods[name] = mods[name].to(memory_format=torch.channels_last)
     return mods

@@ -27,6 +27,7 @@ from engine.model.packed import (PackFormat, QuantPack, check_micro_cols, packed
                                  value)
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
+from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ, LayerNames
 
 
 class MoE(nn.Module):
@@ -56,21 +57,21 @@ class MoE(nn.Module):
                           if shared_inter else None)
         self.micros, self.inter, self.shared_inter = micros, inter, shared_inter
 
-    def load(self, ckpt: Checkpoint, prefix: str, layout: ShardLayout) -> None:
+    def load(self, ckpt: Checkpoint, names: LayerNames, layout: ShardLayout) -> None:
         """Read the router (fp32, never quantized), this shard's slices of every expert and of the shared
         MLP (dequantized to the parameters' dtype when the checkpoint is quantized, unless they stay
         quantized)."""
-        self.gate.copy_(ckpt.read(prefix + "gate.wg.weight"))
+        self.gate.copy_(ckpt.read(names.router))
         dev = self.gate.device
         if self.shared_w1 is not None:
-            layer = prefix + "shared_mlp.gate_and_up_proj"
+            layer = names.shared(GATE_AND_UP_PROJ)
             store(self.shared_w1, read_gate_up(ckpt, layer, self.shared_inter, layout, dev), layer)
-            layer = prefix + "shared_mlp.down_proj"
+            layer = names.shared(DOWN_PROJ)
             store(self.shared_w2, read_cols(ckpt, layer, self.shared_inter, layout, dev), layer)
         for e in range(self.experts):
-            layer = f"{prefix}experts.{e}.gate_and_up_proj"
+            layer = names.expert(e, GATE_AND_UP_PROJ)
             store(self.w1, read_gate_up(ckpt, layer, self.inter, layout, dev), layer, (slice(None), e), e)
-            layer = f"{prefix}experts.{e}.down_proj"          # read as [H, micros * I_micro]: stored as is
+            layer = names.expert(e, DOWN_PROJ)                # read as [H, micros * I_micro]: stored as is
             store(self.w2, read_cols(ckpt, layer, self.inter, layout, dev), layer, e, e)
 
     def forward(self, x: torch.Tensor, view: PhaseView) -> torch.Tensor:

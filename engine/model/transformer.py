@@ -15,8 +15,10 @@ from engine.model.layers import RMSNorm
 from engine.model.moe import MoE
 from engine.model.packed import PackFormat, dense, micro_rows, read_rows
 from engine.parallel.layout import PhaseView, ShardLayout
+from engine.spec import names
 from engine.spec.checkpoint import Checkpoint
 from engine.spec.config import ModelConfig
+from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ, LayerNames
 
 
 Resident = Mapping[str, PackFormat]   # pack name -> the format it stays quantized in (engine/model/weights.py)
@@ -27,23 +29,23 @@ class DecoderLayer(nn.Module):
                  resident: Resident | None = None):
         super().__init__()
         kw = dict(micros=layout.micros, storage_size=layout.storage_size, dtype=dtype, device=device)
-        r, p = resident or {}, f"model.layers.{i}."
+        r, n = resident or {}, names.layer(i)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.rms_norm_eps, **kw, formats={"qkv": r.get(p + "self_attn.qkv_proj"),
-                                                                    "o_proj": r.get(p + "self_attn.o_proj")})
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                   **kw, formats={"qkv": r.get(n.qkv_proj), "o_proj": r.get(n.o_proj)})
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        moe = {"w1": "experts.gate_and_up_proj", "w2": "experts.down_proj",
-               "shared_w1": "shared_mlp.gate_and_up_proj", "shared_w2": "shared_mlp.down_proj"}
+        moe = {"w1": n.experts_pack(GATE_AND_UP_PROJ), "w2": n.experts_pack(DOWN_PROJ),
+               "shared_w1": n.shared(GATE_AND_UP_PROJ), "shared_w2": n.shared(DOWN_PROJ)}
         self.mlp = MoE(cfg.hidden_size, cfg.num_experts[i], cfg.moe_topk[i], cfg.moe_intermediate_size[i],
                        cfg.shared_intermediate(i), cfg.norm_topk_prob, **kw,
-                       formats={k: r.get(p + "mlp." + v) for k, v in moe.items()})
+                       formats={k: r.get(pack) for k, pack in moe.items()})
 
-    def load(self, ckpt: Checkpoint, prefix: str, layout: ShardLayout) -> None:
-        self.input_layernorm.weight.copy_(ckpt.read(prefix + "input_layernorm.weight"))
-        self.post_attention_layernorm.weight.copy_(ckpt.read(prefix + "post_attention_layernorm.weight"))
-        self.self_attn.load(ckpt, prefix + "self_attn.", layout)
-        self.mlp.load(ckpt, prefix + "mlp.", layout)
+    def load(self, ckpt: Checkpoint, n: LayerNames, layout: ShardLayout) -> None:
+        """Read this layer's norms and this shard's slices of its attention and MoE (`n`: its checkpoint names)."""
+        self.input_layernorm.weight.copy_(ckpt.read(n.input_layernorm))
+        self.post_attention_layernorm.weight.copy_(ckpt.read(n.post_attention_layernorm))
+        self.self_attn.load(ckpt, n, layout)
+        self.mlp.load(ckpt, n, layout)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: AttnBatch, cache: KVCache, layer: int,
                 view: PhaseView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,9 +80,9 @@ class Transformer(nn.Module):
 
     def load_ends(self, ckpt: Checkpoint, layout: ShardLayout) -> None:
         """The embedding table, the final norm and this shard's vocabulary rows of the LM head."""
-        self.wte.copy_(ckpt.read("model.wte.weight"))
-        self.ln_f.weight.copy_(ckpt.read("model.ln_f.weight"))
-        head = read_rows(ckpt, "lm_head", self.cfg.vocab_size, layout)       # always high precision (the plan checks)
+        self.wte.copy_(ckpt.read(names.WTE))
+        self.ln_f.weight.copy_(ckpt.read(names.LN_F))
+        head = read_rows(ckpt, names.LM_HEAD, self.cfg.vocab_size, layout)   # always high precision (the plan checks)
         self.lm_head.copy_(dense(head, self.lm_head.dtype, self.lm_head.device).view(self.lm_head.shape))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

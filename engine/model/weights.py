@@ -20,35 +20,27 @@ import torch
 from engine.model.hunyuan import HunyuanImage3, image_side_modules
 from engine.model.packed import PackFormat, check_col_split
 from engine.parallel.layout import ShardLayout
+from engine.spec import names
 from engine.spec.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError, TensorSpec
 from engine.spec.config import ModelConfig
+from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ, SKIPPED_PREFIXES
 from engine.spec.qtensors import TensorSet, detect, group_by_layer
 from engine.spec.quant import QuantScheme, UnsupportedFormat, WeightFormat
-
-# Tensors the checkpoint holds that inference never uses: accepted and skipped.
-SKIPPED_PREFIXES = ("vision_model.head.",)
 
 Progress = Callable[[int, int, str], None]
 
 
 def _backbone_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The backbone's tensors as stored in high precision: the norms and routers, then every linear's weight
+    (its shape from `backbone_linears`, the one table of the linears)."""
     H, D = cfg.hidden_size, cfg.head_dim
-    out: dict[str, tuple[int, ...]] = {"model.wte.weight": (cfg.vocab_size, H)}
+    out: dict[str, tuple[int, ...]] = {names.WTE: (cfg.vocab_size, H)}
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        I, Is = cfg.moe_intermediate_size[i], cfg.shared_intermediate(i)
-        out |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-                p + "self_attn.qkv_proj.weight": ((cfg.num_heads + 2 * cfg.num_kv_heads) * D, H),
-                p + "self_attn.o_proj.weight": (H, cfg.num_heads * D),
-                p + "self_attn.query_layernorm.weight": (D,), p + "self_attn.key_layernorm.weight": (D,),
-                p + "mlp.gate.wg.weight": (cfg.num_experts[i], H)}
-        if Is:
-            out |= {p + "mlp.shared_mlp.gate_and_up_proj.weight": (2 * Is, H),
-                    p + "mlp.shared_mlp.down_proj.weight": (H, Is)}
-        for e in range(cfg.num_experts[i]):
-            out |= {p + f"mlp.experts.{e}.gate_and_up_proj.weight": (2 * I, H),
-                    p + f"mlp.experts.{e}.down_proj.weight": (H, I)}
-    out |= {"model.ln_f.weight": (H,), "lm_head.weight": (cfg.vocab_size, H)}
+        n = names.layer(i)
+        out |= {n.input_layernorm: (H,), n.post_attention_layernorm: (H,), n.query_layernorm: (D,),
+                n.key_layernorm: (D,), n.router: (cfg.num_experts[i], H)}
+    out |= {names.weight(layer): (rows, cols) for layer, (rows, cols, _) in backbone_linears(cfg).items()}
+    out |= {names.LN_F: (H,), names.weight(names.LM_HEAD): (cfg.vocab_size, H)}
     return out
 
 
@@ -66,7 +58,7 @@ def vit_head_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The unused SigLIP2 pooling head the official checkpoint carries (written by the tiny maker so its
     folders have the official layout; skipped at load)."""
     h, f = int(cfg.vit["hidden_size"]), int(cfg.vit["intermediate_size"])
-    p = "vision_model.head."
+    p = names.VISION_HEAD
     return {p + "probe": (1, 1, h), p + "attention.in_proj_weight": (3 * h, h), p + "attention.in_proj_bias": (3 * h,),
             p + "attention.out_proj.weight": (h, h), p + "attention.out_proj.bias": (h,),
             p + "layernorm.weight": (h,), p + "layernorm.bias": (h,),
@@ -82,16 +74,16 @@ def backbone_linears(cfg: ModelConfig) -> dict[str, tuple[int, int, str | None]]
     H, D = cfg.hidden_size, cfg.head_dim
     out: dict[str, tuple[int, int, str | None]] = {}
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+        n = names.layer(i)
         I, Is = cfg.moe_intermediate_size[i], cfg.shared_intermediate(i)
-        out[p + "self_attn.qkv_proj"] = ((cfg.num_heads + 2 * cfg.num_kv_heads) * D, H, None)
-        out[p + "self_attn.o_proj"] = (H, cfg.num_heads * D, "the attention width (heads x head_dim)")
+        out[n.qkv_proj] = ((cfg.num_heads + 2 * cfg.num_kv_heads) * D, H, None)
+        out[n.o_proj] = (H, cfg.num_heads * D, "the attention width (heads x head_dim)")
         if Is:
-            out[p + "mlp.shared_mlp.gate_and_up_proj"] = (2 * Is, H, None)
-            out[p + "mlp.shared_mlp.down_proj"] = (H, Is, f"layer {i}'s shared MLP intermediate size")
+            out[n.shared(GATE_AND_UP_PROJ)] = (2 * Is, H, None)
+            out[n.shared(DOWN_PROJ)] = (H, Is, f"layer {i}'s shared MLP intermediate size")
         for e in range(cfg.num_experts[i]):
-            out[p + f"mlp.experts.{e}.gate_and_up_proj"] = (2 * I, H, None)
-            out[p + f"mlp.experts.{e}.down_proj"] = (H, I, f"layer {i}'s expert intermediate size")
+            out[n.expert(e, GATE_AND_UP_PROJ)] = (2 * I, H, None)
+            out[n.expert(e, DOWN_PROJ)] = (H, I, f"layer {i}'s expert intermediate size")
     return out
 
 
@@ -146,7 +138,7 @@ def plan_checkpoint(cfg: ModelConfig, ckpt: Checkpoint, layout: ShardLayout = Sh
                                   f"{f.block}-element block")
         if k_split:
             check_col_split(layer, k, f, layout, k_split)
-        del expected[layer + ".weight"]
+        del expected[names.weight(layer)]
         expected |= ts.specs(n, k)
         if f.quantized:
             formats[layer] = ts
@@ -197,20 +189,16 @@ def resident_packs(cfg: ModelConfig, formats: dict[str, TensorSet], quantize: st
 
     out: dict[str, PackFormat] = {}
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj"):
-            if (f := fmt(p + name)) is not None:
-                out[p + name] = f
-        experts = {}
-        for part in ("gate_and_up_proj", "down_proj"):
-            found = {fmt(p + f"mlp.experts.{e}.{part}") for e in range(cfg.num_experts[i])}
+        n = names.layer(i)
+        kept = {}
+        for pack, layers in n.packs(cfg.num_experts[i], bool(cfg.shared_intermediate(i))).items():
+            found = {fmt(layer) for layer in layers}      # a pack has one format: all its layers in it
             if len(found) == 1 and None not in found:
-                experts[p + f"mlp.experts.{part}"] = found.pop()
-        if len(experts) == 2:
-            out |= experts
-            for name in ("mlp.shared_mlp.gate_and_up_proj", "mlp.shared_mlp.down_proj"):
-                if cfg.shared_intermediate(i) and (f := fmt(p + name)) is not None:
-                    out[p + name] = f
+                kept[pack] = found.pop()
+        if any(n.experts_pack(x) not in kept for x in names.MLP_LINEARS):
+            # the quantized MoE op takes both expert packs quantized: else the layer's MoE is all float
+            kept = {pack: f for pack, f in kept.items() if pack in (n.qkv_proj, n.o_proj)}
+        out |= kept
     return out
 
 
@@ -224,19 +212,19 @@ def load_weights(model: HunyuanImage3, ckpt: Checkpoint, progress: Progress | No
     ckpt.validate(expected, skipped=[n for n in ckpt.tensors if n.startswith(SKIPPED_PREFIXES)])
     ckpt.formats = formats
     ckpt.online = frozenset(backbone_linears(model.cfg)) if quantize else frozenset()
-    names, done = list(expected), 0
+    listed, done = list(expected), 0
     tr = model.transformer
     with torch.no_grad():
         tr.load_ends(ckpt, model.layout)
         for i, layer in enumerate(tr.layers):
-            prefix = f"model.layers.{i}."
-            layer.load(ckpt, prefix, model.layout)
-            done += sum(1 for n in names if n.startswith(prefix))
+            n = names.layer(i)
+            layer.load(ckpt, n, model.layout)
+            done += sum(1 for name in listed if name.startswith(n.prefix))
             if progress:
-                progress(done, len(names), f"layer {i + 1}/{model.cfg.num_layers}")
+                progress(done, len(listed), f"layer {i + 1}/{model.cfg.num_layers}")
         for prefix, mod in model.replicated_modules().items():
             for key, t in mod.state_dict().items():
                 t.copy_(ckpt.read(f"{prefix}.{key}"))
                 done += 1
             if progress:
-                progress(done, len(names), prefix)
+                progress(done, len(listed), prefix)

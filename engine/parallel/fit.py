@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.parallel.plan import DEFAULT_FOR_WORLD, PRESETS, ParallelPlan, PlanError
+from engine.spec import names
 from engine.spec.checkpoint import Checkpoint
 from engine.spec.config import CheckpointConfig
 
@@ -21,7 +22,7 @@ GIB = 2 ** 30
 WORKING_BYTES = 16 * GIB
 QUANT_DTYPES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 LONGEST_PREFILL = 6290                     # TI2I with a 1024x1024 reference (the seed article's)
-_SPLIT = ("self_attn.qkv_proj.", "self_attn.o_proj.", "mlp.experts.", "mlp.shared_mlp.")
+LM_HEAD = names.weight(names.LM_HEAD)
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,13 @@ def estimate(ckpt: Checkpoint, cc: CheckpointConfig, plan: ParallelPlan, dtype_b
     cfg = cc.model
     weights = 0
     for name, info in ckpt.tensors.items():
-        if name.startswith("vision_model.head."):
+        if name.startswith(names.SKIPPED_PREFIXES):
             continue                                             # skipped at load
-        split = name == "lm_head.weight" or (name.startswith("model.layers.") and any(k in name for k in _SPLIT))
+        # tensor-parallel: the LM head and every tensor of a backbone linear (whatever its format)
+        split = name == LM_HEAD or names.pack_of(name.rpartition(".")[0]) is not None
         if info.dtype in QUANT_DTYPES:
             nbytes = _numel(info.shape) * QUANT_DTYPES[info.dtype]
-        elif quantize == "fp8" and split and name != "lm_head.weight" and info.shape and len(info.shape) == 2:
+        elif quantize == "fp8" and split and name != LM_HEAD and info.shape and len(info.shape) == 2:
             nbytes = _numel(info.shape) + info.shape[0] * 4      # fp8 codes + one fp32 scale a row
         else:
             nbytes = _numel(info.shape) * dtype_bytes
