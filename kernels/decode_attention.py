@@ -3,7 +3,8 @@ tensor (so one CUDA graph of the AR decode step serves every position).
 
     decode_attention(q [B, Hq, T, D], k_cache [B, Hkv, L, D], v_cache [B, Hkv, L, D], length) -> [B, Hq, T, D]
 
-Keys [0, length) are attended (`length` an int64 tensor of one element; values above L read as L).
+Keys [0, length) are attended (`length` an int64 tensor of one element, or [B]: each row its own, a
+decode step batching several requests; values above L read as L).
 The T <= MAX_T queries are the last T tokens of that prefix: query t sits at sequence index
 length - T + t and sees keys j <= its own index (causal within the last T keys; T = 1 for a decode
 step). GQA: query head h reads KV head h // (Hq / Hkv). Scale 1/sqrt(D), softmax and accumulation in
@@ -60,7 +61,11 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     T = q.shape[2]
     gqa = q.shape[1] // k_cache.shape[1] > 1
     if q.device.type == "cpu":
-        n = min(int(length.reshape(-1)[0]), L)
+        lengths = length.reshape(-1).tolist()
+        if len(lengths) > 1:         # each row over its own valid slice
+            return torch.cat([decode_attention_ref(q[b:b + 1], k_cache[b:b + 1], v_cache[b:b + 1], length[b:b + 1])
+                              for b in range(q.shape[0])])
+        n = min(int(lengths[0]), L)
         return F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n],
                                               attn_mask=_causal_mask(T, n, n, q.device), enable_gqa=gqa)
     return masked_whole_cache(q, k_cache, v_cache, length)
@@ -70,9 +75,14 @@ def masked_whole_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        length: torch.Tensor) -> torch.Tensor:
     """SDPA over the whole static cache, keys past `length` masked on the device (the decode step's
     attention before this op; the reference off the CPU)."""
-    L = k_cache.shape[2]
-    n = length.reshape(-1)[:1].clamp(max=L)
-    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=_causal_mask(q.shape[2], L, n, q.device),
+    L, T = k_cache.shape[2], q.shape[2]
+    n = length.reshape(-1).clamp(max=L)
+    if n.numel() == 1:
+        mask = _causal_mask(T, L, n[:1], q.device)
+    else:                             # [B, 1, T, L]: each row's own prefix
+        keys = torch.arange(L, device=q.device)
+        mask = (keys[None, None, :] <= (n[:, None] - T + torch.arange(T, device=q.device))[:, :, None])[:, None]
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
                                           enable_gqa=q.shape[1] // k_cache.shape[1] > 1)
 
 
@@ -84,15 +94,15 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["KV", "L", "n_splits"])
     def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, KV, L, n_splits, qk_scale,
                       stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kl,
-                      stride_vb, stride_vh, stride_vl,
+                      stride_vb, stride_vh, stride_vl, stride_len,
                       G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, UPCAST: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
-        length = tl.minimum(tl.load(len_ptr).to(tl.int32), L)
+        b = (bh // KV).to(tl.int64)
+        length = tl.minimum(tl.load(len_ptr + b * stride_len).to(tl.int32), L)    # stride_len 0: one length
         start = split * CHUNK
         if start < length:         # chunks past the prefix do nothing (the combine skips them)
-            b = (bh // KV).to(tl.int64)
             kvh = (bh % KV).to(tl.int64)
             rows = tl.arange(0, BLOCK_M)
             live = rows < G * T
@@ -130,7 +140,7 @@ if HAS_TRITON:
             tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], acc, mask=live[:, None])
 
     @triton.jit(do_not_specialize=["KV", "L", "n_splits"])
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, out_ptr, KV, L, n_splits,
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, out_ptr, KV, L, n_splits, stride_len,
                         G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                         BLOCK_S: tl.constexpr):
         # one program: one query row (b, kv head, g, t); its live chunks merged in chunk order
@@ -138,7 +148,7 @@ if HAS_TRITON:
         GT: tl.constexpr = G * T
         bh = pid // GT
         r = pid % GT
-        length = tl.minimum(tl.load(len_ptr).to(tl.int32), L)
+        length = tl.minimum(tl.load(len_ptr + (bh // KV) * stride_len).to(tl.int32), L)
         n_live = tl.cdiv(length, CHUNK)
         d = tl.arange(0, D)
         m_run = tl.full([1], float("-inf"), tl.float32)
@@ -172,7 +182,7 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: 
     return (Bk == B and Dk == D and Hkv > 0 and Hq % Hkv == 0 and 1 <= T <= MAX_T and 64 <= D <= 256
             and next_pow2(D) == D and L > 0 and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
             and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-            and length.numel() == 1 and not length.is_floating_point() and length.device == q.device)
+            and length.numel() in (1, B) and not length.is_floating_point() and length.device == q.device)
 
 
 def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
@@ -191,16 +201,17 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length
     acc = torch.empty(B * Hkv, n_splits, rows, D, dtype=torch.float32, device=dev)
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=dev)
     length = length.reshape(-1)
+    stride_len = length.stride(0) if length.numel() > 1 else 0
     qk_scale = (1.0 / math.sqrt(D)) * math.log2(math.e)
     extra = {} if INTERPRET else dict(num_warps=num_warps, num_stages=num_stages)
     _split_kernel[(B * Hkv, n_splits)](
         q, k_cache, v_cache, length, m, s, acc, Hkv, L, n_splits, qk_scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_len,
         G=G, T=T, D=D, BLOCK_M=max(MIN_ROWS, next_pow2(rows)), BLOCK_N=block_n, CHUNK=chunk, UPCAST=INTERPRET,
         **extra)
     _combine_kernel[(B * Hkv * rows,)](
-        m, s, acc, length, out, Hkv, L, n_splits, G=G, T=T, D=D, CHUNK=chunk,
+        m, s, acc, length, out, Hkv, L, n_splits, stride_len, G=G, T=T, D=D, CHUNK=chunk,
         BLOCK_S=min(32, next_pow2(n_splits)), **({} if INTERPRET else dict(num_warps=4)))
     return out
 

@@ -7,6 +7,9 @@ rotate-half RoPE in fp32 (a `qkv`-dtype tensor times fp32 cos/sin promotes), the
 rotated head (normalised in fp32; its weight multiply happens in fp32, the norm's input dtype), then
 rounded to the dtype of `qkv`. v passes through unchanged.
 
+cos/sin are [T, D] (every row at the same sequence indices) or [B, T, D] (each row its own: a decode
+step batching several requests), `index` likewise [T] or [B, T].
+
 `parts` > 1 (Ulysses sequence parallelism over `parts` ranks) returns q, k and v already in the layout the
 heads exchange sends, [parts, B, h / parts, T, D] with part r holding heads [r*h/parts, (r+1)*h/parts):
 contiguous, so the all-to-all needs no copy of them first.
@@ -21,7 +24,10 @@ from .registry import backend, reference
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D] -> fp32 rotate-half RoPE (the engine's `apply_rope`; cos/sin [T, D] fp32)."""
+    """x [B, h, T, D] -> fp32 rotate-half RoPE (the engine's `apply_rope`; cos/sin [T, D] or per row
+    [B, T, D], fp32)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
@@ -65,18 +71,23 @@ def rope_qk_norm_cache_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                            k_weight: torch.Tensor, eps: float, cache_k: torch.Tensor, cache_v: torch.Tensor,
                            index: torch.Tensor) -> torch.Tensor:
     """As `rope_qk_norm`, with k and v written to cache_k/cache_v [B, kv, max_len, D] at sequence
-    positions `index` [T] (the engine's `KVCache.write`); returns q."""
+    positions `index` [T] (the engine's `KVCache.write`) or, per row, [B, T]; returns q."""
     q, k, v = rope_qk_norm_ref(qkv, cos, sin, q_weight, k_weight, eps)
-    cache_k.index_copy_(2, index, k)
-    cache_v.index_copy_(2, index, v)
+    if index.dim() == 1:
+        cache_k.index_copy_(2, index, k)
+        cache_v.index_copy_(2, index, v)
+    else:                      # row b's tokens at its own indices: cache[b, :, index[b, t]] = k[b, :, t]
+        rows = torch.arange(index.shape[0], device=index.device)[:, None]
+        cache_k[rows, :, index] = k.transpose(1, 2)
+        cache_v[rows, :, index] = v.transpose(1, 2)
     return q
 
 
 if HAS_TRITON:
     @triton.jit
     def _rope_qk_norm_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, index_ptr,
-                             B, T, KV, KV_P, stride_xb, stride_xt, stride_ct, stride_st,
-                             stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, eps,
+                             B, T, KV, KV_P, stride_xb, stride_xt, stride_cb, stride_ct, stride_sb, stride_st,
+                             stride_ib, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, eps,
                              G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, INDEXED: tl.constexpr):
         # one program: one token (b, t) and BLOCK_R of its kv * (G + 2) head rows, in qkv's memory order
         HALF: tl.constexpr = D // 2
@@ -93,10 +104,12 @@ if HAS_TRITON:
         m2 = live[:, None]
         x1 = tl.load(src, mask=m2, other=0.0)
         x2 = tl.load(src + HALF, mask=m2, other=0.0)
-        c1 = tl.load(cos_ptr + t * stride_ct + d)[None, :]
-        c2 = tl.load(cos_ptr + t * stride_ct + HALF + d)[None, :]
-        s1 = tl.load(sin_ptr + t * stride_st + d)[None, :]
-        s2 = tl.load(sin_ptr + t * stride_st + HALF + d)[None, :]
+        c_row = cos_ptr + b * stride_cb + t * stride_ct          # stride_cb 0: every row the same table
+        s_row = sin_ptr + b * stride_sb + t * stride_st
+        c1 = tl.load(c_row + d)[None, :]
+        c2 = tl.load(c_row + HALF + d)[None, :]
+        s1 = tl.load(s_row + d)[None, :]
+        s2 = tl.load(s_row + HALF + d)[None, :]
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
         # rotate-half: rot = (-x2, x1); r = x * cos + rot * sin, in fp32
@@ -119,7 +132,7 @@ if HAS_TRITON:
         tl.store(dst_q + HALF, y2, mask=mq)
         # k and v: the cache at the token's sequence index, or fresh [parts, B, KV_P, T, D] as q
         if INDEXED:
-            pos = tl.load(index_ptr + t).to(tl.int64)
+            pos = tl.load(index_ptr + b * stride_ib + t).to(tl.int64)    # stride_ib 0: shared indices
             dst_k = k_ptr + b * stride_kb + (kvh * stride_kh + pos * stride_kt)[:, None] + d[None, :]
             dst_v = v_ptr + b * stride_vb + (kvh * stride_vh + pos * stride_vt)[:, None] + d[None, :]
         else:
@@ -139,7 +152,7 @@ def _fits(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: tor
     D = qkv.shape[-1]
     return (qkv.dim() == 5 and qkv.shape[3] >= 3 and D % 2 == 0 and next_pow2(D // 2) == D // 2
             and cos.dtype == torch.float32 and sin.dtype == torch.float32
-            and cos.shape == (qkv.shape[1], D) and sin.shape == cos.shape
+            and cos.shape in ((qkv.shape[1], D), (qkv.shape[0], qkv.shape[1], D)) and sin.shape == cos.shape
             and q_weight.shape == (D,) and k_weight.shape == (D,))
 
 
@@ -157,15 +170,17 @@ def _launch(qkv, cos, sin, q_weight, k_weight, eps, k_out, v_out, index, parts: 
     B, T, kv, g2, D = qkv.shape
     g = g2 - 2
     cos, sin = (c if c.stride(-1) == 1 else c.contiguous() for c in (cos, sin))
+    stride_cb, stride_sb = (cos.stride(0), sin.stride(0)) if cos.dim() == 3 else (0, 0)
+    stride_ib = index.stride(0) if index is not None and index.dim() == 2 else 0
     q = torch.empty(*((parts,) if parts > 1 else ()), B, kv * g // parts, T, D, dtype=qkv.dtype, device=qkv.device)
     rows = kv * g2
     block_r = min(next_pow2(rows), max(1, 2048 // D))
     if B * T:
         _rope_qk_norm_kernel[(B * T, triton.cdiv(rows, block_r))](
             qkv, cos, sin, q_weight.contiguous(), k_weight.contiguous(), q, k_out, v_out,
-            index if index is not None else qkv, B, T, kv, kv // parts, qkv.stride(0), qkv.stride(1), cos.stride(0),
-            sin.stride(0), k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1),
-            v_out.stride(2),
+            index if index is not None else qkv, B, T, kv, kv // parts, qkv.stride(0), qkv.stride(1), stride_cb,
+            cos.stride(-2), stride_sb, sin.stride(-2), stride_ib, k_out.stride(0), k_out.stride(1), k_out.stride(2),
+            v_out.stride(0), v_out.stride(1), v_out.stride(2),
             eps, G=g, D=D, BLOCK_R=block_r, INDEXED=index is not None, num_warps=4)
     return q
 
@@ -185,7 +200,8 @@ def rope_qk_norm_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 def _cache_fits(qkv, cos, sin, q_weight, k_weight, eps, cache_k, cache_v, index) -> bool:
     B, T, kv, _, D = qkv.shape
-    return (_fits(qkv, cos, sin, q_weight, k_weight) and index.shape == (T,) and not index.is_floating_point()
+    return (_fits(qkv, cos, sin, q_weight, k_weight) and index.shape in ((T,), (B, T)) and index.stride(-1) == 1
+            and not index.is_floating_point()
             and all(c.dtype == qkv.dtype and c.shape[0] == B and c.shape[1] == kv and c.shape[3] == D
                     and c.stride(3) == 1 for c in (cache_k, cache_v)))
 

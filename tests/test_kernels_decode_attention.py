@@ -70,6 +70,22 @@ def test_reference_is_masked_softmax(dtype, G, T, n):
     assert kernels.chosen("decode_attention") == "torch"
 
 
+def check_rows(out, q, k, v, lengths: list[int]) -> None:
+    """Each row against itself alone at its own length."""
+    assert out.shape == q.shape
+    for b, n in enumerate(lengths):
+        check(out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], n)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_reference_with_a_length_per_row(view):
+    """A decode step batching requests: row b attends to its own [0, length[b])."""
+    q, k, v = inputs(3, 2, 4, 1, 64, 40, torch.float32, view=view, seed=3)
+    lengths = [1, 40, 17]
+    check_rows(kernels.call("decode_attention", q, k, v, torch.tensor(lengths)), q, k, v, lengths)
+    check_rows(da.masked_whole_cache(q, k, v, torch.tensor(lengths)), q, k, v, lengths)   # the reference off the CPU
+
+
 def test_reference_ignores_keys_past_length():
     q, k, v = inputs(1, 2, 4, 1, 64, 37, torch.float32)
     want = da.decode_attention_ref(q, k, v, torch.tensor([17]))
@@ -170,6 +186,12 @@ def test_interp_decode_attention(interpreter, B, D, L, n, view):
     check(da.launch(q, k, v, torch.tensor([n])), q, k, v, n)
 
 
+def test_interp_decode_attention_with_a_length_per_row(interpreter):
+    q, k, v = inputs(3, 2, 4, 1, 64, 130, torch.bfloat16, view=True, seed=11)
+    lengths = [130, 1, 65]
+    check_rows(da.launch(q, k, v, torch.tensor(lengths)), q, k, v, lengths)
+
+
 @pytest.mark.parametrize("chunk,block_n", [(32, 16), (16, 16)])
 def test_interp_many_chunks(interpreter, chunk, block_n):
     """Several chunks per row, and (chunk 16, L 600: 38 chunks) more than one combine block of splits;
@@ -225,10 +247,11 @@ def test_kernels_compile_for_hopper():
         _sm90_compile(da._split_kernel, dict(
             q_ptr=p, k_ptr=p, v_ptr=p, len_ptr="*i64", **part, KV=i32, L=i32, n_splits=i32, qk_scale="fp32",
             stride_qb=i32, stride_qh=i32, stride_qt=i32, stride_kb=i32, stride_kh=i32, stride_kl=i32,
-            stride_vb=i32, stride_vh=i32, stride_vl=i32),
+            stride_vb=i32, stride_vh=i32, stride_vl=i32, stride_len=i32),
             dict(G=G, T=T, D=D, BLOCK_M=max(da.MIN_ROWS, 1 << (G * T - 1).bit_length()), BLOCK_N=da.BLOCK_N,
                  CHUNK=da.CHUNK, UPCAST=False), 4, 2)
-        _sm90_compile(da._combine_kernel, dict(**part, len_ptr="*i64", out_ptr=p, KV=i32, L=i32, n_splits=i32),
+        _sm90_compile(da._combine_kernel, dict(**part, len_ptr="*i64", out_ptr=p, KV=i32, L=i32, n_splits=i32,
+                                               stride_len=i32),
                       dict(G=G, T=T, D=D, CHUNK=da.CHUNK, BLOCK_S=32), 4)
 
 
@@ -260,6 +283,18 @@ def test_gpu_real_shapes(Hq, Hkv, L, view):
         check(out, q, k, v, n)
         ref = da.decode_attention_ref(q, k, v, length)        # cuda: the masked whole-cache SDPA
         torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dt], atol=TOL[dt])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("B", [3, 16])
+def test_gpu_length_per_row(B):
+    """A decode step batching B requests at the real AR shape: each row its own prefix."""
+    q, k, v = inputs(B, 8, 4, 1, 128, 2017, torch.bfloat16, "cuda", seed=B, view=True)
+    lengths = [1 + (b * 397) % 2017 for b in range(B)]
+    out = kernels.call("decode_attention", q, k, v, torch.tensor(lengths, device="cuda"))
+    assert kernels.chosen("decode_attention") == "triton"
+    check_rows(out, q, k, v, lengths)
 
 
 @pytest.mark.gpu

@@ -287,6 +287,35 @@ def _rope_inputs(B, T, kv, g, D, dtype, device="cpu", seed=0):
     return qkv, cos, sin, qw, kw
 
 
+def _check_rope_rows(qkv, qw, kw, dtype, max_len, fast_cache):
+    """Per-row positions (a decode step batching requests): cos/sin [B, T, D] and index [B, T]; row b
+    equals row b alone through the reference, and only its own cache row's slots are written."""
+    B, T, kv, _, D = qkv.shape
+    dev = qkv.device
+    gen = torch.Generator(dev).manual_seed(B * 100 + T)
+    pos = torch.randint(0, 64, (B * T, 2), generator=gen, device=dev)
+    cos, sin = (c.view(B, T, D) for c in rope_angles(pos, D, 10000.0))
+    index = torch.stack([torch.randperm(max_len, generator=gen, device=dev)[:T] for _ in range(B)])
+    ck = torch.full((B, kv, max_len, D), float("nan"), dtype=dtype, device=dev)
+    cv = torch.full_like(ck, float("nan"))
+    q = fast_cache(qkv, cos, sin, qw, kw, 1e-5, ck, cv, index)
+    for b in range(B):
+        ckb, cvb = torch.full_like(ck[:1], float("nan")), torch.full_like(cv[:1], float("nan"))
+        qb = rope.rope_qk_norm_cache_ref(qkv[b:b + 1], cos[b], sin[b], qw, kw, 1e-5, ckb, cvb, index[b])
+        close(q[b:b + 1], qb, dtype)
+        close(ck[b:b + 1, :, index[b]], ckb[:, :, index[b]], dtype)
+        assert torch.equal(cv[b:b + 1, :, index[b]], cvb[:, :, index[b]])
+        rest = torch.ones(max_len, dtype=torch.bool, device=dev)
+        rest[index[b]] = False
+        assert ck[b, :, rest].isnan().all() and cv[b, :, rest].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_reference_with_a_position_per_row(dtype):
+    qkv, _, _, qw, kw = _rope_inputs(4, 2, 2, 3, 16, dtype, seed=7)
+    _check_rope_rows(qkv, qw, kw, dtype, 11, rope.rope_qk_norm_cache_ref)
+
+
 def _check_rope(qkv, cos, sin, qw, kw, dtype, max_len, fast, fast_cache):
     B, T, kv, _, D = qkv.shape
     ref = rope.rope_qk_norm_ref(qkv, cos, sin, qw, kw, 1e-5)
@@ -317,6 +346,8 @@ def _check_rope(qkv, cos, sin, qw, kw, dtype, max_len, fast, fast_cache):
 def test_interp_rope(rounding_interpreter, dtype):
     for shape in ((2, 5, 2, 4, 16), (1, 1, 3, 1, 8)):
         _check_rope(*_rope_inputs(*shape, dtype), dtype, 9, rope.rope_qk_norm_triton, rope.rope_qk_norm_cache_triton)
+    qkv, _, _, qw, kw = _rope_inputs(3, 1, 2, 4, 16, dtype, seed=5)
+    _check_rope_rows(qkv, qw, kw, dtype, 9, rope.rope_qk_norm_cache_triton)
 
 
 def _cut_of(c):
@@ -382,8 +413,8 @@ def test_triton_kernels_compile_for_hopper():
         for indexed in (False, True):
             _sm90_compile(rope._rope_qk_norm_kernel, dict(
                 qkv_ptr=p, cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr=p, kw_ptr=p, q_ptr=p, k_ptr=p, v_ptr=p,
-                index_ptr="*i64" if indexed else p, B=i32, T=i32, KV=i32, KV_P=i32, stride_xb=i32, stride_xt=i32, stride_ct=i32,
-                stride_st=i32, stride_kb=i32, stride_kh=i32, stride_kt=i32, stride_vb=i32, stride_vh=i32,
+                index_ptr="*i64" if indexed else p, B=i32, T=i32, KV=i32, KV_P=i32, stride_xb=i32, stride_xt=i32,
+                stride_cb=i32, stride_ct=i32, stride_sb=i32, stride_st=i32, stride_ib=i32, stride_kb=i32, stride_kh=i32, stride_kt=i32, stride_vb=i32, stride_vh=i32,
                 stride_vt=i32, eps=f32), dict(G=4, D=128, BLOCK_R=16, INDEXED=indexed), 4)
     _sm90_compile(sampling._count_kernel, dict(x_ptr="*fp32", vals_ptr="*fp32", ge_ptr="*i32", eq_ptr="*i32",
                                                V=i32, K=i32), dict(BLOCK=4096), 8)
@@ -437,6 +468,9 @@ def test_gpu_rope(dtype, B, T, kv):
     _check_rope(*inputs, dtype, T + 16,
                 lambda *a: kernels.call("rope_qk_norm", *a), lambda *a: kernels.call("rope_qk_norm_cache", *a))
     assert kernels.chosen("rope_qk_norm") == kernels.chosen("rope_qk_norm_cache") == "triton"
+    if T <= 7:                            # decode-sized: every row at its own positions
+        _check_rope_rows(inputs[0], inputs[3], inputs[4], dtype, T + 16, lambda *a: kernels.call("rope_qk_norm_cache", *a))
+        assert kernels.chosen("rope_qk_norm_cache") == "triton"
 
 
 
