@@ -4,7 +4,8 @@ On CUDA through the registry: within `kernels.allowed(name)` the op is called an
 name the variant afterwards, so a row is the variant the engine would run for these arguments (its
 `fits` took them), never a silent fall-back to the reference. In a --dry run (CPU, Triton's interpreter)
 the registry serves the reference only, since the fast variants are CUDA's; there the variant's own
-function runs, so the dry run still executes the kernels the suite times on the GPU.
+function runs, so the dry run still executes the kernels the suite times on the GPU. `runner` gives the
+call to time (see there for what it includes).
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ _FUNCTIONS = {
     ("moe", "two_dispatch"): "bench.ablations:two_dispatch",
     ("moe_quant", "decode"): "kernels.quant.moe_cuda:moe_quant_decode",
     ("moe_quant", "grouped"): "kernels.quant.moe_cuda:moe_quant_grouped",
+    ("linear_fp8", "scaled_mm"): "kernels.quant.cuda:linear_fp8_cuda",
+    ("grouped_mm_fp8", "scaled_mm"): "kernels.quant.cuda:grouped_mm_fp8_cuda",
     **{(f"linear_{f}", v): f"kernels.quant.cuda:linear_{f}_{v}"
        for f in ("mxfp8", "mxfp4", "nvfp4") for v in ("gemv", "triton")},
     **{(f"grouped_mm_{f}", "triton"): f"kernels.quant.cuda:grouped_mm_{f}_triton" for f in ("mxfp8", "mxfp4", "nvfp4")},
@@ -68,19 +71,23 @@ def run(op: str, name: str, *args, **kwargs):
     return out
 
 
-def runner(op: str, name: str, *args, **kwargs) -> Callable[[], Any]:
-    """`run` as a call without arguments, to be timed, run once here. Where the registry picks `name` for
-    these arguments by itself, the call is the engine's own `kernels.call` with nothing around it (a
-    selection costs host time that a small op's eager timing would show)."""
-    if _on_cpu(name, args, kwargs):
-        fn = function(op, name)
-        return lambda: fn(*args, **kwargs)
-    if name != REFERENCE:
-        kernels.call(op, *args, **kwargs)
-        if kernels.chosen(op) == name:
-            return lambda: kernels.call(op, *args, **kwargs)
-    run(op, name, *args, **kwargs)
-    return lambda: run(op, name, *args, **kwargs)
+def runner(op: str, name: str, *args, direct: bool = False, **kwargs) -> Callable[[], Any]:
+    """`run` as a call without arguments, to be timed; on CUDA run once here, checked to be what runs when
+    `name` is selected. Where the registry picks `name` for these arguments by itself the call is the
+    engine's own `kernels.call`, its dispatch included; otherwise, and with `direct`, it is the variant's
+    own function (a selection around every call would add host time that a small op's eager timing
+    shows; `direct` times two variants alike)."""
+    if name == REFERENCE:
+        run(op, name, *args, **kwargs)
+        return lambda: run(op, name, *args, **kwargs)
+    if not _on_cpu(name, args, kwargs):
+        if not direct:
+            kernels.call(op, *args, **kwargs)
+            if kernels.chosen(op) == name:
+                return lambda: kernels.call(op, *args, **kwargs)
+        run(op, name, *args, **kwargs)
+    fn = function(op, name)
+    return lambda: fn(*args, **kwargs)
 
 
 def first(op: str, device: str, dtype: torch.dtype) -> str:

@@ -117,7 +117,7 @@ def topk_section(out: Output) -> tuple[dict, bool]:
             rows.append(dict(form=label, bench_us=time_ms(fn, "bench") * 1e3, graph_us=graph_us, gbs=gbs))
     g = torch.Generator("cuda").manual_seed(0)
     for name in ("triton", "triton_torch_topk"):
-        fn = variants.runner("sample", name, x, 0.6, 1024, 0.95, g, False, None)
+        fn = variants.runner("sample", name, x, 0.6, 1024, 0.95, g, False, None, direct=True)   # timed alike
         rows.append(dict(form=f"sample op ({name}) + int(), wall", wall_ms=time_ms(lambda: int(fn()), "wall", n=50)))
     for name, radix in (("radix", True), ("torch.topk", False)):
         rows.append(dict(form=f"sample_device ({name} top-k), GPU",

@@ -363,7 +363,7 @@ def decode_linear_cases(dims: Dims, rows: list, sweep: bool) -> bool:
             op, args = linear_op(x, w)
             want = variants.run(op, "torch", *args)          # (FP8: W8A8, the activations quantized per row)
             for vname in (("scaled_mm",) if f == "fp8" else ("triton", "gemv")):
-                fn = variants.runner(op, vname, *args)
+                fn = variants.runner(op, vname, *args, direct=True)      # both timed alike: no dispatch
                 with poisoned():
                     check = compare(fn(), want, tol(f))
                 ok &= check.ok
