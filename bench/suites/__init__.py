@@ -1,6 +1,6 @@
 """The suites of `python -m bench`, by name. Each module has a docstring (its --help), `DRY` (whether it
-has a --dry path: CPU, Triton's interpreter or the reference ops, tiny shapes), `add_arguments(parser)`
-and `run(args, out) -> bool` (False: a check failed)."""
+has a --dry path: CPU, Triton's interpreter or the reference ops, tiny shapes), `CUDA = False` where it
+runs without a GPU as it is, `add_arguments(parser)` and `run(args, out) -> bool` (False: a check failed)."""
 from __future__ import annotations
 
 SUITES = {
