@@ -34,7 +34,7 @@ from .registry import backend, reference
 
 # keys per split program. Small, so that a short valid prefix still fills the 132 SMs (length 1251 at
 # Hkv 8: 160 programs; the chunks past `length` exit at once) while the fp32 partials stay small next
-# to K and V (G * D * 4 bytes per chunk and query head vs 2 * CHUNK * D * 2). bench/bench_decode_attention.py
+# to K and V (G * D * 4 bytes per chunk and query head vs 2 * CHUNK * D * 2). `python -m bench decode-attention`
 # sweeps it.
 CHUNK = 64
 BLOCK_N = 64      # keys per tile inside a chunk

@@ -30,7 +30,7 @@ from .registry import backend, reference
 MAX_TRITON_K = 4096        # the top-p cut runs in one block of the sorted survivors
 # the "triton" variant (top-k by topk_desc) up to this k, "triton_torch_topk" (torch.topk, then the same cut) above: inside a decode step (the sample op queued behind the step's
 # graph, its host cost hidden) topk_desc took 45.1 us of GPU time against torch.topk's 70.7 at k = 1024,
-# but 114.9 against 74.0 at k = 4096 (bench_decode_parts.py topk, one H200, 2026-12-01)
+# but 114.9 against 74.0 at k = 4096 (bench_decode_parts.py topk, now `python -m bench decode-parts`, one H200, 2026-12-01)
 TOPK_TRITON_MAX_K = 1024
 
 

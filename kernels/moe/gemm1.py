@@ -45,14 +45,14 @@ import triton.language as tl
 from .._triton import dot, next_pow2
 from .triton_kernels import INTERPRET
 
-# the tile configuration the engine runs (bench/bench_gemm1.py times the alternatives in CONFIGS). One H200,
-# 2026-12-01 (`python bench/bench_gemm1.py`, +-5% run to run): this one 1.33 ms = 621 TFLOP/s at hybrid4 denoise (uniform routing;
+# the tile configuration the engine runs (`python -m bench gemm1` times the alternatives in CONFIGS). One H200,
+# 2026-12-01 (`python bench/bench_gemm1.py`, now `python -m bench gemm1`, +-5% run to run): this one 1.33 ms = 621 TFLOP/s at hybrid4 denoise (uniform routing;
 # today's dispatch + 2 grouped GEMM1s + SwiGLU 1.51 ms), the two-dot TMA forms ~560-600, pointer-loaded
 # weights ~540, BM 64 / BN 64 / BK 128 tiles slower still. In the whole op (profiler, per layer): this
 # kernel 1.31 ms where torch._grouped_mm's two GEMM1s took 1.34 ms plus dispatch 83 us and SwiGLU 78 us.
 CONFIG = dict(BM=128, BN=128, BK=64, GROUP_M=8, WLOAD="host", FUSE_N=True, num_warps=8, num_stages=4)
 
-# the variants bench/bench_gemm1.py tries on the GPU (name -> CONFIG overrides); "f-" = FUSE_N (one
+# the variants `python -m bench gemm1` tries on the GPU (name -> CONFIG overrides); "f-" = FUSE_N (one
 # [BM, 2BN] accumulator), tma / dtma = weight tiles by a host / in-kernel tensor descriptor, ptr = pointers
 _T = dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4)
 CONFIGS = {

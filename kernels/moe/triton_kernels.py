@@ -429,7 +429,7 @@ def _decode_down_kernel(act_ptr, ids_ptr, active_ptr, w2_ptr, sw2_ptr, y_ptr, ys
         tl.store(dst, acc, mask=sel[:, None] & mh[None, :])
 
 
-# tile sizes of the decode kernels (bench/bench_kernels_moe.py --tune sweeps them)
+# tile sizes of the decode kernels (`python -m bench kernels-moe --tune` sweeps them)
 DECODE_UP = dict(BLOCK_I=16, BLOCK_H=128, num_warps=4, num_stages=4)
 DECODE_DOWN = dict(BLOCK_HO=32, BLOCK_I=128, num_warps=4, num_stages=4)
 

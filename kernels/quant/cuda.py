@@ -25,7 +25,7 @@ HALF = (torch.bfloat16, torch.float16)
 
 # cuBLAS's FP8 fast accumulation (the tensor core's own accumulator, no periodic promotion to fp32): on
 # the H200 a hybrid4 rank's DiT step ran 106 ms with it and 202 ms without (bf16: 134) (bench_one_gpu.py
-# --fp8-speedup, 2026-11-30); the error stays far below FP8's own rounding (the GPU tests' tolerance
+# --fp8-speedup, 2026-11-30; now `python -m bench one-gpu --fp8-speedup`); the error stays far below FP8's own rounding (the GPU tests' tolerance
 # holds), and vLLM's SM90 FP8 GEMMs use it too.
 FP8_FAST_ACCUM = True
 

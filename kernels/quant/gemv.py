@@ -556,7 +556,7 @@ def _max_t(n: int, cfg: dict) -> int:
     return n if n <= 2 else cfg.get("TB", DECODE_TB)
 
 # decode tiles: BI rows of I (x2: gate and up) / R rows of H per program, G chunks along K per step
-DECODE_UP = dict(BI=16, G=32, num_warps=8)     # bench_decode_parts.py moe: 106.9 vs 108.8 us a layer (BI=8)
+DECODE_UP = dict(BI=16, G=32, num_warps=8)     # bench_decode_parts.py moe (2026-12-01): 106.9 vs 108.8 us a layer (BI=8)
 DECODE_DOWN = dict(R=16, G=32, num_warps=8)
 DECODE_UP_FMT: dict[str, dict] = {}
 DECODE_DOWN_FMT: dict[str, dict] = {}

@@ -178,7 +178,7 @@ def _sum_splits_kernel(p_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.const
 # phase's row counts; decode and small batches keep the register-dequantizing kernels.
 DEQUANT_ROWS = 256
 
-# tile configs by token count (bench/bench_kernels_quant.py --tune sweeps them; tools/compile_sm90.py shows
+# tile configs by token count (`python -m bench kernels-quant --tune` sweeps them; tools/compile_sm90.py shows
 # each one's registers and spills without a GPU: these spill nothing on sm_90 for any format)
 LINEAR_LARGE = dict(BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
 LINEAR_MID = dict(BM=64, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
