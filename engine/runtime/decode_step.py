@@ -61,10 +61,11 @@ class DecodeStep:
         host = self._host_np
         if self._copied is not None:
             self._copied.synchronize()        # the previous copy has read the pinned buffer (it has, by now)
-        host[0, :b], host[1, :b], host[2, :b] = 0, self.scratch, 1           # idle rows
+        host[0], host[1], host[2] = 0, self.scratch, 1           # idle rows
         for s, token, index in rows:
             host[0, s], host[1, s], host[2, s] = token, index, index + 1
-        self._slots[:, :b].copy_(self._host[:, :b], non_blocking=self._copied is not None)
+        # the whole buffer (3 x slots ints): one contiguous copy, asynchronous from pinned memory
+        self._slots.copy_(self._host, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
         self.forwards += 1
