@@ -1,6 +1,20 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: `bash bench/device_run.sh SECTION...` (kernels, vae, engine, quant, verify, final, decodeprof, onegpu, tables, eval, dattn, evalsep, evals4, w2, w2b, pf, g1, g2).
-# Each section's log goes to $OUT/<section>.log; a short summary is printed last.
+# One call on the GPU machine: `bash bench/device_run.sh SECTION...`, the sections in order:
+#   gpu-tests      the engine's GPU tests (CUDA graphs, plans on one GPU, quantized checkpoints end to end)
+#   kernel-tests   the GPU tests of the bf16 kernels (ops, moe, GEMM1, decode attention, top-k, VAE)
+#   quant-tests    the GPU tests of the quantized kernels (GEMMs, GEMVs, moe_quant)
+#   kernels        suites kernels-ops, kernels-moe --quick, decode-attention, denoise-attention
+#   gemms          suites gemm1, grouped-layout (the grouped MoE GEMMs' kernels and layouts)
+#   quant          suites kernels-quant --quick, kernels-quant --decode, decode-parts
+#   vae            suite convs
+#   tables         suite tables --profile (every 4-GPU plan, one rank each)
+#   one-gpu        suite one-gpu, every quantized build, --fp8-speedup
+#   decode-profile suite one-gpu --profile-decode (where a quantized decode token goes)
+#   host           suites prefill-host, train-step
+#   studio         suite studio on CUDA
+#   eval           the embedded model's accuracy on CUDA (train.evaluate, seed 2, 100 + 100)
+# Each run's log goes to $OUT/<run>.log, each suite's JSON and tables to $OUT/<suite>.json / .txt; the
+# tail of each log is printed as it ends. A suite name alone (`bash bench/device_run.sh convs`) runs it.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
@@ -13,65 +27,58 @@ run() {   # run NAME TIMEOUT CMD...
   timeout "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc in $(( $(date +%s) - t0 )) s"; tail -n 25 "$OUT/$name.log"
 }
+tests() {   # tests NAME TIMEOUT FILE...
+  local name=$1 t=$2; shift 2
+  run "$name" "$t" python3 -m pytest -q -m gpu -p no:cacheprovider "$@"
+}
+suite() {   # suite NAME TIMEOUT SUITE [OPTIONS...]
+  local name=$1 t=$2; shift 2
+  run "$name" "$t" python3 -m bench "$@" --out "$OUT"
+}
 for section in "$@"; do
   case $section in
+    gpu-tests)
+      tests gpu_tests 330 -s tests/test_gpu.py ;;
+    kernel-tests)
+      tests kernel_tests 400 tests/test_kernels_ops.py tests/test_kernels_moe.py tests/test_kernels_moe_gemm1.py \
+        tests/test_kernels_decode_attention.py tests/test_kernels_sampling_topk.py tests/test_kernels_vae.py ;;
+    quant-tests)
+      tests quant_tests 400 tests/test_kernels_quant.py tests/test_kernels_gemv.py tests/test_quant_resident.py ;;
     kernels)
-      run kernel_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_ops.py tests/test_kernels_moe.py
-      run bench_ops 100 python3 bench/bench_kernels_ops.py
-      run bench_moe 200 python3 bench/bench_kernels_moe.py --quick ;;
-    vae)
-      run vae_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_kernels_vae.py
-      run bench_convs 200 python3 bench/bench_convs.py ;;
-    engine)
-      run gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_gpu.py ;;
-    tables)
-      run seed_tables 330 python3 bench/bench_seed_tables.py --profile ;;
+      suite kernels_ops 100 kernels-ops
+      suite kernels_moe 200 kernels-moe --quick
+      suite decode_attention 120 decode-attention
+      suite denoise_attention 120 denoise-attention ;;
+    gemms)
+      suite gemm1 240 gemm1
+      suite grouped_layout 120 grouped-layout ;;
     quant)
-      run quant_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_quant.py tests/test_kernels_gemv.py tests/test_quant_resident.py
-      run bench_decode 240 python3 bench/bench_kernels_quant.py --decode ;;
-    verify)
-      run verify_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_decode_attention.py tests/test_kernels_moe.py tests/test_quant_resident.py tests/test_gpu.py
-      run verify_quant 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gemv.py tests/test_kernels_quant.py -k "decode or graph"
-      run bench_dattn 120 python3 bench/bench_decode_attention.py ;;
-    final)
-      run final_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_sampling_topk.py tests/test_kernels_ops.py tests/test_kernels_moe.py tests/test_gpu.py
-      run final_quant 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gemv.py tests/test_kernels_quant.py tests/test_quant_resident.py -k "decode or graph or resident"
-      run decode_parts 60 python3 bench/bench_decode_parts.py --sections topk,sample
-      run one_gpu 200 python3 bench/bench_one_gpu.py --builds mxfp4-distil,fp8-instruct,mxfp8-distil,nvfp4-distil --fp8-speedup
-      run seed_tables 120 python3 bench/bench_seed_tables.py --profile ;;
-    decodeprof)
-      run one_gpu_prof 300 python3 bench/bench_one_gpu.py --builds mxfp4-distil,mxfp8-distil,nvfp4-distil --profile-decode
-      run grouped_layout 90 python3 bench/bench_grouped_layout.py ;;
-    onegpu)
-      run one_gpu 330 python3 bench/bench_one_gpu.py --fp8-speedup ;;
+      suite kernels_quant 240 kernels-quant --quick
+      suite kernels_quant_decode 240 kernels-quant --decode
+      suite decode_parts 120 decode-parts --sections sample,topk,moe ;;
+    vae)
+      suite convs 200 convs ;;
+    tables)
+      suite tables 330 tables --profile ;;
+    one-gpu)
+      suite one_gpu 330 one-gpu --builds mxfp4-distil,fp8-instruct,mxfp8-distil,nvfp4-distil --fp8-speedup ;;
+    decode-profile)
+      mkdir -p "$OUT/decode-profile"
+      run decode_profile 300 python3 -m bench one-gpu --builds mxfp4-distil,mxfp8-distil,nvfp4-distil --profile-decode \
+        --out "$OUT/decode-profile" ;;
+    host)
+      suite prefill_host 120 prefill-host
+      suite train_step 240 train-step ;;
+    studio)
+      suite studio 300 studio --app-args="--device cuda" ;;
     eval)
-      run eval_cuda 240 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 40 --n-edit 40 --device cuda --json "$OUT/eval_cuda.json" ;;
-    dattn)
-      run denoise_attention 120 python3 bench/bench_denoise_attention.py ;;
-    evalsep)   # CUDA vs CPU on the edits: the reference ops on CUDA (seed 2), the fast paths on a second sample (seed 3)
-      run eval_cuda_torch 240 env HUNYUAN_KERNELS=torch python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 10 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda_torch.json"
-      run eval_cuda_s3 200 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 20 --n-edit 200 --seed 3 --device cuda --json "$OUT/eval_cuda_s3.json" ;;
-    evals4)    # a third sample of the edits (300), on CUDA with the fast paths
-      run eval_cuda_s4 240 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 10 --n-edit 300 --seed 4 --device cuda --json "$OUT/eval_cuda_s4.json" ;;
-    w2)        # the cols-packed expert down pack: its GPU tests, the layout bench, one hybrid4 rank's tables
-      run w2_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe.py tests/test_kernels_quant.py tests/test_kernels_gemv.py
-      run grouped_layout 90 python3 bench/bench_grouped_layout.py
-      run seed_hybrid4 150 python3 bench/bench_seed_tables.py --plans hybrid4 --profile ;;
-    w2b)       # the engine's GPU tests, the one-GPU quantized builds, every plan's tables, a third edit sample
-      run w2b_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_quant_resident.py tests/test_kernels_decode_attention.py tests/test_kernels_sampling_topk.py tests/test_kernels_ops.py
-      run one_gpu 200 python3 bench/bench_one_gpu.py --builds mxfp4-distil,fp8-instruct,mxfp8-distil,nvfp4-distil --fp8-speedup
-      run seed_tables 150 python3 bench/bench_seed_tables.py ;;
-    pf)        # the prefill graphs: the engine's GPU tests, then hybrid4's tables with the profile
-      run pf_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_kernels_moe.py
-      run seed_hybrid4 150 python3 bench/bench_seed_tables.py --plans hybrid4 --profile ;;
-    g1)        # the fused GEMM1 default and the Ulysses send layout: their GPU tests, the GEMM1 bench, every plan's tables
-      run g1_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe_gemm1.py tests/test_kernels_moe.py tests/test_kernels_ops.py tests/test_gpu.py
-      run bench_gemm1 120 python3 bench/bench_gemm1.py
-      run seed_tables 240 python3 bench/bench_seed_tables.py --profile ;;
-    g2)        # hybrid4's tables, the quantized builds' requests, an edit sample (the fused down GEMM this section also ran is gone: ce54bed^2)
-      run seed_hybrid4 90 python3 bench/bench_seed_tables.py --plans hybrid4
-      run quant_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_resident.py
-      run eval_cuda_s2 150 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 --n 10 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda_s2.json" ;;
-    *) echo "unknown section $section" ;;
+      run eval_cuda 330 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 \
+        --n 100 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda.json" ;;
+    *)
+      if python3 -c "import sys; from bench.suites import SUITES; sys.exit(sys.argv[1] not in SUITES)" "$section"; then
+        suite "${section//-/_}" 590 "$section"
+      else
+        echo "unknown section $section"
+      fi ;;
   esac
 done

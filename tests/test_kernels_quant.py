@@ -257,10 +257,12 @@ def test_gpu_variants_are_available():
         ["scaled_mm", "torch"]
 
 
-def _fast_and_ref(op, fn, *args):
-    """fn(*args) on the CUDA variants (poisoned scratch; asserted one ran) and on the reference."""
+def _fast_and_ref(op, fn, *args, want: str | None = None):
+    """fn(*args) on the CUDA variants (poisoned scratch; asserted one ran: `want`, when given) and on the
+    reference."""
     got = poisoned(fn, *args)
     assert kernels.chosen(op) not in (None, "torch"), op
+    assert want is None or kernels.chosen(op) == want, (op, kernels.chosen(op), want)
     with kernels.allowed():
         ref = fn(*args)
     return got, ref
@@ -274,8 +276,8 @@ def test_gpu_linear_matches_reference(fmt, m, n, k):
     g = torch.Generator(device="cuda").manual_seed(m + n)
     w = kq.random_qweight(fmt, (n, k), k ** -0.5, "cuda", g, inverse=fmt == "nvfp4")
     x = torch.randn(m, k, generator=g, device="cuda").to(BF16)
-    got, ref = _fast_and_ref("linear_" + fmt, kq.qlinear, x, w)
-    assert kernels.chosen("linear_" + fmt) == ("gemv" if m <= 8 and fmt != "fp8" else VARIANTS["linear_" + fmt][-1])
+    op = "linear_" + fmt
+    got, ref = _fast_and_ref(op, kq.qlinear, x, w, want="gemv" if m <= 8 and fmt != "fp8" else VARIANTS[op][-1])
     assert not got.isnan().any()
     assert rel_err(got, ref) < (2e-2 if fmt == "fp8" else 1e-2)
 

@@ -1,0 +1,25 @@
+"""The suites of `python -m bench`, by name. Each module has a docstring (its --help), `DRY` (whether it
+has a --dry path: CPU, Triton's interpreter or the reference ops, tiny shapes), `CUDA = False` where it
+runs without a GPU as it is, `add_arguments(parser)` and `run(args, out) -> bool` (False: a check failed)."""
+from __future__ import annotations
+
+SUITES = {
+    "tables": "the seed article's tables for one rank of each 4-GPU plan at the real shapes (compute only)",
+    "one-gpu": "the quantized builds on one GPU at the real shapes: memory, prefill, decode, DiT step, a whole request",
+    "kernels-ops": "the small fused ops (norms, RoPE, sampling) against their references",
+    "kernels-moe": "the `moe` op's variants at one rank's real shapes (decode, denoise, the two-dispatch ablation)",
+    "kernels-quant": "the quantized GEMMs and the `moe_quant` op at the real shapes (--decode: the decode GEMVs)",
+    "decode-attention": "the decode step's attention op against masked and sliced SDPA",
+    "denoise-attention": "the denoise step's SDPA forms and the Ulysses layout copies at a hybrid4 rank's shapes",
+    "convs": "the image heads' and the VAE decoder's convolutions, GroupNorm + swish, the whole VAE decode",
+    "gemm1": "the grouped MoE path's GEMM1 + SwiGLU: the fused kernel's tile variants against the grouped one",
+    "grouped-layout": "the resident expert packs' grouped GEMMs: one down GEMM over the micros vs one per micro",
+    "decode-parts": "the rest of a quantized decode token: the sampler, its top-k, one MoE decode layer",
+    "prefill-host": "the host time of the eager T2I prefill of one hybrid4 rank, stage by stage",
+    "studio": "the wall time of studio requests end to end through the web server",
+    "train-step": "where a training step of the embedded model goes",
+}
+
+
+def module_name(suite: str) -> str:
+    return "bench.suites." + suite.replace("-", "_")

@@ -1,0 +1,120 @@
+"""The benchmarks' command runs on the CPU: `python -m bench --help` lists every suite, each suite module
+has what the command needs, a few suites' --dry paths (Triton's interpreter or the reference ops at tiny
+shapes) write their JSON and tables to the output folder, a suite that needs a GPU says so, and the
+pieces the suites share (the timing helper, FakeComm, the two-dispatch ablation) do what they say."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.suites import SUITES, module_name
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_lists_every_suite():
+    proc = bench("--help")
+    assert proc.returncode == 0, proc.stderr
+    for name in SUITES:
+        assert f"  {name} " in proc.stdout
+
+
+@pytest.mark.parametrize("name", list(SUITES))
+def test_each_suite_module_has_what_the_command_needs(name):
+    suite = importlib.import_module(module_name(name))
+    assert suite.__doc__ and f"python -m bench {name}" in suite.__doc__, "the docstring is the suite's --help"
+    assert isinstance(suite.DRY, bool) and callable(suite.run)
+    ap = argparse.ArgumentParser()
+    suite.add_arguments(ap)
+    ap.parse_args([])                      # every option has a default
+
+
+@pytest.mark.parametrize("args", [
+    ["decode-attention"],                                             # Triton's interpreter: the op's kernels
+    ["denoise-attention"],                                            # plain SDPA forms
+    ["tables", "--plans", "hybrid4", "--decode", "5", "--steps", "1"],  # the engine's code on one rank, tiny model
+])
+def test_dry_run_writes_json_and_tables(tmp_path, args):
+    proc = bench(*args, "--dry", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / f"{args[0]}.json").read_text())
+    assert data["command"] == "python -m bench " + " ".join(args + ["--dry", "--out", str(tmp_path)])
+    assert data["suite"] == args[0] and data["dry"] and data["checks_passed"] and data["date"]
+    assert data["machine"]["torch"] == torch.__version__ and data["machine"]["triton"]
+    assert data["rows"] or data["checks"]
+    text = (tmp_path / f"{args[0]}.txt").read_text()
+    assert text.startswith("# python -m bench " + args[0]) and "(dry run)" in text
+
+
+def test_a_gpu_suite_without_a_gpu_says_so(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = bench("prefill-host", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_timing_and_stages_on_the_cpu():
+    from bench.timing import Stages, time_ms
+    calls = []
+    assert time_ms(lambda: calls.append(1), "bench", n=3, warmup=2) >= 0 and len(calls) == 5
+    with pytest.raises(ValueError):
+        time_ms(lambda: None, "fast")
+    clock = Stages()
+    with clock("a"):
+        pass
+    with clock("b"):
+        pass
+    assert list(clock.seconds) == ["a", "b"] and clock.total == sum(clock.seconds.values())
+
+
+def test_fake_comm_keeps_shapes_and_moves_nothing():
+    from engine.parallel.fake import FakeComm
+    from engine.parallel.layout import Comm
+    c = FakeComm(4)
+    assert isinstance(c, Comm) and (c.size, c.rank) == (4, 0)
+    t = torch.arange(6.0).view(2, 3)
+    assert c.all_gather(t, 1).shape == (2, 12)
+    s = torch.arange(24.0).view(4, 3, 2).transpose(1, 2)
+    out = c.all_to_all(s)
+    assert out.is_contiguous() and torch.equal(out, s)
+    assert c.all_reduce_(t) is t and FakeComm(1).all_to_all(s) is s
+
+
+def test_two_dispatch_ablation_is_the_moe_op():
+    """The ablation the tables time against the engine's MoE computes the op (under the interpreter)."""
+    code = """
+import torch
+from kernels._triton import prepare_interpreter
+prepare_interpreter()
+from bench import ablations
+from kernels.moe import moe_reference
+from bench.checks import rel_err
+ablations.register()
+g = torch.Generator().manual_seed(0)
+def r(*s, scale=1.0, dt=torch.bfloat16):
+    return (torch.randn(*s, generator=g) * scale).to(dt)
+H, E, I, M = 64, 8, 32, 2
+args = (r(9, H), r(E, H, scale=H ** -0.5, dt=torch.float32), r(M, E, 2 * I, H, scale=H ** -0.5),
+        r(E, H, M * I, scale=I ** -0.5), r(M, 2 * I, H, scale=H ** -0.5), r(H, M * I, scale=I ** -0.5), 0, 2, 3, True)
+err = rel_err(ablations.two_dispatch(*args), moe_reference(*args))
+assert err < 2e-2, err
+print("ok", err)
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
