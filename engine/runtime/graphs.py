@@ -61,6 +61,10 @@ class Graphs:
         self.captures[key] += 1
         return graph, out
 
+    def graph(self, key: Hashable) -> torch.cuda.CUDAGraph:
+        """The captured graph of `key` (to replay it alone, e.g. under a profiler)."""
+        return self._entries[key][0]
+
     def drop(self, keep: Callable[[Hashable], bool]) -> None:
         """Forget the graphs whose key `keep` refuses (their storage was replaced, or their request ended)."""
         for key in [k for k in self._entries if not keep(k)]:
