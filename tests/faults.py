@@ -26,3 +26,26 @@ def faulty_worker(rank: int, *args, **kwargs) -> None:
             denoise.DenoiseRunner.velocity = velocity
     from engine.serve.worker import worker_main
     worker_main(rank, *args, **kwargs)
+
+
+def fail_request(monkeypatch, prompt: str, when, message: str) -> None:
+    """Make the phase program of the request with this prompt raise ValueError(message) at the first
+    event it yields for which `when(event)` holds: thrown into the program where it stands, so its
+    `finally` runs and the exception leaves it as a real failure would. Other requests run untouched."""
+    from engine.runtime.pipeline import Pipeline
+    orig = Pipeline.program
+
+    def program(self, p):
+        gen = orig(self, p)
+        if p.req.prompt != prompt:
+            return (yield from gen)
+        answer = None
+        while True:
+            try:
+                item = gen.send(answer)
+            except StopIteration:
+                return
+            if when(item):
+                gen.throw(ValueError(message))
+            answer = yield item
+    monkeypatch.setattr(Pipeline, "program", program)

@@ -9,7 +9,7 @@ import torch
 from PIL import Image as PILImage
 
 import kernels
-from engine.runtime.events import Error, Image, Text
+from engine.runtime.events import Done, Error, Image, Text
 from engine.model.loader import load
 from engine.model.moe import MoE
 from engine.parallel.layout import PhaseView
@@ -88,99 +88,104 @@ def test_plans_on_cuda_equal_world1(tiny_dir, cuda_fp32, plan, sp):
               f"{s['peak_gpu_bytes'] / 2**20:.1f} MiB, resident {s['resident_bytes'] / 2**20:.1f} MiB")
 
 
-def _run_text(lm, graph: bool, monkeypatch, **kw):
-    """A real request (reasoning + image) with graph decode on or off; returns (text, png, captured)."""
-    from engine.runtime.decode_step import DecodeStep
-    from engine.runtime.denoise import DenoiseRunner
-    from engine.runtime.prefill_step import PrefillStep
-    captured = []
-    orig, orig_dn, orig_pf = DecodeStep._capture, DenoiseRunner._capture, PrefillStep._capture
-
-    def recording(self):
-        orig(self)
-        captured.append(self.graph is not None)
-
-    def recording_dn(self, *a):
-        orig_dn(self, *a)
-        captured.append(("denoise", self._graph is not None))
-    def recording_pf(self, b):
-        orig_pf(self, b)
-        captured.append(("prefill", b in self.graphs))
-    monkeypatch.setattr(DecodeStep, "_capture", recording)
-    monkeypatch.setattr(DenoiseRunner, "_capture", recording_dn)
-    monkeypatch.setattr(PrefillStep, "_capture", recording_pf)
-    ev = list(Pipeline(lm, preview_every=0, cuda_graph=graph).run(Request(**kw)))
-    monkeypatch.setattr(DecodeStep, "_capture", orig)
-    monkeypatch.setattr(DenoiseRunner, "_capture", orig_dn)
-    monkeypatch.setattr(PrefillStep, "_capture", orig_pf)
+def _run_text(lm, graph: bool, **kw):
+    """A real request (reasoning + image) with graphs on or off; returns (text, png, captures by key, timings)."""
+    pipe = Pipeline(lm, preview_every=0, cuda_graph=graph)
+    ev = list(pipe.run(Request(**kw)))
     errors = [e for e in ev if isinstance(e, Error)]
     assert not errors, errors
     img = next(e for e in ev if isinstance(e, Image))
-    return "".join(e.delta for e in ev if isinstance(e, Text)), img.png, captured, ev[-1].timings
+    return "".join(e.delta for e in ev if isinstance(e, Text)), img.png, dict(pipe.graphs.captures), ev[-1].timings
 
 
 @pytest.mark.parametrize("which,dtype", [("tiny", torch.bfloat16), ("embedded", torch.bfloat16),
                                          ("tiny", torch.float32)])
-def test_cuda_graph_decode_equals_eager(tiny_dir, which, dtype, monkeypatch):
+def test_cuda_graph_decode_equals_eager(tiny_dir, which, dtype):
     """Graph prefill and decode give the eager tokens, token for token, over a whole request (sampled, 64
-    new tokens at most), and the graphs really ran (bf16: capture must succeed; fp32 reports whether it
-    could)."""
+    new tokens at most), and the graphs really ran: one prefill, decode and denoise graph, each captured
+    once (a capture that fails is an error naming its key, never a silent eager run)."""
     from engine import EMBEDDED_MODEL
     lm = load(tiny_dir if which == "tiny" else EMBEDDED_MODEL, "cuda", dtype)
     kw = dict(prompt="two red circles and a blue star", bot_task="think_recaption", max_new_tokens=64,
               steps=4, seed=11)
-    eager = _run_text(lm, False, monkeypatch, **kw)
-    graph = _run_text(lm, True, monkeypatch, **kw)
+    eager = _run_text(lm, False, **kw)
+    graph = _run_text(lm, True, **kw)
     print(f"{which} {dtype}: captured {graph[2]}, {graph[3].ar_tokens} tokens, eager "
           f"{eager[3].ar_ms_per_token:.2f} ms/token, graph {graph[3].ar_ms_per_token:.2f} ms/token")
-    assert eager[2] == []                             # graphs off: nothing captured
-    if dtype == torch.bfloat16:
-        assert graph[2] == [("prefill", True), True, ("denoise", True)], f"a graph was not captured: {graph[2]}"
+    assert eager[2] == {}                             # graphs off: nothing captured
+    assert sorted(k[0] for k in graph[2]) == ["decode", "denoise", "prefill"] and set(graph[2].values()) == {1}
     assert graph[3].ar_tokens >= 8 and graph[0] == eager[0]
     assert graph[1] == eager[1]             # the same CoT, graph denoise steps or eager: the same image bytes
 
 
 @pytest.mark.parametrize("which", ["tiny", "embedded"])
-def test_same_seed_same_image_twice_on_cuda(tiny_dir, which, monkeypatch):
+def test_same_seed_same_image_twice_on_cuda(tiny_dir, which):
     """Deterministic kernels (no atomics in the MoE finalize): a seed gives the same bytes every time."""
     from engine import EMBEDDED_MODEL
     lm = load(tiny_dir if which == "tiny" else EMBEDDED_MODEL, "cuda", torch.bfloat16)
     kw = dict(prompt="a green square on black", bot_task="think_recaption", max_new_tokens=48, steps=6, seed=5,
               size="256x256")
-    a, b = _run_text(lm, True, monkeypatch, **kw), _run_text(lm, True, monkeypatch, **kw)
+    a, b = _run_text(lm, True, **kw), _run_text(lm, True, **kw)
     assert a[0] == b[0] and a[1] == b[1]
 
 
-def test_decode_graph_captured_once_for_many_requests(tiny_dir, monkeypatch):
-    """The AR decode graph lives with the pipeline's KV pool: captured at the first request, replayed by
-    the next ones (which fit the pool), and a request on the reused pool gives a fresh pipeline's bytes.
-    The prefill graphs live there too: one capture per prompt-length bucket, never twice."""
-    from engine.runtime.decode_step import DecodeStep
-    from engine.runtime.prefill_step import PrefillStep
+def test_decode_graph_captured_once_for_many_requests(tiny_dir):
+    """The AR graphs live with the pipeline's KV pool: captured at the first request, replayed by the next
+    ones (which fit the pool), and a request on the reused pool gives a fresh pipeline's bytes. One
+    capture per key, never two."""
     lm = load(tiny_dir, "cuda", torch.bfloat16)
-    captures, buckets = [], []
-    orig, orig_pf = DecodeStep._capture, PrefillStep._capture
-
-    def recording(self):
-        orig(self)
-        captures.append(self.graph is not None)
-
-    def recording_pf(self, b):
-        orig_pf(self, b)
-        buckets.append((b, b in self.graphs))
-    monkeypatch.setattr(DecodeStep, "_capture", recording)
-    monkeypatch.setattr(PrefillStep, "_capture", recording_pf)
     p = Pipeline(lm, preview_every=0)
     first = dict(prompt="three blue triangles on white", bot_task="think_recaption", max_new_tokens=40, steps=3,
                  seed=2)
     second = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=32, steps=3, seed=9)
     outcome(list(p.run(Request(**first))))
+    ar_keys = {k for k in p.graphs.captures if k[0] != "denoise"}
     got = outcome(list(p.run(Request(**second))))
-    assert captures == [True], f"the decode graph was captured {captures}, not once"
-    assert buckets and all(ok for _, ok in buckets) and len({b for b, _ in buckets}) == len(buckets), buckets
+    assert {k for k in p.graphs.captures if k[0] != "denoise"} == ar_keys          # nothing new for the AR
+    assert set(p.graphs.captures.values()) == {1}, p.graphs.captures
     fresh = outcome(list(Pipeline(lm, preview_every=0).run(Request(**second))))
     assert got[0] == fresh[0] and np.array_equal(got[1], fresh[1])
-    assert p._kv.allocations == 1
+    assert p.pool.allocations == 2                   # the AR slots and the denoise rows, once each
+
+
+GREEDY_TEXT = ["a red circle", "two blue squares on a long table", "a green star", "a black cat on a roof"]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_batched_decode_equals_per_row_decode(tiny_dir, rows):
+    """`rows` greedy requests decoded together (one graph-replayed decode step for all of them a token,
+    bf16) give each the ids it gets decoded alone; each decode bucket was captured once."""
+    from engine_drive import run_together
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    reqs = [dict(prompt=f"{GREEDY_TEXT[i % 4]} number {i}", bot_task="think", max_new_tokens=24, text_only=True,
+                 greedy=True, seed=i) for i in range(rows)]
+    events, scheduler = run_together(lm, reqs)
+    alone = Pipeline(lm, preview_every=0)
+    for i, kw in enumerate(reqs):
+        want = list(alone.run(Request(**kw)))
+        assert isinstance(events[i][-1], Done) and events[i][-1].cot_text == want[-1].cot_text, i
+    decode = {k: n for k, n in scheduler.pipeline.graphs.captures.items() if k[0] == "decode"}
+    assert decode and set(decode.values()) == {1}
+    assert max(k[1] for k in decode) == scheduler.pipeline.pool.decode.bucket([rows - 1])
+
+
+def test_graph_keys_captured_once_across_many_requests(tiny_dir):
+    """Three waves of four requests (reasoning and images) on one engine: the AR graphs (prefill per length
+    bucket, decode per batch bucket) are captured in the first wave only, once per key."""
+    from engine_drive import run_together
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    pipe = Pipeline(lm, preview_every=0, slots=4)
+    keys = []
+    for wave in range(3):
+        reqs = [dict(prompt=f"{GREEDY_TEXT[i]} in wave {wave}", bot_task="think", max_new_tokens=16 + 4 * i,
+                     steps=2, seed=10 * wave + i, size="256x256") for i in range(4)]
+        events, _ = run_together(lm, reqs, pipeline=pipe)
+        assert all(isinstance(e[-1], Done) for e in events.values()), [e[-1] for e in events.values()]
+        keys.append({k for k in pipe.graphs.captures if k[0] != "denoise"})
+    assert keys[0] == keys[1] == keys[2] and {k[0] for k in keys[0]} == {"prefill", "decode"}
+    assert all(pipe.graphs.captures[k] == 1 for k in keys[0])
+    print(f"captured: {sorted(keys[0])}; denoise (per request, not yet per bucket): "
+          f"{sum(k[0] == 'denoise' for k in pipe.graphs.captures)}")
 
 
 def test_prefill_graph_replays_equal_eager_per_bucket(tiny_dir):
@@ -188,6 +193,7 @@ def test_prefill_graph_replays_equal_eager_per_bucket(tiny_dir):
     values (two lengths in one bucket, one in the next), bitwise equal to the eager padded prefill, and
     the eager padded prefill equal to the plain forward up to bf16 rounding."""
     from engine.model.attention import KVCache
+    from engine.runtime.graphs import Graphs
     from engine.runtime.prefill_step import GRAIN, PrefillStep
     lm = load(tiny_dir, "cuda", torch.bfloat16)
     model, cfg, view = lm.model, lm.cfg, PhaseView()
@@ -197,7 +203,7 @@ def test_prefill_graph_replays_equal_eager_per_bucket(tiny_dir):
 
     def fresh():
         return KVCache.allocate(cfg.num_layers, 1, cfg.num_kv_heads, n, cfg.head_dim, model.dtype, "cuda")
-    graph = PrefillStep(model, fresh(), view, use_graph=True)
+    graph = PrefillStep(model, fresh(), view, use_graph=True, graphs=Graphs())
     eager, plain = PrefillStep(model, fresh(), view), PrefillStep(model, fresh(), view, padded=False)
     assert graph.use_graph and not eager.use_graph
     with torch.no_grad():
@@ -208,4 +214,5 @@ def test_prefill_graph_replays_equal_eager_per_bucket(tiny_dir):
             assert (e - p).abs().max().item() <= 0.05 * p.abs().max().item(), L
             for a, b in zip(graph.cache.k + graph.cache.v, eager.cache.k + eager.cache.v):
                 assert torch.equal(a[:, :, :L], b[:, :, :L])
-    assert sorted(graph.graphs) == [GRAIN, 2 * GRAIN] and not graph.failed
+    assert sorted(k[1] for k in graph.graphs.captures) == [GRAIN, 2 * GRAIN]
+    assert set(graph.graphs.captures.values()) == {1}

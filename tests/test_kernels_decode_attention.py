@@ -94,39 +94,43 @@ def test_reference_ignores_keys_past_length():
 
 
 def test_static_decode_step_through_the_op_equals_sliced(tiny, monkeypatch):
-    """The CUDA decode step's attention (device length, static cache bound, no mask) run on the CPU
-    through the op's reference equals the sliced CPU step, token after token."""
+    """The decode step's attention (device lengths, one per row, static cache bound, no mask) goes through
+    the op over the whole static cache of each layer, and equals the sliced CPU forward, token after token."""
     from engine.model.attention import KVCache
     from engine.parallel.layout import PhaseView
     from engine.runtime.decode_step import DecodeStep
+    from engine.runtime.graphs import Graphs
     from engine.runtime.sequence import text_phase_sequence
     model, tok, c = tiny.model, tiny.tok, tiny.cfg
     seq = text_phase_sequence(tok, "", "a small green triangle", [], "think", 256)
     L = len(seq)
     T = seq.tensors(length=L + 16)
-    cache = KVCache.allocate(c.num_layers, 1, c.num_kv_heads, L + 16, c.head_dim, model.dtype, "cpu")
+    cache = KVCache.allocate(c.num_layers, 1, c.num_kv_heads, L + 17, c.head_dim, model.dtype, "cpu")
+    sliced_cache = KVCache.allocate(c.num_layers, 1, c.num_kv_heads, L + 16, c.head_dim, model.dtype, "cpu")
     view = PhaseView()
+    step = DecodeStep(model, cache, T["pos"][None], view, Graphs(), ())
     lengths = []
     real = kernels.call
 
     def recording(op, *a, **kw):
         if op == "decode_attention":
-            assert a[1] is cache.k[len(lengths) % c.num_layers]      # the whole static cache of the layer
-            lengths.append(int(a[3].reshape(-1)[0]))
+            assert a[1] is step._views[1].k[len(lengths) % c.num_layers]     # the whole static cache of the layer
+            lengths.append(a[3].tolist())
         return real(op, *a, **kw)
     words = tok.encode(" red circle")
     with torch.no_grad():
-        model.backbone(model.transformer.embed(T["ids"][None]), torch.arange(L), T["pos"], T["blocks"], cache, L, view)
-        step = DecodeStep(model, T["pos"], T["blocks"], cache, view, use_graph=False)
-        assert step.device_length and not step.static
+        for kv in (cache, sliced_cache):
+            model.backbone(model.transformer.embed(T["ids"][None]), torch.arange(L), T["pos"], T["blocks"], kv, L, view)
         for s, t in enumerate(words):
-            sliced = step(t, L + s)                 # CPU: slices the cache up to the token
+            x = model.transformer.embed(torch.tensor([[t]]))
+            h = model.backbone(x, torch.tensor([L + s]), T["pos"], T["blocks"], sliced_cache, L + s + 1, view,
+                               masked=False)
+            sliced = model.transformer.logits(h[:, -1], view)[0]
             monkeypatch.setattr(kernels, "call", recording)
-            static = step._static_forward()         # the CUDA step's batch, on the CPU
+            static = step([(0, t, L + s)])[0]
             monkeypatch.setattr(kernels, "call", real)
-            assert torch.equal(step.length, torch.tensor([L + s + 1]))
             assert (static - sliced).abs().max().item() <= 1e-5
-    assert lengths == [L + s + 1 for s in range(len(words)) for _ in range(c.num_layers)]
+    assert lengths == [[L + s + 1] for s in range(len(words)) for _ in range(c.num_layers)]
 
 
 def _attention_decode(device, dtype, heads, kv, D, L, n, seed=0):

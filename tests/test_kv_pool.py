@@ -1,5 +1,6 @@
-"""The pipeline's KV pool: one cache allocation, one AR prefill step and one AR decode step (on CUDA:
-their captured graphs) serve every request that fits, and a request on a reused pool gives what it gives on a fresh pipeline."""
+"""The pipeline's KV pool: one allocation of AR slots and one of denoise rows, one AR prefill step and one
+batched AR decode step (on CUDA: their captured graphs) serve every request that fits, and a request on a
+reused pool gives what it gives on a fresh pipeline."""
 from __future__ import annotations
 
 from engine.runtime.events import Error, Image, Text
@@ -20,19 +21,32 @@ def _run(p: Pipeline, kw: dict):
 def test_a_reused_pool_gives_a_fresh_pipelines_result(tiny):
     reused = Pipeline(tiny, preview_every=0)
     _run(reused, A)
-    pool = reused._kv
-    steps = list(pool.steps.values())
-    got = _run(reused, B)                       # B runs over what A left in the cache
+    pool = reused.pool
+    steps = (pool.decode, pool.prefill)
+    got = _run(reused, B)                       # B runs over what A left in the caches
     assert got == _run(Pipeline(tiny, preview_every=0), B)
-    assert pool is reused._kv and pool.allocations == 1
-    assert list(pool.steps.values()) == steps and len(steps) == 2   # the same prefill and decode steps (graphs)
+    assert pool is reused.pool and pool.allocations == 2          # the AR slots and the denoise rows, once
+    assert (pool.decode, pool.prefill) == steps                   # the same prefill and decode steps (graphs)
+    assert pool.free == [0]                                       # the slot went back
 
 
 def test_the_pool_grows_for_a_longer_request(tiny):
     p = Pipeline(tiny, preview_every=0)
     _run(p, B)
-    rows, length = p._kv.rows, p._kv.length
-    longer = dict(B, max_new_tokens=length)      # more positions than the pool holds
+    length, allocations = p.pool.ar_length, p.pool.allocations
+    longer = dict(B, max_new_tokens=length)      # more positions than the AR slots hold
     out = _run(p, longer)
-    assert p._kv.length > length and p._kv.rows == rows and p._kv.allocations == 2
+    assert p.pool.ar_length > length and p.pool.allocations > allocations
     assert out == _run(Pipeline(tiny, preview_every=0), longer)
+
+
+def test_a_longer_request_waits_until_every_slot_is_free(tiny):
+    """The AR storage grows only while nobody holds a slot (its rows are other requests' caches)."""
+    pool = Pipeline(tiny, preview_every=0, slots=2).pool
+    a = pool.take_slot(100)
+    length = pool.ar_length
+    assert a == 0 and pool.take_slot(length) == 1
+    pool.release_slot(1)
+    assert pool.take_slot(length + 1) is None and pool.allocations == 1     # slot 0 is still held
+    pool.release_slot(a)
+    assert pool.take_slot(length + 1) == 0 and pool.ar_length > length and pool.allocations == 2

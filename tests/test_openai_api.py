@@ -122,7 +122,8 @@ class App:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    a = App("--api-key", KEY, "--max-queue", str(MAX_QUEUE), "--max-upload-mb", str(UPLOAD_MB),
+    # one request at a time (--max-batch 1): the queue tests count the waiting ones behind a single runner
+    a = App("--api-key", KEY, "--max-queue", str(MAX_QUEUE), "--max-batch", "1", "--max-upload-mb", str(UPLOAD_MB),
             "--max-upload-pixels", str(UPLOAD_PIXELS), log=tmp_path_factory.mktemp("app") / "app.log")
     try:
         a.wait_ready()

@@ -89,7 +89,7 @@ def test_a_full_queue_refuses_simultaneous_arrivals_exactly(engine_server):
     other one ends at once with Error('busy') and is never queued."""
     import threading
     running = engine_server.submit(fast_request(steps=200))
-    wait_for(lambda: engine_server.health()["running"] == running.request_id, 60)
+    wait_for(lambda: running.request_id in engine_server.health()["running_ids"], 60)
     engine_server.max_queue = 3
     subs: list = [None] * 12
     go = threading.Barrier(len(subs))
@@ -207,3 +207,53 @@ def test_two_ranks_on_cpu_serve_cancel_and_survive_a_dead_follower(tiny_dir):
                 os.kill(server.health()["worker_pids"][1], signal.SIGKILL)     # a follower dies
         assert isinstance(ev, Error) and ev.kind == "engine" and "rank 1" in ev.message
         assert isinstance(final(list(server.stream(fast_request()))), Done)
+
+
+def test_requests_run_together_up_to_max_batch(tiny_dir):
+    """max_batch 4: four submissions at once run together (all four start before the first ends) and each
+    finishes with its image; past the batch, requests wait and know their place; a cancel ends one running
+    request while its neighbours run on."""
+    import threading
+    import time
+    with EngineServer(tiny_dir, max_batch=4, preview_every=0) as server:
+        assert server.wait_ready(READY_TIMEOUT_S), server.health()
+        seen: dict[int, list] = {i: [] for i in range(4)}
+        subs = [server.submit(fast_request(prompt=f"shape number {i}", seed=i)) for i in range(4)]
+
+        def consume(i: int) -> None:
+            for ev in subs[i]:
+                seen[i].append((time.monotonic(), ev))
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        first_done = min(t for i in seen for t, ev in seen[i] if isinstance(ev, Done))
+        for i in range(4):
+            assert isinstance(seen[i][-1][1], Done) and any(isinstance(ev, Image) for _, ev in seen[i]), seen[i][-1]
+            assert next(t for t, ev in seen[i] if isinstance(ev, Started)) < first_done, i
+
+        got: dict[str, list] = {}
+
+        def steps_of(sub) -> int:           # the Step events of `sub` so far (read without blocking)
+            events = got.setdefault(sub.request_id, [])
+            while (ev := sub.get(timeout=0)) is not None:
+                events.append(ev)
+            return sum(isinstance(e, Step) for e in events)
+
+        long = [server.submit(fast_request(prompt=f"long {i}", seed=i, steps=200)) for i in range(6)]
+        wait_for(lambda: server.health()["running"] == 4, 60)
+        h = server.health()
+        assert h["waiting"] == h["queue"] == 2 and h["max_batch"] == 4
+        assert set(h["running_ids"]) == {s.request_id for s in long[:4]}
+        assert [server.position(s.request_id) for s in long] == [None] * 4 + [0, 1]
+        steps_before = steps_of(long[1])
+        assert long[0].cancel()
+        assert isinstance(final(list(long[0])), Error)
+        wait_for(lambda: long[4].request_id in server.health()["running_ids"], 60)   # its place goes to the next
+        wait_for(lambda: steps_of(long[1]) > steps_before + 1, 120)
+        for s in long[1:]:
+            s.cancel()
+        wait_for(lambda: server.health()["state"] == "ready", 60)
+        assert isinstance(final(list(server.stream(fast_request()))), Done)
+

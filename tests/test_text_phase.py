@@ -14,6 +14,8 @@ from engine.runtime.sampling import SamplingParams
 from engine.runtime.sequence import SequenceBuilder, text_phase_sequence
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 
+from engine_drive import drive, plain_decode
+
 
 def _cache(lm, n):
     c = lm.cfg
@@ -100,9 +102,14 @@ def _run_plan(tiny, script, task, need_ratio, max_new=40):
     L = 5
     pos = torch.arange(L + max_new + 8).unsqueeze(1).repeat(1, 2)
     blocks = torch.full((L + max_new + 8,), -1)
-    events = list(generate_text(fake, tok, torch.zeros(1, L, 4), pos, blocks, _cache(tiny, L + max_new + 8), plan,
-                                SamplingParams(greedy=True), None, max_new, PhaseView()))
-    return events[-1], fake
+    cache, view = _cache(tiny, L + max_new + 8), PhaseView()
+
+    def prefill(emb, pos, blocks):
+        return fake.transformer.logits(fake.backbone(emb, torch.arange(L), pos, blocks, cache, L, view)[:, -1], view)[0]
+    _, res = drive(generate_text(fake, tok, torch.zeros(1, L, 4), pos, blocks, cache, plan,
+                                 SamplingParams(greedy=True), None, max_new, view, prefill),
+                   plain_decode(fake, pos, blocks, cache, view, tok.vocab_size))
+    return res, fake
 
 
 def test_stage_machine_think_recaption_auto_size(tiny):
@@ -170,25 +177,45 @@ def test_mask_is_causal_plus_full_blocks():
     assert torch.equal(attention_mask(torch.arange(4, 9), blocks, 9), m[4:])
 
 
-def test_static_decode_step_equals_sliced(tiny):
-    """The CUDA-graph step attends to the whole cache under a mask; on any device that must equal the
-    eager step that attends to the cache up to the token."""
+def test_batched_decode_rows_equal_the_plain_forward_of_each_row(tiny):
+    """The batched decode step (static buffers, device lengths, each row its own sequence: its prompt, its
+    2D positions, its length) gives each row the logits of that row's plain forward over its cache up
+    to the token, whatever the other rows hold, idle rows included (slot 2 of the bucket of 4)."""
     from engine.runtime.decode_step import DecodeStep
-    model, tok = tiny.model, tiny.tok
-    seq = text_phase_sequence(tok, "", "a small green triangle", [], "think", 256)
-    L = len(seq)
-    T = seq.tensors(length=L + 16)
-    cache = _cache(tiny, L + 16)
+    from engine.runtime.graphs import Graphs
+    from engine.runtime.sequence import CondImageLayout
+    model, tok, c = tiny.model, tiny.tok, tiny.cfg
     view = PhaseView()
+    image = CondImageLayout((4, 6), 0, (2, 3), 6)           # a reference image: 2D positions, a full block
+    seqs = {0: text_phase_sequence(tok, "", "a small green triangle", [], "think", 256),
+            1: text_phase_sequence(tok, "", "two red circles over a long blue line", [image], "think", 256),
+            3: text_phase_sequence(tok, "", "a star", [], "recaption", 256)}
+    n = max(len(q) for q in seqs.values()) + 9
+    slots = KVCache.allocate(c.num_layers, 4, c.num_kv_heads, n, c.head_dim, model.dtype, "cpu")
+    pos = torch.zeros(4, n, 2, dtype=torch.long)
+    step = DecodeStep(model, slots, pos, view, Graphs(), ())
+    alone, T = {}, {}
+    words = tok.encode(" red circle on blue")
     with torch.no_grad():
-        model.backbone(model.transformer.embed(T["ids"][None]), torch.arange(L), T["pos"], T["blocks"], cache, L, view)
-        step = DecodeStep(model, T["pos"], T["blocks"], cache, view, use_graph=False)
-        for s, t in enumerate(tok.encode(" red circle")):
-            step.token.fill_(t)
-            step.index.fill_(L + s)
-            full = step._forward(cache.max_len, masked=True)
-            sliced = step(t, L + s)
-            assert (full - sliced).abs().max().item() <= 1e-5
+        for s, q in seqs.items():
+            T[s] = q.tensors(length=n - 1)
+            pos[s, :n - 1] = T[s]["pos"]
+            L = len(q)
+            emb = model.transformer.embed(T[s]["ids"][None])   # image slots embedded as their ids: any values do
+            alone[s] = _cache(tiny, n)
+            for cache in (alone[s], slots.rows(slice(s, s + 1))):
+                model.backbone(emb, torch.arange(L), T[s]["pos"], T[s]["blocks"], cache, L, view)
+        for k, t in enumerate(words):
+            rows = [(s, t + s, len(q) + k) for s, q in seqs.items()]       # each row its own token and index
+            batched = step(rows)
+            assert batched.shape[0] == 4 and step.bucket([0, 1, 3]) == 4
+            for s, token, index in rows:
+                x = model.transformer.embed(torch.tensor([[token]]))
+                h = model.backbone(x, torch.tensor([index]), T[s]["pos"], T[s]["blocks"], alone[s], index + 1, view,
+                                   masked=False)
+                plain = model.transformer.logits(h[:, -1], view)[0]
+                assert (batched[s] - plain).abs().max().item() <= 1e-5, (s, k)
+    assert step.forwards == len(words)
 
 
 def test_per_token_time_counts_sampled_tokens_only(tiny):
@@ -212,7 +239,6 @@ def test_padded_prefill_equals_plain(tiny):
     The padding must be invisible: the same logits, the same K/V of the prompt, the same decode after it,
     even where the blocks given for the positions after the prompt would join the prompt's last
     full-attention block (the padding is made causal)."""
-    from engine.runtime.decode_step import DecodeStep
     from engine.runtime.prefill_step import GRAIN, PrefillStep
     model, tok = tiny.model, tiny.tok
     seq = text_phase_sequence(tok, "", "a small green triangle above a red square", [], "think", 256)
@@ -232,9 +258,10 @@ def test_padded_prefill_equals_plain(tiny):
                 prefill.blocks.fill_(7)
                 prefill.emb.normal_()
             logits = [prefill(emb, T["pos"], blocks)]
-            step = DecodeStep(model, T["pos"], blocks, cache, view)
             for s, t in enumerate(tok.encode(" blue circle")):
-                logits.append(step(t, L + s))
+                x = model.transformer.embed(torch.tensor([[t]]))
+                h = model.backbone(x, torch.tensor([L + s]), T["pos"], blocks, cache, L + s + 1, view, masked=False)
+                logits.append(model.transformer.logits(h[:, -1], view)[0])
             runs.append((torch.stack(logits), cache))
     (plain, c0), (pad, c1) = runs
     assert (plain - pad).abs().max().item() <= 1e-4

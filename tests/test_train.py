@@ -227,8 +227,9 @@ def test_training_forward_is_the_inference_forward(monkeypatch):
 
     generated = ts.ids[ts.targets[0]:ts.span.meta_start]            # the CoT ids and the ratio token
 
-    def forced_text(*args, **kw):
-        yield TextResult(tokens=list(generated), ratio_token=generated[-1], fed=0)
+    def forced_text(*args, **kw):              # the text phase's protocol: no decode step, then the result
+        yield from ()
+        return TextResult(tokens=list(generated), ratio_token=generated[-1], fed=0)
 
     got = {}
 

@@ -75,14 +75,23 @@ class CotLog:
         self.chars += len(ev.delta)
 
 
-def waiting_status(health: dict[str, Any]) -> str:
+def running_count(health: dict[str, Any]) -> int:
+    """How many requests the engine runs (health's count; an engine that reports only whether one runs: 0 or 1)."""
+    n = health.get("running")
+    return n if isinstance(n, int) and not isinstance(n, bool) else int(bool(n))
+
+
+def waiting_status(health: dict[str, Any], ahead: int | None = None) -> str:
+    """`ahead`: how many requests wait before this one (None: unknown)."""
     state = health.get("state")
     if state in ("loading", "restarting"):
         what = f" ({health['loading']})" if health.get("loading") else ""
         verb = "restarting" if state == "restarting" else "loading the model"
         return f"Waiting for the engine: {verb}{what}…"
+    running = f", {running_count(health)} running" if health.get("running") else ""
+    if ahead is not None:
+        return f"In line: {ahead} ahead of you{running}…"
     if health.get("queue"):
-        running = ", one running" if health.get("running") else ""
         return f"In line: {health['queue']} waiting{running}…"
     return "Starting…"
 
@@ -149,7 +158,9 @@ async def run(client: EngineClient, req: Request, out_dir: Path) -> AsyncIterato
         while True:
             ev = await sub.aget(timeout=HEARTBEAT_S)
             if ev is None:
-                yield Update(status=None if started else waiting_status(client.health()))
+                position = getattr(client, "position", None)      # EngineServer's; a stand-in may lack it
+                ahead = None if started or position is None else position(req.request_id)
+                yield Update(status=None if started else waiting_status(client.health(), ahead))
                 continue
             batch = [ev]
             while not isinstance(batch[-1], (Done, Error)) and (nxt := sub.get(timeout=0)) is not None:

@@ -29,7 +29,7 @@ from .fields import lenient
 from .examples import is_small, reference_examples, t2i_prompts
 from .options import (AUTO_SIZE, REASONING_MODES, Settings, build_request, control_of, default_mode,
                       preset_choices, size_choices)
-from .runner import EngineClient, EngineFailure, Update, run, seed_in
+from .runner import EngineClient, EngineFailure, Update, run, running_count, seed_in
 from .theme import CSS, theme
 
 TITLE = "HunyuanImage-3.0 Studio"
@@ -78,7 +78,7 @@ def health_line(health: dict[str, Any]) -> str:
     if health.get("loading"):
         line += f" · loading {e(str(health['loading']))}"
     if health.get("running") or health.get("queue"):
-        line += f" · {1 if health.get('running') else 0} running, {health.get('queue', 0)} waiting"
+        line += f" · {running_count(health)} running, {health.get('queue', 0)} waiting"
     if state in ("failed", "restarting") and health.get("last_error"):
         line += f"<br>⚠️ {e(str(health['last_error']))}"
     return line
@@ -168,7 +168,7 @@ class Studio:
     def health(self) -> dict:
         """What the page's engine line shows (polled by the page; undocumented API `/health`)."""
         h = self.client.health()
-        return {"state": h.get("state"), "queue": h.get("queue", 0), "running": bool(h.get("running")),
+        return {"state": h.get("state"), "queue": h.get("queue", 0), "running": running_count(h),
                 "html": health_line(h)}
 
     @staticmethod

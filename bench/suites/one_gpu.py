@@ -32,6 +32,7 @@ from engine.model.hunyuan import HunyuanImage3
 from engine.model.packed import PackFormat
 from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.decode_step import DecodeStep
+from engine.runtime.graphs import Graphs
 from engine.runtime.denoise import DenoiseRunner, denoise
 from engine.runtime.prefill_step import PrefillStep
 from engine.spec.config import ModelConfig
@@ -94,8 +95,10 @@ class Request:
         self.pos, self.blocks = rank.text_positions(n, dev)
         self.cache = KVCache.allocate(cfg.num_layers, 1, kvr, n, cfg.head_dim, model.dtype, dev)
         self.ids = torch.randint(0, shapes.vocab, (1, shapes.prefill), device=dev)
-        self.step = DecodeStep(model, self.pos, self.blocks, self.cache, self.view, use_graph=True)
-        self.prefill_step = PrefillStep(model, self.cache, self.view, use_graph=True)
+        # the engine's batched decode step with one row (slot 0 = the prefill's cache row)
+        self.graphs = Graphs()
+        self.step = DecodeStep(model, self.cache, self.pos[None], self.view, self.graphs, (), use_graph=True)
+        self.prefill_step = PrefillStep(model, self.cache, self.view, use_graph=True, graphs=self.graphs)
         self.gen = torch.Generator(dev).manual_seed(0)
         self.token, self.index = 0, shapes.prefill
 
@@ -104,7 +107,7 @@ class Request:
 
     def decode_token(self) -> None:
         """One forced decode step: the graph replay, the sample op, its one host read."""
-        logits = self.step(self.token, self.index)
+        logits = self.step([(0, self.token, self.index)])[0]
         self.token = int(kernels.call("sample", logits, 0.6, 1024, 0.95, self.gen, False, None)) % self.s.vocab
         self.index += 1
 
@@ -158,7 +161,7 @@ def profile_decode(name: str, req: Request, row: dict, out: Output) -> None:
     row |= {f"split_{k}_ms": sorted(v)[len(v) // 2] for k, v in split.items()}
     out.say(f"{name}: one token = step {row['split_graph_ms']:.3f} ms (graph replay + the slot copy) + "
             f"sample and the host read {row['split_sample_ms']:.3f} ms")
-    for line in kernel_table(lambda: req.step.graph.replay(), f"{name} decode step (graph replay)", rows=32):
+    for line in kernel_table(lambda: req.graphs.graph(("decode", 1)).replay(), f"{name} decode step (graph replay)", rows=32):
         out.say(line)
     for line in kernel_table(lambda: req.step._static_forward(), f"{name} decode step (eager: the graph's kernels)",
                              rows=32):
@@ -181,7 +184,7 @@ def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool,
         req = Request(model, plan, shapes, distil, not args.no_step_graph)
         row["prefill_ms"] = time_ms(req.prefill, "wall", n=3)
         row["ms_per_token"] = time_ms(req.decode_token, "wall", n=shapes.timed_tokens, warmup=4)
-        row["graph"] = req.step.graph is not None
+        row["graph"] = ("decode", 1) in req.graphs
         if args.profile_decode and cuda:
             profile_decode(name, req, row, out)
         row["step_ms"] = req.step_ms(graph=False)

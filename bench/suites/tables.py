@@ -29,6 +29,7 @@ from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import PhaseView
 from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.decode_step import DecodeStep
+from engine.runtime.graphs import Graphs
 from engine.runtime.prefill_step import GRAIN, PrefillStep
 
 from .. import ablations, rank
@@ -70,20 +71,22 @@ def ar_phase(model: HunyuanImage3, view: PhaseView, prefill: int, cot: int, ref:
     eager_ms, eager_host = time_ms(run(plain), "wall", n=3), time_ms(run(plain), "host", n=3, warmup=0)
     prefill_ms, host = time_ms(run(graphed), "wall", n=3), time_ms(run(graphed), "host", n=3, warmup=0)
     b = graphed.bucket(prefill)
-    how = f"graph of bucket {b}" if b in graphed.graphs else "eager (no graph for this length)"
+    how = f"graph of bucket {b}" if ("prefill", b) in graphed.graphs else "eager (no graph for this length)"
     out.say(f"prefill of {prefill} tokens: {prefill_ms:.1f} ms ({how}; host enqueue {host:.1f} ms); the plain "
             f"eager forward {eager_ms:.1f} ms, of which host enqueue {eager_host:.1f} ms")
-    step = DecodeStep(model, pos, blocks, cache, view, use_graph=True)
+    # the engine's batched decode step with one row (slot 0 = the prefill's cache row; its last position is scratch)
+    step = DecodeStep(model, cache, pos[None], view, Graphs(), (), use_graph=True)
     gen = torch.Generator(dev).manual_seed(0)
     state = {"token": 0, "index": prefill}
 
     def token() -> None:           # one token: the graph replay, the sample op, the one host read
-        logits = step(state["token"], state["index"])
+        logits = step([(0, state["token"], state["index"])])[0]
         state["token"] = int(kernels.call("sample", logits, 0.6, 1024, 0.95, gen, False, None)) % min(VOCAB, cfg.vocab_size)
         state["index"] += 1
     per_token = time_ms(token, "wall", n=max(1, decode_n - 4), warmup=min(4, decode_n))
     return {"prefill_ms": prefill_ms, "prefill_enqueue_ms": host, "prefill_eager_ms": eager_ms,
-            "prefill_graph": b in graphed.graphs, "ms_per_token": per_token, "graph": step.graph is not None,
+            "prefill_graph": ("prefill", b) in graphed.graphs, "ms_per_token": per_token,
+            "graph": ("decode", 1) in step.graphs,
             "tokens": cot, "decode_s": cot * per_token / 1e3}
 
 
@@ -96,7 +99,7 @@ def dit(model: HunyuanImage3, plan: ParallelPlan, prefix: int, steps: int, side:
     x, t = rank.latent(model, side), torch.full((1,), 500.0, device=model.device)
     step_ms = time_ms(lambda: runner.velocity(1, x, t, None, None), "wall", n=steps)
     return {"uncond_prefill_ms": prefill_ms, "step_ms": step_ms, "rows": len(branches),
-            "local_tokens": -(-(1 + side * side) // plan.sp), "step_graph": runner._graph is not None}
+            "local_tokens": -(-(1 + side * side) // plan.sp), "step_graph": runner.key in runner.graphs}
 
 
 def profile_stages(model: HunyuanImage3, plan: ParallelPlan, view: PhaseView, workload: tuple, side: int,

@@ -78,8 +78,9 @@ class KVCache:
 class AttnBatch:
     """Per-forward attention inputs shared by all layers.
 
-    index: [T] sequence (= cache) indices of this rank's tokens.
-    cos, sin: [T, head_dim] fp32 RoPE tables for those tokens.
+    index: [T] sequence (= cache) indices of this rank's tokens, the same for every batch row; or [B, T]
+      (a batched decode step, `HunyuanImage3.row_batch`): row b's own indices, each row its own sequence.
+    cos, sin: [T, head_dim] fp32 RoPE tables for those tokens ([B, T, head_dim] with per-row indices).
     kv_len: keys [0, kv_len) of the cache are attended to.
     mask: [Q, kv_len] bool (True = attend) or None when every query sees every key (on CUDA the same
       mask in additive form, 0 / -inf in the compute dtype, made once for all layers); Q = T, or S for
@@ -89,10 +90,11 @@ class AttnBatch:
     masked_rows: when set, only the first `masked_rows` query rows need the mask and every later row sees
       all kv_len keys (a denoise step: the meta tokens are causal, the image tokens see everything
       before the image's end); those rows run unmasked, on the fastest attention kernel.
-    kv_len_dev: when set (a CUDA decode step, no sequence parallelism), a device int64 tensor [1] holding
-      the number of valid keys; attention reads only keys [0, kv_len_dev) through the `decode_attention`
-      op, the queries being the last T of them (causal among themselves), and `kv_len` is only the
-      cache's static bound. No host read of it, so one captured graph serves every position.
+    kv_len_dev: when set (a decode step, no sequence parallelism), a device int64 tensor [1] holding
+      the number of valid keys, or [B] (per-row indices: each row's own count); attention reads only keys
+      [0, kv_len_dev) of each row through the `decode_attention` op, the queries being the last T of them
+      (causal among themselves), and `kv_len` is only the cache's static bound. No host read of it, so
+      one captured graph serves every position.
     """
     index: torch.Tensor
     cos: torch.Tensor

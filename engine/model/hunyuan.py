@@ -60,6 +60,18 @@ class HunyuanImage3(nn.Module):
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return AttnBatch(index, cos, sin, kv_len, mask, gathered, masked_rows, kv_len_dev)
 
+    def row_batch(self, index: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, kv_len: int,
+                  kv_len_dev: torch.Tensor) -> AttnBatch:
+        """The attention inputs of a batched decode step, each batch row its own sequence: row b's tokens
+        sit at sequence indices index[b] ([B, T]) of its cache row, with the positions of position table
+        rows[b] (pos [R, >=kv_len, 2]: tables differ per request, reference images having 2D positions)
+        and keys [0, kv_len_dev[b]) valid ([B]) under the static bound kv_len. No mask: a row's queries
+        see its valid keys (the last T causal among themselves). Gathered on the device (graph-safe)."""
+        B, T = index.shape
+        D = self.cfg.head_dim
+        cos, sin = rope_angles(pos[rows[:, None], index].view(B * T, 2), D, self.cfg.rope_theta)
+        return AttnBatch(index, cos.view(B, T, D), sin.view(B, T, D), kv_len, None, kv_len_dev=kv_len_dev)
+
     def backbone(self, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor,
                  cache: KVCache, kv_len: int, view: PhaseView, masked: bool = True,
                  gathered: torch.Tensor | None = None, batch: AttnBatch | None = None,

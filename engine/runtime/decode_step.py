@@ -1,89 +1,82 @@
-"""One decode step of the AR phase: a token at a sequence index -> next-token logits.
+"""The batched AR decode step: one forward for every request in its decode stage.
 
-On the CPU it attends to the cache up to the token. On CUDA the step runs over static buffers (token,
-index, length = index + 1) so that it can be captured as a CUDA graph, once per pipeline over its KV pool
-(engine/runtime/kv_pool.py): a token then costs one graph replay instead of thousands of kernel launches
-from Python. Its attention reads only
-the valid prefix of the static cache, the `decode_attention` op taking the length from the device
-buffer (under sequence parallelism, which the AR phase does not use, it attends to the whole static
-cache under a mask instead). The eager CUDA step (graphs off, or a group that cannot be captured) runs
-the very same kernels, so graph and eager decode give the same tokens. Collectives stay inside the
-graph when every group is NCCL (or of size one); otherwise the step runs eagerly.
+Batch row s is AR slot s of the KV pool (engine/runtime/kv_pool.py): the slot's cache row, its own
+position table, its own token at its own sequence index, its own valid length (index + 1). A step runs
+the rows [0, bucket) of the smallest bucket (1, 2, 4, 8, 16, 32, ..., slots) that holds every active
+slot; the other rows of the bucket are idle: token 0 at the storage's scratch position (the last one,
+which no request ever reads), attending to key 0 only, their logits ignored. Rows never mix (attention is
+per row, the MoE routes each token alone), so a request's logits do not depend on its neighbours.
+
+The step reads everything it varies from static device buffers (tokens, indices, lengths), so on CUDA
+each bucket is one CUDA graph, captured once per KV storage (engine/runtime/graphs.py, key
+("decode", bucket, slots, storage)) and replayed for every later step of every request. The eager step
+(the CPU, graphs off, or groups a graph cannot hold) runs the very same forward. One copy from pinned
+host memory sets the three buffers.
 """
 from __future__ import annotations
-
-import sys
 
 import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import PhaseView, graph_safe
+from engine.runtime.graphs import Graphs
+
+BUCKETS = (1, 2, 4, 8, 16, 32)     # batch sizes with a graph of their own (up to the pool's slots)
+
+
+def buckets_for(slots: int) -> tuple[int, ...]:
+    return tuple(b for b in BUCKETS if b < slots) + (slots,)
 
 
 class DecodeStep:
-    def __init__(self, model: HunyuanImage3, pos: torch.Tensor, blocks: torch.Tensor, cache: KVCache,
-                 view: PhaseView, use_graph: bool = False):
-        self.model, self.pos, self.blocks, self.cache, self.view = model, pos, blocks, cache, view
+    def __init__(self, model: HunyuanImage3, cache: KVCache, pos: torch.Tensor, view: PhaseView, graphs: Graphs,
+                 key: tuple, use_graph: bool = False):
+        """cache: the AR slots' rows [slots, ar_heads, L, D] (L - 1 is the scratch position); pos [slots, L, 2]
+        the slots' position tables; `key` names the storage in the graph keys."""
+        self.model, self.cache, self.pos, self.view, self.graphs, self.key = model, cache, pos, view, graphs, key
         dev = model.device
+        self.slots, self.scratch = cache.k[0].shape[0], cache.max_len - 1
+        self.buckets = buckets_for(self.slots)
         self.use_graph = use_graph and dev.type == "cuda" and graph_safe(view.tp, view.sp)
-        self.static = dev.type == "cuda"        # the position-independent step (graph or not)
-        # the static step's attention: the valid prefix, its length on the device (else the masked whole cache)
-        self.device_length = view.sp.size == 1
-        # token, index and length = index + 1 (keys [0, index + 1)) side by side: on CUDA one copy from
-        # pinned host memory sets all three (one transfer per token instead of three fill kernels)
-        self._slots = torch.tensor([0, 0, 1], dtype=torch.long, device=dev)
-        self.token, self.index, self.length = self._slots[0:1].view(1, 1), self._slots[1:2], self._slots[2:3]
+        # token, index, length per slot side by side: one host-to-device copy per step sets all three
+        self._slots = torch.zeros(3, self.slots, dtype=torch.long, device=dev)
         cuda = dev.type == "cuda"
-        self._host = torch.zeros(3, dtype=torch.long, pin_memory=cuda)
+        self._host = torch.zeros(3, self.slots, dtype=torch.long, pin_memory=cuda)
+        self._host_np = self._host.numpy()
         self._copied = torch.cuda.Event() if cuda else None
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
+        self._rows = torch.arange(self.slots, device=dev)
+        self._views = {b: cache.rows(slice(0, b)) for b in self.buckets}
+        self.forwards = 0             # forwards run (eager) or replayed (graph): one per engine step (tests)
 
-    def _forward(self, kv_len: int, masked: bool, length: torch.Tensor | None = None) -> torch.Tensor:
-        m = self.model
-        h = m.backbone(m.transformer.embed(self.token), self.index, self.pos, self.blocks, self.cache, kv_len,
-                       self.view, masked=masked, kv_len_dev=length)
-        return m.transformer.logits(h[:, -1], self.view)[0]
+    def bucket(self, slots: list[int]) -> int:
+        need = max(slots) + 1
+        return next(b for b in self.buckets if b >= need)
 
-    def _static_forward(self) -> torch.Tensor:
-        """The step that depends on the position only through the static buffers."""
-        if self.device_length:
-            return self._forward(self.cache.max_len, masked=False, length=self.length)
-        return self._forward(self.cache.max_len, masked=True)
-
-    def __call__(self, token: int, index: int) -> torch.Tensor:
-        if self._copied is None:
-            self._slots.copy_(torch.tensor([token, index, index + 1]))
-        else:
-            self._copied.synchronize()      # the previous copy has read the pinned buffer (it has, by now)
-            self._host[0], self._host[1], self._host[2] = token, index, index + 1
-            self._slots.copy_(self._host, non_blocking=True)
+    def __call__(self, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+        """rows: (slot, token, index) of each active request: feed `token` at sequence `index` of the slot's
+        row. Returns fp32 logits [bucket, vocab], row s = slot s (the output buffer of a graph: read it
+        before the next step)."""
+        b = self.bucket([s for s, _, _ in rows])
+        host = self._host_np
+        if self._copied is not None:
+            self._copied.synchronize()        # the previous copy has read the pinned buffer (it has, by now)
+        host[0], host[1], host[2] = 0, self.scratch, 1           # idle rows
+        for s, token, index in rows:
+            host[0, s], host[1, s], host[2, s] = token, index, index + 1
+        # the whole buffer (3 x slots ints): one contiguous copy, asynchronous from pinned memory
+        self._slots.copy_(self._host, non_blocking=self._copied is not None)
+        if self._copied is not None:
             self._copied.record()
-        if self.use_graph and self.graph is None:
-            self._capture()
+        self.forwards += 1
         if self.use_graph:
-            self.graph.replay()        # capture records the kernels; only a replay runs them
-            return self.logits
-        if self.static:
-            return self._static_forward()
-        return self._forward(index + 1, masked=False)
+            return self.graphs.replay(("decode", b) + self.key, lambda: self._forward(b), warmup=2)
+        return self._forward(b)
 
-    def _capture(self) -> None:
-        """Warm up on a side stream, then capture (the caller replays). On any failure the request decodes
-        eagerly: capture is an optimisation, never a reason to fail a request."""
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.logits = self._static_forward()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.logits = self._static_forward()
-            self.graph = graph
-        except Exception as e:  # noqa: BLE001
-            print(f"engine: CUDA-graph decode unavailable ({type(e).__name__}: {e}); decoding eagerly",
-                  file=sys.stderr)
-            self.use_graph, self.graph = False, None
+    def _forward(self, b: int) -> torch.Tensor:
+        m, cache = self.model, self._views[b]
+        token, index, length = self._slots[0, :b].view(b, 1), self._slots[1, :b].view(b, 1), self._slots[2, :b]
+        batch = m.row_batch(index, self.pos, self._rows[:b], cache.max_len, length)
+        h = m.transformer(m.transformer.embed(token), batch, cache, self.view)
+        return m.transformer.logits(h[:, -1], self.view)
+

@@ -6,7 +6,6 @@ is x <- x + v * (sigma_next - sigma), in fp32. Model inputs are t = sigma * 1000
 """
 from __future__ import annotations
 
-import sys
 from typing import Callable, Iterator
 
 import torch
@@ -15,6 +14,7 @@ from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import Comm, PhaseView, graph_safe
 from engine.runtime.conditioning import embed_range
+from engine.runtime.graphs import Graphs
 from engine.runtime.sequence import GenImageSpan, Sequence
 
 
@@ -60,7 +60,8 @@ class DenoiseRunner:
 
     def __init__(self, model: HunyuanImage3, seq: Sequence, refs: list, ids: torch.Tensor, cache: KVCache,
                  view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
-                 serial: bool = False, images: int = 1, use_graph: bool = False):
+                 serial: bool = False, images: int = 1, use_graph: bool = False, graphs: Graphs | None = None,
+                 key: tuple = ()):
         self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
         self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
         self.serial = serial      # one forward per branch (less activation memory) instead of one batch
@@ -70,11 +71,13 @@ class DenoiseRunner:
         self.span = seq.gen_image
         self._batches: dict[tuple[int, int], tuple] = {}   # (start, stop) -> (chunk, n, AttnBatch)
         # every step runs the same kernels on the same shapes: on CUDA (and groups a graph can hold) the
-        # step is captured once per request and replayed, which removes the eager step's launch gaps
+        # step is captured once per request (`key` names it in the engine's graphs) and replayed, which
+        # removes the eager step's launch gaps
         self.use_graph = (use_graph and not serial and model.device.type == "cuda"
                           and graph_safe(view.tp, view.sp, branch_comm))
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._static: tuple | None = None
+        self.graphs = graphs if graphs is not None else Graphs()
+        self.key = ("denoise",) + key
+        self._static: list | None = None
 
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
@@ -140,35 +143,12 @@ class DenoiseRunner:
         before the next step."""
         if not self.use_graph:
             return self._velocity(x, t, r, g)
-        if self._graph is None:
-            self._capture(x, t, r, g)
-        if self.use_graph:
-            for buf, val in zip(self._static[:4], (x, t, r, g)):
-                if buf is not None:
-                    buf.copy_(val)
-            self._graph.replay()
-            return self._static[4]
-        return self._velocity(x, t, r, g)
-
-    def _capture(self, x, t, r, g) -> None:
-        """Warm up on a side stream, then capture one step over static inputs; on any failure the
-        request's steps run eagerly (a graph is an optimisation, never a reason to fail a request)."""
-        static = [None if v is None else v.clone() for v in (x, t, r, g)]
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._velocity(*static)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self._velocity(*static)
-            self._graph, self._static = graph, (*static, out)
-        except Exception as e:  # noqa: BLE001
-            print(f"engine: CUDA-graph denoise step unavailable ({type(e).__name__}: {e}); stepping eagerly",
-                  file=sys.stderr)
-            self.use_graph, self._graph = False, None
+        if self._static is None:
+            self._static = [None if v is None else v.clone() for v in (x, t, r, g)]
+        for buf, val in zip(self._static, (x, t, r, g)):
+            if buf is not None:
+                buf.copy_(val)
+        return self.graphs.replay(self.key, lambda: self._velocity(*self._static), warmup=2, shared=False)
 
     def _velocity(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
                   g: torch.Tensor | None) -> torch.Tensor:

@@ -1,15 +1,21 @@
-"""The KV cache of a pipeline's requests, allocated once and reused, with the AR decode step bound to it.
+"""The KV caches of the engine's requests, allocated once and reused, with the AR steps bound to them.
 
-A request takes a view of the pool (its rows: branches x images; its positions: its budget). The AR
-decode step (engine/runtime/decode_step.py) attends through device-side lengths and so does not depend
-on the request's position or budget: bound to the pool's storage and to static position buffers, its
-CUDA graph is captured at the first request's first token and replayed by every later request. The
-pool grows (and the step is made, and captured, again) only when a request needs more rows or positions
-than it holds; it never shrinks.
+Two storages, each [rows, heads, length, head_dim] per layer (heads: this rank's allocation, the union
+of its AR and denoise heads, engine/runtime/handoff.py):
+- AR slots: `slots` rows, one per request from its prefill to its hand-off, plus one staging row. A slot
+  row is the request's AR cache; the pool keeps each slot's position table (reference images give a
+  request 2D positions of its own). The batched decode step (engine/runtime/decode_step.py) runs over
+  the slot rows; the padded prefill (engine/runtime/prefill_step.py) runs on the staging row, and the
+  prompt's K/V is then copied to the request's slot, so one prefill graph per length bucket serves
+  every slot. The last position of every row is scratch: idle decode rows write there, nothing reads it.
+- Denoise rows: the cache of the one request in its denoise phase (branches x images rows). At the
+  hand-off the AR slot's prefix is copied into its cond row (no recompute; a copy on the device) and the
+  slot is free for the next request.
 
-Nothing a request reads is left over from an earlier one: every phase writes the positions it then
-attends to (the prefill its prompt, each decode step its token, the denoise prefill the uncached
-prefix, each step its image tokens), as with a freshly zeroed cache.
+A storage grows (whole grains of positions) only while nobody holds it: the AR slots when every slot is
+free, the denoise rows between two requests. The AR steps (and their graphs) are bound to one AR
+storage and made again when it grows. Nothing a request reads is left over from an earlier one: every
+phase writes the positions it then attends to.
 """
 from __future__ import annotations
 
@@ -19,59 +25,99 @@ from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import PhaseView
 from engine.runtime.decode_step import DecodeStep
+from engine.runtime.graphs import Graphs
 from engine.runtime.prefill_step import PrefillStep
 
 GRAIN = 1024            # positions are allocated in multiples of this (fewer regrowths, fewer captures)
 
 
+def _grains(length: int, limit: int) -> int:
+    return max(length, min(-(-length // GRAIN) * GRAIN, limit))
+
+
 class KVPool:
-    def __init__(self, model: HunyuanImage3, heads: int, limit: int):
-        self.model, self.heads, self.limit = model, heads, limit   # limit: the model's positions
-        self.cache: KVCache | None = None
-        self.pos: torch.Tensor | None = None          # [length, 2] positions the decode step reads
-        self.blocks: torch.Tensor | None = None       # [length] full-attention block ids (masked steps)
-        self.steps: dict[tuple, DecodeStep | PrefillStep] = {}
-        self.allocations = 0                          # how often storage was (re)allocated (tests)
+    def __init__(self, model: HunyuanImage3, heads: int, ar_heads: slice, limit: int, slots: int, view: PhaseView,
+                 graphs: Graphs, use_graph: bool):
+        """heads: KV heads allocated per row; ar_heads: the AR phase's slice of them; limit: positions a
+        row may need (the model's, plus the scratch); slots: requests in their AR phase at once."""
+        self.model, self.heads, self.ar_heads, self.limit, self.slots = model, heads, ar_heads, limit, slots
+        self.view, self.graphs, self.use_graph = view, graphs, use_graph
+        self.ar: KVCache | None = None                 # [slots + 1, heads, L, D]: the slots, then staging
+        self.pos: torch.Tensor | None = None           # [slots, L, 2] each slot's position table
+        self.free: list[int] = list(range(slots))      # free AR slots, lowest first (small decode buckets)
+        self.decode: DecodeStep | None = None
+        self.prefill: PrefillStep | None = None
+        self.denoise: KVCache | None = None            # [rows, heads, L, D] of the denoising request
+        self.allocations = 0                           # how often a storage was (re)allocated (tests)
+        self._ar_generation = 0
 
     @property
-    def rows(self) -> int:
-        return 0 if self.cache is None else self.cache.k[0].shape[0]
+    def ar_length(self) -> int:
+        """Positions a slot holds for a request (the last one of the storage is scratch)."""
+        return 0 if self.ar is None else self.ar.max_len - 1
 
-    @property
-    def length(self) -> int:
-        return 0 if self.cache is None else self.cache.max_len
+    # ------------------------------------------------------------------ AR slots
+    def take_slot(self, length: int) -> int | None:
+        """A free slot for a request whose AR phase writes `length` positions, or None (all taken, or the
+        storage is too short while other slots are in use: it grows once they are free)."""
+        if not self.free or (length > self.ar_length and len(self.free) < self.slots):
+            return None
+        if length > self.ar_length:
+            self._allocate_ar(length)
+        return self.free.pop(0)
 
-    def take(self, rows: int, length: int) -> KVCache:
-        """A request's cache: `rows` batch rows of `length` positions (views of the pool's storage)."""
-        if rows > self.rows or length > self.length:
-            self._allocate(max(rows, self.rows), max(length, self.length))
-        return self.cache.rows(slice(0, rows)).prefix(length)
+    def release_slot(self, slot: int) -> None:
+        self.free.append(slot)
+        self.free.sort()
 
-    def _allocate(self, rows: int, length: int) -> None:
+    def slot_cache(self, slot: int) -> KVCache:
+        """The slot's AR cache row (every allocated head), [1, heads, L, D]."""
+        return self.ar.rows(slice(slot, slot + 1))
+
+    def set_positions(self, slot: int, pos: torch.Tensor) -> None:
+        """The request's positions [n, 2] (n <= ar_length) for the decode steps of its slot."""
+        self.pos[slot, :pos.shape[0]].copy_(pos)
+
+    def prefill_into(self, slot: int, embeds: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """The prompt's forward (embeds [1, L, H]) on the staging row, its K/V then copied to the slot;
+        returns the fp32 logits [vocab] of its last token."""
+        logits = self.prefill(embeds, pos, blocks)
+        L, staging, heads = embeds.shape[1], self.slots, self.ar_heads
+        for buf in (*self.ar.k, *self.ar.v):
+            buf[slot, heads, :L] = buf[staging, heads, :L]
+        return logits
+
+    def _allocate_ar(self, length: int) -> None:
         m, cfg = self.model, self.model.cfg
-        length = max(length, min(-(-length // GRAIN) * GRAIN, self.limit))   # whole grains, up to the limit
-        self.cache, self.steps = None, {}             # the old storage (and its graphs) go before the new is made
-        self.cache = KVCache.allocate(cfg.num_layers, rows, self.heads, length, cfg.head_dim, m.dtype, m.device)
-        self.pos = torch.zeros(length, 2, dtype=torch.long, device=m.device)
-        self.blocks = torch.full((length,), -1, dtype=torch.long, device=m.device)
+        length = _grains(length + 1, self.limit)        # + the scratch position
+        self.ar = self.decode = self.prefill = None      # the old storage (and its graphs) go first
+        self._ar_generation += 1
+        gen = self._ar_generation
+        self.graphs.drop(lambda key: key[-1] != ("ar", gen - 1))
+        self.ar = KVCache.allocate(cfg.num_layers, self.slots + 1, self.heads, length, cfg.head_dim, m.dtype, m.device)
+        self.pos = torch.zeros(self.slots, length, 2, dtype=torch.long, device=m.device)
+        key = (self.slots, ("ar", gen))
+        slot_rows = self.ar.rows(slice(0, self.slots)).heads(self.ar_heads)
+        self.decode = DecodeStep(m, slot_rows, self.pos, self.view, self.graphs, key, self.use_graph)
+        staging = self.ar.rows(slice(self.slots, self.slots + 1)).heads(self.ar_heads)
+        self.prefill = PrefillStep(m, staging, self.view, self.use_graph, graphs=self.graphs, key=key)
         self.allocations += 1
 
-    def decode_step(self, ar_heads: slice, pos: torch.Tensor, blocks: torch.Tensor, view: PhaseView,
-                    use_graph: bool) -> DecodeStep:
-        """The AR decode step over row 0's `ar_heads`, made once per pool storage, after copying this
-        request's positions and blocks ([n, 2], [n], n <= the pool's length) into its static buffers."""
-        n = pos.shape[0]
-        self.pos[:n].copy_(pos)
-        self.blocks[:n].copy_(blocks)
-        key = (ar_heads.start, ar_heads.stop, id(view), use_graph)
-        if key not in self.steps:
-            self.steps[key] = DecodeStep(self.model, self.pos, self.blocks,
-                                         self.cache.rows(slice(0, 1)).heads(ar_heads), view, use_graph)
-        return self.steps[key]
+    # ------------------------------------------------------------------ denoise rows
+    def take_denoise(self, rows: int, length: int) -> KVCache:
+        """The denoising request's cache: `rows` rows of `length` positions (views of the storage)."""
+        have = self.denoise
+        if have is None or rows > have.k[0].shape[0] or length > have.max_len:
+            self.denoise = None                          # the old storage goes before the new is made
+            n = max(rows, 0 if have is None else have.k[0].shape[0])
+            L = _grains(max(length, 0 if have is None else have.max_len), self.limit)
+            m, cfg = self.model, self.model.cfg
+            self.denoise = KVCache.allocate(cfg.num_layers, n, self.heads, L, cfg.head_dim, m.dtype, m.device)
+            self.allocations += 1
+        return self.denoise.rows(slice(0, rows)).prefix(length)
 
-    def prefill_step(self, ar_heads: slice, view: PhaseView, use_graph: bool) -> PrefillStep:
-        """The AR prefill over row 0's `ar_heads`, made once per pool storage (its graphs per bucket)."""
-        key = ("prefill", ar_heads.start, ar_heads.stop, id(view), use_graph)
-        if key not in self.steps:
-            self.steps[key] = PrefillStep(self.model, self.cache.rows(slice(0, 1)).heads(ar_heads), view, use_graph)
-        return self.steps[key]
+    def hand_off(self, slot: int, cache: KVCache, prefix: int) -> None:
+        """Copy the AR slot's K/V [0, prefix) (its AR heads) into the cond row of the denoise cache."""
+        heads = self.ar_heads
+        for src, dst in zip((*self.ar.k, *self.ar.v), (*cache.k, *cache.v)):
+            dst[0, heads, :prefix] = src[slot, heads, :prefix]

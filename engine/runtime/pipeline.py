@@ -1,19 +1,23 @@
-"""One request in, a stream of events out: validate -> encode references -> AR phase (CoT, ratio)
--> KV hand-off -> denoise (step previews) -> VAE decode -> PNG.
+"""The phase program of one request, readable top to bottom: encode references -> AR phase (CoT,
+ratio) -> KV hand-off -> denoise (step previews) -> VAE decode -> PNG; and `Pipeline.run`, one request
+on its own through the engine's scheduler.
 
-Every rank of a plan runs this same program on its part of the model; rank 0's decisions (sampled
-tokens, cancellation) are agreed by all, and rank 0 emits the events that matter.
+The program is a generator (`Pipeline.program`): it runs its own forwards inline and yields its events,
+and yields a need (engine/runtime/needs.py) wherever it shares the engine with other requests: an AR
+slot of the KV pool, each decode step (batched with every other request's), each denoise turn. The
+scheduler (engine/runtime/scheduler.py) answers them. Every rank of a plan runs the same programs on
+its part of the model; rank 0's decisions (sampled tokens, which requests run) are agreed by all, and
+rank 0 emits the events that matter.
 
-The KV hand-off between the phases is engine/runtime/handoff.py; the decisions all ranks share are
-engine/runtime/agreement.py.
+The KV hand-off between the phases is engine/runtime/handoff.py and engine/runtime/kv_pool.py; the
+decisions all ranks share are engine/runtime/agreement.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import sys
+import itertools
 import time
-import traceback
-from typing import Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,14 +29,19 @@ from engine.runtime.agreement import Agreement
 from engine.runtime.conditioning import embed_range, encode_references
 from engine.runtime.denoise import DenoiseRunner, denoise
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
+from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import cache_heads, gather_sibling_heads, reusable_prefix
 from engine.runtime.images import align_to_reference, png_bytes, to_pil
 from engine.runtime.kv_pool import KVPool
+from engine.runtime.needs import ARSlot, DenoiseTurn, Need
 from engine.runtime.request import Prepared, Request, RequestError, prepare, with_seed
+from engine.runtime.scheduler import Scheduler, StepNews
 from engine.runtime.sequence import image_phase_sequence, text_phase_sequence
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 from engine.spec.buckets import nearest_bucket
 from engine.spec.prompts import COT_TASKS, PromptError
+
+Program = Generator["Event | Need", Any, None]
 
 
 def synchronize(dev: torch.device) -> None:
@@ -45,7 +54,8 @@ class Pipeline:
     def __init__(self, lm: LoadedModel, runtime: RankGroups | None = None, preview_every: int = 1,
                  preview_tokens: int | None = None, kv_handoff: bool = True,
                  on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False,
-                 cuda_graph: bool = True, preview_share: float = 0.25):
+                 cuda_graph: bool = True, preview_share: float = 0.25, slots: int = 1):
+        """`slots`: requests in their AR phase at once (the engine's batch: its AR slots in the KV pool)."""
         self.lm = lm
         self.cuda_graph = cuda_graph        # AR decode and denoise steps as CUDA-graph replays (on CUDA)
         self.cfg_serial = cfg_serial        # CFG branches one after the other instead of batched
@@ -59,29 +69,51 @@ class Pipeline:
         # previews decode a pooled latent of at most this many tokens (cheap on a GPU, tighter on a CPU)
         self.preview_tokens = preview_tokens or (256 if lm.model.device.type == "cuda" else 64)
         self.kv_handoff = kv_handoff
-        self._kv: KVPool | None = None      # the requests' KV cache and the AR decode step (graph) over it
         f = lm.cfg.vae_downsample_factor
         self.max_image_tokens = max((b.height // f[0]) * (b.width // f[1]) for b in lm.buckets)
+        model, rt = lm.model, self.rt
+        self.heads = cache_heads(rt.plan, rt.rank, rt.denoise.sp.rank, model.transformer.layers[0].self_attn.kv_per_micro)
+        self.graphs = Graphs()              # every CUDA graph of this engine, by key
+        # the requests' KV caches, with the AR prefill and batched decode steps (graphs) over them
+        self.pool = KVPool(model, self.heads.alloc.stop, self.heads.ar, lm.cfg.max_position_embeddings + 1, slots,
+                           rt.ar, self.graphs, cuda_graph)
+        self.agree = Agreement(rt.world, model.device)
+        self._programs = itertools.count()  # names each request's own graphs (its denoise step)
 
     # ------------------------------------------------------------------ public
     def run(self, req: Request, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
-        t_start = time.perf_counter()
+        """One request on its own (the CLI, tests, tools): validated here, then the engine's steps with
+        this one request in them; `cancelled()` is polled between steps (rank 0's answer is every rank's)."""
         try:
             p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets)
-            system = self.lm.prompts.resolve(p.preset, p.bot_task, req.custom_system_prompt)
         except (RequestError, PromptError, ValueError) as e:
             yield Error("invalid", str(e))
             return
-        yield Started(req.request_id, p.bot_task, "auto" if p.bucket is None else str(p.bucket), p.steps, p.guidance,
-                      p.seed)
+        scheduler = Scheduler(self)
+        news = StepNews(join=((0, p),))
+        while True:
+            scheduler.step(news)
+            events, _ = scheduler.drain()
+            for _, ev in events:
+                yield ev
+            if not scheduler.busy:
+                return
+            news = StepNews(cancel=frozenset({0}) if self.agree.flag(cancelled()) else frozenset())
+
+    def program(self, p: Prepared) -> Program:
+        """The phases of the prepared request `p`: its events, and the needs the scheduler answers."""
+        t_start = time.perf_counter()
         try:
-            with torch.no_grad():
-                yield from self._run(p, system, cancelled, t_start)
+            system = self.lm.prompts.resolve(p.preset, p.bot_task, p.req.custom_system_prompt)
+        except (PromptError, ValueError) as e:
+            yield Error("invalid", str(e))
+            return
+        yield Started(p.req.request_id, p.bot_task, "auto" if p.bucket is None else str(p.bucket), p.steps,
+                      p.guidance, p.seed)
+        try:
+            yield from self._phases(p, system, t_start)
         except RequestError as e:   # found once the prompt is tokenized, on every rank alike, before any compute
             yield Error("invalid", str(e))
-        except Exception as e:  # a failure while running: reported, never raised into the UI
-            traceback.print_exc(file=sys.stderr)
-            yield Error("engine", f"{type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ helpers
     def _cot_text(self, tokens: list[int], bot_task: str) -> str:
@@ -110,10 +142,9 @@ class Pipeline:
         return [0, 1], Comm()
 
     # ------------------------------------------------------------------ the request
-    def _run(self, p: Prepared, system: str, cancelled: Callable[[], bool], t_start: float) -> Iterator[Event]:
-        lm, model, tok, rt = self.lm, self.lm.model, self.lm.tok, self.rt
+    def _phases(self, p: Prepared, system: str, t_start: float) -> Program:
+        lm, model, tok, rt, pool, heads = self.lm, self.lm.model, self.lm.tok, self.rt, self.pool, self.heads
         cfg, sp, dev = lm.cfg, tok.special, model.device
-        agree = Agreement(rt.world, dev)
         timings = Timings()
         image_gen = torch.Generator(dev).manual_seed(p.seed)     # reference VAE samples, then the noise
         text_gen = torch.Generator(dev).manual_seed(p.seed)      # CoT sampling (its own stream)
@@ -131,120 +162,125 @@ class Pipeline:
             raise RequestError(f"the prompt and reference images take {len(ar_seq)} tokens, too many for the "
                                f"model's {cfg.max_position_embeddings} positions")
         budget = min(len(ar_seq) + p.max_new_tokens + 8 + self.max_image_tokens + 8, cfg.max_position_embeddings)
-        scratch = budget                                          # SP padding writes here; nothing reads it
-        heads = cache_heads(rt.plan, rt.rank, rt.denoise.sp.rank,
-                            model.transformer.layers[0].self_attn.kv_per_micro)
         n_img = 1 if text_only else p.images_out
-        if self._kv is None or self._kv.heads != heads.alloc.stop:
-            self._kv = KVPool(model, heads.alloc.stop, cfg.max_position_embeddings + 1)
-        cache = self._kv.take(len(branches) * n_img, budget + 1)
 
         cot_text, ratio_index, text_res = None, None, TextResult()
-        if run_ar:
-            self.on_phase("ar")
-            max_new = min(p.max_new_tokens, budget - len(ar_seq) - self.max_image_tokens - 16)
-            T = ar_seq.tensors(dev, length=cache.max_len)     # positions for every cache slot
-            emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
-            step = self._kv.decode_step(heads.ar, T["pos"], T["blocks"], rt.ar, self.cuda_graph)
-            prefill = self._kv.prefill_step(heads.ar, rt.ar, self.cuda_graph)
-            for ev in generate_text(model, tok, emb, T["pos"], T["blocks"], cache.rows(slice(0, 1)).heads(heads.ar),
-                                    plan, p.sampling, text_gen, max_new, rt.ar,
-                                    cancelled, agree, use_graph=self.cuda_graph, step=step, prefill=prefill):
-                if isinstance(ev, TextResult):
-                    text_res = ev
-                else:
-                    yield ev
-            timings.ar_prefill_ms = text_res.prefill_ms
-            timings.ar_tokens = text_res.sampled
-            timings.ar_forced = len(text_res.tokens) - text_res.sampled
-            timings.ar_ms_per_token = text_res.ms_per_token
-            if text_res.cancelled:
+        slot: int | None = None                 # this request's AR slot of the KV pool, until the hand-off
+        runner: DenoiseRunner | None = None
+        try:
+            if run_ar:
+                self.on_phase("ar")
+                max_new = min(p.max_new_tokens, budget - len(ar_seq) - self.max_image_tokens - 16)
+                ar_len = len(ar_seq) + max_new + 8            # the prompt, the CoT and its forced tokens
+                slot = yield ARSlot(ar_len)
+                T = ar_seq.tensors(dev, length=ar_len)        # positions for every position it may write
+                pool.set_positions(slot, T["pos"])
+                emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
+                text_res = yield from generate_text(
+                    model, tok, emb, T["pos"], T["blocks"], pool.slot_cache(slot).heads(heads.ar), plan, p.sampling,
+                    text_gen, max_new, rt.ar, prefill=lambda e, pos, blocks: pool.prefill_into(slot, e, pos, blocks),
+                    agree=self.agree.token, slot=slot)
+                timings.ar_prefill_ms = text_res.prefill_ms
+                timings.ar_tokens = text_res.sampled
+                timings.ar_forced = len(text_res.tokens) - text_res.sampled
+                timings.ar_ms_per_token = text_res.ms_per_token
+                if p.bot_task in COT_TASKS:
+                    cot_text = self._cot_text(text_res.tokens, p.bot_task)
+                if text_res.ratio_token is not None:
+                    ratio_index = sp.ratio.index(text_res.ratio_token)
+            full_text = tok.decode(text_res.tokens) if text_res.tokens else ""
+            if text_only:
+                if need_ratio and ratio_index is not None:
+                    b = lm.buckets[ratio_index]
+                    yield Ratio(b.height, b.width, b.index)
+                timings.total_s = time.perf_counter() - t_start
+                yield Done(timings, full_text)
+                return
+
+            if p.bucket is not None:
+                bucket = p.bucket
+            elif ratio_index is not None:
+                bucket = lm.buckets[ratio_index]
+            else:  # size auto always ends the text phase with a ratio token; this is only a safety net
+                bucket = nearest_bucket(lm.buckets, 1, 1)
+            yield Ratio(bucket.height, bucket.width, bucket.index)
+            f = cfg.vae_downsample_factor
+            h, w = bucket.height // f[0], bucket.width // f[1]
+            seq = image_phase_sequence(tok, system, p.req.prompt, layouts, cot_text, h, w, bucket.index,
+                                       cfg.cfg_distilled, cfg.cond_token_attn_type)
+            prefix = 0
+            if run_ar and self.kv_handoff:
+                prefix = reusable_prefix(seq.ids, ar_seq.ids + text_res.tokens, text_res.fed)
+            # Re-tokenizing the decoded CoT can take more ids than were sampled (e.g. bytes that are not
+            # valid UTF-8 come back as U+FFFD): the denoise rows hold the longer of the two
+            scratch = max(budget, seq.gen_image.stop)         # SP padding writes here; nothing reads it
+
+            yield DenoiseTurn()                 # the denoise rows are this request's until it ends
+            cache = pool.take_denoise(len(branches) * n_img, scratch + 1)
+            if prefix:
+                pool.hand_off(slot, cache, prefix)            # the cond prefix the AR phase wrote
+            if slot is not None:
+                pool.release_slot(slot)
+                slot = None
+            if prefix:
+                gather_sibling_heads(cache, heads, prefix, rt.plan, rt.replica)
+            timings.kv_reused_tokens = prefix
+            ids = torch.tensor(seq.ids, device=dev)[None]
+            if cfg_on:
+                ids = torch.cat([ids, torch.tensor(seq.uncond_ids(sp.cfg), device=dev)[None]])
+            starts = [min(prefix, seq.gen_image.meta_start) if b == 0 else 0 for b in branches]
+            runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
+                                   scratch, branch_comm, serial=self.cfg_serial, images=n_img,
+                                   use_graph=self.cuda_graph, graphs=self.graphs, key=(next(self._programs),))
+            # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
+            latent_ch = int(cfg.vae["latent_channels"])
+            gens = [image_gen] + [torch.Generator(dev).manual_seed(p.seed + k) for k in range(1, n_img)]
+            noise = torch.cat([torch.randn((1, latent_ch, h, w), generator=g, device=dev, dtype=torch.bfloat16)
+                               for g in gens])
+
+            self.on_phase("denoise")
+            t0 = time.perf_counter()
+            runner.prefill()                 # the uncached prefix of each branch, once for all its images
+            synchronize(dev)
+            timings.dit_prefill_ms = (time.perf_counter() - t0) * 1e3
+            # wall time from the first step to the last, as this request saw it (with other requests'
+            # decode steps interleaved, engine/runtime/scheduler.py), previews excepted
+            t0 = time.perf_counter()
+            x, spent = None, 0.0          # spent: seconds in previews
+            for i, x, x0 in denoise(runner, noise, p.steps, lm.gen.flow_shift, p.guidance, cfg_on, cfg.cfg_distilled):
+                png = None
+                if rt.is_leader and self.preview_every and (i + 1) % self.preview_every == 0 and i + 1 < p.steps and \
+                        spent <= self.preview_share * (time.perf_counter() - t0 - spent):
+                    synchronize(dev)     # steps are queued asynchronously on a GPU: charge the preview its own time only
+                    tp = time.perf_counter()
+                    png = self._preview(x0[:1])
+                    spent += time.perf_counter() - tp
+                yield Step(i + 1, p.steps, png)
+                if i + 1 < p.steps:
+                    yield DenoiseTurn()
+            if x is None or i + 1 < p.steps:
                 yield Error("cancelled", "stopped by the user")
                 return
-            if p.bot_task in COT_TASKS:
-                cot_text = self._cot_text(text_res.tokens, p.bot_task)
-            if text_res.ratio_token is not None:
-                ratio_index = sp.ratio.index(text_res.ratio_token)
-        full_text = tok.decode(text_res.tokens) if text_res.tokens else ""
-        if text_only:
-            if need_ratio and ratio_index is not None:
-                b = lm.buckets[ratio_index]
-                yield Ratio(b.height, b.width, b.index)
+            synchronize(dev)
+            timings.dit_steps = p.steps
+            timings.dit_ms_per_step = (time.perf_counter() - t0 - spent) * 1e3 / p.steps
+
+            if not rt.is_leader:      # one rank decodes and emits the image
+                return
+            t0 = time.perf_counter()
+            for k in range(n_img):
+                img = to_pil(model.decode_image(x[k:k + 1])[0])
+                if p.req.stretch and p.images:
+                    img = align_to_reference(img, p.images, lm.buckets, cfg.image_base_size)
+                yield Image(png_bytes(img), img.width, img.height, p.seed + k, k)
+            timings.vae_ms = (time.perf_counter() - t0) * 1e3 / n_img
             timings.total_s = time.perf_counter() - t_start
             yield Done(timings, full_text)
-            return
-
-        if p.bucket is not None:
-            bucket = p.bucket
-        elif ratio_index is not None:
-            bucket = lm.buckets[ratio_index]
-        else:  # size auto always ends the text phase with a ratio token; this is only a safety net
-            bucket = nearest_bucket(lm.buckets, 1, 1)
-        yield Ratio(bucket.height, bucket.width, bucket.index)
-        f = cfg.vae_downsample_factor
-        h, w = bucket.height // f[0], bucket.width // f[1]
-        seq = image_phase_sequence(tok, system, p.req.prompt, layouts, cot_text, h, w, bucket.index,
-                                   cfg.cfg_distilled, cfg.cond_token_attn_type)
-        prefix = 0
-        if run_ar and self.kv_handoff:
-            prefix = reusable_prefix(seq.ids, ar_seq.ids + text_res.tokens, text_res.fed)
-        if seq.gen_image.stop > budget:
-            # Re-tokenizing the decoded CoT can take more ids than were sampled (e.g. bytes that are not
-            # valid UTF-8 come back as U+FFFD): grow the cache, keeping the cond prefix the AR phase wrote.
-            budget = seq.gen_image.stop
-            scratch = budget
-            cache = cache.grown(budget + 1, keep=prefix)
-        if prefix:
-            gather_sibling_heads(cache, heads, prefix, rt.plan, rt.replica)
-        timings.kv_reused_tokens = prefix
-        ids = torch.tensor(seq.ids, device=dev)[None]
-        if cfg_on:
-            ids = torch.cat([ids, torch.tensor(seq.uncond_ids(sp.cfg), device=dev)[None]])
-        starts = [min(prefix, seq.gen_image.meta_start) if b == 0 else 0 for b in branches]
-        runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
-                               scratch, branch_comm, serial=self.cfg_serial, images=n_img,
-                               use_graph=self.cuda_graph)
-        # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
-        latent_ch = int(cfg.vae["latent_channels"])
-        gens = [image_gen] + [torch.Generator(dev).manual_seed(p.seed + k) for k in range(1, n_img)]
-        noise = torch.cat([torch.randn((1, latent_ch, h, w), generator=g, device=dev, dtype=torch.bfloat16)
-                           for g in gens])
-
-        self.on_phase("denoise")
-        t0 = time.perf_counter()
-        runner.prefill()                 # the uncached prefix of each branch, once for all its images
-        synchronize(dev)
-        timings.dit_prefill_ms = (time.perf_counter() - t0) * 1e3
-        t0 = time.perf_counter()
-        x, spent = None, 0.0          # spent: seconds in previews
-        for i, x, x0 in denoise(runner, noise, p.steps, lm.gen.flow_shift, p.guidance, cfg_on, cfg.cfg_distilled,
-                                agree.cancelled(cancelled)):
-            png = None
-            if rt.is_leader and self.preview_every and (i + 1) % self.preview_every == 0 and i + 1 < p.steps and \
-                    spent <= self.preview_share * (time.perf_counter() - t0 - spent):
-                synchronize(dev)     # steps are queued asynchronously on a GPU: charge the preview its own time only
-                tp = time.perf_counter()
-                png = self._preview(x0[:1])
-                spent += time.perf_counter() - tp
-            yield Step(i + 1, p.steps, png)
-        if x is None or i + 1 < p.steps:
-            yield Error("cancelled", "stopped by the user")
-            return
-        synchronize(dev)
-        timings.dit_steps = p.steps
-        timings.dit_ms_per_step = (time.perf_counter() - t0 - spent) * 1e3 / p.steps
-
-        if not rt.is_leader:      # one rank decodes and emits the image
-            return
-        t0 = time.perf_counter()
-        for k in range(n_img):
-            img = to_pil(model.decode_image(x[k:k + 1])[0])
-            if p.req.stretch and p.images:
-                img = align_to_reference(img, p.images, lm.buckets, cfg.image_base_size)
-            yield Image(png_bytes(img), img.width, img.height, p.seed + k, k)
-        timings.vae_ms = (time.perf_counter() - t0) * 1e3 / n_img
-        timings.total_s = time.perf_counter() - t_start
-        yield Done(timings, full_text)
+        finally:           # ended, failed or cancelled (closed where it waited): its share of the engine goes back
+            if slot is not None:
+                pool.release_slot(slot)
+            if runner is not None:
+                self.graphs.drop(lambda key: key != runner.key)
 
     def _preview(self, x0: torch.Tensor) -> bytes:
         """A small PNG of the current clean-image estimate (VAE decode of a pooled latent)."""

@@ -10,18 +10,17 @@ reads them (each step writes its own position first). The eager CUDA prefill of 
 very same padded forward, so graph and eager give the same tokens. Longer prompts (a TI2I prompt with
 reference images: GPU-bound) and the CPU run the plain forward of exactly the prompt.
 
-Graphs of every bucket share one memory pool: they never run at once, and each replay's logits are
-read before the next replay.
+Its graphs live with the engine's other graphs (engine/runtime/graphs.py, key ("prefill", bucket, ...)):
+captured once per bucket, a failed capture an error that names the bucket.
 """
 from __future__ import annotations
-
-import sys
 
 import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import PhaseView, graph_safe
+from engine.runtime.graphs import Graphs
 
 GRAIN = 128            # bucket lengths: multiples of this (at most GRAIN - 1 padding rows)
 GRAPH_MAX = 2048       # longer prompts are GPU-bound (their kernels outlast issuing them): no padding
@@ -29,15 +28,15 @@ GRAPH_MAX = 2048       # longer prompts are GPU-bound (their kernels outlast iss
 
 class PrefillStep:
     def __init__(self, model: HunyuanImage3, cache: KVCache, view: PhaseView, use_graph: bool = False,
-                 padded: bool | None = None):
-        """`padded`: run short prompts at their bucket (default: on CUDA; tests set it on the CPU)."""
+                 padded: bool | None = None, graphs: Graphs | None = None, key: tuple = ()):
+        """`padded`: run short prompts at their bucket (default: on CUDA; tests set it on the CPU).
+        `graphs`: the engine's graph owner (else one of its own); `key` names the cache in its keys."""
         self.model, self.cache, self.view = model, cache, view
         dev = model.device
         self.padded = dev.type == "cuda" if padded is None else padded
         self.use_graph = use_graph and dev.type == "cuda" and self.padded and graph_safe(view.tp, view.sp)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.failed: set[int] = set()          # buckets whose capture failed: they run eagerly
-        self._pool = None
+        self.graphs = graphs if graphs is not None else Graphs()
+        self.key = key
         if self.padded:
             n = min(GRAPH_MAX, cache.max_len)
             self.emb = torch.zeros(1, n, model.cfg.hidden_size, dtype=model.dtype, device=dev)
@@ -68,12 +67,8 @@ class PrefillStep:
         self.blocks[:L].copy_(blocks[:L])
         self.blocks[L:b].fill_(-1)            # padding is causal: no prompt row sees it
         self.last.fill_(L - 1)
-        if self.use_graph and b not in self.graphs and b not in self.failed:
-            self._capture(b)
-        if b in self.graphs:
-            graph, logits = self.graphs[b]
-            graph.replay()
-            return logits
+        if self.use_graph:
+            return self.graphs.replay(("prefill", b) + self.key, lambda: self._forward(b))
         return self._forward(b)
 
     def _forward(self, b: int) -> torch.Tensor:
@@ -81,23 +76,3 @@ class PrefillStep:
         m = self.model
         h = m.backbone(self.emb[:, :b], self.index[:b], self.pos, self.blocks, self.cache, b, self.view)
         return m.transformer.logits(h.index_select(1, self.last)[:, 0], self.view)[0]
-
-    def _capture(self, b: int) -> None:
-        """Warm up on a side stream, then capture bucket b. On any failure that bucket runs eagerly:
-        capture is an optimisation, never a reason to fail a request."""
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._forward(b)
-            torch.cuda.current_stream().wait_stream(stream)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._forward(b)
-            self.graphs[b] = (graph, logits)
-        except Exception as e:  # noqa: BLE001
-            print(f"engine: CUDA-graph prefill of {b} tokens unavailable ({type(e).__name__}: {e}); running "
-                  f"it eagerly", file=sys.stderr)
-            self.failed.add(b)

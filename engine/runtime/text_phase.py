@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Generator
 
 import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import PhaseView
-from engine.runtime.decode_step import DecodeStep
-from engine.runtime.prefill_step import PrefillStep
 from engine.runtime.events import Text
+from engine.runtime.needs import Decode
 from engine.runtime.sampling import SamplingParams, choose
 from engine.spec.tokenizer import SpecialIds, TextStream, Tokenizer
 
@@ -62,7 +61,6 @@ class TextResult:
     ratio_token: int | None = None
     prefill_ms: float = 0.0                              # the prompt's forward and the first choice
     decode_ms: float = 0.0                               # every later choice with its forward, no forced pass
-    cancelled: bool = False
     fed: int = 0                                         # sequence length whose K/V the cache now holds
 
     @property
@@ -100,18 +98,17 @@ class SectionTracker:
 def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Tensor, pos: torch.Tensor,
                   blocks: torch.Tensor, cache: KVCache, plan: StagePlan, params: SamplingParams,
                   generator: torch.Generator | None, max_new_tokens: int, view: PhaseView,
-                  cancelled: Callable[[], bool] = lambda: False,
-                  agree: Callable[[int, bool], tuple[int, bool]] = lambda t, c: (t, c),
-                  use_graph: bool = False, step: DecodeStep | None = None,
-                  prefill: PrefillStep | None = None) -> Iterator[Text | TextResult]:
-    """Yields Text events as tokens are produced, then the TextResult.
+                  prefill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                  agree: Callable[[torch.Tensor], int] = int, slot: int = 0) -> Generator[Text | Decode, int, TextResult]:
+    """The AR phase of one request: yields Text events as tokens are produced and a `Decode` need for
+    every decode step (the engine batches the decode steps of its requests and answers with the next
+    token); returns the TextResult.
 
     prompt_embeds [1, L, H] are the embedded prompt (images already instantiated); pos/blocks describe
-    the prompt plus room for max_new_tokens generated tokens; `cache` holds at least that many slots.
-    `agree(token, cancel)` makes every rank continue with rank 0's token and cancel decision.
-    The prompt's forward goes through `PrefillStep` and single-token steps through `DecodeStep` (CUDA
-    graphs on GPUs with `use_graph`): `prefill` and `step`, kept across requests over the same storage
-    (engine/runtime/kv_pool.py), or made for this request.
+    the prompt plus room for max_new_tokens generated tokens; `cache` (the request's AR row, slot `slot`
+    of the KV pool) holds at least that many positions. `prefill(embeds, pos, blocks)` runs the prompt's forward into `cache` and
+    returns its last logits. The choices made here (the first token, and after a forward of forced
+    tokens) go through `agree(token)`: every rank continues with rank 0's token (the one host read).
     """
     dev = prompt_embeds.device
     L = prompt_embeds.shape[1]
@@ -123,21 +120,20 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
     tracker = SectionTracker(tok, {"think": "think", "recaption": "recaption"}.get(plan.first_task, "answer"))
     allowed_ratio = torch.tensor(tok.special.ratio, device=dev)
     done_transitions: set[int] = set()
-    step = step or DecodeStep(model, pos, blocks, cache, view, use_graph)
-    prefill = prefill or PrefillStep(model, cache, view, use_graph)
+
+    def choose_here(logits: torch.Tensor, restrict: torch.Tensor | None) -> int:
+        logits[vocab:] = float("-inf")  # the embedding is padded past the tokenizer's vocabulary
+        return agree(choose(logits, params, generator, restrict))
+
+    def restriction(last: int | None) -> torch.Tensor | None:
+        return allowed_ratio if plan.ratio_trigger is not None and last == plan.ratio_trigger else None
 
     t0 = time.perf_counter()
-    logits = prefill(prompt_embeds, pos, blocks)
     # the one-step ratio pass starts right after `<img_size_B>` (the end of its prompt)
+    token = choose_here(prefill(prompt_embeds, pos, blocks),
+                        restriction(plan.ratio_trigger if plan.first_task == "img_ratio" else None))
     fed, t_first = L, None
-    last = plan.ratio_trigger if plan.first_task == "img_ratio" else None
-    while len(res.tokens) < max_new_tokens:
-        logits[vocab:] = float("-inf")  # the embedding is padded past the tokenizer's vocabulary
-        restrict = allowed_ratio if plan.ratio_trigger is not None and last == plan.ratio_trigger else None
-        token, stop = agree(int(choose(logits, params, generator, restrict)), cancelled())  # one host sync
-        if stop:
-            res.cancelled = True
-            break
+    while True:
         res.sampled += 1
         t_last = time.perf_counter()
         if t_first is None:
@@ -151,23 +147,22 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
             res.tokens.append(t)
             if (ev := tracker.push(t)) is not None:
                 yield ev
-        last = new[-1]
         if token in plan.stops:
             res.ratio_token = token if token in tok.special.ratio else None
             break
         if len(res.tokens) >= max_new_tokens:
             break
+        restrict = restriction(new[-1])
         if len(new) == 1:
-            logits = step(token, fed)
-        else:  # a token and the tokens it forces: one causal forward
+            token = yield Decode(slot, token, fed, params, generator, restrict)
+        else:  # a token and the tokens it forces: one causal forward of this request alone
             ids = torch.tensor([new], device=dev)
             index = torch.arange(fed, fed + len(new), device=dev)
             h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(new), view)
-            logits = model.transformer.logits(h[:, -1], view)[0]
+            token = choose_here(model.transformer.logits(h[:, -1], view)[0], restrict)
         fed += len(new)
-    if t_first is not None:
-        res.decode_ms = (t_last - t_first) * 1e3
-    if plan.ratio_trigger is not None and res.ratio_token is None and not res.cancelled:
+    res.decode_ms = (t_last - t_first) * 1e3
+    if plan.ratio_trigger is not None and res.ratio_token is None:
         # The budget ran out before the model chose a size: close with the forced ratio stage
         # (`<answer> <boi> <img_size>` then a greedy ratio token) so the request still gets an image.
         sp = tok.special
@@ -179,8 +174,7 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
         index = torch.arange(fed, fed + len(feed), device=dev)
         h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(feed), view)
         fed += len(feed)
-        ratio = int(choose(model.transformer.logits(h[:, -1], view)[0], params, None, allowed_ratio))
-        res.ratio_token = agree(ratio, False)[0]
+        res.ratio_token = agree(choose(model.transformer.logits(h[:, -1], view)[0], params, None, allowed_ratio))
         res.tokens.append(res.ratio_token)
     res.fed = fed
-    yield res
+    return res

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.runtime.request import Request, prepare, with_seed
+from engine.runtime.request import Prepared, Request, prepare, with_seed
 from engine.spec.buckets import Bucket, build_buckets
 from engine.spec.config import CheckpointConfig, GenerationConfig, ModelConfig
 from engine.spec.prompts import PRESETS, SystemPrompts
@@ -33,6 +33,11 @@ class ModelInfo:
         return cls(folder, cc.model.model_version or folder.name, cc.generation,
                    build_buckets(cc.model.image_base_size), usable, cc.model.cfg_distilled, cc.model)
 
+    def prepare(self, req: Request) -> Prepared:
+        """The request (its seed fixed: `with_seed`) checked and its defaults resolved, as the engine runs
+        it; RequestError otherwise (one implementation: `request.prepare`)."""
+        return prepare(req, self.gen, self.buckets)
+
     def validate(self, req: Request) -> None:
-        """Raise RequestError exactly as the engine would (one implementation: `request.prepare`)."""
-        prepare(with_seed(req), self.gen, self.buckets)
+        """Raise RequestError exactly as the engine would (a form's check before it submits)."""
+        self.prepare(with_seed(req))

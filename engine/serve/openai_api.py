@@ -239,9 +239,11 @@ class OpenAIApi:
     async def health(self, request: HttpRequest) -> Response:
         h = self.server.health()
         up = h.get("state") in ("ready", "busy")
-        keys = ("state", "device", "plan", "world_size", "queue", "max_queue", "loading", "last_error", "restarts")
+        keys = ("state", "device", "plan", "world_size", "queue", "max_queue", "max_batch", "loading", "last_error",
+                "restarts")
+        # running: requests in the engine's batch; waiting (= queue): requests queued beyond it
         body = {"status": "ok" if up else "unavailable", "model": self.info.name,
-                **{k: h.get(k) for k in keys}, "running": h.get("running") is not None}
+                **{k: h.get(k) for k in keys}, "running": h.get("running") or 0, "waiting": h.get("queue") or 0}
         return JSONResponse(body, status_code=200 if up else 503)
 
     def router(self) -> APIRouter:

@@ -8,12 +8,12 @@ the studio, the CLI and the benchmarks use.
 
 Process model (DESIGN §2.7). The server spawns one worker per rank of the parallel plan (`spawn`
 context: CUDA cannot be forked). Worker 0 receives requests over a pipe, broadcasts them to the other
-ranks over a gloo control group, and sends rank 0's events back; every rank runs the same pipeline,
-which agrees on sampled tokens and cancel decisions (engine/runtime/pipeline.py). Requests are queued
-here, in the server, and handed to worker 0 one at a time, so a worker only ever holds the request
-it is running: cancellation is one shared integer (the sequence number of the request to stop) that
-the pipeline's `cancelled()` polls between tokens and steps. A stale cancel can never hit the next
-request because sequence numbers are never reused.
+ranks over a gloo control group, and sends rank 0's events back; every rank runs the same engine
+steps over the same requests (engine/runtime/scheduler.py). Requests are validated and prepared here,
+once, queued here, and handed to worker 0 as soon as fewer than `max_batch` run (the engine batches
+them); `max_queue` counts the ones waiting beyond that. A cancel is a message on the request pipe,
+("cancel", seq), which the engine takes at its next step boundary (its next token or denoise step); it
+ends that request only. Sequence numbers are never reused, so a stale cancel hits nothing.
 
 One pump thread owns the workers: it reads their messages, dispatches queued requests, notices a
 dead worker (its pipe closes and its process sentinel fires), fails the in-flight request with a
@@ -37,10 +37,10 @@ from typing import Any, Iterator
 
 from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.events import Error, Event
-from engine.runtime.request import Request, RequestError, with_seed
+from engine.runtime.request import Prepared, Request, RequestError, with_seed
 from engine.serve.client import Submission
 from engine.serve.info import ModelInfo
-from engine.serve.worker import NO_REQUEST, worker_main
+from engine.serve.worker import worker_main
 
 CANCEL_GRACE_S = 60.0       # a worker that ignores a cancel this long is considered hung and restarted
 DEATH_GRACE_S = 2.0         # an engine error of a multi-rank request waits this long for a rank's death to show
@@ -49,6 +49,7 @@ DEATH_GRACE_S = 2.0         # an engine error of a multi-rank request waits this
 class _Job:
     seq: int
     sub: Submission
+    prepared: Prepared
     cancelled_at: float | None = None
 
 
@@ -69,19 +70,24 @@ class EngineServer:
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | None = None,
                  world_size: int | None = None, plan: str | None = None, preview_every: int = 1,
                  verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S, sp_kind: str | None = None,
-                 pipeline_options: dict | None = None, max_queue: int | None = None, quantize: str | None = None):
+                 pipeline_options: dict | None = None, max_queue: int | None = None, quantize: str | None = None,
+                 max_batch: int = 1):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
         be split by, or a folder that is not a checkpoint, is refused here, before anything is spawned
         (PlanError / ConfigError, both ValueErrors). `sp_kind` picks the SP attention (ulysses or
         kv_gather); `pipeline_options` go to every rank's Pipeline (kv_handoff, cfg_serial). `max_queue`:
-        how many requests may wait behind the running one (None: no limit); one more is refused at
+        how many requests may wait beyond the running ones (None: no limit); one more is refused at
         submit with Error('busy'), checked under the queue's lock so simultaneous arrivals cannot
-        overshoot it. `quantize` ("fp8"): every rank quantizes the backbone linears of a high-precision
+        overshoot it. `max_batch`: how many requests the engine runs at once (batched; 1: one at a
+        time). `quantize` ("fp8"): every rank quantizes the backbone linears of a high-precision
         checkpoint at load (engine/model/weights.py)."""
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0 (got {max_queue})")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
+        self.max_batch = max_batch
         from engine.model.weights import ONLINE_FORMATS
         if quantize is not None and quantize not in ONLINE_FORMATS:
             raise ValueError(f"unknown quantize {quantize!r} (supported: {', '.join(ONLINE_FORMATS)})")
@@ -99,10 +105,9 @@ class EngineServer:
         self.max_queue = max_queue
 
         self._ctx = mp.get_context("spawn")
-        self._cancel_seq = self._ctx.Value("q", NO_REQUEST, lock=False)   # read lock-free by the worker
         self._lock = threading.RLock()
         self._waiting: collections.deque[_Job] = collections.deque()
-        self._current: _Job | None = None
+        self._running: dict[int, _Job] = {}               # seq -> job handed to the engine, not yet ended
         self._jobs: dict[str, _Job] = {}
         self._seq = 0
         self._state = "loading"
@@ -127,8 +132,9 @@ class EngineServer:
         runs it."""
         sub = Submission(request, self.cancel)
         try:
-            self.info.validate(request)
-            request = _detach_images(with_seed(request))
+            request = with_seed(request)
+            prepared = self.info.prepare(request)            # once: the engine runs it as prepared here
+            request = _detach_images(request)
         except (RequestError, TypeError, ValueError) as e:     # TypeError: a value of the wrong kind
             sub._push(Error("invalid", str(e)))
             return sub
@@ -148,7 +154,7 @@ class EngineServer:
                                         "try again in a moment"))
             else:
                 self._seq += 1
-                job = _Job(self._seq, sub)
+                job = _Job(self._seq, sub, prepared)
                 self._jobs[request.request_id] = job
                 self._waiting.append(job)
         self._kick()
@@ -170,12 +176,19 @@ class EngineServer:
                 del self._jobs[request_id]
                 job.sub._push(Error("cancelled", "stopped before it started"))
                 return True
-            # running: tell the worker, answer the client now, free the slot when the worker says so
-            self._cancel_seq.value = job.seq
-            job.cancelled_at = time.monotonic()
+            # running: tell the engine, answer the client now, free its place when the worker says so
+            self._send_cancel(job)
             job.sub._push(Error("cancelled", "stopped by the user"))
         self._kick()
         return True
+
+    def position(self, request_id: str) -> int | None:
+        """How many requests wait ahead of this one (0: it starts next); None when it is not waiting."""
+        with self._lock:
+            for i, job in enumerate(self._waiting):
+                if job.sub.request_id == request_id:
+                    return i
+            return None
 
     def health(self) -> dict[str, Any]:
         with self._lock:
@@ -187,9 +200,8 @@ class EngineServer:
                 "dtype": self._worker_info.get("dtype", self.dtype or "auto"),
                 "world_size": self.world_size,
                 "plan": self.plan,
-                "queue": len(self._waiting),
+                **self._counts(),
                 "max_queue": self.max_queue,
-                "running": self._current.sub.request_id if self._current else None,
                 "loading": self._loading,
                 "last_error": self._last_error,
                 "restarts": self._restarts,
@@ -215,10 +227,8 @@ class EngineServer:
             if self._closing:
                 return
             self._closing = True
-            pending = list(self._waiting) + ([self._current] if self._current else [])
+            pending = list(self._waiting) + list(self._running.values())
             self._waiting.clear()
-            if self._current is not None:
-                self._cancel_seq.value = self._current.seq
             for job in pending:
                 job.sub._push(Error("engine", "the engine was shut down"))
         self._kick()
@@ -247,7 +257,6 @@ class EngineServer:
         from engine.parallel.groups import free_port, init_method_for
         req_r, req_w = self._ctx.Pipe(duplex=False)
         pipes = [self._ctx.Pipe(duplex=False) for _ in range(self.world_size)]     # one event pipe a rank
-        self._cancel_seq.value = NO_REQUEST
         init_method = init_method_for(free_port())      # a fresh rendezvous for every incarnation
         procs = []
         for rank in range(self.world_size):
@@ -255,9 +264,9 @@ class EngineServer:
             p = self._ctx.Process(
                 target=worker_main, name=f"engine-worker-{rank}", daemon=True,
                 args=(rank, self.world_size, self.model, self.device, self.dtype,
-                      req_r if lead else None, pipes[rank][1], self._cancel_seq,
+                      req_r if lead else None, pipes[rank][1],
                       self.preview_every, self.verbose, self.plan, init_method, self.parallel.sp_kind,
-                      self.pipeline_options, self.quantize))
+                      self.pipeline_options, self.quantize, self.max_batch))
             p.start()
             procs.append(p)
         req_r.close()      # the children hold their ends; ours must close so a dead worker reads as EOF
@@ -292,11 +301,11 @@ class EngineServer:
         self._rank_conns = []
 
     def _restart(self, why: str) -> None:
-        """Called by the pump with the lock held: fail the in-flight request, respawn the workers."""
+        """Called by the pump with the lock held: fail the in-flight requests, respawn the workers."""
         self._last_error = why
         self._restarts += 1
-        job, self._current = self._current, None
-        if job is not None:
+        running, self._running = list(self._running.values()), {}
+        for job in running:
             self._jobs.pop(job.sub.request_id, None)
             job.sub._push(Error("engine", f"{why}. The engine is restarting and reloading the model; "
                                           "please try again in a moment."))
@@ -319,9 +328,9 @@ class EngineServer:
                     return
                 conn, procs, rank_conns = self._ev_conn, list(self._procs), list(self._rank_conns)
                 timeout = 0.5
-                if self._current is not None and self._current.cancelled_at is not None:
-                    timeout = max(0.0, min(timeout, self._current.cancelled_at + self.cancel_grace_s
-                                           - time.monotonic()))
+                stuck = self._oldest_cancel()
+                if stuck is not None:
+                    timeout = max(0.0, min(timeout, stuck + self.cancel_grace_s - time.monotonic()))
             watched = [self._wake_r, *(p.sentinel for p in procs), *rank_conns] + ([conn] if conn is not None else [])
             wait(watched, timeout)             # a message, a dead worker, a kick or the timeout
             while self._wake_r.poll():
@@ -339,8 +348,8 @@ class EngineServer:
                     dead = [p for p in self._procs if not p.is_alive()]
                     if dead:
                         self._on_death(dead[0])
-                    elif self._current is not None and self._current.cancelled_at is not None and \
-                            time.monotonic() - self._current.cancelled_at > self.cancel_grace_s:
+                    elif (stuck := self._oldest_cancel()) is not None and \
+                            time.monotonic() - stuck > self.cancel_grace_s:
                         self._restart(f"the engine did not stop within {self.cancel_grace_s:.0f} s of a cancel")
                 self._dispatch()
 
@@ -355,7 +364,8 @@ class EngineServer:
         kind = msg[0]
         if kind == "event":
             _, seq, ev = msg
-            if self._current is None or self._current.seq != seq:
+            job = self._running.get(seq)
+            if job is None:
                 return
             if isinstance(ev, Error) and ev.kind == "engine" and self.world_size > 1:
                 # rank 0 failing in a collective is often the echo of another rank's death: name the cause
@@ -364,17 +374,17 @@ class EngineServer:
                 if dead:
                     self._on_death(dead[0])
                     return
-            self._current.sub._push(ev)
+            job.sub._push(ev)
         elif kind == "end":
-            if self._current is not None and self._current.seq == msg[1]:
-                job, self._current = self._current, None
+            job = self._running.pop(msg[1], None)
+            if job is not None:
                 self._jobs.pop(job.sub.request_id, None)
                 job.sub._push(Error("engine", "the engine ended the request without a result"))  # no-op if ended
-                self._state = "ready"
+                self._state = "busy" if self._running else "ready"
         elif kind == "rank_failed":
             _, seq, rank, message = msg
-            if self._current is not None and self._current.seq == seq:
-                self._current.sub._push(Error("engine", f"{message} (on engine rank {rank}; the engine is "
+            if seq in self._running:
+                self._running[seq].sub._push(Error("engine", f"{message} (on engine rank {rank}; the engine is "
                                                         "restarting and reloading the model)"))
             self._restart(f"engine rank {rank} failed a request: {message}")
         elif kind == "stats":
@@ -411,24 +421,46 @@ class EngineServer:
         """Loading failed: no point respawning in a loop. Every pending request ends with the reason."""
         self._state, self._last_error, self._loading = "failed", why, None
         print(f"engine server: {why}", file=sys.stderr, flush=True)
-        pending = list(self._waiting) + ([self._current] if self._current else [])
+        pending = list(self._waiting) + list(self._running.values())
         self._waiting.clear()
-        self._current = None
+        self._running = {}
         for job in pending:
             self._jobs.pop(job.sub.request_id, None)
             job.sub._push(Error("engine", why))
         self._stop_workers(timeout=2.0)
 
+    # ------------------------------------------------------------------ dispatch, cancel, counts
     def _dispatch(self) -> None:
-        if self._state != "ready" or self._current is not None or not self._waiting or self._req_conn is None:
-            return
-        job = self._waiting.popleft()
-        self._current = job
-        self._state = "busy"
+        """Hand waiting requests to the engine while fewer than max_batch run (called with the lock held)."""
+        while self._state in ("ready", "busy") and self._waiting and len(self._running) < self.max_batch \
+                and self._req_conn is not None:
+            job = self._waiting.popleft()
+            self._running[job.seq] = job
+            self._state = "busy"
+            try:
+                self._req_conn.send(("run", job.seq, job.prepared))
+            except (OSError, ValueError) as e:   # the worker died between messages: the sentinel handles it
+                self._last_error = f"could not hand the request to the engine: {e}"
+                return
+
+    def _send_cancel(self, job: _Job) -> None:
+        """Tell the engine to end this running request at its next step (its neighbours run on)."""
+        job.cancelled_at = time.monotonic()
         try:
-            self._req_conn.send((job.seq, job.sub.request))
-        except (OSError, ValueError) as e:   # the worker died between messages: the sentinel handles it
-            self._last_error = f"could not hand the request to the engine: {e}"
+            if self._req_conn is not None:
+                self._req_conn.send(("cancel", job.seq))
+        except (OSError, ValueError):            # the worker is gone: its sentinel tells the rest
+            pass
+
+    def _oldest_cancel(self) -> float | None:
+        """When the oldest cancel the engine has not yet acted on was sent (None: there is none)."""
+        times = [j.cancelled_at for j in self._running.values() if j.cancelled_at is not None]
+        return min(times) if times else None
+
+    def _counts(self) -> dict[str, Any]:
+        """Health's view of the requests: running (in the engine's batch) and waiting (queued beyond it)."""
+        return {"running": len(self._running), "waiting": len(self._waiting), "queue": len(self._waiting),
+                "max_batch": self.max_batch, "running_ids": [j.sub.request_id for j in self._running.values()]}
 
 
 def gpu_memory() -> list[int]:

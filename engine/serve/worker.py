@@ -1,31 +1,69 @@
-"""One engine worker process: load this rank's shard, then run every request the server hands over.
+"""One engine worker process: load this rank's shard, then run the engine's steps over the requests the
+server hands over.
 
 Rank 0 owns the pipes to the server and reports; the other ranks follow it through a gloo control
-group (requests are broadcast to them), and every rank runs the same pipeline.
+group. At every step boundary rank 0 takes what the server sent (requests to run, requests to cancel)
+and broadcasts it, so every rank runs the same step on the same set of requests
+(engine/runtime/scheduler.py).
 """
 from __future__ import annotations
 
+import queue
 import signal
 import sys
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.parallel.plan import get_plan
+from engine.runtime.scheduler import StepNews
 
-NO_REQUEST = -1          # the cancel slot's value when no request is to be stopped
+
+class Inbox:
+    """Rank 0's end of the request pipe: ("run", seq, prepared), ("cancel", seq), or None (stop). A
+    thread of its own reads it as messages come, so the server never waits on a busy engine; the engine
+    takes what has arrived at each step boundary."""
+
+    def __init__(self, conn: Connection):
+        self._conn, self._q = conn, queue.SimpleQueue()
+        threading.Thread(target=self._read, name="engine-inbox", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):              # the server is gone
+                msg = None
+            self._q.put(msg)
+            if msg is None:
+                return
+
+    def news(self, wait: bool) -> StepNews | None:
+        """What arrived since the last step (waiting for something when `wait`); None: stop."""
+        msgs = [self._q.get()] if wait else []
+        while True:
+            try:
+                msgs.append(self._q.get_nowait())
+            except queue.Empty:
+                break
+        if any(m is None for m in msgs):
+            return None
+        cancel = frozenset(m[1] for m in msgs if m[0] == "cancel")
+        join = tuple((m[1], m[2]) for m in msgs if m[0] == "run" and m[1] not in cancel)
+        return StepNews(join, cancel)
 
 
 def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str | None,
-                requests: Connection | None, events: Connection | None, cancel_seq: Any,
+                requests: Connection | None, events: Connection | None,
                 preview_every: int = 1, verbose: bool = False, plan: str | None = None,
                 init_method: str = "", sp_kind: str | None = None, pipeline_options: dict | None = None,
-                quantize: str | None = None) -> None:
+                quantize: str | None = None, max_batch: int = 1) -> None:
     """Entry point of one engine worker process (rank `rank` of `world_size`). Rank 0 owns the request
     pipe and reports events; the other ranks follow it through a gloo control group and use their own
     `events` pipe only to say that a request failed on them. Load failures are reported by rank 0 as
     ("failed", text); a follower that fails to start prints why and exits, which the server sees. After
-    each request rank 0 reports every rank's `rank_stats` (weights read, resident pointers unchanged,
-    memory).
+    each step in which requests ended, rank 0 reports every rank's `rank_stats` (weights read, resident
+    pointers unchanged, memory), then ("end", seq) for each. `max_batch`: requests running at once.
 
     A request that fails on a rank of a multi-rank plan leaves the collectives of the ranks out of step
     (the others wait in one the failed rank will never enter), so that rank reports
@@ -39,6 +77,7 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
     from engine.parallel.groups import RankGroups, rank_device, resident_pointers, set_threads_for_world, shutdown
     from engine.runtime.events import Error as ErrorEvent
     from engine.runtime.pipeline import Pipeline
+    from engine.runtime.scheduler import Scheduler
 
     def send(msg: tuple) -> None:
         if events is not None and rank == 0:
@@ -69,7 +108,8 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
             if resident_pointers(lm.model) != pointers:
                 moved.append(phase)
 
-        pipeline = Pipeline(lm, rt, preview_every=preview_every, on_phase=check, **(pipeline_options or {}))
+        pipeline = Pipeline(lm, rt, preview_every=preview_every, on_phase=check, slots=max_batch,
+                            **(pipeline_options or {}))
         if control is not None:
             dist.barrier(group=control)              # "ready" means every rank holds its shard
     except Exception as e:  # noqa: BLE001 - any load failure is reported, the server decides
@@ -96,34 +136,42 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
     send(("ready", {"load_s": round(lm.load_s, 2), "device": str(dev), "dtype": str(lm.model.dtype),
                     "plan": p.name, "ranks": stats}))
 
-    def receive() -> Any:
-        msg: list[Any] = [None]
-        if rank == 0:
-            try:
-                msg[0] = requests.recv()
-            except (EOFError, OSError):              # the server is gone
-                msg[0] = None
-        if control is not None:
-            dist.broadcast_object_list(msg, src=0, group=control)
-        return msg[0]
+    inbox = Inbox(requests) if rank == 0 else None
+    flag = torch.zeros(1, dtype=torch.long)        # 0: nothing new, 1: news follows, 2: stop
 
-    while (msg := receive()) is not None:
-        seq, req = msg
+    def agreed_news(wait: bool) -> StepNews | None:
+        """Rank 0's news at this step boundary, on every rank (a small broadcast when nothing changed)."""
+        news = inbox.news(wait) if rank == 0 else None
+        if control is None:
+            return news
+        flag[0] = 2 if news is None else int(bool(news.join or news.cancel))
+        dist.broadcast(flag, 0, group=control)
+        if flag[0] == 2:
+            return None
+        if flag[0] == 0:
+            return StepNews()
+        box: list[Any] = [news]
+        dist.broadcast_object_list(box, src=0, group=control)
+        return box[0]
+
+    scheduler = Scheduler(pipeline)
+    while (news := agreed_news(wait=not scheduler.busy)) is not None:
+        scheduler.step(news)
+        done, ended = scheduler.drain()
         failed = None
         try:
-            for ev in pipeline.run(req, cancelled=lambda seq=seq: cancel_seq.value == seq):
+            for seq, ev in done:
                 send(("event", seq, ev))
                 if isinstance(ev, ErrorEvent) and ev.kind == "engine":
-                    failed = ev.message
+                    failed = (seq, ev.message)
+            if failed is not None and p.world > 1:
+                if events is not None:
+                    events.send(("rank_failed", failed[0], rank, failed[1]))
+                return                 # out of step with the other ranks: the server restarts the engine
+            if ended:
+                send(("stats", rank_stats()))
+                for seq in ended:
+                    send(("end", seq))
         except (BrokenPipeError, EOFError, OSError):
             return
-        except Exception as e:  # noqa: BLE001 - the pipeline never raises; this guards the transport
-            failed = f"{type(e).__name__}: {e}"
-            send(("event", seq, ErrorEvent("engine", failed)))
-        if failed is not None and p.world > 1:
-            if events is not None:
-                events.send(("rank_failed", seq, rank, failed))
-            return                     # out of step with the other ranks: the server restarts the engine
-        send(("stats", rank_stats()))
-        send(("end", seq))
     shutdown()

@@ -1,0 +1,71 @@
+"""The engine's CUDA graphs: one owner, one key space, each key captured once for the owner's life.
+
+A key names what a graph runs: `(phase, bucket, rows, ...)`, e.g. ("decode", 4, 8, storage) for the
+batched AR decode step at the 4-row bucket of an 8-slot KV storage, ("prefill", 256, storage) for a
+prompt-length bucket. The first `replay(key, forward)` warms `forward` up on a side stream, captures it
+and keeps (graph, output); every later call with that key only replays. All graphs share one memory
+pool: the engine runs them one after the other on one stream, and each output is read before the next
+replay (a graph's output tensor stays alive with its entry, so no later capture takes its memory).
+
+A capture that fails raises `GraphCaptureError` naming the key. On CUDA the graph IS how the step runs
+(an eager decode step costs thousands of launches from Python, about 10x the replay); falling back
+silently would hide that behind a correct result. Whether a step CAN be captured (every collective on
+NCCL or of size one) is the caller's decision, made before asking for a graph.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Hashable
+
+import torch
+
+
+class GraphCaptureError(RuntimeError):
+    """A CUDA graph could not be captured; the message names its key."""
+
+
+class Graphs:
+    def __init__(self) -> None:
+        self._entries: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.captures: collections.Counter = collections.Counter()   # key -> how often it was captured (tests)
+        self._pool = None
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def replay(self, key: Hashable, forward: Callable[[], Any], warmup: int = 1, shared: bool = True) -> Any:
+        """Run `forward`'s graph for `key` (captured at the first call) and return its output buffers.
+        `shared=False`: a memory pool of its own, freed with the graph (one dropped after its request)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = self._capture(key, forward, warmup, shared)
+        entry[0].replay()          # capture records the kernels; only a replay runs them
+        return entry[1]
+
+    def _capture(self, key: Hashable, forward: Callable[[], Any], warmup: int,
+                 shared: bool) -> tuple[torch.cuda.CUDAGraph, Any]:
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):          # lazy initialisations (kernel autotuning, workspaces) first
+                for _ in range(warmup):
+                    forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            if self._pool is None and shared:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool if shared else None):
+                out = forward()
+        except Exception as e:  # noqa: BLE001 - whatever failed, the key says which graph
+            raise GraphCaptureError(f"CUDA-graph capture of {key} failed: {type(e).__name__}: {e}") from e
+        self.captures[key] += 1
+        return graph, out
+
+    def graph(self, key: Hashable) -> torch.cuda.CUDAGraph:
+        """The captured graph of `key` (to replay it alone, e.g. under a profiler)."""
+        return self._entries[key][0]
+
+    def drop(self, keep: Callable[[Hashable], bool]) -> None:
+        """Forget the graphs whose key `keep` refuses (their storage was replaced, or their request ended)."""
+        for key in [k for k in self._entries if not keep(k)]:
+            del self._entries[key]

@@ -1,0 +1,36 @@
+"""A request admitted to the engine: its prepared request, its running phase program, what it waits for.
+
+The program (engine/runtime/pipeline.py, `Pipeline.program`) is a generator whose frame holds the rest
+of the request's state: its sequences, its RNG generators (text and noise, seeded from the request),
+its AR slot and denoise rows of the KV pool. Closing it (a cancel) runs its `finally`, which gives them
+back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generator
+
+from engine.runtime.needs import ARSlot, Decode, DenoiseTurn, Need
+from engine.runtime.request import Prepared
+
+
+@dataclass
+class RequestState:
+    seq: int                                  # the engine's number for it (never reused)
+    prepared: Prepared
+    program: Generator[Any, Any, None]
+    need: Need | None = None                  # what its program waits for; None once it ended
+    denoising: bool = False                   # it holds the denoise rows
+    cancelled: bool = False
+
+    @property
+    def stage(self) -> str:
+        """prefill (waiting for an AR slot), decode, handoff (AR done, waiting for the denoise rows),
+        denoise, or done. The VAE decode runs inline at the end of its last denoise turn."""
+        if isinstance(self.need, ARSlot):
+            return "prefill"
+        if isinstance(self.need, Decode):
+            return "decode"
+        if isinstance(self.need, DenoiseTurn):
+            return "denoise" if self.denoising else "handoff"
+        return "done"

@@ -1,0 +1,61 @@
+"""Driving the engine's pieces in tests: a request's text phase on its own, outside the scheduler (each
+`Decode` need answered with the plain forward of that one row over its cache up to the token: the sliced
+attention of the CPU, no static buffers, no batch; the reference the batched decode step is compared
+with), and requests run together through the scheduler as the worker runs them."""
+from __future__ import annotations
+
+from typing import Callable, Generator
+
+import torch
+
+from engine.runtime.needs import Decode
+from engine.runtime.pipeline import Pipeline
+from engine.runtime.request import Request, prepare
+from engine.runtime.sampling import choose
+from engine.runtime.scheduler import Scheduler, StepNews
+
+
+def plain_decode(model, pos: torch.Tensor, blocks: torch.Tensor, cache, view, vocab: int) -> Callable[[Decode], int]:
+    def answer(need: Decode) -> int:
+        x = model.transformer.embed(torch.tensor([[need.token]], device=pos.device))
+        index = torch.tensor([need.index], device=pos.device)
+        h = model.backbone(x, index, pos, blocks, cache, need.index + 1, view, masked=False)
+        logits = model.transformer.logits(h[:, -1], view)[0]
+        logits[vocab:] = float("-inf")
+        return int(choose(logits, need.params, need.generator, need.allowed))
+    return answer
+
+
+def drive(program: Generator, answer: Callable[[Decode], int]) -> tuple[list, object]:
+    """Run a text phase (generate_text) to its end: (its events, its TextResult)."""
+    events, reply = [], None
+    while True:
+        try:
+            item = program.send(reply)
+        except StopIteration as stop:
+            return events, stop.value
+        if isinstance(item, Decode):
+            reply = answer(item)
+        else:
+            events.append(item)
+            reply = None
+
+
+def run_together(lm, requests: list[dict], cancel_at: dict[int, int] | None = None, pipeline: Pipeline | None = None,
+                 on_start: Callable[[Scheduler], None] = lambda s: None) -> tuple[dict[int, list], Scheduler]:
+    """The requests joined at the first engine step (seq = their index), the steps run until every one
+    ended; `cancel_at` {seq: engine step before which it is cancelled}. Returns (events per seq, the
+    scheduler)."""
+    pipe = pipeline or Pipeline(lm, preview_every=0, slots=len(requests))
+    scheduler = Scheduler(pipe)
+    on_start(scheduler)
+    news = StepNews(join=tuple((i, prepare(Request(**kw), lm.gen, lm.buckets)) for i, kw in enumerate(requests)))
+    events: dict[int, list] = {i: [] for i in range(len(requests))}
+    while True:
+        scheduler.step(news)
+        done, _ = scheduler.drain()
+        for seq, ev in done:
+            events[seq].append(ev)
+        if not scheduler.busy:
+            return events, scheduler
+        news = StepNews(cancel=frozenset(s for s, at in (cancel_at or {}).items() if at == scheduler.steps))

@@ -1,0 +1,149 @@
+"""The engine's scheduler on a real tiny checkpoint: requests admitted together run in one set of engine
+steps, each giving what it gives alone; one decode forward per step serves every request in its decode
+stage; a cancel or a failure ends one request and leaves its neighbours' results unchanged."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image as PILImage
+
+from engine.runtime.decode_step import DecodeStep
+from engine.runtime.events import Done, Error, Image, Step, Text
+from engine.runtime.pipeline import Pipeline
+from engine.runtime.request import Request, prepare
+from engine.runtime.scheduler import Scheduler, StepNews
+from engine_drive import run_together
+from faults import fail_request
+
+MIXED = [dict(prompt="a red circle", bot_task="think", size="256x256", max_new_tokens=10, steps=2, seed=11),
+         dict(prompt="two blue squares", bot_task="think_recaption", max_new_tokens=14, steps=2, seed=12, greedy=True),
+         dict(prompt="a green star", bot_task="image", steps=2, seed=13),               # reasoning off: the ratio pass
+         dict(prompt="a yellow moon", bot_task="image", size="256x256", steps=2, seed=14)]   # no AR phase at all
+TEXT = [dict(prompt=f"{what} on a white background", bot_task="think", max_new_tokens=12, text_only=True, seed=s)
+        for s, what in enumerate(("a red circle", "two blue squares", "a green star", "a black cat"), start=21)]
+
+
+def outcome(events: list) -> tuple[str, list[np.ndarray], list[Error]]:
+    text = "".join(e.delta for e in events if isinstance(e, Text))
+    images = [np.asarray(PILImage.open(io.BytesIO(e.png)), dtype=np.float64) for e in events if isinstance(e, Image)]
+    return text, images, [e for e in events if isinstance(e, Error)]
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a - b) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255 ** 2 / mse)
+
+
+def alone(lm, kw: dict) -> tuple:
+    return outcome(list(Pipeline(lm, preview_every=0).run(Request(**kw))))
+
+
+class Recorder:
+    """Counts the batched decode step's calls and forwards per engine step (a wrapper, not a hook)."""
+
+    def __init__(self, monkeypatch):
+        self.scheduler: Scheduler | None = None       # set as the run starts
+        self.calls: list[tuple[int, int]] = []        # (engine step, rows) per call
+        self.decoding: list[int] = []                 # requests in their decode stage at each call
+        self.forwards: list[int] = []                 # engine step of each forward
+        call, forward = DecodeStep.__call__, DecodeStep._forward
+
+        def counted_call(step, rows):
+            self.calls.append((self.scheduler.steps, len(rows)))
+            self.decoding.append(self.scheduler.counts().get("decode", 0))
+            return call(step, rows)
+
+        def counted_forward(step, b):
+            self.forwards.append(self.scheduler.steps)
+            return forward(step, b)
+        monkeypatch.setattr(DecodeStep, "__call__", counted_call)
+        monkeypatch.setattr(DecodeStep, "_forward", counted_forward)
+
+
+def test_four_requests_together_give_what_each_gives_alone(tiny):
+    """Reasoning on: the same text (sampled and greedy), reasoning off and on: the same image (fp32, >= 40 dB).
+    They ran together: one engine, interleaved steps, a batched decode."""
+    events, scheduler = run_together(tiny, MIXED)
+    for i, kw in enumerate(MIXED):
+        want, got = alone(tiny, kw), outcome(events[i])
+        assert not got[2] and isinstance(events[i][-1], Done), got[2]
+        assert got[0] == want[0] and (got[0] or kw["bot_task"] == "image"), (i, got[0], want[0])
+        assert len(got[1]) == len(want[1]) == 1 and psnr(got[1][0], want[1][0]) >= 40, i
+    assert scheduler.steps < sum(len(e) for e in events.values())     # fewer steps than one after the other
+    assert scheduler.pipeline.pool.free == [0, 1, 2, 3]               # every AR slot went back
+
+
+def test_one_decode_forward_per_step_and_a_cancel_ends_one_request(tiny, monkeypatch):
+    """Every engine step with requests decoding runs ONE decode forward with all of them as rows; request 2,
+    cancelled before step 4, ends there (nothing after its Error('cancelled')) and the others give what
+    they give alone."""
+    rec = Recorder(monkeypatch)
+    events, scheduler = run_together(tiny, TEXT, cancel_at={2: 4}, on_start=lambda s: setattr(rec, "scheduler", s))
+    per_step = {s: rows for s, rows in rec.calls}
+    assert len(per_step) == len(rec.calls) == len(rec.forwards)                 # one call, one forward a step
+    assert [rows for _, rows in rec.calls] == rec.decoding                      # every decoding request in it
+    assert sorted(per_step) == list(range(len(per_step)))                       # every step until the last token
+    assert per_step[0] == per_step[3] == 4 and per_step[4] == 3                 # all four, then without 2
+    cancelled = events[2]
+    assert isinstance(cancelled[-1], Error) and cancelled[-1].kind == "cancelled"
+    # it stopped at step 4: at most the 5 tokens of steps 0-3 (the first came with its prefill), a prefix of its text
+    text, full = outcome(cancelled)[0], alone(tiny, TEXT[2])[0]
+    assert sum(isinstance(e, Text) for e in cancelled) <= 5 and len(text) < len(full) and full.startswith(text)
+    for i in (0, 1, 3):
+        got = outcome(events[i])
+        assert not got[2] and got[0] == alone(tiny, TEXT[i])[0], i
+    assert scheduler.pipeline.pool.free == [0, 1, 2, 3]
+
+
+def test_a_failure_ends_only_its_own_request(tiny, monkeypatch):
+    """One request fails in its AR phase (while the others decode), one in its denoise phase: each ends
+    with its Error('engine'), its AR slot and denoise rows go back, the others finish unchanged, and the
+    same engine then runs a new request."""
+    reqs = [TEXT[0], dict(TEXT[1], prompt="this one fails while decoding"),
+            dict(prompt="this one fails while denoising", bot_task="image", size="256x256", steps=3, seed=5), TEXT[3]]
+    texts = [0]
+    fail_request(monkeypatch, reqs[1]["prompt"], lambda ev: isinstance(ev, Text) and texts.append(1) is None
+                 and len(texts) > 4, "injected fault while decoding")
+    fail_request(monkeypatch, reqs[2]["prompt"], lambda ev: isinstance(ev, Step) and ev.i == 1,
+                 "injected fault at denoise step 1")
+    events, scheduler = run_together(tiny, reqs)
+    for i, words in ((1, "injected fault while decoding"), (2, "injected fault at denoise step 1")):
+        err = events[i][-1]
+        assert isinstance(err, Error) and err.kind == "engine" and words in err.message, err
+    for i in (0, 3):
+        got = outcome(events[i])
+        assert not got[2] and got[0] == alone(tiny, reqs[i])[0], i
+    pool = scheduler.pipeline.pool
+    assert pool.free == [0, 1, 2, 3] and not scheduler.busy
+    scheduler.step(StepNews(join=((9, prepare(Request(**TEXT[2]), tiny.gen, tiny.buckets)),)))
+    while scheduler.busy:
+        scheduler.step()
+    done, ended = scheduler.drain()
+    assert ended == [9] and outcome([e for _, e in done])[0] == alone(tiny, TEXT[2])[0]
+
+
+def test_policy_gives_the_denoising_request_a_turn_every_k_decode_steps(tiny, monkeypatch):
+    """While requests decode, the request holding the denoise rows steps once every K engine steps."""
+    reqs = [dict(prompt="a long story about a cat", bot_task="think", max_new_tokens=40, text_only=True, seed=1,
+                 greedy=True),
+            dict(prompt="a yellow moon", bot_task="image", size="256x256", steps=6, seed=14)]
+    turns: list[int] = []
+    pipe = Pipeline(tiny, preview_every=0, slots=2)
+    scheduler = Scheduler(pipe, decode_steps_per_denoise=3)
+    news = StepNews(join=tuple((i, prepare(Request(**kw), tiny.gen, tiny.buckets)) for i, kw in enumerate(reqs)))
+    while scheduler.busy or news.join:
+        before = scheduler.counts().get("decode", 0)
+        scheduler.step(news)
+        news = StepNews()
+        done, _ = scheduler.drain()
+        if any(seq == 1 and isinstance(e, Step) for seq, e in done) and before:
+            turns.append(scheduler.steps)
+    assert len(turns) >= 3 and all(b - a == 3 for a, b in zip(turns, turns[1:])), turns
+
+
+@pytest.mark.parametrize("k", [0])
+def test_a_policy_of_zero_is_refused(tiny, k):
+    with pytest.raises(ValueError, match="decode_steps_per_denoise"):
+        Scheduler(Pipeline(tiny, preview_every=0), decode_steps_per_denoise=k)
