@@ -47,12 +47,13 @@ def default_device() -> str:
 
 
 def default_max_batch(device: str) -> int:
-    """Requests the engine runs at once. CUDA: 16, the concurrency the serving target is set at (issue 31);
-    the bf16 decode MoE reads each touched expert once up to 16 rows (12.7 ms a step at 16 against 2.1 at
-    1 on one H200) and 17 AR rows of 4k positions take ~9 GiB of KV at the real shapes. CPU: 8, as many as
-    the default --max-queue lets wait; a CPU decode step of the embedded model costs mostly its Python and
-    launch overhead, which 8 rows share."""
-    return 16 if device.startswith("cuda") else 8
+    """Requests the engine runs at once: 8 on CUDA and on the CPU. CUDA: the `moe` op's decode variant
+    computes each token alone up to 8 rows (kernels/moe/cuda.py DECODE_MAX_TOKENS); above that a decode step
+    would take the grouped variants, whose rounding differs, and a request's tokens would depend on its
+    neighbours (seen at 16 rows on the H200, 2026-12-02): 16 needs the decode MoE for 1..32 rows (issue 31).
+    CPU: as many as the default --max-queue lets wait; a CPU decode step of the embedded model costs mostly
+    its Python and launch overhead, which 8 rows share."""
+    return 8
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -113,7 +113,10 @@ def test_cuda_graph_decode_equals_eager(tiny_dir, which, dtype):
     print(f"{which} {dtype}: captured {graph[2]}, {graph[3].ar_tokens} tokens, eager "
           f"{eager[3].ar_ms_per_token:.2f} ms/token, graph {graph[3].ar_ms_per_token:.2f} ms/token")
     assert eager[2] == {}                             # graphs off: nothing captured
-    assert sorted(k[0] for k in graph[2]) == ["decode", "denoise", "prefill"] and set(graph[2].values()) == {1}
+    if dtype == torch.float32:      # the fp32 MoE reference cannot be captured: eager by decision, not by failure
+        assert graph[2] == {}
+    else:
+        assert sorted(k[0] for k in graph[2]) == ["decode", "denoise", "prefill"] and set(graph[2].values()) == {1}
     assert graph[3].ar_tokens >= 8 and graph[0] == eager[0]
     assert graph[1] == eager[1]             # the same CoT, graph denoise steps or eager: the same image bytes
 
@@ -151,10 +154,12 @@ def test_decode_graph_captured_once_for_many_requests(tiny_dir):
 GREEDY_TEXT = ["a red circle", "two blue squares on a long table", "a green star", "a black cat on a roof"]
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
 def test_batched_decode_equals_per_row_decode(tiny_dir, rows):
     """`rows` greedy requests decoded together (one graph-replayed decode step for all of them a token,
-    bf16) give each the ids it gets decoded alone; each decode bucket was captured once."""
+    bf16) give each the ids it gets decoded alone; each decode bucket was captured once. Up to 8 rows: the
+    `moe` op's decode variant computes each token alone; above 8 its grouped variants round differently
+    (seen at 16 on the H200, 2026-12-02), so the engine batches at most 8 until the decode MoE takes 32."""
     from engine_drive import run_together
     lm = load(tiny_dir, "cuda", torch.bfloat16)
     reqs = [dict(prompt=f"{GREEDY_TEXT[i % 4]} number {i}", bot_task="think", max_new_tokens=24, text_only=True,

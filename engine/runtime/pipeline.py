@@ -57,7 +57,11 @@ class Pipeline:
                  cuda_graph: bool = True, preview_share: float = 0.25, slots: int = 1):
         """`slots`: requests in their AR phase at once (the engine's batch: its AR slots in the KV pool)."""
         self.lm = lm
-        self.cuda_graph = cuda_graph        # AR decode and denoise steps as CUDA-graph replays (on CUDA)
+        # AR prefill, decode and denoise steps as CUDA-graph replays: on CUDA in bf16, where every kernel of a
+        # step can be captured. Decided here, not by a failed capture: in fp32/fp16 the `moe` op runs its
+        # reference, whose torch._grouped_mm copies to the host (not capturable), so those steps run eagerly.
+        cuda_graph = cuda_graph and lm.model.device.type == "cuda" and lm.model.dtype == torch.bfloat16
+        self.cuda_graph = cuda_graph
         self.cfg_serial = cfg_serial        # CFG branches one after the other instead of batched
         self.on_phase = on_phase            # called with "ar" / "denoise" as a phase starts (tests, tracing)
         self.rt = runtime or RankGroups.single(lm.model.device)
