@@ -206,7 +206,7 @@ def test_n2_two_images_from_one_reasoning(client):
 # ---------------------------------------------------------------------------------------------- streaming
 def test_streaming_order_reasoning_then_previews_then_completed(client):
     stream = client.images.generate(prompt="a green triangle", size="256x256", stream=True, partial_images=2,
-                                    extra_body=dict(THINK, num_inference_steps=6))
+                                    extra_body=dict(THINK, num_inference_steps=6, stream_reasoning=True))
     events = list(stream)
     types = [e.type for e in events]
     kinds = [t.split(".", 1)[1] for t in types]
@@ -221,6 +221,33 @@ def test_streaming_order_reasoning_then_previews_then_completed(client):
     done = events[-1]
     assert decoded(done.b64_json).size == wh(done.size) == (256, 256)
     assert done.usage.output_tokens > 0 and done.model_extra["seed"] == THINK["seed"]
+
+
+def test_the_sdks_typed_stream_is_right_by_default(client):
+    """Without `stream_reasoning` an image stream holds only the events the official client types: each
+    partial image carries its image, the completed event its usage with the input side; with it, the
+    reasoning comes too (the SDK then hands those events over as partial-image objects without an image,
+    which is why they are opt-in)."""
+    from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
+    events = list(client.images.generate(prompt="a green triangle", size="256x256", stream=True, partial_images=2,
+                                         extra_body=dict(THINK, num_inference_steps=6)))
+    assert events and all(isinstance(e, (ImageGenPartialImageEvent, ImageGenCompletedEvent)) for e in events)
+    for e in events:
+        assert isinstance(e.b64_json, str) and decoded(e.b64_json).format == "PNG", e.type     # previews are small
+    done = events[-1]
+    assert decoded(done.b64_json).size == (256, 256)
+    assert isinstance(done, ImageGenCompletedEvent) and sum(isinstance(e, ImageGenCompletedEvent) for e in events) == 1
+    assert done.usage.input_tokens == done.usage.input_tokens_details.text_tokens > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+    opted = [e.type for e in client.images.generate(prompt="a green triangle", size="256x256", stream=True,
+                                                    extra_body=dict(THINK, num_inference_steps=2,
+                                                                    stream_reasoning=True))]
+    assert opted[0] == "image_generation.reasoning.delta" and opted[-1] == "image_generation.completed"
+    chat = client.chat.completions.create(model="HunyuanImage-3.0-Instruct-Distil", modalities=["image"],
+                                          messages=[{"role": "user", "content": "a red circle"}],
+                                          extra_body={"height": 256, "width": 256, **FAST})
+    assert chat.usage.prompt_tokens > 0 and chat.usage.total_tokens == chat.usage.prompt_tokens + \
+        chat.usage.completion_tokens
 
 
 def test_streamed_edit_uses_the_edit_event_types(client):
@@ -254,7 +281,7 @@ def test_chat_completions_in_the_recipe_form(app, client):
 
 def test_chat_stream_sends_reasoning_deltas_then_the_image(client):
     chunks = list(client.chat.completions.create(
-        model="x", modalities=["image"], stream=True, messages=[{"role": "user", "content": "an orange circle"}],
+        model="HunyuanImage-3.0-Instruct-Distil", modalities=["image"], stream=True, messages=[{"role": "user", "content": "an orange circle"}],
         extra_body={"height": 256, "width": 256, "num_inference_steps": 2, **THINK}))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     reasoning = [c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks[1:-1]]
@@ -338,7 +365,7 @@ def test_429_past_the_queue(app, client):
 
 def test_disconnect_mid_run_frees_the_engine(app, client):
     stream = client.images.generate(prompt="a long one", size="256x256", stream=True,
-                                    extra_body=dict(THINK, num_inference_steps=200))
+                                    extra_body=dict(THINK, num_inference_steps=200, stream_reasoning=True))
     for ev in stream:
         break                      # it is running (reasoning); 200 denoise steps would follow
     assert app.health()["running"]
@@ -373,7 +400,7 @@ def test_load_40_requests_8_clients_a_quarter_disconnect(app):
         if kind == "stream":
             with app.client() as c:
                 s = c.images.generate(prompt=f"load {i}", size="256x256", stream=True, partial_images=1,
-                                      extra_body=dict(THINK, seed=i, num_inference_steps=3))
+                                      extra_body=dict(THINK, seed=i, num_inference_steps=3, stream_reasoning=True))
                 t0 = time.monotonic()
                 for ev in s:
                     if leave and time.monotonic() - t0 > after_s:
@@ -547,7 +574,7 @@ def test_an_engine_error_mid_stream_reaches_the_client_as_api_error():
             time.sleep(0.02)
         seen = []
         with pytest.raises(openai.APIError, match="caught fire"):
-            for ev in c.images.generate(prompt="a red circle", stream=True):
+            for ev in c.images.generate(prompt="a red circle", stream=True, extra_body={"stream_reasoning": True}):
                 seen.append(ev.type)
         assert seen == ["image_generation.reasoning.delta"]
         with pytest.raises(openai.InternalServerError, match="caught fire"):   # not streamed: a 500
