@@ -179,11 +179,15 @@ def test_a_stopped_worker_is_restarted_and_the_client_told(server):
 
 def test_health_answers_while_the_engine_restarts(server):
     """Stopping the old workers and starting new ones happens outside the server's lock: a slow start does
-    not block health() or submit()."""
+    not block health() or submit(). A start that fails (here: out of file descriptors) is retried."""
     gate, entered = threading.Event(), threading.Event()
     spawn = server._spawn
+    calls: list[int] = []
 
     def slow_spawn(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(24, "Too many open files")
         entered.set()
         gate.wait(30)
         return spawn(*a, **k)
@@ -197,6 +201,7 @@ def test_health_answers_while_the_engine_restarts(server):
         probe.start()
         probe.join(10)
         assert answers and answers[0]["state"] == "restarting", "health() blocked while the engine restarts"
+        assert "could not be started (OSError" in answers[0]["last_error"] and answers[0]["attempt"] >= 2
         sub = server.submit(fast_request())                     # queued until the engine is back
         assert not sub.ended
     finally:

@@ -423,7 +423,13 @@ class EngineServer:
             for inc in self._take_doomed():
                 _kill(inc)
             if start:
-                inc = self._spawn()
+                try:
+                    inc = self._spawn()
+                except Exception as e:  # noqa: BLE001 - (out of processes, files, memory): try again later
+                    with self._lock:
+                        self._restart(f"the engine could not be started ({type(e).__name__}: {e})",
+                                      while_loading=True)
+                    continue
                 with self._lock:
                     if self._closing:
                         self._doomed.append(inc)
