@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 from pathlib import Path
@@ -85,7 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(default 16 on CUDA, 8 on the CPU)")
     ap.add_argument("--api-key", default=os.environ.get("STUDIO_API_KEY"),
                     help="key the OpenAI-compatible /v1 API requires as 'Authorization: Bearer KEY' "
-                         "(default $STUDIO_API_KEY; none: /v1 is open, unless --auth is set)")
+                         "(default $STUDIO_API_KEY; none: /v1 is open, unless --auth is set). Without --auth the "
+                         "page then asks for a login too: any user name, this key as the password")
+    ap.add_argument("--step-timeout", type=float, default=None,
+                    help="seconds a running request may go without a token or step before the engine is "
+                         "restarted and the request failed (default: automatic, 20x the engine's slowest recent "
+                         "token or step, at least 10 s, 120 s for the first request after a start; 0: never)")
     ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
     ap.add_argument("--max-upload-mb", type=float, default=20.0,
                     help="largest reference image file the API accepts, in MB (default 20)")
@@ -103,7 +109,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--max-upload-mb and --max-upload-pixels must be positive")
     if args.api_only and args.share:
         ap.error("--share opens the page; it does not go with --api-only")
+    if args.step_timeout is not None and args.step_timeout < 0:
+        ap.error("--step-timeout takes seconds >= 0 (0: never)")
     return args
+
+
+def key_login(key: str):
+    """The page's login when only --api-key is set: any user name, the API key as the password. One
+    secret then guards everything that can spend the GPU (the page's Gradio API generates on the same
+    engine and queue as /v1), instead of a protected /v1 beside an open page."""
+    def check(user: str, password: str) -> bool:
+        return secrets.compare_digest(password.encode(), key.encode())
+    return check
+
+
+KEY_LOGIN_MESSAGE = "Log in with any user name and the server's API key (--api-key) as the password."
+
+
+def page_login(args: argparse.Namespace):
+    """What the page asks for: --auth's user and password, else the API key (key_login), else nothing."""
+    if args.auth is not None:
+        return args.auth
+    if args.api_key:
+        return key_login(args.api_key)
+    return None
+
+
+def access_notice(args: argparse.Namespace) -> str:
+    """One line on what needs credentials, printed at start (and reported by /health as `auth`)."""
+    api = "needs the API key" if args.api_key else ("closed (set --api-key)" if args.auth else "OPEN")
+    if args.api_only:
+        page = None
+    elif args.auth is not None:
+        page = "needs the --auth login"
+    elif args.api_key:
+        page = "needs a login: any user name, the API key as password"
+    else:
+        page = "OPEN"
+    parts = [f"/v1 {api}"] + ([f"page and its API {page}"] if page else [])
+    line = "access: " + "; ".join(parts)
+    if "OPEN" in line:
+        line += ("  <- anyone who can reach this port can generate; use --api-key (and --auth) on a shared "
+                 "network or with --share")
+    return line
 
 
 def api_config(args: argparse.Namespace):
@@ -111,8 +159,9 @@ def api_config(args: argparse.Namespace):
     from engine.serve.openai_params import UploadLimits
     limits = UploadLimits(max_bytes=int(args.max_upload_mb * 1024 * 1024),
                           **({"max_pixels": args.max_upload_pixels} if args.max_upload_pixels else {}))
+    page = None if args.api_only else ("login" if page_login(args) is not None else "open")
     return ApiConfig(api_key=args.api_key or None, page_auth=args.auth is not None and not args.api_only,
-                     limits=limits)
+                     limits=limits, page=page)
 
 
 def run_api_only(server, args: argparse.Namespace) -> int:
@@ -156,12 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = EngineServer(model, device=device, dtype=args.dtype, world_size=args.gpus, plan=args.plan, sp_kind=args.sp_attn,
                               verbose=True, max_queue=args.max_queue, quantize=args.quantize,
-                              max_batch=args.max_batch or default_max_batch(device))
+                              max_batch=args.max_batch or default_max_batch(device), step_timeout=args.step_timeout)
     except (ConfigError, ValueError, OSError) as e:      # a wrong folder, an unknown plan or one that does not fit
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"engine: loading {model} on {device} (plan {server.plan}, {server.world_size} rank(s)) in the background; "
           "requests wait until it is ready", flush=True)
+    print(access_notice(args), flush=True)
     if args.api_only:
         try:
             return run_api_only(server, args)
@@ -172,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         demo = build_studio(server, server.info, notice=notice)
         api = OpenAIApi(server, api_config(args))
-        _, url, share_url = launch(demo, host=args.host, port=args.port, share=args.share, auth=args.auth,
+        _, url, share_url = launch(demo, host=args.host, port=args.port, share=args.share, auth=page_login(args),
+                                   auth_message=KEY_LOGIN_MESSAGE if args.auth is None and args.api_key else None,
                                    prevent_thread_lock=True, quiet=True,      # Gradio's own hints name its code
                                    app_kwargs={"lifespan": api.lifespan()})
         # one clear line, whatever the engine is printing while it loads

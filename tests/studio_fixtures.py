@@ -66,6 +66,9 @@ class CountingClient:
     def health(self) -> dict[str, Any]:
         return self.server.health()
 
+    def reload(self) -> bool:
+        return self.server.reload()
+
 
 def start_server(model: Path, **kw: Any) -> EngineServer:
     server = EngineServer(model, **kw)

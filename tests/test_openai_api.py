@@ -31,6 +31,7 @@ UPLOAD_MB, UPLOAD_PIXELS = 0.25, 200_000
 # cheap on a 2-core machine: no reasoning pass (explicit size, bot_task image), two steps
 FAST = dict(num_inference_steps=2, bot_task="image", seed=11)
 THINK = dict(bot_task="think", max_new_tokens=8, seed=3)
+PATIENT_S = 600               # a client that does not give up: slowness is not loss
 
 
 class App:
@@ -90,25 +91,36 @@ class App:
 
     def rss_bytes(self) -> int:
         """Resident memory of the server process and its engine workers."""
-        total = 0
+        return sum(self.rss_by_process().values())
+
+    def rss_by_process(self) -> dict[str, int]:
+        """Resident memory of each: 'server', 'worker <pid>', 'other <pid>' (multiprocessing's helpers)."""
+        out, workers = {}, self.worker_pids()
         for pid in self._tree():
             try:
                 status = Path(f"/proc/{pid}/status").read_text()
-                total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+                rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
             except (OSError, StopIteration):
-                pass
-        return total
+                continue
+            name = "server" if pid == self.proc.pid else ("worker" if pid in workers else "other")
+            out[name if name == "server" else f"{name} {pid}"] = rss
+        return out
 
-    def cpu_s(self) -> float:
-        """CPU seconds the server and its workers have used (what the machine's load does not inflate)."""
-        total = 0
-        for pid in self._tree():
+    def worker_pids(self) -> list[int]:
+        """The engine workers: the server's spawned children (not multiprocessing's resource tracker)."""
+        out = []
+        for pid in self._tree()[1:]:
             try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])          # utime, stime
-            except (OSError, IndexError, ValueError):
-                pass
-        return total / os.sysconf("SC_CLK_TCK")
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                out.append(pid)
+        return out
+
+    def open_files(self) -> int:
+        """File descriptors the server process holds (sockets, pipes to the engine, uploads)."""
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -207,7 +219,7 @@ def test_n2_two_images_from_one_reasoning(client):
 # ---------------------------------------------------------------------------------------------- streaming
 def test_streaming_order_reasoning_then_previews_then_completed(client):
     stream = client.images.generate(prompt="a green triangle", size="256x256", stream=True, partial_images=2,
-                                    extra_body=dict(THINK, num_inference_steps=6))
+                                    extra_body=dict(THINK, num_inference_steps=6, stream_reasoning=True))
     events = list(stream)
     types = [e.type for e in events]
     kinds = [t.split(".", 1)[1] for t in types]
@@ -222,6 +234,33 @@ def test_streaming_order_reasoning_then_previews_then_completed(client):
     done = events[-1]
     assert decoded(done.b64_json).size == wh(done.size) == (256, 256)
     assert done.usage.output_tokens > 0 and done.model_extra["seed"] == THINK["seed"]
+
+
+def test_the_sdks_typed_stream_is_right_by_default(client):
+    """Without `stream_reasoning` an image stream holds only the events the official client types: each
+    partial image carries its image, the completed event its usage with the input side; with it, the
+    reasoning comes too (the SDK then hands those events over as partial-image objects without an image,
+    which is why they are opt-in)."""
+    from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
+    events = list(client.images.generate(prompt="a green triangle", size="256x256", stream=True, partial_images=2,
+                                         extra_body=dict(THINK, num_inference_steps=6)))
+    assert events and all(isinstance(e, (ImageGenPartialImageEvent, ImageGenCompletedEvent)) for e in events)
+    for e in events:
+        assert isinstance(e.b64_json, str) and decoded(e.b64_json).format == "PNG", e.type     # previews are small
+    done = events[-1]
+    assert decoded(done.b64_json).size == (256, 256)
+    assert isinstance(done, ImageGenCompletedEvent) and sum(isinstance(e, ImageGenCompletedEvent) for e in events) == 1
+    assert done.usage.input_tokens == done.usage.input_tokens_details.text_tokens > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+    opted = [e.type for e in client.images.generate(prompt="a green triangle", size="256x256", stream=True,
+                                                    extra_body=dict(THINK, num_inference_steps=2,
+                                                                    stream_reasoning=True))]
+    assert opted[0] == "image_generation.reasoning.delta" and opted[-1] == "image_generation.completed"
+    chat = client.chat.completions.create(model="HunyuanImage-3.0-Instruct-Distil", modalities=["image"],
+                                          messages=[{"role": "user", "content": "a red circle"}],
+                                          extra_body={"height": 256, "width": 256, **FAST})
+    assert chat.usage.prompt_tokens > 0 and chat.usage.total_tokens == chat.usage.prompt_tokens + \
+        chat.usage.completion_tokens
 
 
 def test_streamed_edit_uses_the_edit_event_types(client):
@@ -255,7 +294,7 @@ def test_chat_completions_in_the_recipe_form(app, client):
 
 def test_chat_stream_sends_reasoning_deltas_then_the_image(client):
     chunks = list(client.chat.completions.create(
-        model="x", modalities=["image"], stream=True, messages=[{"role": "user", "content": "an orange circle"}],
+        model="HunyuanImage-3.0-Instruct-Distil", modalities=["image"], stream=True, messages=[{"role": "user", "content": "an orange circle"}],
         extra_body={"height": 256, "width": 256, "num_inference_steps": 2, **THINK}))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     reasoning = [c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks[1:-1]]
@@ -315,6 +354,43 @@ def test_401_without_the_key(app):
     assert httpx.get(app.url + "/health", timeout=5).status_code == 200      # probes need no key
 
 
+def test_with_only_an_api_key_the_pages_api_needs_it_too(app):
+    """--api-key alone: the page's Gradio API (uploads, /t2i) generates on the same engine and queue, so it
+    asks for the key as well (any user name, the key as password); /health says what is protected."""
+    from gradio_client import Client
+    assert httpx.post(app.url + "/gradio_api/upload", files={"files": ("a.png", png_bytes((1, 2, 3)))},
+                      timeout=10).status_code == 401
+    assert httpx.post(app.url + "/gradio_api/call/t2i", json={"data": ["a red circle"]}, timeout=10).status_code == 401
+    with pytest.raises(Exception):
+        Client(app.url, verbose=False)
+    with pytest.raises(Exception):
+        Client(app.url, auth=("anyone", "wrong"), verbose=False)
+    c = Client(app.url, auth=("anyone", KEY), verbose=False)
+    try:
+        status, image, _, _ = c.predict("a red circle", mode="image", size="256:256", seed=1, random_seed=False,
+                                        steps=2, api_name="/t2i")
+        assert status.startswith("Done") and PILImage.open(image).size == (256, 256)
+    finally:
+        c.close()
+    assert app.health()["auth"] == {"api": "key", "page": "login"}
+    assert "access: /v1 needs the API key; page and its API needs a login" in app.log.read_text()
+
+
+def test_access_notice_says_what_is_open():
+    sys.path.insert(0, str(ROOT))
+    import app as studio_app
+    args = studio_app.parse_args([])
+    assert "OPEN" in studio_app.access_notice(args) and studio_app.page_login(args) is None
+    args = studio_app.parse_args(["--api-key", "k"])
+    check = studio_app.page_login(args)
+    assert check("anyone", "k") and not check("anyone", "x") and "OPEN" not in studio_app.access_notice(args)
+    args = studio_app.parse_args(["--auth", "me:pw", "--api-key", "k"])
+    assert studio_app.page_login(args) == ("me", "pw")
+    args = studio_app.parse_args(["--api-only"])
+    assert studio_app.access_notice(args) .startswith("access: /v1 OPEN") and "page" not in \
+        studio_app.access_notice(args).split("<-")[0]
+
+
 def test_429_past_the_queue(app, client):
     blocker = client.images.generate(prompt="a slow one", size="256x256", stream=True,
                                      extra_body=dict(FAST, num_inference_steps=200))
@@ -339,7 +415,7 @@ def test_429_past_the_queue(app, client):
 
 def test_disconnect_mid_run_frees_the_engine(app, client):
     stream = client.images.generate(prompt="a long one", size="256x256", stream=True,
-                                    extra_body=dict(THINK, num_inference_steps=200))
+                                    extra_body=dict(THINK, num_inference_steps=200, stream_reasoning=True))
     for ev in stream:
         break                      # it is running (reasoning); 200 denoise steps would follow
     assert app.health()["running"]
@@ -356,46 +432,65 @@ def test_disconnect_mid_run_frees_the_engine(app, client):
 
 
 # ---------------------------------------------------------------------------------------------- load
-def test_load_40_requests_8_clients_a_quarter_disconnect(app):
-    """40 requests from 8 concurrent clients (generations and edits, streamed and not); 10 of them leave
-    at a random point (in the queue, mid-reasoning, mid-denoise). Every request completes or is
-    cancelled, the engine ends idle and healthy, and memory does not grow over the run."""
+def test_soak_cancels_disconnects_and_a_killed_worker(app):
+    """36 requests from 8 concurrent clients (generations, streams, edits, chats); 12 of them leave at a
+    random point (a closed stream, a client timeout: in the queue, mid-reasoning, mid-denoise), and the
+    engine worker is SIGKILLed once in the middle. Nothing is lost: every request ends with its image or
+    an error that says what happened (the kill: the engine restarting). At the end the engine is idle and
+    ready, memory and the server's open files have not grown beyond a bound."""
+    n, clients = 36, 8
     rng = random.Random(1234)
-    leavers = set(rng.sample(range(40), 10))
-    plan = [(i, rng.choice(("generate", "stream", "edit")), i in leavers, rng.uniform(0.05, 2.0)) for i in range(40)]
+    leavers = set(rng.sample(range(n), 12))
+    plan = [(i, rng.choice(("generate", "stream", "edit", "chat")), i in leavers, rng.uniform(0.05, 2.0))
+            for i in range(n)]
     results: dict[int, str] = {}
     rss: dict[str, int] = {}
-    finished = []
+    fds: dict[str, int] = {}
+    detail: dict[str, dict] = {}
+    finished: list[int] = []
     lock = threading.Lock()
+    killed = threading.Event()
     before = app.health()
 
     def one(i: int, kind: str, leave: bool, after_s: float) -> str:
         extra = dict(FAST, seed=i, num_inference_steps=3)
-        if kind == "stream":
-            with app.client() as c:
-                s = c.images.generate(prompt=f"load {i}", size="256x256", stream=True, partial_images=1,
-                                      extra_body=dict(THINK, seed=i, num_inference_steps=3))
-                t0 = time.monotonic()
-                for ev in s:
-                    if leave and time.monotonic() - t0 > after_s:
-                        s.close()
-                        return "left"
-                    if ev.type.endswith("completed"):
-                        assert decoded(ev.b64_json).size == (256, 256)
-                        return "completed"
-                raise AssertionError("stream ended without an image")
-        with app.client(timeout=after_s if leave else 120) as c:   # a timeout is a client that hangs up
-            try:
+        try:
+            if kind == "stream":
+                with app.client() as c:
+                    s = c.images.generate(prompt=f"soak {i}", size="256x256", stream=True, partial_images=1,
+                                          extra_body=dict(THINK, seed=i, num_inference_steps=3, stream_reasoning=True))
+                    t0 = time.monotonic()
+                    for ev in s:
+                        if leave and time.monotonic() - t0 > after_s:
+                            s.close()
+                            return "left"
+                        if ev.type.endswith("completed"):
+                            assert decoded(ev.b64_json).size == (256, 256)
+                            return "completed"
+                    raise AssertionError("stream ended without an image or an error")
+            # a timeout is a client that hangs up; the others wait as long as a loaded CI machine may need
+            with app.client(timeout=after_s if leave else PATIENT_S) as c:
                 if kind == "edit":
-                    r = c.images.edit(image=("r.png", png_bytes((200, 30, 30)), "image/png"), prompt=f"load {i}",
+                    r = c.images.edit(image=("r.png", png_bytes((200, 30, 30)), "image/png"), prompt=f"soak {i}",
                                       size="256x256", extra_body=extra)
+                    b64 = r.data[0].b64_json
+                elif kind == "chat":
+                    r = c.chat.completions.create(model="HunyuanImage-3.0-Instruct-Distil", modalities=["image"],
+                                                  messages=[{"role": "user", "content": f"soak {i}"}],
+                                                  extra_body={"height": 256, "width": 256, **extra})
+                    b64 = r.choices[0].message.content[0]["image_url"]["url"].split(",", 1)[1]
                 else:
-                    r = c.images.generate(prompt=f"load {i}", size="256x256", extra_body=extra)
-            except openai.APITimeoutError:
-                assert leave
-                return "left"
-            assert decoded(r.data[0].b64_json).size == (256, 256)
+                    r = c.images.generate(prompt=f"soak {i}", size="256x256", extra_body=extra)
+                    b64 = r.data[0].b64_json
+            assert decoded(b64).size == (256, 256)
             return "completed"
+        except openai.APITimeoutError:
+            assert leave, f"request {i} timed out without leaving"
+            return "left"
+        except openai.APIError as e:     # the kill: the running request fails, new ones wait or hear "restarting"
+            message = getattr(e, "message", str(e))
+            assert killed.is_set() and ("restart" in message or "loading" in message), message
+            return "error"
 
     def run(item) -> None:
         i = item[0]
@@ -403,30 +498,40 @@ def test_load_40_requests_8_clients_a_quarter_disconnect(app):
         with lock:
             results[i] = outcome
             finished.append(i)
-            if len(finished) == 10:
-                rss["first10"] = app.rss_bytes()
+            if len(finished) == n // 2 and not killed.is_set():
+                # the baseline: a warm engine (18 requests of every kind), just before it is killed
+                rss["first"], fds["first"] = app.rss_bytes(), app.open_files()
+                detail["first"] = app.rss_by_process()
+                killed.set()
+                os.kill(app.worker_pids()[0], signal.SIGKILL)
 
-    t0, cpu0 = time.monotonic(), app.cpu_s()
-    with ThreadPoolExecutor(8) as pool:
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(clients) as pool:
         list(pool.map(run, plan))
-    app.wait_idle(10)
-    rss["last10"] = app.rss_bytes()
+    app.wait_idle(READY_TIMEOUT_S)
     took = time.monotonic() - t0
-    assert len(results) == 40
-    assert all(results[i] == "completed" for i in range(40) if i not in leavers)
-    assert all(results[i] in ("completed", "left") for i in leavers)
+    # the new worker ran the last requests; a few more of each kind warm it as the old one was
+    for k, kind in enumerate(("generate", "stream", "edit", "chat") * 2):
+        assert one(n + 1 + k, kind, False, 0) == "completed"
+    app.wait_idle(10)
+    rss["last"], fds["last"] = app.rss_bytes(), app.open_files()
+    detail["last"] = app.rss_by_process()
+    assert sorted(results) == list(range(n)), "a request was lost"
+    assert all(results[i] in ("completed", "error") for i in range(n) if i not in leavers), results
     h = app.health()
-    assert h["status"] == "ok" and h["restarts"] == before["restarts"] and h["last_error"] == before["last_error"]
-    growth = rss["last10"] - rss["first10"]
-    print(f"load: {took:.1f} s ({app.cpu_s() - cpu0:.1f} CPU s in the server), "
-          f"{sum(v == 'left' for v in results.values())} left, "
-          f"RSS {rss['first10'] / 2**20:.0f} -> {rss['last10'] / 2**20:.0f} MiB ({growth / 2**20:+.1f} MiB)")
-    # Bound: 40 MiB over the server and its engine worker for the last 30 requests. Measured over 200
-    # such requests (2026-12-01): the server process stays flat (382 MiB) and the worker moves between
-    # 600 and 616 MiB with whether a request is mid-run when sampled (its activations); this test saw
-    # -14 to +22 MiB. So a leak of about 2 MiB per request (60 MiB over 30) fails; one kept 256-px result
-    # (~0.3 MiB: PNG, base64, RGB) per request is below what this test can resolve.
-    assert growth < 40 * 2**20, rss
+    assert h["status"] == "ok" and h["state"] == "ready" and h["restarts"] == before["restarts"] + 1, h
+    growth = rss["last"] - rss["first"]
+    print(f"soak: {took:.1f} s, {sum(v == 'left' for v in results.values())} left, "
+          f"{sum(v == 'error' for v in results.values())} failed by the kill, RSS {rss['first'] / 2**20:.0f} -> "
+          f"{rss['last'] / 2**20:.0f} MiB ({growth / 2**20:+.1f} MiB), open files {fds['first']} -> {fds['last']}")
+    # Bounds. Memory: the server and its engine worker, the killed one warm before the kill against its
+    # replacement warmed the same way. Measured over 200 requests without a kill (2026-12-01): the server
+    # stays flat, the worker moves 600-616 MiB with whether a request is mid-run; a fresh worker reaches
+    # the same level within a few requests of each kind; so 48 MiB catches a leak of about 2 MiB per
+    # request over the run. Open files: the server's own descriptors, which a leaked pipe of the killed
+    # engine or an unclosed upload would grow; a few come and go with connections.
+    assert growth < 48 * 2**20, detail
+    assert fds["last"] <= fds["first"] + 8, fds
 
 
 # ---------------------------------------------------------------------------------------------- --api-only
@@ -548,7 +653,7 @@ def test_an_engine_error_mid_stream_reaches_the_client_as_api_error():
             time.sleep(0.02)
         seen = []
         with pytest.raises(openai.APIError, match="caught fire"):
-            for ev in c.images.generate(prompt="a red circle", stream=True):
+            for ev in c.images.generate(prompt="a red circle", stream=True, extra_body={"stream_reasoning": True}):
                 seen.append(ev.type)
         assert seen == ["image_generation.reasoning.delta"]
         with pytest.raises(openai.InternalServerError, match="caught fire"):   # not streamed: a 500

@@ -302,3 +302,21 @@ def test_advice_warns_without_stopping(engine_server, tmp_path):
     assert "Guidance" in advice and "custom system prompt is empty" in advice
     wait_for(lambda: engine_server.health()["state"] == "ready", 60)
     assert handlers.advice(Settings("think", "auto", 0, True, 2, 5.0, "en_unified", "", 8)) == []
+
+
+def test_engine_line_shows_the_attempt_and_a_failed_engine_with_a_way_back(studio):
+    """The page's engine line: the restart attempt and its wait; for a failed engine the reason and a
+    button whose endpoint (`/gradio_api/run/reload`) reloads the model; on a running engine it does nothing."""
+    import httpx
+    from webui.studio import health_line
+    line = health_line({"state": "restarting", "model_name": "m", "device": "cpu", "attempt": 3,
+                        "restart_in_s": 2.0, "last_error": "the engine process stopped unexpectedly (SIGKILL)"})
+    assert "attempt 3, next start in 2 s" in line and "SIGKILL" in line and "engine-reload" not in line
+    line = health_line({"state": "failed", "model_name": "m", "device": "cpu", "attempt": 0,
+                        "last_error": "the engine could not load the model: <shard> missing"})
+    assert "could not load the model: &lt;shard&gt; missing" in line and 'class="engine-reload"' in line
+    url, _, _ = studio
+    r = httpx.post(url.rstrip("/") + "/gradio_api/run/reload", json={"data": []}, timeout=30)
+    assert r.status_code == 200 and r.json()["data"][0] == {"reloading": False}      # the engine is not failed
+    h = httpx.post(url.rstrip("/") + "/gradio_api/run/health", json={"data": []}, timeout=30).json()["data"][0]
+    assert h["state"] in ("ready", "busy") and h["attempt"] == 0

@@ -7,6 +7,7 @@ update and only the newest step preview is sent (as Fooocus does for slow connec
 """
 from __future__ import annotations
 
+import asyncio
 import io
 import re
 import sys
@@ -30,6 +31,7 @@ class EngineClient(Protocol):
     def submit(self, request: Request) -> Any: ...
     def cancel(self, request_id: str) -> bool: ...
     def health(self) -> dict[str, Any]: ...
+    def reload(self) -> bool: ...
 
 
 class EngineFailure(Exception):
@@ -148,7 +150,7 @@ async def run(client: EngineClient, req: Request, out_dir: Path) -> AsyncIterato
     """Submit `req` and describe its progress. Raises EngineFailure with a user-facing message when
     the engine refuses or fails the request; a cancelled request just ends with a 'Stopped' status."""
     prune(out_dir)
-    sub = client.submit(req)
+    sub = await asyncio.to_thread(client.submit, req)      # it validates, so decodes the references: off the loop
     cot, image, started = CotLog(), None, False
     image_path: str | None = None
     size: tuple[int, int] | None = None            # (width, height) of the image, once chosen

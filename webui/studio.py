@@ -17,7 +17,7 @@ import html
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Union
 
 import gradio as gr
 
@@ -64,6 +64,14 @@ HEALTH_JS = """
       show('Studio server <b>not reachable</b> (retrying)', false);
     }
   };
+  document.addEventListener('click', async (ev) => {
+    if (!ev.target.closest || !ev.target.closest('#engine-health .engine-reload')) return;
+    ev.target.disabled = true;
+    try {
+      await fetch(root + '/gradio_api/run/reload', {method: 'POST', credentials: 'same-origin',
+        headers: {'Content-Type': 'application/json'}, body: '{"data": []}'});
+    } finally { poll(); }
+  });
   window.__studioHealth = setInterval(poll, %d);
   poll();
 }
@@ -71,16 +79,22 @@ HEALTH_JS = """
 
 
 def health_line(health: dict[str, Any]) -> str:
-    """The engine line (HTML): state, model, device, what is loading, the queue, and why it failed."""
+    """The engine line (HTML): state, model, device, what is loading, the queue, the restart attempt, and
+    why it failed, with a button that loads the model again (the page's poller wires it)."""
     e = html.escape
     state = health.get("state", "?")
     line = f"Engine <b>{e(str(state))}</b> · {e(str(health.get('model_name', '')))} · {e(str(health.get('device', '')))}"
+    if health.get("attempt"):
+        wait = health.get("restart_in_s")
+        line += f" · attempt {int(health['attempt'])}" + (f", next start in {wait:.0f} s" if wait else "")
     if health.get("loading"):
         line += f" · loading {e(str(health['loading']))}"
     if health.get("running") or health.get("queue"):
         line += f" · {running_count(health)} running, {health.get('queue', 0)} waiting"
-    if state in ("failed", "restarting") and health.get("last_error"):
+    if state in ("failed", "restarting", "loading") and health.get("last_error"):
         line += f"<br>⚠️ {e(str(health['last_error']))}"
+    if state == "failed":
+        line += ' <button class="engine-reload" type="button">Load the model again</button>'
     return line
 
 
@@ -169,7 +183,12 @@ class Studio:
         """What the page's engine line shows (polled by the page; undocumented API `/health`)."""
         h = self.client.health()
         return {"state": h.get("state"), "queue": h.get("queue", 0), "running": running_count(h),
-                "html": health_line(h)}
+                "attempt": h.get("attempt", 0), "html": health_line(h)}
+
+    def reload(self) -> dict:
+        """The engine line's "Load the model again" (undocumented API `/reload`): a failed engine loads
+        the model again, without restarting the studio. `reloading` False: it was not failed."""
+        return {"reloading": bool(self.client.reload())}
 
     @staticmethod
     def to_edit(result: str | None) -> tuple:
@@ -349,15 +368,20 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                           show_progress="hidden")
 
         gr.api(studio.health, api_name="health", queue=False, api_visibility="undocumented")
+        gr.api(studio.reload, api_name="reload", queue=False, api_visibility="undocumented")
         demo.load(None, None, None, js=HEALTH_JS)
 
     demo.queue(default_concurrency_limit=1)
     return demo
 
 
+Login = Union[tuple[str, str], Callable[[str, str], bool]]
+
+
 def launch(demo: gr.Blocks, *, host: str | None = None, port: int | None = None, share: bool = False,
-           auth: tuple[str, str] | None = None, **kwargs: Any) -> tuple[Any, str, str | None]:
+           auth: Login | None = None, **kwargs: Any) -> tuple[Any, str, str | None]:
     """Launch with the studio's look. host/port None: Gradio's defaults and its GRADIO_SERVER_NAME /
-    GRADIO_SERVER_PORT variables (what hosting platforms such as Spaces set)."""
+    GRADIO_SERVER_PORT variables (what hosting platforms such as Spaces set). `auth`: a (user, password)
+    or a check(user, password); it guards the page and its whole Gradio API (uploads, /t2i, /ti2i)."""
     return demo.launch(server_name=host, server_port=port, share=share, auth=auth, theme=theme(), css=CSS,
                        footer_links=["api", "settings"], **kwargs)

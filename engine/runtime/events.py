@@ -53,9 +53,12 @@ class Image:
 @dataclass
 class Error:
     """kind: 'invalid' (bad input, nothing ran), 'busy' (the queue is full, nothing ran), 'cancelled',
-    'engine' (a failure while running, or an engine that is not running)."""
+    'engine' (a failure while running, or an engine that is not running). `param`: for 'invalid', the
+    Request field at fault (RequestError.field), so a front end can name its own control or API field
+    without reading the message; None when the request as a whole is at fault or nobody said."""
     kind: str
     message: str
+    param: str | None = None
 
 
 @dataclass

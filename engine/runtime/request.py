@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -19,6 +20,9 @@ from engine.spec.prompts import BOT_TASKS, PRESETS
 # and any other front end (they all validate through `prepare`).
 MAX_IMAGES = 3
 MAX_PROMPT_CHARS = 8000
+# A custom system prompt: room for the official presets (a few thousand characters) several times over;
+# it is tokenized with the prompt, so an unbounded one holds the engine and its memory for nothing.
+MAX_SYSTEM_PROMPT_CHARS = 16000
 STEPS_RANGE = (1, 200)
 GUIDANCE_RANGE = (0.0, 30.0)
 MAX_NEW_TOKENS_RANGE = (1, 8192)
@@ -37,9 +41,9 @@ def random_seed() -> int:
 
 class RequestError(ValueError):
     """Bad input: nothing was run. `field` names the Request field at fault (prompt, images, bot_task,
-    size, steps, guidance, seed, system_prompt, max_new_tokens, temperature, top_k, top_p, n; None when the
-    request as a whole is at fault), so a front end can put the message on its control or name the
-    parameter in its error."""
+    size, steps, guidance, seed, system_prompt, custom_system_prompt, max_new_tokens, temperature, top_k,
+    top_p, n; None when the request as a whole is at fault), so a front end can put the message on its
+    control or name the parameter in its error."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
@@ -92,6 +96,28 @@ def with_seed(req: Request) -> Request:
     return dataclasses.replace(req, seed=random_seed())
 
 
+# A Python object's default repr (`<_io.BytesIO object at 0x7f...>`), which PIL puts in its messages: it
+# says nothing to the user and shows a server address.
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def _text(value: object, field: str, what: str, limit: int) -> str | None:
+    """A free-text field (None allowed): text, at most `limit` characters, and encodable as UTF-8 (JSON
+    can carry a lone UTF-16 surrogate such as "\\ud800", which no tokenizer accepts)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise RequestError(f"{what} must be text (got {type(value).__name__})", field)
+    if len(value) > limit:
+        raise RequestError(f"{what} is too long ({len(value)} characters; the limit is {limit})", field)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} contains a character that is not valid Unicode (a lone surrogate, "
+                           f"{value[e.start]!r}, at position {e.start})", field) from None
+    return value
+
+
 def _in_range(value: object, lo: float, hi: float, integer: bool) -> bool:
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         return False
@@ -101,19 +127,16 @@ def _in_range(value: object, lo: float, hi: float, integer: bool) -> bool:
 def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...]) -> Prepared:
     """Check every field of `req` (its seed fixed: `with_seed`) against the limits above and resolve its
     defaults. Raises RequestError naming the field and what it accepts."""
-    prompt = req.prompt if isinstance(req.prompt, str) else ""
+    prompt = _text(req.prompt, "prompt", "the prompt", MAX_PROMPT_CHARS) or ""
     if not prompt.strip():
         raise RequestError("the prompt is empty: describe the image you want", "prompt")
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise RequestError(f"the prompt is too long ({len(prompt)} characters; the limit is {MAX_PROMPT_CHARS})",
-                           "prompt")
     images = list(req.images or [])
     if len(images) > MAX_IMAGES:
         raise RequestError(f"{len(images)} reference images given; at most {MAX_IMAGES} are supported", "images")
     try:
         pil = [open_image(src, f"reference image {i + 1}") for i, src in enumerate(images)]
     except ImageError as e:
-        raise RequestError(str(e), "images") from None
+        raise RequestError(_OBJECT_REPR.sub("", str(e)), "images") from None
     bot_task = req.bot_task or gen.bot_task
     if bot_task not in BOT_TASKS:
         raise RequestError(f"unknown reasoning mode (bot_task) {bot_task!r}; choose one of {', '.join(BOT_TASKS)}",
@@ -137,6 +160,7 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...]) ->
     if preset not in PRESETS:
         raise RequestError(f"unknown system prompt preset {preset!r}; choose one of {', '.join(PRESETS)}",
                            "system_prompt")
+    _text(req.custom_system_prompt, "custom_system_prompt", "the custom system prompt", MAX_SYSTEM_PROMPT_CHARS)
     max_new = gen.max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
     if not _in_range(max_new, *MAX_NEW_TOKENS_RANGE, integer=True):
         raise RequestError(f"max_new_tokens must be an integer from {MAX_NEW_TOKENS_RANGE[0]} to "

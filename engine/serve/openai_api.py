@@ -13,6 +13,12 @@ Every route drives the one `EngineServer` (its queue, its validation, its cancel
 A client that disconnects cancels its request on the engine: a watcher waits for the connection's
 `http.disconnect` while the request runs (streamed or not) and cancels it, so the engine stops at its
 next token or step instead of finishing an image nobody will read.
+
+What a browser may do (README, "Security"): nothing cross-site. The routes send no CORS headers of their
+own, JSON routes take JSON content types only (a `text/plain` body, which a web page may send anywhere
+without a CORS preflight, is 415), and a POST whose `Origin` is not this server is 403, which also covers
+the multipart form of the edit route. Every error, 404 and 405 included, is in OpenAI's shape; the
+engine's submit (which decodes reference images) runs off the event loop.
 """
 from __future__ import annotations
 
@@ -21,7 +27,9 @@ import json
 import os
 import secrets
 import socket
+import sys
 import time
+import traceback
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -31,6 +39,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Match
 
 from engine.runtime.events import Error
 from engine.runtime.request import MAX_IMAGES
@@ -38,10 +47,16 @@ from engine.serve.client import Submission
 from engine.serve.openai_events import (Outcome, chat_response, chat_stream, collect, failure, image_stream,
                                         images_response)
 from engine.serve.openai_params import (ApiError, ImageParams, UploadLimits, capped, check_upload, parse_chat,
-                                        parse_edit, parse_generation, refusal, size_list)
+                                        parse_edit, parse_generation, parse_int, refusal, size_list)
+from engine.serve.origin import foreign_origin
+from engine.serve.usage import InputCounter, InputTokens
 
 DEFAULT_PORT = 7860          # as Gradio: the first free port from here when none is given
 PORT_TRIES = 100
+
+
+JSON_TYPES = ("application/json",)     # and any application/*+json
+MAX_JSON_DEPTH = 64                     # nesting the routes' JSON may have (a real request needs about 6)
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,12 @@ class ApiConfig:
     api_key: str | None = None      # required as `Authorization: Bearer KEY` on /v1/* when set
     page_auth: bool = False         # the page has --auth: without a key /v1 is closed, not left open
     limits: UploadLimits = field(default_factory=UploadLimits)
+    page: str | None = None         # the page's protection, for /health: "login", "open", None (no page)
+
+    def auth(self) -> dict[str, str | None]:
+        """What needs credentials, as /health reports it."""
+        api = "key" if self.api_key else ("closed" if self.page_auth else "open")
+        return {"api": api, "page": self.page}
 
 
 async def _cancel_on_disconnect(request: HttpRequest, sub: Submission) -> None:
@@ -69,6 +90,7 @@ class OpenAIApi:
         self.server, self.info = server, server.info
         self.config = config or ApiConfig()
         self.created = int(time.time())
+        self.inputs = InputCounter(self.info)
 
     # ------------------------------------------------------------------ plumbing
     def _authorize(self, request: HttpRequest) -> None:
@@ -92,9 +114,13 @@ class OpenAIApi:
 
     def _route(self, handler: Callable[[HttpRequest], Awaitable[Response]], *, auth: bool = True
                ) -> Callable[[HttpRequest], Awaitable[Response]]:
-        """Errors in OpenAI's shape, whatever the handler raises; the key checked first on /v1."""
+        """Errors in OpenAI's shape, whatever the handler raises; a cross-site POST refused, then the key
+        checked, on /v1."""
         async def endpoint(request: HttpRequest) -> Response:
             try:
+                if request.method == "POST" and (origin := foreign_origin(request.headers)) is not None:
+                    raise ApiError(403, f"cross-site request refused: this API does not answer web pages of other "
+                                        f"origins ({origin})", None, "cross_origin_forbidden")
                 if auth:
                     self._authorize(request)
                 return await handler(request)
@@ -102,6 +128,10 @@ class OpenAIApi:
                 return self._error(e)
             except ClientDisconnect:           # gone while sending its body: nothing was submitted
                 return Response(status_code=400)
+            except Exception as e:  # noqa: BLE001 - a bug: still an OpenAI-shaped answer, and logged
+                traceback.print_exc(file=sys.stderr)
+                return self._error(ApiError(500, f"internal server error ({type(e).__name__}); the engine is "
+                                                 "unaffected, please report this", None, "server_error"))
         endpoint.__name__ = handler.__name__
         return endpoint
 
@@ -116,15 +146,16 @@ class OpenAIApi:
             raise ApiError(503, f"the engine is not running: {h.get('last_error') or state}", None,
                            "engine_unavailable")
 
-    def _submit(self, params: ImageParams) -> Submission:
+    async def _submit(self, params: ImageParams) -> Submission:
         """Queue the request; a refusal at the door (bad value, full queue, engine down) is an HTTP error,
-        not the start of a stream."""
+        not the start of a stream. Submit validates (and so decodes the reference images) in a thread:
+        the event loop keeps answering everyone else meanwhile."""
         self._check_ready()
-        sub = self.server.submit(params.request)
+        sub = await asyncio.to_thread(self.server.submit, params.request)
         if sub.ended:                    # submit ended it at once: the first event is the refusal
             ev = sub.get(timeout=0)
             if isinstance(ev, Error):
-                raise refusal(ev.message, params, self.info) if ev.kind == "invalid" else failure(ev)
+                raise refusal(ev, params, self.info) if ev.kind == "invalid" else failure(ev)
         return sub
 
     def _content_length(self, request: HttpRequest) -> int:
@@ -139,12 +170,22 @@ class OpenAIApi:
         return limit
 
     async def _json(self, request: HttpRequest) -> Any:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype not in JSON_TYPES and not (ctype.startswith("application/") and ctype.endswith("+json")):
+            raise ApiError(415, f"send the body as JSON with `Content-Type: application/json` (got "
+                                f"{ctype or 'no Content-Type'})", None, "unsupported_media_type")
         limit = self._content_length(request)
         body = b"".join([c async for c in capped(request.stream(), limit)])
         try:
-            return json.loads(body)
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON", None, "invalid_json") from None
+            value = json.loads(body, parse_int=parse_int)
+        except RecursionError:
+            value = None                    # nested beyond the parser's stack: refused just below
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+        if value is None or _depth(value) > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body must be a JSON object nested at most {MAX_JSON_DEPTH} levels "
+                                "deep", None, "invalid_json")
+        return value
 
     async def _multipart(self, request: HttpRequest) -> tuple[dict[str, Any], list[bytes]]:
         """The edit form: its text fields and its reference images (each checked against the limits)."""
@@ -171,6 +212,8 @@ class OpenAIApi:
                                                self.config.limits))
                 elif isinstance(value, str):
                     fields_[name] = value
+                else:       # a file where a text field belongs (a mask): refused by name, never dropped
+                    fields_[name] = value.filename or "a file"
             return fields_, images
         finally:
             await form.close()
@@ -201,27 +244,37 @@ class OpenAIApi:
 
     # ------------------------------------------------------------------ routes
     async def generations(self, request: HttpRequest) -> Response:
-        params = parse_generation(await self._json(request))
+        params = parse_generation(await self._json(request), self.info.name)
         return await self._images(request, params, "image_generation")
 
     async def edits(self, request: HttpRequest) -> Response:
         fields_, images = await self._multipart(request)
-        return await self._images(request, parse_edit(fields_, images), "image_edit")
+        return await self._images(request, parse_edit(fields_, images, self.info.name), "image_edit")
 
     async def _images(self, request: HttpRequest, params: ImageParams, kind: str) -> Response:
-        sub = self._submit(params)
+        sub = await self._submit(params)
+        inputs = await self._count(sub)
         if params.stream:
-            return self._stream(request, sub, image_stream(sub, params, self.info, kind))
+            return self._stream(request, sub, image_stream(sub, params, self.info, kind, inputs))
         out = await self._run(request, sub)
-        return JSONResponse(await images_response(out, params, self.info))
+        return JSONResponse(await images_response(out, params, self.info, inputs))
+
+    async def _count(self, sub: Submission) -> InputTokens:
+        """The request's input tokens (for usage), in a thread; the request is cancelled if that fails."""
+        try:
+            return await asyncio.to_thread(self.inputs.count, sub.request)
+        except BaseException:
+            sub.cancel()
+            raise
 
     async def chat(self, request: HttpRequest) -> Response:
-        params = parse_chat(await self._json(request), self.config.limits)
-        sub = self._submit(params)
+        params = parse_chat(await self._json(request), self.config.limits, self.info.name)
+        sub = await self._submit(params)
+        inputs = await self._count(sub)
         if params.stream:
-            return self._stream(request, sub, chat_stream(sub, params, self.info))
+            return self._stream(request, sub, chat_stream(sub, params, self.info, inputs))
         out = await self._run(request, sub)
-        return JSONResponse(await chat_response(out, params, self.info))
+        return JSONResponse(await chat_response(out, params, self.info, inputs))
 
     def _model(self) -> dict[str, Any]:
         return {"id": self.info.name, "object": "model", "created": self.created, "owned_by": "hunyuan-studio",
@@ -240,11 +293,31 @@ class OpenAIApi:
         h = self.server.health()
         up = h.get("state") in ("ready", "busy")
         keys = ("state", "device", "plan", "world_size", "queue", "max_queue", "max_batch", "loading", "last_error",
-                "restarts")
+                "restarts", "attempt", "restart_in_s", "stall_limit_s")
         # running: requests in the engine's batch; waiting (= queue): requests queued beyond it
         body = {"status": "ok" if up else "unavailable", "model": self.info.name,
-                **{k: h.get(k) for k in keys}, "running": h.get("running") or 0, "waiting": h.get("queue") or 0}
+                **{k: h.get(k) for k in keys}, "running": h.get("running") or 0, "waiting": h.get("queue") or 0,
+                "auth": self.config.auth()}
         return JSONResponse(body, status_code=200 if up else 503)
+
+    async def reload(self, request: HttpRequest) -> Response:
+        """POST /engine/reload: load the model again after it failed to load (the way back without
+        restarting the process); 409 when the engine is not in the failed state."""
+        if not self.server.reload():
+            raise ApiError(409, f"the engine is {self.server.health().get('state')}; reload applies only to a "
+                                "failed engine", None, "engine_not_failed")
+        return JSONResponse({"reloading": True}, status_code=202)
+
+    async def not_found(self, request: HttpRequest) -> Response:
+        """Any other path or method under these routes, in OpenAI's shape (not FastAPI's {"detail": ...})."""
+        allowed = sorted({m for r in self._routes for m in (r.methods or ())
+                          if r.matches(request.scope)[0] == Match.PARTIAL})
+        if allowed:
+            return JSONResponse(ApiError(405, f"{request.method} is not allowed on {request.url.path}; use "
+                                              f"{' or '.join(allowed)}", None, "method_not_allowed").body(),
+                                status_code=405, headers={"Allow": ", ".join(allowed)})
+        raise ApiError(404, f"no route {request.method} {request.url.path} (see /v1/models, /v1/images/generations, "
+                            "/v1/images/edits, /v1/chat/completions, /health)", None, "not_found")
 
     def router(self) -> APIRouter:
         r = APIRouter()
@@ -254,6 +327,13 @@ class OpenAIApi:
         r.add_api_route("/v1/models", self._route(self.models), methods=["GET"])
         r.add_api_route("/v1/models/{model:path}", self._route(self.model), methods=["GET"])
         r.add_api_route("/health", self._route(self.health, auth=False), methods=["GET"])
+        r.add_api_route("/engine/reload", self._route(self.reload), methods=["POST"])
+        self._routes = list(r.routes)
+        # last: whatever else comes under /v1 or /engine, and a wrong method on the routes above
+        any_method = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+        for prefix in ("/v1", "/engine"):
+            r.add_api_route(prefix + "/{rest:path}", self._route(self.not_found, auth=False), methods=any_method)
+        r.add_api_route("/health", self._route(self.not_found, auth=False), methods=any_method)
         return r
 
     def lifespan(self) -> Callable[[FastAPI], Any]:
@@ -269,6 +349,19 @@ class OpenAIApi:
                 app.state.openai_api = True
             yield
         return attach
+
+
+def _depth(value: Any) -> int:
+    """How deeply a parsed JSON value nests (iteratively: the value may be deeper than the stack)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        if isinstance(v, dict):
+            todo += [(x, d + 1) for x in v.values()]
+        elif isinstance(v, list):
+            todo += [(x, d + 1) for x in v]
+    return deepest
 
 
 def api_app(server: Any, config: ApiConfig | None = None) -> FastAPI:

@@ -4,9 +4,12 @@ Server-Sent Events of a streamed one (image generations and edits; chat completi
 Image streams follow what the official `openai` client parses (`client.images.generate(..., stream=True)`
 and `client.images.edit`): `<kind>.partial_image` events carry step previews, `<kind>.completed` one
 event per image with its usage, then `data: [DONE]`. The reasoning, which OpenAI's image API does not
-have, streams before them as `<kind>.reasoning.delta` events; the client hands an event type it does
-not know to the caller as it came (`ev.type`, `ev.delta`), so nothing breaks. An error mid-stream is a
-payload with an `error` key, which the client raises as `openai.APIError`.
+have, streams before them as `<kind>.reasoning.delta` events only when the request asks for them with
+`stream_reasoning: true`: the client types every image-stream event by a closed union, so an event type
+it does not know becomes a partial-image event with no image, which breaks a caller that dispatches on
+the class. Chat streams carry the reasoning by default (`delta.reasoning_content`, a field the client
+keeps). An error mid-stream is a payload with an `error` key, which the client raises as
+`openai.APIError`.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from engine.runtime.events import Done, Error, Event, Image, Ratio, Step, Text
 from engine.serve.client import Submission
 from engine.serve.info import ModelInfo
 from engine.serve.openai_params import ApiError, ImageParams
+from engine.serve.usage import InputTokens
 
 KEEPALIVE_S = 10.0          # an SSE comment this often while nothing happens (proxies close idle streams)
 MIME = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
@@ -81,13 +85,15 @@ class Outcome:
     def ordered(self) -> list[tuple[int, Image]]:
         return sorted(self.images.items())
 
-    def usage(self, info: ModelInfo) -> dict[str, Any]:
-        """Token counts the engine measured: the text it wrote and the image tokens it denoised. The input
-        side (system prompt, prompt, references) is not counted by the engine and is left out."""
+    def usage(self, info: ModelInfo, inputs: InputTokens) -> dict[str, Any]:
+        """OpenAI's image usage: the input (the user turn, engine.serve.usage), and the output the engine
+        made: the text it wrote and the image tokens it denoised."""
         f = info.cfg.vae_downsample_factor
         image_tokens = sum((im.height // f[0]) * (im.width // f[1]) for im in self.images.values())
         text_tokens = self.done.timings.ar_tokens if self.done else 0
-        return {"output_tokens": text_tokens + image_tokens, "total_tokens": text_tokens + image_tokens,
+        return {"input_tokens": inputs.total,
+                "input_tokens_details": {"text_tokens": inputs.text, "image_tokens": inputs.image},
+                "output_tokens": text_tokens + image_tokens, "total_tokens": inputs.total + text_tokens + image_tokens,
                 "output_tokens_details": {"text_tokens": text_tokens, "image_tokens": image_tokens}}
 
     def extensions(self) -> dict[str, Any]:
@@ -128,7 +134,7 @@ def _data_url(data: bytes, fmt: str) -> str:
     return f"data:{MIME[fmt]};base64,{base64.b64encode(data).decode()}"
 
 
-async def images_response(out: Outcome, p: ImageParams, info: ModelInfo) -> dict[str, Any]:
+async def images_response(out: Outcome, p: ImageParams, info: ModelInfo, inputs: InputTokens) -> dict[str, Any]:
     """The body of a finished /v1/images/generations or /v1/images/edits request (OpenAI's ImagesResponse
     plus the engine's extensions)."""
     ims = out.ordered()
@@ -141,15 +147,15 @@ async def images_response(out: Outcome, p: ImageParams, info: ModelInfo) -> dict
             item["b64_json"] = base64.b64encode(blob).decode()
         data.append(item)
     return {"created": out.created, "data": data, "background": "opaque", "output_format": p.output_format,
-            "quality": p.quality, "size": out.size, "usage": out.usage(info), **out.extensions()}
+            "quality": p.quality, "size": out.size, "usage": out.usage(info, inputs), **out.extensions()}
 
 
-async def chat_response(out: Outcome, p: ImageParams, info: ModelInfo) -> dict[str, Any]:
+async def chat_response(out: Outcome, p: ImageParams, info: ModelInfo, inputs: InputTokens) -> dict[str, Any]:
     """The body of a finished /v1/chat/completions request: the images as data-URL parts of the message."""
     ims = out.ordered()
     parts = [{"type": "image_url", "image_url": {"url": _data_url(b, p.output_format)}}
              for b in await _encoded(ims, p)]
-    u = out.usage(info)
+    u = out.usage(info, inputs)
     return {"id": f"chatcmpl-{p.request.request_id}", "object": "chat.completion", "created": out.created,
             "model": info.name,
             "choices": [{"index": 0, "finish_reason": "stop",
@@ -158,8 +164,8 @@ async def chat_response(out: Outcome, p: ImageParams, info: ModelInfo) -> dict[s
 
 
 def _chat_usage(u: dict[str, Any]) -> dict[str, Any]:
-    return {"completion_tokens": u["output_tokens"], "total_tokens": u["total_tokens"],
-            "completion_tokens_details": u["output_tokens_details"]}
+    return {"prompt_tokens": u["input_tokens"], "completion_tokens": u["output_tokens"], "total_tokens": u["total_tokens"],
+            "prompt_tokens_details": u["input_tokens_details"], "completion_tokens_details": u["output_tokens_details"]}
 
 
 # ---------------------------------------------------------------------------------------- streaming
@@ -176,7 +182,8 @@ class PreviewPicker:
     """Which step previews become partial images: at most `count`, spread over the steps (the k-th at or
     after step 1 + k*n/count, so the first is the earliest preview). The engine does not preview every
     step (previews may take only a share of the denoise time), so a target is met by the first preview
-    at or after it, and the targets that preview has passed are spent with it."""
+    at or after it; a late preview meets one target only, so the ones after it can still be met by the
+    previews that follow (fewer than `count` arrive only when the engine made fewer previews)."""
 
     def __init__(self, count: int):
         self.count, self.sent = count, 0
@@ -188,8 +195,6 @@ class PreviewPicker:
         if ev.preview is None or self.sent >= self.count or ev.i < self._target(self.sent, ev.n):
             return False
         self.sent += 1
-        while self.sent < self.count and ev.i >= self._target(self.sent, ev.n):
-            self.sent += 1
         return True
 
 
@@ -209,7 +214,8 @@ def _error_frame(err: Error) -> bytes:
     return sse(e.body(), "error")
 
 
-async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: str) -> AsyncIterator[bytes]:
+async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: str,
+                       inputs: InputTokens) -> AsyncIterator[bytes]:
     """SSE frames of a streamed generation (`kind` 'image_generation') or edit ('image_edit')."""
     out, picker, partials = Outcome(), PreviewPicker(p.partial_images), 0
 
@@ -221,7 +227,7 @@ async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: s
         async for ev in _events(sub, out):
             if ev is None:
                 yield KEEPALIVE_FRAME
-            elif isinstance(ev, Text):
+            elif isinstance(ev, Text) and p.stream_reasoning:
                 yield sse({"type": f"{kind}.reasoning.delta", "delta": ev.delta, "section": ev.section,
                            "created_at": int(time.time())}, f"{kind}.reasoning.delta")
             elif isinstance(ev, Step) and picker.take(ev):
@@ -232,7 +238,7 @@ async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: s
                 partials += 1
             elif isinstance(ev, Done):
                 ims = out.ordered()
-                usage, ext = out.usage(info), out.extensions()
+                usage, ext = out.usage(info, inputs), out.extensions()
                 for (index, im), blob in zip(ims, await _encoded(ims, p)):
                     yield sse({"type": f"{kind}.completed", "b64_json": base64.b64encode(blob).decode(),
                                **common(), "usage": usage, "index": index, "seed": im.seed,
@@ -247,7 +253,7 @@ async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: s
             sub.cancel()
 
 
-async def chat_stream(sub: Submission, p: ImageParams, info: ModelInfo) -> AsyncIterator[bytes]:
+async def chat_stream(sub: Submission, p: ImageParams, info: ModelInfo, inputs: InputTokens) -> AsyncIterator[bytes]:
     """SSE `chat.completion.chunk`s: the role, the reasoning as `reasoning_content` deltas, then one chunk
     whose content holds the image parts (as in the non-streamed message), then the usage if asked."""
     out = Outcome()
@@ -275,7 +281,7 @@ async def chat_stream(sub: Submission, p: ImageParams, info: ModelInfo) -> Async
                             **{k: v for k, v in out.extensions().items() if k != "reasoning"})
                 if p.include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk", "created": out.created,
-                               "model": info.name, "choices": [], "usage": _chat_usage(out.usage(info))})
+                               "model": info.name, "choices": [], "usage": _chat_usage(out.usage(info, inputs))})
                 yield DONE_FRAME
             elif isinstance(ev, Error):
                 yield _error_frame(ev)

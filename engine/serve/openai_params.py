@@ -5,13 +5,15 @@ field.
 The engine's `prepare` is the one judge of values and ranges (steps, guidance, seed, prompt, reference
 images, size, n, ...); this module only converts wire types (multipart sends every field as text), maps
 OpenAI's and vLLM-Omni's field names onto the engine's, and routes a `prepare` message to the API
-field it concerns. What is checked here is the API's own vocabulary (response and output formats,
-partial_images, upload bytes and pixels), which the engine has no notion of.
+field it concerns (the `param` of its Error). What is checked here is the API's own vocabulary (which
+fields a route knows, `model`, response and output formats, partial_images, upload bytes and pixels),
+which the engine has no notion of.
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import io
 import re
 from dataclasses import dataclass, field
@@ -19,37 +21,19 @@ from typing import Any, AsyncIterator
 
 from PIL import Image as PILImage
 
+from engine.runtime.events import Error
 from engine.runtime.images import MAX_PIXELS
 from engine.runtime.request import MAX_IMAGES, Request
 from engine.serve.info import ModelInfo
+from engine.serve.openai_errors import ApiError, invalid
+from engine.serve.openai_fields import (CHAT_FIELDS, CHAT_NEUTRAL_ONLY, EDIT_FIELDS, GENERATION_FIELDS,
+                                        REFUSED_FIELDS, check_fields, check_model)
 
 RESPONSE_FORMATS = ("b64_json", "url")                 # url: answered with a data URL (nothing is hosted)
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 QUALITIES = ("auto", "low", "medium", "high", "standard", "hd")   # accepted and reported; steps decide quality
 BACKGROUNDS = ("auto", "opaque", "transparent")        # accepted; images are always opaque (reported so)
 PARTIAL_IMAGES_MAX = 3                                 # OpenAI's range for partial_images is 0-3
-UNSUPPORTED = ("negative_prompt", "lora", "mask")      # would change the result; refused, not ignored
-
-
-class ApiError(Exception):
-    """A refusal in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after = retry_after
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
-
-
-def invalid(param: str, message: str, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, f"Invalid '{param}': {message}", param, code)
 
 
 @dataclass(frozen=True)
@@ -76,12 +60,32 @@ class ImageParams:
     background: str = "auto"
     stream: bool = False
     partial_images: int = 0
+    stream_reasoning: bool = False       # image streams: the reasoning as events (the SDK cannot type them)
     include_usage: bool = False          # chat streams: a last chunk with the usage (stream_options)
     size: Any = "auto"                   # the size as the client wrote it (for messages)
     names: dict[str, str] = field(default_factory=dict)   # engine field -> the API field it came from
 
 
 # ---------------------------------------------------------------------------------------- wire types
+class HugeNumber:
+    """An integer with more digits than Python converts (4300): kept as its text, so `prepare` refuses it
+    as a value out of range with a readable description instead of the parser calling it bad JSON."""
+
+    def __init__(self, text: str):
+        self.text = text.strip()
+
+    def __repr__(self) -> str:
+        return f"a {len(self.text.lstrip('+-'))}-digit number"
+
+
+def parse_int(text: str) -> int | HugeNumber:
+    """json.loads' `parse_int`: an int, or a HugeNumber past the conversion limit."""
+    try:
+        return int(text)
+    except ValueError:
+        return HugeNumber(text)
+
+
 def _int_like(v: Any) -> Any:
     """Whole numbers as int (JSON clients may send 4.0, multipart sends "4"); anything else unchanged,
     so that `prepare` reports it with the value it got."""
@@ -90,7 +94,7 @@ def _int_like(v: Any) -> Any:
     if isinstance(v, float) and v.is_integer():
         return int(v)
     if isinstance(v, str) and re.fullmatch(r"\s*[+-]?\d+\s*", v):
-        return int(v)
+        return parse_int(v)
     return v
 
 
@@ -100,6 +104,8 @@ def _float_like(v: Any) -> Any:
             return float(v)
         except ValueError:
             return v
+    if isinstance(v, HugeNumber):
+        return float("inf") if not v.text.startswith("-") else float("-inf")
     return v
 
 
@@ -146,14 +152,17 @@ def engine_size(size: Any) -> str:
     if size is None:
         return "auto"
     if not isinstance(size, str):
-        return repr(size)               # prepare refuses it; the message lists the sizes
+        return size                     # prepare refuses it; the message lists the sizes
     if m := _WXH.match(size):
         return f"{m.group(2)}x{m.group(1)}"
     return size
 
 
 # ---------------------------------------------------------------------------------------- field routing
-# A `prepare` message names what is wrong in the engine's words; these route it to the API field.
+# The Request field at fault (`Error.param`, from RequestError.field) -> the API field that sets it.
+API_FIELD = {"images": "image", "system_prompt": "use_system_prompt", "custom_system_prompt": "system_prompt",
+             "steps": "num_inference_steps", "guidance": "guidance_scale"}
+# A message without a field (found by the engine once it runs) names it in the engine's words only.
 _FIELD_WORDS = (
     ("reference image", "image"),
     ("prompt preset", "use_system_prompt"),
@@ -180,9 +189,10 @@ def field_of(message: str) -> str:
     return "prompt"
 
 
-def refusal(message: str, params: ImageParams, info: ModelInfo) -> ApiError:
+def refusal(err: Error, params: ImageParams, info: ModelInfo) -> ApiError:
     """The engine refused the request (`Error('invalid')`): a 400 naming the API field."""
-    name = field_of(message)
+    message = err.message
+    name = API_FIELD.get(err.param, err.param) if err.param else field_of(message)
     name = params.names.get(name, name)
     if name == "size":
         if "not understood" in message:     # the engine's own forms are height first; this API's are not
@@ -241,9 +251,9 @@ async def capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[byte
 
 
 # ---------------------------------------------------------------------------------------- the forms
-def _engine_request(body: dict, prompt: str, images: list[bytes], size: str) -> Request:
+def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any) -> Request:
     """The engine request for OpenAI/vLLM-Omni field names (values converted, never range-checked)."""
-    for name in UNSUPPORTED:
+    for name in sorted(REFUSED_FIELDS):
         if body.get(name) not in (None, ""):
             raise invalid(name, "not supported by this server", "unsupported_parameter")
     if body.get("bot_task") == "auto":
@@ -271,6 +281,7 @@ def _output_options(body: dict, params: ImageParams) -> None:
     params.background = _choice(body, "background", BACKGROUNDS, "auto")
     params.stream = _bool("stream", body.get("stream"))
     params.partial_images = _ranged_int(body, "partial_images", 0, PARTIAL_IMAGES_MAX, 0)
+    params.stream_reasoning = _bool("stream_reasoning", body.get("stream_reasoning"))
 
 
 def _prompt(body: dict) -> Any:
@@ -282,18 +293,22 @@ def _prompt(body: dict) -> Any:
     return prompt
 
 
-def parse_generation(body: Any) -> ImageParams:
-    """POST /v1/images/generations (JSON)."""
+def parse_generation(body: Any, served: str) -> ImageParams:
+    """POST /v1/images/generations (JSON); `served`: the model name /v1/models lists."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    check_fields(body, GENERATION_FIELDS)
+    check_model(body, served)
     req = _engine_request(body, _prompt(body), [], engine_size(body.get("size")))
     params = ImageParams(req, size=body.get("size", "auto"))
     _output_options(body, params)
     return params
 
 
-def parse_edit(fields_: dict[str, Any], images: list[bytes]) -> ImageParams:
+def parse_edit(fields_: dict[str, Any], images: list[bytes], served: str) -> ImageParams:
     """POST /v1/images/edits (multipart): text fields as sent, reference images already read and checked."""
+    check_fields(fields_, EDIT_FIELDS)
+    check_model(fields_, served)
     if not images:
         raise invalid("image", "give 1 to 3 reference images (as `image` or repeated `image[]` files)",
                       "missing_required_parameter")
@@ -303,15 +318,64 @@ def parse_edit(fields_: dict[str, Any], images: list[bytes]) -> ImageParams:
     return params
 
 
-def parse_chat(body: Any, limits: UploadLimits) -> ImageParams:
+def _chat_text(content: Any, what: str) -> tuple[list[str], list[Any]]:
+    """A message's content as (texts, image_url values): a string, or a list of text / image_url parts."""
+    if isinstance(content, str):
+        return [content], []
+    if content is None:
+        return [], []
+    if not isinstance(content, list):
+        raise invalid("messages", f"the {what} content must be a string or a list of content parts "
+                                  f"(got {type(content).__name__})")
+    texts, urls = [], []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid("messages", f"a text part's `text` must be a string (got {type(text).__name__})")
+            texts.append(text)
+        elif kind == "image_url":
+            url = part.get("image_url")
+            urls.append(url.get("url") if isinstance(url, dict) else url)
+        else:
+            raise invalid("messages", f"content parts must be text or image_url (got {kind!r})")
+    return texts, urls
+
+
+def _sampling(merged: dict, names: dict[str, str]) -> dict[str, Any]:
+    """OpenAI's sampling fields of a chat request, for the model's reasoning text: temperature (0: greedy),
+    top_p, and max_completion_tokens / max_tokens as the reasoning budget (unless max_new_tokens is given)."""
+    out: dict[str, Any] = {}
+    temperature = _float_like(merged.get("temperature"))
+    if temperature is not None:
+        if temperature == 0 and not isinstance(temperature, bool):
+            out["greedy"] = True
+        else:
+            out["temperature"] = temperature
+    if merged.get("top_p") is not None:
+        out["top_p"] = _float_like(merged["top_p"])
+    budget = next((k for k in ("max_completion_tokens", "max_tokens") if merged.get(k) is not None), None)
+    if budget is not None and merged.get("max_new_tokens") is None:
+        out["max_new_tokens"] = _int_like(merged[budget])
+        names["max_new_tokens"] = budget          # a refusal names the field the client sent
+    return out
+
+
+def parse_chat(body: Any, limits: UploadLimits, served: str) -> ImageParams:
     """POST /v1/chat/completions in the vLLM-Omni recipe's form: the last user message's text is the prompt
     and its `image_url` parts (data URLs, up to 3) the reference images; a system message is the custom
     system prompt; the diffusion fields come in `extra_body` (sent literally by curl, merged into the
     top level by the openai client) and `height`/`width` give the size."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
-    extra = body.get("extra_body") if isinstance(body.get("extra_body"), dict) else {}
-    merged = {**body, **extra}
+    check_fields(body, CHAT_FIELDS, CHAT_NEUTRAL_ONLY)
+    extra = body.get("extra_body")
+    if extra is not None and not isinstance(extra, dict):
+        raise invalid("extra_body", f"must be an object of request fields (got {type(extra).__name__})")
+    check_fields(extra or {}, CHAT_FIELDS - {"extra_body", "messages"}, CHAT_NEUTRAL_ONLY)
+    merged = {**body, **(extra or {})}
+    check_model(merged, served)
     modalities = merged.get("modalities")
     if modalities is not None and (not isinstance(modalities, list) or "image" not in modalities):
         raise invalid("modalities", 'this server answers with images: use ["image"]')
@@ -319,31 +383,31 @@ def parse_chat(body: Any, limits: UploadLimits) -> ImageParams:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "a list of messages with one user message is required",
                       "missing_required_parameter")
-    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid("messages", "every message must be an object with a `role` (got "
+                                      f"{type(m).__name__ if not isinstance(m, dict) else 'no role'})")
+    users = [m for m in messages if m["role"] == "user"]
     if not users:
         raise invalid("messages", "no message with role 'user'")
-    texts, images = [], []
-    content = users[-1].get("content")
-    for part in ([{"type": "text", "text": content}] if isinstance(content, str) else content or []):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            texts.append(str(part.get("text") or ""))
-        elif kind == "image_url":
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            images.append(decode_data_url(url, f"reference image {len(images) + 1}", "messages", limits))
-        else:
-            raise invalid("messages", f"content parts must be text or image_url (got {kind!r})")
-    system = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "system"]
-    if system and isinstance(system[-1], str) and system[-1].strip() and merged.get("system_prompt") is None:
-        merged["system_prompt"] = system[-1]
+    texts, urls = _chat_text(users[-1].get("content"), "user message's")
+    images = [decode_data_url(url, f"reference image {i + 1}", "messages", limits) for i, url in enumerate(urls)]
+    names = dict(image="messages", prompt="messages")
+    system = [m for m in messages if m["role"] in ("system", "developer")]
+    if system and merged.get("system_prompt") is None:
+        sys_texts, sys_urls = _chat_text(system[-1].get("content"), "system message's")
+        if sys_urls:
+            raise invalid("messages", "a system message holds text only")
+        if "".join(sys_texts).strip():
+            merged["system_prompt"] = "\n".join(sys_texts)
+            names["system_prompt"] = "messages"
     h, w = merged.get("height"), merged.get("width")
     if (h is None) != (w is None):
         raise invalid("height" if h is None else "width", "give both height and width, or neither")
     size = f"{_int_like(h)}x{_int_like(w)}" if h is not None else engine_size(merged.get("size"))
-    req = _engine_request(merged, "\n".join(texts), images, size)
-    params = ImageParams(req, names=dict(image="messages", prompt="messages",
-                                            size="size" if h is None else "height"),
+    req = dataclasses.replace(_engine_request(merged, "\n".join(texts), images, size), **_sampling(merged, names))
+    names["size"] = "size" if h is None else "height"
+    params = ImageParams(req, names=names,
                          size=merged.get("size", "auto") if h is None else f"height {h}, width {w}")
     params.output_format = _choice(merged, "output_format", OUTPUT_FORMATS, "png")
     params.output_compression = _ranged_int(merged, "output_compression", 0, 100, 100)

@@ -16,9 +16,13 @@ them); `max_queue` counts the ones waiting beyond that. A cancel is a message on
 ends that request only. Sequence numbers are never reused, so a stale cancel hits nothing.
 
 One pump thread owns the workers: it reads their messages, dispatches queued requests, notices a
-dead worker (its pipe closes and its process sentinel fires), fails the in-flight request with a
-clear `Error("engine", ...)` and respawns the workers, which reload the weights. Pipes are created
-fresh for every incarnation: a worker killed while writing can leave a shared queue's lock held
+dead worker (its pipe closes and its process sentinel fires) or a stalled one (no token or step within
+the limit of `engine.serve.supervisor.StallWatch`), fails the in-flight request with a clear
+`Error("engine", ...)` and starts the workers again, which reload the weights; when, how often and when
+to give up is `engine.serve.supervisor.Restarts`' call (backoff, an attempt count, "failed" only when
+the model cannot load; `reload()` starts over). Killing the old workers and spawning new ones happens
+outside the server's lock, so `health()` and `submit()` answer while the engine restarts. Pipes are
+created fresh for every incarnation: a worker killed while writing can leave a shared queue's lock held
 forever, a closed pipe just reads as EOF. Nothing a worker does can raise into the caller.
 """
 from __future__ import annotations
@@ -36,14 +40,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from engine.parallel.plan import ParallelPlan, get_plan
-from engine.runtime.events import Error, Event
+from engine.runtime.events import Done, Error, Event
 from engine.runtime.request import Prepared, Request, RequestError, with_seed
 from engine.serve.client import Submission
 from engine.serve.info import ModelInfo
+from engine.serve.supervisor import Restarts, StallWatch
 from engine.serve.worker import worker_main
 
 CANCEL_GRACE_S = 60.0       # a worker that ignores a cancel this long is considered hung and restarted
 DEATH_GRACE_S = 2.0         # an engine error of a multi-rank request waits this long for a rank's death to show
+KILL_WAIT_S = 5.0           # a SIGKILLed worker is reaped within this (it cannot ignore the signal, even stopped)
 
 @dataclass
 class _Job:
@@ -51,6 +57,15 @@ class _Job:
     sub: Submission
     prepared: Prepared
     cancelled_at: float | None = None
+
+
+@dataclass
+class _Incarnation:
+    """One start of the engine: its worker processes and the server's ends of their pipes."""
+    procs: list
+    req_conn: Connection | None
+    ev_conn: Connection | None                # rank 0's events
+    rank_conns: list[Connection]              # the other ranks': only "rank_failed"
 
 
 def describe_exit(code: int | None) -> str:
@@ -64,6 +79,21 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def _kill(inc: _Incarnation) -> None:
+    """End an engine start that is being replaced: SIGKILL (a stopped or hung worker ignores anything
+    politer, and nothing it holds needs saving), reap, close the pipes."""
+    for p in inc.procs:
+        if p.is_alive():
+            p.kill()
+    for p in inc.procs:
+        p.join(KILL_WAIT_S)
+        if not p.is_alive():
+            p.close()
+    for c in (inc.req_conn, inc.ev_conn, *inc.rank_conns):
+        if c is not None:
+            c.close()
+
+
 class EngineServer:
     """Spawns the engine workers once, keeps the model resident, runs queued requests one at a time."""
 
@@ -71,7 +101,7 @@ class EngineServer:
                  world_size: int | None = None, plan: str | None = None, preview_every: int = 1,
                  verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S, sp_kind: str | None = None,
                  pipeline_options: dict | None = None, max_queue: int | None = None, quantize: str | None = None,
-                 max_batch: int = 1):
+                 max_batch: int = 1, step_timeout: float | None = None):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
@@ -82,7 +112,9 @@ class EngineServer:
         submit with Error('busy'), checked under the queue's lock so simultaneous arrivals cannot
         overshoot it. `max_batch`: how many requests the engine runs at once (batched; 1: one at a
         time). `quantize` ("fp8"): every rank quantizes the backbone linears of a high-precision
-        checkpoint at load (engine/model/weights.py)."""
+        checkpoint at load (engine/model/weights.py). `step_timeout`: seconds the running requests may go
+        without a token or step before the engine is restarted (None: automatic, from the engine's own
+        figures; 0: never; engine.serve.supervisor)."""
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0 (got {max_queue})")
         if max_batch < 1:
@@ -104,6 +136,8 @@ class EngineServer:
         self.preview_every, self.verbose, self.cancel_grace_s = preview_every, verbose, cancel_grace_s
         self.max_queue = max_queue
 
+        self._restarts = Restarts()
+        self._watch = StallWatch(step_timeout)
         self._ctx = mp.get_context("spawn")
         self._lock = threading.RLock()
         self._waiting: collections.deque[_Job] = collections.deque()
@@ -113,15 +147,15 @@ class EngineServer:
         self._state = "loading"
         self._last_error: str | None = None
         self._loading: str | None = None
-        self._restarts = 0
         self._worker_info: dict[str, Any] = {}
         self._closing = False
         self._procs: list[Any] = []
         self._req_conn: Connection | None = None
         self._ev_conn: Connection | None = None           # rank 0's events
         self._rank_conns: list[Connection] = []            # the other ranks': only "rank_failed"
+        self._doomed: list[_Incarnation] = []              # detached under the lock, killed outside it
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
-        self._spawn()
+        self._install(self._spawn())
         self._pump = threading.Thread(target=self._pump_loop, name="engine-server-pump", daemon=True)
         self._pump.start()
 
@@ -136,7 +170,7 @@ class EngineServer:
             prepared = self.info.prepare(request)            # once: the engine runs it as prepared here
             request = _detach_images(request)
         except (RequestError, TypeError, ValueError) as e:     # TypeError: a value of the wrong kind
-            sub._push(Error("invalid", str(e)))
+            sub._push(Error("invalid", str(e), getattr(e, "field", None)))
             return sub
         except OSError as e:                                  # an upload that vanished after validation
             sub._push(Error("invalid", f"a reference image cannot be read: {e}"))
@@ -191,7 +225,13 @@ class EngineServer:
             return None
 
     def health(self) -> dict[str, Any]:
+        """The engine's state (loading, ready, busy, restarting, failed, closed), the queue, the last error
+        (for failed: why the model cannot load), `attempt` (the start attempt while restarting or
+        loading after a crash), `restart_in_s` (the wait before the next start) and `stall_limit_s`
+        (how long the running request may go without a token or step)."""
         with self._lock:
+            now = time.monotonic()
+            spawn_at = self._restarts.spawn_at
             return {
                 "state": self._state,
                 "model": self.model,
@@ -204,11 +244,26 @@ class EngineServer:
                 "max_queue": self.max_queue,
                 "loading": self._loading,
                 "last_error": self._last_error,
-                "restarts": self._restarts,
+                "restarts": self._restarts.total,
+                "attempt": self._restarts.attempt if self._state in ("loading", "restarting") else 0,
+                "restart_in_s": round(max(0.0, spawn_at - now), 1) if spawn_at is not None else None,
+                "stall_limit_s": self._watch.limit() if self._running else None,
                 "load_s": self._worker_info.get("load_s"),
                 "worker_pids": [p.pid for p in self._procs],
                 "ranks": self._worker_info.get("ranks", []),
             }
+
+    def reload(self) -> bool:
+        """The way back from "failed" without restarting the process: load the model again (the folder
+        may have been fixed meanwhile). False when the engine is not in the failed state."""
+        with self._lock:
+            if self._closing or self._state != "failed":
+                return False
+            self._restarts.reset(time.monotonic())
+            self._state, self._loading = "loading", "starting"
+            print("engine server: reloading the model on request", file=sys.stderr, flush=True)
+        self._kick()
+        return True
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the model is loaded (True) or loading failed / the time ran out (False)."""
@@ -234,6 +289,8 @@ class EngineServer:
         self._kick()
         self._pump.join(timeout)
         self._stop_workers(timeout)
+        for inc in self._take_doomed():
+            _kill(inc)
         with self._lock:
             self._state = "closed"
         for c in (self._wake_r, self._wake_w):
@@ -253,7 +310,8 @@ class EngineServer:
             pass
 
     # ------------------------------------------------------------------ workers
-    def _spawn(self) -> None:
+    def _spawn(self) -> _Incarnation:
+        """Start every rank's worker process (called without the lock held, but for the first start)."""
         from engine.parallel.groups import free_port, init_method_for
         req_r, req_w = self._ctx.Pipe(duplex=False)
         pipes = [self._ctx.Pipe(duplex=False) for _ in range(self.world_size)]     # one event pipe a rank
@@ -272,9 +330,27 @@ class EngineServer:
         req_r.close()      # the children hold their ends; ours must close so a dead worker reads as EOF
         for _, w in pipes:
             w.close()
-        self._procs, self._req_conn = procs, req_w
-        self._ev_conn, self._rank_conns = pipes[0][0], [r for r, _ in pipes[1:]]
+        return _Incarnation(procs, req_w, pipes[0][0], [r for r, _ in pipes[1:]])
+
+    def _install(self, inc: _Incarnation) -> None:
+        """Make `inc` the running engine (with the lock held, or before the pump starts)."""
+        self._procs, self._req_conn, self._ev_conn, self._rank_conns = inc.procs, inc.req_conn, inc.ev_conn, \
+            inc.rank_conns
         self._loading = "starting"
+        self._restarts.spawned()
+        self._watch.new_engine()
+
+    def _detach(self) -> None:
+        """Take the running engine's processes and pipes out of service (lock held); the pump kills them
+        once the lock is released."""
+        if self._procs or self._req_conn is not None:
+            self._doomed.append(_Incarnation(self._procs, self._req_conn, self._ev_conn, self._rank_conns))
+        self._procs, self._req_conn, self._ev_conn, self._rank_conns = [], None, None, []
+
+    def _take_doomed(self) -> list[_Incarnation]:
+        with self._lock:
+            doomed, self._doomed = self._doomed, []
+        return doomed
 
     def _stop_workers(self, timeout: float) -> None:
         procs, self._procs = self._procs, []
@@ -300,19 +376,25 @@ class EngineServer:
         self._req_conn = self._ev_conn = None
         self._rank_conns = []
 
-    def _restart(self, why: str) -> None:
-        """Called by the pump with the lock held: fail the in-flight requests, respawn the workers."""
+    def _restart(self, why: str, while_loading: bool = False) -> None:
+        """Called by the pump with the lock held: fail the in-flight requests, take the workers out of
+        service and schedule the next start (or give up: `Restarts`). Nothing here waits on a process."""
         self._last_error = why
-        self._restarts += 1
         running, self._running = list(self._running.values()), {}
+        self._watch.stop()
         for job in running:
             self._jobs.pop(job.sub.request_id, None)
             job.sub._push(Error("engine", f"{why}. The engine is restarting and reloading the model; "
                                           "please try again in a moment."))
-        print(f"engine server: {why}; restarting the engine", file=sys.stderr, flush=True)
-        self._stop_workers(timeout=2.0)
-        self._state = "restarting"
-        self._spawn()
+        self._detach()
+        decision = self._restarts.crashed(time.monotonic(), while_loading, why)
+        if decision.failed is not None:
+            self._fail(decision.failed)
+            return
+        self._state, self._loading = "restarting", None
+        wait = f" in {decision.delay_s:g} s" if decision.delay_s else ""
+        print(f"engine server: {why}; restarting the engine{wait} (attempt {decision.attempt})",
+              file=sys.stderr, flush=True)
 
     def _kick(self) -> None:
         try:
@@ -327,10 +409,7 @@ class EngineServer:
                 if self._closing:
                     return
                 conn, procs, rank_conns = self._ev_conn, list(self._procs), list(self._rank_conns)
-                timeout = 0.5
-                stuck = self._oldest_cancel()
-                if stuck is not None:
-                    timeout = max(0.0, min(timeout, stuck + self.cancel_grace_s - time.monotonic()))
+                timeout = self._next_wake(time.monotonic())
             watched = [self._wake_r, *(p.sentinel for p in procs), *rank_conns] + ([conn] if conn is not None else [])
             wait(watched, timeout)             # a message, a dead worker, a kick or the timeout
             while self._wake_r.poll():
@@ -344,14 +423,46 @@ class EngineServer:
                         self._drain(c)
                 if conn is not None and conn is self._ev_conn:
                     self._drain(conn)
-                if self._state != "failed":
-                    dead = [p for p in self._procs if not p.is_alive()]
-                    if dead:
-                        self._on_death(dead[0])
-                    elif (stuck := self._oldest_cancel()) is not None and \
-                            time.monotonic() - stuck > self.cancel_grace_s:
-                        self._restart(f"the engine did not stop within {self.cancel_grace_s:.0f} s of a cancel")
+                self._supervise(time.monotonic())
                 self._dispatch()
+                start = not self._procs and self._state in ("loading", "restarting") and \
+                    self._restarts.due(time.monotonic())
+            # the slow part, without the lock: reap the old workers, start the new ones
+            for inc in self._take_doomed():
+                _kill(inc)
+            if start:
+                try:
+                    inc = self._spawn()
+                except Exception as e:  # noqa: BLE001 - (out of processes, files, memory): try again later
+                    with self._lock:
+                        self._restart(f"the engine could not be started ({type(e).__name__}: {e})",
+                                      while_loading=True)
+                    continue
+                with self._lock:
+                    if self._closing:
+                        self._doomed.append(inc)
+                        return
+                    self._install(inc)
+
+    def _next_wake(self, now: float) -> float:
+        """How long the pump may sleep: until the next deadline (a cancel's grace, a stall, a start)."""
+        times = [now + 0.5, self._restarts.spawn_at]
+        if (stuck := self._oldest_cancel()) is not None:
+            times.append(stuck + self.cancel_grace_s)
+        times.append(self._watch.deadline())
+        return max(0.0, min(t for t in times if t is not None) - now)
+
+    def _supervise(self, now: float) -> None:
+        """Deaths, stalls and ignored cancels end in a restart (lock held)."""
+        if self._state in ("failed", "closed"):
+            return
+        dead = [p for p in self._procs if not p.is_alive()]
+        if dead:
+            self._on_death(dead[0])
+        elif (stuck := self._oldest_cancel()) is not None and now - stuck > self.cancel_grace_s:
+            self._restart(f"the engine did not stop within {self.cancel_grace_s:.0f} s of a cancel")
+        elif (stalled := self._watch.overdue(now)) is not None:
+            self._restart(stalled)
 
     def _drain(self, conn: Connection) -> None:
         try:
@@ -367,6 +478,10 @@ class EngineServer:
             job = self._running.get(seq)
             if job is None:
                 return
+            if isinstance(ev, Done):
+                self._watch.completed(time.monotonic())
+            else:
+                self._watch.progress(time.monotonic())
             if isinstance(ev, Error) and ev.kind == "engine" and self.world_size > 1:
                 # rank 0 failing in a collective is often the echo of another rank's death: name the cause
                 # (the broken pipe can reach rank 0 before the dying process reads as dead: wait briefly)
@@ -378,6 +493,8 @@ class EngineServer:
         elif kind == "end":
             job = self._running.pop(msg[1], None)
             if job is not None:
+                if not self._running:
+                    self._watch.stop()
                 self._jobs.pop(job.sub.request_id, None)
                 job.sub._push(Error("engine", "the engine ended the request without a result"))  # no-op if ended
                 self._state = "busy" if self._running else "ready"
@@ -396,6 +513,7 @@ class EngineServer:
             self._worker_info = msg[1]
             self._loading = None
             self._state = "ready"
+            self._restarts.ready(time.monotonic())
         elif kind == "failed":
             self._fail(f"the engine could not load the model: {msg[1]}")
 
@@ -413,21 +531,23 @@ class EngineServer:
         rank = f" (rank {self._procs.index(proc)})" if self.world_size > 1 else ""
         why = f"the engine process{rank} stopped unexpectedly ({describe_exit(proc.exitcode)})"
         if self._state in ("loading", "restarting"):
-            self._fail(f"{why} while loading the model")
+            self._restart(f"{why} while loading the model", while_loading=True)
         else:
             self._restart(why)
 
     def _fail(self, why: str) -> None:
-        """Loading failed: no point respawning in a loop. Every pending request ends with the reason."""
+        """The model cannot load: no point respawning in a loop. Every pending request ends with the
+        reason; `reload()` tries again."""
         self._state, self._last_error, self._loading = "failed", why, None
-        print(f"engine server: {why}", file=sys.stderr, flush=True)
+        self._watch.stop()
+        print(f"engine server: {why}; the engine stays down until reload()", file=sys.stderr, flush=True)
         pending = list(self._waiting) + list(self._running.values())
         self._waiting.clear()
         self._running = {}
         for job in pending:
             self._jobs.pop(job.sub.request_id, None)
             job.sub._push(Error("engine", why))
-        self._stop_workers(timeout=2.0)
+        self._detach()
 
     # ------------------------------------------------------------------ dispatch, cancel, counts
     def _dispatch(self) -> None:
@@ -435,6 +555,8 @@ class EngineServer:
         while self._state in ("ready", "busy") and self._waiting and len(self._running) < self.max_batch \
                 and self._req_conn is not None:
             job = self._waiting.popleft()
+            if not self._running:
+                self._watch.start(time.monotonic())      # the engine has work again: its events are watched
             self._running[job.seq] = job
             self._state = "busy"
             try:

@@ -1,0 +1,73 @@
+"""Which request fields each /v1 route knows, and the checks OpenAI itself makes before anything else:
+an unknown field is refused (400 `unknown_parameter`, as OpenAI answers "Unknown parameter: 'x'."), a
+`model` other than the one in /v1/models is 404 `model_not_found`.
+
+Why refuse rather than ignore: a misspelt or unsupported field (`num_inference_step`, `negative_prompt`)
+that is silently dropped gives a different image than the caller asked for, with no sign of it; OpenAI's
+API refuses unknown fields for the same reason, so clients written against it already expect the 400.
+What a field of OpenAI's own schema means is kept: fields that cannot change an image (`user`, `style`,
+`moderation`, `metadata`, ...) are accepted and ignored, as OpenAI ignores them on models they do not
+apply to, and the chat fields of a text model that this server cannot honour (`tools`, `logprobs`,
+`stop`, ...) are accepted only at their neutral value (null, false, 0, empty: what gateways send by
+default) and refused as `unsupported_parameter` otherwise.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from engine.serve.openai_errors import ApiError
+
+# The engine's own fields (and vLLM-Omni's names for them), on every image route.
+ENGINE_FIELDS = frozenset({"num_inference_steps", "guidance_scale", "seed", "bot_task", "use_system_prompt",
+                           "system_prompt", "max_new_tokens"})
+# vLLM-Omni fields that would change the result but are not implemented: refused by name (openai_params).
+REFUSED_FIELDS = frozenset({"negative_prompt", "lora", "mask", "true_cfg_scale", "flow_shift"})
+# Accepted and ignored: they cannot change the image (vae_use_tiling is a memory option of vLLM-Omni).
+IGNORED_FIELDS = frozenset({"user", "style", "moderation", "input_fidelity", "vae_use_tiling", "metadata", "store",
+                            "service_tier", "prompt_cache_key", "safety_identifier"})
+IMAGE_OUTPUT_FIELDS = frozenset({"model", "n", "size", "quality", "response_format", "background", "output_compression",
+                                 "output_format", "partial_images", "stream", "stream_reasoning"})
+
+GENERATION_FIELDS = frozenset({"prompt"}) | IMAGE_OUTPUT_FIELDS | ENGINE_FIELDS | REFUSED_FIELDS | IGNORED_FIELDS
+EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]"}
+# Chat: OpenAI's chat fields this server uses, the image fields, and `extra_body` as curl sends it literally.
+CHAT_FIELDS = frozenset({"messages", "model", "modalities", "stream", "stream_options", "n", "seed", "temperature",
+                         "top_p", "max_tokens", "max_completion_tokens", "extra_body", "height", "width", "size",
+                         "output_format", "output_compression"}) | ENGINE_FIELDS | REFUSED_FIELDS | IGNORED_FIELDS
+# OpenAI chat fields of text models: accepted at their neutral value only.
+CHAT_NEUTRAL_ONLY = frozenset({"frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
+                               "stop", "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions",
+                               "function_call", "audio", "prediction", "reasoning_effort", "web_search_options",
+                               "verbosity"})
+
+
+def _neutral(value: Any) -> bool:
+    return value is None or value is False or (not isinstance(value, bool) and value == 0) or value in ("", [], {})
+
+
+def check_fields(body: dict[str, Any], known: Iterable[str], neutral_only: Iterable[str] = ()) -> None:
+    """Refuse the first field that `known` does not list (400 unknown_parameter), or a field of
+    `neutral_only` set to anything but its neutral value (400 unsupported_parameter)."""
+    known, neutral_only = frozenset(known), frozenset(neutral_only)
+    for name, value in body.items():
+        if name in neutral_only:
+            if not _neutral(value):
+                raise ApiError(400, f"Unsupported parameter: '{name}' is not supported by this image model "
+                                    "(send it as null or leave it out).", name, "unsupported_parameter")
+        elif name not in known:
+            raise ApiError(400, f"Unknown parameter: '{_printable(name)}'.", _printable(name), "unknown_parameter")
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    """`model`, when given, must be the served one (as /v1/models lists it)."""
+    model = body.get("model")
+    if model is None or model == served:
+        return
+    raise ApiError(404, f"The model {_printable(str(model))!r} does not exist; this server serves {served!r} "
+                        "(GET /v1/models)", "model", "model_not_found")
+
+
+def _printable(name: str) -> str:
+    """A field name as it can go back in a message (a client may send anything as a key)."""
+    name = name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return name if len(name) <= 64 else name[:61] + "..."

@@ -1,0 +1,262 @@
+"""The /v1 API's front door, in process (starlette's TestClient) on a real engine server on the tiny
+checkpoint: bad input is a 4xx in OpenAI's shape naming the field, never a 500; what OpenAI refuses
+(unknown fields, another model) is refused; cross-site requests are refused; the event loop never
+waits on the engine."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+
+import pytest
+from PIL import Image as PILImage
+from starlette.testclient import TestClient
+
+from engine.runtime.events import Error
+from engine.runtime.request import MAX_SYSTEM_PROMPT_CHARS
+from engine.serve.client import Submission
+from engine.serve.openai_api import ApiConfig, api_app
+from engine.serve.openai_events import PreviewPicker
+
+from studio_fixtures import engine_server  # noqa: F401
+
+CHEAP = {"size": "256x192", "num_inference_steps": 1, "bot_task": "image", "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def http(engine_server):
+    with TestClient(api_app(engine_server), raise_server_exceptions=False) as c:
+        yield c
+
+
+def png(size=(64, 48)) -> bytes:
+    buf = io.BytesIO()
+    PILImage.new("RGB", size, (200, 30, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def post_json(http, path: str, body, **headers):
+    """The body as JSON text written by hand, so it can carry what a strict encoder would not (a lone
+    surrogate escape)."""
+    text = body if isinstance(body, str) else json.dumps(body)
+    return http.post(path, content=text.encode(), headers={"Content-Type": "application/json", **headers})
+
+
+def refused(r, status: int, param: str | None, code: str | None = None) -> dict:
+    """An OpenAI-shaped refusal with this status and param."""
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+# ---------------------------------------------------------------------------------------------- item 3
+def test_a_lone_surrogate_is_400_on_the_field_that_holds_it(http):
+    gen = '{"prompt": "a red \\ud800 circle", "size": "256x192"}'
+    err = refused(post_json(http, "/v1/images/generations", gen), 400, "prompt", "invalid_value")
+    assert "surrogate" in err["message"]
+    refused(post_json(http, "/v1/images/generations", '{"prompt": "x", "system_prompt": "\\udfff"}'), 400,
+            "system_prompt")
+    chat = '{"messages": [{"role": "user", "content": "\\ud800"}]}'
+    refused(post_json(http, "/v1/chat/completions", chat), 400, "messages")
+
+
+@pytest.mark.parametrize("value", [5, ["a", "list"], {"a": 1}])
+def test_a_system_prompt_that_is_not_text_is_400(http, value):
+    err = refused(post_json(http, "/v1/images/generations", {"prompt": "a red circle", "system_prompt": value}),
+                  400, "system_prompt")
+    assert "must be text" in err["message"]
+
+
+@pytest.mark.parametrize("content", [5, {"text": "x"}, [{"type": "text", "text": 7}], [3]])
+def test_chat_content_of_the_wrong_kind_is_400(http, content):
+    refused(post_json(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}),
+            400, "messages")
+
+
+def test_deeply_nested_json_is_400_in_openais_shape(http):
+    deep = "[" * 100_000 + "]" * 100_000
+    for path in ("/v1/images/generations", "/v1/chat/completions"):
+        err = refused(post_json(http, path, deep), 400, None, "invalid_json")
+        assert "nested" in err["message"]
+    just_past = {"prompt": "x", "deep": json.loads("[" * 70 + "]" * 70)}     # below the parser's own limit
+    refused(post_json(http, "/v1/images/generations", just_past), 400, None, "invalid_json")
+
+
+# ---------------------------------------------------------------------------------------------- item 4
+def test_a_mask_file_is_refused_not_ignored(http):
+    files = [("image", ("a.png", png(), "image/png")), ("mask", ("m.png", png(), "image/png"))]
+    err = refused(http.post("/v1/images/edits", files=files, data={"prompt": "make it blue", **CHEAP}), 400,
+                  "mask", "unsupported_parameter")
+    assert "not supported" in err["message"]
+    files = [("image", ("a.png", png(), "image/png")), ("style_image", ("s.png", png(), "image/png"))]
+    refused(http.post("/v1/images/edits", files=files, data={"prompt": "x"}), 400, "style_image",
+            "unknown_parameter")
+
+
+# ---------------------------------------------------------------------------------------------- item 5
+def test_a_custom_system_prompt_has_a_limit_and_its_refusal_names_it(http, engine_server):
+    long = "x" * (MAX_SYSTEM_PROMPT_CHARS + 1)
+    err = refused(post_json(http, "/v1/images/generations", {"prompt": "a red circle", "system_prompt": long}),
+                  400, "system_prompt")
+    assert "custom system prompt is too long" in err["message"] and str(MAX_SYSTEM_PROMPT_CHARS) in err["message"]
+    chat = {"messages": [{"role": "system", "content": long}, {"role": "user", "content": "a red circle"}]}
+    refused(post_json(http, "/v1/chat/completions", chat), 400, "messages")
+    assert engine_server.health()["queue"] == 0 and engine_server.health()["running"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- item 7
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_json_routes_take_json_content_types_only(http, ctype):
+    body = json.dumps({"prompt": "a red circle", **CHEAP}).encode()
+    headers = {"Content-Type": ctype} if ctype else {}
+    for path in ("/v1/images/generations", "/v1/chat/completions"):
+        r = http.post(path, content=body, headers=headers)
+        refused(r, 415, None, "unsupported_media_type")
+
+
+def test_cross_site_posts_are_refused(http):
+    bad = {"prompt": "a red circle", "num_inference_steps": 0}      # would be a 400 if it got that far
+    for origin in ("https://evil.example", "null", "http://localhost:3000"):
+        refused(post_json(http, "/v1/images/generations", bad, Origin=origin), 403, None, "cross_origin_forbidden")
+        r = http.post("/v1/images/edits", files=[("image", ("a.png", png(), "image/png"))],
+                      data={"prompt": "x"}, headers={"Origin": origin})
+        refused(r, 403, None, "cross_origin_forbidden")
+    # the server's own origin (a page it serves) is not cross-site
+    refused(post_json(http, "/v1/images/generations", bad, Origin="http://testserver"), 400, "num_inference_steps")
+    assert "access-control-allow-origin" not in {k.lower() for k in
+                                                 post_json(http, "/v1/images/generations", bad).headers}
+
+
+# ---------------------------------------------------------------------------------------------- item 8
+def test_another_model_is_404_model_not_found(http, engine_server):
+    for path, body in (("/v1/images/generations", {"prompt": "x", "model": "dall-e-2"}),
+                       ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]})):
+        err = refused(post_json(http, path, body), 404, "model", "model_not_found")
+        assert "dall-e-2" in err["message"] or "gpt-4o" in err["message"]
+    name = engine_server.info.name
+    refused(post_json(http, "/v1/images/generations", {"prompt": "x", "model": name, "num_inference_steps": 0}),
+            400, "num_inference_steps")                # the served model is accepted
+
+
+def test_unknown_fields_are_refused_as_openai_does(http):
+    err = refused(post_json(http, "/v1/images/generations", {"prompt": "x", "num_inference_step": 4}), 400,
+                  "num_inference_step", "unknown_parameter")
+    assert err["message"] == "Unknown parameter: 'num_inference_step'."
+    refused(http.post("/v1/images/edits", files=[("image", ("a.png", png(), "image/png"))],
+                      data={"prompt": "x", "strength": "0.5"}), 400, "strength", "unknown_parameter")
+    chat = {"messages": [{"role": "user", "content": "x"}], "extra_body": {"heigth": 256}}
+    refused(post_json(http, "/v1/chat/completions", chat), 400, "heigth", "unknown_parameter")
+    refused(post_json(http, "/v1/chat/completions", {**chat, "extra_body": {}, "tools": [{"type": "function"}]}),
+            400, "tools", "unsupported_parameter")
+    # OpenAI's own fields that cannot change an image pass (here up to the refusal of a bad step count)
+    ok = {"prompt": "x", "user": "u1", "style": "vivid", "moderation": "low", "num_inference_steps": 0}
+    refused(post_json(http, "/v1/images/generations", ok), 400, "num_inference_steps")
+    chat = {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0, "logprobs": False, "stop": None,
+            "user": "u1", "num_inference_steps": 0}
+    refused(post_json(http, "/v1/chat/completions", chat), 400, "num_inference_steps")
+
+
+# ---------------------------------------------------------------------------------------------- item 9
+class _SlowSubmit:
+    """An engine whose submit blocks (as decoding 4096x4096 references does) until released."""
+
+    def __init__(self, info):
+        self.info, self.entered, self.release = info, threading.Event(), threading.Event()
+
+    def health(self) -> dict:
+        return {"state": "ready", "queue": 0, "running": None}
+
+    def submit(self, request):
+        self.entered.set()
+        self.release.wait(30)
+        sub = Submission(request, lambda request_id: False)
+        sub._push(Error("busy", "the queue is full"))
+        return sub
+
+
+def test_submit_runs_off_the_event_loop(engine_server):
+    slow = _SlowSubmit(engine_server.info)
+    with TestClient(api_app(slow), raise_server_exceptions=False) as c:
+        answers: dict = {}
+        gen = threading.Thread(target=lambda: answers.update(
+            gen=post_json(c, "/v1/images/generations", {"prompt": "a red circle"})), daemon=True)
+        gen.start()
+        try:
+            assert slow.entered.wait(10)
+            probe = threading.Thread(target=lambda: answers.update(health=c.get("/health")), daemon=True)
+            probe.start()
+            probe.join(10)
+            assert "health" in answers and answers["health"].status_code == 200, "the loop waited on submit"
+        finally:
+            slow.release.set()
+        gen.join(10)
+    refused(answers["gen"], 429, None, "queue_full")
+
+
+# ---------------------------------------------------------------------------------------------- item 11
+def test_a_number_past_pythons_digit_limit_is_a_bad_seed_not_bad_json(http):
+    huge = "9" * 5000
+    err = refused(post_json(http, "/v1/images/generations", '{"prompt": "x", "seed": %s}' % huge), 400, "seed")
+    assert "5000-digit" in err["message"] and "JSON" not in err["message"]
+    err = refused(http.post("/v1/images/edits", files=[("image", ("a.png", png(), "image/png"))],
+                            data={"prompt": "x", "seed": huge}), 400, "seed")
+    assert "5000-digit" in err["message"]
+    refused(post_json(http, "/v1/images/generations", '{"prompt": "x", "guidance_scale": %s}' % huge), 400,
+            "guidance_scale")
+
+
+def test_image_errors_do_not_show_python_objects(http):
+    err = refused(http.post("/v1/images/edits", files=[("image", ("a.png", b"not an image", "image/png"))],
+                            data={"prompt": "x"}), 400, "image")
+    assert "cannot be read" in err["message"] and "object at 0x" not in err["message"], err
+    ref = "data:image/png;base64," + base64.b64encode(b"GIF89a broken").decode()
+    chat = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ref}},
+                                                      {"type": "text", "text": "x"}]}]}
+    err = refused(post_json(http, "/v1/chat/completions", chat), 400, "messages")
+    assert "object at 0x" not in err["message"], err
+
+
+def test_404_and_405_are_openai_shaped(http):
+    err = refused(http.get("/v1/nope"), 404, None, "not_found")
+    assert "/v1/nope" in err["message"]
+    r = http.get("/v1/images/generations")
+    refused(r, 405, None, "method_not_allowed")
+    assert r.headers["allow"] == "POST"
+    refused(http.delete("/health"), 405, None, "method_not_allowed")
+    refused(http.post("/v1/models"), 405, None, "method_not_allowed")
+
+
+def test_usage_counts_the_input_and_chat_prompt_tokens_are_set(http):
+    r = post_json(http, "/v1/images/generations", {"prompt": "a red circle", **CHEAP})
+    assert r.status_code == 200, r.text[:300]
+    u = r.json()["usage"]
+    assert u["input_tokens"] == u["input_tokens_details"]["text_tokens"] > 3
+    assert u["input_tokens_details"]["image_tokens"] == 0
+    assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]
+    longer = post_json(http, "/v1/images/generations", {"prompt": "a red circle " * 20, **CHEAP}).json()["usage"]
+    assert longer["input_tokens"] > u["input_tokens"]
+    ref = "data:image/png;base64," + base64.b64encode(png()).decode()
+    chat = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ref}},
+                                                      {"type": "text", "text": "make it blue"}]}],
+            "extra_body": {"height": 192, "width": 256, "num_inference_steps": 1, "bot_task": "image", "seed": 1}}
+    r = post_json(http, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text[:300]
+    u = r.json()["usage"]
+    assert isinstance(u["prompt_tokens"], int) and u["prompt_tokens_details"]["image_tokens"] > 0
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+def test_a_late_preview_leaves_the_next_partial_to_the_following_previews():
+    from engine.runtime.events import Step
+
+    def picked(count: int, n: int, previewed) -> list[int]:
+        p = PreviewPicker(count)
+        return [i for i in range(1, n + 1) if p.take(Step(i, n, b"png" if previewed(i) else None))]
+
+    assert picked(3, 10, lambda i: i in (1, 8, 9)) == [1, 8, 9]      # was [1, 8]: step 8 spent two targets
+    assert picked(3, 4, lambda i: i in (1, 2, 3)) == [1, 2, 3]

@@ -1,0 +1,240 @@
+"""Engine supervision: restarts with backoff that never give up silently, a stall watchdog, a way back from
+"failed", and a server that answers while its engine restarts. The policy on a fake clock, then the real
+engine server on the tiny checkpoint, with real SIGKILLs and SIGSTOPs."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.runtime.events import Done, Error, Ratio, Step
+from engine.serve.server import EngineServer
+from engine.serve.supervisor import (BACKOFF_S, FIRST_REQUEST_S, LOAD_DEATHS_LIMIT, STABLE_S, STALL_FACTOR,
+                                     STALL_FLOOR_S, Restarts, StallWatch)
+
+from studio_fixtures import READY_TIMEOUT_S, fast_request, final, start_server, wait_for
+
+STEP_TIMEOUT_S = 6.0        # the stall limit of the server below: far above a tiny-model step on a busy CI box
+# How long a restart may take to end in a ready engine, counted from the fault: the stall limit or the
+# backoff, plus a reload of the tiny checkpoint (5-13 s measured on a shared 2-core machine), with room.
+RECOVERY_BOUND_S = 90.0
+
+
+# ------------------------------------------------------------------------------------------ the policy
+def test_restarts_back_off_and_count_attempts():
+    r = Restarts()
+    d = r.crashed(100.0, while_loading=False, why="SIGKILL")
+    assert (d.attempt, d.delay_s, d.failed) == (1, 0.0, None) and r.due(100.0)
+    r.spawned()
+    d = r.crashed(105.0, while_loading=True, why="SIGKILL")          # killed again while it reloads
+    assert (d.attempt, d.delay_s, d.failed) == (2, BACKOFF_S[1], None)
+    assert not r.due(105.0) and r.due(105.0 + BACKOFF_S[1])
+    r.spawned()
+    r.ready(120.0)
+    d = r.crashed(125.0, while_loading=False, why="SIGSEGV")           # soon after: the loop goes on
+    assert d.attempt == 3 and d.delay_s == BACKOFF_S[2]
+    r.spawned()
+    r.ready(130.0)
+    d = r.crashed(130.0 + STABLE_S, while_loading=False, why="SIGSEGV")   # after a stable run: from the start
+    assert d.attempt == 1 and d.delay_s == 0.0
+    assert r.total == 4
+
+
+def test_restarts_give_up_only_when_loading_keeps_dying():
+    r = Restarts()
+    for i in range(1, LOAD_DEATHS_LIMIT):
+        d = r.crashed(float(i), while_loading=True, why="SIGKILL - killed, often because the machine ran out of memory")
+        assert d.failed is None and d.delay_s == BACKOFF_S[min(i - 1, len(BACKOFF_S) - 1)]
+        r.spawned()
+    d = r.crashed(99.0, while_loading=True, why="SIGKILL - killed, often because the machine ran out of memory")
+    assert d.failed is not None and f"died {LOAD_DEATHS_LIMIT} times" in d.failed and "memory" in d.failed
+    assert not r.due(1e9)                                  # nothing scheduled: failed until a reload
+    r.reset(200.0)
+    assert r.due(200.0) and r.attempt == 1 and r.load_deaths == 0
+    r.spawned()
+    r.ready(210.0)
+    for i in range(LOAD_DEATHS_LIMIT - 1):                 # deaths while serving never count as "cannot load"
+        assert r.crashed(300.0 + i, while_loading=False, why="SIGKILL").failed is None
+
+
+def test_stall_limit_follows_the_engines_own_figure():
+    w = StallWatch()
+    assert w.limit() == FIRST_REQUEST_S and w.deadline() is None         # idle: nothing to watch
+    w.start(0.0)
+    for t in (0.3, 0.5, 2.0, 2.1):                                     # longest gap 1.5 s
+        w.progress(t)
+    w.completed(2.2)
+    w.stop()
+    assert w.figure == pytest.approx(1.5)
+    assert w.limit() == pytest.approx(max(STALL_FLOOR_S, STALL_FACTOR * 1.5))
+    w.start(10.0)
+    w.progress(10.1)
+    assert w.overdue(10.1 + w.limit() - 0.01) is None
+    why = w.overdue(10.1 + w.limit() + 0.01)
+    assert why is not None and "no progress" in why and "1.50 s" in why
+    w.stop()
+    assert w.overdue(1e9) is None
+    w.new_engine()                                                     # a restart: its first request may compile
+    w.start(0.0)
+    assert w.limit() == FIRST_REQUEST_S
+    fast = StallWatch()                                                # a fast engine still gets the floor
+    fast.start(0.0)
+    fast.completed(0.01)
+    assert fast.limit() == STALL_FLOOR_S
+
+
+def test_step_timeout_overrides_and_zero_turns_the_watch_off():
+    w = StallWatch(step_timeout=2.0)
+    w.start(0.0)
+    assert w.limit() == 2.0 and "--step-timeout" in w.overdue(2.5)
+    off = StallWatch(step_timeout=0)
+    off.start(0.0)
+    assert off.limit() is None and off.overdue(1e9) is None
+    with pytest.raises(ValueError, match="step_timeout"):
+        StallWatch(step_timeout=-1)
+
+
+# ------------------------------------------------------------------------------------------ the engine
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    s = start_server(tiny_dir, step_timeout=STEP_TIMEOUT_S)
+    assert isinstance(final(list(s.stream(fast_request()))), Done)        # warm: the first request is done
+    yield s
+    s.close()
+
+
+def _events_until(sub, kind, timeout: float = 60.0) -> list:
+    """The events up to the first `kind` (read with get: leaving a `for` loop would cancel the request)."""
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ev = sub.get(timeout=1.0)
+        if ev is None:
+            continue
+        out.append(ev)
+        if isinstance(ev, kind):
+            return out
+        assert not isinstance(ev, (Done, Error)), f"the request ended before a {kind.__name__}: {ev}"
+    raise AssertionError(f"no {kind.__name__} in {timeout} s")
+
+
+def test_two_sigkills_in_a_row_end_ready(server):
+    """The worker is killed mid-request, then its replacement is killed while it loads: the engine comes
+    back (attempt 2, after a backoff), the client got a message, nothing is left "failed"."""
+    before = server.health()
+    sub = server.submit(fast_request(steps=60))
+    _events_until(sub, Ratio)
+    t0 = time.monotonic()
+    os.kill(before["worker_pids"][0], signal.SIGKILL)
+    ev = final(list(sub))
+    told = time.monotonic() - t0
+    assert isinstance(ev, Error) and ev.kind == "engine" and "SIGKILL" in ev.message and "restarting" in ev.message
+    wait_for(lambda: server.health()["worker_pids"] not in ([], before["worker_pids"]), 30)
+    second = server.health()
+    assert second["state"] in ("loading", "restarting"), second
+    t1 = time.monotonic()
+    os.kill(second["worker_pids"][0], signal.SIGKILL)                     # again, while the model loads
+    wait_for(lambda: server.health()["restarts"] == before["restarts"] + 2, 10)
+    h = server.health()
+    assert h["state"] in ("restarting", "loading") and h["attempt"] == 2, h
+    assert "while loading" in h["last_error"]
+    assert server.wait_ready(RECOVERY_BOUND_S), server.health()
+    ready = time.monotonic() - t1
+    print(f"two SIGKILLs: client told in {told:.2f} s; ready {ready:.1f} s after the second kill")
+    assert isinstance(final(list(server.stream(fast_request()))), Done)
+    wait_for(lambda: server.health()["state"] == "ready", 10)        # the worker's "end" follows Done
+    assert server.health()["attempt"] == 0
+
+
+def test_a_stopped_worker_is_restarted_and_the_client_told(server):
+    """A SIGSTOP of 20 s: the watchdog ends the request after STEP_TIMEOUT_S without a step, kills the
+    stopped worker and reloads, well before the stop would have ended by itself."""
+    sub = server.submit(fast_request(steps=200))
+    _events_until(sub, Step)
+    pid = server.health()["worker_pids"][0]
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    resume = threading.Timer(20.0, lambda: _signal(pid, signal.SIGCONT))    # the stop ends after 20 s
+    resume.start()
+    try:
+        busy = server.health()
+        assert busy["state"] == "busy" and busy["stall_limit_s"] == STEP_TIMEOUT_S
+        ev = final(list(sub))
+        told = time.monotonic() - t0
+        assert isinstance(ev, Error) and ev.kind == "engine", ev
+        assert "no progress" in ev.message and "--step-timeout" in ev.message and "restarting" in ev.message
+        assert told < 20.0, told                                    # caught by the watchdog, not by SIGCONT
+        assert server.wait_ready(RECOVERY_BOUND_S), server.health()
+        print(f"SIGSTOP: client told {told:.1f} s after the stop; ready after {time.monotonic() - t0:.1f} s")
+    finally:
+        resume.cancel()
+        _signal(pid, signal.SIGCONT)
+    assert pid not in server.health()["worker_pids"]
+    assert isinstance(final(list(server.stream(fast_request()))), Done)
+
+
+def test_health_answers_while_the_engine_restarts(server):
+    """Stopping the old workers and starting new ones happens outside the server's lock: a slow start does
+    not block health() or submit(). A start that fails (here: out of file descriptors) is retried."""
+    gate, entered = threading.Event(), threading.Event()
+    spawn = server._spawn
+    calls: list[int] = []
+
+    def slow_spawn(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(24, "Too many open files")
+        entered.set()
+        gate.wait(30)
+        return spawn(*a, **k)
+
+    server._spawn = slow_spawn
+    try:
+        os.kill(server.health()["worker_pids"][0], signal.SIGKILL)
+        assert entered.wait(30), "no restart began"
+        answers: list = []
+        probe = threading.Thread(target=lambda: answers.append(server.health()), daemon=True)
+        probe.start()
+        probe.join(10)
+        assert answers and answers[0]["state"] == "restarting", "health() blocked while the engine restarts"
+        assert "could not be started (OSError" in answers[0]["last_error"] and answers[0]["attempt"] >= 2
+        sub = server.submit(fast_request())                     # queued until the engine is back
+        assert not sub.ended
+    finally:
+        gate.set()
+        del server._spawn
+    assert isinstance(final(list(sub)), Done)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def test_failed_load_says_why_and_reload_brings_it_back(tiny_dir, tmp_path):
+    """A checkpoint without its weights is "failed" with the reason; once the weights are there, reload()
+    loads it without restarting the process."""
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    weights = [f for f in Path(tiny_dir).iterdir() if f.name.endswith(".safetensors")]
+    for f in Path(tiny_dir).iterdir():
+        if f.is_file() and f not in weights:
+            shutil.copy(f, folder / f.name)
+    with EngineServer(folder) as s:
+        assert not s.wait_ready(READY_TIMEOUT_S)
+        h = s.health()
+        assert h["state"] == "failed" and "could not load" in h["last_error"] and h["worker_pids"] == []
+        refused = final(list(s.stream(fast_request())))
+        assert isinstance(refused, Error) and "could not load" in refused.message
+        for f in weights:
+            shutil.copy(f, folder / f.name)
+        assert s.reload()
+        assert s.wait_ready(READY_TIMEOUT_S), s.health()
+        assert not s.reload()                                   # only from "failed"
+        assert isinstance(final(list(s.stream(fast_request()))), Done)
