@@ -226,14 +226,15 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 # ---- FlashInfer (kernels/_flashinfer.py): after the Triton variant, so chosen only where selected ----------
 #
-# The static cache [B, Hkv, L, D] is FlashInfer's paged cache in its HND layout with one page of L tokens a
+# The static cache [B, Hkv, L, D] is FlashInfer's paged cache in its HND layout with one page of L keys a
 # row (page b = row b), and the row's `length` is that page's fill ("last_page_len"). Its batch decode
 # (fa2, CUDA cores) is planned on the host once per shape; the plan holds no length, only the device
 # buffer the kernel reads each row's fill from, so `length` stays on the device and a graph replays at any
-# position. The split of a row's keys over several programs is planned from host lengths (a program past
-# the row's real length would run over garbage), so it is off here: one program per (row, KV head). T = 1
-# only (its decode takes one query a row); scale 1/sqrt(D), softmax in fp32 as the reference.
-FLASHINFER_WORKSPACE_BYTES = 128 << 20      # its float workspace (split-KV partials: unused with no split)
+# position. Its planner splits a row's keys by whole pages only, so with one page a row nothing is split:
+# one program per (row, KV head), 8 at one row (ours splits the keys into 64-key chunks). Smaller pages
+# would need each row's page count on the host every step. T = 1 only (its decode takes one query a row);
+# scale 1/sqrt(D), softmax in fp32 as the reference.
+FLASHINFER_WORKSPACE_BYTES = 128 << 20      # its float workspace (the merge pass's partials), one a device
 FLASHINFER_GROUPS = (1, 2, 3, 4, 8)          # the GQA group sizes its decode kernels are built for
 _fi_plans: dict[tuple, tuple] = {}           # (device, B, Hq, Hkv, D, L, dtype) -> (wrapper, fill buffer)
 _fi_workspace: dict[torch.device, torch.Tensor] = {}
@@ -264,8 +265,7 @@ def _flashinfer_plan(q: torch.Tensor, k_cache: torch.Tensor) -> tuple:
         wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
             ws, kv_layout="HND", use_cuda_graph=True, paged_kv_indptr_buffer=indptr,
             paged_kv_indices_buffer=pages, paged_kv_last_page_len_buffer=fill, backend="fa2")
-        wrapper.plan(indptr, pages, fill, Hq, Hkv, D, L, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
-                     disable_split_kv=True)
+        wrapper.plan(indptr, pages, fill, Hq, Hkv, D, L, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
         found = _fi_plans[key] = (wrapper, fill)
     return found
 
