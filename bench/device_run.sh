@@ -81,8 +81,8 @@ for section in "$@"; do
       if source bench/flashinfer_install.sh install; then
         bash bench/flashinfer_install.sh warm
         export HUNYUAN_REQUIRE_FLASHINFER=1
-        tests flashinfer_tests 300 tests/test_kernels_flashinfer.py
-        suite flashinfer 300 flashinfer
+        tests flashinfer_tests 200 tests/test_kernels_flashinfer.py
+        suite flashinfer 240 flashinfer
       else
         echo "=== flashinfer: not installed (carry .fi/parts: bench/flashinfer_install.sh)"
       fi ;;

@@ -74,7 +74,7 @@ with tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz") as t:
   export PYTHONPATH=$FI_DIR/site${PYTHONPATH:+:$PYTHONPATH} FLASHINFER_WORKSPACE_BASE=$FI_DIR/ws \
     FLASHINFER_USE_CUDA_NORM=1 MAX_JOBS=${MAX_JOBS:-16}
   mkdir -p "$FI_DIR/ws"
-  python3 -c 'import flashinfer, kernels._flashinfer as f; print("flashinfer", flashinfer.__version__, "offered:", f.available())'
+  (cd "$FI_ROOT" && python3 -c 'import flashinfer, kernels._flashinfer as f; print("flashinfer", flashinfer.__version__, "offered:", f.available())')
 }
 
 fi_warm() {   # the JIT builds, one process a family, in parallel (a built family loads from .fi/ws at once)
@@ -87,7 +87,7 @@ fi_warm() {   # the JIT builds, one process a family, in parallel (a built famil
     [sampler]='fi.sampling.top_k_top_p_sampling_from_logits(torch.randn(1, 133120, device="cuda"), 1024, 0.95)'
   )
   for fam in norm topk decode sampler; do
-    ( cd "$FI_ROOT" && s=$(date +%s) && python3 -c "import torch, flashinfer as fi; ${code[$fam]}; torch.cuda.synchronize()" \
+    ( cd "$FI_ROOT" && s=$(date +%s) && timeout "${FI_BUILD_TIMEOUT:-240}" python3 -c "import torch, flashinfer as fi; ${code[$fam]}; torch.cuda.synchronize()" \
         > "${OUT:-/tmp}/fi_build_$fam.log" 2>&1; r=$?; echo "flashinfer JIT $fam: rc=$r in $(( $(date +%s) - s )) s"; exit $r ) &
     pids+=($!)
   done
