@@ -21,7 +21,7 @@ from kernels.registry import candidates
 
 HIDDEN, VOCAB, HQ, HKV, HEAD_DIM = 4096, 133120, 32, 8, 128
 OPS = ("rms_norm", "add_rms_norm", "sample", "decode_attention")
-TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}      # ~2 ulp: FlashInfer rounds the norm's output once, we twice
+TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}      # ~2 ulp of each dtype
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -74,11 +74,18 @@ def call(op: str, *args):
     return out
 
 
-def close(a: torch.Tensor, b: torch.Tensor) -> None:
+def rounding_apart(a: torch.Tensor, b: torch.Tensor) -> None:
+    """FlashInfer rounds x * rstd * weight once where the reference rounds x * rstd, then the product: about
+    a quarter of the elements differ (measured on the CPU with that arithmetic), each by a unit in the last
+    place of the output dtype (two at most: the reference's two roundings can add up)."""
     assert a.shape == b.shape and a.dtype == b.dtype
     assert torch.isfinite(a).all()
     torch.testing.assert_close(a.float(), b.float(), rtol=TOL[a.dtype], atol=TOL[a.dtype])
-    assert (a != b).float().mean() < 0.05, float((a != b).float().mean())   # a rounding apart, not a bias
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[a.dtype]
+    big = torch.maximum(a.float().abs(), b.float().abs())
+    ulp = torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent - 1 - mantissa)
+    ulp = ulp.clamp_min(torch.finfo(a.dtype).smallest_normal * 2.0 ** -mantissa)      # subnormals: one step
+    assert ((a.float() - b.float()).abs() <= 2 * ulp).all(), float(((a.float() - b.float()).abs() / ulp).max())
 
 
 @pytest.mark.gpu
@@ -91,11 +98,11 @@ def test_gpu_flashinfer_norms(fi, dtype, rows):
     r = torch.randn(rows, HIDDEN, generator=g, device="cuda").to(dtype)
     w = (torch.randn(HIDDEN, generator=g, device="cuda") * 0.3 + 1).to(dtype)
     x0, r0 = x.clone(), r.clone()
-    close(call("rms_norm", x, w, 1e-5), norm.rms_norm_ref(x, w, 1e-5))
+    rounding_apart(call("rms_norm", x, w, 1e-5), norm.rms_norm_ref(x, w, 1e-5))
     y, s = call("add_rms_norm", x, r, w, 1e-5)
     y_ref, s_ref = norm.add_rms_norm_ref(x, r, w, 1e-5)
     assert torch.equal(s, s_ref)                       # the carried residual stream: the same numbers
-    close(y, y_ref)
+    rounding_apart(y, y_ref)
     assert torch.equal(x, x0) and torch.equal(r, r0)   # the inputs are left alone, as the reference leaves them
 
 
