@@ -88,12 +88,12 @@ fi_warm() {   # the JIT builds, one process a family, in parallel (a built famil
   )
   for fam in norm topk decode sampler; do
     ( cd "$FI_ROOT" && s=$(date +%s) && timeout "${FI_BUILD_TIMEOUT:-240}" python3 -c "import torch, flashinfer as fi; ${code[$fam]}; torch.cuda.synchronize()" \
-        > "${OUT:-/tmp}/fi_build_$fam.log" 2>&1; r=$?; echo "flashinfer JIT $fam: rc=$r in $(( $(date +%s) - s )) s"; exit $r ) &
+        > "/tmp/fi_build_$fam.log" 2>&1; r=$?; echo "flashinfer JIT $fam: rc=$r in $(( $(date +%s) - s )) s"; exit $r ) &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
   echo "flashinfer JIT, all families: $(( $(date +%s) - t0 )) s"
-  [ $rc = 0 ] || tail -n 20 "${OUT:-/tmp}"/fi_build_*.log
+  [ $rc = 0 ] || tail -n 20 /tmp/fi_build_*.log     # (not under $OUT: a call brings back 8 files)
   return $rc
 }
 
