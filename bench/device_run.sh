@@ -13,6 +13,9 @@
 #   host           suites prefill-host, train-step
 #   studio         suite studio on CUDA
 #   eval           the embedded model's accuracy on CUDA (train.evaluate, seed 2, 100 + 100)
+#   flashinfer     installs the carried FlashInfer (bench/flashinfer_install.sh: carry .fi/parts), JIT-builds
+#                  its four families in parallel (timed), its variants' GPU tests (failing, not skipping,
+#                  where it does not import), suite flashinfer (ours vs FlashInfer per op)
 # Each run's log goes to $OUT/<run>.log, each suite's JSON and tables to $OUT/<suite>.json / .txt; the
 # tail of each log is printed as it ends. A suite name alone (`bash bench/device_run.sh convs`) runs it.
 set -u
@@ -74,6 +77,15 @@ for section in "$@"; do
     eval)
       run eval_cuda 330 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 \
         --n 100 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda.json" ;;
+    flashinfer)
+      if source bench/flashinfer_install.sh install; then
+        bash bench/flashinfer_install.sh warm
+        export HUNYUAN_REQUIRE_FLASHINFER=1
+        tests flashinfer_tests 200 tests/test_kernels_flashinfer.py
+        suite flashinfer 240 flashinfer
+      else
+        echo "=== flashinfer: not installed (carry .fi/parts: bench/flashinfer_install.sh)"
+      fi ;;
     *)
       if python3 -c "import sys; from bench.suites import SUITES; sys.exit(sys.argv[1] not in SUITES)" "$section"; then
         suite "${section//-/_}" 590 "$section"

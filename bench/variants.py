@@ -26,6 +26,8 @@ _FUNCTIONS = {
     ("sample", "triton"): "kernels.sampling:sample_triton",
     ("sample", "triton_torch_topk"): "kernels.sampling:sample_triton_torch_topk",
     ("decode_attention", "triton"): "kernels.decode_attention:decode_attention_triton",
+    **{(op, "flashinfer"): f"kernels.{module}:{op}_flashinfer" for op, module in (
+        ("rms_norm", "norm"), ("add_rms_norm", "norm"), ("sample", "sampling"), ("decode_attention", "decode_attention"))},
     ("conv3d_same", "taps2d"): "kernels.vae.conv:conv3d_same_taps",
     ("group_norm_swish", "triton"): "kernels.vae.group_norm:group_norm_swish_triton",
     ("moe", "decode"): "kernels.moe.cuda:moe_decode",

@@ -6,6 +6,7 @@ patch of the engine. This package imports nothing of `engine`.
 
     registry.py          ops, their variants, `call`, `chosen`, `allowed`
     _triton.py           Triton where it imports (CPU builds of torch have none), interpreter fixes
+    _flashinfer.py       FlashInfer where it imports (the `flashinfer` extra), for the variants named `flashinfer`
     scratch.py           scratch buffers (NaN-poisoned in tests)
     norm.py              rms_norm, add_rms_norm
     rope.py              rope_qk_norm, rope_qk_norm_cache

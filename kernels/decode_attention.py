@@ -29,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import _flashinfer
 from ._triton import HAS_TRITON, INTERPRET, available, next_pow2, tl, triton
 from .registry import backend, reference
 
@@ -221,3 +222,62 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             length: torch.Tensor) -> torch.Tensor:
     return launch(q, k_cache, v_cache, length)
+
+
+# ---- FlashInfer (kernels/_flashinfer.py): after the Triton variant, so chosen only where selected ----------
+#
+# The static cache [B, Hkv, L, D] is FlashInfer's paged cache in its HND layout with one page of L keys a
+# row (page b = row b), and the row's `length` is that page's fill ("last_page_len"). Its batch decode
+# (fa2, CUDA cores) is planned on the host once per shape; the plan holds no length, only the device
+# buffer the kernel reads each row's fill from, so `length` stays on the device and a graph replays at any
+# position. Its planner splits a row's keys by whole pages only, so with one page a row nothing is split:
+# one program per (row, KV head), 8 at one row (ours splits the keys into 64-key chunks). Smaller pages
+# would need each row's page count on the host every step. T = 1 only (its decode takes one query a row);
+# scale 1/sqrt(D), softmax in fp32 as the reference.
+FLASHINFER_WORKSPACE_BYTES = 128 << 20      # its float workspace (the merge pass's partials), one a device
+FLASHINFER_GROUPS = (1, 2, 3, 4, 8)          # the GQA group sizes its decode kernels are built for
+_fi_plans: dict[tuple, tuple] = {}           # (device, B, Hq, Hkv, D, L, dtype) -> (wrapper, fill buffer)
+_fi_workspace: dict[torch.device, torch.Tensor] = {}
+
+
+def _flashinfer_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor) -> bool:
+    if not fits(q, k_cache, v_cache, length):
+        return False
+    return (q.shape[2] == 1 and q.shape[3] in (64, 128, 256) and q.shape[1] // k_cache.shape[1] in FLASHINFER_GROUPS
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype in (torch.bfloat16, torch.float16))
+
+
+def _flashinfer_plan(q: torch.Tensor, k_cache: torch.Tensor) -> tuple:
+    """The planned wrapper for this shape and the int32 [B] buffer of the rows' fills it reads (made once;
+    plan reads the host, so the first call of a shape must come before any graph capture)."""
+    B, Hq, _, D = q.shape
+    _, Hkv, L, _ = k_cache.shape
+    key = (q.device, B, Hq, Hkv, D, L, q.dtype)
+    found = _fi_plans.get(key)
+    if found is None:
+        fi = _flashinfer.lib()
+        ws = _fi_workspace.get(q.device)
+        if ws is None:
+            ws = _fi_workspace[q.device] = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+        indptr = torch.arange(B + 1, dtype=torch.int32, device=q.device)     # one page a row
+        pages = torch.arange(B, dtype=torch.int32, device=q.device)
+        fill = torch.full((B,), L, dtype=torch.int32, device=q.device)
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+            ws, kv_layout="HND", use_cuda_graph=True, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=pages, paged_kv_last_page_len_buffer=fill, backend="fa2")
+        wrapper.plan(indptr, pages, fill, Hq, Hkv, D, L, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        found = _fi_plans[key] = (wrapper, fill)
+    return found
+
+
+@backend("decode_attention", _flashinfer.NAME, devices=("cuda",), dtypes=(torch.bfloat16, torch.float16),
+         available=_flashinfer.available, fits=_flashinfer_fits)
+def decode_attention_flashinfer(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                length: torch.Tensor) -> torch.Tensor:
+    B, Hq, _, D = q.shape
+    wrapper, fill = _flashinfer_plan(q, k_cache)
+    # each row's fill on the device (values above L read as L; one length serves every row)
+    fill.copy_(length.reshape(-1).clamp(max=k_cache.shape[2]).expand(B))
+    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+    wrapper.run(q[:, :, 0], (k_cache, v_cache), out=out[:, :, 0])
+    return out

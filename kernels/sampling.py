@@ -22,8 +22,11 @@ op reads the device; the caller's `int(token)` is the one host read of a decode 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from . import _flashinfer
 from ._triton import HAS_TRITON, available, next_pow2, tl, triton
 from .registry import backend, reference
 
@@ -308,14 +311,18 @@ PICK_BLOCK = 4096
 
 
 def sample_device(x: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator | None,
-                  block: int = PICK_BLOCK, radix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  block: int = PICK_BLOCK, radix: bool = True,
+                  topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The draw from x = logits / temperature [V] fp32 by the Triton kernels (top-k at most
     MAX_TRITON_K, or off with top_p == 1) -> (token, [thr, n_tie] of the top-p cut for the tests). The
-    top-k by `topk_desc` (radix) or by torch.topk."""
+    top-k by `topk` where given (torch.topk's contract: the k largest values, descending, and their ids),
+    else by `topk_desc` (radix) or by torch.topk."""
     V = x.numel()
     k_on, p_on = 0 < top_k < V, top_p < 1.0
     if k_on:
-        vals, idx = topk_desc(x, top_k) if radix else x.topk(top_k)
+        topk = topk or (topk_desc if radix else torch.topk)
+        vals, idx = topk(x, top_k)
         K = top_k
     else:
         vals, idx, K = x.max().view(1), x, 1
@@ -360,3 +367,37 @@ def sample_triton_torch_topk(logits: torch.Tensor, temperature: float, top_k: in
                              generator: torch.Generator | None, greedy: bool = False,
                              allowed: torch.Tensor | None = None) -> torch.Tensor:
     return sample_device(logits.contiguous() / temperature, top_k, top_p, generator, radix=False)[0]
+
+
+# ---- FlashInfer: its top-k in place of ours; the cut and the draw stay ours ------------------------------
+#
+# FlashInfer's own samplers (flashinfer.sampling.top_k_top_p_sampling_from_logits and kin) cannot keep this
+# op's contract: they draw by rejection sampling from Philox streams keyed by (seed, offset, output row), so
+# the same generator state gives another token than `choose`, a request's token changes with its batch
+# slot (their docs: per-row seeds "do not make sampling invariant to batch position"), and their top-p keeps
+# the head whose mass reaches p, ties unranked. Only the selection step is interchangeable: flashinfer.top_k
+# (sorted, deterministic, ties to the lowest ids: torch.topk's values exactly) feeds the same cut and the
+# same Exp(1) race from the request's generator, so the token is the reference's.
+FLASHINFER_MAX_K = 2048    # its sorted deterministic top-k sorts on the device up to this k
+
+
+def topk_flashinfer(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k) of x [V] by flashinfer.top_k (values descending, ties at the k-th: lowest ids)."""
+    fi = _flashinfer.lib()
+    vals, idx = fi.top_k(x.view(1, -1), k, sorted=True, deterministic=True, tie_break=fi.TopKTieBreak.SMALL)
+    return vals[0], idx[0]
+
+
+def _flashinfer_fits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator,
+                     greedy: bool = False, allowed: torch.Tensor | None = None) -> bool:
+    """A top-k on (its step is the only one replaced) of at most FLASHINFER_MAX_K."""
+    return 0 < top_k < logits.numel() and _device_fits(logits, temperature, top_k, top_p, generator, greedy,
+                                                       allowed, max_k=FLASHINFER_MAX_K)
+
+
+@backend("sample", _flashinfer.NAME, devices=("cuda",), dtypes=(torch.float32,),
+         available=lambda: available() and _flashinfer.available(), fits=_flashinfer_fits)
+def sample_flashinfer(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                      generator: torch.Generator | None, greedy: bool = False,
+                      allowed: torch.Tensor | None = None) -> torch.Tensor:
+    return sample_device(logits.contiguous() / temperature, top_k, top_p, generator, topk=topk_flashinfer)[0]

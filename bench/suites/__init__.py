@@ -14,6 +14,7 @@ SUITES = {
     "convs": "the image heads' and the VAE decoder's convolutions, GroupNorm + swish, the whole VAE decode",
     "gemm1": "the grouped MoE path's GEMM1 + SwiGLU: the fused kernel's tile variants against the grouped one",
     "grouped-layout": "the resident expert packs' grouped GEMMs: one down GEMM over the micros vs one per micro",
+    "flashinfer": "FlashInfer's norms, top-k, sampler and decode attention beside ours at the engine's shapes",
     "decode-parts": "the rest of a quantized decode token: the sampler, its top-k, one MoE decode layer",
     "prefill-host": "the host time of the eager T2I prefill of one hybrid4 rank, stage by stage",
     "studio": "the wall time of studio requests end to end through the web server",
