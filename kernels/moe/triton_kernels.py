@@ -75,12 +75,16 @@ def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     one program per expert slice would wait on its loads one after another."""
     n, h = x.shape
     e = gate.shape[0]
-    if n <= 16:
-        bn, be, bh, h_split = max(2, next_pow2(n)), 2, 256, 512
+    if n <= DECODE_ROUTER_ROWS:
+        # one tile shape for every decode size (rows in programs of 4): a token's logits are then the same
+        # sums in the same order whatever else is in the batch (batch invariance; a tile of next_pow2(n)
+        # rows could lay the H sums out across threads differently)
+        bn, be, bh, h_split = 4, 2, 256, 512
         splits = triton.cdiv(h, h_split)
         out = torch.empty(splits, n, e, dtype=torch.float32, device=x.device)
-        _logits_kernel[(1, triton.cdiv(e, be), splits)](x, gate, out, n, h, x.stride(0), h_split, E=e, BLOCK_N=bn,
-                                                        BLOCK_E=be, BLOCK_H=bh, USE_DOT=False, num_warps=4)
+        _logits_kernel[(triton.cdiv(n, bn), triton.cdiv(e, be), splits)](
+            x, gate, out, n, h, x.stride(0), h_split, E=e, BLOCK_N=bn, BLOCK_E=be, BLOCK_H=bh, USE_DOT=False,
+            num_warps=4)
     else:
         # H split too, so that there are about two programs per SM: 4098 tokens make only 65 row tiles
         # (one program per tile looped over all of H: ~16 TFLOP/s, 4 ms of a DiT step)
@@ -99,6 +103,7 @@ def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 MAX_LOGIT_SPLITS = 8
+DECODE_ROUTER_ROWS = 32      # the most tokens of a decode step the router takes (one select program)
 _SMS: dict[int, int] = {}
 
 
@@ -171,7 +176,7 @@ def _select_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, active_ptr,
 
 def router_select(logits: torch.Tensor, topk: int, norm_topk: bool, plan: bool):
     """-> (weights [N, k] fp32, ids [N, k] int32, then for plan: (rank [N, k], counts [blocks, E],
-    block_tokens), else active [min(E, N*k)] int32 (decode: needs N <= 16))."""
+    block_tokens), else active [min(E, N*k)] int32 (decode: needs N <= DECODE_ROUTER_ROWS))."""
     splits, n, e = logits.shape
     dev = logits.device
     w = torch.empty(n, topk, dtype=torch.float32, device=dev)
@@ -187,12 +192,14 @@ def router_select(logits: torch.Tensor, topk: int, norm_topk: bool, plan: bool):
         _select_kernel[(nblk,)](logits, w, ids, rank, counts, ids, n, 0, BLOCK_N=bn, PLAN=True, ACTIVE=False,
                                 num_warps=8, **meta)
         return w, ids, (rank, counts, bn)
-    if n > 16:
-        raise ValueError("the decode router holds every token in one program (N <= 16)")
+    if n > DECODE_ROUTER_ROWS:
+        raise ValueError(f"the decode router holds every token in one program (N <= {DECODE_ROUTER_ROWS}, got {n})")
     s = min(e, n * topk)
     active = torch.empty(s, dtype=torch.int32, device=dev)
-    _select_kernel[(1,)](logits, w, ids, ids, ids, active, n, s, BLOCK_N=max(2, next_pow2(n)), PLAN=False,
-                         ACTIVE=True, num_warps=1, **meta)
+    # one tile of DECODE_ROUTER_ROWS rows whatever n is: the softmax and top-k sums of a token are laid out,
+    # and so rounded, the same in every batch (batch invariance)
+    _select_kernel[(1,)](logits, w, ids, ids, ids, active, n, s, BLOCK_N=DECODE_ROUTER_ROWS, PLAN=False,
+                         ACTIVE=True, num_warps=2, **meta)
     return w, ids, active
 
 
