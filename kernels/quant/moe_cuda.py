@@ -6,16 +6,19 @@
            triton_kernels.py's `edecode_*`); the shared MLP (quantized or float) on the same kernels on a
            side stream. Batch invariant: tile shapes, K steps and the router's tiles are the same for
            every N, so a token's output is bitwise the same alone or with up to 31 others.
-  decode   N <= GEMV_MAX_TOKENS (an ablation now: `batched` takes these sizes first): reads only the chosen experts' quantized bytes, on gemv.py's GEMVs (no
-           tensor cores, fp32 FMA on the codes as loaded, activations prepared once); for fp8 the
-           activations are quantized and dequantized per row first, a down row over all its micros
-           (the same numbers as W8A8 up to one bf16 rounding)
+  decode   N <= GEMV_MAX_TOKENS (`batched` takes these sizes first: one variant for every decode size keeps a
+           request's tokens independent of its batch): reads only the chosen experts' quantized bytes, on
+           gemv.py's GEMVs (no tensor cores, fp32 FMA on the codes as loaded, activations prepared once);
+           for fp8 the activations are quantized and dequantized per row first, a down row over all its
+           micros (the same numbers as W8A8 up to one bf16 rounding). Its cost grows with every (token,
+           expert) pair, not with the experts touched (issue 31's figures).
   grouped  every N: routing and permutation as `moe`'s grouped path (moe/cuda.py), the expert GEMMs on
            triton_kernels.py's grouped GEMMs, or torch._scaled_grouped_mm for fp8 (GEMM1's rows
            quantized once for every micro), the down GEMM on the strided column block of the pack
 
-The tile decode kernels (dequantized tiles into bf16 MMAs) lost to the GEMVs in every case measured
-(bench kernels-quant --decode, 2026-11-30) and were removed; they stay in git history.
+Earlier tile decode kernels (dequantized tiles into bf16 MMAs) lost to the GEMVs at 1 and 8 tokens (bench
+kernels-quant --decode, 2026-11-30) and were removed (git history); `batched` is a tile kernel again, but
+per expert over all its tokens: `python -m bench moe-decode` times it against the GEMVs at every N.
 """
 from __future__ import annotations
 

@@ -624,7 +624,8 @@ def edecode_down(act: torch.Tensor, ids: torch.Tensor, active: torch.Tensor | No
     bs = 1 if fmt == "bf16" else BLOCK[fmt]
     if (codes.dim() != (3 if active is not None else 2) or codes.shape[-1] * pb != mc * inter
             or codes.shape[-2] != h or inter % bs or not act.is_contiguous()):
-        raise ValueError(f"edecode_down: act {tuple(act.shape)}, {fmt} weight block {tuple(codes.shape)}, y {tuple(y.shape)}")
+        raise ValueError(f"edecode_down: act {tuple(act.shape)}, {fmt} weight block {tuple(codes.shape)}, "
+                         f"y {tuple(y.shape)}")
     bk = max(bk, bs)
     slots = active.shape[0] if active is not None else 1
     s = scales if scales is not None else codes
