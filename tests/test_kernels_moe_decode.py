@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_support import interpreted, poisoned, rel_err, run_interpreter_suite
+from kernel_support import INTERPRETED, interpreted, poisoned, rel_err, run_interpreter_suite
 from test_kernels_quant import make_qmoe, qargs
 
 import kernels
@@ -34,6 +34,27 @@ def small_tiles(mc_mod, monkeypatch):
     monkeypatch.setattr(qt, "EDECODE_UP", dict(BI=32, BK=64, num_warps=4, num_stages=1))
     monkeypatch.setattr(qt, "EDECODE_DOWN", dict(BH=64, BK=32, num_warps=4, num_stages=1))
     return mc_mod
+
+
+@pytest.fixture
+def elementwise_dot(monkeypatch):
+    """The interpreter's tl.dot is numpy's BLAS matmul, whose sum for one row of the first operand can
+    depend on the row's position in the tile (seen: 1 ulp between rows 0 and 14 of a [16, 128] operand in
+    the bf16 decode kernel); an MMA's cannot (the GPU tests check it on the hardware). The batch
+    invariance tests run the kernels on a dot whose every element is its own fp32 sum over K, in order."""
+    from kernels.moe import triton_kernels as tk
+    from kernels.quant import triton_kernels as qt
+    monkeypatch.setattr(tk, "dot", _elementwise_dot)
+    monkeypatch.setattr(qt, "dot", _elementwise_dot)
+
+
+if INTERPRETED:      # (the child run: Triton is there, under its interpreter)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _elementwise_dot(a, b, acc, UPCAST: tl.constexpr):
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
 CASES = [  # experts fmt, shared fmt ("bf16": float, None: no shared MLP), micros, micro_start, micro_count
@@ -66,7 +87,7 @@ def test_interp_batched_matches_reference(small_tiles, fmt, sfmt, micros, ms, mc
 
 
 @pytest.mark.parametrize("fmt,sfmt,micros,ms,mc", CASES)
-def test_interp_batched_is_batch_invariant(small_tiles, fmt, sfmt, micros, ms, mc):
+def test_interp_batched_is_batch_invariant(small_tiles, elementwise_dot, fmt, sfmt, micros, ms, mc):
     """Token 0 of a 32-row batch alone, then at other rows of batches of 3, 16 and 32 (the rest other
     tokens): the same bits; and another token of the 32 alone. 4 experts of top-2 (two cases): an expert
     serves more than 16 of the 32 tokens (a second pass of its weight tile)."""
@@ -81,6 +102,28 @@ def test_interp_batched_is_batch_invariant(small_tiles, fmt, sfmt, micros, ms, m
         if n == 32:
             assert torch.equal(got[17], small_tiles.moe_quant_batched(xb[17:18], *rest)[0])
         assert torch.equal(got[row], alone[0]), (n, row)
+
+
+@pytest.mark.parametrize("shared_inter", [32, 48, 0])    # the shared MLP as one more slot, apart, none
+def test_interp_bf16_decode_takes_32_rows_batch_invariant(mc_mod, elementwise_dot, shared_inter):
+    """The `moe` op's decode variant (bf16) at 17..32 rows (two token chunks): the reference's result, and
+    a token's output the same bits alone and at another row of batches of 3, 16 and 32."""
+    from test_kernels_moe import call_args, make_moe, moe_loop_fp64
+    from kernels.moe import cuda as moe_cuda
+    from kernels.moe import moe_reference
+    t = make_moe(32, shared_inter=shared_inter, dtype=torch.bfloat16, seed=5)
+    args = call_args(t, 1, 2, 3, True)
+    x, rest = args[0], args[1:]
+    assert moe_cuda.decode_fits(*args)
+    for n in (20, 32):
+        a = (x[:n], *rest)
+        got = poisoned(moe_cuda.moe_decode, *a, out=torch.full_like(x[:n], float("nan")))
+        truth = moe_loop_fp64(*a)
+        assert not got.isnan().any() and rel_err(got, truth) < max(1e-2, 1.5 * rel_err(moe_reference(*a), truth)), n
+    alone = moe_cuda.moe_decode(x[:1], *rest)
+    for n, row in zip(BATCHES, (1, 9, 30)):
+        xb = torch.cat([x[1:row + 1], x[:1], x[row + 1:n]])
+        assert torch.equal(poisoned(moe_cuda.moe_decode, xb, *rest)[row], alone[0]), (n, row)
 
 
 def test_interp_router_is_batch_invariant(mc_mod):
@@ -185,3 +228,25 @@ def test_gpu_batched_cuda_graph_replay_equals_eager(name):
         torch.cuda.synchronize()
         assert torch.equal(out, batched_cuda(fresh, *args[1:]))
 
+
+@gpu
+@skip_no_cuda
+def test_gpu_bf16_decode_is_batch_invariant_to_32_rows():
+    """The `moe` op's decode variant at a hybrid4 rank's shapes: the reference's result at 32 rows, and
+    every token of 32 the same bits alone (the registry picks decode up to 32 rows)."""
+    from test_kernels_moe import call_args, make_moe
+    t = make_moe(32, hidden=4096, experts=64, inter=768, shared_inter=768, micros=2, dtype=torch.bfloat16,
+                 device="cuda", seed=4)
+    args = call_args(t, 0, 2, 8, True)
+    x, rest = args[0], args[1:]
+    with kernels.allowed("decode"):
+        whole = kernels.call("moe", *args)
+        assert kernels.chosen("moe") == "decode"
+        for t_ in range(32):
+            assert torch.equal(whole[t_], kernels.call("moe", x[t_:t_ + 1], *rest)[0]), t_
+        for n, row in zip(BATCHES, (2, 9, 31)):
+            xb = torch.cat([x[1:row + 1], x[:1], x[row + 1:n]])
+            assert torch.equal(kernels.call("moe", xb, *rest)[row], whole[0]), (n, row)
+    with kernels.allowed():
+        ref = kernels.call("moe", *args)
+    assert rel_err(whole, ref) < 1e-2
