@@ -117,7 +117,8 @@ def check(fmt: str, name: str, fn, args: tuple) -> Check:
 
 def timed(dims: Dims, fns: list) -> float:
     """ms of one step: every layer's call, as one CUDA graph's replay (one wall call in a dry run)."""
-    step = lambda: [f() for f in fns]          # noqa: E731
+    def step():
+        return [f() for f in fns]
     return time_ms(step, "wall", n=1, warmup=0) if dims.dry else time_ms(step, "graph")
 
 
@@ -137,7 +138,7 @@ def fmt_rows(dims: Dims, fmt: str, nlayers: int, ns: list[int], names: list[str]
             fn = variant_fn(fmt, name)
             res = check(fmt, name, fn, args_of(layers[0], n, dims))
             ok &= res.ok
-            calls = [(lambda a=args_of(lay, n, dims): fn(*a)) for lay in layers]
+            calls = [(lambda a=args_of(lay, n, dims), f=fn: f(*a)) for lay in layers]
             ms = timed(dims, calls)
             if n == ns[0]:
                 base[name] = ms

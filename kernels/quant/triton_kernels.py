@@ -594,7 +594,7 @@ def edecode_up(x: torch.Tensor, ids: torch.Tensor, active: torch.Tensor | None, 
     c = dict(EDECODE_UP, **(cfg or {}))
     bi, bk = c.pop("BI"), c.pop("BK")
     n, h = x.shape
-    mc, rows, inter = act.shape
+    mc, _, inter = act.shape
     pb = 1 if fmt == "bf16" else PER_BYTE[fmt]
     if codes.shape[-1] * pb != h or codes.shape[-2] != 2 * inter or not act.is_contiguous():
         raise ValueError(f"edecode_up: x {tuple(x.shape)}, {fmt} weight {tuple(codes.shape)}, act {tuple(act.shape)}")
@@ -617,7 +617,7 @@ def edecode_down(act: torch.Tensor, ids: torch.Tensor, active: torch.Tensor | No
     micro m's columns start at m*I), act as edecode_up wrote it, y [N*k, H] (routed) / [N, H] fp32."""
     c = dict(EDECODE_DOWN, **(cfg or {}))
     bh, bk = c.pop("BH"), c.pop("BK")
-    mc, rows, inter = act.shape
+    mc, _, inter = act.shape
     n = ids.shape[0]
     h = y.shape[1]
     pb = 1 if fmt == "bf16" else PER_BYTE[fmt]
