@@ -6,6 +6,7 @@
 #   kernels        suites kernels-ops, kernels-moe --quick, decode-attention, denoise-attention
 #   gemms          suites gemm1, grouped-layout (the grouped MoE GEMMs' kernels and layouts)
 #   quant          suites kernels-quant --quick, kernels-quant --decode, decode-parts
+#   moe-decode     the batched decode MoE's GPU tests, then suite moe-decode (N = 1..32, every format)
 #   vae            suite convs
 #   tables         suite tables --profile (every 4-GPU plan, one rank each)
 #   one-gpu        suite one-gpu, every quantized build, --fp8-speedup
@@ -59,6 +60,9 @@ for section in "$@"; do
       suite kernels_quant 240 kernels-quant --quick
       suite kernels_quant_decode 240 kernels-quant --decode
       suite decode_parts 120 decode-parts --sections sample,topk,moe ;;
+    moe-decode)
+      tests moe_decode_tests 400 tests/test_kernels_moe_decode.py
+      suite moe_decode 590 moe-decode ;;
     vae)
       suite convs 200 convs ;;
     tables)

@@ -2,8 +2,9 @@
 kernels of `triton_kernels.py` and `gemm1.py` and `torch._grouped_mm`. Each is a variant of the op in the
 registry, preferred in this order (the order they are registered below):
 
-  decode (N <= DECODE_MAX_TOKENS): reads only the chosen experts' weights of the active micros; five
-      launches, no host sync, no data-dependent allocation: CUDA-graph capturable.
+  decode (N <= DECODE_MAX_TOKENS, 32): reads only the chosen experts' weights of the active micros; five
+      launches, no host sync, no data-dependent allocation: CUDA-graph capturable; batch invariant (a
+      token's output is bitwise the same alone or with up to 31 others).
   fused (denoise, prefill): one routing pass for every micro, a stable counting sort on the device that
       gives each route its row in expert order (no x rows copied), ONE kernel (gemm1.py) doing every
       active micro's GEMM1 + SwiGLU on the x rows it gathers itself into its column block of one
@@ -27,7 +28,9 @@ from . import gemm1
 from . import triton_kernels as tk
 from .reference import check_packs
 
-DECODE_MAX_TOKENS = 8
+# a decode step's rows (the serving runtime batches up to 32): the decode kernels take the tokens in chunks of
+# 16 at fixed rows and the router one tile for every N, so each token's output is the same in any batch
+DECODE_MAX_TOKENS = tk.DECODE_ROUTER_ROWS
 
 
 def available() -> bool:
@@ -169,7 +172,7 @@ def _decode(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, top
     dev = x.device
     w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
     s = active.shape[0]
-    bn = 16                                           # token rows of one decode tile (tl.dot's minimum)
+    bn = n                                            # act rows of a slot: row t for token t
     w1a = w1[micro_start:micro_start + mc]
     w2a = w2[:, :, micro_start * inter:]              # micro m of the active ones at column m * I
     y = _empty(n * topk, h, dtype=torch.float32, device=dev)

@@ -75,12 +75,16 @@ def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     one program per expert slice would wait on its loads one after another."""
     n, h = x.shape
     e = gate.shape[0]
-    if n <= 16:
-        bn, be, bh, h_split = max(2, next_pow2(n)), 2, 256, 512
+    if n <= DECODE_ROUTER_ROWS:
+        # one tile shape for every decode size (rows in programs of 4): a token's logits are then the same
+        # sums in the same order whatever else is in the batch (batch invariance; a tile of next_pow2(n)
+        # rows could lay the H sums out across threads differently)
+        bn, be, bh, h_split = 4, 2, 256, 512
         splits = triton.cdiv(h, h_split)
         out = torch.empty(splits, n, e, dtype=torch.float32, device=x.device)
-        _logits_kernel[(1, triton.cdiv(e, be), splits)](x, gate, out, n, h, x.stride(0), h_split, E=e, BLOCK_N=bn,
-                                                        BLOCK_E=be, BLOCK_H=bh, USE_DOT=False, num_warps=4)
+        _logits_kernel[(triton.cdiv(n, bn), triton.cdiv(e, be), splits)](
+            x, gate, out, n, h, x.stride(0), h_split, E=e, BLOCK_N=bn, BLOCK_E=be, BLOCK_H=bh, USE_DOT=False,
+            num_warps=4)
     else:
         # H split too, so that there are about two programs per SM: 4098 tokens make only 65 row tiles
         # (one program per tile looped over all of H: ~16 TFLOP/s, 4 ms of a DiT step)
@@ -99,6 +103,7 @@ def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 MAX_LOGIT_SPLITS = 8
+DECODE_ROUTER_ROWS = 32      # the most tokens of a decode step the router takes (one select program)
 _SMS: dict[int, int] = {}
 
 
@@ -171,7 +176,7 @@ def _select_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, active_ptr,
 
 def router_select(logits: torch.Tensor, topk: int, norm_topk: bool, plan: bool):
     """-> (weights [N, k] fp32, ids [N, k] int32, then for plan: (rank [N, k], counts [blocks, E],
-    block_tokens), else active [min(E, N*k)] int32 (decode: needs N <= 16))."""
+    block_tokens), else active [min(E, N*k)] int32 (decode: needs N <= DECODE_ROUTER_ROWS))."""
     splits, n, e = logits.shape
     dev = logits.device
     w = torch.empty(n, topk, dtype=torch.float32, device=dev)
@@ -187,12 +192,14 @@ def router_select(logits: torch.Tensor, topk: int, norm_topk: bool, plan: bool):
         _select_kernel[(nblk,)](logits, w, ids, rank, counts, ids, n, 0, BLOCK_N=bn, PLAN=True, ACTIVE=False,
                                 num_warps=8, **meta)
         return w, ids, (rank, counts, bn)
-    if n > 16:
-        raise ValueError("the decode router holds every token in one program (N <= 16)")
+    if n > DECODE_ROUTER_ROWS:
+        raise ValueError(f"the decode router holds every token in one program (N <= {DECODE_ROUTER_ROWS}, got {n})")
     s = min(e, n * topk)
     active = torch.empty(s, dtype=torch.int32, device=dev)
-    _select_kernel[(1,)](logits, w, ids, ids, ids, active, n, s, BLOCK_N=max(2, next_pow2(n)), PLAN=False,
-                         ACTIVE=True, num_warps=1, **meta)
+    # one tile of DECODE_ROUTER_ROWS rows whatever n is: the softmax and top-k sums of a token are laid out,
+    # and so rounded, the same in every batch (batch invariance)
+    _select_kernel[(1,)](logits, w, ids, ids, ids, active, n, s, BLOCK_N=DECODE_ROUTER_ROWS, PLAN=False,
+                         ACTIVE=True, num_warps=2, **meta)
     return w, ids, active
 
 
@@ -355,81 +362,90 @@ def finalize(partial: torch.Tensor, inv: torch.Tensor | None, w: torch.Tensor, a
 
 @triton.jit
 def _decode_up_kernel(x_ptr, ids_ptr, active_ptr, w1_ptr, sw1_ptr, act_ptr, N, H, I, stride_x,
-                      w1_sm, w1_se, sw1_sm, S, SLOTS,
+                      w1_sm, w1_se, sw1_sm, S, SLOTS, ROWS,
                       K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
                       BLOCK_H: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     m = pid // SLOTS
     slot = pid % SLOTS
-    rn = tl.arange(0, BLOCK_N)
-    mn = rn < N
     rk = tl.arange(0, K_PAD)
-    if slot < S:    # a routed expert: the tokens that chose it
-        e = tl.load(active_ptr + slot)
-        ids = tl.load(ids_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & (rk[None, :] < K), other=-1)
-        sel = (tl.max((ids == e).to(tl.int32), axis=1) > 0) & mn & (e >= 0)
+    routed = slot < S                # a routed expert (its tokens: those that chose it), else the shared MLP
+    e = tl.load(active_ptr + slot, mask=routed, other=-1)
+    if routed:
         base = w1_ptr + m.to(tl.int64) * w1_sm + tl.maximum(e, 0).to(tl.int64) * w1_se
-    else:           # the shared MLP: every token
-        sel = mn
+    else:
         base = sw1_ptr + m.to(tl.int64) * sw1_sm
-    if tl.max(sel.to(tl.int32), axis=0) > 0:    # a slot past the chosen experts reads no weight
-        ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        mi = ri < I
-        acc1 = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            rh = h0 + tl.arange(0, BLOCK_H)
-            mh = rh < H
-            xt = tl.load(x_ptr + rn[:, None] * stride_x + rh[None, :], mask=mn[:, None] & mh[None, :], other=0.0)
-            wa = tl.load(base + ri[:, None] * H + rh[None, :], mask=mi[:, None] & mh[None, :], other=0.0)
-            wb = tl.load(base + (ri + I)[:, None] * H + rh[None, :], mask=mi[:, None] & mh[None, :], other=0.0)
-            acc1 = dot(xt, tl.trans(wa), acc1, UPCAST)
-            acc2 = dot(xt, tl.trans(wb), acc2, UPCAST)
-        act = acc1 * (acc2 * tl.sigmoid(acc2))
-        dst = act_ptr + (pid.to(tl.int64) * BLOCK_N + rn)[:, None] * I + ri[None, :]
-        tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=sel[:, None] & mi[None, :])
+    ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mi = ri < I
+    # tokens in chunks of BLOCK_N: token t is row t % BLOCK_N of chunk t // BLOCK_N whatever N is, so its
+    # sums (one tile shape, rows independent in the MMA) do not depend on the rest of the batch
+    for t0 in range(0, N, BLOCK_N):
+        rn = t0 + tl.arange(0, BLOCK_N)
+        mn = rn < N
+        ids = tl.load(ids_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & (rk[None, :] < K) & routed,
+                      other=-1)
+        sel = tl.where(routed, (tl.max((ids == e).to(tl.int32), axis=1) > 0) & (e >= 0), True) & mn
+        if tl.max(sel.to(tl.int32), axis=0) > 0:    # a slot past the chosen experts reads no weight
+            acc1 = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                rh = h0 + tl.arange(0, BLOCK_H)
+                mh = rh < H
+                xt = tl.load(x_ptr + rn[:, None] * stride_x + rh[None, :], mask=mn[:, None] & mh[None, :], other=0.0)
+                wa = tl.load(base + ri[:, None] * H + rh[None, :], mask=mi[:, None] & mh[None, :], other=0.0)
+                wb = tl.load(base + (ri + I)[:, None] * H + rh[None, :], mask=mi[:, None] & mh[None, :], other=0.0)
+                acc1 = dot(xt, tl.trans(wa), acc1, UPCAST)
+                acc2 = dot(xt, tl.trans(wb), acc2, UPCAST)
+            act = acc1 * (acc2 * tl.sigmoid(acc2))
+            dst = act_ptr + (pid.to(tl.int64) * ROWS + rn)[:, None] * I + ri[None, :]
+            tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=sel[:, None] & mi[None, :])
 
 
 @triton.jit
 def _decode_down_kernel(act_ptr, ids_ptr, active_ptr, w2_ptr, sw2_ptr, y_ptr, ys_ptr, N, H, I,
-                        w2_se, w2_sh, sw2_sh, S, SLOTS, MC,
+                        w2_se, w2_sh, sw2_sh, S, SLOTS, MC, ROWS,
                         K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HO: tl.constexpr,
                         BLOCK_I: tl.constexpr, UPCAST: tl.constexpr):
     slot = tl.program_id(0)
     rh = tl.program_id(1) * BLOCK_HO + tl.arange(0, BLOCK_HO)
     mh = rh < H
-    rn = tl.arange(0, BLOCK_N)
-    mn = rn < N
     rk = tl.arange(0, K_PAD)
-    if slot < S:    # routed: write y to the (token, top-k slot) rows of the tokens that chose e
-        e = tl.load(active_ptr + slot)
-        ids = tl.load(ids_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & (rk[None, :] < K), other=-1)
-        hit = (ids == e) & (e >= 0)
-        sel = (tl.max(hit.to(tl.int32), axis=1) > 0) & mn
-        j = tl.sum(tl.where(hit, rk[None, :], 0), axis=1)
+    routed = slot < S                # routed: y's (token, top-k slot) rows of the tokens that chose e; else ys
+    e = tl.load(active_ptr + slot, mask=routed, other=-1)
+    if routed:
         base = w2_ptr + tl.maximum(e, 0).to(tl.int64) * w2_se
         sh = w2_sh
-        dst = y_ptr + (rn * K + j).to(tl.int64)[:, None] * H + rh[None, :]
-    else:           # shared MLP: one row per token
-        sel = mn
+    else:
         base = sw2_ptr
         sh = sw2_sh
-        dst = ys_ptr + rn.to(tl.int64)[:, None] * H + rh[None, :]
-    if tl.max(sel.to(tl.int32), axis=0) > 0:
-        acc = tl.zeros((BLOCK_N, BLOCK_HO), dtype=tl.float32)
-        for m in range(MC):     # micro partials summed here, before the route weight
-            src = act_ptr + ((m * SLOTS + slot).to(tl.int64) * BLOCK_N + rn)[:, None] * I
-            wm = base + I * m   # both packs are cols-packed: micro m's columns start at m * I
-            for i0 in range(0, I, BLOCK_I):
-                ri = i0 + tl.arange(0, BLOCK_I)
-                mi = ri < I
-                a = tl.load(src + ri[None, :], mask=sel[:, None] & mi[None, :], other=0.0)
-                wt = tl.load(wm + rh[:, None] * sh + ri[None, :], mask=mh[:, None] & mi[None, :], other=0.0)
-                acc = dot(a, tl.trans(wt), acc, UPCAST)
-        tl.store(dst, acc, mask=sel[:, None] & mh[None, :])
+    for t0 in range(0, N, BLOCK_N):  # token chunks, as in the up kernel
+        rn = t0 + tl.arange(0, BLOCK_N)
+        mn = rn < N
+        ids = tl.load(ids_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & (rk[None, :] < K) & routed,
+                      other=-1)
+        hit = (ids == e) & (e >= 0)
+        sel = tl.where(routed, tl.max(hit.to(tl.int32), axis=1) > 0, True) & mn
+        j = tl.sum(tl.where(hit, rk[None, :], 0), axis=1)
+        if tl.max(sel.to(tl.int32), axis=0) > 0:
+            acc = tl.zeros((BLOCK_N, BLOCK_HO), dtype=tl.float32)
+            for m in range(MC):     # micro partials summed here, before the route weight
+                src = act_ptr + ((m * SLOTS + slot).to(tl.int64) * ROWS + rn)[:, None] * I
+                wm = base + I * m   # both packs are cols-packed: micro m's columns start at m * I
+                for i0 in range(0, I, BLOCK_I):
+                    ri = i0 + tl.arange(0, BLOCK_I)
+                    mi = ri < I
+                    a = tl.load(src + ri[None, :], mask=sel[:, None] & mi[None, :], other=0.0)
+                    wt = tl.load(wm + rh[:, None] * sh + ri[None, :], mask=mh[:, None] & mi[None, :], other=0.0)
+                    acc = dot(a, tl.trans(wt), acc, UPCAST)
+            if routed:
+                dst = y_ptr + (rn * K + j).to(tl.int64)[:, None] * H + rh[None, :]
+            else:
+                dst = ys_ptr + rn.to(tl.int64)[:, None] * H + rh[None, :]
+            tl.store(dst, acc, mask=sel[:, None] & mh[None, :])
 
 
 # tile sizes of the decode kernels (`python -m bench kernels-moe --tune` sweeps them)
+DECODE_BLOCK_N = 16                 # token rows of one decode MMA (tl.dot's minimum); more tokens: more chunks
 DECODE_UP = dict(BLOCK_I=16, BLOCK_H=128, num_warps=4, num_stages=4)
 DECODE_DOWN = dict(BLOCK_HO=32, BLOCK_I=128, num_warps=4, num_stages=4)
 
@@ -437,18 +453,21 @@ DECODE_DOWN = dict(BLOCK_HO=32, BLOCK_I=128, num_warps=4, num_stages=4)
 def decode_up(x, ids, active, w1, sw1, act, slots: int, inter: int, up=None) -> None:
     """Gate/up GEMV + SwiGLU of every (micro, slot): slots < len(active) are routed experts (w1 =
     [micros, E, 2I, H] of the active micros), the slot == len(active) is the shared MLP (sw1 =
-    [micros, 2I, H]). act [micros, slots, 16, I] receives rows of the tokens each slot serves."""
+    [micros, 2I, H]). act [micros, slots, rows >= N, I] receives the rows of the
+    tokens each slot serves (row t for token t)."""
     cfg = dict(DECODE_UP, **(up or {}))
     n, h = x.shape
     mc = act.shape[0]
     s = active.shape[0] if active is not None else 0
     w1_sm, w1_se = (w1.stride(0), w1.stride(1)) if w1 is not None else (0, 0)
     sw1_sm = sw1.stride(0) if sw1 is not None else 0
+    if act.shape[2] < n:
+        raise ValueError(f"decode_up: act has {act.shape[2]} rows a slot for {n} tokens")
     grid = (mc * slots, triton.cdiv(inter, cfg["BLOCK_I"]))
     _decode_up_kernel[grid](x, ids, active if active is not None else ids, w1 if w1 is not None else sw1,
                             sw1 if sw1 is not None else w1, act, n, h, inter, x.stride(0), w1_sm, w1_se, sw1_sm,
-                            s, slots, K=ids.shape[1], K_PAD=max(2, next_pow2(ids.shape[1])), BLOCK_N=act.shape[2],
-                            UPCAST=INTERPRET, **cfg)
+                            s, slots, act.shape[2], K=ids.shape[1], K_PAD=max(2, next_pow2(ids.shape[1])),
+                            BLOCK_N=DECODE_BLOCK_N, UPCAST=INTERPRET, **cfg)
 
 
 def decode_down(act, ids, active, w2, sw2, y, ys, slots: int, inter: int, down=None) -> None:
@@ -470,5 +489,5 @@ def decode_down(act, ids, active, w2, sw2, y, ys, slots: int, inter: int, down=N
     grid = (slots, triton.cdiv(h, cfg["BLOCK_HO"]))
     _decode_down_kernel[grid](act, ids, active if active is not None else ids, w2 if w2 is not None else sw2,
                               sw2 if sw2 is not None else w2, y if y is not None else ys,
-                              ys if ys is not None else y, n, h, inter, w2_se, w2_sh, sw2_sh, s, slots, mc,
-                              K=k, K_PAD=max(2, next_pow2(k)), BLOCK_N=bn, UPCAST=INTERPRET, **cfg)
+                              ys if ys is not None else y, n, h, inter, w2_se, w2_sh, sw2_sh, s, slots, mc, bn,
+                              K=k, K_PAD=max(2, next_pow2(k)), BLOCK_N=DECODE_BLOCK_N, UPCAST=INTERPRET, **cfg)

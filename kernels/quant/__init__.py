@@ -5,7 +5,8 @@ linear.py         the GEMM ops on quantized weights and their references; `qline
 moe.py            the `moe_quant` op (the `moe` op over quantized experts) and its reference
 cuda.py           the GEMMs' CUDA variants (registered where Triton imports): gemv.py's GEMVs for a few
                   rows, triton_kernels.py's tile and grouped kernels, cuBLAS's scaled FP8 GEMMs
-moe_cuda.py       the `moe_quant` op's CUDA variants (decode on the GEMVs, grouped)
+moe_cuda.py       the `moe_quant` op's CUDA variants (batched: a decode step's 1..32 rows, expert-major;
+                  decode on the GEMVs; grouped)
 """
 from __future__ import annotations
 

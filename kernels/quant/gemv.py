@@ -49,7 +49,7 @@ import triton.language as tl
 
 from .._triton import next_pow2
 from ..scratch import empty as _empty
-from .triton_kernels import BLOCK, FMT, _e8m0, col_strides
+from .triton_kernels import BLOCK, FMT, _e8m0, _g_stride, _lead_strides, _slot_tokens, col_strides
 
 PH = {"mxfp8": 4, "mxfp4": 8, "nvfp4": 8, "fp8": 4}       # columns per 32-bit code word
 XSCALE = 2.0 ** 64                                          # the prescale of prepared activations
@@ -375,29 +375,6 @@ def linear(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor,
 # ------------------------------------------------------------------------------ MoE decode kernels
 
 @triton.jit
-def _slot_tokens(ids_ptr, active_ptr, slot, N, K: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
-                 ROUTED: tl.constexpr):
-    """The tokens a slot serves: ROUTED, those that chose expert active[slot] (with the top-k position
-    j of that choice), else all N. -> (expert, sel [N_PAD], position among the selected, j, count)."""
-    rn = tl.arange(0, N_PAD)
-    mn = rn < N
-    rk = tl.arange(0, K_PAD)
-    if ROUTED:
-        e = tl.load(active_ptr + slot)
-        ids = tl.load(ids_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & (rk[None, :] < K), other=-1)
-        hit = (ids == e) & (e >= 0)
-        sel = (tl.max(hit.to(tl.int32), axis=1) > 0) & mn
-        j = tl.sum(tl.where(hit, rk[None, :], 0), axis=1)
-        e = tl.maximum(e, 0)
-    else:
-        sel = mn
-        j = rn * 0
-        e = tl.full((), 0, tl.int32)
-    s32 = sel.to(tl.int32)
-    return e, sel, tl.cumsum(s32, axis=0) - s32, j, tl.sum(s32, axis=0)
-
-
-@triton.jit
 def _up_pass(x_ptr, stride_x, act_ptr, pid, t0, cnt, sel, pos, cb, crow, rmask, sb, srow, smask, KW, g, ri, mi, I,
              BLOCK_N: tl.constexpr, N_PAD: tl.constexpr, BI: tl.constexpr, FMT: tl.constexpr, TB: tl.constexpr,
              G: tl.constexpr, CW: tl.constexpr, EVEN_K: tl.constexpr, PREP: tl.constexpr, ACT_PH: tl.constexpr):
@@ -568,15 +545,6 @@ def _launch(cfg: dict) -> dict:
     if cfg.get("maxnreg"):
         out["maxnreg"] = cfg["maxnreg"]
     return out
-
-
-def _lead_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """(micro, expert, row) strides of a [micros, E, rows, ·] pack or a [micros, rows, ·] one (expert 0)."""
-    return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (t.stride(0), 0, t.stride(1))
-
-
-def _g_stride(gscale) -> int:
-    return gscale.stride(0) if gscale is not None and gscale.dim() == 3 else 0
 
 
 def act_ph(fmt: str) -> int:

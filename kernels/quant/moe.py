@@ -13,7 +13,8 @@ reuse moe/cuda.py's and moe/triton_kernels.py's kernels); only the GEMMs change,
   fp8 (per output channel)  W8A8: every GEMM's input rows quantized per row to E4M3 (amax / 448)
       first, as `quant.grouped_mm_fp8` / `quant.linear_fp8` define; the down GEMM's row is the whole
       routed row of every active micro (micro_count * I), quantized once.
-The CUDA variants are moe_cuda.py's (decode: the chosen experts' quantized bytes on gemv.py's GEMVs;
+The CUDA variants are moe_cuda.py's (batched: a decode step's 1..32 rows, each touched expert's tile read
+once for all its tokens, batch invariant; decode: the chosen experts' quantized bytes on gemv.py's GEMVs;
 grouped: the Triton grouped GEMMs, or torch._scaled_grouped_mm for fp8). Deterministic like `moe`: no
 atomics, fixed sum orders, no host sync.
 """

@@ -1,22 +1,31 @@
 """The CUDA variants of the `moe_quant` op (definition and reference: moe.py), preferred in this order:
 
-  decode   N <= DECODE_MAX_TOKENS: reads only the chosen experts' quantized bytes, on gemv.py's GEMVs (no
-           tensor cores, fp32 FMA on the codes as loaded, activations prepared once); for fp8 the
-           activations are quantized and dequantized per row first, a down row over all its micros
-           (the same numbers as W8A8 up to one bf16 rounding)
+  batched  N <= BATCHED_MAX_TOKENS (32, a batched decode step): expert-major, each touched expert's weight
+           tile read once for every token routed to it (one program per micro, expert and row tile, its
+           tokens gathered from the routing on the device, 16 per MMA on the dequantized bf16 tile:
+           triton_kernels.py's `edecode_*`); the shared MLP (quantized or float) on the same kernels on a
+           side stream. Batch invariant: tile shapes, K steps and the router's tiles are the same for
+           every N, so a token's output is bitwise the same alone or with up to 31 others.
+  decode   N <= GEMV_MAX_TOKENS (`batched` takes these sizes first: one variant for every decode size keeps a
+           request's tokens independent of its batch): reads only the chosen experts' quantized bytes, on
+           gemv.py's GEMVs (no tensor cores, fp32 FMA on the codes as loaded, activations prepared once);
+           for fp8 the activations are quantized and dequantized per row first, a down row over all its
+           micros (the same numbers as W8A8 up to one bf16 rounding). Its cost grows with every (token,
+           expert) pair, not with the experts touched (issue 31's figures).
   grouped  every N: routing and permutation as `moe`'s grouped path (moe/cuda.py), the expert GEMMs on
            triton_kernels.py's grouped GEMMs, or torch._scaled_grouped_mm for fp8 (GEMM1's rows
            quantized once for every micro), the down GEMM on the strided column block of the pack
 
-The tile decode kernels (dequantized tiles into bf16 MMAs) lost to the GEMVs in every case measured
-(bench kernels-quant --decode, 2026-11-30) and were removed; they stay in git history.
+Earlier tile decode kernels (dequantized tiles into bf16 MMAs) lost to the GEMVs at 1 and 8 tokens (bench
+kernels-quant --decode, 2026-11-30) and were removed (git history); `batched` is a tile kernel again, but
+per expert over all its tokens: `python -m bench moe-decode` times it against the GEMVs at every N.
 """
 from __future__ import annotations
 
 import torch
 
 from ..moe import triton_kernels as tk
-from ..moe.cuda import DECODE_MAX_TOKENS, permute
+from ..moe.cuda import permute
 from ..moe.cuda import available as moe_available
 from ..moe.reference import check_packs
 from ..registry import backend
@@ -47,9 +56,32 @@ def _run(path, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, 
     return path(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
 
 
+GEMV_MAX_TOKENS = 8                         # the GEMV decode's sizes (its cost grows with every token)
+BATCHED_MAX_TOKENS = tk.DECODE_ROUTER_ROWS    # the batched decode's: the decode router's one program
+
+
+def _shared_paired(shared_w1, shared_w2) -> bool:
+    return isinstance(shared_w1, QWeight) == isinstance(shared_w2, QWeight)
+
+
+def batched_fits(x, gate, w1, w2, shared_w1, shared_w2, *args, **kwargs) -> bool:
+    """A decode step's rows (1..32), and the shared MLP quantized in both linears or in neither (a float
+    one in x's dtype: it is multiplied on the same MMAs)."""
+    return (x.shape[0] <= BATCHED_MAX_TOKENS and _shared_paired(shared_w1, shared_w2)
+            and (shared_w1 is None or isinstance(shared_w1, QWeight)
+                 or shared_w1.dtype == shared_w2.dtype == x.dtype))
+
+
 def decode_fits(x, gate, w1, w2, shared_w1, shared_w2, *args, **kwargs) -> bool:
     """Decode-sized, and the shared MLP quantized in both linears or in neither (the GEMVs' pairing)."""
-    return x.shape[0] <= DECODE_MAX_TOKENS and isinstance(shared_w1, QWeight) == isinstance(shared_w2, QWeight)
+    return x.shape[0] <= GEMV_MAX_TOKENS and _shared_paired(shared_w1, shared_w2)
+
+
+@backend("moe_quant", "batched", dtypes=(torch.bfloat16,), available=moe_available, fits=batched_fits)
+def moe_quant_batched(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
+                      topk: int, norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The `batched` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given)."""
+    return _run(_batched, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
 
 
 @backend("moe_quant", "decode", dtypes=(torch.bfloat16,), available=moe_available, fits=decode_fits)
@@ -175,3 +207,54 @@ def _side_stream(dev: torch.device) -> torch.cuda.Stream:
     if i not in _SIDE:
         _SIDE[i] = torch.cuda.Stream(device=i)
     return _SIDE[i]
+
+
+def _parts(w: Weight) -> tuple:
+    """(format, codes, scales, gscale, inverse) of a quantized weight; a float one is "bf16", its values."""
+    if isinstance(w, QWeight):
+        return w.fmt, w.codes, w.scales, w.gscale, w.inverse
+    return "bf16", w, None, None, False
+
+
+def _batched(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
+             out) -> torch.Tensor:
+    """The expert-major decode: routing (the decode router), then per MLP one gate/up + SwiGLU launch
+    writing act [micros, rows, I] (routed: a row per (token, choice); FP8: each row, every micro's slice of
+    it, quantized once) and one down launch summing the micros; the shared MLP on a side stream; finalize."""
+    n, h = x.shape
+    mc = micro_count
+    dev = x.device
+    fq = qt.quantize_rows(x, fake=True) if "fp8" in (w1.fmt, getattr(shared_w1, "fmt", None)) else None
+
+    def mlp(wa: Weight, wb: Weight, ids, active, width: int, rows: int, y: torch.Tensor) -> None:
+        fa, *pa = _parts(wa)
+        fb, *pb = _parts(wb)
+        act = _empty(mc, rows, width, dtype=x.dtype, device=dev)
+        qt.edecode_up(fq if fa == "fp8" else x, ids, active, fa, *pa, act)
+        if fb == "fp8":            # a down row (every micro's slice of it) quantized once
+            qt.quantize_rows(act, fake=True, out=act, micros=mc)
+        qt.edecode_down(act, ids, active, fb, *pb, y)
+
+    ys = side = None
+    if shared_w1 is not None:
+        # the shared MLP reads no routing (`ids` there gives only the top-k width): on a side stream (inside
+        # a captured graph a parallel branch) it overlaps the routing and the routed experts
+        is_micro = shared_w1.shape[1] // 2
+        ys = _empty(n, h, dtype=torch.float32, device=dev)
+        shared = (shared_w1[micro_start:micro_start + mc], _micro_cols(shared_w2, micro_start, mc, is_micro),
+                  _empty(n, topk, dtype=torch.int32, device=dev), None, is_micro, n, ys)
+        if dev.type == "cuda":
+            side = _side_stream(dev)
+            main = torch.cuda.current_stream(dev)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                mlp(*shared)
+    w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
+    inter = w1.shape[2] // 2
+    y = _empty(n * topk, h, dtype=torch.float32, device=dev)
+    mlp(w1[micro_start:micro_start + mc], _expert_cols(w2, micro_start, mc, inter), ids, active, inter, n * topk, y)
+    if side is not None:
+        main.wait_stream(side)
+    elif ys is not None:                          # (no side stream off CUDA: the interpreter's tests)
+        mlp(*shared)
+    return tk.finalize(y, None, w, ys, out)

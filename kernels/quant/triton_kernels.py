@@ -17,6 +17,8 @@ Kernels:
   `grouped` rows of x sorted by group, offs = cumulative end row per group (torch._grouped_mm):
             each program finds its group from the offsets on the device (no host sync, a grid sized
             by the worst case), the same tiles as `linear`.
+  `edecode_up` / `edecode_down`  the expert-major decode MoE of 1..32 rows (moe_cuda.py `batched`): one
+            program per (micro, touched expert, weight row tile) over all the expert's tokens, 16 a MMA.
   `quantize_rows`  per-row symmetric E4M3 (scale amax / 448) of the online FP8 path; `fake=True` writes
             the dequantized values instead (the decode path's activations, see moe_cuda.py).
 No atomics: every output element has one writer and every sum a fixed order.
@@ -404,3 +406,232 @@ def quantize_rows(x: torch.Tensor, fake: bool = False, out: torch.Tensor | None 
         _quantize_rows_kernel[(rows,)](x2, q2, scale, k, x2.stride(0), q2.stride(0), micros, seg, seg, FAKE=fake,
                                        BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return q if fake else (q, scale)
+
+
+# ------------------------------------------------------- expert-major decode MoE (1..32 rows, moe_cuda.py)
+#
+# One program per (micro, touched expert, tile of weight rows): it reads its weight tile once and
+# multiplies it with every token routed to that expert, BT tokens per MMA (the tokens gathered from the
+# routing on the device; a 17th token of one expert takes a second pass, its rows then from L1 / L2).
+# Batch invariance: a token's sums run over K in the same BK steps, in the same MMA shape [rows, BT],
+# whatever else shares its pass (the other columns of an MMA do not touch its column): the output of a
+# token is bitwise the same alone or in any batch. Format 4 is a plain bf16 weight (a float shared MLP).
+BF16_W = 4
+DECODE_BT = 16                       # tokens per MMA (tl.dot's minimum); one pass holds N <= 16 of one expert
+
+
+@triton.jit
+def _ewload(c_ptr, s_ptr, rows, mrows, k0, K, stride_c, stride_s, FMT: tl.constexpr, BS: tl.constexpr,
+            BK: tl.constexpr):
+    """`_wload`, or a bf16 weight's values (FMT 4: returned twice, the second never read)."""
+    if FMT == 4:
+        rk = k0 + tl.arange(0, BK)
+        a = tl.load(c_ptr + rows.to(tl.int64)[:, None] * stride_c + rk[None, :],
+                    mask=mrows[:, None] & (rk < K)[None, :], other=0.0)
+        b = a
+    else:
+        a, b = _wload(c_ptr, s_ptr, rows, mrows, k0, K, stride_c, stride_s, FMT, BS, BK)
+    return a, b
+
+
+@triton.jit
+def _ewtile(a, b, g, FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+            BK: tl.constexpr):
+    """The bf16 MMA operand of an `_ewload` tile: MX codes times their power-of-two scale and E4M3 codes
+    alone (FP8: its row scale multiplies the sums) are exact in bf16; NVFP4 is rounded once as the
+    reference rounds it."""
+    if FMT == 4:
+        w = a
+    elif FMT == 3:
+        w = a.to(tl.float32).to(tl.bfloat16)
+    else:
+        w = _wdequant(a, b, g, FMT, INVERSE, BS, BN, BK).to(tl.bfloat16)
+    return w
+
+
+@triton.jit
+def _pass_tokens(sel, pos, j, t0, cnt, N_PAD: tl.constexpr, BT: tl.constexpr):
+    """The slot's tokens t0 .. t0 + BT - 1 (in token order): their indices, top-k positions, validity."""
+    rn = tl.arange(0, N_PAD)
+    rt = t0 + tl.arange(0, BT)
+    hit = sel[None, :] & (pos[None, :] == rt[:, None])
+    return (tl.sum(tl.where(hit, rn[None, :], 0), axis=1), tl.sum(tl.where(hit, j[None, :], 0), axis=1),
+            rt < cnt)
+
+
+@triton.jit
+def _slot_tokens(ids_ptr, active_ptr, slot, N, K: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
+                 ROUTED: tl.constexpr):
+    """The tokens a slot serves: ROUTED, those that chose expert active[slot] (with the top-k position
+    j of that choice), else all N. -> (expert, sel [N_PAD], position among the selected, j, count)."""
+    rn = tl.arange(0, N_PAD)
+    mn = rn < N
+    rk = tl.arange(0, K_PAD)
+    if ROUTED:
+        e = tl.load(active_ptr + slot)
+        ids = tl.load(ids_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & (rk[None, :] < K), other=-1)
+        hit = (ids == e) & (e >= 0)
+        sel = (tl.max(hit.to(tl.int32), axis=1) > 0) & mn
+        j = tl.sum(tl.where(hit, rk[None, :], 0), axis=1)
+        e = tl.maximum(e, 0)
+    else:
+        sel = mn
+        j = rn * 0
+        e = tl.full((), 0, tl.int32)
+    s32 = sel.to(tl.int32)
+    return e, sel, tl.cumsum(s32, axis=0) - s32, j, tl.sum(s32, axis=0)
+
+
+@triton.jit
+def _edecode_up_kernel(x_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, act_ptr, N, H, I, stride_x, stride_am,
+                       c_sm, c_se, c_sr, s_sm, s_se, s_sr, g_se, SLOTS,
+                       K: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr, FMT: tl.constexpr,
+                       INVERSE: tl.constexpr, BS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
+                       BT: tl.constexpr, ROUTED: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows [i, i + BI) of the first (linear) and second (SiLU) halves of micro m of the slot's expert, one
+    [2 BI, BK] weight tile a K step, times each of its tokens, SwiGLU, written to act[m, row] (routed: row
+    t*K + j of token t's j-th choice; shared: row t)."""
+    pid = tl.program_id(0)
+    m = pid // SLOTS
+    slot = pid % SLOTS
+    e, sel, pos, j, cnt = _slot_tokens(ids_ptr, active_ptr, slot, N, K, K_PAD, N_PAD, ROUTED)
+    if cnt > 0:                      # a slot past the chosen experts reads no weight
+        cb = c_ptr + m.to(tl.int64) * c_sm + e.to(tl.int64) * c_se
+        sb = s_ptr + m.to(tl.int64) * s_sm + e.to(tl.int64) * s_se
+        g = _global_scale(g_ptr, e * g_se, FMT)
+        rr = tl.arange(0, 2 * BI)
+        i = tl.program_id(1) * BI + rr // 2
+        rows = i + (rr % 2) * I          # the tile's rows interleave the halves (split as gemm1.py splits them)
+        mrows = i < I
+        for t0 in range(0, cnt, BT):
+            tok, jt, ok = _pass_tokens(sel, pos, j, t0, cnt, N_PAD, BT)
+            acc = tl.zeros((2 * BI, BT), dtype=tl.float32)
+            a, b = _ewload(cb, sb, rows, mrows, 0, H, c_sr, s_sr, FMT, BS, BK)
+            for k0 in range(0, H, BK):
+                rk = k0 + tl.arange(0, BK)
+                xt = tl.load(x_ptr + tok.to(tl.int64)[:, None] * stride_x + rk[None, :],
+                             mask=ok[:, None] & (rk < H)[None, :], other=0.0)
+                na, nb = _ewload(cb, sb, rows, mrows, k0 + BK, H, c_sr, s_sr, FMT, BS, BK)      # the next step's
+                acc = dot(_ewtile(a, b, g, FMT, INVERSE, BS, 2 * BI, BK), tl.trans(xt), acc, UPCAST)
+                a, b = na, nb
+            if FMT == 3:             # the rows' per-channel scales
+                acc = acc * tl.load(sb + rows.to(tl.int64) * s_sr, mask=mrows, other=0.0)[:, None]
+            h1, h2 = tl.split(tl.permute(tl.reshape(acc, (BI, 2, BT)), (0, 2, 1)))
+            act = h1 * (h2 * tl.sigmoid(h2))
+            if ROUTED:
+                row = tok * K + jt
+            else:
+                row = tok
+            ri = tl.program_id(1) * BI + tl.arange(0, BI)
+            dst = act_ptr + m.to(tl.int64) * stride_am + row.to(tl.int64)[None, :] * I + ri[:, None]
+            tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=(ri < I)[:, None] & ok[None, :])
+
+
+@triton.jit
+def _edecode_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_ptr, N, H, I, stride_am,
+                         c_sm, c_se, c_sr, s_sm, s_se, s_sr, g_se, MC,
+                         K: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr, FMT: tl.constexpr,
+                         INVERSE: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+                         BT: tl.constexpr, ROUTED: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows [h, h + BH) of the slot's down weight over every active micro's columns (one sum, micro after
+    micro), times each of its tokens' act rows, written to y (fp32, the route weights come in finalize)."""
+    slot = tl.program_id(0)
+    rh = tl.program_id(1) * BH + tl.arange(0, BH)
+    mh = rh < H
+    e, sel, pos, j, cnt = _slot_tokens(ids_ptr, active_ptr, slot, N, K, K_PAD, N_PAD, ROUTED)
+    if cnt > 0:
+        g = _global_scale(g_ptr, e * g_se, FMT)
+        for t0 in range(0, cnt, BT):
+            tok, jt, ok = _pass_tokens(sel, pos, j, t0, cnt, N_PAD, BT)
+            if ROUTED:
+                row = (tok * K + jt).to(tl.int64)
+            else:
+                row = tok.to(tl.int64)
+            acc = tl.zeros((BH, BT), dtype=tl.float32)
+            for m in range(MC):
+                m64 = m + tl.zeros((), tl.int64)          # the loop index is a Python int under the interpreter
+                cb = c_ptr + m64 * c_sm + e.to(tl.int64) * c_se
+                sb = s_ptr + m64 * s_sm + e.to(tl.int64) * s_se
+                ab = act_ptr + m64 * stride_am + row[:, None] * I
+                a, b = _ewload(cb, sb, rh, mh, 0, I, c_sr, s_sr, FMT, BS, BK)
+                for k0 in range(0, I, BK):
+                    rk = k0 + tl.arange(0, BK)
+                    at = tl.load(ab + rk[None, :], mask=ok[:, None] & (rk < I)[None, :], other=0.0)
+                    na, nb = _ewload(cb, sb, rh, mh, k0 + BK, I, c_sr, s_sr, FMT, BS, BK)
+                    acc = dot(_ewtile(a, b, g, FMT, INVERSE, BS, BH, BK), tl.trans(at), acc, UPCAST)
+                    a, b = na, nb
+            if FMT == 3:             # the per-channel scale, one for every micro's columns
+                acc = acc * tl.load(s_ptr + e.to(tl.int64) * s_se + rh.to(tl.int64) * s_sr, mask=mh,
+                                    other=0.0)[:, None]
+            tl.store(y_ptr + row[None, :] * H + rh[:, None], acc, mask=mh[:, None] & ok[None, :])
+
+
+# tiles of the expert-major decode (`python -m bench moe-decode --tune` sweeps them); fixed for every N, so that
+# a token's sums do not depend on its batch
+EDECODE_UP = dict(BI=32, BK=128, num_warps=4, num_stages=2)     # a [64, BK] tile: gate and up halves
+EDECODE_DOWN = dict(BH=64, BK=128, num_warps=4, num_stages=2)
+
+
+def _fmt_id(fmt: str) -> int:
+    return BF16_W if fmt == "bf16" else FMT[fmt]
+
+
+def _lead_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(micro, expert, row) strides of a [micros, E, rows, ·] pack or a [micros, rows, ·] one (expert 0)."""
+    return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (t.stride(0), 0, t.stride(1))
+
+
+def _g_stride(gscale) -> int:
+    return gscale.stride(0) if gscale is not None and gscale.dim() == 3 else 0
+
+
+def edecode_up(x: torch.Tensor, ids: torch.Tensor, active: torch.Tensor | None, fmt: str, codes: torch.Tensor,
+               scales: torch.Tensor | None, gscale: torch.Tensor | None, inverse: bool, act: torch.Tensor,
+               cfg: dict | None = None) -> None:
+    """Gate/up + SwiGLU of every (micro, slot, row tile): routed (active [S] given) codes [micros, E, 2I, H/pb],
+    act [micros, N*k, I]; shared (active None) [micros, 2I, H/pb], act [micros, N, I]. fmt "bf16": codes
+    are the bf16 weight, scales None. x [N, H] bf16."""
+    c = dict(EDECODE_UP, **(cfg or {}))
+    bi, bk = c.pop("BI"), c.pop("BK")
+    n, h = x.shape
+    mc, _, inter = act.shape
+    pb = 1 if fmt == "bf16" else PER_BYTE[fmt]
+    if codes.shape[-1] * pb != h or codes.shape[-2] != 2 * inter or not act.is_contiguous():
+        raise ValueError(f"edecode_up: x {tuple(x.shape)}, {fmt} weight {tuple(codes.shape)}, act {tuple(act.shape)}")
+    bs = 1 if fmt == "bf16" else BLOCK[fmt]
+    bk = max(bk, bs)
+    slots = active.shape[0] if active is not None else 1
+    s = scales if scales is not None else codes
+    _edecode_up_kernel[(mc * slots, triton.cdiv(inter, bi))](
+        x, ids, active if active is not None else ids, codes, s, _gscale(gscale, x), act, n, h, inter, x.stride(0),
+        act.stride(0), *_lead_strides(codes), *_lead_strides(s), _g_stride(gscale), slots, K=ids.shape[1],
+        K_PAD=max(2, next_pow2(ids.shape[1])), N_PAD=max(2, next_pow2(n)), FMT=_fmt_id(fmt), INVERSE=bool(inverse),
+        BS=bs, BI=bi, BK=bk, BT=DECODE_BT, ROUTED=active is not None, UPCAST=INTERPRET, **c)
+
+
+def edecode_down(act: torch.Tensor, ids: torch.Tensor, active: torch.Tensor | None, fmt: str, codes: torch.Tensor,
+                 scales: torch.Tensor | None, gscale: torch.Tensor | None, inverse: bool, y: torch.Tensor,
+                 cfg: dict | None = None) -> None:
+    """Down GEMM of every (slot, row tile), the active micros' columns summed: codes / scales the active
+    micros' column block of the cols-packed pack (`QWeight.cols`: routed [E, H, micros*I/pb], shared [H, ·];
+    micro m's columns start at m*I), act as edecode_up wrote it, y [N*k, H] (routed) / [N, H] fp32."""
+    c = dict(EDECODE_DOWN, **(cfg or {}))
+    bh, bk = c.pop("BH"), c.pop("BK")
+    mc, _, inter = act.shape
+    n = ids.shape[0]
+    h = y.shape[1]
+    pb = 1 if fmt == "bf16" else PER_BYTE[fmt]
+    bs = 1 if fmt == "bf16" else BLOCK[fmt]
+    if (codes.dim() != (3 if active is not None else 2) or codes.shape[-1] * pb != mc * inter
+            or codes.shape[-2] != h or inter % bs or not act.is_contiguous()):
+        raise ValueError(f"edecode_down: act {tuple(act.shape)}, {fmt} weight block {tuple(codes.shape)}, "
+                         f"y {tuple(y.shape)}")
+    bk = max(bk, bs)
+    slots = active.shape[0] if active is not None else 1
+    s = scales if scales is not None else codes
+    per_micro_s = 0 if fmt == "fp8" else inter // bs if fmt != "bf16" else inter
+    _edecode_down_kernel[(slots, triton.cdiv(h, bh))](
+        act, ids, active if active is not None else ids, codes, s, _gscale(gscale, y), y, n, h, inter, act.stride(0),
+        *col_strides(codes, inter // pb), *col_strides(s, per_micro_s), _g_stride(gscale), mc, K=ids.shape[1],
+        K_PAD=max(2, next_pow2(ids.shape[1])), N_PAD=max(2, next_pow2(n)), FMT=_fmt_id(fmt), INVERSE=bool(inverse),
+        BS=bs, BH=bh, BK=bk, BT=DECODE_BT, ROUTED=active is not None, UPCAST=INTERPRET, **c)
