@@ -11,6 +11,7 @@ from PIL import Image as PILImage
 
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.events import Done, Error, Image, Step, Text
+from engine.runtime.graphs import Graphs
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, prepare
 from engine.runtime.scheduler import Scheduler, StepNews
@@ -147,3 +148,46 @@ def test_policy_gives_the_denoising_request_a_turn_every_k_decode_steps(tiny, mo
 def test_a_policy_of_zero_is_refused(tiny, k):
     with pytest.raises(ValueError, match="decode_steps_per_denoise"):
         Scheduler(Pipeline(tiny, preview_every=0), decode_steps_per_denoise=k)
+
+
+class EagerGraphs(Graphs):
+    """The graph owner's contract on the CPU: a key's forward is 'captured' at its first replay and THAT
+    forward (closed over the first request's runner and the key's static buffers) is what every later
+    replay of the key runs, into the first output, as a CUDA graph replays its recorded kernels. So a
+    later request of the key gives its own image only if everything it varies reaches the key's buffers."""
+
+    def capturable(self, model) -> bool:
+        return True
+
+    def _capture(self, key, forward, warmup, shared):
+        self.captures[key] += 1
+        out = forward()
+
+        class Replay:
+            @staticmethod
+            def replay():
+                out.copy_(forward())
+        return Replay(), out
+
+
+SAME_LAYOUT = [dict(prompt="a red circle", bot_task="image", size="256x256", steps=2, seed=31),
+               dict(prompt="a blue circle", bot_task="image", size="256x256", steps=3, seed=32, guidance=3.0)]
+
+
+def test_denoise_step_graph_captured_once_per_step_key(tiny):
+    """The denoise step's graph is keyed by what it depends on (bucket, token layout, rows, CFG), not by
+    request: a second request of a key captures nothing and replays the first one's step over its own
+    latent, times and tables, giving the image it gives alone; another bucket is its own key; the keys
+    outlive their requests. With CFG both branches are the key's rows."""
+    graphs = EagerGraphs()
+    pipe = Pipeline(tiny, preview_every=0, graphs=graphs)
+    other = dict(SAME_LAYOUT[0], size="256x512", seed=33)
+    for n, kw in enumerate([*SAME_LAYOUT, other, SAME_LAYOUT[0]]):
+        got = outcome(list(pipe.run(Request(**kw))))
+        want = alone(tiny, kw)
+        assert not got[2] and len(got[1]) == 1 and psnr(got[1][0], want[1][0]) >= 40, n
+        keys = [k for k in graphs.captures if k[0] == "denoise"]
+        assert len(keys) == (1 if n < 2 else 2) and set(graphs.captures.values()) == {1}, (n, graphs.captures)
+        assert all(k in graphs for k in keys)          # kept after their request ended
+    first = keys[0]
+    assert first[4:6] == (1, (0, 1)), first          # one image, both CFG branches in the step
