@@ -191,3 +191,14 @@ def test_denoise_step_graph_captured_once_per_step_key(tiny):
         assert all(k in graphs for k in keys)          # kept after their request ended
     first = keys[0]
     assert first[4:6] == (1, (0, 1)), first          # one image, both CFG branches in the step
+
+
+def test_an_engine_refusal_names_its_field(tiny):
+    """A request refused once the engine tokenizes it says which Request field is at fault (the API
+    and the page put it on their own field without reading the message)."""
+    long = " ".join(f"word{i} x{i % 97}" for i in range(800))[:7999]       # within the character limit
+    err = list(Pipeline(tiny, preview_every=0).run(Request(prompt=long, bot_task="image", size="256x256")))[-1]
+    assert isinstance(err, Error) and err.kind == "invalid" and "positions" in err.message, err
+    assert err.param == "prompt"
+    err = list(Pipeline(tiny, preview_every=0).run(Request(prompt="x", steps=0)))[-1]
+    assert isinstance(err, Error) and err.param == "steps", err

@@ -93,7 +93,7 @@ class Pipeline:
         try:
             p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets)
         except (RequestError, PromptError, ValueError) as e:
-            yield Error("invalid", str(e))
+            yield Error("invalid", str(e), getattr(e, "field", None))
             return
         scheduler = Scheduler(self)
         news = StepNews(join=((0, p),))
@@ -111,15 +111,15 @@ class Pipeline:
         t_start = time.perf_counter()
         try:
             system = self.lm.prompts.resolve(p.preset, p.bot_task, p.req.custom_system_prompt)
-        except (PromptError, ValueError) as e:
-            yield Error("invalid", str(e))
+        except (PromptError, ValueError) as e:       # the preset's text is not in this checkpoint
+            yield Error("invalid", str(e), "system_prompt")
             return
         yield Started(p.req.request_id, p.bot_task, "auto" if p.bucket is None else str(p.bucket), p.steps,
                       p.guidance, p.seed)
         try:
             yield from self._phases(p, system, t_start)
         except RequestError as e:   # found once the prompt is tokenized, on every rank alike, before any compute
-            yield Error("invalid", str(e))
+            yield Error("invalid", str(e), e.field)
 
     # ------------------------------------------------------------------ helpers
     def _cot_text(self, tokens: list[int], bot_task: str) -> str:
@@ -166,7 +166,7 @@ class Pipeline:
                                      cfg.cond_token_attn_type)
         if len(ar_seq) + 16 + self.max_image_tokens > cfg.max_position_embeddings:
             raise RequestError(f"the prompt and reference images take {len(ar_seq)} tokens, too many for the "
-                               f"model's {cfg.max_position_embeddings} positions")
+                               f"model's {cfg.max_position_embeddings} positions", "images" if p.images else "prompt")
         budget = min(len(ar_seq) + p.max_new_tokens + 8 + self.max_image_tokens + 8, cfg.max_position_embeddings)
         n_img = 1 if text_only else p.images_out
 
