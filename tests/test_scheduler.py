@@ -202,3 +202,13 @@ def test_an_engine_refusal_names_its_field(tiny):
     assert err.param == "prompt"
     err = list(Pipeline(tiny, preview_every=0).run(Request(prompt="x", steps=0)))[-1]
     assert isinstance(err, Error) and err.param == "steps", err
+
+
+def test_the_scheduler_counts_denoise_turns_that_could_share_a_forward(tiny):
+    """The measurement before denoise batching: at each denoise turn, the other requests waiting for a
+    step of the same step key (same bucket and token layout) are counted; another bucket is not."""
+    reqs = [*SAME_LAYOUT, dict(SAME_LAYOUT[0], size="256x512", seed=34)]     # 2, 3 and 2 steps
+    events, scheduler = run_together(tiny, reqs)
+    assert all(isinstance(e[-1], Done) for e in events.values())
+    # request 0 steps twice while 1 (same key, at its step 0) and 2 (another bucket) wait; then 1, then 2
+    assert dict(scheduler.denoise_company) == {"turns": 7, "same_key": 2, "same_step": 1}

@@ -18,7 +18,9 @@ dispatch), the rest waiting in line. Two arrival patterns per client count N:
   poisson  N x --per-client requests arriving at exponential gaps, at 0.9x the images/s the closed run
            with N clients reached (a load the engine can hold), at most N in the engine or waiting
 Latency is arrival to the last event (the image); images/min counts finished images over the run's wall
-time. A first request (not timed) captures the graphs of the common keys; `captures` counts the graphs
+time. `same-key company`: at each denoise step, how many other requests waited for a step of the same
+denoise step key on average (the room denoise batching across requests, issue 31 item 3, would have).
+A first request (not timed) captures the graphs of the common keys; `captures` counts the graphs
 captured during the timed runs (denoise step keys are per bucket and token layout: a sampled CoT whose
 re-tokenized length differs is a new key; --greedy gives every request the same CoT).
 --dry: the tiny config on the CPU (fp32), 2 clients, 2 steps, 4 CoT tokens, Poisson arrivals 10x faster
@@ -170,7 +172,9 @@ def serve(pipe: Pipeline, make: Callable[[int], Request], clients: int, per_clie
     pick = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]) if lat else (lambda q: float("nan"))
     return {"requests": total, "images": images, "errors": errors, "wall_s": wall,
             "images_per_min": 60 * images / wall, "p50_s": pick(0.5), "p90_s": pick(0.9), "mean_s": sum(lat) / max(1, len(lat)),
-            "engine_steps": scheduler.steps, "captures": sum(pipe.graphs.captures.values()) - captured}
+            "engine_steps": scheduler.steps, "captures": sum(pipe.graphs.captures.values()) - captured,
+            # per denoise turn, the other requests waiting for a step of the same key (denoise batching's room)
+            "denoise_company": scheduler.denoise_company["same_key"] / max(1, scheduler.denoise_company["turns"])}
 
 
 def run(args: argparse.Namespace, out: Output) -> bool:
@@ -216,7 +220,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     out.table(rows, [Col("build", "build"), Col("arrivals", "mode"), Col("clients", "clients"),
                      Col("images/min", "images_per_min", ".2f"), Col("p50 s", "p50_s", ".2f"),
                      Col("p90 s", "p90_s", ".2f"), Col("wall s", "wall_s", ".1f"),
-                     Col("captures", "captures"), Col("steps", "engine_steps")],
+                     Col("captures", "captures"), Col("steps", "engine_steps"),
+                     Col("same-key company", "denoise_company", ".2f")],
               f"Serving through the scheduler, max-batch {args.max_batch}, {per_client} request(s) per client, "
               f"think_recaption {cot} CoT tokens" + (" (greedy)" if args.greedy else ""))
     return ok

@@ -27,7 +27,7 @@ from engine.parallel.groups import RankGroups
 from engine.parallel.layout import Comm
 from engine.runtime.agreement import Agreement
 from engine.runtime.conditioning import embed_range, encode_references
-from engine.runtime.denoise import DenoiseRunner, denoise
+from engine.runtime.denoise import DenoiseRunner, denoise, step_key
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import cache_heads, gather_sibling_heads, reusable_prefix
@@ -221,7 +221,8 @@ class Pipeline:
             # valid UTF-8 come back as U+FFFD): the denoise rows hold the longer of the two
             scratch = max(budget, seq.gen_image.stop)         # SP padding writes here; nothing reads it
 
-            yield DenoiseTurn()                 # the denoise rows are this request's until it ends
+            turn = step_key(seq.gen_image, n_img, branches)
+            yield DenoiseTurn(turn, 0)          # the denoise rows are this request's until it ends
             cache = pool.take_denoise(len(branches) * n_img, scratch + 1)
             if prefix:
                 pool.hand_off(slot, cache, prefix)            # the cond prefix the AR phase wrote
@@ -264,7 +265,7 @@ class Pipeline:
                     spent += time.perf_counter() - tp
                 yield Step(i + 1, p.steps, png)
                 if i + 1 < p.steps:
-                    yield DenoiseTurn()
+                    yield DenoiseTurn(turn, i + 1)
             if x is None or i + 1 < p.steps:
                 yield Error("cancelled", "stopped by the user")
                 return
