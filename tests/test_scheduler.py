@@ -212,3 +212,17 @@ def test_the_scheduler_counts_denoise_turns_that_could_share_a_forward(tiny):
     assert all(isinstance(e[-1], Done) for e in events.values())
     # request 0 steps twice while 1 (same key, at its step 0) and 2 (another bucket) wait; then 1, then 2
     assert dict(scheduler.denoise_company) == {"turns": 7, "same_key": 2, "same_step": 1}
+
+
+def test_a_cancel_ends_a_denoising_request_at_its_next_step(tiny):
+    """Request 0 holds the denoise rows (3 steps; one step per engine step, nothing decodes); cancelled
+    before engine step 1, it ends after its first step; request 1, waiting for the rows, then runs and
+    gives the image it gives alone."""
+    reqs = [dict(SAME_LAYOUT[1], seed=41), SAME_LAYOUT[0]]
+    events, scheduler = run_together(tiny, reqs, cancel_at={0: 1})
+    cancelled = events[0]
+    assert isinstance(cancelled[-1], Error) and cancelled[-1].kind == "cancelled"
+    assert [e.i for e in cancelled if isinstance(e, Step)] == [1] and not any(isinstance(e, Image) for e in cancelled)
+    got, want = outcome(events[1]), alone(tiny, reqs[1])
+    assert not got[2] and psnr(got[1][0], want[1][0]) >= 40
+    assert not scheduler.busy
