@@ -48,6 +48,7 @@ from engine.runtime.events import Done, Error, Image
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, prepare
 from engine.runtime.scheduler import Scheduler, StepNews
+from engine.runtime.sequence import text_phase_sequence
 from engine.spec.buckets import build_buckets
 from engine.spec.config import CheckpointConfig
 from engine.spec.prompts import SystemPrompts
@@ -113,9 +114,17 @@ def engine(build: str, folder: Path, dev: str, max_batch: int) -> Pipeline:
     return Pipeline(lm, groups, preview_every=0, slots=max_batch)
 
 
+def prefill_tokens(lm: LoadedModel, req: Request) -> int:
+    """The AR prefill length of `req` (its system prompt, template and prompt)."""
+    p = prepare(req, lm.gen, lm.buckets)
+    system = lm.prompts.resolve(p.preset, p.bot_task, req.custom_system_prompt)
+    return len(text_phase_sequence(lm.tok, system, req.prompt, [], "think", lm.cfg.image_base_size,
+                                   lm.cfg.cond_token_attn_type))
+
+
 def prompt_of(lm: LoadedModel, tokens: int) -> str:
     """A prompt that, with the system prompt, takes about `tokens` tokens."""
-    system = len(lm.tok.encode(lm.prompts.resolve("dynamic", "think_recaption")))
+    system = prefill_tokens(lm, Request(prompt="x", bot_task="think_recaption", seed=0))
     words, text = "a red fox in the snow under a pale moon, ".split(" "), []
     while len(lm.tok.encode(" ".join(text))) < max(tokens - system, 8):
         text.extend(words)
@@ -198,6 +207,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
             def make(seq: int) -> Request:
                 return Request(prompt=prompt, bot_task="think_recaption", size=size, steps=steps,
                                max_new_tokens=cot, seed=1000 + seq, greedy=args.greedy)
+            out.data.setdefault("prefill_tokens", {})[build] = prefill_tokens(pipe.lm, make(0))
             first = serve(pipe, make, 1, 1, args.max_batch, None, seed=1)
             out.say(f"{build}: first request (captures its graphs) {first['mean_s']:.2f} s, {first['captures']} graphs")
             for n in clients:
