@@ -12,6 +12,8 @@
 #   one-gpu        suite one-gpu, every quantized build, --fp8-speedup
 #   decode-profile suite one-gpu --profile-decode (where a quantized decode token goes)
 #   host           suites prefill-host, train-step
+#   serving        suite serving: MXFP4 Distil tp1 (7a) and a hybrid4 rank (7b), 1/4/16 clients, then the
+#                  GPU test of graph keys across requests (denoise keys captured once)
 #   studio         suite studio on CUDA
 #   eval           the embedded model's accuracy on CUDA (train.evaluate, seed 2, 100 + 100)
 #   flashinfer     installs the carried FlashInfer (bench/flashinfer_install.sh: carry .fi/parts), JIT-builds
@@ -76,6 +78,11 @@ for section in "$@"; do
     host)
       suite prefill_host 120 prefill-host
       suite train_step 240 train-step ;;
+    serving)
+      mkdir -p "$OUT/serving-distil" "$OUT/serving-hybrid4"
+      run serving_distil 590 python3 -m bench serving --builds mxfp4-distil --per-client 1 --out "$OUT/serving-distil"
+      run serving_hybrid4 590 python3 -m bench serving --builds hybrid4 --per-client 1 --out "$OUT/serving-hybrid4"
+      tests serving_graph_tests 300 -s tests/test_gpu.py -k "graph_keys_captured_once or decode_graph_captured_once" ;;
     studio)
       suite studio 300 studio --app-args="--device cuda" ;;
     eval)

@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if plan.world > 1:
         from engine.serve.server import EngineServer
         server = EngineServer(args.model, args.device, args.dtype, plan=plan.name, sp_kind=plan.sp_kind,
-                              verbose=True, pipeline_options={"cfg_serial": args.cfg_serial,
-                                                "cuda_graph": args.cuda_graph}, quantize=args.quantize)
+                              verbose=True, cfg_serial=args.cfg_serial, cuda_graph=args.cuda_graph,
+                              quantize=args.quantize)
         with server:
             if not server.wait_ready():
                 print(f"error: the engine did not start: {server.health()['last_error']}", file=sys.stderr)

@@ -176,21 +176,31 @@ def test_batched_decode_equals_per_row_decode(tiny_dir, rows):
 
 def test_graph_keys_captured_once_across_many_requests(tiny_dir):
     """Three waves of four requests (reasoning and images) on one engine: the AR graphs (prefill per length
-    bucket, decode per batch bucket) are captured in the first wave only, once per key."""
+    bucket, decode per batch bucket) and the denoise step graphs (per bucket, token layout and rows) are
+    captured in the first wave only, once per key. The waves repeat the first one's layouts (greedy
+    reasoning of the same prompts) with other seeds: each later request replays its key's step over its
+    own noise, and gives the image a fresh engine gives it."""
     from engine_drive import run_together
     lm = load(tiny_dir, "cuda", torch.bfloat16)
     pipe = Pipeline(lm, preview_every=0, slots=4)
-    keys = []
+    keys, images = [], []
     for wave in range(3):
-        reqs = [dict(prompt=f"{GREEDY_TEXT[i]} in wave {wave}", bot_task="think", max_new_tokens=16 + 4 * i,
-                     steps=2, seed=10 * wave + i, size="256x256") for i in range(4)]
+        reqs = [dict(prompt=f"{GREEDY_TEXT[i]} in a wave", bot_task="think", max_new_tokens=16 + 4 * i, greedy=True,
+                     steps=2, seed=10 * wave + i, size="256x256" if i % 2 else "512x256") for i in range(4)]
         events, _ = run_together(lm, reqs, pipeline=pipe)
         assert all(isinstance(e[-1], Done) for e in events.values()), [e[-1] for e in events.values()]
-        keys.append({k for k in pipe.graphs.captures if k[0] != "denoise"})
-    assert keys[0] == keys[1] == keys[2] and {k[0] for k in keys[0]} == {"prefill", "decode"}
-    assert all(pipe.graphs.captures[k] == 1 for k in keys[0])
-    print(f"captured: {sorted(keys[0])}; denoise (per request, not yet per bucket): "
-          f"{sum(k[0] == 'denoise' for k in pipe.graphs.captures)}")
+        keys.append(set(pipe.graphs.captures))
+        images.append([outcome(events[i])[1] for i in range(4)])
+    assert keys[0] == keys[1] == keys[2] and {k[0] for k in keys[0]} == {"prefill", "decode", "denoise"}
+    assert all(pipe.graphs.captures[k] == 1 for k in keys[0]), pipe.graphs.captures
+    denoise = sorted(k for k in keys[0] if k[0] == "denoise" and k in pipe.graphs)
+    assert 2 <= len(denoise) <= 4, denoise             # two buckets; the CoT lengths may differ per prompt
+    fresh = Pipeline(lm, preview_every=0)
+    for i in (0, 3):                                    # a replayed step gives what a fresh capture gives
+        kw = dict(prompt=f"{GREEDY_TEXT[i]} in a wave", bot_task="think", max_new_tokens=16 + 4 * i, greedy=True,
+                  steps=2, seed=20 + i, size="256x256" if i % 2 else "512x256")
+        assert psnr(outcome(list(fresh.run(Request(**kw))))[1], images[2][i]) >= 40, i
+    print(f"captured: {sorted(keys[0])}")
 
 
 def test_prefill_graph_replays_equal_eager_per_bucket(tiny_dir):

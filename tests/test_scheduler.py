@@ -11,6 +11,7 @@ from PIL import Image as PILImage
 
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.events import Done, Error, Image, Step, Text
+from engine.runtime.graphs import Graphs
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, prepare
 from engine.runtime.scheduler import Scheduler, StepNews
@@ -147,3 +148,81 @@ def test_policy_gives_the_denoising_request_a_turn_every_k_decode_steps(tiny, mo
 def test_a_policy_of_zero_is_refused(tiny, k):
     with pytest.raises(ValueError, match="decode_steps_per_denoise"):
         Scheduler(Pipeline(tiny, preview_every=0), decode_steps_per_denoise=k)
+
+
+class EagerGraphs(Graphs):
+    """The graph owner's contract on the CPU: a key's forward is 'captured' at its first replay and THAT
+    forward (closed over the first request's runner and the key's static buffers) is what every later
+    replay of the key runs, into the first output, as a CUDA graph replays its recorded kernels. So a
+    later request of the key gives its own image only if everything it varies reaches the key's buffers."""
+
+    def capturable(self, model) -> bool:
+        return True
+
+    def _capture(self, key, forward, warmup, shared):
+        self.captures[key] += 1
+        out = forward()
+
+        class Replay:
+            @staticmethod
+            def replay():
+                out.copy_(forward())
+        return Replay(), out
+
+
+SAME_LAYOUT = [dict(prompt="a red circle", bot_task="image", size="256x256", steps=2, seed=31),
+               dict(prompt="a blue circle", bot_task="image", size="256x256", steps=3, seed=32, guidance=3.0)]
+
+
+def test_denoise_step_graph_captured_once_per_step_key(tiny):
+    """The denoise step's graph is keyed by what it depends on (bucket, token layout, rows, CFG), not by
+    request: a second request of a key captures nothing and replays the first one's step over its own
+    latent, times and tables, giving the image it gives alone; another bucket is its own key; the keys
+    outlive their requests. With CFG both branches are the key's rows."""
+    graphs = EagerGraphs()
+    pipe = Pipeline(tiny, preview_every=0, graphs=graphs)
+    other = dict(SAME_LAYOUT[0], size="256x512", seed=33)
+    for n, kw in enumerate([*SAME_LAYOUT, other, SAME_LAYOUT[0]]):
+        got = outcome(list(pipe.run(Request(**kw))))
+        want = alone(tiny, kw)
+        assert not got[2] and len(got[1]) == 1 and psnr(got[1][0], want[1][0]) >= 40, n
+        keys = [k for k in graphs.captures if k[0] == "denoise"]
+        assert len(keys) == (1 if n < 2 else 2) and set(graphs.captures.values()) == {1}, (n, graphs.captures)
+        assert all(k in graphs for k in keys)          # kept after their request ended
+    first = keys[0]
+    assert first[4:6] == (1, (0, 1)), first          # one image, both CFG branches in the step
+
+
+def test_an_engine_refusal_names_its_field(tiny):
+    """A request refused once the engine tokenizes it says which Request field is at fault (the API
+    and the page put it on their own field without reading the message)."""
+    long = " ".join(f"word{i} x{i % 97}" for i in range(800))[:7999]       # within the character limit
+    err = list(Pipeline(tiny, preview_every=0).run(Request(prompt=long, bot_task="image", size="256x256")))[-1]
+    assert isinstance(err, Error) and err.kind == "invalid" and "positions" in err.message, err
+    assert err.param == "prompt"
+    err = list(Pipeline(tiny, preview_every=0).run(Request(prompt="x", steps=0)))[-1]
+    assert isinstance(err, Error) and err.param == "steps", err
+
+
+def test_the_scheduler_counts_denoise_turns_that_could_share_a_forward(tiny):
+    """The measurement before denoise batching: at each denoise turn, the other requests waiting for a
+    step of the same step key (same bucket and token layout) are counted; another bucket is not."""
+    reqs = [*SAME_LAYOUT, dict(SAME_LAYOUT[0], size="256x512", seed=34)]     # 2, 3 and 2 steps
+    events, scheduler = run_together(tiny, reqs)
+    assert all(isinstance(e[-1], Done) for e in events.values())
+    # request 0 steps twice while 1 (same key, at its step 0) and 2 (another bucket) wait; then 1, then 2
+    assert dict(scheduler.denoise_company) == {"turns": 7, "same_key": 2, "same_step": 1}
+
+
+def test_a_cancel_ends_a_denoising_request_at_its_next_step(tiny):
+    """Request 0 holds the denoise rows (3 steps; one step per engine step, nothing decodes); cancelled
+    before engine step 1, it ends after its first step; request 1, waiting for the rows, then runs and
+    gives the image it gives alone."""
+    reqs = [dict(SAME_LAYOUT[1], seed=41), SAME_LAYOUT[0]]
+    events, scheduler = run_together(tiny, reqs, cancel_at={0: 1})
+    cancelled = events[0]
+    assert isinstance(cancelled[-1], Error) and cancelled[-1].kind == "cancelled"
+    assert [e.i for e in cancelled if isinstance(e, Step)] == [1] and not any(isinstance(e, Image) for e in cancelled)
+    got, want = outcome(events[1]), alone(tiny, reqs[1])
+    assert not got[2] and psnr(got[1][0], want[1][0]) >= 40
+    assert not scheduler.busy

@@ -18,6 +18,7 @@ SUITES = {
     "flashinfer": "FlashInfer's norms, top-k, sampler and decode attention beside ours at the engine's shapes",
     "decode-parts": "the rest of a quantized decode token: the sampler, its top-k, one MoE decode layer",
     "prefill-host": "the host time of the eager T2I prefill of one hybrid4 rank, stage by stage",
+    "serving": "whole requests through the engine's scheduler at 1, 4, 16 clients: images/min, p50/p90 latency",
     "studio": "the wall time of studio requests end to end through the web server",
     "train-step": "where a training step of the embedded model goes",
 }

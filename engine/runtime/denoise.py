@@ -6,11 +6,12 @@ is x <- x + v * (sigma_next - sigma), in fp32. Model inputs are t = sigma * 1000
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
-from engine.model.attention import KVCache
+from engine.model.attention import AttnBatch, KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import Comm, PhaseView, graph_safe
 from engine.runtime.conditioning import embed_range
@@ -43,6 +44,39 @@ def velocity(model: HunyuanImage3, hidden: torch.Tensor, t: torch.Tensor, span: 
     return model.final_layer(hidden, model.time_embed_2(t), span.h, span.w).float()
 
 
+def step_key(span: GenImageSpan, images: int, branches: list[int]) -> tuple:
+    """What a denoise step's graph depends on besides the plan (one per engine): the image's token layout
+    (its latent size, and where its meta tokens start: the keys it attends to), its rows (images x the
+    CFG branches this rank computes)."""
+    return "denoise", span.h, span.w, span.meta_start, images, tuple(branches)
+
+
+@dataclass
+class StepBuffers:
+    """The static inputs of one step key's graph, owned with it (engine/runtime/graphs.py): the latent,
+    the times, and the step's attention tables (RoPE, the meta rows' mask, the token indices). Each
+    request of the key writes its own values into them; the shapes are the key's."""
+    x: torch.Tensor
+    t: torch.Tensor
+    r: torch.Tensor | None
+    g: torch.Tensor | None
+    batch: AttnBatch
+
+    def fill_batch(self, new: AttnBatch) -> None:
+        """This request's step layout into the key's tables (the same shapes: the key says so)."""
+        old = self.batch
+        if (new.kv_len, new.masked_rows) != (old.kv_len, old.masked_rows):
+            raise ValueError(f"a denoise step layout of {new.kv_len} keys, {new.masked_rows} masked rows "
+                             f"under a step key of {old.kv_len} keys, {old.masked_rows} masked rows")
+        for name in ("index", "cos", "sin", "mask", "gathered"):
+            dst, src = getattr(old, name), getattr(new, name)
+            if (dst is None) != (src is None):
+                raise ValueError(f"a denoise step layout {'with' if src is not None else 'without'} {name} "
+                                 f"under a step key {'without' if dst is None else 'with'} it")
+            if dst is not None:
+                dst.copy_(src)
+
+
 class DenoiseRunner:
     """Runs the backbone for the denoise phase on one rank of any plan.
 
@@ -62,6 +96,8 @@ class DenoiseRunner:
                  view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
                  serial: bool = False, images: int = 1, use_graph: bool = False, graphs: Graphs | None = None,
                  key: tuple = ()):
+        """`key`: what else the step's graph depends on, appended to its step key (the KV storage the
+        rows are views of: a graph replays on the storage it was captured on)."""
         self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
         self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
         self.serial = serial      # one forward per branch (less activation memory) instead of one batch
@@ -70,14 +106,14 @@ class DenoiseRunner:
         self.pos, self.blocks = T["pos"], T["blocks"]
         self.span = seq.gen_image
         self._batches: dict[tuple[int, int], tuple] = {}   # (start, stop) -> (chunk, n, AttnBatch)
-        # every step runs the same kernels on the same shapes: on CUDA (and groups a graph can hold) the
-        # step is captured once per request (`key` names it in the engine's graphs) and replayed, which
-        # removes the eager step's launch gaps
-        self.use_graph = (use_graph and not serial and model.device.type == "cuda"
-                          and graph_safe(view.tp, view.sp, branch_comm))
+        # every step runs the same kernels on the same shapes: on CUDA in bf16 (and groups a graph can hold)
+        # the step is one graph (no launch gaps), captured once per step key for the engine's life and
+        # replayed by every later request of that key over the key's static buffers (`StepBuffers`)
         self.graphs = graphs if graphs is not None else Graphs()
-        self.key = ("denoise",) + key
-        self._static: list | None = None
+        self.use_graph = (use_graph and not serial and self.graphs.capturable(model)
+                          and graph_safe(view.tp, view.sp, branch_comm))
+        self.key = step_key(seq.gen_image, images, branches) + key
+        self._static: StepBuffers | None = None
 
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
@@ -144,11 +180,26 @@ class DenoiseRunner:
         if not self.use_graph:
             return self._velocity(x, t, r, g)
         if self._static is None:
-            self._static = [None if v is None else v.clone() for v in (x, t, r, g)]
-        for buf, val in zip(self._static, (x, t, r, g)):
+            self._static = self._take_buffers(x, t, r, g)
+        s = self._static
+        for buf, val in ((s.x, x), (s.t, t), (s.r, r), (s.g, g)):
             if buf is not None:
                 buf.copy_(val)
-        return self.graphs.replay(self.key, lambda: self._velocity(*self._static), warmup=2, shared=False)
+        return self.graphs.replay(self.key, lambda: self._velocity(s.x, s.t, s.r, s.g), warmup=2)
+
+    def _take_buffers(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
+                      g: torch.Tensor | None) -> StepBuffers:
+        """The step key's buffers, this request's step layout copied into them (the first request of the
+        key makes them from its own). Once per request, before its first step."""
+        span = self.span
+        mine = self._layout(span.meta_start, span.stop, x.device)[2]
+        s = self.graphs.buffers(self.key, lambda: StepBuffers(
+            *(None if v is None else v.clone() for v in (x, t, r, g)), mine))
+        if s.batch is not mine:
+            s.fill_batch(mine)
+            chunk, n, _ = self._batches[(span.meta_start, span.stop)]
+            self._batches[(span.meta_start, span.stop)] = (chunk, n, s.batch)
+        return s
 
     def _velocity(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
                   g: torch.Tensor | None) -> torch.Tensor:

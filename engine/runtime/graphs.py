@@ -7,6 +7,11 @@ and keeps (graph, output); every later call with that key only replays. All grap
 pool: the engine runs them one after the other on one stream, and each output is read before the next
 replay (a graph's output tensor stays alive with its entry, so no later capture takes its memory).
 
+A graph replays the kernels it recorded on the tensors it recorded: whatever a step varies (its
+inputs, per-request tables) lives in static buffers that the caller fills before each replay. The
+buffers a key's step reads are kept here with its graph (`buffers(key, make)`), so every request of
+that key fills the same ones and the graph outlives the request that captured it.
+
 A capture that fails raises `GraphCaptureError` naming the key. On CUDA the graph IS how the step runs
 (an eager decode step costs thousands of launches from Python, about 10x the replay); falling back
 silently would hide that behind a correct result. Whether a step CAN be captured (every collective on
@@ -15,9 +20,11 @@ NCCL or of size one) is the caller's decision, made before asking for a graph.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class GraphCaptureError(RuntimeError):
@@ -29,6 +36,20 @@ class Graphs:
         self._entries: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.captures: collections.Counter = collections.Counter()   # key -> how often it was captured (tests)
         self._pool = None
+        self._buffers: dict[Hashable, Any] = {}
+
+    def capturable(self, model: Any) -> bool:
+        """Whether this model's steps can be captured: on CUDA in bf16. In fp32/fp16 the `moe` op runs its
+        reference, whose torch._grouped_mm copies to the host (not capturable), so those steps run eagerly:
+        decided up front, not by a failed capture. `model`: a HunyuanImage3 (its device and dtype)."""
+        return model.device.type == "cuda" and model.dtype == torch.bfloat16
+
+    def buffers(self, key: Hashable, make: Callable[[], T]) -> T:
+        """The static buffers `key`'s graph reads (made by `make()` at the first call, outside any capture),
+        kept and dropped with its graph."""
+        if key not in self._buffers:
+            self._buffers[key] = make()
+        return self._buffers[key]
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
@@ -67,5 +88,6 @@ class Graphs:
 
     def drop(self, keep: Callable[[Hashable], bool]) -> None:
         """Forget the graphs whose key `keep` refuses (their storage was replaced, or their request ended)."""
-        for key in [k for k in self._entries if not keep(k)]:
-            del self._entries[key]
+        for key in [k for k in {**self._buffers, **self._entries} if not keep(k)]:
+            self._entries.pop(key, None)
+            self._buffers.pop(key, None)

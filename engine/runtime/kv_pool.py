@@ -10,7 +10,8 @@ of its AR and denoise heads, engine/runtime/handoff.py):
   every slot. The last position of every row is scratch: idle decode rows write there, nothing reads it.
 - Denoise rows: the cache of the one request in its denoise phase (branches x images rows). At the
   hand-off the AR slot's prefix is copied into its cond row (no recompute; a copy on the device) and the
-  slot is free for the next request.
+  slot is free for the next request. The denoise step graphs (engine/runtime/denoise.py) are captured on
+  this storage, once per step key, and replayed by every later request of the key until it grows.
 
 A storage grows (whole grains of positions) only while nobody holds it: the AR slots when every slot is
 free, the denoise rows between two requests. The AR steps (and their graphs) are bound to one AR
@@ -50,6 +51,7 @@ class KVPool:
         self.denoise: KVCache | None = None            # [rows, heads, L, D] of the denoising request
         self.allocations = 0                           # how often a storage was (re)allocated (tests)
         self._ar_generation = 0
+        self._denoise_generation = 0
 
     @property
     def ar_length(self) -> int:
@@ -109,12 +111,20 @@ class KVPool:
         have = self.denoise
         if have is None or rows > have.k[0].shape[0] or length > have.max_len:
             self.denoise = None                          # the old storage goes before the new is made
+            self._denoise_generation += 1                # and the denoise graphs captured on it
+            gen = self._denoise_generation
+            self.graphs.drop(lambda key: key[-1] != ("rows", gen - 1))
             n = max(rows, 0 if have is None else have.k[0].shape[0])
             L = _grains(max(length, 0 if have is None else have.max_len), self.limit)
             m, cfg = self.model, self.model.cfg
             self.denoise = KVCache.allocate(cfg.num_layers, n, self.heads, L, cfg.head_dim, m.dtype, m.device)
             self.allocations += 1
         return self.denoise.rows(slice(0, rows)).prefix(length)
+
+    @property
+    def denoise_key(self) -> tuple:
+        """Names the denoise storage in the denoise step's graph keys (its graphs replay on it)."""
+        return (("rows", self._denoise_generation),)
 
     def hand_off(self, slot: int, cache: KVCache, prefix: int) -> None:
         """Copy the AR slot's K/V [0, prefix) (its AR heads) into the cond row of the denoise cache."""

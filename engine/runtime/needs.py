@@ -38,7 +38,11 @@ class Decode:
 @dataclass(frozen=True)
 class DenoiseTurn:
     """The next denoise step (the first: the denoise rows of the KV pool, which one request holds at a
-    time); answered with None when it is the request's turn."""
+    time); answered with None when it is the request's turn. `key`: the request's denoise step key
+    (engine/runtime/denoise.py `step_key`: bucket, token layout, rows), `step`: the step it asks for:
+    requests of one key could share one forward (what the scheduler counts, `Scheduler.denoise_company`)."""
+    key: tuple = ()
+    step: int = 0
 
 
 Need = Union[ARSlot, Decode, DenoiseTurn]

@@ -14,8 +14,8 @@ decisions all ranks share are engine/runtime/agreement.py.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-import itertools
 import time
 from typing import Any, Callable, Generator, Iterator
 
@@ -27,7 +27,7 @@ from engine.parallel.groups import RankGroups
 from engine.parallel.layout import Comm
 from engine.runtime.agreement import Agreement
 from engine.runtime.conditioning import embed_range, encode_references
-from engine.runtime.denoise import DenoiseRunner, denoise
+from engine.runtime.denoise import DenoiseRunner, denoise, step_key
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import cache_heads, gather_sibling_heads, reusable_prefix
@@ -42,6 +42,7 @@ from engine.spec.buckets import nearest_bucket
 from engine.spec.prompts import COT_TASKS, PromptError
 
 Program = Generator["Event | Need", Any, None]
+DENOISE_GRAPHS = 8      # denoise step keys whose graphs are kept (least recently used dropped first)
 
 
 def synchronize(dev: torch.device) -> None:
@@ -54,13 +55,15 @@ class Pipeline:
     def __init__(self, lm: LoadedModel, runtime: RankGroups | None = None, preview_every: int = 1,
                  preview_tokens: int | None = None, kv_handoff: bool = True,
                  on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False,
-                 cuda_graph: bool = True, preview_share: float = 0.25, slots: int = 1):
-        """`slots`: requests in their AR phase at once (the engine's batch: its AR slots in the KV pool)."""
+                 cuda_graph: bool = True, preview_share: float = 0.25, slots: int = 1,
+                 graphs: Graphs | None = None):
+        """`slots`: requests in their AR phase at once (the engine's batch: its AR slots in the KV pool).
+        `graphs`: the owner of the engine's CUDA graphs (default: a new one)."""
         self.lm = lm
-        # AR prefill, decode and denoise steps as CUDA-graph replays: on CUDA in bf16, where every kernel of a
-        # step can be captured. Decided here, not by a failed capture: in fp32/fp16 the `moe` op runs its
-        # reference, whose torch._grouped_mm copies to the host (not capturable), so those steps run eagerly.
-        cuda_graph = cuda_graph and lm.model.device.type == "cuda" and lm.model.dtype == torch.bfloat16
+        self.graphs = graphs or Graphs()    # every CUDA graph of this engine, by key
+        # AR prefill, decode and denoise steps as CUDA-graph replays where every kernel of a step can be
+        # captured (Graphs.capturable: CUDA in bf16), decided here, not by a failed capture
+        cuda_graph = cuda_graph and self.graphs.capturable(lm.model)
         self.cuda_graph = cuda_graph
         self.cfg_serial = cfg_serial        # CFG branches one after the other instead of batched
         self.on_phase = on_phase            # called with "ar" / "denoise" as a phase starts (tests, tracing)
@@ -77,12 +80,11 @@ class Pipeline:
         self.max_image_tokens = max((b.height // f[0]) * (b.width // f[1]) for b in lm.buckets)
         model, rt = lm.model, self.rt
         self.heads = cache_heads(rt.plan, rt.rank, rt.denoise.sp.rank, model.transformer.layers[0].self_attn.kv_per_micro)
-        self.graphs = Graphs()              # every CUDA graph of this engine, by key
         # the requests' KV caches, with the AR prefill and batched decode steps (graphs) over them
         self.pool = KVPool(model, self.heads.alloc.stop, self.heads.ar, lm.cfg.max_position_embeddings + 1, slots,
                            rt.ar, self.graphs, cuda_graph)
         self.agree = Agreement(rt.world, model.device)
-        self._programs = itertools.count()  # names each request's own graphs (its denoise step)
+        self._denoise_keys: collections.OrderedDict = collections.OrderedDict()   # step keys, least recent first
 
     # ------------------------------------------------------------------ public
     def run(self, req: Request, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
@@ -91,7 +93,7 @@ class Pipeline:
         try:
             p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets)
         except (RequestError, PromptError, ValueError) as e:
-            yield Error("invalid", str(e))
+            yield Error("invalid", str(e), getattr(e, "field", None))
             return
         scheduler = Scheduler(self)
         news = StepNews(join=((0, p),))
@@ -109,15 +111,15 @@ class Pipeline:
         t_start = time.perf_counter()
         try:
             system = self.lm.prompts.resolve(p.preset, p.bot_task, p.req.custom_system_prompt)
-        except (PromptError, ValueError) as e:
-            yield Error("invalid", str(e))
+        except (PromptError, ValueError) as e:       # the preset's text is not in this checkpoint
+            yield Error("invalid", str(e), "system_prompt")
             return
         yield Started(p.req.request_id, p.bot_task, "auto" if p.bucket is None else str(p.bucket), p.steps,
                       p.guidance, p.seed)
         try:
             yield from self._phases(p, system, t_start)
         except RequestError as e:   # found once the prompt is tokenized, on every rank alike, before any compute
-            yield Error("invalid", str(e))
+            yield Error("invalid", str(e), e.field)
 
     # ------------------------------------------------------------------ helpers
     def _cot_text(self, tokens: list[int], bot_task: str) -> str:
@@ -164,7 +166,7 @@ class Pipeline:
                                      cfg.cond_token_attn_type)
         if len(ar_seq) + 16 + self.max_image_tokens > cfg.max_position_embeddings:
             raise RequestError(f"the prompt and reference images take {len(ar_seq)} tokens, too many for the "
-                               f"model's {cfg.max_position_embeddings} positions")
+                               f"model's {cfg.max_position_embeddings} positions", "images" if p.images else "prompt")
         budget = min(len(ar_seq) + p.max_new_tokens + 8 + self.max_image_tokens + 8, cfg.max_position_embeddings)
         n_img = 1 if text_only else p.images_out
 
@@ -219,7 +221,8 @@ class Pipeline:
             # valid UTF-8 come back as U+FFFD): the denoise rows hold the longer of the two
             scratch = max(budget, seq.gen_image.stop)         # SP padding writes here; nothing reads it
 
-            yield DenoiseTurn()                 # the denoise rows are this request's until it ends
+            turn = step_key(seq.gen_image, n_img, branches)
+            yield DenoiseTurn(turn, 0)          # the denoise rows are this request's until it ends
             cache = pool.take_denoise(len(branches) * n_img, scratch + 1)
             if prefix:
                 pool.hand_off(slot, cache, prefix)            # the cond prefix the AR phase wrote
@@ -235,7 +238,8 @@ class Pipeline:
             starts = [min(prefix, seq.gen_image.meta_start) if b == 0 else 0 for b in branches]
             runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
                                    scratch, branch_comm, serial=self.cfg_serial, images=n_img,
-                                   use_graph=self.cuda_graph, graphs=self.graphs, key=(next(self._programs),))
+                                   use_graph=self.cuda_graph, graphs=self.graphs, key=pool.denoise_key)
+            self._keep_denoise_graph(runner.key)
             # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
             latent_ch = int(cfg.vae["latent_channels"])
             gens = [image_gen] + [torch.Generator(dev).manual_seed(p.seed + k) for k in range(1, n_img)]
@@ -261,7 +265,7 @@ class Pipeline:
                     spent += time.perf_counter() - tp
                 yield Step(i + 1, p.steps, png)
                 if i + 1 < p.steps:
-                    yield DenoiseTurn()
+                    yield DenoiseTurn(turn, i + 1)
             if x is None or i + 1 < p.steps:
                 yield Error("cancelled", "stopped by the user")
                 return
@@ -283,8 +287,16 @@ class Pipeline:
         finally:           # ended, failed or cancelled (closed where it waited): its share of the engine goes back
             if slot is not None:
                 pool.release_slot(slot)
-            if runner is not None:
-                self.graphs.drop(lambda key: key != runner.key)
+
+    def _keep_denoise_graph(self, key: tuple) -> None:
+        """Denoise step graphs stay for the engine's life, the DENOISE_GRAPHS most recently used keys: a
+        key is a resolution bucket at one prompt length (the keys the step attends to), and each graph
+        holds its static buffers (its activations are in the engine's shared graph pool)."""
+        self._denoise_keys[key] = None
+        self._denoise_keys.move_to_end(key)
+        while len(self._denoise_keys) > DENOISE_GRAPHS:
+            old, _ = self._denoise_keys.popitem(last=False)
+            self.graphs.drop(lambda k: k != old)
 
     def _preview(self, x0: torch.Tensor) -> bytes:
         """A small PNG of the current clean-image estimate (VAE decode of a pooled latent)."""

@@ -11,7 +11,10 @@ forwards and yields a need (engine/runtime/needs.py) where it shares the engine.
    each row is sampled with its own request's parameters and generator, and every row's token is read
    at once (the step's one host read, agreed by all ranks); each program continues with its token.
 4. The denoise turn: one request at a time holds the denoise rows (the first in admission order that
-   asks for them, once the holder ends) and runs one denoise step per turn.
+   asks for them, once the holder ends) and runs one denoise step per turn (its step graph replayed:
+   captured once per step key for the engine's life). Each turn counts the requests that wait for a
+   step of the same key (`denoise_company`): the room a denoise forward shared across requests would
+   have, measured (bench serving) before it is built.
 
 The step policy (`decode_steps_per_denoise`, K): decode steps come first, being cheap and batched; the
 denoising request gets a turn in every step where nothing decodes, and otherwise after every K decode
@@ -26,6 +29,7 @@ request leaves the ranks' collectives out of step: the worker reports it and the
 """
 from __future__ import annotations
 
+import collections
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -65,6 +69,10 @@ class Scheduler:
         self._events: list[tuple[int, Event]] = []
         self._ended: list[int] = []
         pool = pipeline.pool
+        # at each denoise turn, how many other requests waited for a step of the same step key: with them
+        # (same key, any step) / (same key and step) one forward could have served them all (denoise
+        # batching across requests, issue 31 item 3: measured here before it is built)
+        self.denoise_company: collections.Counter = collections.Counter()
         self._tokens = torch.zeros(pool.slots, dtype=torch.long, device=pipeline.lm.model.device)
         self._vocab = pipeline.lm.tok.vocab_size
 
@@ -135,8 +143,17 @@ class Scheduler:
             if holder is None:
                 return False
             holder.denoising = True
+        self._count_company(holder)
         self._advance(holder, None)
         return True
+
+    def _count_company(self, holder: RequestState) -> None:
+        turn = holder.need
+        same = [s.need for s in self.requests.values()
+                if s is not holder and isinstance(s.need, DenoiseTurn) and s.need.key == turn.key]
+        self.denoise_company["turns"] += 1
+        self.denoise_company["same_key"] += len(same)
+        self.denoise_company["same_step"] += sum(n.step == turn.step for n in same)
 
     # ------------------------------------------------------------------ one request
     def _advance(self, state: RequestState, answer: Any) -> None:

@@ -43,6 +43,7 @@ from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.events import Done, Error, Event
 from engine.runtime.request import Prepared, Request, RequestError, with_seed
 from engine.serve.client import Submission
+from engine.serve.engine_config import EngineConfig
 from engine.serve.info import ModelInfo
 from engine.serve.supervisor import Restarts, StallWatch
 from engine.serve.worker import worker_main
@@ -100,40 +101,38 @@ class EngineServer:
     def __init__(self, model: str | Path, device: str = "cpu", dtype: str | None = None,
                  world_size: int | None = None, plan: str | None = None, preview_every: int = 1,
                  verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S, sp_kind: str | None = None,
-                 pipeline_options: dict | None = None, max_queue: int | None = None, quantize: str | None = None,
-                 max_batch: int = 1, step_timeout: float | None = None):
+                 max_queue: int | None = None, quantize: str | None = None, max_batch: int = 1,
+                 step_timeout: float | None = None, cfg_serial: bool = False, cuda_graph: bool = True):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
         be split by, or a folder that is not a checkpoint, is refused here, before anything is spawned
         (PlanError / ConfigError, both ValueErrors). `sp_kind` picks the SP attention (ulysses or
-        kv_gather); `pipeline_options` go to every rank's Pipeline (kv_handoff, cfg_serial). `max_queue`:
+        kv_gather); `cfg_serial` and `cuda_graph` go to every rank's Pipeline. `max_queue`:
         how many requests may wait beyond the running ones (None: no limit); one more is refused at
         submit with Error('busy'), checked under the queue's lock so simultaneous arrivals cannot
         overshoot it. `max_batch`: how many requests the engine runs at once (batched; 1: one at a
         time). `quantize` ("fp8"): every rank quantizes the backbone linears of a high-precision
         checkpoint at load (engine/model/weights.py). `step_timeout`: seconds the running requests may go
         without a token or step before the engine is restarted (None: automatic, from the engine's own
-        figures; 0: never; engine.serve.supervisor)."""
+        figures; 0: never; engine.serve.supervisor). All of it is checked here and fixed in one
+        `EngineConfig` (`self.config`), which every worker starts from."""
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0 (got {max_queue})")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
-        self.max_batch = max_batch
         from engine.model.weights import ONLINE_FORMATS
         if quantize is not None and quantize not in ONLINE_FORMATS:
             raise ValueError(f"unknown quantize {quantize!r} (supported: {', '.join(ONLINE_FORMATS)})")
-        self.quantize = quantize
         self.info = ModelInfo.from_folder(model)
         if device.startswith("cuda") and plan is None and world_size is None:
             plan = fitting_plan(model, dtype, quantize, verbose)
         self.parallel: ParallelPlan = get_plan(plan, world_size, sp_kind)
-        self.pipeline_options = dict(pipeline_options or {})
         self.parallel.check_model(self.info.cfg)
-        self.model = str(Path(model).resolve())
-        self.device, self.dtype = device, dtype
-        self.world_size, self.plan = self.parallel.world, self.parallel.name
-        self.preview_every, self.verbose, self.cancel_grace_s = preview_every, verbose, cancel_grace_s
+        self.config = EngineConfig(str(Path(model).resolve()), device, dtype, self.parallel.name, self.parallel.world,
+                                   self.parallel.sp_kind, quantize, max_batch, preview_every, verbose, cfg_serial,
+                                   cuda_graph)
+        self.cancel_grace_s = cancel_grace_s
         self.max_queue = max_queue
 
         self._restarts = Restarts()
@@ -158,6 +157,14 @@ class EngineServer:
         self._install(self._spawn())
         self._pump = threading.Thread(target=self._pump_loop, name="engine-server-pump", daemon=True)
         self._pump.start()
+
+    # the configuration's figures under the names the server's users read
+    model = property(lambda self: self.config.model)
+    device = property(lambda self: self.config.device)
+    dtype = property(lambda self: self.config.dtype)
+    plan = property(lambda self: self.config.plan)
+    world_size = property(lambda self: self.config.world_size)
+    max_batch = property(lambda self: self.config.max_batch)
 
     # ------------------------------------------------------------------ client API
     def submit(self, request: Request) -> Submission:
@@ -321,10 +328,7 @@ class EngineServer:
             lead = rank == 0
             p = self._ctx.Process(
                 target=worker_main, name=f"engine-worker-{rank}", daemon=True,
-                args=(rank, self.world_size, self.model, self.device, self.dtype,
-                      req_r if lead else None, pipes[rank][1],
-                      self.preview_every, self.verbose, self.plan, init_method, self.parallel.sp_kind,
-                      self.pipeline_options, self.quantize, self.max_batch))
+                args=(rank, self.config, init_method, req_r if lead else None, pipes[rank][1]))
             p.start()
             procs.append(p)
         req_r.close()      # the children hold their ends; ours must close so a dead worker reads as EOF

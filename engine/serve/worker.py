@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.parallel.plan import get_plan
+from engine.serve.engine_config import EngineConfig
 from engine.runtime.scheduler import StepNews
 
 
@@ -53,17 +54,15 @@ class Inbox:
         return StepNews(join, cancel)
 
 
-def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str | None,
-                requests: Connection | None, events: Connection | None,
-                preview_every: int = 1, verbose: bool = False, plan: str | None = None,
-                init_method: str = "", sp_kind: str | None = None, pipeline_options: dict | None = None,
-                quantize: str | None = None, max_batch: int = 1) -> None:
-    """Entry point of one engine worker process (rank `rank` of `world_size`). Rank 0 owns the request
-    pipe and reports events; the other ranks follow it through a gloo control group and use their own
-    `events` pipe only to say that a request failed on them. Load failures are reported by rank 0 as
-    ("failed", text); a follower that fails to start prints why and exits, which the server sees. After
-    each step in which requests ended, rank 0 reports every rank's `rank_stats` (weights read, resident
-    pointers unchanged, memory), then ("end", seq) for each. `max_batch`: requests running at once.
+def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Connection | None,
+                events: Connection | None) -> None:
+    """Entry point of one engine worker process: rank `rank` of the engine `config` describes (its
+    ranks meet at `init_method`). Rank 0 owns the request pipe and reports events; the other ranks
+    follow it through a gloo control group and use their own `events` pipe only to say that a request
+    failed on them. Load failures are reported by rank 0 as ("failed", text); a follower that fails to
+    start prints why and exits, which the server sees. After each step in which requests ended, rank 0
+    reports every rank's `rank_stats` (weights read, resident pointers unchanged, memory), then
+    ("end", seq) for each.
 
     A request that fails on a rank of a multi-rank plan leaves the collectives of the ranks out of step
     (the others wait in one the failed rank will never enter), so that rank reports
@@ -84,22 +83,22 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
             events.send(msg)
 
     def progress(done: int, total: int, what: str) -> None:
-        if verbose:
+        if config.verbose:
             print_progress(done, total, what)
         send(("loading", done, total, what))
 
     control = None
     try:
-        p = get_plan(plan, world_size, sp_kind)
+        p = get_plan(config.plan, config.world_size, config.sp_kind)
         set_threads_for_world(p.world)
-        dev = rank_device(device, rank, p.world)
+        dev = rank_device(config.device, rank, p.world)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         rt = RankGroups.init(p, rank, dev, init_method)
         if p.world > 1:
             control = dist.new_group(list(range(p.world)), backend="gloo")
-        lm = load(model, dev, parse_dtype(dtype, dev), rt.layout, progress=progress if rank == 0 else None,
-                  quantize=quantize)
+        lm = load(config.model, dev, parse_dtype(config.dtype, dev), rt.layout,
+                  progress=progress if rank == 0 else None, quantize=config.quantize)
         p.check_model(lm.cfg)
         pointers = resident_pointers(lm.model)
         moved: list[str] = []          # phases at whose start a resident weight had moved (never, by design)
@@ -108,8 +107,7 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
             if resident_pointers(lm.model) != pointers:
                 moved.append(phase)
 
-        pipeline = Pipeline(lm, rt, preview_every=preview_every, on_phase=check, slots=max_batch,
-                            **(pipeline_options or {}))
+        pipeline = Pipeline(lm, rt, on_phase=check, **config.pipeline_options())
         if control is not None:
             dist.barrier(group=control)              # "ready" means every rank holds its shard
     except Exception as e:  # noqa: BLE001 - any load failure is reported, the server decides
@@ -118,7 +116,7 @@ def worker_main(rank: int, world_size: int, model: str, device: str, dtype: str 
             return
         print(f"engine rank {rank} failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    if verbose and rank == 0:
+    if config.verbose and rank == 0:
         print(f"\nengine: model loaded in {lm.load_s:.1f} s on {dev} (plan {p.name})", file=sys.stderr, flush=True)
     def rank_stats() -> list[dict]:
         mine = {"rank": rank, "device": str(dev), "backend": dist.get_backend() if dist.is_initialized() else "none",

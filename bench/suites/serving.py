@@ -1,0 +1,237 @@
+"""Serving (issue 31, item 7): whole T2I requests through the engine's scheduler, as the server runs them,
+at the real shapes with random weights on one GPU, with 1, 4 and 16 concurrent clients:
+
+    python -m bench serving [--builds mxfp4-distil,hybrid4] [--clients 1,4,16] [--per-client 2]
+                            [--cot 750] [--max-batch 8] [--greedy] [--dry]
+
+Builds: `mxfp4-distil` (7a) is the MXFP4-mixed Instruct-Distil as one-gpu builds it, tp1, 8 steps, no CFG;
+`hybrid4` (7b) is rank 0 of hybrid4 (AR TP4, denoise TP2 x SP2) in bf16, the BF16 Instruct, 50 steps,
+CFG batched, its collectives `FakeComm` (compute only). Every request is a think_recaption T2I at
+1024x1024 with a --cot token budget (random weights rarely close the CoT, so it runs to the budget) and
+a prompt that makes the real prefill length (1251 tokens with the system prompt); the tokenizer,
+system prompts and generation config are the tiny checkpoint's (tools/tiny.py), the shapes the real ones.
+
+The driver is the worker's loop without its processes: the same `Scheduler` and `StepNews`, requests
+prepared once where they enter and handed to the engine while fewer than --max-batch run (the server's
+dispatch), the rest waiting in line. Two arrival patterns per client count N:
+  closed   N clients at once, each sending its next request when its last one ends (--per-client each)
+  poisson  N x --per-client requests arriving at exponential gaps, at 0.9x the images/s the closed run
+           with N clients reached (a load the engine can hold), at most N in the engine or waiting
+Latency is arrival to the last event (the image); images/min counts finished images over the run's wall
+time. `same-key company`: at each denoise step, how many other requests waited for a step of the same
+denoise step key on average (the room denoise batching across requests, issue 31 item 3, would have).
+A first request (not timed) captures the graphs of the common keys; `captures` counts the graphs
+captured during the timed runs (denoise step keys are per bucket and token layout: a sampled CoT whose
+re-tokenized length differs is a new key; --greedy gives every request the same CoT).
+--dry: the tiny config on the CPU (fp32), 2 clients, 2 steps, 4 CoT tokens, Poisson arrivals 10x faster
+(no idle waits): the driver and the checks only.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.model.loader import LoadedModel
+from engine.parallel.fake import FakeComm
+from engine.parallel.groups import RankGroups
+from engine.parallel.layout import PhaseView
+from engine.parallel.plan import get_plan
+from engine.runtime.events import Done, Error, Image
+from engine.runtime.pipeline import Pipeline
+from engine.runtime.request import Request, prepare
+from engine.runtime.scheduler import Scheduler, StepNews
+from engine.runtime.sequence import text_phase_sequence
+from engine.spec.buckets import build_buckets
+from engine.spec.config import CheckpointConfig
+from engine.spec.prompts import SystemPrompts
+from engine.spec.tokenizer import Tokenizer
+
+from .. import rank
+from ..report import Col, Output
+from .one_gpu import resident_formats
+
+DRY = True
+# build: (plan, Distil?, expert format or None (bf16), dense-linear format, denoise steps)
+SERVED = {
+    "mxfp4-distil": ("tp1", True, "mxfp4", "mxfp8", 8),
+    "hybrid4": ("hybrid4", False, None, None, 50),
+}
+PREFILL = 1251              # the real T2I prefill (system prompt + prompt), tokens
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--builds", default="mxfp4-distil,hybrid4", help=f"of {', '.join(SERVED)}")
+    ap.add_argument("--clients", default="1,4,16", help="concurrent client counts")
+    ap.add_argument("--per-client", type=int, default=2, help="requests each client sends")
+    ap.add_argument("--cot", type=int, default=750, help="CoT token budget of every request")
+    ap.add_argument("--max-batch", type=int, default=8, help="requests the engine runs at once (--max-batch)")
+    ap.add_argument("--greedy", action="store_true", help="greedy CoT: every request the same token layout")
+
+
+# ---------------------------------------------------------------------------------------- the engine
+def checkpoint_folder(folder: Path, dry: bool, distil: bool) -> Path:
+    """A checkpoint folder without weights: the real config (or the tiny one), the tiny tokenizer,
+    system prompts and generation config; the token ids the config names are the tokenizer's."""
+    from tools.tiny import SYSTEM_PROMPT_PY, build_tokenizer, generation_config, tiny_config
+    tok = build_tokenizer(0)
+    tok.save(str(folder / "tokenizer.json"))
+    vocab = -(-tok.get_vocab_size() // 64) * 64
+    cfg = tiny_config(vocab, distil) if dry else json.loads(rank.CONFIG.read_text())
+    if distil:
+        cfg |= {"cfg_distilled": True, "use_meanflow": True}
+    ids = {k: tok.token_to_id(t) for k, t in (("bos_token_id", "<|startoftext|>"), ("eos_token_id", "<|endoftext|>"),
+                                              ("pad_token_id", "<pad>"), ("image_token_id", "<img>"))}
+    (folder / "config.json").write_text(json.dumps(cfg | ids))
+    gen = generation_config(distil) | {"eos_token_id": [ids["eos_token_id"]], "pad_token_id": ids["pad_token_id"]}
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    (folder / "system_prompt.py").write_text(SYSTEM_PROMPT_PY)
+    return folder
+
+
+def engine(build: str, folder: Path, dev: str, max_batch: int) -> Pipeline:
+    """The build's rank-0 model with random weights, as a Pipeline over that rank's groups (FakeComm)."""
+    plan_name, distil, experts, dense, _ = SERVED[build]
+    cc = CheckpointConfig.load(folder)
+    buckets = build_buckets(cc.model.image_base_size)
+    plan = get_plan(plan_name)
+    resident = resident_formats(cc.model, experts, dense) if experts and dev == "cuda" else None
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    model = rank.build(cc.model, plan, dtype, dev, resident)
+    lm = LoadedModel(folder, cc.model, cc.generation, Tokenizer(folder / "tokenizer.json", cc.model.image_base_size,
+                                                                 len(buckets)),
+                     SystemPrompts.load(folder), buckets, model, 0.0, 0)
+    groups = RankGroups(plan, 0, torch.device(dev), FakeComm(plan.world), rank.ar_view(plan),
+                        PhaseView(0, plan.micros, FakeComm(plan.storage_tp), FakeComm(plan.sp), plan.sp_kind),
+                        FakeComm(plan.world // plan.storage_tp))
+    return Pipeline(lm, groups, preview_every=0, slots=max_batch)
+
+
+def prefill_tokens(lm: LoadedModel, req: Request) -> int:
+    """The AR prefill length of `req` (its system prompt, template and prompt)."""
+    p = prepare(req, lm.gen, lm.buckets)
+    system = lm.prompts.resolve(p.preset, p.bot_task, req.custom_system_prompt)
+    return len(text_phase_sequence(lm.tok, system, req.prompt, [], "think", lm.cfg.image_base_size,
+                                   lm.cfg.cond_token_attn_type))
+
+
+def prompt_of(lm: LoadedModel, tokens: int) -> str:
+    """A prompt that, with the system prompt, takes about `tokens` tokens."""
+    system = prefill_tokens(lm, Request(prompt="x", bot_task="think_recaption", seed=0))
+    words, text = "a red fox in the snow under a pale moon, ".split(" "), []
+    while len(lm.tok.encode(" ".join(text))) < max(tokens - system, 8):
+        text.extend(words)
+    return " ".join(text).strip()
+
+
+# ---------------------------------------------------------------------------------------- the driver
+def serve(pipe: Pipeline, make: Callable[[int], Request], clients: int, per_client: int, max_batch: int,
+          rate: float | None, seed: int = 0) -> dict:
+    """Requests through the scheduler as the worker and the server's dispatch run them. `rate` None:
+    closed loop (N clients at once); else Poisson arrivals at `rate` requests/s. Returns the figures."""
+    rng = random.Random(seed)
+    total = clients * per_client
+    if rate is None:
+        arrivals = [0.0] * clients                         # the first request of every client; more follow ends
+    else:
+        t, arrivals = 0.0, []
+        for _ in range(total):
+            arrivals.append(t)
+            t += rng.expovariate(rate)
+    scheduler = Scheduler(pipe)
+    captured = sum(pipe.graphs.captures.values())
+    waiting: collections.deque = collections.deque()
+    arrived: dict[int, float] = {}                        # seq -> arrival (seconds from the start)
+    latency: dict[int, float] = {}
+    images, errors, sent, next_seq = 0, [], 0, 0
+    t0 = time.perf_counter()
+    while len(latency) < total:                           # every request ends: with its image or an error
+        now = time.perf_counter() - t0
+        while sent < len(arrivals) and arrivals[sent] <= now and (rate is None or len(arrived) - len(latency) < clients):
+            waiting.append((next_seq, prepare(make(next_seq), pipe.lm.gen, pipe.lm.buckets)))   # once, as it enters
+            arrived[next_seq] = arrivals[sent]       # latency counts its wait to get in
+            sent, next_seq = sent + 1, next_seq + 1
+        join = []
+        while waiting and len(join) + len(scheduler.requests) < max_batch:
+            join.append(waiting.popleft())
+        if not join and not scheduler.busy:
+            time.sleep(max(0.0, min(arrivals[sent] - now, 0.05)) if sent < len(arrivals) else 0.0)
+            continue
+        scheduler.step(StepNews(join=tuple(join)))
+        done, ended = scheduler.drain()
+        end = time.perf_counter() - t0
+        for seq, ev in done:
+            if isinstance(ev, Image):
+                images += 1
+            elif isinstance(ev, Error):
+                errors.append(f"request {seq}: {ev.kind}: {ev.message}")
+        for seq in ended:
+            latency.setdefault(seq, end - arrived[seq])
+            if rate is None and len(arrivals) < total:    # this client's next request, now
+                arrivals.append(end)
+    wall = time.perf_counter() - t0
+    lat = sorted(latency.values())
+    pick = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]) if lat else (lambda q: float("nan"))
+    return {"requests": total, "images": images, "errors": errors, "wall_s": wall,
+            "images_per_min": 60 * images / wall, "p50_s": pick(0.5), "p90_s": pick(0.9), "mean_s": sum(lat) / max(1, len(lat)),
+            "engine_steps": scheduler.steps, "captures": sum(pipe.graphs.captures.values()) - captured,
+            # per denoise turn, the other requests waiting for a step of the same key (denoise batching's room)
+            "denoise_company": scheduler.denoise_company["same_key"] / max(1, scheduler.denoise_company["turns"])}
+
+
+def run(args: argparse.Namespace, out: Output) -> bool:
+    dev = "cpu" if args.dry else "cuda"
+    clients = [int(c) for c in args.clients.split(",")] if not args.dry else [2]
+    per_client = args.per_client if not args.dry else 1
+    cot = 4 if args.dry else args.cot
+    rows, ok = [], True
+    for build in filter(None, args.builds.split(",")):
+        if build not in SERVED:
+            raise SystemExit(f"unknown build {build!r} ({', '.join(SERVED)})")
+        steps = 2 if args.dry else SERVED[build][4]
+        with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+            folder = checkpoint_folder(Path(tmp), args.dry, SERVED[build][1])
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+            pipe = engine(build, folder, dev, args.max_batch)
+            size = "256x256" if args.dry else "1024x1024"
+            prompt = prompt_of(pipe.lm, 40 if args.dry else PREFILL)
+
+            def make(seq: int) -> Request:
+                return Request(prompt=prompt, bot_task="think_recaption", size=size, steps=steps,
+                               max_new_tokens=cot, seed=1000 + seq, greedy=args.greedy)
+            out.data.setdefault("prefill_tokens", {})[build] = prefill_tokens(pipe.lm, make(0))
+            first = serve(pipe, make, 1, 1, args.max_batch, None, seed=1)
+            out.say(f"{build}: first request (captures its graphs) {first['mean_s']:.2f} s, {first['captures']} graphs")
+            for n in clients:
+                closed = serve(pipe, make, n, per_client, args.max_batch, None)
+                rate = (10 if args.dry else 0.9) * closed["images_per_min"] / 60      # dry: no idle waits
+                poisson = serve(pipe, make, n, per_client, args.max_batch, rate, seed=n)
+                for mode, r in (("closed", closed), ("poisson", poisson)):
+                    row = {"build": build, "mode": mode, "clients": n, "steps": steps, "cot": cot} | r
+                    if mode == "poisson":
+                        row["rate_per_s"] = rate
+                    rows.append(row)
+                    ok = ok and not r["errors"] and r["images"] == r["requests"]
+                    out.say(f"{build} {mode} x{n}: {r['images_per_min']:.2f} images/min, p50 {r['p50_s']:.2f} s, "
+                            f"p90 {r['p90_s']:.2f} s, {r['captures']} graphs captured" +
+                            (f", errors: {r['errors'][:2]}" if r["errors"] else ""))
+            del pipe
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    out.data.update(rows=rows, max_batch=args.max_batch, per_client=per_client, greedy=args.greedy)
+    out.table(rows, [Col("build", "build"), Col("arrivals", "mode"), Col("clients", "clients"),
+                     Col("images/min", "images_per_min", ".2f"), Col("p50 s", "p50_s", ".2f"),
+                     Col("p90 s", "p90_s", ".2f"), Col("wall s", "wall_s", ".1f"),
+                     Col("captures", "captures"), Col("steps", "engine_steps"),
+                     Col("same-key company", "denoise_company", ".2f")],
+              f"Serving through the scheduler, max-batch {args.max_batch}, {per_client} request(s) per client, "
+              f"think_recaption {cot} CoT tokens" + (" (greedy)" if args.greedy else ""))
+    return ok

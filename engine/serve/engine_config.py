@@ -1,0 +1,35 @@
+"""The engine's configuration: fixed once where the engine is made (the command line's flags, or
+`EngineServer`'s arguments), validated there, and shipped whole to every worker process, which starts
+from it alone. A new engine option is one field here and its use; nothing in between passes it along."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str                      # the checkpoint folder, absolute
+    device: str                     # cpu, cuda (the workers pick their GPU by rank)
+    dtype: str | None               # bfloat16, float16, float32; None: the device's default
+    plan: str                       # the parallel plan preset (engine.parallel.plan), resolved
+    world_size: int                 # ranks: one worker process each
+    sp_kind: str                    # the plan's SP attention: ulysses or kv_gather
+    quantize: str | None = None     # quantize a high-precision checkpoint's backbone linears at load ("fp8")
+    max_batch: int = 1              # requests the engine runs at once (its AR slots)
+    preview_every: int = 1          # a preview every this many denoise steps (0: none)
+    verbose: bool = False           # loading progress on stderr
+    cfg_serial: bool = False        # CFG branches one after the other (less activation memory)
+    cuda_graph: bool = True         # steps as CUDA graphs where they can be captured
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 (got {self.max_batch})")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1 (got {self.world_size})")
+        if self.preview_every < 0:
+            raise ValueError(f"preview_every must be >= 0 (got {self.preview_every})")
+
+    def pipeline_options(self) -> dict:
+        """What every rank's Pipeline takes from it (besides the model and its groups)."""
+        return {"preview_every": self.preview_every, "slots": self.max_batch, "cfg_serial": self.cfg_serial,
+                "cuda_graph": self.cuda_graph}
