@@ -62,6 +62,28 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="run the AR decode and denoise steps eagerly on CUDA (by default each is a CUDA-graph replay)")
 
 
+def _add_taylor_cache(p: argparse.ArgumentParser) -> None:
+    """The official CLI's Taylor cache options (same names and defaults; engine/runtime/step_cache.py)."""
+    from engine.runtime.step_cache import TaylorCacheParams
+    p.add_argument("--use-taylor-cache", action="store_true",
+                   help="forecast the backbone's output between full steps (the official Taylor cache)")
+    for name in TaylorCacheParams.names():
+        flag = "--" + name.replace("_", "-")
+        default = getattr(TaylorCacheParams(), name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", help=f"Taylor cache: {name} (default off)")
+        else:
+            p.add_argument(flag, type=int, default=default, help=f"Taylor cache: {name} (default {default})")
+
+
+def _taylor_cache(args: argparse.Namespace):
+    """The request's TaylorCacheParams from the flags, or None without --use-taylor-cache."""
+    from engine.runtime.step_cache import TaylorCacheParams
+    if not getattr(args, "use_taylor_cache", False):
+        return None
+    return TaylorCacheParams(**{name: getattr(args, name) for name in TaylorCacheParams.names()})
+
+
 def _print_events(events, out_path: Path | None = None) -> int:
     section = None
     for ev in events:
@@ -100,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--guidance", type=float)
     gen.add_argument("--stretch", action="store_true", help="fit reference images by stretching (align option)")
     gen.add_argument("--out", required=True, help="output PNG path")
+    _add_taylor_cache(gen)
 
     args = ap.parse_args(argv)
     from engine.parallel.plan import PlanError, get_plan
@@ -120,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                   seed=args.seed, system_prompt=args.system_prompt, custom_system_prompt=args.custom_system_prompt,
                   max_new_tokens=args.max_new_tokens, greedy=args.greedy, text_only=args.cmd == "text",
                   steps=getattr(args, "steps", None), guidance=getattr(args, "guidance", None),
-                  stretch=getattr(args, "stretch", False))
+                  stretch=getattr(args, "stretch", False), taylor_cache=_taylor_cache(args))
     out = Path(args.out) if args.cmd == "generate" else None
     if plan.world > 1:
         from engine.serve.server import EngineServer

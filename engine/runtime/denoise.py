@@ -16,6 +16,7 @@ from engine.parallel.layout import Comm, PhaseView, graph_safe
 from engine.runtime.conditioning import embed_range
 from engine.runtime.graphs import Graphs
 from engine.runtime.sequence import GenImageSpan, Sequence
+from engine.runtime.step_cache import StepCache
 
 
 def flow_sigmas(steps: int, shift: float) -> torch.Tensor:
@@ -56,12 +57,14 @@ class DenoiseRunner:
     a branch shares it. Each step then runs only the meta + image tokens of every row, as one batch or
     one branch after the other (`serial`). Under SP each call's tokens are split over `view.sp`; padding
     tokens write a scratch cache slot (`scratch`) that no real query reads.
+    step_cache: the request's policy (engine/runtime/step_cache.py), asked before each step whether the
+      backbone runs in full or its output is forecast; default: every step in full.
     """
 
     def __init__(self, model: HunyuanImage3, seq: Sequence, refs: list, ids: torch.Tensor, cache: KVCache,
                  view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
                  serial: bool = False, images: int = 1, use_graph: bool = False, graphs: Graphs | None = None,
-                 key: tuple = ()):
+                 key: tuple = (), step_cache: StepCache | None = None):
         self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
         self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
         self.serial = serial      # one forward per branch (less activation memory) instead of one batch
@@ -78,6 +81,7 @@ class DenoiseRunner:
         self.graphs = graphs if graphs is not None else Graphs()
         self.key = ("denoise",) + key
         self._static: list | None = None
+        self.step_cache = step_cache if step_cache is not None else StepCache(0)
 
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
@@ -140,32 +144,44 @@ class DenoiseRunner:
                  g: torch.Tensor | None) -> torch.Tensor:
         """x [images, C, h, w] -> v [branches_total * images, C, h, w] (fp32, branch-major), identical
         on all ranks. `prefill()` must have run. The result may be the graph's output buffer: use it
-        before the next step."""
+        before the next step. Step i runs the backbone or, where the step cache says so, forecasts its
+        output from cached features (eagerly: a few elementwise ops) and runs only the final layer."""
+        cache = self.step_cache
+        if not cache.full(i):
+            return self._head(cache.forecast(i), t)
         if not self.use_graph:
-            return self._velocity(x, t, r, g)
-        if self._static is None:
-            self._static = [None if v is None else v.clone() for v in (x, t, r, g)]
-        for buf, val in zip(self._static, (x, t, r, g)):
-            if buf is not None:
-                buf.copy_(val)
-        return self.graphs.replay(self.key, lambda: self._velocity(*self._static), warmup=2, shared=False)
+            v, hidden = self._velocity(x, t, r, g)
+        else:
+            if self._static is None:
+                self._static = [None if v is None else v.clone() for v in (x, t, r, g)]
+            for buf, val in zip(self._static, (x, t, r, g)):
+                if buf is not None:
+                    buf.copy_(val)
+            v, hidden = self.graphs.replay(self.key, lambda: self._velocity(*self._static), warmup=2, shared=False)
+        cache.record(i, hidden)
+        return v
 
     def _velocity(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
-                  g: torch.Tensor | None) -> torch.Tensor:
+                  g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v, the backbone's output for the step's tokens [rows, meta + h*w, H])."""
         model, span = self.model, self.span
         n, nb = self.images, len(self.branches)
         # the branches differ only in their prefix: the meta + image embeddings (the patch embedding's
         # 4096-channel convolutions among them) are computed once per image and shared by every branch
         tail = tail_embeddings(model, x, t.expand(n), None if r is None else r.expand(n),
                                None if g is None else g.expand(n)).repeat(nb, 1, 1)
-        tb = t.expand(n * nb)
-        meta, stop, hw = span.meta_start, span.stop, span.h * span.w
+        meta, stop = span.meta_start, span.stop
         if not self.serial:
-            hidden = self._run(tail, meta, stop, slice(None))[:, -hw:]
+            hidden = self._run(tail, meta, stop, slice(None))
         else:
-            hidden = torch.cat([self._run(tail[self._rows(j)], meta, stop, self._rows(j))[:, -hw:]
+            hidden = torch.cat([self._run(tail[self._rows(j)], meta, stop, self._rows(j))
                                 for j in range(len(self.branches))])
-        v = velocity(model, hidden, tb, span)
+        return self._head(hidden, t), hidden
+
+    def _head(self, hidden: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The backbone's output [rows, meta + h*w, H] -> v of every branch (gathered over `branch_comm`)."""
+        span = self.span
+        v = velocity(self.model, hidden[:, -span.h * span.w:], t.expand(hidden.shape[0]), span)
         return self.branch_comm.all_gather(v, dim=0)
 
 

@@ -24,6 +24,7 @@ from PIL import Image as PILImage
 from engine.runtime.events import Error
 from engine.runtime.images import MAX_PIXELS
 from engine.runtime.request import MAX_IMAGES, Request
+from engine.runtime.step_cache import TaylorCacheParams
 from engine.serve.info import ModelInfo
 from engine.serve.openai_errors import ApiError, invalid
 from engine.serve.openai_fields import (CHAT_FIELDS, CHAT_NEUTRAL_ONLY, EDIT_FIELDS, GENERATION_FIELDS,
@@ -250,6 +251,20 @@ async def capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[byte
         yield chunk
 
 
+def _taylor_cache(body: dict) -> TaylorCacheParams | None:
+    """The extension fields `use_taylor_cache` and `taylor_cache_*` (the official generate_image
+    arguments): the cache's settings, or None when it is off. A setting without `use_taylor_cache: true`
+    is refused rather than ignored (it would change nothing, silently); values are judged by `prepare`."""
+    given = {name: body[name] for name in TaylorCacheParams.names() if body.get(name) is not None}
+    if not _bool("use_taylor_cache", body.get("use_taylor_cache")):
+        if given:
+            raise invalid(next(iter(given)), "applies only with use_taylor_cache: true")
+        return None
+    values = {name: _bool(name, v) if name.startswith("taylor_cache_enable_") else _int_like(v)
+              for name, v in given.items()}
+    return TaylorCacheParams(**values)
+
+
 # ---------------------------------------------------------------------------------------- the forms
 def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any) -> Request:
     """The engine request for OpenAI/vLLM-Omni field names (values converted, never range-checked)."""
@@ -270,7 +285,7 @@ def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any) -> 
                    system_prompt=preset or None,
                    custom_system_prompt=(custom or None) if preset == "custom" else None,
                    max_new_tokens=_int_like(body.get("max_new_tokens")),
-                   n=1 if n is None else n)
+                   n=1 if n is None else n, taylor_cache=_taylor_cache(body))
 
 
 def _output_options(body: dict, params: ImageParams) -> None:

@@ -1,0 +1,218 @@
+"""The step cache (engine/runtime/step_cache.py): the official Taylor cache's schedule and forecast,
+checked against hand-written expectations (the official counter traced by hand, backward differences
+and a numpy FFT band split written out here), its effect in the pipeline (forwards counted, a cache that
+never forecasts equals no cache, CFG rows forecast together), and its request, CLI and /v1 surface."""
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image as PILImage
+
+from engine.__main__ import main as cli_main
+from engine.runtime.events import Done, Error, Image
+from engine.runtime.pipeline import Pipeline
+from engine.runtime.request import Request, RequestError, prepare
+from engine.runtime.step_cache import TaylorCache, TaylorCacheParams, taylor_schedule
+from engine.serve.info import ModelInfo
+from engine.serve.openai_errors import ApiError
+from engine.serve.openai_params import parse_generation, refusal
+
+from engine_drive import backbone_rows
+
+P = TaylorCacheParams
+
+
+def full_steps(params: TaylorCacheParams, steps: int) -> list[int]:
+    return [i for i, s in enumerate(taylor_schedule(params, steps)) if s.full]
+
+
+# ------------------------------------------------------------------------------------------ schedule
+def test_schedule_follows_the_official_counter():
+    # traced by hand from the official forward: step 0 is full; a forecast step advances a counter and
+    # the step that finds it at interval - 1 is full (so every interval-th step); enhance adds steps
+    assert full_steps(P(), 12) == [0, 5, 10]
+    assert full_steps(P(taylor_cache_interval=1), 4) == [0, 1, 2, 3]
+    assert full_steps(P(taylor_cache_enable_tailing_enhance=True), 12) == [0, 5, 10, 11]
+    assert full_steps(P(taylor_cache_enable_tailing_enhance=True, taylor_cache_tailing_enhance_steps=3), 12) == \
+        [0, 5, 9, 10, 11]
+    first = P(taylor_cache_enable_first_enhance=True, taylor_cache_enable_tailing_enhance=True)
+    assert full_steps(first, 12) == [0, 1, 2, 7, 11]
+    sched = taylor_schedule(first, 12)
+    # first enhance: the full steps before first_enhance_steps - 1 record nothing
+    assert [i for i, s in enumerate(sched) if s.record] == [2, 7, 11]
+    assert [sched[i].distance for i in (7, 11)] == [5, 4]            # record distance: since the last full step
+    assert [sched[i].distance for i in (3, 4, 5, 6, 8)] == [1, 2, 3, 4, 1]   # forecast distance
+
+
+# ------------------------------------------------------------------------------------------ forecast
+def np_bands(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Low / high band along axis 1: keep the frequencies with |f| <= 0.1 max|f| (numpy's FFT)."""
+    f = np.abs(np.fft.fftfreq(x.shape[1]))
+    keep = (f <= 0.1 * f.max())[None, :, None]
+    spec = np.fft.fft(x, axis=1)
+    low = np.fft.ifft(spec * keep, axis=1).real
+    return low, x - low
+
+
+def recorded(interval: int, seed: int = 0) -> tuple[list[np.ndarray], list[int]]:
+    """Features for the full steps 0, interval, 2*interval of a 2-row (cond, uncond) request: a smooth
+    trajectory in the step index plus per-token structure, [2, 40 tokens, 8 channels]."""
+    rng = np.random.default_rng(seed)
+    a, b, c = (rng.standard_normal((2, 40, 8)) for _ in range(3))
+    steps = [0, interval, 2 * interval]
+    return [a + b * (s / 10) + c * (s / 10) ** 2 for s in steps], steps
+
+
+def run_cache(params: TaylorCacheParams, feats: list[np.ndarray], full: list[int], ask: list[int], steps: int):
+    cache = TaylorCache(params, steps)
+    assert full_steps(params, steps)[:len(full)] == full
+    out = {}
+    it = iter(feats)
+    for i in range(steps):
+        if cache.full(i):
+            if i in full:
+                cache.record(i, torch.tensor(next(it), dtype=torch.float64))
+        elif i in ask:
+            out[i] = cache.forecast(i).numpy()
+        if i >= max(ask):
+            break
+    return out
+
+
+def test_forecast_is_the_backward_difference_taylor_series():
+    """Orders 2/2 (the default): the bands add back up, so the forecast k steps after the full step n is
+    f_n + k (f_n - f_{n-1}) / D + k^2 / 2 (f_n - 2 f_{n-1} + f_{n-2}) / D^2 on both CFG rows."""
+    D = 3
+    feats, full = recorded(D)
+    got = run_cache(P(taylor_cache_interval=D), feats, full, [7, 8], steps=12)
+    f0, f1, f2 = feats
+    for k, i in ((1, 7), (2, 8)):
+        want = f2 + k * (f2 - f1) / D + k * k / 2 * (f2 - 2 * f1 + f0) / D ** 2
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_forecast_bands_take_their_own_orders():
+    """Low band order 0 (held), high band order 2: the low band of the last full step plus the high band's
+    own second-order series; and high order 0 with low order 2: the low band stops at order 1 (the
+    official container moves derivatives order by order and stops at the first order the high band lacks)."""
+    D = 3
+    feats, full = recorded(D, seed=1)
+    lows, highs = zip(*(np_bands(f) for f in feats))
+    got = run_cache(P(taylor_cache_interval=D, taylor_cache_low_freqs_order=0), feats, full, [8], steps=12)
+    k = 2
+    want = lows[2] + highs[2] + k * (highs[2] - highs[1]) / D + k * k / 2 * (highs[2] - 2 * highs[1] + highs[0]) / D ** 2
+    np.testing.assert_allclose(got[8], want, rtol=1e-5, atol=1e-5)
+    got = run_cache(P(taylor_cache_interval=D, taylor_cache_high_freqs_order=0), feats, full, [8], steps=12)
+    want = highs[2] + lows[2] + k * (lows[2] - lows[1]) / D
+    np.testing.assert_allclose(got[8], want, rtol=1e-5, atol=1e-5)
+    # taylor_cache_order caps both bands: order 1 is the first-order series whatever the band orders
+    got = run_cache(P(taylor_cache_interval=D, taylor_cache_order=1), feats, full, [8], steps=12)
+    np.testing.assert_allclose(got[8], feats[2] + k * (feats[2] - feats[1]) / D, rtol=1e-5, atol=1e-5)
+
+
+def test_the_first_full_steps_record_one_derivative_each():
+    """After the first record only order 0 exists (the forecast holds the features), after the second
+    order 1 (a line through the last two full steps)."""
+    feats, _ = recorded(5, seed=2)
+    cache = TaylorCache(P(), 12)
+    cache.record(0, torch.tensor(feats[0]))
+    np.testing.assert_allclose(cache.forecast(3).numpy(), feats[0], atol=1e-6)
+    cache.record(5, torch.tensor(feats[1]))
+    np.testing.assert_allclose(cache.forecast(8).numpy(), feats[1] + 3 * (feats[1] - feats[0]) / 5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ pipeline
+def image_of(events):
+    imgs = [e for e in events if isinstance(e, Image)]
+    assert imgs, [e for e in events if isinstance(e, Error)]
+    return np.asarray(PILImage.open(io.BytesIO(imgs[0].png)), dtype=np.float64)
+
+
+def counted_run(lm, **kw):
+    """(events, batch rows of every backbone forward) for one request."""
+    with backbone_rows(lm) as calls:
+        ev = list(Pipeline(lm, preview_every=0).run(Request(**kw)))
+    return ev, calls
+
+
+REQ = dict(prompt="a red circle", bot_task="image", size="256x256", seed=3, steps=7, guidance=4.0)
+
+
+def test_cache_that_never_forecasts_equals_no_cache(tiny):
+    plain, _ = counted_run(tiny, **REQ)
+    cached, _ = counted_run(tiny, **REQ, taylor_cache=P(taylor_cache_interval=1))
+    assert np.array_equal(image_of(plain), image_of(cached))
+    assert cached[-1].timings.dit_full_steps == 7 == plain[-1].timings.dit_full_steps
+
+
+def test_forwards_run_only_on_the_official_full_steps_with_cfg_rows_together(tiny):
+    _, plain = counted_run(tiny, **REQ)
+    ev, calls = counted_run(tiny, **REQ, taylor_cache=P(taylor_cache_interval=3))
+    # each branch's prefix once (1 row each), then per full step one forward of both CFG rows: 0, 3, 6 of 7
+    assert plain == [1, 1] + [2] * 7
+    assert calls == [1, 1] + [2] * 3
+    t = ev[-1].timings
+    assert (t.dit_steps, t.dit_full_steps) == (7, 3) and "(3 in full)" in t.summary()
+    assert np.isfinite(image_of(ev)).all()
+
+
+def test_distil_and_n_images_forecast_every_row(tiny_distil):
+    ev, calls = counted_run(tiny_distil, prompt="a cat", bot_task="image", size="256x256", seed=0, steps=5, n=2,
+                            taylor_cache=P(taylor_cache_interval=2, taylor_cache_enable_tailing_enhance=True))
+    assert calls == [1] + [2] * 3          # the prefix once, then steps 0, 2 and 4 (the tailing step too)
+    assert len([e for e in ev if isinstance(e, Image)]) == 2
+
+
+# ------------------------------------------------------------------------------------------ surface
+@pytest.mark.parametrize("field,value", [("taylor_cache_interval", 0), ("taylor_cache_order", 5),
+                                         ("taylor_cache_low_freqs_order", -1),
+                                         ("taylor_cache_enable_first_enhance", "yes"),
+                                         ("taylor_cache_first_enhance_steps", 2.5)])
+def test_bad_settings_are_refused_naming_the_field(tiny, field, value):
+    req = Request(prompt="x", taylor_cache=P(**{field: value}), seed=1)
+    with pytest.raises(RequestError) as e:
+        prepare(req, tiny.gen, tiny.buckets)
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_cli_takes_the_official_options(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "x.png"
+    rc = cli_main(["generate", "--model", str(tiny_dir), "--prompt", "a red circle", "--bot-task", "image",
+                   "--size", "256x256", "--steps", "4", "--seed", "1", "--out", str(out),
+                   "--use-taylor-cache", "--taylor-cache-interval", "2", "--taylor-cache-order", "1"])
+    assert rc == 0 and out.exists()
+    assert "4 steps (2 in full)" in capsys.readouterr().out
+    rc = cli_main(["generate", "--model", str(tiny_dir), "--prompt", "x", "--out", str(out), "--seed", "1",
+                   "--use-taylor-cache", "--taylor-cache-interval", "0"])
+    assert rc == 2 and "taylor_cache_interval must be an integer from 1" in capsys.readouterr().err
+
+
+def test_v1_fields(tiny_dir, tiny):
+    info = ModelInfo.from_folder(tiny_dir)
+    body = {"prompt": "a red circle", "use_taylor_cache": True, "taylor_cache_interval": "3",
+            "taylor_cache_enable_tailing_enhance": "true"}
+    req = parse_generation(body, info.name).request
+    assert req.taylor_cache == P(taylor_cache_interval=3, taylor_cache_enable_tailing_enhance=True)
+    assert parse_generation({"prompt": "x"}, info.name).request.taylor_cache is None
+    with pytest.raises(ApiError) as e:           # a setting that would change nothing is refused
+        parse_generation({"prompt": "x", "taylor_cache_order": 1}, info.name)
+    assert (e.value.status, e.value.param) == (400, "taylor_cache_order")
+    with pytest.raises(ApiError) as e:
+        parse_generation({"prompt": "x", "use_taylor_cache": "maybe"}, info.name)
+    assert (e.value.status, e.value.param) == (400, "use_taylor_cache")
+    params = parse_generation({"prompt": "x", "seed": 1, "use_taylor_cache": True, "taylor_cache_interval": 0},
+                              info.name)
+    with pytest.raises(RequestError) as re_:
+        prepare(params.request, tiny.gen, tiny.buckets)
+    err = refusal(Error("invalid", str(re_.value), re_.value.field), params, info)
+    assert (err.status, err.param) == (400, "taylor_cache_interval")
+
+
+def test_schedule_cost_is_known_before_the_first_step():
+    """50 steps at the official defaults: 10 full steps (0, 5, ..., 45); tailing enhance adds step 49."""
+    assert len(full_steps(P(), 50)) == 10 == math.ceil(50 / 5)
+    assert full_steps(P(taylor_cache_enable_tailing_enhance=True), 50)[-2:] == [45, 49]
