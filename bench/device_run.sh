@@ -13,6 +13,8 @@
 #   host           suites prefill-host, train-step
 #   studio         suite studio on CUDA
 #   eval           the embedded model's accuracy on CUDA (train.evaluate, seed 2, 100 + 100)
+#   step-cache     the step cache's GPU tests, then suite step-cache: speed (hybrid4 rank, MXFP4 Distil) and
+#                  quality (the embedded model), each to its own folder under $OUT
 # Each run's log goes to $OUT/<run>.log, each suite's JSON and tables to $OUT/<suite>.json / .txt; the
 # tail of each log is printed as it ends. A suite name alone (`bash bench/device_run.sh convs`) runs it.
 set -u
@@ -74,6 +76,10 @@ for section in "$@"; do
     eval)
       run eval_cuda 330 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 \
         --n 100 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda.json" ;;
+    step-cache)
+      tests step_cache_tests 300 -s tests/test_step_cache.py
+      run step_cache_speed 590 python3 -m bench step-cache --speed --out "$OUT/step-cache-speed"
+      run step_cache_quality 400 python3 -m bench step-cache --quality --out "$OUT/step-cache-quality" ;;
     *)
       if python3 -c "import sys; from bench.suites import SUITES; sys.exit(sys.argv[1] not in SUITES)" "$section"; then
         suite "${section//-/_}" 590 "$section"

@@ -134,9 +134,7 @@ def image_of(events):
 
 def counted_run(lm, **kw):
     """(events, batch rows of every backbone forward) for one request."""
-    with backbone_rows(lm) as calls:
-        ev = list(Pipeline(lm, preview_every=0).run(Request(**kw)))
-    return ev, calls
+    return counted_run_with(Pipeline(lm, preview_every=0), lm, **kw)
 
 
 REQ = dict(prompt="a red circle", bot_task="image", size="256x256", seed=3, steps=7, guidance=4.0)
@@ -165,6 +163,21 @@ def test_distil_and_n_images_forecast_every_row(tiny_distil):
                             taylor_cache=P(taylor_cache_interval=2, taylor_cache_enable_tailing_enhance=True))
     assert calls == [1] + [2] * 3          # the prefix once, then steps 0, 2 and 4 (the tailing step too)
     assert len([e for e in ev if isinstance(e, Image)]) == 2
+
+
+@pytest.mark.parametrize("plan,sp", [("hybrid4", "ulysses"), ("tp2cfg2", None)])
+def test_multi_rank_cached_run_equals_world1_cached_run(tiny_dir, tiny, plan, sp):
+    """gloo ranks: under SP every rank forecasts the gathered tail, under CFG-parallel each its own branch;
+    the cached image equals the one-rank cached image (PSNR >= 40 dB) with the same steps in full."""
+    from engine.serve.server import EngineServer
+    kw = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=5, seed=3, greedy=True,
+              taylor_cache=P(taylor_cache_interval=2))
+    ref = list(Pipeline(tiny, preview_every=0).run(Request(**kw)))
+    with EngineServer(tiny_dir, plan=plan, sp_kind=sp, preview_every=0) as server:
+        assert server.wait_ready(300), server.health()
+        ev = list(server.stream(Request(**kw)))
+    assert psnr(image_of(ev), image_of(ref)) >= 40
+    assert ev[-1].timings.dit_full_steps == ref[-1].timings.dit_full_steps == 3       # steps 0, 2, 4
 
 
 # ------------------------------------------------------------------------------------------ surface
@@ -216,3 +229,37 @@ def test_schedule_cost_is_known_before_the_first_step():
     """50 steps at the official defaults: 10 full steps (0, 5, ..., 45); tailing enhance adds step 49."""
     assert len(full_steps(P(), 50)) == 10 == math.ceil(50 / 5)
     assert full_steps(P(taylor_cache_enable_tailing_enhance=True), 50)[-2:] == [45, 49]
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("which", ["tiny", "embedded"])
+def test_cuda_graph_cached_run_equals_eager_cached_run(tiny_dir, which):
+    """bf16 on CUDA: a Taylor-cached request with the denoise step as a CUDA graph gives the eager cached
+    run's image bytes; the full step's graph is captured once and replayed on the full steps only."""
+    from engine import EMBEDDED_MODEL
+    from engine.model.loader import load
+    lm = load(tiny_dir if which == "tiny" else EMBEDDED_MODEL, "cuda", torch.bfloat16)
+    kw = dict(prompt="two red circles and a blue star", bot_task="image", size="256x256", seed=11, steps=12,
+              taylor_cache=P(taylor_cache_interval=3, taylor_cache_enable_tailing_enhance=True))
+    out = {}
+    for graph in (False, True):
+        pipe = Pipeline(lm, preview_every=0, cuda_graph=graph)
+        ev, calls = counted_run_with(pipe, lm, **kw)
+        out[graph] = (image_of(ev), ev[-1].timings, dict(pipe.graphs.captures), calls)
+    assert out[True][0].tobytes() == out[False][0].tobytes()
+    assert out[True][1].dit_full_steps == out[False][1].dit_full_steps == 5      # 0, 3, 6, 9, 11
+    assert [k[0] for k in out[True][2]] == ["denoise"] and set(out[True][2].values()) == {1}
+    plain = image_of(counted_run_with(Pipeline(lm, preview_every=0), lm, **{**kw, "taylor_cache": None})[0])
+    print(f"{which}: cached vs uncached PSNR {psnr(out[True][0], plain):.1f} dB")
+
+
+def counted_run_with(pipe, lm, **kw):
+    with backbone_rows(lm) as calls:
+        ev = list(pipe.run(Request(**kw)))
+    return ev, calls
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    return float(10 * np.log10(255 ** 2 / max(((a - b) ** 2).mean(), 1e-12)))

@@ -18,6 +18,7 @@ SUITES = {
     "prefill-host": "the host time of the eager T2I prefill of one hybrid4 rank, stage by stage",
     "studio": "the wall time of studio requests end to end through the web server",
     "train-step": "where a training step of the embedded model goes",
+    "step-cache": "the step cache's settings: denoise time per image at the real shapes, image PSNR/SSIM vs no cache",
 }
 
 
