@@ -16,7 +16,7 @@ from engine.__main__ import main as cli_main
 from engine.runtime.events import Done, Error, Image
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, RequestError, prepare
-from engine.runtime.step_cache import TaylorCache, TaylorCacheParams, taylor_schedule
+from engine.runtime.step_cache import BlockCacheParams, TaylorCache, TaylorCacheParams, taylor_schedule
 from engine.serve.info import ModelInfo
 from engine.serve.openai_errors import ApiError
 from engine.serve.openai_params import parse_generation, refusal
@@ -180,6 +180,49 @@ def test_multi_rank_cached_run_equals_world1_cached_run(tiny_dir, tiny, plan, sp
     assert ev[-1].timings.dit_full_steps == ref[-1].timings.dit_full_steps == 3       # steps 0, 2, 4
 
 
+# ------------------------------------------------------------------------------------------ block cache
+B = BlockCacheParams
+
+
+def test_block_cache_that_never_skips_equals_no_cache(tiny):
+    plain, _ = counted_run(tiny, **REQ)
+    ev, calls = counted_run(tiny, **REQ, block_cache=B(block_cache_max_skips=0))
+    assert np.array_equal(image_of(plain), image_of(ev))
+    assert calls == [1, 1] + [2, 2] * 7          # every step: the first block, then the other layers
+    assert ev[-1].timings.dit_full_steps == 7
+
+
+def test_block_cache_skips_within_its_limits_with_cfg_rows_together(tiny):
+    """Threshold 1 (any change of the first block's residual smaller than itself): skipped wherever the
+    limits allow: warm-up step 0, at most 2 skips in a row, the last step in full -> full 0, 3, 6, 7."""
+    kw = dict(REQ, steps=8)
+    ev, calls = counted_run(tiny, **kw, block_cache=B(block_cache_threshold=1.0, block_cache_warmup_steps=1,
+                                                      block_cache_max_skips=2))
+    assert ev[-1].timings.dit_full_steps == 4
+    assert calls == [1, 1] + [2] * (8 + 4)      # every step's first block, the full steps' other layers: 2 rows
+    plain, _ = counted_run(tiny, **kw)
+    print(f"block cache vs none: PSNR {psnr(image_of(ev), image_of(plain)):.1f} dB")
+    assert np.isfinite(image_of(ev)).all() and not np.array_equal(image_of(ev), image_of(plain))
+    # threshold 0: every change is too large, nothing is skipped
+    zero, _ = counted_run(tiny, **kw, block_cache=B(block_cache_threshold=0.0, block_cache_warmup_steps=1))
+    assert zero[-1].timings.dit_full_steps == 8 and np.array_equal(image_of(zero), image_of(plain))
+
+
+@pytest.mark.parametrize("plan,sp", [("hybrid4", "ulysses"), ("tp2cfg2", None)])
+def test_multi_rank_block_cache_takes_one_decision(tiny_dir, tiny, plan, sp):
+    """Every rank takes the same branch (a rank that skipped alone would leave the others waiting in a
+    collective) and the image equals the one-rank one."""
+    from engine.serve.server import EngineServer
+    kw = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=6, seed=3, greedy=True,
+              block_cache=B(block_cache_threshold=1.0, block_cache_warmup_steps=1, block_cache_max_skips=1))
+    ref = list(Pipeline(tiny, preview_every=0).run(Request(**kw)))
+    with EngineServer(tiny_dir, plan=plan, sp_kind=sp, preview_every=0) as server:
+        assert server.wait_ready(300), server.health()
+        ev = list(server.stream(Request(**kw)))
+    assert psnr(image_of(ev), image_of(ref)) >= 40
+    assert ev[-1].timings.dit_full_steps == ref[-1].timings.dit_full_steps < 6
+
+
 # ------------------------------------------------------------------------------------------ surface
 @pytest.mark.parametrize("field,value", [("taylor_cache_interval", 0), ("taylor_cache_order", 5),
                                          ("taylor_cache_low_freqs_order", -1),
@@ -192,6 +235,16 @@ def test_bad_settings_are_refused_naming_the_field(tiny, field, value):
     assert e.value.field == field and field in str(e.value)
 
 
+@pytest.mark.parametrize("field,value", [("block_cache_threshold", -0.1), ("block_cache_threshold", "high"),
+                                         ("block_cache_first_blocks", 0), ("block_cache_max_skips", 1.5)])
+def test_bad_block_cache_settings_are_refused_naming_the_field(tiny, field, value):
+    with pytest.raises(RequestError) as e:
+        prepare(Request(prompt="x", block_cache=B(**{field: value}), seed=1), tiny.gen, tiny.buckets)
+    assert e.value.field == field and field in str(e.value)
+    with pytest.raises(RequestError, match="choose one step cache"):
+        prepare(Request(prompt="x", block_cache=B(), taylor_cache=P(), seed=1), tiny.gen, tiny.buckets)
+
+
 def test_cli_takes_the_official_options(tiny_dir, tmp_path, capsys):
     out = tmp_path / "x.png"
     rc = cli_main(["generate", "--model", str(tiny_dir), "--prompt", "a red circle", "--bot-task", "image",
@@ -202,6 +255,10 @@ def test_cli_takes_the_official_options(tiny_dir, tmp_path, capsys):
     rc = cli_main(["generate", "--model", str(tiny_dir), "--prompt", "x", "--out", str(out), "--seed", "1",
                    "--use-taylor-cache", "--taylor-cache-interval", "0"])
     assert rc == 2 and "taylor_cache_interval must be an integer from 1" in capsys.readouterr().err
+    rc = cli_main(["generate", "--model", str(tiny_dir), "--prompt", "a red circle", "--bot-task", "image",
+                   "--size", "256x256", "--steps", "4", "--seed", "1", "--out", str(out),
+                   "--use-block-cache", "--block-cache-threshold", "1", "--block-cache-warmup-steps", "1"])
+    assert rc == 0 and "4 steps (" in capsys.readouterr().out     # step 1 or 2 skipped, the last in full
 
 
 def test_v1_fields(tiny_dir, tiny):
@@ -223,6 +280,8 @@ def test_v1_fields(tiny_dir, tiny):
         prepare(params.request, tiny.gen, tiny.buckets)
     err = refusal(Error("invalid", str(re_.value), re_.value.field), params, info)
     assert (err.status, err.param) == (400, "taylor_cache_interval")
+    req = parse_generation({"prompt": "x", "use_block_cache": "true", "block_cache_threshold": "0.1"}, info.name).request
+    assert req.block_cache == B(block_cache_threshold=0.1) and req.taylor_cache is None
 
 
 def test_schedule_cost_is_known_before_the_first_step():
@@ -253,6 +312,30 @@ def test_cuda_graph_cached_run_equals_eager_cached_run(tiny_dir, which):
     assert [k[0] for k in out[True][2]] == ["denoise"] and set(out[True][2].values()) == {1}
     plain = image_of(counted_run_with(Pipeline(lm, preview_every=0), lm, **{**kw, "taylor_cache": None})[0])
     print(f"{which}: cached vs uncached PSNR {psnr(out[True][0], plain):.1f} dB")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_block_cache_runs_eagerly_and_skips():
+    """bf16 on CUDA, the embedded model: the block cache that never skips stays close to no cache (its
+    split stream rounds once more in bf16); at threshold 1 it skips; no graph is captured for its steps
+    (the decision is read on the host). Prints the default's steps in full and PSNR vs no cache."""
+    from engine import EMBEDDED_MODEL
+    from engine.model.loader import load
+    lm = load(EMBEDDED_MODEL, "cuda", torch.bfloat16)
+    kw = dict(prompt="two red circles and a blue star", bot_task="image", size="256x256", seed=11, steps=50)
+    pipe = Pipeline(lm, preview_every=0)
+    plain = image_of(counted_run_with(pipe, lm, **kw)[0])
+    never, _ = counted_run_with(pipe, lm, **kw, block_cache=B(block_cache_max_skips=0))
+    for threshold in (0.08, 1.0):
+        pipe = Pipeline(lm, preview_every=0)
+        ev, _ = counted_run_with(pipe, lm, **kw, block_cache=B(block_cache_threshold=threshold))
+        print(f"block cache at {threshold}: {ev[-1].timings.dit_full_steps}/50 in full, PSNR "
+              f"{psnr(image_of(ev), plain):.1f} dB vs no cache")
+        assert not pipe.graphs.captures
+    print(f"never skipping: {psnr(image_of(never), plain):.1f} dB")
+    assert psnr(image_of(never), plain) >= 35
+    assert ev[-1].timings.dit_full_steps < 50           # threshold 1: skips wherever the limits allow
 
 
 def counted_run_with(pipe, lm, **kw):

@@ -8,15 +8,19 @@ the uncached prefix not counted), timed wall-clock, at the real shapes with rand
     50 steps, bf16, each step a CUDA graph;
   - the MXFP4 Distil on one H200 (tp1; `one-gpu`'s mxfp4-distil build), 8 steps, one branch.
 Per setting: ms per image, steps run in full, the speed-up over no cache. Random weights say nothing of
-the image, only of the time.
+the image, only of the time; and the block cache skips where the features barely change, which random
+weights do not show: its rows say what its probe and its skips cost, the quality part how often it skips.
 
 --quality (default on): the embedded model (assets/model: the only trained weights here) end to end
 through the engine's Pipeline (T2I prompts with reasoning, fixed seeds), at its default steps and at 50
 steps: per setting, PSNR and SSIM of each image against the same request without a cache, the steps run
 in full, the DiT wall time per image.
 
-Settings: `none`; `taylor`: the official defaults (interval 5, order 2, no enhance); `taylor-enhance`:
-the same with first enhance (3 steps) and tailing enhance (1 step) on; `taylor-N`: interval N.
+Settings: `none`; `none-eager` (speed: no cache, the step eager, as the block cache runs it: its skip
+decision is data, read on the host); `taylor`: the official defaults (interval 5, order 2, no enhance);
+`taylor-enhance`: the same with first enhance (3 steps) and tailing enhance (1 step) on; `taylor-N`:
+interval N; `block`: the first-block cache at its defaults (threshold 0.08, 1 probe layer, at most 3
+skips in a row, 2 warm-up steps, the last step full); `block-T`: threshold T.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import numpy as np
 import torch
 
 from engine.runtime.denoise import denoise
-from engine.runtime.step_cache import TaylorCacheParams, make_step_cache
+from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams, make_step_cache
 
 from .. import rank
 from ..report import Col, Output
@@ -40,20 +44,28 @@ PROMPTS = ("a red circle on the left on a white background", "two blue squares a
            "a yellow triangle above a purple circle", "three orange stars on a black background")
 
 
-def setting(name: str) -> TaylorCacheParams | None:
-    if name == "none":
-        return None
+def setting(name: str) -> tuple[TaylorCacheParams | None, BlockCacheParams | None]:
+    """(Taylor settings, block-cache settings) of a setting's name."""
+    if name in ("none", "none-eager"):
+        return None, None
     if name == "taylor":
-        return TaylorCacheParams()
+        return TaylorCacheParams(), None
     if name == "taylor-enhance":
-        return TaylorCacheParams(taylor_cache_enable_first_enhance=True, taylor_cache_enable_tailing_enhance=True)
+        return TaylorCacheParams(taylor_cache_enable_first_enhance=True, taylor_cache_enable_tailing_enhance=True), None
     if name.startswith("taylor-") and name[7:].isdigit():
-        return TaylorCacheParams(taylor_cache_interval=int(name[7:]))
-    raise SystemExit(f"unknown setting {name!r}: none, taylor, taylor-enhance or taylor-N")
+        return TaylorCacheParams(taylor_cache_interval=int(name[7:])), None
+    if name == "block":
+        return None, BlockCacheParams()
+    if name.startswith("block-"):
+        try:
+            return None, BlockCacheParams(block_cache_threshold=float(name[6:]))
+        except ValueError:
+            pass
+    raise SystemExit(f"unknown setting {name!r}: none, none-eager, taylor, taylor-enhance, taylor-N, block, block-T")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--settings", default="none,taylor,taylor-enhance,taylor-3")
+    ap.add_argument("--settings", default="none,none-eager,taylor,taylor-enhance,taylor-3,block,block-0.12,block-0.05")
     ap.add_argument("--speed", action="store_true", help="only the speed part")
     ap.add_argument("--quality", action="store_true", help="only the quality part")
     ap.add_argument("--model", default=None, help="checkpoint of the quality part (default: the embedded model)")
@@ -62,14 +74,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------------------- speed
-def denoise_ms(req, steps: int, params: TaylorCacheParams | None, graph: bool, dry: bool) -> tuple[float, int]:
+def denoise_ms(req, steps: int, name: str, graph: bool, dry: bool) -> tuple[float, int]:
     """(wall ms of `steps` denoise steps of one image, steps run in full); a warm-up run first (the
     graphs' capture), then the median of 3 (dry: one)."""
     model, distil = req.model, req.distil
     times, full = [], 0
     for k in range(2 if dry else 4):
-        r = req.runner(graph)
-        r.step_cache = make_step_cache(params, steps)
+        taylor, block = setting(name)
+        r = req.runner(graph and name != "none-eager")
+        r.step_cache = make_step_cache(taylor, steps, block, model.cfg.num_layers)
         r.prefill()
         x = rank.latent(model, req.s.side)
         sync()
@@ -105,7 +118,7 @@ def speed(args: argparse.Namespace, out: Output, names: list[str]) -> list[dict]
         base = None
         with torch.no_grad():
             for name in names:
-                ms, full = denoise_ms(req, steps, setting(name), not args.no_step_graph and not dry, dry)
+                ms, full = denoise_ms(req, steps, name, not args.no_step_graph and not dry, dry)
                 base = ms if name == "none" else base
                 row = dict(case=what, setting=name, steps=steps, full_steps=full, ms_per_image=ms,
                            speedup=base / ms if base else None)
@@ -156,7 +169,9 @@ def quality(args: argparse.Namespace, out: Output, names: list[str]) -> list[dic
         for name in names:
             p, s, full, dit = [], [], 0, 0.0
             for seed, prompt in enumerate(samples):
-                ev = list(pipe.run(Request(prompt=prompt, seed=seed, steps=steps, taylor_cache=setting(name))))
+                taylor, block = setting(name)
+                ev = list(pipe.run(Request(prompt=prompt, seed=seed, steps=steps, taylor_cache=taylor,
+                                           block_cache=block)))
                 png = next(e for e in ev if isinstance(e, Image)).png
                 img = np.asarray(PILImage.open(io.BytesIO(png)).convert("RGB"), dtype=np.float64)
                 t = next(e for e in ev if isinstance(e, Done)).timings
@@ -187,5 +202,5 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     if args.speed or both:
         out.data["speed"] = speed(args, out, names)
     if args.quality or both:
-        out.data["quality"] = quality(args, out, names)
+        out.data["quality"] = quality(args, out, [n for n in names if n != "none-eager"])
     return True

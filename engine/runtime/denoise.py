@@ -112,15 +112,16 @@ class DenoiseRunner:
             return meta
         return min(max(meta - sp.rank * chunk, 0), chunk)     # KV all-gather: this rank's own chunk
 
-    def _run(self, x: torch.Tensor, start: int, stop: int, rows: slice) -> torch.Tensor:
-        """Tokens [start, stop) with embeddings x [B, n, H] into cache rows `rows` -> hidden [B, n, H]."""
+    def _run(self, x: torch.Tensor, start: int, stop: int, rows: slice, layers: range | None = None) -> torch.Tensor:
+        """Tokens [start, stop) with embeddings x [B, n, H] into cache rows `rows` -> hidden [B, n, H]
+        (`layers`: only these, x the residual stream entering the first)."""
         sp = self.view.sp
         chunk, n, batch = self._layout(start, stop, x.device)
         if sp.size > 1:
             x = torch.cat([x, x.new_zeros(x.shape[0], chunk * sp.size - n, x.shape[2])], dim=1)
             x = x[:, sp.rank * chunk:(sp.rank + 1) * chunk]
         h = self.model.backbone(x, batch.index, self.pos, self.blocks, self.cache.rows(rows), batch.kv_len,
-                                self.view, batch=batch)
+                                self.view, batch=batch, layers=layers)
         if sp.size > 1:
             h = sp.all_gather(h, dim=1)[:, :n]
         return h
@@ -149,8 +150,8 @@ class DenoiseRunner:
         cache = self.step_cache
         if not cache.full(i):
             return self._head(cache.forecast(i), t)
-        if not self.use_graph:
-            v, hidden = self._velocity(x, t, r, g)
+        if not self.use_graph or not cache.graphable:
+            v, hidden = self._velocity(x, t, r, g, i)
         else:
             if self._static is None:
                 self._static = [None if v is None else v.clone() for v in (x, t, r, g)]
@@ -162,21 +163,24 @@ class DenoiseRunner:
         return v
 
     def _velocity(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
-                  g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(v, the backbone's output for the step's tokens [rows, meta + h*w, H])."""
+                  g: torch.Tensor | None, i: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v, the backbone's output for the step's tokens [rows, meta + h*w, H]) at step i."""
         model, span = self.model, self.span
         n, nb = self.images, len(self.branches)
         # the branches differ only in their prefix: the meta + image embeddings (the patch embedding's
         # 4096-channel convolutions among them) are computed once per image and shared by every branch
         tail = tail_embeddings(model, x, t.expand(n), None if r is None else r.expand(n),
                                None if g is None else g.expand(n)).repeat(nb, 1, 1)
-        meta, stop = span.meta_start, span.stop
-        if not self.serial:
-            hidden = self._run(tail, meta, stop, slice(None))
-        else:
-            hidden = torch.cat([self._run(tail[self._rows(j)], meta, stop, self._rows(j))
-                                for j in range(len(self.branches))])
+        hidden = self.step_cache.backbone(i, tail, self._forward, self.branch_comm)
         return self._head(hidden, t), hidden
+
+    def _forward(self, x: torch.Tensor, layers: range | None = None) -> torch.Tensor:
+        """The step's tokens of every row through `layers` (default all): one batch, or branch by branch."""
+        meta, stop = self.span.meta_start, self.span.stop
+        if not self.serial:
+            return self._run(x, meta, stop, slice(None), layers)
+        return torch.cat([self._run(x[self._rows(j)], meta, stop, self._rows(j), layers)
+                          for j in range(len(self.branches))])
 
     def _head(self, hidden: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The backbone's output [rows, meta + h*w, H] -> v of every branch (gathered over `branch_comm`)."""

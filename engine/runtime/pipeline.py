@@ -237,7 +237,7 @@ class Pipeline:
             runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
                                    scratch, branch_comm, serial=self.cfg_serial, images=n_img,
                                    use_graph=self.cuda_graph, graphs=self.graphs, key=(next(self._programs),),
-                                   step_cache=make_step_cache(p.taylor_cache, p.steps))
+                                   step_cache=make_step_cache(p.taylor_cache, p.steps, p.block_cache, cfg.num_layers))
             # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
             latent_ch = int(cfg.vae["latent_channels"])
             gens = [image_gen] + [torch.Generator(dev).manual_seed(p.seed + k) for k in range(1, n_img)]

@@ -1,5 +1,6 @@
 """The step cache: a per-request policy inside the denoise loop that says, step by step, whether the
-backbone runs in full or its output is forecast from cached features (DESIGN §2.9).
+backbone runs in full or its output is forecast from cached features (DESIGN §2.9): the official
+Taylor cache (below) or an adaptive first-block cache (`BlockCache`).
 
 The official Taylor cache (HunyuanImage-3.0's `use_taylor_cache`, read from its modeling code and
 `cache_utils.py`; the parameter names, defaults and CLI options are the official ones):
@@ -33,8 +34,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
+
+from engine.parallel.layout import Comm
 
 ORDER_RANGE = (0, 4)          # more derivatives cost two [rows, tokens, H] tensors each and help nothing
 STEPS_FIELD_RANGE = (0, 200)  # enhance steps, like the request's steps
@@ -114,6 +118,7 @@ def split_bands(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class StepCache:
     """No cache: every step runs in full. The base of the policies the denoise runner consults."""
+    graphable = True                 # the step's work is the same kernels every step (a CUDA graph can hold it)
 
     def __init__(self, steps: int):
         self.steps = steps
@@ -121,6 +126,11 @@ class StepCache:
 
     def full(self, i: int) -> bool:
         return True
+
+    def backbone(self, i: int, tail: torch.Tensor, forward: Callable[..., torch.Tensor], comm: Comm) -> torch.Tensor:
+        """Step i's backbone output for the tail embeddings [rows, T, H]: `forward(x, layers)` runs layers
+        (default all) of every row; `comm` joins the ranks that hold the request's other CFG rows."""
+        return forward(tail)
 
     def record(self, i: int, hidden: torch.Tensor) -> None:
         """After full step i: its backbone output `hidden` [rows, meta + h*w, H] (the caller's buffer)."""
@@ -180,6 +190,85 @@ class TaylorCache(StepCache):
         return out
 
 
-def make_step_cache(taylor: TaylorCacheParams | None, steps: int) -> StepCache:
-    """The request's policy: the Taylor cache when it asked for one, else every step in full."""
-    return TaylorCache(taylor, steps) if taylor is not None else StepCache(steps)
+@dataclass(frozen=True)
+class BlockCacheParams:
+    """The adaptive first-block cache (DBCache / first-block-cache style; not measured yet: the defaults
+    are the usual ones of those caches, to be set by `python -m bench step-cache`)."""
+    block_cache_threshold: float = 0.08      # skip when the first blocks' residual changed less than this
+    block_cache_first_blocks: int = 1        # layers every step runs (the probe)
+    block_cache_max_skips: int = 3           # consecutive skipped steps at most
+    block_cache_warmup_steps: int = 2        # first steps always in full
+    block_cache_tail_steps: int = 1          # last steps always in full
+
+    def problem(self) -> tuple[str, str] | None:
+        t = self.block_cache_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 1:
+            return "block_cache_threshold", f"block_cache_threshold must be a number from 0 to 1 (got {t!r})"
+        for name, (lo, hi) in (("block_cache_first_blocks", (1, 64)), ("block_cache_max_skips", (0, 200)),
+                               ("block_cache_warmup_steps", (1, 200)), ("block_cache_tail_steps", (0, 200))):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                return name, f"{name} must be an integer from {lo} to {hi} (got {v!r})"
+        return None
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+class BlockCache(StepCache):
+    """Every step runs the first `block_cache_first_blocks` layers; their residual (stream out - stream in)
+    is compared with the one of the last full step: relative L1 change = sum|r - r_full| / sum|r_full|
+    over every row of the request (both CFG branches and all images decide together; CFG-parallel ranks
+    add their sums over `comm`). Under the threshold (and within the skip limits) the other layers are
+    skipped and the last full step's residual of those layers is added instead; otherwise they run and
+    their residual is kept. Under SP the probe is the gathered stream, so every rank sees the same sums
+    and TP ranks the same all-reduced stream: all ranks take the same branch without a further message.
+    The decision is data: one host read per step, so this policy runs eagerly (no CUDA graph)."""
+    graphable = False
+
+    def __init__(self, params: BlockCacheParams, steps: int, layers: int):
+        super().__init__(steps)
+        self.params, self.layers = params, layers
+        self.first = min(params.block_cache_first_blocks, layers)
+        self.probe: torch.Tensor | None = None      # the first blocks' residual at the last full step
+        self.rest: torch.Tensor | None = None       # the other layers' residual at the last full step
+        self.skipped_run = 0
+
+    def record(self, i: int, hidden: torch.Tensor) -> None:
+        pass                                         # `backbone` counts the steps whose other layers ran
+
+    def may_skip(self, i: int) -> bool:
+        p = self.params
+        return (self.rest is not None and i >= p.block_cache_warmup_steps and i < self.steps - p.block_cache_tail_steps
+                and self.skipped_run < p.block_cache_max_skips)
+
+    def backbone(self, i: int, tail: torch.Tensor, forward: Callable[..., torch.Tensor], comm: Comm) -> torch.Tensor:
+        p = self.params
+        head = forward(tail, range(0, self.first))
+        if self.first == self.layers:                # the probe is the whole backbone: nothing to skip
+            self.full_steps += 1
+            return head
+        probe = head - tail
+        if self.may_skip(i):
+            sums = torch.stack([(probe - self.probe).abs().float().sum(), self.probe.abs().float().sum()])
+            comm.all_reduce_(sums)
+            change, scale = sums.tolist()            # the step's one host read
+            if change <= p.block_cache_threshold * scale:
+                self.skipped_run += 1
+                return head + self.rest
+        out = forward(head, range(self.first, self.layers))
+        self.probe, self.rest, self.skipped_run = probe, out - head, 0
+        self.full_steps += 1
+        return out
+
+
+def make_step_cache(taylor: TaylorCacheParams | None, steps: int, block: BlockCacheParams | None = None,
+                    layers: int = 0) -> StepCache:
+    """The request's policy: the Taylor cache or the block cache (of a `layers`-layer backbone) when it
+    asked for one, else every step in full."""
+    if taylor is not None:
+        return TaylorCache(taylor, steps)
+    if block is not None:
+        return BlockCache(block, steps, layers)
+    return StepCache(steps)
