@@ -19,6 +19,8 @@
 #   flashinfer     installs the carried FlashInfer (bench/flashinfer_install.sh: carry .fi/parts), JIT-builds
 #                  its four families in parallel (timed), its variants' GPU tests (failing, not skipping,
 #                  where it does not import), suite flashinfer (ours vs FlashInfer per op)
+#   step-cache     the step cache's GPU tests, then suite step-cache: speed (hybrid4 rank, MXFP4 Distil) and
+#                  quality (the embedded model), each to its own folder under $OUT
 # Each run's log goes to $OUT/<run>.log, each suite's JSON and tables to $OUT/<suite>.json / .txt; the
 # tail of each log is printed as it ends. A suite name alone (`bash bench/device_run.sh convs`) runs it.
 set -u
@@ -97,6 +99,10 @@ for section in "$@"; do
       else
         echo "=== flashinfer: not installed (carry .fi/parts: bench/flashinfer_install.sh)"
       fi ;;
+    step-cache)
+      tests step_cache_tests 300 -s tests/test_step_cache.py
+      run step_cache_speed 590 python3 -m bench step-cache --speed --out "$OUT/step-cache-speed"
+      run step_cache_quality 400 python3 -m bench step-cache --quality --out "$OUT/step-cache-quality" ;;
     *)
       if python3 -c "import sys; from bench.suites import SUITES; sys.exit(sys.argv[1] not in SUITES)" "$section"; then
         suite "${section//-/_}" 590 "$section"

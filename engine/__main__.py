@@ -62,6 +62,31 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="run the AR decode and denoise steps eagerly on CUDA (by default each is a CUDA-graph replay)")
 
 
+def _add_step_caches(p: argparse.ArgumentParser) -> None:
+    """The step caches' options (engine/runtime/step_cache.py): the official Taylor cache's (same names
+    and defaults as the official CLI) and the block cache's."""
+    from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
+    p.add_argument("--use-taylor-cache", action="store_true",
+                   help="forecast the backbone's output between full steps (the official Taylor cache)")
+    p.add_argument("--use-block-cache", action="store_true",
+                   help="skip the backbone's later layers while its first layers' residual barely changes")
+    for kind in (TaylorCacheParams, BlockCacheParams):
+        for name in kind.names():
+            flag = "--" + name.replace("_", "-")
+            default = getattr(kind(), name)
+            if isinstance(default, bool):
+                p.add_argument(flag, action="store_true", help=f"{name} (default off)")
+            else:
+                p.add_argument(flag, type=type(default), default=default, help=f"{name} (default {default})")
+
+
+def _step_cache(args: argparse.Namespace, use: str, kind):
+    """The request's settings of one step cache from the flags, or None without its --use flag."""
+    if not getattr(args, use, False):
+        return None
+    return kind(**{name: getattr(args, name) for name in kind.names()})
+
+
 def _print_events(events, out_path: Path | None = None) -> int:
     section = None
     for ev in events:
@@ -100,10 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--guidance", type=float)
     gen.add_argument("--stretch", action="store_true", help="fit reference images by stretching (align option)")
     gen.add_argument("--out", required=True, help="output PNG path")
+    _add_step_caches(gen)
 
     args = ap.parse_args(argv)
     from engine.parallel.plan import PlanError, get_plan
     from engine.runtime.request import Request
+    from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
     if (problem := device_problem(args.device)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -120,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                   seed=args.seed, system_prompt=args.system_prompt, custom_system_prompt=args.custom_system_prompt,
                   max_new_tokens=args.max_new_tokens, greedy=args.greedy, text_only=args.cmd == "text",
                   steps=getattr(args, "steps", None), guidance=getattr(args, "guidance", None),
-                  stretch=getattr(args, "stretch", False))
+                  stretch=getattr(args, "stretch", False),
+                  taylor_cache=_step_cache(args, "use_taylor_cache", TaylorCacheParams),
+                  block_cache=_step_cache(args, "use_block_cache", BlockCacheParams))
     out = Path(args.out) if args.cmd == "generate" else None
     if plan.world > 1:
         from engine.serve.server import EngineServer

@@ -4,7 +4,8 @@ attention of the CPU, no static buffers, no batch; the reference the batched dec
 with), and requests run together through the scheduler as the worker runs them."""
 from __future__ import annotations
 
-from typing import Callable, Generator
+import contextlib
+from typing import Callable, Generator, Iterator
 
 import torch
 
@@ -13,6 +14,23 @@ from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, prepare
 from engine.runtime.sampling import choose
 from engine.runtime.scheduler import Scheduler, StepNews
+
+
+@contextlib.contextmanager
+def backbone_rows(lm) -> Iterator[list[int]]:
+    """Inside the block, every forward of `lm`'s backbone appends its batch rows to the list yielded."""
+    calls: list[int] = []
+    orig = lm.model.backbone
+
+    def counting(x, *a, **k):
+        calls.append(x.shape[0])
+        return orig(x, *a, **k)
+
+    lm.model.backbone = counting
+    try:
+        yield calls
+    finally:
+        del lm.model.backbone
 
 
 def plain_decode(model, pos: torch.Tensor, blocks: torch.Tensor, cache, view, vocab: int) -> Callable[[Decode], int]:

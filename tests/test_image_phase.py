@@ -18,6 +18,8 @@ from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.runtime.sequence import image_phase_sequence
 
+from engine_drive import backbone_rows
+
 
 def run(pipe, **kw):
     return list(pipe.run(Request(**kw)))
@@ -77,18 +79,8 @@ def test_distil_schedule_values():
 
 def test_distil_runs_one_forward_per_step(tiny_distil):
     pipe = Pipeline(tiny_distil, preview_every=0)
-    calls = []
-    orig = tiny_distil.model.backbone
-
-    def counting(x, *a, **k):
-        calls.append(x.shape[0])
-        return orig(x, *a, **k)
-
-    tiny_distil.model.backbone = counting
-    try:
+    with backbone_rows(tiny_distil) as calls:
         ev = run(pipe, prompt="a cat", bot_task="image", size="256x256", steps=3, seed=0)
-    finally:
-        del tiny_distil.model.backbone
     assert image_of(ev).size == (256, 256)
     assert calls == [1, 1, 1, 1]       # the prefix once, then one batch-1 forward per step: no uncond branch
 

@@ -21,6 +21,7 @@ SUITES = {
     "serving": "whole requests through the engine's scheduler at 1, 4, 16 clients: images/min, p50/p90 latency",
     "studio": "the wall time of studio requests end to end through the web server",
     "train-step": "where a training step of the embedded model goes",
+    "step-cache": "the step cache's settings: denoise time per image at the real shapes, image PSNR/SSIM vs no cache",
 }
 
 

@@ -75,7 +75,7 @@ class HunyuanImage3(nn.Module):
     def backbone(self, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor,
                  cache: KVCache, kv_len: int, view: PhaseView, masked: bool = True,
                  gathered: torch.Tensor | None = None, batch: AttnBatch | None = None,
-                 kv_len_dev: torch.Tensor | None = None) -> torch.Tensor:
+                 kv_len_dev: torch.Tensor | None = None, layers: range | None = None) -> torch.Tensor:
         """Run the layers on embeddings x [B, T, H] of the tokens at sequence indices `index` [T].
 
         pos [>=kv_len, 2] and blocks [>=kv_len] describe the whole sequence; keys [0, kv_len) of the cache
@@ -83,10 +83,11 @@ class HunyuanImage3(nn.Module):
         parallelism x holds this rank's tokens and `gathered` [S] the indices of every rank's tokens.
         A `batch` prepared once by `attn_batch` (the same tokens at every denoise step) skips rebuilding it.
         `kv_len_dev` (a device tensor [1], with masked=False): the number of valid keys, read on the device
-        (a CUDA-graph decode step); kv_len is then the cache's static bound.
+        (a CUDA-graph decode step); kv_len is then the cache's static bound. `layers`: only these layers
+        (x is then the residual stream entering the first; default all).
         """
         batch = batch or self.attn_batch(index, pos, blocks, kv_len, view, masked, gathered, kv_len_dev=kv_len_dev)
-        return self.transformer(x, batch, cache, view)
+        return self.transformer(x, batch, cache, view, layers)
 
     def vae_autocast(self) -> contextlib.AbstractContextManager:
         """The VAE's precision: fp16 autocast on CUDA (config `vae_autocast_dtype`, as the official

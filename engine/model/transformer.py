@@ -88,10 +88,13 @@ class Transformer(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.wte)
 
-    def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache, view: PhaseView) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache, view: PhaseView,
+                layers: range | None = None) -> torch.Tensor:
+        """The residual stream after `layers` (default: all) for the stream x entering the first of them
+        (the denoise step cache runs the first blocks, then maybe the rest)."""
         residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, batch, cache, i, view)
+        for i in range(len(self.layers)) if layers is None else layers:
+            x, residual = self.layers[i](x, residual, batch, cache, i, view)
         return x + residual
 
     def logits(self, x: torch.Tensor, view: PhaseView) -> torch.Tensor:

@@ -17,6 +17,7 @@ from engine.parallel.layout import Comm, PhaseView, graph_safe
 from engine.runtime.conditioning import embed_range
 from engine.runtime.graphs import Graphs
 from engine.runtime.sequence import GenImageSpan, Sequence
+from engine.runtime.step_cache import StepCache
 
 
 def flow_sigmas(steps: int, shift: float) -> torch.Tensor:
@@ -90,12 +91,14 @@ class DenoiseRunner:
     a branch shares it. Each step then runs only the meta + image tokens of every row, as one batch or
     one branch after the other (`serial`). Under SP each call's tokens are split over `view.sp`; padding
     tokens write a scratch cache slot (`scratch`) that no real query reads.
+    step_cache: the request's policy (engine/runtime/step_cache.py), asked before each step whether the
+      backbone runs in full or its output is forecast; default: every step in full.
     """
 
     def __init__(self, model: HunyuanImage3, seq: Sequence, refs: list, ids: torch.Tensor, cache: KVCache,
                  view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
                  serial: bool = False, images: int = 1, use_graph: bool = False, graphs: Graphs | None = None,
-                 key: tuple = ()):
+                 key: tuple = (), step_cache: StepCache | None = None):
         """`key`: what else the step's graph depends on, appended to its step key (the KV storage the
         rows are views of: a graph replays on the storage it was captured on)."""
         self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
@@ -114,6 +117,7 @@ class DenoiseRunner:
                           and graph_safe(view.tp, view.sp, branch_comm))
         self.key = step_key(seq.gen_image, images, branches) + key
         self._static: StepBuffers | None = None
+        self.step_cache = step_cache if step_cache is not None else StepCache(0)
 
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
@@ -144,15 +148,16 @@ class DenoiseRunner:
             return meta
         return min(max(meta - sp.rank * chunk, 0), chunk)     # KV all-gather: this rank's own chunk
 
-    def _run(self, x: torch.Tensor, start: int, stop: int, rows: slice) -> torch.Tensor:
-        """Tokens [start, stop) with embeddings x [B, n, H] into cache rows `rows` -> hidden [B, n, H]."""
+    def _run(self, x: torch.Tensor, start: int, stop: int, rows: slice, layers: range | None = None) -> torch.Tensor:
+        """Tokens [start, stop) with embeddings x [B, n, H] into cache rows `rows` -> hidden [B, n, H]
+        (`layers`: only these, x the residual stream entering the first)."""
         sp = self.view.sp
         chunk, n, batch = self._layout(start, stop, x.device)
         if sp.size > 1:
             x = torch.cat([x, x.new_zeros(x.shape[0], chunk * sp.size - n, x.shape[2])], dim=1)
             x = x[:, sp.rank * chunk:(sp.rank + 1) * chunk]
         h = self.model.backbone(x, batch.index, self.pos, self.blocks, self.cache.rows(rows), batch.kv_len,
-                                self.view, batch=batch)
+                                self.view, batch=batch, layers=layers)
         if sp.size > 1:
             h = sp.all_gather(h, dim=1)[:, :n]
         return h
@@ -176,16 +181,23 @@ class DenoiseRunner:
                  g: torch.Tensor | None) -> torch.Tensor:
         """x [images, C, h, w] -> v [branches_total * images, C, h, w] (fp32, branch-major), identical
         on all ranks. `prefill()` must have run. The result may be the graph's output buffer: use it
-        before the next step."""
-        if not self.use_graph:
-            return self._velocity(x, t, r, g)
-        if self._static is None:
-            self._static = self._take_buffers(x, t, r, g)
-        s = self._static
-        for buf, val in ((s.x, x), (s.t, t), (s.r, r), (s.g, g)):
-            if buf is not None:
-                buf.copy_(val)
-        return self.graphs.replay(self.key, lambda: self._velocity(s.x, s.t, s.r, s.g), warmup=2)
+        before the next step. Step i runs the backbone or, where the step cache says so, forecasts its
+        output from cached features (eagerly: a few elementwise ops) and runs only the final layer."""
+        cache = self.step_cache
+        if not cache.full(i):
+            return self._head(cache.forecast(i), t)
+        if not self.use_graph or not cache.graphable:
+            v, hidden = self._velocity(x, t, r, g, i)
+        else:
+            if self._static is None:
+                self._static = self._take_buffers(x, t, r, g)
+            s = self._static
+            for buf, val in ((s.x, x), (s.t, t), (s.r, r), (s.g, g)):
+                if buf is not None:
+                    buf.copy_(val)
+            v, hidden = self.graphs.replay(self.key, lambda: self._velocity(s.x, s.t, s.r, s.g), warmup=2)
+        cache.record(i, hidden)
+        return v
 
     def _take_buffers(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
                       g: torch.Tensor | None) -> StepBuffers:
@@ -202,21 +214,29 @@ class DenoiseRunner:
         return s
 
     def _velocity(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
-                  g: torch.Tensor | None) -> torch.Tensor:
+                  g: torch.Tensor | None, i: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v, the backbone's output for the step's tokens [rows, meta + h*w, H]) at step i."""
         model, span = self.model, self.span
         n, nb = self.images, len(self.branches)
         # the branches differ only in their prefix: the meta + image embeddings (the patch embedding's
         # 4096-channel convolutions among them) are computed once per image and shared by every branch
         tail = tail_embeddings(model, x, t.expand(n), None if r is None else r.expand(n),
                                None if g is None else g.expand(n)).repeat(nb, 1, 1)
-        tb = t.expand(n * nb)
-        meta, stop, hw = span.meta_start, span.stop, span.h * span.w
+        hidden = self.step_cache.backbone(i, tail, self._forward, self.branch_comm)
+        return self._head(hidden, t), hidden
+
+    def _forward(self, x: torch.Tensor, layers: range | None = None) -> torch.Tensor:
+        """The step's tokens of every row through `layers` (default all): one batch, or branch by branch."""
+        meta, stop = self.span.meta_start, self.span.stop
         if not self.serial:
-            hidden = self._run(tail, meta, stop, slice(None))[:, -hw:]
-        else:
-            hidden = torch.cat([self._run(tail[self._rows(j)], meta, stop, self._rows(j))[:, -hw:]
-                                for j in range(len(self.branches))])
-        v = velocity(model, hidden, tb, span)
+            return self._run(x, meta, stop, slice(None), layers)
+        return torch.cat([self._run(x[self._rows(j)], meta, stop, self._rows(j), layers)
+                          for j in range(len(self.branches))])
+
+    def _head(self, hidden: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The backbone's output [rows, meta + h*w, H] -> v of every branch (gathered over `branch_comm`)."""
+        span = self.span
+        v = velocity(self.model, hidden[:, -span.h * span.w:], t.expand(hidden.shape[0]), span)
         return self.branch_comm.all_gather(v, dim=0)
 
 

@@ -69,6 +69,7 @@ class Timings:
     ar_ms_per_token: float = 0.0  # per sampled token after the first
     dit_steps: int = 0
     dit_ms_per_step: float = 0.0
+    dit_full_steps: int = 0       # steps that ran the backbone; the others were forecast by the step cache
     vae_ms: float = 0.0
     total_s: float = 0.0
     dit_prefill_ms: float = 0.0   # the uncached prefix (the uncond branch's, with CFG) before the first step
@@ -85,7 +86,8 @@ class Timings:
         elif self.ar_tokens:     # one choice only (the size, with reasoning off): no decode to time
             out.append(f"{b('AR')} prefill {self.ar_prefill_ms:.0f} ms (1 token)")
         if self.dit_steps:
-            out.append(f"{b('DiT')} {self.dit_ms_per_step:.0f} ms/step x {self.dit_steps} steps")
+            full = f" ({self.dit_full_steps} in full)" if 0 < self.dit_full_steps < self.dit_steps else ""
+            out.append(f"{b('DiT')} {self.dit_ms_per_step:.0f} ms/step x {self.dit_steps} steps{full}")
         if self.vae_ms:
             out.append(f"{b('VAE')} {self.vae_ms:.0f} ms")
         out.append(f"{b('total')} {self.total_s:.2f} s")

@@ -37,6 +37,7 @@ from engine.runtime.needs import ARSlot, DenoiseTurn, Need
 from engine.runtime.request import Prepared, Request, RequestError, prepare, with_seed
 from engine.runtime.scheduler import Scheduler, StepNews
 from engine.runtime.sequence import image_phase_sequence, text_phase_sequence
+from engine.runtime.step_cache import make_step_cache
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 from engine.spec.buckets import nearest_bucket
 from engine.spec.prompts import COT_TASKS, PromptError
@@ -238,7 +239,8 @@ class Pipeline:
             starts = [min(prefix, seq.gen_image.meta_start) if b == 0 else 0 for b in branches]
             runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
                                    scratch, branch_comm, serial=self.cfg_serial, images=n_img,
-                                   use_graph=self.cuda_graph, graphs=self.graphs, key=pool.denoise_key)
+                                   use_graph=self.cuda_graph, graphs=self.graphs, key=pool.denoise_key,
+                                   step_cache=make_step_cache(p.taylor_cache, p.steps, p.block_cache, cfg.num_layers))
             self._keep_denoise_graph(runner.key)
             # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
             latent_ch = int(cfg.vae["latent_channels"])
@@ -271,6 +273,7 @@ class Pipeline:
                 return
             synchronize(dev)
             timings.dit_steps = p.steps
+            timings.dit_full_steps = runner.step_cache.full_steps
             timings.dit_ms_per_step = (time.perf_counter() - t0 - spent) * 1e3 / p.steps
 
             if not rt.is_leader:      # one rank decodes and emits the image

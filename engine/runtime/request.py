@@ -12,6 +12,7 @@ from PIL import Image
 
 from engine.runtime.images import ImageError, open_image
 from engine.runtime.sampling import SamplingParams
+from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
 from engine.spec.buckets import Bucket, SizeError, parse_size
 from engine.spec.config import GenerationConfig
 from engine.spec.prompts import BOT_TASKS, PRESETS
@@ -42,7 +43,7 @@ def random_seed() -> int:
 class RequestError(ValueError):
     """Bad input: nothing was run. `field` names the Request field at fault (prompt, images, bot_task,
     size, steps, guidance, seed, system_prompt, custom_system_prompt, max_new_tokens, temperature, top_k,
-    top_p, n; None when the request as a whole is at fault), so a front end can put the message on its
+    top_p, n, taylor_cache_*, block_cache_*; None when the request as a whole is at fault), so a front end can put the message on its
     control or name the parameter in its error."""
 
     def __init__(self, message: str, field: str | None = None):
@@ -69,6 +70,8 @@ class Request:
     stretch: bool = False                         # fit references by stretching (official align option)
     text_only: bool = False                       # stop after the text phase (the `text` CLI)
     n: int = 1                                    # images sharing one reasoning pass, denoised as a batch
+    taylor_cache: TaylorCacheParams | None = None  # the official Taylor step cache (None: off)
+    block_cache: BlockCacheParams | None = None    # or the adaptive first-block step cache
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -86,6 +89,8 @@ class Prepared:
     max_new_tokens: int
     sampling: SamplingParams
     images_out: int                                # n: how many images the request makes
+    taylor_cache: TaylorCacheParams | None = None
+    block_cache: BlockCacheParams | None = None
 
 
 def with_seed(req: Request) -> Request:
@@ -183,6 +188,15 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...]) ->
     if not _in_range(req.n, *N_RANGE, integer=True):
         raise RequestError(f"n (images per request) must be an integer in [{N_RANGE[0]}, {N_RANGE[1]}] (got {req.n!r})",
                            "n")
+    for name, kind in (("taylor_cache", TaylorCacheParams), ("block_cache", BlockCacheParams)):
+        value = getattr(req, name)
+        if value is not None:
+            if not isinstance(value, kind):
+                raise RequestError(f"{name} must be {kind.__name__} or None (got {type(value).__name__})", name)
+            if (bad := value.problem()) is not None:
+                raise RequestError(bad[1], bad[0])
+    if req.taylor_cache is not None and req.block_cache is not None:
+        raise RequestError("choose one step cache: the Taylor cache or the block cache, not both", "block_cache")
     return Prepared(req, pil, bot_task, bucket, int(steps), float(guidance), s, preset, int(max_new), sampling,
-                    req.n)
+                    req.n, req.taylor_cache, req.block_cache)
 

@@ -15,11 +15,17 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
 from engine.serve.openai_errors import ApiError
+
+# The step caches' settings, as extension fields of every image route (the engine's names; the Taylor
+# cache's are the official generate_image arguments).
+STEP_CACHE_FIELDS = frozenset({"use_taylor_cache", *TaylorCacheParams.names(), "use_block_cache",
+                               *BlockCacheParams.names()})
 
 # The engine's own fields (and vLLM-Omni's names for them), on every image route.
 ENGINE_FIELDS = frozenset({"num_inference_steps", "guidance_scale", "seed", "bot_task", "use_system_prompt",
-                           "system_prompt", "max_new_tokens"})
+                           "system_prompt", "max_new_tokens"}) | STEP_CACHE_FIELDS
 # vLLM-Omni fields that would change the result but are not implemented: refused by name (openai_params).
 REFUSED_FIELDS = frozenset({"negative_prompt", "lora", "mask", "true_cfg_scale", "flow_shift"})
 # Accepted and ignored: they cannot change the image (vae_use_tiling is a memory option of vLLM-Omni).

@@ -24,6 +24,7 @@ from PIL import Image as PILImage
 from engine.runtime.events import Error
 from engine.runtime.images import MAX_PIXELS
 from engine.runtime.request import MAX_IMAGES, Request
+from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
 from engine.serve.info import ModelInfo
 from engine.serve.openai_errors import ApiError, invalid
 from engine.serve.openai_fields import (CHAT_FIELDS, CHAT_NEUTRAL_ONLY, EDIT_FIELDS, GENERATION_FIELDS,
@@ -250,6 +251,23 @@ async def capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[byte
         yield chunk
 
 
+def _step_cache(body: dict, use: str, kind: type) -> Any:
+    """A step cache's extension fields (`use_taylor_cache` and `taylor_cache_*`, the official
+    generate_image arguments; `use_block_cache` and `block_cache_*`): its settings, or None when it is
+    off. A setting without `use_...: true` is refused rather than ignored (it would change nothing,
+    silently); values are judged by `prepare`."""
+    given = {name: body[name] for name in kind.names() if body.get(name) is not None}
+    if not _bool(use, body.get(use)):
+        if given:
+            raise invalid(next(iter(given)), f"applies only with {use}: true")
+        return None
+    defaults = kind()
+    values = {name: _bool(name, v) if isinstance(getattr(defaults, name), bool) else
+              _float_like(v) if isinstance(getattr(defaults, name), float) else _int_like(v)
+              for name, v in given.items()}
+    return kind(**values)
+
+
 # ---------------------------------------------------------------------------------------- the forms
 def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any) -> Request:
     """The engine request for OpenAI/vLLM-Omni field names (values converted, never range-checked)."""
@@ -270,7 +288,9 @@ def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any) -> 
                    system_prompt=preset or None,
                    custom_system_prompt=(custom or None) if preset == "custom" else None,
                    max_new_tokens=_int_like(body.get("max_new_tokens")),
-                   n=1 if n is None else n)
+                   n=1 if n is None else n,
+                   taylor_cache=_step_cache(body, "use_taylor_cache", TaylorCacheParams),
+                   block_cache=_step_cache(body, "use_block_cache", BlockCacheParams))
 
 
 def _output_options(body: dict, params: ImageParams) -> None:
