@@ -64,7 +64,6 @@ class ReplicaOptions:
     min_replicas: int | None = None
     max_replicas: int | None = None
     ray_address: str | None = None
-    ray_init: dict | None = None              # extra ray.init arguments for a local Ray (tests: num_cpus)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -197,10 +196,10 @@ class ReplicaPool:
         self.plan, self.world_size = plan.name, plan.world
         self.max_batch = int(engine_kwargs.get("max_batch", 1))
         self.max_queue = engine_kwargs.get("max_queue")
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            ray.init(address=options.ray_address, namespace=NAMESPACE, include_dashboard=False,
-                     **(options.ray_init or {}) if options.ray_address is None else {})
+        self._connected = not ray.is_initialized()            # ray.init here: ray.shutdown at close
+        self._local_ray = self._connected and options.ray_address is None   # ... which stops this local Ray
+        if self._connected:
+            ray.init(address=options.ray_address, namespace=NAMESPACE, include_dashboard=False)
         device = engine_kwargs.get("device", "auto")
         if device == "auto":                       # the replicas' machines decide, not this one
             device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
@@ -349,14 +348,14 @@ class ReplicaPool:
         self._refresh_stop.set()
         try:
             serve.delete(APP_NAME)
-            if self._started_ray:
+            if self._local_ray:                     # a cluster's Serve may hold others' apps: left running
                 serve.shutdown()
             ray.kill(self._board)
         except Exception as e:  # noqa: BLE001 - a cluster that is already gone has nothing to delete
             print(f"replica pool: shutdown: {e}", file=sys.stderr, flush=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join(timeout)
-        if self._started_ray:
+        if self._connected:
             ray.shutdown()
 
     def __enter__(self) -> "ReplicaPool":
@@ -371,15 +370,22 @@ class ReplicaPool:
         from ray.exceptions import RayError
         from ray.serve.exceptions import BackPressureError, RequestCancelledError
         rid = request.request_id
-        call = self._handle.options(stream=True).generate.remote(request)
-        self._streams[rid] = call
+        call, finished = None, False
         try:
+            if sub.ended:                           # cancelled before it was sent
+                return
+            call = self._handle.options(stream=True).generate.remote(request)
+            self._streams[rid] = call
             async for item in call:
+                if sub.ended:                       # cancelled here meanwhile: the finally stops the replica's run
+                    break
                 if isinstance(item, Waiting):
                     self._ahead[rid] = item.ahead
                     continue
                 self._ahead.pop(rid, None)
-                if not sub._push(item) or isinstance(item, (Done, Error)):
+                sub._push(item)
+                if isinstance(item, (Done, Error)):
+                    finished = True
                     break
         except (RequestCancelledError, asyncio.CancelledError):
             pass                                    # cancel() has answered the client already
@@ -391,6 +397,8 @@ class ReplicaPool:
         except Exception as e:  # noqa: BLE001 - whatever it was, the client hears it and the pool goes on
             sub._push(Error("engine", f"the request to its engine replica failed: {type(e).__name__}: {e}"))
         finally:
+            if call is not None and not finished:
+                call.cancel()                       # a no-op once the replica's generator has ended
             if not sub.ended:
                 sub._push(Error("engine", "the engine replica ended the request without a result"))
             self._streams.pop(rid, None)
