@@ -12,6 +12,7 @@
 #   decode-profile suite one-gpu --profile-decode (where a quantized decode token goes)
 #   host           suites prefill-host, train-step
 #   studio         suite studio on CUDA
+#   replicas       suite replicas on CUDA: 8 clients, one engine vs two Ray Serve replicas on the one GPU
 #   eval           the embedded model's accuracy on CUDA (train.evaluate, seed 2, 100 + 100)
 # Each run's log goes to $OUT/<run>.log, each suite's JSON and tables to $OUT/<suite>.json / .txt; the
 # tail of each log is printed as it ends. A suite name alone (`bash bench/device_run.sh convs`) runs it.
@@ -71,6 +72,8 @@ for section in "$@"; do
       suite train_step 240 train-step ;;
     studio)
       suite studio 300 studio --app-args="--device cuda" ;;
+    replicas)     # needs ray[serve] (pip install -e '.[replicas]'): one engine vs two replicas sharing the GPU
+      suite replicas 590 replicas --app-args="--device cuda" --gpus-per-replica 0.5 --clients 8 --requests 32 ;;
     eval)
       run eval_cuda 330 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 \
         --n 100 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda.json" ;;

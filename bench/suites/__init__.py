@@ -17,6 +17,7 @@ SUITES = {
     "decode-parts": "the rest of a quantized decode token: the sampler, its top-k, one MoE decode layer",
     "prefill-host": "the host time of the eager T2I prefill of one hybrid4 rank, stage by stage",
     "studio": "the wall time of studio requests end to end through the web server",
+    "replicas": "throughput of engine replicas on Ray Serve against one engine, at K concurrent /v1 clients",
     "train-step": "where a training step of the embedded model goes",
 }
 
