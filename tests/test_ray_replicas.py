@@ -257,3 +257,16 @@ def test_replica_flags_are_checked(capsys):
         assert msg in capsys.readouterr().err, argv
     a = studio_app.parse_args(["--replicas", "2", "--gpus", "4", "--min-replicas", "1", "--max-replicas", "4"])
     assert a.replica_options.gpus_per_replica == 4 and a.replica_options.autoscaling
+
+
+def test_deployment_options_place_and_scale_the_replicas():
+    from engine.serve.replicas import ReplicaOptions, deployment_options
+    fixed = deployment_options(ReplicaOptions(replicas=2, gpus_per_replica=4), 4, 8, 8, cuda=True)
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_gpus": 4, "num_cpus": 1} and fixed["max_ongoing_requests"] == 16
+    shared = deployment_options(ReplicaOptions(replicas=2, gpus_per_replica=0.5), 1, 8, 8, cuda=True)
+    assert shared["ray_actor_options"]["num_gpus"] == 0.5                  # two replicas on one GPU
+    auto = deployment_options(ReplicaOptions(replicas=2, min_replicas=1, max_replicas=4), 1, 2, 8, cuda=False)
+    assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 2,
+                                          "target_ongoing_requests": 2} and "num_replicas" not in auto
+    assert auto["ray_actor_options"] == {"num_cpus": 1}

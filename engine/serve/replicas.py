@@ -178,6 +178,20 @@ class HealthBoard:
         self.reload_epoch += 1
 
 
+def deployment_options(o: ReplicaOptions, world: int, max_batch: int, max_queue: int | None, cuda: bool) -> dict:
+    """The replicas' Ray Serve deployment options (plain values: no Ray needed to read them)."""
+    # Ray places each replica where its GPUs are free (a fraction: replicas sharing one); on the CPU each
+    # engine rank is a process
+    gpus = o.gpus_per_replica if o.gpus_per_replica and o.gpus_per_replica < 1 else world
+    actor = {"num_gpus": gpus, "num_cpus": 1} if cuda else {"num_cpus": world}
+    scale = ({"autoscaling_config": {"min_replicas": o.min_replicas, "max_replicas": o.max_replicas,
+                                     "initial_replicas": o.replicas, "target_ongoing_requests": max_batch}}
+             if o.autoscaling else {"num_replicas": o.replicas})
+    return dict(ray_actor_options=actor, max_ongoing_requests=max_batch + (max_queue or 0),  # the engine's queue
+                health_check_period_s=HEALTH_CHECK_S, health_check_timeout_s=30, graceful_shutdown_timeout_s=30,
+                request_router_config={"request_router_class": ROUTER}, **scale)
+
+
 # ---------------------------------------------------------------------------------------- ingress side
 class ReplicaPool:
     """EngineServer's client API (submit, cancel, position, health, reload, close, info) over engine
@@ -223,21 +237,10 @@ class ReplicaPool:
         self._refresher.start()
 
     def _deploy(self, serve: Any) -> Any:
-        from ray.serve.config import RequestRouterConfig
-        o = self.options
-        cuda = self.device.startswith("cuda")
-        # Ray schedules each replica where its GPUs are free; on the CPU each rank is a process
-        gpus = o.gpus_per_replica if o.gpus_per_replica and o.gpus_per_replica < 1 else self.world_size
-        actor = {"num_gpus": gpus, "num_cpus": 1} if cuda else {"num_cpus": self.world_size}
-        per_replica = self.max_batch + (self.max_queue or 0)     # the engine's own queue stays the limit
-        scale = ({"autoscaling_config": {"min_replicas": o.min_replicas, "max_replicas": o.max_replicas,
-                                         "initial_replicas": o.replicas, "target_ongoing_requests": self.max_batch}}
-                 if o.autoscaling else {"num_replicas": o.replicas})
-        dep = serve.deployment(EngineReplica).options(
-            name="EngineReplica", ray_actor_options=actor, max_ongoing_requests=max(1, per_replica),
-            health_check_period_s=HEALTH_CHECK_S, health_check_timeout_s=30, graceful_shutdown_timeout_s=30,
-            request_router_config=RequestRouterConfig(request_router_class=ROUTER), **scale)
+        options = deployment_options(self.options, self.world_size, self.max_batch, self.max_queue,
+                                     cuda=self.device.startswith("cuda"))
         serve.start(proxy_location="Disabled")    # this process is the ingress: no Ray HTTP proxy
+        dep = serve.deployment(EngineReplica).options(name="EngineReplica", **options)
         return serve.run(dep.bind(self.model, self._engine_kwargs), name=APP_NAME, route_prefix=None)
 
     # ------------------------------------------------------------------ client API (EngineServer's)
