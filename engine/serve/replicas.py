@@ -218,6 +218,13 @@ class ReplicaPool:
         if device == "auto":                       # the replicas' machines decide, not this one
             device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
         self.device = device
+        if device.startswith("cuda"):              # Ray would wait for GPUs that never come: say so now
+            have, per = ray.cluster_resources().get("GPU", 0), options.gpus_per_replica or plan.world
+            if have < per * options.replicas:      # (serve.run waits for every replica it starts with)
+                if self._connected:
+                    ray.shutdown()
+                raise ValueError(f"{options.replicas} replicas of {per:g} GPU(s) need {per * options.replicas:g} "
+                                 f"GPUs; the Ray cluster has {have:g}")
         self._engine_kwargs = {**engine_kwargs, "device": device, "plan": plan.name, "world_size": plan.world}
         self._board = ray.remote(num_cpus=0)(HealthBoard).options(
             name=BOARD_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime=None).remote()
