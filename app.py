@@ -97,6 +97,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="largest reference image file the API accepts, in MB (default 20)")
     ap.add_argument("--max-upload-pixels", type=int, default=None,
                     help="most pixels a reference image may declare, checked before decoding (default 4096x4096)")
+    rep = ap.add_argument_group("replicas", "several engines behind this page and /v1, as Ray Serve replicas "
+                                            "(README: Replicas); without --replicas Ray is not used")
+    rep.add_argument("--replicas", type=int, default=None, help="number of engine replicas (the initial number "
+                                                                "with --min/--max-replicas)")
+    rep.add_argument("--gpus-per-replica", type=float, default=None,
+                     help="GPUs (engine ranks) of each replica (default: --gpus, else the plan's, else 1); a "
+                          "fraction such as 0.5 puts that many one-rank replicas on each GPU (a small model)")
+    rep.add_argument("--ray-address", default=None, help="a running Ray cluster to place the replicas on "
+                                                         "(default: start a local Ray on this machine)")
+    rep.add_argument("--min-replicas", type=int, default=None, help="autoscale on queue depth from this many ...")
+    rep.add_argument("--max-replicas", type=int, default=None, help="... to this many replicas")
     args = ap.parse_args(argv)
     try:
         args.auth = parse_auth(args.auth)
@@ -111,7 +122,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--share opens the page; it does not go with --api-only")
     if args.step_timeout is not None and args.step_timeout < 0:
         ap.error("--step-timeout takes seconds >= 0 (0: never)")
+    if args.replicas is None and any(v is not None for v in (args.gpus_per_replica, args.ray_address,
+                                                             args.min_replicas, args.max_replicas)):
+        ap.error("--gpus-per-replica, --ray-address, --min-replicas and --max-replicas need --replicas N")
+    if args.replicas is not None:
+        if args.gpus is not None and args.gpus_per_replica not in (None, args.gpus):
+            ap.error("--gpus and --gpus-per-replica differ; with --replicas give only --gpus-per-replica")
+        args.gpus_per_replica = args.gpus_per_replica or args.gpus
+        try:
+            args.replica_options = replica_options(args)
+        except ValueError as e:
+            ap.error(str(e))
     return args
+
+
+def replica_options(args: argparse.Namespace):
+    """--replicas and its flags as the pool's options (checked there: ValueError names what is wrong)."""
+    from engine.serve.replicas import ReplicaOptions        # imports no Ray
+    return ReplicaOptions(replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
+                          min_replicas=args.min_replicas, max_replicas=args.max_replicas, ray_address=args.ray_address)
+
+
+def engine_server(model: Path, device: str, args: argparse.Namespace):
+    """One EngineServer, or with --replicas a pool of them on Ray Serve with the same client API."""
+    kwargs = dict(device=device, dtype=args.dtype, plan=args.plan, sp_kind=args.sp_attn, verbose=True,
+                  max_queue=args.max_queue, quantize=args.quantize, step_timeout=args.step_timeout,
+                  max_batch=args.max_batch or default_max_batch(device))
+    if args.replicas is None:
+        from engine.serve.server import EngineServer
+        return EngineServer(model, world_size=args.gpus, **kwargs)
+    from engine.serve.replicas import ReplicaPool
+    return ReplicaPool(model, args.replica_options, **kwargs)
 
 
 def key_login(key: str):
@@ -190,27 +231,30 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no calls home; works offline
     signal.signal(signal.SIGTERM, _interrupt)    # `docker stop`, systemd, Spaces: shut down like Ctrl-C
     from engine.spec.config import ConfigError
-    from engine.serve.server import EngineServer
 
     try:
         model, notice = (Path(args.model), None) if args.model else default_model()
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    device = default_device() if args.device == "auto" else args.device
+    if args.replicas is not None and args.device == "auto":
+        device = "auto"               # the replicas' machines decide (the pool asks the Ray cluster)
+    else:
+        device = default_device() if args.device == "auto" else args.device
     from engine.__main__ import device_problem
-    if (problem := device_problem(device)) is not None:     # before the page is served, not at the first request
+    if args.replicas is None and (problem := device_problem(device)) is not None:    # before the page is served
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        server = EngineServer(model, device=device, dtype=args.dtype, world_size=args.gpus, plan=args.plan, sp_kind=args.sp_attn,
-                              verbose=True, max_queue=args.max_queue, quantize=args.quantize,
-                              max_batch=args.max_batch or default_max_batch(device), step_timeout=args.step_timeout)
+        server = engine_server(model, device, args)
     except (ConfigError, ValueError, OSError) as e:      # a wrong folder, an unknown plan or one that does not fit
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"engine: loading {model} on {device} (plan {server.plan}, {server.world_size} rank(s)) in the background; "
-          "requests wait until it is ready", flush=True)
+    if args.replicas is not None:      # again: Ray's start puts its own SIGTERM handler in, which ends the
+        signal.signal(signal.SIGTERM, _interrupt)     # process at once and would leave its cluster running
+    copies = f"{args.replicas} replicas of " if args.replicas is not None else ""
+    print(f"engine: loading {model} on {copies}{server.device} (plan {server.plan}, {server.world_size} rank(s)) in the "
+          "background; requests wait until it is ready", flush=True)
     print(access_notice(args), flush=True)
     if args.api_only:
         try:

@@ -15,6 +15,7 @@
 #   serving        suite serving: MXFP4 Distil tp1 (7a) and a hybrid4 rank (7b), 1/4/16 clients, then the
 #                  GPU test of graph keys across requests (denoise keys captured once)
 #   studio         suite studio on CUDA
+#   replicas       suite replicas on CUDA: 8 clients, one engine vs two Ray Serve replicas on the one GPU
 #   eval           the embedded model's accuracy on CUDA (train.evaluate, seed 2, 100 + 100)
 #   flashinfer     installs the carried FlashInfer (bench/flashinfer_install.sh: carry .fi/parts), JIT-builds
 #                  its four families in parallel (timed), its variants' GPU tests (failing, not skipping,
@@ -87,6 +88,8 @@ for section in "$@"; do
       tests serving_graph_tests 300 -s tests/test_gpu.py -k "graph_keys_captured_once or decode_graph_captured_once" ;;
     studio)
       suite studio 300 studio --app-args="--device cuda" ;;
+    replicas)     # needs ray[serve] (pip install -e '.[replicas]'): one engine vs two replicas sharing the GPU
+      suite replicas 590 replicas --app-args="--device cuda" --gpus-per-replica 0.5 --clients 8 --requests 32 ;;
     eval)
       run eval_cuda 330 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 \
         --n 100 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda.json" ;;

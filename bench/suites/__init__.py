@@ -20,6 +20,7 @@ SUITES = {
     "prefill-host": "the host time of the eager T2I prefill of one hybrid4 rank, stage by stage",
     "serving": "whole requests through the engine's scheduler at 1, 4, 16 clients: images/min, p50/p90 latency",
     "studio": "the wall time of studio requests end to end through the web server",
+    "replicas": "throughput of engine replicas on Ray Serve against one engine, at K concurrent /v1 clients",
     "train-step": "where a training step of the embedded model goes",
     "step-cache": "the step cache's settings: denoise time per image at the real shapes, image PSNR/SSIM vs no cache",
 }

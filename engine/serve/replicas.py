@@ -1,0 +1,444 @@
+"""Engine replicas on Ray Serve: several copies of the engine behind one page and one /v1 (DESIGN §2.11).
+
+    pool = ReplicaPool(model, ReplicaOptions(replicas=2, gpus_per_replica=4), device="cuda", max_batch=8)
+    sub = pool.submit(Request(prompt="a red fox"))      # EngineServer's client API, unchanged
+    async for ev in sub: ...                             # pool.cancel(id), pool.position(id), pool.health()
+
+Each replica is a Ray Serve deployment replica that owns one `EngineServer` (its worker processes, the
+model resident on the replica's own GPUs: Ray gives the replica actor `gpus_per_replica` GPUs and sets
+CUDA_VISIBLE_DEVICES, which the engine's workers inherit). This process stays the ingress: the page and
+/v1 are built on the pool exactly as on one EngineServer, so clients see no difference.
+
+- Routing: least-loaded (engine/serve/replica_router.py), by Ray Serve's count of a replica's ongoing
+  requests, which for a streamed request lasts from submit to its last event: its queued + running work.
+- Streams: a request is one streaming handle call; each engine event is relayed as it comes. While a
+  request waits in its replica's queue, the replica also sends `Waiting(ahead)` once a second, which is
+  what `position` answers.
+- Cancel and disconnect: cancelling the handle call reaches the replica that holds the request (Ray
+  Serve cancels its generator there), which cancels it on its engine.
+- Failure: a replica that dies fails the requests it held with a message; Ray Serve's controller sees
+  the dead actor at its next health check and starts a replacement, which loads the model once.
+- Health: each replica posts its engine's health to a small named actor (`HealthBoard`) every second;
+  `health()` reports every replica and the total.
+- Autoscaling: with min < max replicas, Ray Serve's autoscaler scales on ongoing requests per replica
+  (the queue depth), aiming at `max_batch` each.
+
+Ray is imported here only, and only when a pool is built: without --replicas nothing imports it.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.parallel.plan import get_plan
+from engine.runtime.events import Done, Error
+from engine.runtime.request import Request, RequestError, with_seed
+from engine.serve.client import Submission
+from engine.serve.info import ModelInfo
+from engine.serve.server import _detach_images
+
+APP_NAME = "hunyuan-engine"
+NAMESPACE = "hunyuan-studio"
+BOARD_NAME = "hunyuan-engine-health"
+REPORT_EVERY_S = 1.0          # a replica posts its health this often
+STALE_AFTER_S = 5.0           # a replica silent this long is reported "lost" (dead, or being replaced)
+FORGET_AFTER_S = 30.0         # ... and this long, no longer reported
+WAITING_EVERY_S = 1.0         # a queued request's position is sent this often
+ROUTER = "engine.serve.replica_router:LeastLoadedRouter"    # imported by Ray Serve where it routes
+HEALTH_CHECK_S = 2.0          # Ray Serve's health check period: how soon a dead replica is replaced
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """How many engines and where. `min_replicas`/`max_replicas` (both or neither) turn on Ray Serve's
+    autoscaler, starting at `replicas`; `ray_address` joins a running cluster (None: a local Ray)."""
+    replicas: int
+    gpus_per_replica: float | None = None     # engine ranks per replica (None: the plan's, else 1); a fraction
+                                              # (0.5): one rank sharing a GPU with other replicas (small models)
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1 (got {self.replicas})")
+        g = self.gpus_per_replica
+        if g is not None and not (0 < g < 1 or (g >= 1 and g == int(g))):
+            raise ValueError(f"gpus_per_replica must be a whole number of GPUs, or a fraction of one GPU below 1 "
+                             f"(got {g})")
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ValueError("min_replicas and max_replicas go together (autoscaling between them)")
+        if self.min_replicas is not None and not 0 < self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(f"autoscaling needs 1 <= min_replicas <= replicas <= max_replicas (got "
+                             f"{self.min_replicas} <= {self.replicas} <= {self.max_replicas})")
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None and self.min_replicas < self.max_replicas
+
+
+@dataclass
+class Waiting:
+    """Sent by a replica while a request is queued there: how many requests wait ahead of it."""
+    ahead: int | None
+
+
+# ---------------------------------------------------------------------------------------- replica side
+class EngineReplica:
+    """The body of one replica: one EngineServer, its health posted to the board. Ray Serve wraps this
+    class (`serve.deployment` in `ReplicaPool._deploy`), so it is plain Python here."""
+
+    def __init__(self, model: str, engine_kwargs: dict) -> None:
+        import ray
+        from ray import serve
+        from engine.serve.server import EngineServer
+        self.server = EngineServer(model, **engine_kwargs)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.node = ray.get_runtime_context().get_node_id()
+        self.gpus = [str(g) for g in ray.get_gpu_ids()]
+        self._board = ray.get_actor(BOARD_NAME, namespace=NAMESPACE)
+        self._reload_epoch: int | None = None
+        self.served = 0                         # requests this replica finished with their result
+        self._stop = threading.Event()
+        self._reporter = threading.Thread(target=self._report_loop, name="replica-health", daemon=True)
+        self._reporter.start()
+
+    async def generate(self, request: Request):
+        """The request's events as the engine emits them, with `Waiting` while it is queued. A cancel of
+        the handle call (Stop, a closed page, a gone client) arrives here as the generator's end."""
+        sub = self.server.submit(request)
+        try:
+            while True:
+                ev = await sub.aget(timeout=WAITING_EVERY_S)
+                if ev is None:
+                    yield Waiting(self.server.position(request.request_id))
+                    continue
+                yield ev
+                if isinstance(ev, (Done, Error)):
+                    self.served += isinstance(ev, Done)
+                    return
+        finally:
+            if not sub.ended:
+                self.server.cancel(request.request_id)
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a closed engine cannot serve (a failed one can, after a reload)."""
+        if self.server.health()["state"] == "closed":
+            raise RuntimeError("the engine server is closed")
+
+    def report(self) -> dict[str, Any]:
+        h = self.server.health()
+        return {"id": self.replica_id, "node": self.node, "pid": os.getpid(), "gpus": self.gpus, "served": self.served,
+                **{k: h.get(k) for k in ("state", "plan", "world_size", "device", "running", "waiting", "max_queue",
+                                         "max_batch", "last_error", "restarts", "attempt", "loading",
+                                         "worker_pids")}}
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(REPORT_EVERY_S):
+            try:
+                import ray
+                epoch = ray.get(self._board.put.remote(self.report()), timeout=10)
+            except Exception as e:  # noqa: BLE001 - the board may be restarting; the engine keeps serving
+                print(f"replica {self.replica_id}: health report failed: {e}", file=sys.stderr, flush=True)
+                continue
+            if self._reload_epoch is not None and epoch > self._reload_epoch:
+                self.server.reload()            # a no-op unless this engine failed to load
+            self._reload_epoch = epoch
+
+    def __del__(self) -> None:       # Ray Serve's graceful stop (scale down, shutdown): free the GPUs
+        self._stop.set()
+        self.server.close()
+
+
+class HealthBoard:
+    """The replicas' latest health, keyed by replica id and stamped on this actor's clock; also the
+    pool's reload request (an epoch the replicas compare with the last they saw)."""
+
+    def __init__(self) -> None:
+        self.reports: dict[str, tuple[float, dict]] = {}
+        self.reload_epoch = 0
+
+    def put(self, report: dict) -> int:
+        self.reports[report["id"]] = (time.time(), report)
+        return self.reload_epoch
+
+    def snapshot(self) -> list[dict]:
+        now = time.time()
+        for rid in [r for r, (t, _) in self.reports.items() if now - t > FORGET_AFTER_S]:
+            del self.reports[rid]                 # gone for good: Ray Serve has replaced it by now
+        return [{**rep, "age_s": round(now - t, 1)} for t, rep in self.reports.values()]
+
+    def reload(self) -> None:
+        self.reload_epoch += 1
+
+
+def deployment_options(o: ReplicaOptions, world: int, max_batch: int, max_queue: int | None, cuda: bool) -> dict:
+    """The replicas' Ray Serve deployment options (plain values: no Ray needed to read them)."""
+    # Ray places each replica where its GPUs are free (a fraction: replicas sharing one); on the CPU each
+    # engine rank is a process
+    gpus = o.gpus_per_replica if o.gpus_per_replica and o.gpus_per_replica < 1 else world
+    actor = {"num_gpus": gpus, "num_cpus": 1} if cuda else {"num_cpus": world}
+    scale = ({"autoscaling_config": {"min_replicas": o.min_replicas, "max_replicas": o.max_replicas,
+                                     "initial_replicas": o.replicas, "target_ongoing_requests": max_batch}}
+             if o.autoscaling else {"num_replicas": o.replicas})
+    return dict(ray_actor_options=actor, max_ongoing_requests=max_batch + (max_queue or 0),  # the engine's queue
+                health_check_period_s=HEALTH_CHECK_S, health_check_timeout_s=30, graceful_shutdown_timeout_s=30,
+                request_router_config={"request_router_class": ROUTER}, **scale)
+
+
+# ---------------------------------------------------------------------------------------- ingress side
+class ReplicaPool:
+    """EngineServer's client API (submit, cancel, position, health, reload, close, info) over engine
+    replicas on Ray Serve. `engine_kwargs` are EngineServer's (device, dtype, plan, max_batch, ...)."""
+
+    def __init__(self, model: str | Path, options: ReplicaOptions, **engine_kwargs: Any) -> None:
+        import ray
+        from ray import serve
+        self.options = options
+        self.info = ModelInfo.from_folder(model)
+        self.model = str(Path(model).resolve())
+        g = options.gpus_per_replica
+        plan = get_plan(engine_kwargs.get("plan"), max(1, int(g)) if g else engine_kwargs.get("world_size"),
+                        engine_kwargs.get("sp_kind"))
+        plan.check_model(self.info.cfg)            # refused here, before any replica starts
+        self.plan, self.world_size = plan.name, plan.world
+        self.max_batch = int(engine_kwargs.get("max_batch", 1))
+        self.max_queue = engine_kwargs.get("max_queue")
+        self._connected = not ray.is_initialized()            # ray.init here: ray.shutdown at close
+        self._local_ray = self._connected and options.ray_address is None   # ... which stops this local Ray
+        if self._connected:
+            ray.init(address=options.ray_address, namespace=NAMESPACE, include_dashboard=False)
+        device = engine_kwargs.get("device", "auto")
+        if device == "auto":                       # the replicas' machines decide, not this one
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        self.device = device
+        if device.startswith("cuda"):              # Ray would wait for GPUs that never come: say so now
+            have, per = ray.cluster_resources().get("GPU", 0), options.gpus_per_replica or plan.world
+            if have < per * options.replicas:      # (serve.run waits for every replica it starts with)
+                if self._connected:
+                    ray.shutdown()
+                raise ValueError(f"{options.replicas} replicas of {per:g} GPU(s) need {per * options.replicas:g} "
+                                 f"GPUs; the Ray cluster has {have:g}")
+        self._engine_kwargs = {**engine_kwargs, "device": device, "plan": plan.name, "world_size": plan.world}
+        self._board = ray.remote(num_cpus=0)(HealthBoard).options(
+            name=BOARD_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime=None).remote()
+        self._handle = self._deploy(serve)
+        self._streams: dict[str, Any] = {}         # request id -> its handle call (DeploymentResponseGenerator)
+        self._subs: dict[str, Submission] = {}
+        self._ahead: dict[str, int | None] = {}
+        self._lock = threading.Lock()
+        self._replicas: list[dict] = []
+        self._closing = False
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="replica-pool", daemon=True)
+        self._loop_thread.start()
+        self._refresh_stop = threading.Event()
+        self._refresh()
+        self._refresher = threading.Thread(target=self._refresh_loop, name="replica-health", daemon=True)
+        self._refresher.start()
+
+    def _deploy(self, serve: Any) -> Any:
+        options = deployment_options(self.options, self.world_size, self.max_batch, self.max_queue,
+                                     cuda=self.device.startswith("cuda"))
+        serve.start(proxy_location="Disabled")    # this process is the ingress: no Ray HTTP proxy
+        dep = serve.deployment(EngineReplica).options(name="EngineReplica", **options)
+        return serve.run(dep.bind(self.model, self._engine_kwargs), name=APP_NAME, route_prefix=None)
+
+    # ------------------------------------------------------------------ client API (EngineServer's)
+    def submit(self, request: Request) -> Submission:
+        """Validate here (a refusal ends the stream at once, as EngineServer's does), then send the request
+        to the least-loaded replica; its events follow as that engine emits them."""
+        sub = Submission(request, self.cancel)
+        try:
+            request = with_seed(request)           # drawn once, here: the seed reported is the seed used
+            self.info.prepare(request)
+            request = _detach_images(request)      # bytes: the replica may be on another machine
+        except (RequestError, TypeError, ValueError) as e:
+            sub._push(Error("invalid", str(e), getattr(e, "field", None)))
+            return sub
+        except OSError as e:
+            sub._push(Error("invalid", f"a reference image cannot be read: {e}"))
+            return sub
+        sub.request = request
+        rid = request.request_id
+        with self._lock:
+            live = [r for r in self._replicas if r["state"] not in ("lost", "failed", "closed")]
+            capacity = max(1, len(live)) * (self.max_batch + (self.max_queue if self.max_queue is not None else 10 ** 9))
+            if self._closing:
+                sub._push(Error("engine", "the engine is shut down"))
+            elif rid in self._subs:
+                sub._push(Error("invalid", f"request id {rid!r} is already in use"))
+            elif len(self._subs) >= capacity:
+                sub._push(Error("busy", f"the queue is full ({len(self._subs)} requests on {len(live)} replica(s)); "
+                                        "try again in a moment"))
+            else:
+                self._subs[rid] = sub
+                asyncio.run_coroutine_threadsafe(self._relay(sub, request), self._loop)
+        return sub
+
+    def stream(self, request: Request):
+        return iter(self.submit(request))
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request on the replica that holds it; it ends here at once with Error('cancelled')."""
+        with self._lock:
+            sub = self._subs.get(request_id)
+            if sub is None or sub.ended:
+                return False
+            queued = self._ahead.get(request_id, None) is not None
+        sub._push(Error("cancelled", "stopped before it started" if queued else "stopped by the user"))
+        self._loop.call_soon_threadsafe(self._cancel_call, request_id)
+        return True
+
+    def position(self, request_id: str) -> int | None:
+        """How many wait ahead of this request on its replica (None: it runs, or it is not known yet)."""
+        return self._ahead.get(request_id)
+
+    def health(self) -> dict[str, Any]:
+        """The total (state, counts, as one EngineServer reports them) plus `replicas`: each one's state,
+        plan, GPUs, node, queue. Read from the board once a second, so this never waits on Ray."""
+        with self._lock:
+            reps = [dict(r) for r in self._replicas]
+            closing = self._closing
+        up = [r for r in reps if r["state"] in ("ready", "busy")]
+        state = ("closed" if closing else "ready" if any(r["state"] == "ready" for r in up) else "busy" if up
+                 else "restarting" if any(r["state"] == "restarting" for r in reps)
+                 else "failed" if reps and all(r["state"] == "failed" for r in reps) else "loading")
+        failed = [r for r in reps if r.get("last_error")]
+        waiting = sum(r.get("waiting") or 0 for r in reps)
+        return {
+            "state": state, "model": self.model, "model_name": self.info.name, "device": self.device,
+            "world_size": self.world_size, "plan": self.plan,
+            "running": sum(r.get("running") or 0 for r in reps), "waiting": waiting, "queue": waiting,
+            "max_batch": self.max_batch * max(1, len(up)),
+            "max_queue": None if self.max_queue is None else self.max_queue * max(1, len(up)),
+            "loading": next((r["loading"] for r in reps if r.get("loading")), None),
+            "last_error": failed[0]["last_error"] if failed else None,
+            "restarts": sum(r.get("restarts") or 0 for r in reps),
+            "attempt": max((r.get("attempt") or 0 for r in reps), default=0),
+            "restart_in_s": None, "stall_limit_s": None,
+            "replicas": reps, "replicas_up": len(up), "replicas_target": self.options.replicas,
+        }
+
+    def reload(self) -> bool:
+        """Ask every replica whose model failed to load to load it again (they see it at their next report)."""
+        import ray
+        if not any(r["state"] == "failed" for r in self._replicas):
+            return False
+        ray.get(self._board.reload.remote(), timeout=10)
+        return True
+
+    def wait_ready(self, timeout: float | None = None, replicas: int = 1) -> bool:
+        """Block until `replicas` replicas are ready (True) or the time runs out (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.health()["replicas_up"] < replicas:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End every pending request, delete the replicas (their engines stop) and, when this pool
+        started Ray, stop it. Idempotent."""
+        import ray
+        from ray import serve
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            pending = list(self._subs.values())
+        for sub in pending:
+            sub._push(Error("engine", "the engine was shut down"))
+        self._refresh_stop.set()
+        try:
+            serve.delete(APP_NAME)
+            if self._local_ray:                     # a cluster's Serve may hold others' apps: left running
+                serve.shutdown()
+            ray.kill(self._board)
+        except Exception as e:  # noqa: BLE001 - a cluster that is already gone has nothing to delete
+            print(f"replica pool: shutdown: {e}", file=sys.stderr, flush=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout)
+        if self._connected:
+            ray.shutdown()
+
+    def __enter__(self) -> "ReplicaPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    async def _relay(self, sub: Submission, request: Request) -> None:
+        """Pass one request's events from its replica to its Submission, one by one."""
+        from ray.exceptions import RayError
+        from ray.serve.exceptions import BackPressureError, RequestCancelledError
+        rid = request.request_id
+        call, finished = None, False
+        try:
+            if sub.ended:                           # cancelled before it was sent
+                return
+            call = self._handle.options(stream=True).generate.remote(request)
+            self._streams[rid] = call
+            async for item in call:
+                if sub.ended:                       # cancelled here meanwhile: the finally stops the replica's run
+                    break
+                if isinstance(item, Waiting):
+                    self._ahead[rid] = item.ahead
+                    continue
+                self._ahead.pop(rid, None)
+                sub._push(item)
+                if isinstance(item, (Done, Error)):
+                    finished = True
+                    break
+        except (RequestCancelledError, asyncio.CancelledError):
+            pass                                    # cancel() has answered the client already
+        except BackPressureError:
+            sub._push(Error("busy", "every replica's queue is full; try again in a moment"))
+        except RayError as e:                       # the replica died (killed, out of memory, its node lost)
+            sub._push(Error("engine", f"the engine replica running this request stopped ({_first_line(e)}); "
+                                      "it is being replaced, try again"))
+        except Exception as e:  # noqa: BLE001 - whatever it was, the client hears it and the pool goes on
+            sub._push(Error("engine", f"the request to its engine replica failed: {type(e).__name__}: {e}"))
+        finally:
+            if call is not None and not finished:
+                call.cancel()                       # a no-op once the replica's generator has ended
+            if not sub.ended:
+                sub._push(Error("engine", "the engine replica ended the request without a result"))
+            self._streams.pop(rid, None)
+            self._ahead.pop(rid, None)
+            with self._lock:
+                self._subs.pop(rid, None)
+
+    def _cancel_call(self, request_id: str) -> None:
+        call = self._streams.get(request_id)
+        if call is not None:
+            call.cancel()                           # Ray Serve cancels the generator on its replica
+
+    def _refresh_loop(self) -> None:
+        while not self._refresh_stop.wait(REPORT_EVERY_S):
+            self._refresh()
+
+    def _refresh(self) -> None:
+        import ray
+        try:
+            reps = ray.get(self._board.snapshot.remote(), timeout=5)
+        except Exception as e:  # noqa: BLE001 - keep the last view; say why
+            print(f"replica pool: health board unreachable: {e}", file=sys.stderr, flush=True)
+            return
+        for r in reps:
+            if r["age_s"] > STALE_AFTER_S:
+                r["state"] = "lost"
+        with self._lock:
+            self._replicas = sorted(reps, key=lambda r: r["id"])
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
