@@ -465,11 +465,14 @@ def test_a_run_on_a_phone_shows_the_reasoning_and_the_canvas(browser, studio):
     page.locator("#random-seed input").uncheck()
     page.locator("#seed input").fill("1")        # the tiny model at some seeds closes its reasoning at once
     page.locator("#seed input").press("Enter")
+    steps = page.locator("#steps input[type=number]")
+    steps.fill("2")
+    steps.press("Enter")
     page.locator("#mode label", has_text="Think").first.click()
     page.locator("#run").click()
     expect(page.locator("#cot textarea")).to_have_value(re.compile(r".+", re.S), timeout=60_000)
     page.wait_for_timeout(1000)                            # the smooth scroll
     cot, canvas = page.locator("#cot").bounding_box(), page.locator("#result").bounding_box()
     assert cot["y"] >= 0 and cot["y"] + cot["height"] <= 844 and canvas["y"] + 150 <= 844, (cot, canvas)
-    wait_done(page, 0)
+    wait_done(page, 0, timeout=120)
     page.close()
