@@ -2,9 +2,11 @@
 
 Layout: three columns that the page arranges by width. On a wide screen the prompt (two tabs: T2I, and
 TI2I with 1-3 reference images, each with Generate/Stop and examples) sits above the shared settings on
-the left, and the run fills the right: a status line, the canvas (the step preview is drawn in it while
-denoising, then the final image replaces it), Download / Edit this result, the timings, the streamed
-reasoning and the page's history. On a phone they stack prompt, run, settings.
+the left, and the run fills the right: a status line, the streamed reasoning, the canvas (the step
+preview is drawn in it while denoising, then the final image replaces it; it gives up height so that the
+reasoning and it share one screen), Download / Edit this result, the timings and the page's history (a
+click opens an item on the canvas). On a phone they stack prompt, run, settings, and Generate scrolls to
+the run.
 
 API: `/t2i(prompt, mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
 max_new_tokens)` and `/ti2i(prompt, images, ...same...)`, each streaming `(status, image, timings,
