@@ -278,10 +278,10 @@ def test_history_seed_and_a_message_that_stays(browser, studio):
     page.close()
 
 
-def test_references_are_whole_and_a_corrupt_one_is_named_inside_its_panel(browser, studio, tmp_path):
-    """A tall reference is shown whole (it used to fill its box as a zoomed crop); a file that is not an
-    image is refused with its own name (not the server's temporary path), in a message that stays
-    inside the panel even for a long name."""
+def test_references_are_whole_and_a_corrupt_one_is_named_at_upload(browser, studio, tmp_path):
+    """A tall reference is shown whole (it used to fill its box as a zoomed crop), four are all in view
+    (the 4th was clipped), a clicked one can be removed alone; a file that is not an image is refused
+    as it is uploaded, with its own name (not the server's temporary path)."""
     url, counting, _ = studio
     expect = sync_api.expect
     tall = tmp_path / "tall.png"
@@ -294,20 +294,29 @@ def test_references_are_whole_and_a_corrupt_one_is_named_inside_its_panel(browse
     expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
     page.wait_for_function("() => document.querySelector('#refs img').naturalWidth > 0")
     assert_whole(whole(page, "#refs"))
+    more = []
+    for i in range(3):
+        more.append(tmp_path / f"more{i}.png")
+        PILImage.new("RGB", (120, 90), (200, 60 * i, 30)).save(more[-1])
+    page.locator("#refs input[type=file]").first.set_input_files([str(m) for m in more])
+    expect(page.locator("#refs img")).to_have_count(4, timeout=20_000)
+    page.wait_for_function("() => [...document.querySelectorAll('#refs img')].every(i => i.naturalWidth > 0)")
+    assert_whole(whole(page, "#refs"))                   # the 4th is not clipped by the panel
+    page.locator("#refs img").nth(1).click()
+    page.locator("#remove-ref").click()
+    expect(page.locator("#refs img")).to_have_count(3, timeout=20_000)
 
     page.reload(wait_until="load")
     wait_wired(page)
     page.get_by_role("tab", name="Edit with reference images").click()
-    page.locator("#refs input[type=file]").first.set_input_files([str(bad)])
-    page.locator("#ti2i-prompt textarea").fill("make it red")
     before = len(counting.submitted)
-    page.locator("#ti2i-run").click()
+    # refused at upload (it used to enter the gallery as a blank tile and be reported after Generate)
+    page.locator("#refs input[type=file]").first.set_input_files([str(bad)])
     message = page.get_by_text(re.compile("cannot be read as an image", re.I)).first
     expect(message).to_be_visible(timeout=20_000)
     text = message.inner_text()
     assert bad.name in text.replace("\n", "") and "/tmp" not in text and "gradio" not in text, text
-    panel, box = page.locator("#refs").bounding_box(), message.bounding_box()
-    assert panel["x"] - 1 <= box["x"] and box["x"] + box["width"] <= panel["x"] + panel["width"] + 1, (panel, box)
+    expect(page.locator("#refs img")).to_have_count(0, timeout=20_000)
     assert len(counting.submitted) == before
     page.close()
 
@@ -370,6 +379,10 @@ def test_a_killed_engine_says_restarting_and_what_failed(browser, studio, engine
     expect(page.locator(LINE)).to_contain_text("restarting", timeout=5_000)
     expect(page.get_by_text(re.compile("^Generation failed: the engine process stopped")).first) \
         .to_be_visible(timeout=20_000)
+    # the Status box keeps the message after the toast has gone (it used to keep only a red badge)
+    expect(status).to_have_value(re.compile("^Generation failed: the engine process stopped"), timeout=5_000)
+    time.sleep(11)
+    expect(status).to_have_value(re.compile("^Generation failed: the engine process stopped"), timeout=100)
     expect(page.locator(LINE)).to_contain_text("ready", timeout=120_000)
     page.close()
 
@@ -382,4 +395,84 @@ def test_phone_width_stacks_prompt_then_result(browser, studio):
     canvas_y = page.locator("#result").bounding_box()["y"]
     mode_y = page.locator("#mode").bounding_box()["y"]
     assert run_y < canvas_y < mode_y, (run_y, canvas_y, mode_y)
+    page.close()
+
+
+def test_a_run_at_desktop_size_keeps_reasoning_in_view_and_the_buttons_honest(browser, studio, tmp_path):
+    """At 1440x900 the streamed reasoning and the canvas are in view during a run (the reasoning started
+    below the fold); Generate is greyed out and Stop live only while it runs; a number typed outside a
+    slider's range is named on the field; a history item opens on the canvas, ready to edit; the prompt
+    survives a reload."""
+    url, counting, _ = studio
+    expect = sync_api.expect
+    page = open_page(browser, url, viewport={"width": 1440, "height": 900})
+    expect(page.locator("#stop")).to_be_disabled()
+    for field, value, words in (("#steps", "0", "Steps must be from 1 to 200: 0 is out of range, so 1 is used"),
+                                ("#guidance", "99", "Guidance must be from 0 to 30: 99 is out of range, so 30")):
+        box = page.locator(f"{field} input[type=number]")
+        box.fill(value)
+        box.press("Enter")
+        expect(page.locator(f"{field} .range-note")).to_contain_text(words, timeout=5_000)
+    box = page.locator("#steps input[type=number]")
+    box.fill("3")
+    box.press("Enter")
+    expect(page.locator("#steps .range-note")).to_have_count(0, timeout=5_000)
+    page.locator("#guidance input[type=number]").fill("5")
+    page.locator("#guidance input[type=number]").press("Enter")
+    page.locator("#prompt textarea").fill("a red circle on a white table")
+    page.locator("#random-seed input").uncheck()
+    page.locator("#seed input").fill("1")
+    page.locator("#seed input").press("Enter")
+    page.locator("#mode label", has_text="Think").first.click()
+    runs = page.evaluate("window.__done")
+    page.locator("#run").click()
+    expect(page.locator("#cot textarea")).to_have_value(re.compile(r"\[Thinking\]\n.+", re.S), timeout=60_000)
+    expect(page.locator("#run")).to_be_disabled(timeout=5_000)
+    expect(page.locator("#stop")).to_be_enabled(timeout=5_000)
+    cot, canvas = page.locator("#cot").bounding_box(), page.locator("#result").bounding_box()
+    assert cot["y"] + cot["height"] <= 900 and canvas["y"] + 200 <= 900, (cot, canvas)
+    page.screenshot(path=str(tmp_path / "desktop-run.png"))
+    wait_done(page, runs)
+    expect(page.locator("#run")).to_be_enabled(timeout=10_000)
+    expect(page.locator("#stop")).to_be_disabled(timeout=10_000)
+    status = page.locator("#status textarea").input_value()
+    assert re.match(r"^Done in \d+\.\d s", status), status
+    assert "*" not in page.locator("#timings").inner_text()
+    first = page.locator("#result img").get_attribute("src")
+    generate(page, "a blue square", 2)
+    expect(page.locator("#history img")).to_have_count(2, timeout=20_000)
+    assert page.locator("#result img").get_attribute("src") != first
+    page.locator("#history img").nth(1).click()            # the older one goes back on the canvas
+    expect(page.locator("#result img")).to_have_attribute("src", re.compile(r"hunyuan-.*\.png"), timeout=10_000)
+    page.wait_for_function(
+        "() => document.querySelector('#result img').src.split('/').pop() === "
+        "document.querySelectorAll('#history img')[1].src.split('/').pop()", timeout=10_000)
+    page.locator("#edit-result").click()
+    expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
+    page.reload(wait_until="load")
+    wait_wired(page)
+    expect(page.locator("#prompt textarea")).to_have_value("a blue square", timeout=10_000)
+    page.close()
+
+
+def test_a_run_on_a_phone_shows_the_reasoning_and_the_canvas(browser, studio):
+    """At 390x844, Generate brings the run into view: the status, the streamed reasoning and the top of
+    the canvas (only the Status box was on screen during a run)."""
+    url, _, _ = studio
+    expect = sync_api.expect
+    page = open_page(browser, url, viewport={"width": 390, "height": 844})
+    page.locator("#prompt textarea").fill("a red circle")
+    page.locator("#random-seed input").uncheck()
+    page.locator("#seed input").fill("1")        # the tiny model at some seeds closes its reasoning at once
+    page.locator("#seed input").press("Enter")
+    steps = page.locator("#steps input[type=number]")
+    steps.fill("2")
+    steps.press("Enter")
+    page.locator("#mode label", has_text="Think").first.click()
+    page.locator("#run").click()
+    expect(page.locator("#cot textarea")).to_have_value(re.compile(r".+", re.S), timeout=60_000)
+    page.wait_for_timeout(1000)                            # the smooth scroll
+    cot, canvas = page.locator("#cot").bounding_box(), page.locator("#result").bounding_box()
+    assert cot["y"] >= 0 and cot["y"] + cot["height"] <= 844 and canvas["y"] + 150 <= 844, (cot, canvas)
+    wait_done(page, 0, timeout=120)
     page.close()

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image as PILImage
 
 from engine.spec.buckets import parse_size
-from engine.runtime.events import Done, Text, Timings
+from engine.runtime.events import Done, Error, Text, Timings
 from engine.runtime.events import Image as ImageEvent
 from engine.serve.info import ModelInfo
 from engine import EMBEDDED_MODEL
@@ -262,7 +262,7 @@ def test_size_choices_are_width_first_and_map_to_their_bucket(tiny_dir):
         b = parse_size(value, buckets)
         assert (b.width, b.height) == (w, h)
     assert aspect_label(256, 192) == "4:3" and aspect_label(192, 256) == "3:4"
-    assert aspect_label(368, 144).startswith("≈")
+    assert aspect_label(368, 144) == "about 5:2" and aspect_label(144, 560) == "about 1:4"  # never "≈1:3.88"
 
 
 def test_build_request_and_error_routing():
@@ -320,3 +320,144 @@ def test_engine_line_shows_the_attempt_and_a_failed_engine_with_a_way_back(studi
     assert r.status_code == 200 and r.json()["data"][0] == {"reloading": False}      # the engine is not failed
     h = httpx.post(url.rstrip("/") + "/gradio_api/run/health", json={"data": []}, timeout=30).json()["data"][0]
     assert h["state"] in ("ready", "busy") and h["attempt"] == 0
+
+
+# ------------------------------------------------------------------ what a new user met (issue 29)
+def test_timings_are_plain_text():
+    """The API's timings string is read as it is (it used to carry Markdown's ** around each label)."""
+    t = Timings(ar_prefill_ms=10, ar_tokens=8, ar_ms_per_token=2.5, dit_steps=2, dit_ms_per_step=100,
+                vae_ms=50, total_s=1.23)
+    text = timings_text(Done(t), ImageEvent(b"", 256, 192, 7))
+    assert "*" not in text and text.startswith("AR 2.5 ms/token")
+
+
+def test_the_queue_line_counts_the_others_and_estimates_from_measured_runs():
+    """A request in line is told how many wait ahead of it (never itself), how many run, and, once the
+    studio has finished runs, a wait estimated from their measured durations; "Done in" counts the wait."""
+    from webui.runner import RecentRuns, done_status, waiting_status
+    busy = {"state": "busy", "running": 1, "queue": 1}       # the engine's counts include this request
+    assert waiting_status(busy, 0) == "Next in line (1 running)…"
+    recent = RecentRuns(keep=2)
+    for s in (9.0, 3.0, 5.0):
+        recent.add(s)
+    assert recent.mean() == 4.0                               # the last two only
+    assert waiting_status(busy, 2, recent) == \
+        "In line: 2 ahead of you (1 running) · about 12 s to start (recent runs took 4.0 s each)…"
+    assert waiting_status(busy, None) == "Starting…"          # not in the line: being admitted
+    assert "loading the model" in waiting_status({"state": "loading"}, 0)
+    assert done_status(7.25, 3.0) == "Done in 7.2 s, 3.0 s of it waiting to start"
+    assert done_status(2.0, 0.0) == "Done in 2.0 s"
+
+
+class ScriptedSubmission:
+    """A submission that plays a list of engine events (what the engine server's submission gives)."""
+
+    def __init__(self, events):
+        self.events, self.ended = list(events), False
+
+    async def aget(self, timeout=None):
+        return self.get()
+
+    def get(self, timeout=None):
+        if not self.events:
+            return None
+        ev = self.events.pop(0)
+        self.ended = isinstance(ev, (Done, Error))
+        return ev
+
+
+class ScriptedClient:
+    def __init__(self, events):
+        self.events, self.cancelled = events, []
+
+    def submit(self, request):
+        return ScriptedSubmission(self.events)
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+        return True
+
+    def health(self):
+        return {"state": "ready"}
+
+    def reload(self):
+        return False
+
+
+def _png(size=(8, 6)) -> bytes:
+    import io
+    buf = io.BytesIO()
+    PILImage.new("RGB", size, (1, 2, 3)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_the_seed_box_takes_the_seed_of_the_image_event(tiny_dir, tmp_path):
+    """The studio reads the seed from the engine's Image event (it used to parse it back out of the
+    timings text); the final outputs carry it for the seed box."""
+    import asyncio
+    from engine.runtime.events import Started
+    from webui.studio import Studio
+    info = ModelInfo.from_folder(tiny_dir)
+    events = [Started("r", "image", "auto", 2, 5.0), ImageEvent(_png(), 8, 6, seed=4242), Done(Timings(total_s=0.5))]
+    studio_ = Studio(ScriptedClient(events), info, tmp_path)
+
+    async def collect():
+        s = Settings(*settings(random_seed=True))
+        return [o async for o in studio_.generate("a cat", None, s)]
+
+    outs = asyncio.run(collect())
+    status, canvas, timings, _, result, seed = outs[-1]
+    assert status.startswith("Done in") and seed == 4242 and "seed 4242" in timings
+    assert Path(result).read_bytes() == _png() and canvas == result
+    assert Studio.used_seed(seed) == 4242
+
+
+def test_an_engine_failure_stays_in_the_status_box(tiny_dir, tmp_path):
+    """The failure's message is written to the Status box before the toast is raised (the toast hides
+    after a few seconds; the box kept only a red "Error" badge)."""
+    import asyncio
+    import gradio as gr
+    from engine.runtime.events import Started
+    from webui.studio import Studio
+    events = [Started("r", "image", "auto", 2, 5.0), Error("engine", "the engine process stopped unexpectedly (SIGKILL)")]
+    studio_ = Studio(ScriptedClient(events), ModelInfo.from_folder(tiny_dir), tmp_path)
+    outs = []
+
+    async def collect():
+        async for o in studio_.generate("a cat", None, Settings(*settings())):
+            outs.append(o)
+
+    with pytest.raises(gr.Error, match="Generation failed: the engine process stopped"):
+        asyncio.run(collect())
+    assert outs[-1][STATUS] == "Generation failed: the engine process stopped unexpectedly (SIGKILL)"
+
+
+def test_reference_limits_are_the_apis(tmp_path):
+    """A reference image is held to /v1's limits (16.7 MP, from the header, before decoding) and must
+    be readable; each message names the file, never the server's path."""
+    from engine.serve.openai_params import UploadLimits
+    from webui.references import check_reference
+    big = tmp_path / "huge-6000.png"
+    PILImage.new("RGB", (6000, 6000), (9, 9, 9)).save(big)
+    msg = check_reference(big)
+    assert msg is not None and "huge-6000.png" in msg and "6000x6000" in msg and \
+        str(UploadLimits().max_pixels) in msg and str(tmp_path) not in msg
+    bad = tmp_path / "holiday.jpg"
+    bad.write_bytes(b"\xff\xd8 not really a jpeg")
+    assert check_reference(bad) == "holiday.jpg cannot be read as an image"
+    ok = tmp_path / "fine.png"
+    PILImage.new("RGB", (64, 48)).save(ok)
+    assert check_reference(ok) is None
+    from webui.studio import Studio
+    kept = Studio.checked_references([(str(ok), None), (str(bad), None)])
+    assert kept == [(str(ok), None)]                          # the bad one leaves the gallery at upload
+
+
+def test_a_huge_reference_is_refused_on_its_field_before_queueing(client, studio, tmp_path):
+    _, counting, _ = studio
+    big = tmp_path / "big.png"
+    PILImage.new("RGB", (6000, 6000), (9, 9, 9)).save(big)
+    before = len(counting.submitted)
+    with pytest.raises(ValidationError, match="big.png is 6000x6000"):
+        client.predict("make it red", gallery([str(big)]), *settings(), api_name="/ti2i")
+    assert len(counting.submitted) == before

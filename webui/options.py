@@ -33,12 +33,15 @@ PRESET_LABELS = {
 
 
 def aspect_label(width: int, height: int) -> str:
-    """'4:3', '16:9'... when the ratio has small terms, else '≈2.56:1'."""
+    """'4:3', '16:9'... when the ratio has small terms, else the nearest whole or half ratio people say,
+    'about 1:4' (a label such as '≈1:3.88' read as noise)."""
     f = Fraction(width, height)
     if f.numerator <= 21 and f.denominator <= 21:
         return f"{f.numerator}:{f.denominator}"
-    r = width / height
-    return f"≈{r:.2f}:1" if r >= 1 else f"≈1:{1 / r:.2f}"
+    r = max(width, height) / min(width, height)
+    near = Fraction(round(r * 2), 2)
+    long, short = near.numerator, near.denominator
+    return f"about {long}:{short}" if width >= height else f"about {short}:{long}"
 
 
 def size_choices(buckets: tuple[Bucket, ...]) -> list[tuple[str, str]]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import io
-import re
 import sys
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Protocol
 
@@ -50,6 +50,7 @@ class Update:
     image: str | None = None          # path of the final PNG, which replaces the preview
     cot: str | None = None
     timings: str | None = None
+    seed: int | None = None           # the seed of the final image (the engine's Image event says it)
     reset: bool = False               # clear every output first (start of a run)
     final: bool = False               # the run is over: send every output
 
@@ -83,19 +84,42 @@ def running_count(health: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) else int(bool(n))
 
 
-def waiting_status(health: dict[str, Any], ahead: int | None = None) -> str:
-    """`ahead`: how many requests wait before this one (None: unknown)."""
+@dataclass
+class RecentRuns:
+    """How long the last finished runs took (the studio's own clock, submit to Done): the base of the
+    wait estimate a request in line is shown."""
+    keep: int = 8
+    seconds: deque = field(default_factory=deque)
+
+    def add(self, s: float) -> None:
+        self.seconds.append(s)
+        while len(self.seconds) > self.keep:
+            self.seconds.popleft()
+
+    def mean(self) -> float | None:
+        return sum(self.seconds) / len(self.seconds) if self.seconds else None
+
+
+def waiting_status(health: dict[str, Any], ahead: int | None = None, recent: RecentRuns | None = None) -> str:
+    """What a request that has not started yet is told. `ahead`: how many requests wait before it (None:
+    it is not in the engine's line, so it is being admitted). Neither count includes the request itself.
+    The estimate assumes the runs ahead take what the last finished ones took, one after another (an
+    upper bound when the engine batches them), and says so."""
     state = health.get("state")
     if state in ("loading", "restarting"):
         what = f" ({health['loading']})" if health.get("loading") else ""
         verb = "restarting" if state == "restarting" else "loading the model"
         return f"Waiting for the engine: {verb}{what}…"
-    running = f", {running_count(health)} running" if health.get("running") else ""
-    if ahead is not None:
-        return f"In line: {ahead} ahead of you{running}…"
-    if health.get("queue"):
-        return f"In line: {health['queue']} waiting{running}…"
-    return "Starting…"
+    if ahead is None:
+        return "Starting…"
+    running = running_count(health)
+    line = "Next in line" if ahead == 0 else f"In line: {ahead} ahead of you"
+    if running:
+        line += f" ({running} running)"
+    mean = recent.mean() if recent is not None else None
+    if mean is not None:
+        line += f" · about {(ahead + 1) * mean:.0f} s to start (recent runs took {mean:.1f} s each)"
+    return line + "…"
 
 
 def preview_image(png: bytes, size: tuple[int, int] | None = None) -> PILImage.Image:
@@ -111,18 +135,13 @@ def preview_image(png: bytes, size: tuple[int, int] | None = None) -> PILImage.I
 
 
 def timings_text(done: Done, image: Image | None) -> str:
-    """The measured figures (the engine's own labels: ms/token over the sampled tokens, and with
+    """The measured figures as plain text (API clients get it as it is: no markup), with the engine's
+    own labels: ms/token over the sampled tokens, and with
     reasoning off only the prefill, since the size is the one token chosen)."""
-    parts = done.timings.parts(bold=True)
+    parts = done.timings.parts()
     if image is not None:
         parts.append(f"{image.width} × {image.height}, seed {image.seed}")
     return " · ".join(parts)
-
-
-def seed_in(timings: str | None) -> int | None:
-    """The seed that `timings_text` wrote, or None."""
-    m = re.search(r", seed (\d+)$", timings or "")
-    return int(m.group(1)) if m else None
 
 
 def save_png(out_dir: Path, request_id: str, image: Image) -> str:
@@ -146,10 +165,20 @@ def prune(out_dir: Path, max_age_s: float = 3600.0) -> None:
             pass
 
 
-async def run(client: EngineClient, req: Request, out_dir: Path) -> AsyncIterator[Update]:
+def done_status(total_s: float, waited_s: float) -> str:
+    """The user's time, submit to image: the wait in line is part of it (the engine's own total, in the
+    timings, starts when the request does)."""
+    return f"Done in {total_s:.1f} s" + (f", {waited_s:.1f} s of it waiting to start" if waited_s >= 0.05 else "")
+
+
+async def run(client: EngineClient, req: Request, out_dir: Path,
+              recent: RecentRuns | None = None) -> AsyncIterator[Update]:
     """Submit `req` and describe its progress. Raises EngineFailure with a user-facing message when
-    the engine refuses or fails the request; a cancelled request just ends with a 'Stopped' status."""
+    the engine refuses or fails the request; a cancelled request just ends with a 'Stopped' status.
+    `recent`: the studio's record of finished runs (read for the wait estimate, this run added)."""
     prune(out_dir)
+    submitted = time.monotonic()
+    started_at: float | None = None
     sub = await asyncio.to_thread(client.submit, req)      # it validates, so decodes the references: off the loop
     cot, image, started = CotLog(), None, False
     image_path: str | None = None
@@ -162,7 +191,7 @@ async def run(client: EngineClient, req: Request, out_dir: Path) -> AsyncIterato
             if ev is None:
                 position = getattr(client, "position", None)      # EngineServer's; a stand-in may lack it
                 ahead = None if started or position is None else position(req.request_id)
-                yield Update(status=None if started else waiting_status(client.health(), ahead))
+                yield Update(status=None if started else waiting_status(client.health(), ahead, recent))
                 continue
             batch = [ev]
             while not isinstance(batch[-1], (Done, Error)) and (nxt := sub.get(timeout=0)) is not None:
@@ -170,7 +199,7 @@ async def run(client: EngineClient, req: Request, out_dir: Path) -> AsyncIterato
             update = Update()
             for ev in batch:
                 if isinstance(ev, Started):
-                    started = True
+                    started, started_at = True, time.monotonic()
                     update.status = "Thinking…" if ev.bot_task != "image" else "Choosing the size…"
                 elif isinstance(ev, Text):
                     cot.add(ev)
@@ -190,8 +219,12 @@ async def run(client: EngineClient, req: Request, out_dir: Path) -> AsyncIterato
                 elif isinstance(ev, Done):
                     if update.changed:
                         yield update
-                    yield Update(final=True, status=f"Done in {ev.timings.total_s:.1f} s", image=image_path,
-                                 cot=cot.text, timings=timings_text(ev, image))
+                    total = time.monotonic() - submitted
+                    if recent is not None:
+                        recent.add(total)
+                    waited = (started_at if started_at is not None else submitted) - submitted
+                    yield Update(final=True, status=done_status(total, waited), image=image_path, cot=cot.text,
+                                 timings=timings_text(ev, image), seed=None if image is None else image.seed)
                     return
                 elif isinstance(ev, Error):
                     if update.changed:

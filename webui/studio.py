@@ -2,9 +2,11 @@
 
 Layout: three columns that the page arranges by width. On a wide screen the prompt (two tabs: T2I, and
 TI2I with 1-3 reference images, each with Generate/Stop and examples) sits above the shared settings on
-the left, and the run fills the right: a status line, the canvas (the step preview is drawn in it while
-denoising, then the final image replaces it), Download / Edit this result, the timings, the streamed
-reasoning and the page's history. On a phone they stack prompt, run, settings.
+the left, and the run fills the right: a status line, the streamed reasoning, the canvas (the step
+preview is drawn in it while denoising, then the final image replaces it; it gives up height so that the
+reasoning and it share one screen), Download / Edit this result, the timings and the page's history (a
+click opens an item on the canvas). On a phone they stack prompt, run, settings, and Generate scrolls to
+the run.
 
 API: `/t2i(prompt, mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
 max_new_tokens)` and `/ti2i(prompt, images, ...same...)`, each streaming `(status, image, timings,
@@ -29,13 +31,15 @@ from .fields import lenient
 from .examples import is_small, reference_examples, t2i_prompts
 from .options import (AUTO_SIZE, REASONING_MODES, Settings, build_request, control_of, default_mode,
                       preset_choices, size_choices)
-from .runner import EngineClient, EngineFailure, Update, run, running_count, seed_in
+from .references import check_reference
+from .runner import EngineClient, EngineFailure, RecentRuns, Update, run, running_count
 from .theme import CSS, theme
 
 TITLE = "HunyuanImage-3.0 Studio"
 HEALTH_EVERY_MS = 1000    # the engine line's refresh (a small POST per open page)
 HISTORY_MAX = 24          # results kept in a page's history strip
-CANVAS_HEIGHT = 512
+CANVAS_HEIGHT = 512       # at most; the CSS lets it shrink so the reasoning above it stays in view
+PROMPTS_KEY = "hunyuan-studio-prompts"   # the browser storage that keeps the two prompts over a reload
 # What failed, said first in the message: Gradio 6.31's page ignores gr.Error's title (its toast always
 # reads "Error"), and API clients see only the message.
 FAILURE_PREFIX = {"invalid": "Request refused", "busy": "Not queued", "engine": "Generation failed"}
@@ -76,6 +80,46 @@ HEALTH_JS = """
   poll();
 }
 """ % HEALTH_EVERY_MS
+
+
+# A number typed outside a slider's range: Gradio's slider quietly sets it to the nearest bound (steps 0
+# ran as 1, guidance 99 as 30), before any validator sees it. The page says so on the field, naming the
+# range, until a value inside it is typed. Capture phase: the typed value, before the slider rewrites it.
+RANGE_JS = """
+() => {
+  if (window.__studioRanges) return;
+  window.__studioRanges = true;
+  const FIELDS = {steps: 'Steps', guidance: 'Guidance', 'max-new-tokens': 'Max new tokens', seed: 'Seed'};
+  const check = (ev) => {
+    const box = ev.target;
+    if (!box || box.type !== 'number' || !box.closest) return;
+    const field = box.closest(Object.keys(FIELDS).map((id) => '#' + id).join(','));
+    if (!field) return;
+    let note = field.querySelector('.range-note');
+    const lo = Number(box.min), hi = Number(box.max), raw = box.value.trim(), v = Number(raw);
+    const out = raw !== '' && box.min !== '' && box.max !== '' && !(v >= lo && v <= hi);
+    if (!out) { if (note) note.remove(); return; }
+    if (!note) {
+      note = document.createElement('div');
+      note.className = 'range-note validation-error';
+      note.setAttribute('role', 'alert');
+      field.appendChild(note);
+    }
+    const used = Number.isFinite(v) ? (v < lo ? lo : hi) : lo;
+    note.textContent = `${FIELDS[field.id]} must be from ${lo} to ${hi}: ${raw} is out of range, so ${used} is used.`;
+  };
+  document.addEventListener('input', check, true);
+  document.addEventListener('change', check, true);
+}
+"""
+
+# On Generate: a phone shows the run column (status, reasoning, canvas) rather than the prompt just typed.
+SHOW_RUN_JS = """
+() => {
+  const run = document.querySelector('#col-run');
+  if (run && window.innerWidth < 1000) run.scrollIntoView({behavior: 'smooth', block: 'start'});
+}
+"""
 
 
 def health_line(health: dict[str, Any]) -> str:
@@ -123,6 +167,7 @@ class Studio:
 
     def __init__(self, client: EngineClient, info: ModelInfo, out_dir: Path):
         self.client, self.info, self.out_dir = client, info, out_dir
+        self.recent = RecentRuns()      # this studio's finished runs: the queue's wait estimate
 
     # ---------------------------------------------------------------- validation (before queueing)
     def validation(self, prompt: str, refs: Any, settings: Settings, need_images: bool,
@@ -133,6 +178,9 @@ class Studio:
         images = _image_paths(refs)
         if need_images and not images:
             problems["images"] = "Add 1 to 3 reference images to edit (or use the Text to image tab)."
+        for path in images:
+            if (msg := check_reference(path)) is not None:
+                problems.setdefault("images", msg)
         try:
             self.info.validate(build_request(prompt, images, settings, for_check=True))
         except RequestError as e:
@@ -168,10 +216,13 @@ class Studio:
             for message in self.advice(settings):
                 gr.Warning(message)
             req = build_request(prompt, _image_paths(refs), settings)
-            async for update in run(self.client, req, self.out_dir):
+            async for update in run(self.client, req, self.out_dir, self.recent):
                 yield self.outputs(update)
         except EngineFailure as e:
-            raise gr.Error(f"{FAILURE_PREFIX.get(e.kind, 'Generation failed')}: {e}", print_exception=False) from None
+            message = f"{FAILURE_PREFIX.get(e.kind, 'Generation failed')}: {e}"
+            # the Status box keeps it (the toast hides after a few seconds)
+            yield self.outputs(Update(status=message))
+            raise gr.Error(message, print_exception=False) from None
         except (gr.Error, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:  # noqa: BLE001 - a bug here must show as a message, not take the page down
@@ -214,28 +265,61 @@ class Studio:
         return [(result, caption), *(history or [])][:HISTORY_MAX]
 
     @staticmethod
-    def used_seed(timings: str | None) -> Any:
-        """The seed box shows the seed the finished image used (a random one too): untick "Random seed"
-        to draw it again."""
-        seed = seed_in(timings)
+    def used_seed(seed: int | None) -> Any:
+        """The seed box shows the seed the finished image used (the engine's Image event says it; a random
+        one too): untick "Random seed" to draw it again."""
         return gr.skip() if seed is None else seed
 
     @staticmethod
+    def reopen(evt: gr.SelectData) -> tuple:
+        """A history item clicked: it goes back on the canvas as the page's result (so Download and
+        "Edit this result" work on it)."""
+        path = (evt.value or {}).get("image", {}).get("path") if isinstance(evt.value, dict) else None
+        if not path:
+            return gr.skip(), gr.skip()
+        return path, path
+
+    @staticmethod
+    def checked_references(refs: Any) -> Any:
+        """Uploaded references, each checked at once (the /v1 limits, readable as an image): a bad one is
+        named and left out, so the gallery never holds a file that Generate would refuse."""
+        kept, refused = [], []
+        for item in refs or []:
+            path = str(item[0] if isinstance(item, (tuple, list)) else item)
+            msg = check_reference(path)
+            (refused.append(msg) if msg else kept.append(item))
+        for msg in refused:
+            gr.Warning(msg, duration=None)
+        return kept if refused else gr.skip()
+
+    @staticmethod
+    def select_reference(evt: gr.SelectData) -> tuple:
+        return evt.index, gr.Button(interactive=True)
+
+    @staticmethod
+    def without_selected(refs: Any, index: int | None) -> tuple:
+        """"Remove selected": the clicked reference leaves the gallery, the others stay."""
+        if index is None or not refs or not 0 <= index < len(refs):
+            gr.Warning("Click a reference image first, then Remove it.")
+            return gr.skip(), None
+        return [r for i, r in enumerate(refs) if i != index], None
+
+    @staticmethod
     def outputs(u: Update) -> tuple:
-        """An Update as values for (status, canvas, timings, reasoning, finished result). The canvas
+        """An Update as values for (status, canvas, timings, reasoning, finished result, its seed). The canvas
         shows the step preview while denoising and the final PNG at the end; the finished result (page
         state, not part of the API) is set only by a completed run."""
         if u.reset:
-            return (u.status or "", None, "", "", None)
+            return (u.status or "", None, "", "", None, None)
         if u.final:
-            return (u.status or "", u.image or u.preview, u.timings or "", u.cot or "", u.image)
+            return (u.status or "", u.image or u.preview, u.timings or "", u.cot or "", u.image, u.seed)
         skip = gr.skip()
         canvas = u.image if u.image is not None else u.preview
         return (skip if u.status is None else u.status,
                 skip if canvas is None else canvas,
                 skip if u.timings is None else u.timings,
                 skip if u.cot is None else u.cot,
-                skip)
+                skip, skip)
 
 
 def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = None,
@@ -264,32 +348,36 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                         t2i_prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt",
                                                 placeholder="Describe the image you want…")
                         with gr.Row():
-                            t2i_run = gr.Button("Generate", variant="primary", elem_id="run")
-                            t2i_stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                            t2i_run = gr.Button("Generate", variant="primary", elem_id="run", elem_classes="generate")
+                            t2i_stop = gr.Button("Stop", variant="secondary", interactive=False, elem_id="stop")
                         gr.Examples([[p] for p in t2i_prompts(info.buckets)], inputs=[t2i_prompt], label="Example prompts")
                     with gr.Tab("Edit with reference images", id="ti2i"):
                         refs = gr.Gallery(label="Reference images (1 to 3)", type="filepath", interactive=True,
-                                          file_types=["image"], columns=3, height=220, object_fit="contain",
-                                          elem_id="refs")
+                                          file_types=["image"], columns=3, height="auto", object_fit="contain",
+                                          allow_preview=False, elem_id="refs")
+                        remove_ref = gr.Button("Remove the selected image", size="sm", interactive=False,
+                                               elem_id="remove-ref")
                         ti2i_prompt = gr.Textbox(label="Instruction", lines=3, elem_id="ti2i-prompt",
                                                  placeholder="What should change? e.g. “make the sky stormy”")
                         with gr.Row():
-                            ti2i_run = gr.Button("Generate", variant="primary", elem_id="ti2i-run")
-                            ti2i_stop = gr.Button("Stop", variant="stop", elem_id="ti2i-stop")
+                            ti2i_run = gr.Button("Generate", variant="primary", elem_id="ti2i-run",
+                                                 elem_classes="generate")
+                            ti2i_stop = gr.Button("Stop", variant="secondary", interactive=False, elem_id="ti2i-stop")
                         gr.Examples([[[str(p)], prompt] for p, prompt in reference_examples(ex_dir, is_small(info.buckets))],
                                     inputs=[refs, ti2i_prompt], label="Example edits")
             with gr.Column(scale=6, min_width=320, elem_id="col-run"):
                 status = gr.Textbox(label="Status", interactive=False, elem_id="status")
+                # the reasoning above the canvas: both in view during a run (1440x900, and a phone)
+                cot = gr.Textbox(label="Reasoning (streamed)", lines=4, max_lines=6, interactive=False,
+                                 autoscroll=True, elem_id="cot")
                 image = gr.Image(label="Result", type="filepath", format="png", interactive=False,
                                  height=CANVAS_HEIGHT, elem_id="result", buttons=["fullscreen"])
                 with gr.Row():
                     download = gr.DownloadButton("Download PNG", interactive=False, elem_id="download")
                     edit_result = gr.Button("Edit this result", interactive=False, elem_id="edit-result")
                 timings = gr.Markdown(label="Timings", elem_id="timings")
-                cot = gr.Textbox(label="Reasoning (streamed)", lines=8, max_lines=20, interactive=False,
-                                 autoscroll=True, elem_id="cot")
-                history = gr.Gallery(label="Results of this page (newest first)", columns=6, height="auto",
-                                     object_fit="contain", allow_preview=True, interactive=False,
+                history = gr.Gallery(label="Results of this page (newest first; click one to open it)", columns=6,
+                                     height="auto", object_fit="contain", allow_preview=False, interactive=False,
                                      elem_id="history", buttons=["download"])
             with gr.Column(scale=5, min_width=320, elem_id="col-settings"):
                 # lenient: a bad value reaches the validator, whose message names the range (not a bare 400)
@@ -318,10 +406,13 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                         *MAX_NEW_TOKENS_RANGE, value=clamp(gen.max_new_tokens, MAX_NEW_TOKENS_RANGE), step=1,
                         label="Max new tokens (reasoning length)", elem_id="max-new-tokens"))
         result = gr.State(None)       # the last finished image of this page (the canvas may hold a preview)
+        result_seed = gr.State(None)  # its seed, as the engine reported it
+        selected_ref = gr.State(None)  # the index of the reference image clicked last
+        saved_prompts = gr.BrowserState(["", ""], storage_key=PROMPTS_KEY)
 
         settings = [mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
                     max_new_tokens]
-        outputs = [status, image, timings, cot, result]
+        outputs = [status, image, timings, cot, result, result_seed]
         t2i_names = ("prompt", *Settings.NAMES)
         ti2i_names = ("prompt", "images", *Settings.NAMES)
 
@@ -341,11 +432,21 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
 
         # No concurrency limit here: every accepted request goes straight to the engine server, whose
         # queue orders the page's and the API's requests together and refuses past its max_queue.
+        # While a run is on: Generate greyed out (a second click did nothing and said nothing), Stop
+        # red and live; after it (done, stopped, failed or refused), the other way round. The lock comes
+        # first in the click's chain, so it lands before the run's first update.
+        runs, stops = [t2i_run, ti2i_run], [t2i_stop, ti2i_stop]
+        lock = dict(fn=lambda: busy_buttons(True), inputs=None, outputs=[*runs, *stops], queue=False,
+                    api_visibility="private", show_progress="hidden")
+        unlock = {**lock, "fn": lambda: busy_buttons(False)}
         common = dict(outputs=outputs, concurrency_limit=None, show_progress="full", show_progress_on=[status])
-        t2i_ev = t2i_run.click(t2i, [t2i_prompt, *settings], api_name="t2i",
-                               validator=studio.validator(t2i_names, need_images=False), **common)
-        ti2i_ev = ti2i_run.click(ti2i, [ti2i_prompt, refs, *settings], api_name="ti2i",
-                                 validator=studio.validator(ti2i_names, need_images=True), **common)
+        t2i_ev = t2i_run.click(**lock).then(t2i, [t2i_prompt, *settings], api_name="t2i",
+                                            validator=studio.validator(t2i_names, need_images=False), **common)
+        ti2i_ev = ti2i_run.click(**lock).then(ti2i, [ti2i_prompt, refs, *settings], api_name="ti2i",
+                                              validator=studio.validator(ti2i_names, need_images=True), **common)
+        for button, ev in ((t2i_run, t2i_ev), (ti2i_run, ti2i_ev)):
+            button.click(None, None, None, js=SHOW_RUN_JS, queue=False, api_visibility="private")
+            ev.then(**unlock)
 
         def stopped(current: str) -> Any:
             # a cancelled job yields nothing more, so the status is set here (unless nothing was running)
@@ -354,25 +455,52 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
         for stop in (t2i_stop, ti2i_stop):
             # cancel first, then write the status, so no update of the cancelled run can land after it
             stop.click(None, None, None, cancels=[t2i_ev, ti2i_ev], queue=False, api_visibility="private") \
-                .then(stopped, status, status, queue=False, show_progress="hidden", api_visibility="private")
+                .then(stopped, status, status, queue=False, show_progress="hidden", api_visibility="private") \
+                .then(**unlock)
 
         for ev, prompt in ((t2i_ev, t2i_prompt), (ti2i_ev, ti2i_prompt)):
             # unqueued: bookkeeping after a run never waits behind (or is refused by) a full queue
             ev.success(studio.remember, [result, prompt, history], history, queue=False, api_visibility="private",
                        show_progress="hidden")
-            ev.success(studio.used_seed, timings, seed, queue=False, api_visibility="private",
+            ev.success(studio.used_seed, result_seed, seed, queue=False, api_visibility="private",
                        show_progress="hidden")
         result.change(studio.result_buttons, result, [download, edit_result], queue=False,
                       api_visibility="private", show_progress="hidden")
         edit_result.click(studio.to_edit, result, [refs, tabs], queue=False, api_visibility="private",
                           show_progress="hidden")
 
+        history.select(studio.reopen, None, [image, result], queue=False, api_visibility="private",
+                       show_progress="hidden")
+        # queued: a warning needs the queue's channel to reach the page
+        refs.upload(studio.checked_references, refs, refs, concurrency_limit=None, api_visibility="private",
+                    show_progress="hidden")
+        refs.select(studio.select_reference, None, [selected_ref, remove_ref],
+                    queue=False, api_visibility="private", show_progress="hidden")
+        remove_ref.click(studio.without_selected, [refs, selected_ref], [refs, selected_ref], queue=False,
+                         api_visibility="private", show_progress="hidden") \
+            .then(lambda: gr.Button(interactive=False), None, remove_ref, queue=False, api_visibility="private",
+                  show_progress="hidden")
+        # the prompts survive a reload (the browser's storage)
+        gr.on([t2i_prompt.change, ti2i_prompt.change], lambda a, b: [a, b], [t2i_prompt, ti2i_prompt],
+              saved_prompts, queue=False, api_visibility="private", show_progress="hidden")
+        demo.load(lambda saved: tuple(saved) if isinstance(saved, list) and len(saved) == 2 else (gr.skip(), gr.skip()),
+                  saved_prompts, [t2i_prompt, ti2i_prompt], queue=False, api_visibility="private",
+                  show_progress="hidden")
+
         gr.api(studio.health, api_name="health", queue=False, api_visibility="undocumented")
         gr.api(studio.reload, api_name="reload", queue=False, api_visibility="undocumented")
         demo.load(None, None, None, js=HEALTH_JS)
+        demo.load(None, None, None, js=RANGE_JS)
 
     demo.queue(default_concurrency_limit=1)
     return demo
+
+
+def busy_buttons(busy: bool) -> tuple:
+    """(Generate, Generate, Stop, Stop) for a page with a run on or not."""
+    go = gr.Button(interactive=not busy)
+    stop = gr.Button(interactive=busy, variant="stop" if busy else "secondary")
+    return go, go, stop, stop
 
 
 Login = Union[tuple[str, str], Callable[[str, str], bool]]

@@ -14,8 +14,11 @@ CSS = """
   #col-run { grid-column: 2; grid-row: 1 / span 2; }
   #col-settings { grid-column: 1; grid-row: 2; }
 }
-/* The canvas: the whole image, as large as the box allows (small images are drawn up, not cropped). */
+/* The canvas: the whole image, as large as the box allows (small images are drawn up, not cropped).
+   It gives up height before the reasoning above it leaves a 900 px screen. */
+#result { height: min(512px, max(300px, calc(100vh - 400px))) !important; }
 #result img { width: 100%; height: 100%; object-fit: contain; }
+#result .image-container, #result .image-frame { width: 100%; height: 100%; }
 /* Reference images and the history strip: square tiles, each image whole inside its tile. Gradio
    gives few images the whole width (one reference became a 500 px tile cut by the 220 px box). */
 #refs .grid-container { grid-template-columns: repeat(3, minmax(0, 1fr)) !important; }
@@ -26,6 +29,9 @@ CSS = """
 #history .grid-wrap { min-height: 0 !important; }
 /* A message under a control wraps anywhere (a long file name must not push it past the panel). */
 .validation-error { overflow-wrap: anywhere; }
+.range-note { color: var(--error-text-color, #b91c1c); font-size: var(--text-sm); margin-top: 4px; }
+/* Stop is red only while it can stop something (its variant follows the run). */
+#stop button:disabled, #ti2i-stop:disabled, #stop:disabled { opacity: 0.6; }
 #engine-health, #engine-health .html-container { padding: 0 !important; }
 #status textarea { font-variant-numeric: tabular-nums; font-weight: 600; }
 #cot textarea { font-family: var(--font-mono); font-size: 0.85em; }
