@@ -209,6 +209,24 @@ def test_gpu_batched_is_batch_invariant(name):
 
 @gpu
 @skip_no_cuda
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_the_chosen_variant_is_batch_invariant_to_the_servers_batch(name):
+    """What serving runs: the op as the registry picks it (the GEMV `decode` up to its 8 rows, the CUDA
+    server's --max-batch) gives each token alone what it gives in a batch of 2..8."""
+    from app import default_max_batch
+    args = _gpu_args(name, default_max_batch("cuda"), seed=7)
+    x, rest = args[0], args[1:]
+    alone = [kernels.call("moe_quant", x[t:t + 1], *rest)[0] for t in range(len(x))]
+    chosen = kernels.chosen("moe_quant")
+    for n in range(2, len(x) + 1):
+        got = kernels.call("moe_quant", x[:n], *rest)
+        assert kernels.chosen("moe_quant") == chosen, (n, kernels.chosen("moe_quant"), chosen)
+        for t in range(n):
+            assert torch.equal(got[t], alone[t]), (chosen, n, t)
+
+
+@gpu
+@skip_no_cuda
 @pytest.mark.parametrize("name", ["tp1_mxfp4", "hybrid4_fp8_two_micros"])
 def test_gpu_batched_cuda_graph_replay_equals_eager(name):
     args = _gpu_args(name, 16, seed=5)

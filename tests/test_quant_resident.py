@@ -235,7 +235,7 @@ def test_gpu_resident_quantized_model_runs_on_the_fast_ops(folders, fmt):
     folder, quantize = (folders["bf16"], "fp8") if online else (folders[fmt], None)
     lm = load(folder, "cuda", torch.bfloat16, quantize=quantize)
     dense = load(folder, "cuda", torch.bfloat16, quantize=quantize, resident="dense")
-    for op, names in (("moe_quant", ["batched", "decode", "grouped"]), ("linear_mxfp8", ["gemv", "triton"]),
+    for op, names in (("moe_quant", ["decode", "batched", "grouped"]), ("linear_mxfp8", ["gemv", "triton"]),
                       ("linear_nvfp4", ["gemv", "triton"]), ("linear_fp8", ["scaled_mm"])):
         assert [i.backend for i in kernels.registry.candidates(op, "cuda", torch.bfloat16)] == names + ["torch"], op
     g = torch.Generator(device="cuda").manual_seed(0)

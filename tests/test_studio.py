@@ -135,7 +135,7 @@ def test_validation_errors_reach_the_client_without_queueing(client, studio, ref
     ("steps", 10000, f"steps must be an integer from {STEPS_RANGE[0]} to {STEPS_RANGE[1]} (got 10000)"),
     ("guidance", -1, "guidance must be a number from 0 to 30 (got -1.0)"),
     ("size", "banana", "size 'banana' is not understood"),
-    ("seed", -5, f"seed must be an integer from 0 to 2**53 - 1 = {SEED_RANGE[1]} (got -5)"),
+    ("seed", -5, f"seed must be a whole number from 0 to {SEED_RANGE[1]} (got -5)"),
     ("seed", 2 ** 70, f"(got {2 ** 70})"),
     ("mode", "dream", "unknown reasoning mode (bot_task) 'dream'; choose one of image"),
     ("max_new_tokens", 0, "max_new_tokens must be an integer from 1 to 8192 (got 0)"),

@@ -183,7 +183,7 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...]) ->
                 raise RequestError(f"{name} must be {rule} (got {value!r})", name)
     s = req.seed
     if not _in_range(s, *SEED_RANGE, integer=True):
-        raise RequestError(f"seed must be an integer from {SEED_RANGE[0]} to 2**53 - 1 = {SEED_RANGE[1]} "
+        raise RequestError(f"seed must be a whole number from {SEED_RANGE[0]} to {SEED_RANGE[1]} "
                            f"(got {s!r})", "seed")
     if not _in_range(req.n, *N_RANGE, integer=True):
         raise RequestError(f"n (images per request) must be an integer in [{N_RANGE[0]}, {N_RANGE[1]}] (got {req.n!r})",

@@ -1,17 +1,18 @@
 """The CUDA variants of the `moe_quant` op (definition and reference: moe.py), preferred in this order:
 
-  batched  N <= BATCHED_MAX_TOKENS (32, a batched decode step): expert-major, each touched expert's weight
-           tile read once for every token routed to it (one program per micro, expert and row tile, its
+  decode   N <= GEMV_MAX_TOKENS (8, the CUDA server's --max-batch): each token on its own (batch invariant),
+           reads only the chosen experts' quantized bytes, on gemv.py's GEMVs (no tensor cores, fp32 FMA on the codes as loaded, activations prepared once);
+           for fp8 the activations are quantized and dequantized per row first, a down row over all its
+           micros (the same numbers as W8A8 up to one bf16 rounding). Its cost grows with every (token,
+           expert) pair, not with the experts touched (issue 31's figures).
+  batched  9 <= N <= BATCHED_MAX_TOKENS (32): expert-major, each touched expert's weight tile read once for every token routed to it (one program per micro, expert and row tile, its
            tokens gathered from the routing on the device, 16 per MMA on the dequantized bf16 tile:
            triton_kernels.py's `edecode_*`); the shared MLP (quantized or float) on the same kernels on a
            side stream. Batch invariant: tile shapes, K steps and the router's tiles are the same for
            every N, so a token's output is bitwise the same alone or with up to 31 others.
-  decode   N <= GEMV_MAX_TOKENS (`batched` takes these sizes first: one variant for every decode size keeps a
-           request's tokens independent of its batch): reads only the chosen experts' quantized bytes, on
-           gemv.py's GEMVs (no tensor cores, fp32 FMA on the codes as loaded, activations prepared once);
-           for fp8 the activations are quantized and dequantized per row first, a down row over all its
-           micros (the same numbers as W8A8 up to one bf16 rounding). Its cost grows with every (token,
-           expert) pair, not with the experts touched (issue 31's figures).
+           Measured 2026-12-02 on one H200 (python -m bench moe-decode --quick, 8 layers in one graph), MXFP4:
+           2.56 ms at N=1 and 11.3 at 8 against decode's 0.84 and 6.41, 15.1 at 16 (7.0x the touched-experts
+           floor): so it comes after `decode` until it is tuned (its --tune sweep) and the server stays at 8.
   grouped  every N: routing and permutation as `moe`'s grouped path (moe/cuda.py), the expert GEMMs on
            triton_kernels.py's grouped GEMMs, or torch._scaled_grouped_mm for fp8 (GEMM1's rows
            quantized once for every micro), the down GEMM on the strided column block of the pack
@@ -77,18 +78,18 @@ def decode_fits(x, gate, w1, w2, shared_w1, shared_w2, *args, **kwargs) -> bool:
     return x.shape[0] <= GEMV_MAX_TOKENS and _shared_paired(shared_w1, shared_w2)
 
 
-@backend("moe_quant", "batched", dtypes=(torch.bfloat16,), available=moe_available, fits=batched_fits)
-def moe_quant_batched(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
-                      topk: int, norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The `batched` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given)."""
-    return _run(_batched, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
-
-
 @backend("moe_quant", "decode", dtypes=(torch.bfloat16,), available=moe_available, fits=decode_fits)
 def moe_quant_decode(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
                      topk: int, norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """The `decode` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given)."""
     return _run(_decode_gemv, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
+
+
+@backend("moe_quant", "batched", dtypes=(torch.bfloat16,), available=moe_available, fits=batched_fits)
+def moe_quant_batched(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
+                      topk: int, norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The `batched` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given)."""
+    return _run(_batched, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
 
 
 @backend("moe_quant", "grouped", dtypes=(torch.bfloat16,), available=moe_available)
