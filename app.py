@@ -48,10 +48,12 @@ def default_device() -> str:
 
 
 def default_max_batch(device: str) -> int:
-    """Requests the engine runs at once: 8 on CUDA and on the CPU. CUDA: the `moe` op's decode variant
-    computes each token alone up to 8 rows (kernels/moe/cuda.py DECODE_MAX_TOKENS); above that a decode step
-    would take the grouped variants, whose rounding differs, and a request's tokens would depend on its
-    neighbours (seen at 16 rows on the H200, 2026-12-02): 16 needs the decode MoE for 1..32 rows (issue 31).
+    """Requests the engine runs at once: 8 on CUDA and on the CPU. CUDA: up to 8 rows each decode MoE
+    computes every token on its own (bf16: kernels/moe/cuda.py's decode variant; quantized: the GEMVs of
+    kernels/quant/moe_cuda.py), so a request's tokens do not depend on its neighbours. Above 8 the
+    quantized MoE takes its expert-major `batched` variant, also batch invariant, but on 2026-12-02 (one
+    H200, bench moe-decode) it cost more than the GEMVs per step, so rows beyond 8 would slow every
+    request in the batch until it is tuned (issue 31).
     CPU: as many as the default --max-queue lets wait; a CPU decode step of the embedded model costs mostly
     its Python and launch overhead, which 8 rows share."""
     return 8
