@@ -7,6 +7,9 @@ in batches of 3, 16 and 32 with other tokens, at other positions). Marked gpu: t
 hybrid4 shapes, the variant asserted to have run, and the graph replay."""
 from __future__ import annotations
 
+import functools
+import types
+
 import pytest
 import torch
 from kernel_support import INTERPRETED, interpreted, poisoned, rel_err, run_interpreter_suite
@@ -28,12 +31,11 @@ def mc_mod():
 
 
 @pytest.fixture
-def small_tiles(mc_mod, monkeypatch):
-    """Tiles small enough that the test shapes take several K steps and row tiles."""
-    from kernels.quant import triton_kernels as qt
-    monkeypatch.setattr(qt, "EDECODE_UP", dict(BI=32, BK=64, num_warps=4, num_stages=1))
-    monkeypatch.setattr(qt, "EDECODE_DOWN", dict(BH=64, BK=32, num_warps=4, num_stages=1))
-    return mc_mod
+def small_tiles(mc_mod):
+    """`batched` on tiles small enough that the test shapes take several K steps and row tiles."""
+    tiles = dict(up=dict(BI=32, BK=64, num_warps=4, num_stages=1), down=dict(BH=64, BK=32, num_warps=4, num_stages=1))
+    return types.SimpleNamespace(batched_fits=mc_mod.batched_fits,
+                                 moe_quant_batched=functools.partial(mc_mod.moe_quant_batched, tiles=tiles))
 
 
 @pytest.fixture

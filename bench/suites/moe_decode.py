@@ -16,11 +16,12 @@ variant's N = 1. Before timing, each variant is checked on layer 0 against the o
 poisoned), and `batched` (and bf16's `decode`) for batch invariance (a token alone gives the same bits).
 Variants: `batched` (expert-major, every N <= 32), `decode` (the GEMVs, N <= 8; bf16: the `moe` op's
 decode, N <= 32), `grouped` (every N).
---tune: a few tile configs of `batched` (triton_kernels.EDECODE_UP / EDECODE_DOWN) at N = 1 and 16, MXFP4.
+--tune: a few tile configs of `batched` (its `tiles` argument over triton_kernels.EDECODE_UP / EDECODE_DOWN) at N = 1 and 16, MXFP4.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -28,7 +29,6 @@ import torch
 import kernels
 from kernels.moe import route
 from kernels.quant import QWeight, random_qweight
-from kernels.quant import triton_kernels as qt
 from kernels.scratch import poisoned
 
 from ..checks import Check, compare
@@ -161,19 +161,15 @@ def tune(dims: Dims, out: Output) -> list[dict]:
     layers = [layer(dims, "mxfp4", 100 * i + 7) for i in range(2 if dims.dry else 8)]
     fn = variant_fn("mxfp4", "batched")
     res = []
-    keep_up, keep_down = dict(qt.EDECODE_UP), dict(qt.EDECODE_DOWN)
-    try:
-        for up in ups:
-            for down in downs:
-                qt.EDECODE_UP = dict(up, num_stages=2)
-                qt.EDECODE_DOWN = dict(down, num_stages=2)
-                for n in (1, 16):
-                    c = check("mxfp4", "batched", fn, args_of(layers[0], n, dims))
-                    ms = timed(dims, [(lambda a=args_of(lay, n, dims): fn(*a)) for lay in layers])
-                    res.append(dict(up=str(up), down=str(down), n=n, ms=ms, ok=c.ok))
-                    out.say(f"  tune up={up} down={down} N={n}: {ms:.3f} ms {c}")
-    finally:
-        qt.EDECODE_UP, qt.EDECODE_DOWN = keep_up, keep_down
+    for up in ups:
+        for down in downs:
+            tiles = dict(up=dict(up, num_stages=2), down=dict(down, num_stages=2))
+            tiled = functools.partial(fn, tiles=tiles)
+            for n in (1, 16):
+                c = check("mxfp4", "batched", tiled, args_of(layers[0], n, dims))
+                ms = timed(dims, [(lambda a=args_of(lay, n, dims): tiled(*a)) for lay in layers])
+                res.append(dict(up=str(up), down=str(down), n=n, ms=ms, ok=c.ok))
+                out.say(f"  tune up={up} down={down} N={n}: {ms:.3f} ms {c}")
     return res
 
 

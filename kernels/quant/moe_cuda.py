@@ -23,6 +23,8 @@ per expert over all its tokens: `python -m bench moe-decode` times it against th
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..moe import triton_kernels as tk
@@ -87,9 +89,13 @@ def moe_quant_decode(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, mi
 
 @backend("moe_quant", "batched", dtypes=(torch.bfloat16,), available=moe_available, fits=batched_fits)
 def moe_quant_batched(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
-                      topk: int, norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The `batched` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given)."""
-    return _run(_batched, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
+                      topk: int, norm_topk: bool, out: torch.Tensor | None = None,
+                      tiles: dict | None = None) -> torch.Tensor:
+    """The `batched` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given).
+    `tiles` {"up": cfg, "down": cfg} overrides triton_kernels' EDECODE_UP / EDECODE_DOWN for this call
+    (bench moe-decode --tune, small-shape tests); the engine never passes it."""
+    path = functools.partial(_batched, tiles=tiles or {})
+    return _run(path, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
 
 
 @backend("moe_quant", "grouped", dtypes=(torch.bfloat16,), available=moe_available)
@@ -218,7 +224,7 @@ def _parts(w: Weight) -> tuple:
 
 
 def _batched(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
-             out) -> torch.Tensor:
+             out, tiles: dict) -> torch.Tensor:
     """The expert-major decode: routing (the decode router), then per MLP one gate/up + SwiGLU launch
     writing act [micros, rows, I] (routed: a row per (token, choice); FP8: each row, every micro's slice of
     it, quantized once) and one down launch summing the micros; the shared MLP on a side stream; finalize."""
@@ -231,10 +237,10 @@ def _batched(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_star
         fa, *pa = _parts(wa)
         fb, *pb = _parts(wb)
         act = _empty(mc, rows, width, dtype=x.dtype, device=dev)
-        qt.edecode_up(fq if fa == "fp8" else x, ids, active, fa, *pa, act)
+        qt.edecode_up(fq if fa == "fp8" else x, ids, active, fa, *pa, act, cfg=tiles.get("up"))
         if fb == "fp8":            # a down row (every micro's slice of it) quantized once
             qt.quantize_rows(act, fake=True, out=act, micros=mc)
-        qt.edecode_down(act, ids, active, fb, *pb, y)
+        qt.edecode_down(act, ids, active, fb, *pb, y, cfg=tiles.get("down"))
 
     ys = side = None
     if shared_w1 is not None:
