@@ -225,7 +225,12 @@ class ReplicaPool:
                     ray.shutdown()
                 raise ValueError(f"{options.replicas} replicas of {per:g} GPU(s) need {per * options.replicas:g} "
                                  f"GPUs; the Ray cluster has {have:g}")
-        self._engine_kwargs = {**engine_kwargs, "device": device, "plan": plan.name, "world_size": plan.world}
+        # Ray Serve admits at most max_batch + max_queue requests to a replica (max_ongoing_requests); the
+        # replica's engine takes whatever Ray admits: its own count lags Ray's by the moment between an
+        # ended stream and the engine forgetting it, so a second limit there refused requests Ray had
+        # found room for (a 429 with room free, seen under CI load)
+        self._engine_kwargs = {**engine_kwargs, "device": device, "plan": plan.name, "world_size": plan.world,
+                               "max_queue": None}
         self._board = ray.remote(num_cpus=0)(HealthBoard).options(
             name=BOARD_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime=None).remote()
         self._handle = self._deploy(serve)
