@@ -346,3 +346,18 @@ def counted_run_with(pipe, lm, **kw):
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float(10 * np.log10(255 ** 2 / max(((a - b) ** 2).mean(), 1e-12)))
+
+
+def test_named_settings_are_the_documented_ones():
+    """The names the page, train.evaluate and the benchmark share; a bad one names itself and the choices."""
+    from engine.runtime.step_cache import named_setting
+    assert named_setting("none") == (None, None)
+    assert named_setting("taylor") == (P(), None)
+    assert named_setting("taylor-enhance") == (P(taylor_cache_enable_first_enhance=True,
+                                                   taylor_cache_enable_tailing_enhance=True), None)
+    assert named_setting("taylor-3") == (P(taylor_cache_interval=3), None)
+    assert named_setting("block") == (None, B()) and named_setting("block-0.12") == (None, B(block_cache_threshold=0.12))
+    for bad, why in (("taylor-0", "from 1 to 200"), ("block-7", "from 0 to 1"), ("fast", "not a setting")):
+        with pytest.raises(ValueError, match=why) as e:
+            named_setting(bad)
+        assert repr(bad) in str(e.value) and "taylor-N, block, block-T" in str(e.value)

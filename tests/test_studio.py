@@ -17,7 +17,7 @@ from engine.runtime.events import Done, Error, Text, Timings
 from engine.runtime.events import Image as ImageEvent
 from engine.serve.info import ModelInfo
 from engine import EMBEDDED_MODEL
-from engine.runtime.request import MAX_PROMPT_CHARS, SEED_RANGE, STEPS_RANGE
+from engine.runtime.request import MAX_PROMPT_CHARS, SEED_RANGE, STEPS_RANGE, RequestError
 from studio_fixtures import (engine_server, launch_studio, settings, start_server, studio, wait_for)  # noqa: F401
 from webui.options import Settings, aspect_label, build_request, control_of, size_choices
 from webui.runner import CotLog, timings_text
@@ -111,6 +111,22 @@ def test_stop_cancels_and_the_next_request_runs(client, studio, engine_server):
     wait_for(lambda: engine_server.health()["state"] == "ready", 30)   # the engine stopped, not just the UI
     result = client.predict("the next one", *settings(), api_name="/t2i")
     assert result[STATUS].startswith("Done")
+
+
+def test_the_step_cache_runs_from_the_page_and_old_clients_still_work(client, studio):
+    """The "Faster (step cache)" control through the page's API: the engine gets the setting (the timings
+    say how many steps ran in full); a bad name is refused on the control before queueing; a client that
+    sends the nine settings of before (no step cache) still runs, without one."""
+    _, counting, _ = studio
+    result = client.predict("a red circle", *settings(steps=7), "taylor", api_name="/t2i")
+    assert result[STATUS].startswith("Done") and "7 steps (2 in full)" in result[TIMINGS].replace("**", "")
+    assert counting.submitted[-1].taylor_cache is not None
+    before = len(counting.submitted)
+    with pytest.raises(ValidationError, match="Step cache setting 'fastest'"):
+        client.predict("a red circle", *settings(), "fastest", api_name="/t2i")
+    assert len(counting.submitted) == before
+    assert client.predict("a red circle", *settings(), api_name="/t2i")[STATUS].startswith("Done")
+    assert counting.submitted[-1].taylor_cache is None and counting.submitted[-1].block_cache is None
 
 
 def test_validation_errors_reach_the_client_without_queueing(client, studio, refs, tmp_path):
@@ -278,6 +294,24 @@ def test_build_request_and_error_routing():
     assert control_of("bot_task", controls) == "mode" and control_of("steps", controls) == "steps"
     assert control_of("images", controls[:1] + controls[2:]) == "prompt"   # T2I has no images control
     assert control_of(None, controls) == "prompt"
+
+
+def test_the_step_cache_choice_reaches_the_request():
+    """The page's "Faster (step cache)" choices are the engine's named settings; a bad one is an error on
+    that control, as is an engine error about one of its fields."""
+    from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
+    from webui.options import STEP_CACHES
+    base = ("think", "auto", 1, False, 12, 4.5, "en_unified", "", 16)
+    assert [v for _, v in STEP_CACHES][0] == "none" and Settings(*base).step_cache == "none"
+    plain = build_request("a cat", [], Settings(*base))
+    assert plain.taylor_cache is None and plain.block_cache is None
+    assert build_request("a cat", [], Settings(*base, "taylor")).taylor_cache == TaylorCacheParams()
+    assert build_request("a cat", [], Settings(*base, "block")).block_cache == BlockCacheParams()
+    with pytest.raises(RequestError) as e:
+        build_request("a cat", [], Settings(*base, "fastest"))
+    assert e.value.field == "step_cache" and "'fastest'" in str(e.value)
+    controls = ("prompt", *Settings.NAMES)
+    assert control_of("taylor_cache_interval", controls) == control_of("block_cache_threshold", controls) == "step_cache"
 
 
 def test_cot_log_titles_sections_and_timings_text():

@@ -43,6 +43,7 @@ from engine.runtime.events import Done, Error, Image, Ratio
 from engine.model.loader import load
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
+from engine.runtime.step_cache import named_setting
 
 from .dataset import COLORS, FORMATS, REGIONS, SHAPES, make_sample
 from .detect import Detection, SceneDetection, detect
@@ -165,9 +166,11 @@ def check_edit(task: str, check: dict, det: SceneDetection) -> tuple[bool, bool]
     return ok, kept
 
 
-def run_one(pipe: Pipeline, sample, seed: int, bot_task: str | None = None, images: list | None = None) -> dict:
+def run_one(pipe: Pipeline, sample, seed: int, bot_task: str | None = None, images: list | None = None,
+            fields: dict | None = None) -> dict:
+    """One request; `fields`: more Request fields (steps, the step cache), the same for every sample."""
     refs = images if images is not None else [sc.render() for sc in sample.refs]
-    req = Request(prompt=sample.prompt, images=refs, seed=seed, bot_task=bot_task)
+    req = Request(prompt=sample.prompt, images=refs, seed=seed, bot_task=bot_task, **(fields or {}))
     t0 = time.perf_counter()
     res: dict = {"error": None, "image": None, "ratio": None, "cot": "", "timings": None}
     for ev in pipe.run(req):
@@ -191,7 +194,7 @@ class _Prompt:
     refs: tuple = ()
 
 
-def evaluate_examples(pipe: Pipeline, bot_task: str | None, seeds: int, log=print) -> dict:
+def evaluate_examples(pipe: Pipeline, bot_task: str | None, seeds: int, log=print, fields: dict | None = None) -> dict:
     """The studio's examples for the embedded model, each run with seeds 0..seeds-1: the attribute
     accuracy of the T2I examples (and each prompt's share of fully correct images), the share of edits
     that make their change (and each edit's)."""
@@ -206,7 +209,7 @@ def evaluate_examples(pipe: Pipeline, bot_task: str | None, seeds: int, log=prin
     for prompt in SHAPE_PROMPTS:
         check, ok_all = EXAMPLE_T2I_CHECKS[prompt], []
         for k in range(seeds):
-            r = run_one(pipe, _Prompt(prompt), k, bot_task)
+            r = run_one(pipe, _Prompt(prompt), k, bot_task, fields=fields)
             det = detect(r["image"]) if r["image"] is not None else SceneDetection("?", [])
             res = check_t2i(check, det)
             if check["background"]:
@@ -224,7 +227,7 @@ def evaluate_examples(pipe: Pipeline, bot_task: str | None, seeds: int, log=prin
             task, check = EXAMPLE_EDIT_CHECKS[prompt]
             ref, oks = PILImage.open(path).convert("RGB"), []
             for k in range(seeds):
-                r = run_one(pipe, _Prompt(prompt), k, bot_task, images=[ref])
+                r = run_one(pipe, _Prompt(prompt), k, bot_task, images=[ref], fields=fields)
                 det = detect(r["image"]) if r["image"] is not None else SceneDetection("?", [])
                 ok = r["image"] is not None and check_edit(task, check, det)[0]
                 oks.append(ok)
@@ -240,11 +243,16 @@ def evaluate_examples(pipe: Pipeline, bot_task: str | None, seeds: int, log=prin
 def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None = 2, device: str = "cpu",
              n_edit: int | None = None, save_dir: str | Path | None = None, log=print,
              bot_task: str | None = None, example_seeds: int = 0, quantize: str | None = None,
-             resident: str = "auto", dtype: torch.dtype | None = None) -> dict:
+             resident: str = "auto", dtype: torch.dtype | None = None, steps: int | None = None,
+             step_cache: str = "none") -> dict:
     """The metrics of one reasoning mode (`bot_task`; None: the checkpoint's default). `quantize`
     ("fp8"): the model quantized online at load, as `--quantize fp8` serves it; `resident` as `load`'s
     ("quantized" on the CPU: the quantized weights stay quantized and run the reference ops, so FP8 is
-    W8A8 with per-token activation scales, the semantics the CUDA kernels compute)."""
+    W8A8 with per-token activation scales, the semantics the CUDA kernels compute). `steps`: the denoise
+    steps of every request (None: the checkpoint's); `step_cache`: a step cache setting by name
+    (engine.runtime.step_cache.named_setting)."""
+    taylor, block = named_setting(step_cache)
+    fields = {"steps": steps, "taylor_cache": taylor, "block_cache": block}
     if threads:
         torch.set_num_threads(threads)
     lm = load(model, device, dtype, quantize=quantize, resident=resident)
@@ -256,14 +264,14 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
     if save:
         save.mkdir(parents=True, exist_ok=True)
     # warm-up (first-call allocations are not part of the steady-state time)
-    run_one(pipe, make_sample(10 ** 6 + seed, "test", group=0), seed, bot_task)
+    run_one(pipe, make_sample(10 ** 6 + seed, "test", group=0), seed, bot_task, fields=fields)
 
     attrs = {k: [] for k in T2I_ATTRS}
     extra = {"background": [], "ratio": [], "cot_correct": [], "image_follows_cot": [], "all_correct": []}
     formed, times, errors = [], [], 0
     for i in range(n):
         s = make_sample(seed * 100_003 + i, "test", group=0)
-        r = run_one(pipe, s, seed + i, bot_task)
+        r = run_one(pipe, s, seed + i, bot_task, fields=fields)
         if r["error"] or r["image"] is None:
             errors += 1
             log(f"t2i {i}: ERROR {r['error']}")
@@ -310,7 +318,7 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
     for i in range(n_edit):
         group = (1, 1, 1, 1, 1, 2, 2, 3)[i % 8]
         s = make_sample(seed * 100_003 + i, "test", group=group)
-        r = run_one(pipe, s, seed + i, bot_task)
+        r = run_one(pipe, s, seed + i, bot_task, fields=fields)
         if r["error"] or r["image"] is None:
             errors += 1
             edits.setdefault(s.task, []).append(False)
@@ -336,9 +344,10 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
     mean = lambda v: (sum(v) / len(v)) if v else float("nan")
     all_attr = [x for k in T2I_ATTRS for x in attrs[k]]
     all_edit = [x for v in edits.values() for x in v]
-    examples = evaluate_examples(pipe, bot_task, example_seeds, log) if example_seeds else {}
+    examples = evaluate_examples(pipe, bot_task, example_seeds, log, fields) if example_seeds else {}
     return {
-        "model": str(model), "mode": mode, "n_t2i": n, "n_ti2i": n_edit, "seed": seed, "threads": threads,
+        "model": str(model), "mode": mode, "steps": steps or lm.gen.diff_infer_steps, "step_cache": step_cache,
+        "n_t2i": n, "n_ti2i": n_edit, "seed": seed, "threads": threads,
         "errors": errors, "example_seeds": example_seeds, **examples,
         "t2i_attribute_accuracy": mean(all_attr), **{f"t2i_{k}": mean(v) for k, v in attrs.items()},
         **{f"t2i_{k}": mean(v) for k, v in extra.items()},
@@ -409,11 +418,18 @@ def main(argv: list[str] | None = None) -> int:
                          "default); 'quantized' on the CPU runs the reference ops (FP8: W8A8)")
     ap.add_argument("--json", help="also write the metrics here (a list, one entry per mode)")
     ap.add_argument("--save-images", help="write every generated image into this folder (one subfolder a mode)")
+    ap.add_argument("--steps", type=int, default=None, help="denoise steps of every request (default: the checkpoint's)")
+    ap.add_argument("--step-cache", default="none",
+                    help="step cache setting: none, taylor, taylor-enhance, taylor-N, block, block-T")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--min-attr", type=float, default=None, help="exit 1 if T2I attribute accuracy is lower (any mode)")
     ap.add_argument("--min-edit", type=float, default=None, help="exit 1 if TI2I edit accuracy is lower (any mode)")
     ap.add_argument("--min-formed", type=float, default=None, help="exit 1 if well-formed reasoning is rarer (any mode)")
     args = ap.parse_args(argv)
+    try:
+        named_setting(args.step_cache)
+    except ValueError as e:
+        ap.error(f"--step-cache: {e}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES and m != "default"]
     if unknown or not modes:
@@ -424,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         ms.append(evaluate(args.model, args.n, args.seed, args.threads, args.device, args.n_edit, save,
                            log=(lambda *_: None) if args.quiet else print,
                            bot_task=MODES.get(mode), example_seeds=args.example_seeds, quantize=args.quantize,
-                           resident=args.resident, dtype=DTYPES.get(args.dtype)))
+                           resident=args.resident, dtype=DTYPES.get(args.dtype), steps=args.steps,
+                           step_cache=args.step_cache))
     cmd = "python -m train.evaluate " + " ".join(sys.argv[1:] if argv is None else argv)
     print(table(ms))
     print(f"command: {cmd}")

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from engine.runtime.request import Request, random_seed
+from engine.runtime.request import Request, RequestError, random_seed
+from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams, named_setting
 
 if TYPE_CHECKING:      # the model's data types, as the server's ModelInfo carries them
     from engine.spec.buckets import Bucket
@@ -21,6 +22,13 @@ REASONING_MODES: list[tuple[str, str]] = [
     ("Think + recaption", "think_recaption"),
 ]
 AUTO_SIZE = "auto"
+# (label, setting name: engine.runtime.step_cache.named_setting). Off first and by default: it gives the
+# exact image; the others trade a little of it for fewer full denoise steps (README, "Step cache").
+STEP_CACHES: list[tuple[str, str]] = [
+    ("Off (every step in full)", "none"),
+    ("Taylor cache, official setting: every 5th step in full, the others forecast", "taylor"),
+    ("Adaptive block cache: skips a step's later layers when its first barely changed", "block"),
+]
 PRESET_LABELS = {
     "en_unified": "unified (official default)",
     "en_vanilla": "vanilla",
@@ -83,9 +91,10 @@ class Settings:
     system_prompt: str
     custom_system_prompt: str
     max_new_tokens: float | int
+    step_cache: str = "none"          # last: API clients that do not send it get the default
 
     NAMES = ("mode", "size", "seed", "random_seed", "steps", "guidance", "system_prompt",
-             "custom_system_prompt", "max_new_tokens")
+             "custom_system_prompt", "max_new_tokens", "step_cache")
 
 
 def as_int(v: Any) -> Any:
@@ -104,6 +113,10 @@ def build_request(prompt: str, images: list[Any], s: Settings, for_check: bool =
         seed = random_seed()
     else:
         seed = as_int(s.seed if s.seed is not None else 0)
+    try:
+        taylor, block = named_setting(s.step_cache or "none")
+    except (ValueError, TypeError) as e:
+        raise RequestError(str(e), "step_cache") from None
     return Request(
         prompt=prompt or "",
         images=list(images),
@@ -115,11 +128,14 @@ def build_request(prompt: str, images: list[Any], s: Settings, for_check: bool =
         system_prompt=s.system_prompt or None,
         custom_system_prompt=(s.custom_system_prompt or None) if s.system_prompt == "custom" else None,
         max_new_tokens=as_int(s.max_new_tokens),
+        taylor_cache=taylor,
+        block_cache=block,
     )
 
 
 # The Request fields that a control of the page holds under another name.
-CONTROL_OF_FIELD = {"bot_task": "mode"}
+CONTROL_OF_FIELD = {"bot_task": "mode", **{n: "step_cache" for n in (*TaylorCacheParams.names(),
+                                                                    *BlockCacheParams.names())}}
 
 
 def control_of(field: str | None, controls: tuple[str, ...]) -> str:

@@ -29,8 +29,8 @@ from engine.serve.info import ModelInfo
 
 from .fields import lenient
 from .examples import is_small, reference_examples, t2i_prompts
-from .options import (AUTO_SIZE, REASONING_MODES, Settings, build_request, control_of, default_mode,
-                      preset_choices, size_choices)
+from .options import (AUTO_SIZE, REASONING_MODES, STEP_CACHES, Settings, build_request, control_of,
+                      default_mode, preset_choices, size_choices)
 from .references import check_reference
 from .runner import EngineClient, EngineFailure, RecentRuns, Update, run, running_count
 from .theme import CSS, theme
@@ -193,7 +193,7 @@ class Studio:
     def validator(self, names: tuple[str, ...], need_images: bool) -> Callable[..., list[dict]]:
         def validate(*values: Any) -> list[dict]:
             by_name = dict(zip(names, values))
-            settings = Settings(*(by_name[n] for n in Settings.NAMES))
+            settings = Settings(**{n: by_name[n] for n in Settings.NAMES if n in by_name})
             problems = self.validation(by_name["prompt"], by_name.get("images"), settings, need_images, names)
             return [gr.validate(n not in problems, problems.get(n, "")) for n in names]
         return validate
@@ -397,6 +397,10 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                     *GUIDANCE_RANGE, value=clamp(gen.diff_guidance_scale, GUIDANCE_RANGE), step=0.1,
                     label="Guidance", elem_id="guidance",
                     info="Distil checkpoints embed the guidance; others run classifier-free guidance when it is above 1."))
+                step_cache = lenient(gr.Dropdown(
+                    STEP_CACHES, value="none", label="Faster (step cache)", elem_id="step-cache",
+                    info="Reuses work between neighbouring denoise steps: fewer steps run in full (the timings "
+                         "say how many). Off gives the exact image."))
                 with gr.Accordion("Advanced", open=False):
                     system_prompt = lenient(gr.Dropdown(presets, value=preset_default, label="System prompt preset",
                                                         elem_id="system-prompt"))
@@ -411,22 +415,22 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
         saved_prompts = gr.BrowserState(["", ""], storage_key=PROMPTS_KEY)
 
         settings = [mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
-                    max_new_tokens]
+                    max_new_tokens, step_cache]
         outputs = [status, image, timings, cot, result, result_seed]
         t2i_names = ("prompt", *Settings.NAMES)
         ti2i_names = ("prompt", "images", *Settings.NAMES)
 
         async def t2i(prompt, mode, size, seed, random_seed, steps, guidance, system_prompt,
-                      custom_system_prompt, max_new_tokens):
+                      custom_system_prompt, max_new_tokens, step_cache="none"):
             s = Settings(mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
-                         max_new_tokens)
+                         max_new_tokens, step_cache)
             async for o in studio.generate(prompt, None, s):
                 yield o
 
         async def ti2i(prompt, images, mode, size, seed, random_seed, steps, guidance, system_prompt,
-                       custom_system_prompt, max_new_tokens):
+                       custom_system_prompt, max_new_tokens, step_cache="none"):
             s = Settings(mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
-                         max_new_tokens)
+                         max_new_tokens, step_cache)
             async for o in studio.generate(prompt, images, s):
                 yield o
 

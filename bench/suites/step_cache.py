@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from engine.runtime.denoise import denoise
-from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams, make_step_cache
+from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams, make_step_cache, named_setting
 
 from .. import rank
 from ..report import Col, Output
@@ -45,23 +45,11 @@ PROMPTS = ("a red circle on the left on a white background", "two blue squares a
 
 
 def setting(name: str) -> tuple[TaylorCacheParams | None, BlockCacheParams | None]:
-    """(Taylor settings, block-cache settings) of a setting's name."""
-    if name in ("none", "none-eager"):
-        return None, None
-    if name == "taylor":
-        return TaylorCacheParams(), None
-    if name == "taylor-enhance":
-        return TaylorCacheParams(taylor_cache_enable_first_enhance=True, taylor_cache_enable_tailing_enhance=True), None
-    if name.startswith("taylor-") and name[7:].isdigit():
-        return TaylorCacheParams(taylor_cache_interval=int(name[7:])), None
-    if name == "block":
-        return None, BlockCacheParams()
-    if name.startswith("block-"):
-        try:
-            return None, BlockCacheParams(block_cache_threshold=float(name[6:]))
-        except ValueError:
-            pass
-    raise SystemExit(f"unknown setting {name!r}: none, none-eager, taylor, taylor-enhance, taylor-N, block, block-T")
+    """(Taylor settings, block-cache settings) of a setting's name (`none-eager`: none, run eagerly)."""
+    try:
+        return named_setting("none" if name == "none-eager" else name)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -71,6 +59,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="checkpoint of the quality part (default: the embedded model)")
     ap.add_argument("--samples", type=int, default=4, help="quality: prompts (seeds 0..)")
     ap.add_argument("--no-step-graph", action="store_true", help="speed: denoise steps eagerly")
+    ap.add_argument("--quality-device", default=None,
+                    help="quality: where the embedded model runs (default: cuda, the CPU with --dry)")
 
 
 # ---------------------------------------------------------------------------------------- speed
@@ -159,7 +149,7 @@ def quality(args: argparse.Namespace, out: Output, names: list[str]) -> list[dic
     from engine.runtime.events import Done, Image
     from engine.runtime.pipeline import Pipeline
     from engine.runtime.request import Request
-    dev = "cpu" if args.dry else "cuda"
+    dev = args.quality_device or ("cpu" if args.dry else "cuda")
     lm = load(Path(args.model or EMBEDDED_MODEL), dev, torch.bfloat16 if dev == "cuda" else None)   # as served
     pipe = Pipeline(lm, preview_every=0)
     samples = PROMPTS[:1] if args.dry else (PROMPTS * 8)[:args.samples]

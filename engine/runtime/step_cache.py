@@ -272,3 +272,33 @@ def make_step_cache(taylor: TaylorCacheParams | None, steps: int, block: BlockCa
     if block is not None:
         return BlockCache(block, steps, layers)
     return StepCache(steps)
+
+
+def named_setting(name: str) -> tuple[TaylorCacheParams | None, BlockCacheParams | None]:
+    """(Taylor settings, block-cache settings) of a setting's name, the names a page, the evaluation and
+    the benchmark share: `none`; `taylor` (the official defaults: interval 5, order 2, no enhance);
+    `taylor-enhance` (the same with first enhance, 3 steps, and tailing enhance, 1 step); `taylor-N`
+    (interval N); `block` (the block cache at its defaults); `block-T` (threshold T). The CLI and `/v1`
+    take every field on its own. ValueError names what is not known."""
+    if name == "none":
+        return None, None
+    if name == "taylor":
+        return TaylorCacheParams(), None
+    if name == "taylor-enhance":
+        return TaylorCacheParams(taylor_cache_enable_first_enhance=True, taylor_cache_enable_tailing_enhance=True), None
+    if name.startswith("taylor-") and name[7:].isdigit():
+        p: TaylorCacheParams | BlockCacheParams = TaylorCacheParams(taylor_cache_interval=int(name[7:]))
+    elif name == "block":
+        return None, BlockCacheParams()
+    elif name.startswith("block-"):
+        try:
+            p = BlockCacheParams(block_cache_threshold=float(name[6:]))
+        except ValueError:
+            p = None
+    else:
+        p = None
+    bad = p.problem() if p is not None else ("", "")
+    if bad is not None:
+        raise ValueError(f"step cache setting {name!r}: {bad[1] or 'not a setting'}; the settings: none, taylor, "
+                         "taylor-enhance, taylor-N, block, block-T")
+    return (p, None) if isinstance(p, TaylorCacheParams) else (None, p)
