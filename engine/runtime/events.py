@@ -75,22 +75,21 @@ class Timings:
     dit_prefill_ms: float = 0.0   # the uncached prefix (the uncond branch's, with CFG) before the first step
     kv_reused_tokens: int = 0     # prefix tokens the denoise cond branch took from the AR cache
 
-    def parts(self, bold: bool = False) -> list[str]:
-        """The measured figures as short phrases (labels in markdown bold for the studio)."""
-        b = (lambda x: f"**{x}**") if bold else (lambda x: x)
+    def parts(self) -> list[str]:
+        """The measured figures as short phrases."""
         out = []
         if self.ar_tokens > 1:
             forced = f" + {self.ar_forced} forced" if self.ar_forced else ""
-            out.append(f"{b('AR')} {self.ar_ms_per_token:.1f} ms/token x {self.ar_tokens} sampled tokens{forced} "
+            out.append(f"AR {self.ar_ms_per_token:.1f} ms/token x {self.ar_tokens} sampled tokens{forced} "
                        f"(prefill {self.ar_prefill_ms:.0f} ms)")
         elif self.ar_tokens:     # one choice only (the size, with reasoning off): no decode to time
-            out.append(f"{b('AR')} prefill {self.ar_prefill_ms:.0f} ms (1 token)")
+            out.append(f"AR prefill {self.ar_prefill_ms:.0f} ms (1 token)")
         if self.dit_steps:
             full = f" ({self.dit_full_steps} in full)" if 0 < self.dit_full_steps < self.dit_steps else ""
-            out.append(f"{b('DiT')} {self.dit_ms_per_step:.0f} ms/step x {self.dit_steps} steps{full}")
+            out.append(f"DiT {self.dit_ms_per_step:.0f} ms/step x {self.dit_steps} steps{full}")
         if self.vae_ms:
-            out.append(f"{b('VAE')} {self.vae_ms:.0f} ms")
-        out.append(f"{b('total')} {self.total_s:.2f} s")
+            out.append(f"VAE {self.vae_ms:.0f} ms")
+        out.append(f"total {self.total_s:.2f} s")
         return out
 
     def summary(self) -> str:
