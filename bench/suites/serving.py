@@ -22,7 +22,8 @@ time. --max-denoise-batch: the runs are repeated for each value (one engine each
 up to that many requests of one bucket share each denoise forward (engine/runtime/denoise_batch.py);
 `requests/forward` is how many they were on average, `same-key company` how many other requests of the
 same denoise step key waited outside the batch at each denoise turn (the room a larger one would have).
-A first request (not timed) captures the graphs of the common keys; `captures` counts the graphs
+A first request (not timed; as many at once as the denoise batch takes) captures the graphs of the
+common keys; `captures` counts the graphs
 captured during the timed runs (denoise step keys are per bucket, rows and TAIL_GRAIN of prompt + CoT
 length; a batch of n requests is its own key; --greedy gives every request the same CoT).
 --dry: the tiny config on the CPU (fp32), 2 clients, 2 steps, 4 CoT tokens, Poisson arrivals 10x faster
@@ -240,8 +241,8 @@ def serve_all(pipe: Pipeline, args: argparse.Namespace, build: str, batch: int, 
         return Request(prompt=prompt, bot_task="think_recaption", size=size, steps=steps,
                        max_new_tokens=cot, seed=1000 + seq, greedy=args.greedy)
     out.data.setdefault("prefill_tokens", {})[build] = prefill_tokens(pipe.lm, make(0))
-    first = serve(pipe, make, 1, 1, args.max_batch, None, seed=1)
-    out.say(f"{build}, denoise batch {batch}: first request (captures its graphs) {first['mean_s']:.2f} s, "
+    first = serve(pipe, make, batch, 1, args.max_batch, None, seed=1)     # a full denoise batch's keys too
+    out.say(f"{build}, denoise batch {batch}: first {batch} request(s) (capture their graphs) {first['mean_s']:.2f} s, "
             f"{first['captures']} graphs")
     for n in clients:
         closed = serve(pipe, make, n, per_client, args.max_batch, None)

@@ -12,6 +12,8 @@ Each turn, one forward computes every member's step: each its own latent, its ow
 at different steps, even of different step counts), its own prefix (its cache rows, its RoPE positions,
 its key mask: the rows of one request never see another's keys, AttnBatch.key_mask), then each request's
 rows are sliced back out. A request alone (one member) runs its own runner's step (`DenoiseRunner.velocity`).
+A cancel or a failure of one request (in its own part: its hand-off, prefill, update, preview, VAE)
+ends only it; a failure of the shared forward fails every request in it, as the batched decode step.
 
 Not batched, each alone in its batch: a request with a step cache (its policy decides per step whether
 the backbone runs at all, and the block cache decides on the host from its own residuals: no shared
