@@ -103,3 +103,15 @@ def test_a_cancel_and_a_failure_end_only_their_own_request(tiny, monkeypatch):
         assert psnr(image(events[i]), alone(tiny, reqs[i])) >= 40, i
     assert [rows for rows, tokens in calls if tokens == TAIL] == [8, 6, 2], calls
     assert not scheduler.busy and not scheduler.denoising.members
+
+
+def test_the_server_runs_with_max_denoise_batch(tiny_dir, tiny):
+    """EngineServer(max_denoise_batch=2) hands the setting to its worker's engine (EngineConfig): two
+    requests submitted together each give their solo image."""
+    from engine.serve.server import EngineServer
+    with EngineServer(tiny_dir, max_batch=2, max_denoise_batch=2, preview_every=0) as server:
+        assert server.wait_ready(300), server.health()
+        assert server.config.pipeline_options()["max_denoise_batch"] == 2
+        subs = [server.submit(Request(**kw)) for kw in SAME[:2]]
+        for kw, sub in zip(SAME[:2], subs):
+            assert psnr(image(list(sub)), alone(tiny, kw)) >= 40, kw
