@@ -15,7 +15,7 @@
 #   serving        suite serving: MXFP4 Distil tp1 (7a) and a hybrid4 rank (7b), 1/4/16 clients, then the
 #                  GPU test of graph keys across requests (denoise keys captured once)
 #   denoise-batch  the GPU test of denoise steps batched across requests, then suite serving (MXFP4 Distil tp1,
-#                  16 clients) once per --max-denoise-batch in $DENOISE_BATCHES (default "1 2 4"; ~5 min each)
+#                  16 clients) once per --max-denoise-batch in $DENOISE_BATCHES (default "1 2 4", one command each)
 #   studio         suite studio on CUDA
 #   replicas       suite replicas on CUDA: 8 clients, one engine vs two Ray Serve replicas on the one GPU
 #   eval           the embedded model's accuracy on CUDA (train.evaluate, seed 2, 100 + 100)
