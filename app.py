@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-batch", type=int, default=None,
                     help="requests the engine runs at once, their decode steps batched; --max-queue more may wait "
                          "(default 16 on CUDA, 8 on the CPU)")
+    ap.add_argument("--max-denoise-batch", type=int, default=1,
+                    help="requests of one resolution bucket whose denoise steps share one forward (default 1)")
     ap.add_argument("--api-key", default=os.environ.get("STUDIO_API_KEY"),
                     help="key the OpenAI-compatible /v1 API requires as 'Authorization: Bearer KEY' "
                          "(default $STUDIO_API_KEY; none: /v1 is open, unless --auth is set). Without --auth the "
@@ -116,8 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
     if (args.gpus is not None and args.gpus < 1) or args.max_queue < 1 or (args.max_batch is not None and
-                                                                         args.max_batch < 1):
-        ap.error("--gpus, --max-queue and --max-batch must be at least 1")
+                                                                         args.max_batch < 1) \
+            or args.max_denoise_batch < 1:
+        ap.error("--gpus, --max-queue, --max-batch and --max-denoise-batch must be at least 1")
     if args.max_upload_mb <= 0 or (args.max_upload_pixels is not None and args.max_upload_pixels < 1):
         ap.error("--max-upload-mb and --max-upload-pixels must be positive")
     if args.api_only and args.share:
@@ -149,7 +152,7 @@ def engine_server(model: Path, device: str, args: argparse.Namespace):
     """One EngineServer, or with --replicas a pool of them on Ray Serve with the same client API."""
     kwargs = dict(device=device, dtype=args.dtype, plan=args.plan, sp_kind=args.sp_attn, verbose=True,
                   max_queue=args.max_queue, quantize=args.quantize, step_timeout=args.step_timeout,
-                  max_batch=args.max_batch or default_max_batch(device))
+                  max_batch=args.max_batch or default_max_batch(device), max_denoise_batch=args.max_denoise_batch)
     if args.replicas is None:
         from engine.serve.server import EngineServer
         return EngineServer(model, world_size=args.gpus, **kwargs)

@@ -14,6 +14,8 @@
 #   host           suites prefill-host, train-step
 #   serving        suite serving: MXFP4 Distil tp1 (7a) and a hybrid4 rank (7b), 1/4/16 clients, then the
 #                  GPU test of graph keys across requests (denoise keys captured once)
+#   denoise-batch  the GPU test of denoise steps batched across requests, then suite serving (MXFP4 Distil tp1,
+#                  16 clients) once per --max-denoise-batch in $DENOISE_BATCHES (default "1 2 4", one command each)
 #   studio         suite studio on CUDA
 #   replicas       suite replicas on CUDA: 8 clients, one engine vs two Ray Serve replicas on the one GPU
 #   eval           the embedded model's accuracy on CUDA (train.evaluate, seed 2, 100 + 100)
@@ -86,6 +88,13 @@ for section in "$@"; do
       run serving_distil 590 python3 -m bench serving --builds mxfp4-distil --per-client 1 --out "$OUT/serving-distil"
       run serving_hybrid4 590 python3 -m bench serving --builds hybrid4 --per-client 1 --out "$OUT/serving-hybrid4"
       tests serving_graph_tests 300 -s tests/test_gpu.py -k "graph_keys_captured_once or decode_graph_captured_once" ;;
+    denoise-batch)
+      tests denoise_batch_tests 300 -s tests/test_gpu.py -k "denoise_batch or graph_keys_captured_once"
+      for b in ${DENOISE_BATCHES:-1 2 4}; do
+        mkdir -p "$OUT/serving-dbatch$b"
+        run serving_dbatch$b 590 python3 -m bench serving --builds mxfp4-distil --clients 16 --per-client 1 \
+          --max-denoise-batch "$b" --out "$OUT/serving-dbatch$b"
+      done ;;
     studio)
       suite studio 300 studio --app-args="--device cuda" ;;
     replicas)     # needs ray[serve] (pip install -e '.[replicas]'): one engine vs two replicas sharing the GPU

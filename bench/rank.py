@@ -17,7 +17,7 @@ from engine.model.packed import PackFormat, QuantPack
 from engine.parallel.fake import FakeComm
 from engine.parallel.layout import PhaseView
 from engine.parallel.plan import ParallelPlan
-from engine.runtime.denoise import DenoiseRunner
+from engine.runtime.denoise import DenoiseRunner, step_keys
 from engine.runtime.handoff import cache_heads
 from engine.runtime.sequence import GenImageSpan, Sequence
 from engine.spec.config import ModelConfig
@@ -117,11 +117,12 @@ def denoise_runner(model: HunyuanImage3, plan: ParallelPlan, seq: Sequence, pref
     cfg, dev = model.cfg, model.device
     view = PhaseView(0, plan.micros, FakeComm(plan.storage_tp), FakeComm(plan.sp), plan.sp_kind)
     heads = cache_heads(plan, 0, 0, model.transformer.layers[0].self_attn.kv_per_micro)
-    cache = KVCache.allocate(cfg.num_layers, len(branches), heads.alloc.stop, len(seq) + 1, cfg.head_dim,
+    scratch = max(len(seq), step_keys(seq.gen_image))       # past the step's keys (its tokens' cache place)
+    cache = KVCache.allocate(cfg.num_layers, len(branches), heads.alloc.stop, scratch + 1, cfg.head_dim,
                              model.dtype, dev)
     starts = [prefix if b == 0 else 0 for b in branches]
     ids = torch.full((2, len(seq)), 5, device=dev)
-    return DenoiseRunner(model, seq, [], ids, cache.heads(heads.denoise), view, branches, starts, len(seq),
+    return DenoiseRunner(model, seq, [], ids, cache.heads(heads.denoise), view, branches, starts, scratch,
                          FakeComm(2 if plan.replica_mode == "cfg" else 1), use_graph=graph)
 
 

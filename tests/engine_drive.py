@@ -17,13 +17,14 @@ from engine.runtime.scheduler import Scheduler, StepNews
 
 
 @contextlib.contextmanager
-def backbone_rows(lm) -> Iterator[list[int]]:
-    """Inside the block, every forward of `lm`'s backbone appends its batch rows to the list yielded."""
-    calls: list[int] = []
+def backbone_rows(lm, tokens: bool = False) -> Iterator[list]:
+    """Inside the block, every forward of `lm`'s backbone appends its batch rows to the list yielded
+    (with `tokens`: (rows, tokens))."""
+    calls: list = []
     orig = lm.model.backbone
 
     def counting(x, *a, **k):
-        calls.append(x.shape[0])
+        calls.append(tuple(x.shape[:2]) if tokens else x.shape[0])
         return orig(x, *a, **k)
 
     lm.model.backbone = counting

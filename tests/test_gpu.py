@@ -203,6 +203,35 @@ def test_graph_keys_captured_once_across_many_requests(tiny_dir):
     print(f"captured: {sorted(keys[0])}")
 
 
+DENOISE_BATCH = [dict(prompt="a red circle", bot_task="image", size="256x256", steps=3, seed=71),
+                 dict(prompt="three small blue squares in a row on a wooden table", bot_task="image", size="256x256",
+                      steps=3, seed=72),
+                 dict(prompt="a green star", bot_task="image", size="256x256", steps=2, seed=73, guidance=2.5)]
+
+
+def test_denoise_batch_graphs_on_cuda(tiny_dir):
+    """bf16, graphs on: three requests of one bucket (prompts of three lengths) at max_denoise_batch 3 run
+    their steps as one graph for three requests, then one for two; a second wave captures nothing and
+    gives the same bytes; each image is close to its solo image (batched GEMMs may round differently), and
+    alone the three prompt lengths share ONE denoise step graph (the key does not depend on the length)."""
+    from engine_drive import run_together
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    pipe = Pipeline(lm, preview_every=0, slots=3, max_denoise_batch=3)
+    first, _ = run_together(lm, DENOISE_BATCH, pipeline=pipe)
+    captured = dict(pipe.graphs.captures)
+    again, _ = run_together(lm, DENOISE_BATCH, pipeline=pipe)
+    assert dict(pipe.graphs.captures) == captured and set(captured.values()) == {1}, pipe.graphs.captures
+    batched = sorted(k[-1] for k in captured if k[0] == "denoise")
+    assert batched == [("batch", 2), ("batch", 3)], captured
+    solo = Pipeline(lm, preview_every=0)
+    for i, kw in enumerate(DENOISE_BATCH):
+        a, b, c = outcome(first[i])[1], outcome(again[i])[1], outcome(list(solo.run(Request(**kw))))[1]
+        assert np.array_equal(a, b), i
+        print(f"request {i}: batched vs alone PSNR {psnr(a, c):.1f} dB")
+        assert psnr(a, c) >= 30, i
+    assert len([k for k in solo.graphs.captures if k[0] == "denoise"]) == 1, solo.graphs.captures
+
+
 def test_prefill_graph_replays_equal_eager_per_bucket(tiny_dir):
     """Prefill graphs: one per length bucket, replayed for any prompt of that bucket with that prompt's own
     values (two lengths in one bucket, one in the next), bitwise equal to the eager padded prefill, and

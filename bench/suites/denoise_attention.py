@@ -9,6 +9,9 @@ image row unmasked. T2I: S 4098, kv_len 6102; TI2I: S 4098, kv_len 10851. The fo
   gqa        what the engine runs: SDPA(q, k, v, enable_gqa=True) on the cache views
   folded     the 4 query heads of a KV head folded into the sequence, q [2, 2, 4*S, 128]: plain
              attention, exact because no image row is masked (a view in and out, no copy)
+  keymask    what the engine runs since the denoise step key left out the prompt length: `folded` over
+             kv_len + GAP keys, GAP of them (between the prefix and the image rows' own keys) hidden by
+             an additive key mask [B, 1, 1, keys] (engine/runtime/denoise.py `tail_index`: up to 511)
   + a backend forced (cudnn / flash / efficient) where it accepts the form
   meta       the 3 causal meta rows again under their bool mask (what a step adds per layer)
 The Ulysses layout copies around it (q of [2, 16, 2049, 128] and k/v of [2, 4, 2049, 128] from sequence
@@ -49,6 +52,15 @@ def folded(q, k, v):
     return F.scaled_dot_product_attention(q.reshape(B, k.shape[1], -1, D), k, v).view(B, Hq, S, D)
 
 
+GAP = 256          # hidden keys of the keymask form: half the engine's TAIL_GRAIN, its mean gap
+
+
+def keymask(q, k, v, mask):
+    """`folded` under a key mask [B, 1, 1, keys] (additive), broadcast over the heads and query rows."""
+    B, Hq, S, _ = q.shape
+    return F.scaled_dot_product_attention(q.reshape(B, k.shape[1], -1, D), k, v, attn_mask=mask).view(B, Hq, S, D)
+
+
 def reference(q, k, v):
     g = q.shape[1] // k.shape[1]
     kk, vv = (t.float().repeat_interleave(g, 1) for t in (k, v))
@@ -64,7 +76,14 @@ def forms(name: str, S: int, kv_len: int, device: str, dt: torch.dtype, timer, r
     k, v = cache_k[:, :, :kv_len], cache_v[:, :, :kv_len]
     ref = reference(q, k, v)
     flop = 4 * 2 * 8 * S * kv_len * D
-    for form, fn in (("gqa", gqa), ("folded", folded)):
+    # the keymask form: the same valid keys as k/v with GAP random keys hidden before the last S (the image's own)
+    keys = torch.arange(kv_len + GAP, device=device)
+    valid = (keys < kv_len - S) | (keys >= kv_len - S + GAP)
+    hidden = torch.zeros(2, 1, 1, kv_len + GAP, dtype=dt, device=device).masked_fill_(~valid, float("-inf"))
+    kg, vg = (torch.randn(2, 2, kv_len + GAP, D, generator=g, device=device).to(dt) for _ in range(2))
+    kg[:, :, valid], vg[:, :, valid] = k, v
+    masked = lambda q, k, v: keymask(q, kg, vg, hidden)    # noqa: E731 - the same valid keys as k, v
+    for form, fn in (("gqa", gqa), ("folded", folded), ("keymask", masked)):
         for bname, b in BACKENDS.items():
             try:
                 with sdpa_kernel([b]) if b is not None else contextlib.nullcontext():

@@ -2,7 +2,7 @@
 at the real shapes with random weights on one GPU, with 1, 4 and 16 concurrent clients:
 
     python -m bench serving [--builds mxfp4-distil,hybrid4] [--clients 1,4,16] [--per-client 2]
-                            [--cot 750] [--max-batch 8] [--greedy] [--dry]
+                            [--cot 750] [--max-batch 8] [--max-denoise-batch 1,2,4] [--greedy] [--dry]
 
 Builds: `mxfp4-distil` (7a) is the MXFP4-mixed Instruct-Distil as one-gpu builds it, tp1, 8 steps, no CFG;
 `hybrid4` (7b) is rank 0 of hybrid4 (AR TP4, denoise TP2 x SP2) in bf16, the BF16 Instruct, 50 steps,
@@ -18,11 +18,14 @@ dispatch), the rest waiting in line. Two arrival patterns per client count N:
   poisson  N x --per-client requests arriving at exponential gaps, at 0.9x the images/s the closed run
            with N clients reached (a load the engine can hold), at most N in the engine or waiting
 Latency is arrival to the last event (the image); images/min counts finished images over the run's wall
-time. `same-key company`: at each denoise step, how many other requests waited for a step of the same
-denoise step key on average (the room denoise batching across requests, issue 31 item 3, would have).
-A first request (not timed) captures the graphs of the common keys; `captures` counts the graphs
-captured during the timed runs (denoise step keys are per bucket and token layout: a sampled CoT whose
-re-tokenized length differs is a new key; --greedy gives every request the same CoT).
+time. --max-denoise-batch: the runs are repeated for each value (one engine each over the same weights):
+up to that many requests of one bucket share each denoise forward (engine/runtime/denoise_batch.py);
+`requests/forward` is how many they were on average, `same-key company` how many other requests of the
+same denoise step key waited outside the batch at each denoise turn (the room a larger one would have).
+A first request (not timed; as many at once as the denoise batch takes) captures the graphs of the
+common keys; `captures` counts the graphs
+captured during the timed runs (denoise step keys are per bucket, rows and TAIL_GRAIN of prompt + CoT
+length; a batch of n requests is its own key; --greedy gives every request the same CoT).
 --dry: the tiny config on the CPU (fp32), 2 clients, 2 steps, 4 CoT tokens, Poisson arrivals 10x faster
 (no idle waits): the driver and the checks only.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import random
 import tempfile
@@ -73,6 +77,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--per-client", type=int, default=2, help="requests each client sends")
     ap.add_argument("--cot", type=int, default=750, help="CoT token budget of every request")
     ap.add_argument("--max-batch", type=int, default=8, help="requests the engine runs at once (--max-batch)")
+    ap.add_argument("--max-denoise-batch", default="1",
+                    help="requests of one bucket per denoise forward (--max-denoise-batch); a list runs each")
     ap.add_argument("--greedy", action="store_true", help="greedy CoT: every request the same token layout")
 
 
@@ -96,8 +102,8 @@ def checkpoint_folder(folder: Path, dry: bool, distil: bool) -> Path:
     return folder
 
 
-def engine(build: str, folder: Path, dev: str, max_batch: int) -> Pipeline:
-    """The build's rank-0 model with random weights, as a Pipeline over that rank's groups (FakeComm)."""
+def engine(build: str, folder: Path, dev: str) -> tuple[LoadedModel, RankGroups]:
+    """The build's rank-0 model with random weights and that rank's groups (FakeComm), for Pipelines."""
     plan_name, distil, experts, dense, _ = SERVED[build]
     cc = CheckpointConfig.load(folder)
     buckets = build_buckets(cc.model.image_base_size)
@@ -111,7 +117,7 @@ def engine(build: str, folder: Path, dev: str, max_batch: int) -> Pipeline:
     groups = RankGroups(plan, 0, torch.device(dev), FakeComm(plan.world), rank.ar_view(plan),
                         PhaseView(0, plan.micros, FakeComm(plan.storage_tp), FakeComm(plan.sp), plan.sp_kind),
                         FakeComm(plan.world // plan.storage_tp))
-    return Pipeline(lm, groups, preview_every=0, slots=max_batch)
+    return lm, groups
 
 
 def prefill_tokens(lm: LoadedModel, req: Request) -> int:
@@ -182,6 +188,7 @@ def serve(pipe: Pipeline, make: Callable[[int], Request], clients: int, per_clie
     return {"requests": total, "images": images, "errors": errors, "wall_s": wall,
             "images_per_min": 60 * images / wall, "p50_s": pick(0.5), "p90_s": pick(0.9), "mean_s": sum(lat) / max(1, len(lat)),
             "engine_steps": scheduler.steps, "captures": sum(pipe.graphs.captures.values()) - captured,
+            "requests_per_forward": scheduler.denoising.member_steps / max(1, scheduler.denoising.forwards),
             # per denoise turn, the other requests waiting for a step of the same key (denoise batching's room)
             "denoise_company": scheduler.denoise_company["same_key"] / max(1, scheduler.denoise_company["turns"])}
 
@@ -200,38 +207,56 @@ def run(args: argparse.Namespace, out: Output) -> bool:
             folder = checkpoint_folder(Path(tmp), args.dry, SERVED[build][1])
             if dev == "cuda":
                 torch.cuda.empty_cache()
-            pipe = engine(build, folder, dev, args.max_batch)
-            size = "256x256" if args.dry else "1024x1024"
-            prompt = prompt_of(pipe.lm, 40 if args.dry else PREFILL)
-
-            def make(seq: int) -> Request:
-                return Request(prompt=prompt, bot_task="think_recaption", size=size, steps=steps,
-                               max_new_tokens=cot, seed=1000 + seq, greedy=args.greedy)
-            out.data.setdefault("prefill_tokens", {})[build] = prefill_tokens(pipe.lm, make(0))
-            first = serve(pipe, make, 1, 1, args.max_batch, None, seed=1)
-            out.say(f"{build}: first request (captures its graphs) {first['mean_s']:.2f} s, {first['captures']} graphs")
-            for n in clients:
-                closed = serve(pipe, make, n, per_client, args.max_batch, None)
-                rate = (10 if args.dry else 0.9) * closed["images_per_min"] / 60      # dry: no idle waits
-                poisson = serve(pipe, make, n, per_client, args.max_batch, rate, seed=n)
-                for mode, r in (("closed", closed), ("poisson", poisson)):
-                    row = {"build": build, "mode": mode, "clients": n, "steps": steps, "cot": cot} | r
-                    if mode == "poisson":
-                        row["rate_per_s"] = rate
-                    rows.append(row)
-                    ok = ok and not r["errors"] and r["images"] == r["requests"]
-                    out.say(f"{build} {mode} x{n}: {r['images_per_min']:.2f} images/min, p50 {r['p50_s']:.2f} s, "
-                            f"p90 {r['p90_s']:.2f} s, {r['captures']} graphs captured" +
-                            (f", errors: {r['errors'][:2]}" if r["errors"] else ""))
-            del pipe
-            if dev == "cuda":
-                torch.cuda.empty_cache()
+            lm, groups = engine(build, folder, dev)
+            for batch in [int(d) for d in args.max_denoise_batch.split(",")]:
+                pipe = Pipeline(lm, groups, preview_every=0, slots=args.max_batch, max_denoise_batch=batch)
+                ok = serve_all(pipe, args, build, batch, steps, cot, clients, per_client, rows, out) and ok
+                del pipe
+                gc.collect()                       # its KV pool and graphs go before the next one's
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+            del lm
     out.data.update(rows=rows, max_batch=args.max_batch, per_client=per_client, greedy=args.greedy)
-    out.table(rows, [Col("build", "build"), Col("arrivals", "mode"), Col("clients", "clients"),
+    out.table(rows, [Col("build", "build"), Col("denoise batch", "max_denoise_batch"), Col("arrivals", "mode"),
+                     Col("clients", "clients"),
                      Col("images/min", "images_per_min", ".2f"), Col("p50 s", "p50_s", ".2f"),
                      Col("p90 s", "p90_s", ".2f"), Col("wall s", "wall_s", ".1f"),
                      Col("captures", "captures"), Col("steps", "engine_steps"),
+                     Col("requests/forward", "requests_per_forward", ".2f"),
                      Col("same-key company", "denoise_company", ".2f")],
               f"Serving through the scheduler, max-batch {args.max_batch}, {per_client} request(s) per client, "
               f"think_recaption {cot} CoT tokens" + (" (greedy)" if args.greedy else ""))
+    return ok
+
+
+def serve_all(pipe: Pipeline, args: argparse.Namespace, build: str, batch: int, steps: int, cot: int,
+              clients: list[int], per_client: int, rows: list, out: Output) -> bool:
+    """The first request, then closed and Poisson runs at each client count, into `rows`; whether every
+    request gave its image."""
+    ok = True
+    size = "256x256" if args.dry else "1024x1024"
+    prompt = prompt_of(pipe.lm, 40 if args.dry else PREFILL)
+
+    def make(seq: int) -> Request:
+        return Request(prompt=prompt, bot_task="think_recaption", size=size, steps=steps,
+                       max_new_tokens=cot, seed=1000 + seq, greedy=args.greedy)
+    out.data.setdefault("prefill_tokens", {})[build] = prefill_tokens(pipe.lm, make(0))
+    first = serve(pipe, make, batch, 1, args.max_batch, None, seed=1)     # a full denoise batch's keys too
+    out.say(f"{build}, denoise batch {batch}: first {batch} request(s) (capture their graphs) {first['mean_s']:.2f} s, "
+            f"{first['captures']} graphs")
+    for n in clients:
+        closed = serve(pipe, make, n, per_client, args.max_batch, None)
+        rate = (10 if args.dry else 0.9) * closed["images_per_min"] / 60      # dry: no idle waits
+        poisson = serve(pipe, make, n, per_client, args.max_batch, rate, seed=n)
+        for mode, r in (("closed", closed), ("poisson", poisson)):
+            row = {"build": build, "max_denoise_batch": batch, "mode": mode, "clients": n, "steps": steps,
+                   "cot": cot} | r
+            if mode == "poisson":
+                row["rate_per_s"] = rate
+            rows.append(row)
+            ok = ok and not r["errors"] and r["images"] == r["requests"]
+            out.say(f"{build} denoise batch {batch} {mode} x{n}: {r['images_per_min']:.2f} images/min, "
+                    f"p50 {r['p50_s']:.2f} s, p90 {r['p90_s']:.2f} s, {r['requests_per_forward']:.2f} requests a "
+                    f"denoise forward, {r['captures']} graphs captured" +
+                    (f", errors: {r['errors'][:2]}" if r["errors"] else ""))
     return ok

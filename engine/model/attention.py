@@ -88,13 +88,17 @@ class AttnBatch:
       it holds only those leading rows.
     gathered: [S] indices of the tokens of all sequence-parallel ranks, in SP rank order (SP only).
     masked_rows: when set, only the first `masked_rows` query rows need the mask and every later row sees
-      all kv_len keys (a denoise step: the meta tokens are causal, the image tokens see everything
-      before the image's end); those rows run unmasked, on the fastest attention kernel.
+      all kv_len keys, or those of `key_mask` (a denoise step: the meta tokens are causal, the image
+      tokens see everything before the image's end); those rows run on the fastest attention kernel.
     kv_len_dev: when set (a decode step, no sequence parallelism), a device int64 tensor [1] holding
       the number of valid keys, or [B] (per-row indices: each row's own count); attention reads only keys
       [0, kv_len_dev) of each row through the `decode_attention` op, the queries being the last T of them
       (causal among themselves), and `kv_len` is only the cache's static bound. No host read of it, so
       one captured graph serves every position.
+    key_mask: [B or 1, 1, 1, kv_len] bool (True = attend; on CUDA additive) or None: the keys EVERY query
+      row may see, the others hidden from all rows (a denoise step whose kv_len is its step key's bound:
+      the keys between the request's prefix and the step's own tokens are not its own). `mask`, where
+      set, already hides them too.
     """
     index: torch.Tensor
     cos: torch.Tensor
@@ -104,6 +108,16 @@ class AttnBatch:
     gathered: torch.Tensor | None = None
     masked_rows: int | None = None
     kv_len_dev: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+
+
+def sdpa_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = attend) as SDPA takes it best: on CUDA additive (0 / -inf in the compute dtype),
+    made once for all layers (SDPA turns a bool mask into an additive one at every call: three kernels
+    and ~80 us of host time a layer); on the CPU as it is."""
+    if mask.device.type != "cuda":
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def attention_mask(index: torch.Tensor, blocks: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -187,12 +201,19 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
         """SDPA of q over the cache's first kv_len keys, under the batch's mask."""
         gqa, m = self.group > 1, batch.masked_rows
-        if m is None:
+        if m is None and (batch.mask is not None or batch.key_mask is None):     # one mask for every row
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=gqa)
-        # every row unmasked on the flash path, then the m causal rows again with their mask, written
-        # over the first m rows: no slice of q and no concatenated copy of the whole output
-        out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
-        if m:
+        # every row on the fastest path (unmasked: flash; under a key mask: the query heads of a KV head
+        # folded into its sequence, which every masked SDPA kernel takes), then the m causal rows again
+        # with their mask, written over the first m rows: no slice of q, no concatenated copy of the output
+        if batch.key_mask is None:
+            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
+        else:
+            B, h, T, D = q.shape
+            kv = keys.shape[1]
+            out = F.scaled_dot_product_attention(q.reshape(B, kv, h // kv * T, D), keys, values,
+                                                 attn_mask=batch.key_mask).view(B, h, T, D)
+        if m:        # (m: None with a key mask alone)
             head = F.scaled_dot_product_attention(q[:, :, :m], keys, values, attn_mask=batch.mask, enable_gqa=gqa)
             if torch.is_grad_enabled():         # autograd keeps SDPA's output: never written in place
                 out = torch.cat([head, out[:, :, m:]], dim=2)

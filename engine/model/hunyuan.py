@@ -9,7 +9,7 @@ import contextlib
 import torch
 from torch import nn
 
-from engine.model.attention import AttnBatch, KVCache, attention_mask
+from engine.model.attention import AttnBatch, KVCache, attention_mask, sdpa_mask
 from engine.model.image_heads import TimestepEmbedder, UNetDown, UNetUp
 from engine.model.layers import rope_angles
 from engine.model.transformer import Resident, Transformer
@@ -53,11 +53,7 @@ class HunyuanImage3(nn.Module):
         rows = gathered if gathered is not None and view.sp_kind == "ulysses" else index
         if masked_rows is not None:
             rows = rows[:masked_rows]
-        mask = attention_mask(rows, blocks, kv_len) if masked else None
-        if mask is not None and mask.device.type == "cuda":
-            # SDPA turns a bool mask into an additive one at every call (three kernels and ~80 us of host
-            # time a layer: the prefill is host-bound); made once here for all layers, same values
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        mask = sdpa_mask(attention_mask(rows, blocks, kv_len), self.dtype) if masked else None
         return AttnBatch(index, cos, sin, kv_len, mask, gathered, masked_rows, kv_len_dev)
 
     def row_batch(self, index: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, kv_len: int,

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from engine.model.attention import AttnBatch, KVCache
+from engine.model.attention import AttnBatch, KVCache, attention_mask, sdpa_mask
 from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import Comm, PhaseView, graph_safe
 from engine.runtime.conditioning import embed_range
@@ -45,18 +45,38 @@ def velocity(model: HunyuanImage3, hidden: torch.Tensor, t: torch.Tensor, span: 
     return model.final_layer(hidden, model.time_embed_2(t), span.h, span.w).float()
 
 
+TAIL_GRAIN = 512   # cache positions: the step's tokens start at a multiple of this (see `tail_index`)
+
+
+def tail_index(span: GenImageSpan) -> int:
+    """Where a denoise step's tokens (meta + image) sit in the cache: the request's prefix [0, meta_start)
+    stays where the AR phase and the prefill wrote it, the step's tokens start at meta_start rounded up
+    to TAIL_GRAIN, and the keys between them are hidden from every row (AttnBatch.key_mask). So a step's
+    shapes depend on the prompt + CoT length only by TAIL_GRAIN steps: one graph serves every request of
+    a resolution bucket whose prefix ends in the same grain (not one capture per sampled CoT length), at
+    the price of masked attention over at most TAIL_GRAIN - 1 hidden keys. RoPE keeps the tokens'
+    sequence positions: the cache index is only where their K/V live."""
+    return -(-span.meta_start // TAIL_GRAIN) * TAIL_GRAIN
+
+
+def step_keys(span: GenImageSpan) -> int:
+    """The keys a denoise step attends to (its static kv_len): up to the end of its tokens in the cache."""
+    return tail_index(span) + span.stop - span.meta_start
+
+
 def step_key(span: GenImageSpan, images: int, branches: list[int]) -> tuple:
-    """What a denoise step's graph depends on besides the plan (one per engine): the image's token layout
-    (its latent size, and where its meta tokens start: the keys it attends to), its rows (images x the
-    CFG branches this rank computes)."""
-    return "denoise", span.h, span.w, span.meta_start, images, tuple(branches)
+    """What a denoise step's graph depends on besides the plan (one per engine): its shapes, i.e. the
+    image's latent size, where its tokens sit in the cache (`tail_index`: the prompt + CoT length only by
+    TAIL_GRAIN steps), its rows (images x the CFG branches this rank computes)."""
+    return "denoise", span.h, span.w, tail_index(span), images, tuple(branches)
 
 
 @dataclass
 class StepBuffers:
     """The static inputs of one step key's graph, owned with it (engine/runtime/graphs.py): the latent,
-    the times, and the step's attention tables (RoPE, the meta rows' mask, the token indices). Each
-    request of the key writes its own values into them; the shapes are the key's."""
+    the times, and the step's attention tables (RoPE, the meta rows' mask, the keys of the request's own
+    prefix, the token indices). Each request of the key writes its own values into them; the shapes are
+    the key's."""
     x: torch.Tensor
     t: torch.Tensor
     r: torch.Tensor | None
@@ -69,7 +89,7 @@ class StepBuffers:
         if (new.kv_len, new.masked_rows) != (old.kv_len, old.masked_rows):
             raise ValueError(f"a denoise step layout of {new.kv_len} keys, {new.masked_rows} masked rows "
                              f"under a step key of {old.kv_len} keys, {old.masked_rows} masked rows")
-        for name in ("index", "cos", "sin", "mask", "gathered"):
+        for name in ("index", "cos", "sin", "mask", "gathered", "key_mask"):
             dst, src = getattr(old, name), getattr(new, name)
             if (dst is None) != (src is None):
                 raise ValueError(f"a denoise step layout {'with' if src is not None else 'without'} {name} "
@@ -88,7 +108,8 @@ class DenoiseRunner:
     `prefill()` computes, once, each branch's uncached prefix up to the image's meta tokens (`starts`:
     the cond branch continues the AR cache, the uncond branch starts at 0) for one image row and copies
     its K/V to the branch's other image rows: the prefix never attends to the image, so every image of
-    a branch shares it. Each step then runs only the meta + image tokens of every row, as one batch or
+    a branch shares it. Each step then runs only the meta + image tokens of every row (their K/V at
+    `tail_index` in the cache, so that the step's shapes are its key's), as one batch or
     one branch after the other (`serial`). Under SP each call's tokens are split over `view.sp`; padding
     tokens write a scratch cache slot (`scratch`) that no real query reads.
     step_cache: the request's policy (engine/runtime/step_cache.py), asked before each step whether the
@@ -105,10 +126,14 @@ class DenoiseRunner:
         self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
         self.serial = serial      # one forward per branch (less activation memory) instead of one batch
         self.images = images
+        if scratch < step_keys(seq.gen_image):
+            raise ValueError(f"the scratch slot {scratch} lies among the step's {step_keys(seq.gen_image)} keys")
         T = seq.tensors(model.device, length=scratch + 1)
         self.pos, self.blocks = T["pos"], T["blocks"]
         self.span = seq.gen_image
         self._batches: dict[tuple[int, int], tuple] = {}   # (start, stop) -> (chunk, n, AttnBatch)
+        self._step: tuple[int, int, AttnBatch] | None = None   # the step's layout in the cache: its own
+        self._shared: tuple[int, int, AttnBatch] | None = None  # ... and as copied into its key's graph buffers
         # every step runs the same kernels on the same shapes: on CUDA in bf16 (and groups a graph can hold)
         # the step is one graph (no launch gaps), captured once per step key for the engine's life and
         # replayed by every later request of that key over the key's static buffers (`StepBuffers`)
@@ -136,6 +161,32 @@ class DenoiseRunner:
             self._batches[(start, stop)] = (chunk, n, batch)
         return self._batches[(start, stop)]
 
+    def step_layout(self, dev: torch.device) -> tuple[int, int, AttnBatch]:
+        """The step's tokens [meta_start, stop) moved to their cache place (`tail_index`): their
+        sequence-space layout with the cache indices shifted, the meta rows' mask and the key mask over
+        the step's `step_keys` (the request's prefix and its own step tokens visible, the gap hidden).
+        Built once per request, on the host's side of the step; a step graph reads a copy (`StepBuffers`)."""
+        if self._step is None:
+            span = self.span
+            start, stop, at = span.meta_start, span.stop, tail_index(span)
+            chunk, n, seq = self._layout(start, stop, dev)
+            K = step_keys(span)
+
+            def moved(i: torch.Tensor | None) -> torch.Tensor | None:     # SP padding keeps its scratch slot
+                return None if i is None else torch.where(i < stop, i + (at - start), i)
+
+            rows = seq.gathered if seq.gathered is not None and self.view.sp_kind == "ulysses" else seq.index
+            natural = attention_mask(rows[:seq.masked_rows], self.blocks, stop)      # [m, stop], sequence space
+            mask = natural.new_zeros(natural.shape[0], K)
+            mask[:, :start], mask[:, at:] = natural[:, :start], natural[:, start:]
+            keys = torch.arange(K, device=dev)
+            own = (keys < start) | (keys >= at)
+            dt = self.model.dtype
+            self._step = chunk, n, AttnBatch(moved(seq.index), seq.cos, seq.sin, K, sdpa_mask(mask[None, None], dt),
+                                             moved(seq.gathered), seq.masked_rows,
+                                             key_mask=sdpa_mask(own.view(1, 1, 1, K), dt))
+        return self._step
+
     def _masked_rows(self, start: int, stop: int, chunk: int) -> int | None:
         """For the step's tokens [meta_start, stop): how many of this rank's leading query rows are meta
         tokens (causal, masked); the image tokens after them see every key before the image's end. None
@@ -148,11 +199,12 @@ class DenoiseRunner:
             return meta
         return min(max(meta - sp.rank * chunk, 0), chunk)     # KV all-gather: this rank's own chunk
 
-    def _run(self, x: torch.Tensor, start: int, stop: int, rows: slice, layers: range | None = None) -> torch.Tensor:
-        """Tokens [start, stop) with embeddings x [B, n, H] into cache rows `rows` -> hidden [B, n, H]
-        (`layers`: only these, x the residual stream entering the first)."""
+    def _run(self, x: torch.Tensor, layout: tuple[int, int, AttnBatch], rows: slice,
+             layers: range | None = None) -> torch.Tensor:
+        """The tokens of `layout` (`_layout` or `step_layout`) with embeddings x [B, n, H] into cache rows
+        `rows` -> hidden [B, n, H] (`layers`: only these, x the residual stream entering the first)."""
         sp = self.view.sp
-        chunk, n, batch = self._layout(start, stop, x.device)
+        chunk, n, batch = layout
         if sp.size > 1:
             x = torch.cat([x, x.new_zeros(x.shape[0], chunk * sp.size - n, x.shape[2])], dim=1)
             x = x[:, sp.rank * chunk:(sp.rank + 1) * chunk]
@@ -172,7 +224,7 @@ class DenoiseRunner:
             start, row = self.starts[j], j * self.images
             if start < meta:
                 x = embed_range(self.model, self.seq, self.ids[b:b + 1], self.refs, start, meta)
-                self._run(x, start, meta, slice(row, row + 1))
+                self._run(x, self._layout(start, meta, x.device), slice(row, row + 1))
             if self.images > 1:      # the other images of the branch see the same prefix
                 for t in (*self.cache.k, *self.cache.v):
                     t[row + 1:row + self.images, :, :meta] = t[row:row + 1, :, :meta]
@@ -203,14 +255,12 @@ class DenoiseRunner:
                       g: torch.Tensor | None) -> StepBuffers:
         """The step key's buffers, this request's step layout copied into them (the first request of the
         key makes them from its own). Once per request, before its first step."""
-        span = self.span
-        mine = self._layout(span.meta_start, span.stop, x.device)[2]
+        chunk, n, mine = self.step_layout(x.device)
         s = self.graphs.buffers(self.key, lambda: StepBuffers(
             *(None if v is None else v.clone() for v in (x, t, r, g)), mine))
         if s.batch is not mine:
             s.fill_batch(mine)
-            chunk, n, _ = self._batches[(span.meta_start, span.stop)]
-            self._batches[(span.meta_start, span.stop)] = (chunk, n, s.batch)
+        self._shared = chunk, n, s.batch
         return s
 
     def _velocity(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
@@ -227,10 +277,10 @@ class DenoiseRunner:
 
     def _forward(self, x: torch.Tensor, layers: range | None = None) -> torch.Tensor:
         """The step's tokens of every row through `layers` (default all): one batch, or branch by branch."""
-        meta, stop = self.span.meta_start, self.span.stop
+        layout = self._shared or self.step_layout(x.device)      # a graph's step reads its key's tables
         if not self.serial:
-            return self._run(x, meta, stop, slice(None), layers)
-        return torch.cat([self._run(x[self._rows(j)], meta, stop, self._rows(j), layers)
+            return self._run(x, layout, slice(None), layers)
+        return torch.cat([self._run(x[self._rows(j)], layout, self._rows(j), layers)
                           for j in range(len(self.branches))])
 
     def _head(self, hidden: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -240,24 +290,54 @@ class DenoiseRunner:
         return self.branch_comm.all_gather(v, dim=0)
 
 
+@dataclass
+class StepInput:
+    """What one request's denoise step i needs from the backbone: its runner and its inputs (x [images, C,
+    h, w], the time t [1], Distil's r and g [1] or None); answered with v [rows, C, h, w] (fp32)."""
+    runner: DenoiseRunner
+    i: int
+    x: torch.Tensor
+    t: torch.Tensor
+    r: torch.Tensor | None
+    g: torch.Tensor | None
+
+
+class FlowSampler:
+    """One request's flow-matching Euler sampler over its latents `noise` [images, C, h, w]: `inputs(i)`
+    for step i's velocity, then `update(i, v)`. With CFG v is [cond images ; uncond images]."""
+
+    def __init__(self, noise: torch.Tensor, steps: int, shift: float, guidance: float, cfg: bool, distil: bool,
+                 use_r: bool):
+        dev = noise.device
+        self.sig = flow_sigmas(steps, shift).to(dev)
+        self.ts = self.sig * 1000.0
+        self.x = noise.float()
+        self.g = torch.tensor([1000.0 * guidance], device=dev).to(torch.bfloat16).float() if distil else None
+        self.use_r, self.cfg, self.guidance = use_r, cfg, guidance
+
+    def inputs(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(x, t, r, g) of step i."""
+        return self.x, self.ts[i:i + 1], self.ts[i + 1:i + 2] if self.use_r else None, self.g
+
+    def update(self, i: int, v: torch.Tensor) -> torch.Tensor:
+        """Step i with the velocity v: x moves on; returns the clean-image estimate x0."""
+        if self.cfg:
+            n = self.x.shape[0]
+            v = v[n:2 * n] + self.guidance * (v[:n] - v[n:2 * n])
+        x0 = self.x - self.sig[i] * v
+        self.x = self.x + (self.sig[i + 1] - self.sig[i]) * v
+        return x0
+
+
 def denoise(runner: DenoiseRunner, noise: torch.Tensor, steps: int, shift: float, guidance: float, cfg: bool,
             distil: bool, cancelled: Callable[[], bool] = lambda: False
             ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Yields (i, x_next, x0_estimate) after each step for the latents `noise` [images, C, h, w]; stops
-    early when `cancelled()`. With CFG the runner's rows are [cond images ; uncond images]."""
-    dev = noise.device
-    sig = flow_sigmas(steps, shift).to(dev)
-    ts = sig * 1000.0
-    x = noise.float()
-    g = torch.tensor([1000.0 * guidance], device=dev).to(torch.bfloat16).float() if distil else None
-    use_r = distil and runner.model.timestep_r_emb is not None
+    """One request on its own: yields (i, x_next, x0_estimate) after each step for the latents `noise`
+    [images, C, h, w]; stops early when `cancelled()`. With CFG the runner's rows are [cond images ;
+    uncond images]."""
+    sampler = FlowSampler(noise, steps, shift, guidance, cfg, distil, distil and runner.model.timestep_r_emb is not None)
     for i in range(steps):
         if cancelled():
             return
-        v = runner.velocity(i, x, ts[i:i + 1], ts[i + 1:i + 2] if use_r else None, g)
-        if cfg:
-            n = x.shape[0]
-            v = v[n:2 * n] + guidance * (v[:n] - v[n:2 * n])
-        x0 = x - sig[i] * v
-        x = x + (sig[i + 1] - sig[i]) * v
-        yield i, x, x0
+        x0 = sampler.update(i, runner.velocity(i, *sampler.inputs(i)))
+        yield i, sampler.x, x0

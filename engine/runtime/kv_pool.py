@@ -8,13 +8,14 @@ of its AR and denoise heads, engine/runtime/handoff.py):
   the slot rows; the padded prefill (engine/runtime/prefill_step.py) runs on the staging row, and the
   prompt's K/V is then copied to the request's slot, so one prefill graph per length bucket serves
   every slot. The last position of every row is scratch: idle decode rows write there, nothing reads it.
-- Denoise rows: the cache of the one request in its denoise phase (branches x images rows). At the
-  hand-off the AR slot's prefix is copied into its cond row (no recompute; a copy on the device) and the
-  slot is free for the next request. The denoise step graphs (engine/runtime/denoise.py) are captured on
+- Denoise rows: the caches of the requests in their denoise phase (branches x images rows each, side by
+  side from row 0: a denoise batch, engine/runtime/denoise_batch.py). At the hand-off the AR slot's
+  prefix is copied into the request's cond row (no recompute; a copy on the device) and the slot is free
+  for the next request. The denoise step graphs (engine/runtime/denoise.py) are captured on
   this storage, once per step key, and replayed by every later request of the key until it grows.
 
 A storage grows (whole grains of positions) only while nobody holds it: the AR slots when every slot is
-free, the denoise rows between two requests. The AR steps (and their graphs) are bound to one AR
+free, the denoise rows while no request holds any. The AR steps (and their graphs) are bound to one AR
 storage and made again when it grows. Nothing a request reads is left over from an earlier one: every
 phase writes the positions it then attends to.
 """
@@ -38,17 +39,19 @@ def _grains(length: int, limit: int) -> int:
 
 class KVPool:
     def __init__(self, model: HunyuanImage3, heads: int, ar_heads: slice, limit: int, slots: int, view: PhaseView,
-                 graphs: Graphs, use_graph: bool):
+                 graphs: Graphs, use_graph: bool, denoise_batch: int = 1):
         """heads: KV heads allocated per row; ar_heads: the AR phase's slice of them; limit: positions a
-        row may need (the model's, plus the scratch); slots: requests in their AR phase at once."""
+        row may need (the model's, plus the scratch); slots: requests in their AR phase at once;
+        denoise_batch: requests in their denoise phase at once (their rows side by side)."""
         self.model, self.heads, self.ar_heads, self.limit, self.slots = model, heads, ar_heads, limit, slots
+        self.denoise_batch = denoise_batch
         self.view, self.graphs, self.use_graph = view, graphs, use_graph
         self.ar: KVCache | None = None                 # [slots + 1, heads, L, D]: the slots, then staging
         self.pos: torch.Tensor | None = None           # [slots, L, 2] each slot's position table
         self.free: list[int] = list(range(slots))      # free AR slots, lowest first (small decode buckets)
         self.decode: DecodeStep | None = None
         self.prefill: PrefillStep | None = None
-        self.denoise: KVCache | None = None            # [rows, heads, L, D] of the denoising request
+        self.denoise: KVCache | None = None            # [rows, heads, L, D] of the denoising requests
         self.allocations = 0                           # how often a storage was (re)allocated (tests)
         self._ar_generation = 0
         self._denoise_generation = 0
@@ -106,20 +109,40 @@ class KVPool:
         self.allocations += 1
 
     # ------------------------------------------------------------------ denoise rows
-    def take_denoise(self, rows: int, length: int) -> KVCache:
-        """The denoising request's cache: `rows` rows of `length` positions (views of the storage)."""
+    def take_denoise(self, rows: int, length: int, first: int = 0) -> KVCache:
+        """A denoising request's cache: rows [first, first + rows) of `length` positions (views of the
+        storage). The storage grows only for the first of a denoise batch (first == 0: nobody else holds
+        rows), then with room for `denoise_batch` requests of its rows."""
         have = self.denoise
-        if have is None or rows > have.k[0].shape[0] or length > have.max_len:
+        if not self.denoise_fits(first + rows, length):
+            if first:
+                raise ValueError(f"denoise rows [{first}, {first + rows}) x {length} positions do not fit the "
+                                 f"storage while other requests hold rows of it")
             self.denoise = None                          # the old storage goes before the new is made
             self._denoise_generation += 1                # and the denoise graphs captured on it
             gen = self._denoise_generation
-            self.graphs.drop(lambda key: key[-1] != ("rows", gen - 1))
-            n = max(rows, 0 if have is None else have.k[0].shape[0])
+            self.graphs.drop(lambda key: ("rows", gen - 1) not in key)
+            n = max(rows * self.denoise_batch, 0 if have is None else have.k[0].shape[0])
             L = _grains(max(length, 0 if have is None else have.max_len), self.limit)
             m, cfg = self.model, self.model.cfg
             self.denoise = KVCache.allocate(cfg.num_layers, n, self.heads, L, cfg.head_dim, m.dtype, m.device)
             self.allocations += 1
-        return self.denoise.rows(slice(0, rows)).prefix(length)
+        return self.denoise.rows(slice(first, first + rows)).prefix(length)
+
+    def denoise_fits(self, stop: int, length: int) -> bool:
+        """Whether rows [0, stop) of `length` positions fit the denoise storage as it is."""
+        have = self.denoise
+        return have is not None and stop <= have.k[0].shape[0] and length <= have.max_len
+
+    def move_denoise(self, src: int, dst: int, rows: int, length: int) -> KVCache:
+        """Rows [src, src + rows) moved down to [dst, ...) (dst + rows <= src: no overlap), positions
+        [0, length); returns the moved rows' new cache (a denoise batch keeps its rows contiguous from 0
+        when one of its requests ends)."""
+        if dst + rows > src:
+            raise ValueError(f"moving denoise rows {src} -> {dst} ({rows} rows) would overlap")
+        for t in (*self.denoise.k, *self.denoise.v):
+            t[dst:dst + rows, :, :length] = t[src:src + rows, :, :length]
+        return self.denoise.rows(slice(dst, dst + rows)).prefix(length)
 
     @property
     def denoise_key(self) -> tuple:

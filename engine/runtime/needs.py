@@ -9,7 +9,7 @@ turn: that is where requests are batched and interleaved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -37,12 +37,19 @@ class Decode:
 
 @dataclass(frozen=True)
 class DenoiseTurn:
-    """The next denoise step (the first: the denoise rows of the KV pool, which one request holds at a
-    time); answered with None when it is the request's turn. `key`: the request's denoise step key
-    (engine/runtime/denoise.py `step_key`: bucket, token layout, rows), `step`: the step it asks for:
-    requests of one key could share one forward (what the scheduler counts, `Scheduler.denoise_company`)."""
+    """A denoise turn. The first (`job` None): denoise rows of the KV pool, `rows` rows of `length`
+    positions, answered with the first of them once the request joins the denoise batch (engine/runtime/
+    denoise_batch.py: requests of one step key at a time; `alone`: it never shares a forward). Each later
+    one: step `step` with the inputs `job` (engine/runtime/denoise.py StepInput), answered with its
+    velocity, computed in one forward with the batch's other requests. `key`: the request's denoise step
+    key (engine/runtime/denoise.py `step_key`: bucket, token layout, rows); the scheduler also counts the
+    requests of one key waiting while others step (`Scheduler.denoise_company`)."""
     key: tuple = ()
     step: int = 0
+    rows: int = 0
+    length: int = 0
+    alone: bool = False
+    job: Any = None
 
 
 Need = Union[ARSlot, Decode, DenoiseTurn]

@@ -27,7 +27,8 @@ from engine.parallel.groups import RankGroups
 from engine.parallel.layout import Comm
 from engine.runtime.agreement import Agreement
 from engine.runtime.conditioning import embed_range, encode_references
-from engine.runtime.denoise import DenoiseRunner, denoise, step_key
+from engine.runtime.denoise import DenoiseRunner, FlowSampler, StepInput, step_key, step_keys
+from engine.runtime.denoise_batch import DenoiseBatch
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import cache_heads, gather_sibling_heads, reusable_prefix
@@ -37,7 +38,7 @@ from engine.runtime.needs import ARSlot, DenoiseTurn, Need
 from engine.runtime.request import Prepared, Request, RequestError, prepare, with_seed
 from engine.runtime.scheduler import Scheduler, StepNews
 from engine.runtime.sequence import image_phase_sequence, text_phase_sequence
-from engine.runtime.step_cache import make_step_cache
+from engine.runtime.step_cache import StepCache, make_step_cache
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 from engine.spec.buckets import nearest_bucket
 from engine.spec.prompts import COT_TASKS, PromptError
@@ -57,9 +58,10 @@ class Pipeline:
                  preview_tokens: int | None = None, kv_handoff: bool = True,
                  on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False,
                  cuda_graph: bool = True, preview_share: float = 0.25, slots: int = 1,
-                 graphs: Graphs | None = None):
+                 graphs: Graphs | None = None, max_denoise_batch: int = 1):
         """`slots`: requests in their AR phase at once (the engine's batch: its AR slots in the KV pool).
-        `graphs`: the owner of the engine's CUDA graphs (default: a new one)."""
+        `graphs`: the owner of the engine's CUDA graphs (default: a new one). `max_denoise_batch`: requests
+        of one step key whose denoise steps share a forward (engine/runtime/denoise_batch.py)."""
         self.lm = lm
         self.graphs = graphs or Graphs()    # every CUDA graph of this engine, by key
         # AR prefill, decode and denoise steps as CUDA-graph replays where every kernel of a step can be
@@ -83,9 +85,14 @@ class Pipeline:
         self.heads = cache_heads(rt.plan, rt.rank, rt.denoise.sp.rank, model.transformer.layers[0].self_attn.kv_per_micro)
         # the requests' KV caches, with the AR prefill and batched decode steps (graphs) over them
         self.pool = KVPool(model, self.heads.alloc.stop, self.heads.ar, lm.cfg.max_position_embeddings + 1, slots,
-                           rt.ar, self.graphs, cuda_graph)
+                           rt.ar, self.graphs, cuda_graph, max_denoise_batch)
         self.agree = Agreement(rt.world, model.device)
         self._denoise_keys: collections.OrderedDict = collections.OrderedDict()   # step keys, least recent first
+
+    def denoise_batch(self) -> DenoiseBatch:
+        """The requests holding denoise rows, for a scheduler (one per scheduler: it owns their order)."""
+        return DenoiseBatch(self.lm.model, self.pool, self.heads.denoise, self.rt.denoise, self.graphs,
+                            self.pool.denoise_batch)
 
     # ------------------------------------------------------------------ public
     def run(self, req: Request, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
@@ -220,11 +227,16 @@ class Pipeline:
                 prefix = reusable_prefix(seq.ids, ar_seq.ids + text_res.tokens, text_res.fed)
             # Re-tokenizing the decoded CoT can take more ids than were sampled (e.g. bytes that are not
             # valid UTF-8 come back as U+FFFD): the denoise rows hold the longer of the two
-            scratch = max(budget, seq.gen_image.stop)         # SP padding writes here; nothing reads it
+            scratch = max(budget, step_keys(seq.gen_image))   # SP padding writes here; nothing reads it
 
             turn = step_key(seq.gen_image, n_img, branches)
-            yield DenoiseTurn(turn, 0)          # the denoise rows are this request's until it ends
-            cache = pool.take_denoise(len(branches) * n_img, scratch + 1)
+            step_cache = make_step_cache(p.taylor_cache, p.steps, p.block_cache, cfg.num_layers)
+            # a step cache, or a step that is not one plain forward over local rows, runs alone (denoise_batch.py)
+            alone = (type(step_cache) is not StepCache or self.cfg_serial or rt.denoise.sp.size > 1
+                     or branch_comm.size > 1)
+            rows = len(branches) * n_img
+            first = yield DenoiseTurn(turn, 0, rows, scratch + 1, alone)     # these rows are its own until it ends
+            cache = pool.take_denoise(rows, scratch + 1, first)
             if prefix:
                 pool.hand_off(slot, cache, prefix)            # the cond prefix the AR phase wrote
             if slot is not None:
@@ -240,7 +252,7 @@ class Pipeline:
             runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
                                    scratch, branch_comm, serial=self.cfg_serial, images=n_img,
                                    use_graph=self.cuda_graph, graphs=self.graphs, key=pool.denoise_key,
-                                   step_cache=make_step_cache(p.taylor_cache, p.steps, p.block_cache, cfg.num_layers))
+                                   step_cache=step_cache)
             self._keep_denoise_graph(runner.key)
             # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
             latent_ch = int(cfg.vae["latent_channels"])
@@ -256,8 +268,11 @@ class Pipeline:
             # wall time from the first step to the last, as this request saw it (with other requests'
             # decode steps interleaved, engine/runtime/scheduler.py), previews excepted
             t0 = time.perf_counter()
-            x, spent = None, 0.0          # spent: seconds in previews
-            for i, x, x0 in denoise(runner, noise, p.steps, lm.gen.flow_shift, p.guidance, cfg_on, cfg.cfg_distilled):
+            spent = 0.0                   # seconds in previews
+            sampler = FlowSampler(noise, p.steps, lm.gen.flow_shift, p.guidance, cfg_on, cfg.cfg_distilled,
+                                  cfg.cfg_distilled and model.timestep_r_emb is not None)
+            for i in range(p.steps):      # each step's velocity: the scheduler's denoise turn (one batched forward)
+                x0 = sampler.update(i, (yield DenoiseTurn(turn, i, job=StepInput(runner, i, *sampler.inputs(i)))))
                 png = None
                 if rt.is_leader and self.preview_every and (i + 1) % self.preview_every == 0 and i + 1 < p.steps and \
                         spent <= self.preview_share * (time.perf_counter() - t0 - spent):
@@ -266,11 +281,7 @@ class Pipeline:
                     png = self._preview(x0[:1])
                     spent += time.perf_counter() - tp
                 yield Step(i + 1, p.steps, png)
-                if i + 1 < p.steps:
-                    yield DenoiseTurn(turn, i + 1)
-            if x is None or i + 1 < p.steps:
-                yield Error("cancelled", "stopped by the user")
-                return
+            x = sampler.x
             synchronize(dev)
             timings.dit_steps = p.steps
             timings.dit_full_steps = runner.step_cache.full_steps
@@ -293,13 +304,14 @@ class Pipeline:
 
     def _keep_denoise_graph(self, key: tuple) -> None:
         """Denoise step graphs stay for the engine's life, the DENOISE_GRAPHS most recently used keys: a
-        key is a resolution bucket at one prompt length (the keys the step attends to), and each graph
-        holds its static buffers (its activations are in the engine's shared graph pool)."""
+        key is a resolution bucket at one TAIL_GRAIN of prompt lengths (the keys the step attends to),
+        with its batched keys (the key and the batch's size), and each graph holds its static buffers
+        (its activations are in the engine's shared graph pool)."""
         self._denoise_keys[key] = None
         self._denoise_keys.move_to_end(key)
         while len(self._denoise_keys) > DENOISE_GRAPHS:
             old, _ = self._denoise_keys.popitem(last=False)
-            self.graphs.drop(lambda k: k != old)
+            self.graphs.drop(lambda k: k[:len(old)] != old)
 
     def _preview(self, x0: torch.Tensor) -> bytes:
         """A small PNG of the current clean-image estimate (VAE decode of a pooled latent)."""

@@ -10,11 +10,12 @@ forwards and yields a need (engine/runtime/needs.py) where it shares the engine.
 3. One batched decode forward for every request in its decode stage (engine/runtime/decode_step.py);
    each row is sampled with its own request's parameters and generator, and every row's token is read
    at once (the step's one host read, agreed by all ranks); each program continues with its token.
-4. The denoise turn: one request at a time holds the denoise rows (the first in admission order that
-   asks for them, once the holder ends) and runs one denoise step per turn (its step graph replayed:
-   captured once per step key for the engine's life). Each turn counts the requests that wait for a
-   step of the same key (`denoise_company`): the room a denoise forward shared across requests would
-   have, measured (bench serving) before it is built.
+4. The denoise turn: the denoise batch (engine/runtime/denoise_batch.py) holds up to
+   `max_denoise_batch` requests of one step key; waiting requests join it in admission order (one of
+   another key keeps the ones behind it waiting: no overtaking), and one forward runs a step of every
+   member (its step graph replayed: captured once per step key and batch size for the engine's life).
+   Each turn counts the requests that wait for a step of the same key (`denoise_company`): the room a
+   larger batch would have.
 
 The step policy (`decode_steps_per_denoise`, K): decode steps come first, being cheap and batched; the
 denoising request gets a turn in every step where nothing decodes, and otherwise after every K decode
@@ -33,7 +34,7 @@ import collections
 import sys
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -63,6 +64,7 @@ class Scheduler:
         if decode_steps_per_denoise < 1:
             raise ValueError(f"decode_steps_per_denoise must be >= 1 (got {decode_steps_per_denoise})")
         self.pipeline, self.k = pipeline, decode_steps_per_denoise
+        self.denoising = pipeline.denoise_batch()             # the requests holding denoise rows
         self.requests: dict[int, RequestState] = {}          # admission order
         self.steps = 0                                       # engine steps run
         self._since_denoise = 0                              # decode steps since the last denoise turn
@@ -121,36 +123,48 @@ class Scheduler:
         rows = [s for s in self.requests.values() if isinstance(s.need, Decode)]
         if not rows:
             return False
-        try:
+
+        def forward() -> list[int]:
             logits = self.pipeline.pool.decode([(s.need.slot, s.need.token, s.need.index) for s in rows])
             logits[:, self._vocab:] = float("-inf")      # the embedding is padded past the tokenizer's vocabulary
             for i, s in enumerate(rows):
                 n = s.need
                 self._tokens[i] = choose(logits[n.slot], n.params, n.generator, n.allowed)
-            tokens = self.pipeline.agree.tokens(self._tokens[:len(rows)])    # the step's one host read
-        except Exception as e:  # noqa: BLE001 - the shared forward failed: so did every request in it
-            for s in rows:
-                self._fail(s, e)
-            return True
-        for s, token in zip(rows, tokens):
-            self._advance(s, token)
+            return self.pipeline.agree.tokens(self._tokens[:len(rows)])    # the step's one host read
+        self._shared(rows, forward)
         return True
 
+    def _shared(self, states: list[RequestState], forward: Callable[[], list]) -> None:
+        """One forward for `states`, each continuing with its own answer; if the forward fails, so did every
+        request in it."""
+        try:
+            answers = forward()
+        except Exception as e:  # noqa: BLE001 - reported on each request's stream
+            for s in states:
+                self._fail(s, e)
+            return
+        for s, answer in zip(states, answers):
+            self._advance(s, answer)
+
     def _denoise_turn(self) -> bool:
-        holder = next((s for s in self.requests.values() if s.denoising), None)
-        if holder is None:
-            holder = next((s for s in self.requests.values() if isinstance(s.need, DenoiseTurn)), None)
-            if holder is None:
-                return False
-            holder.denoising = True
-        self._count_company(holder)
-        self._advance(holder, None)
+        batch = self.denoising
+        for state in [s for s in self.requests.values() if isinstance(s.need, DenoiseTurn) and not s.denoising]:
+            first = batch.join(state)
+            if first is None:
+                break                    # first come first served: the ones behind it wait too
+            state.denoising = True
+            self._advance(state, first)  # its hand-off and prefill; it then asks for its first step
+        members = list(batch.members)
+        if not members:
+            return False
+        self._count_company(members[0])
+        self._shared(members, lambda: batch.velocities([s.need.job for s in members]))
         return True
 
     def _count_company(self, holder: RequestState) -> None:
         turn = holder.need
         same = [s.need for s in self.requests.values()
-                if s is not holder and isinstance(s.need, DenoiseTurn) and s.need.key == turn.key]
+                if not s.denoising and isinstance(s.need, DenoiseTurn) and s.need.key == turn.key]
         self.denoise_company["turns"] += 1
         self.denoise_company["same_key"] += len(same)
         self.denoise_company["same_step"] += sum(n.step == turn.step for n in same)
@@ -184,6 +198,7 @@ class Scheduler:
             state.program.close()        # where it waits: its `finally` gives its slot and rows back
         except Exception:  # noqa: BLE001 - a failing clean-up must not take the engine down
             traceback.print_exc(file=sys.stderr)
+        self.denoising.leave(state)      # the batch's later requests move down into its rows
         state.need, state.denoising = None, False
         del self.requests[state.seq]
         self._ended.append(state.seq)

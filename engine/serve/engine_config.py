@@ -20,10 +20,13 @@ class EngineConfig:
     verbose: bool = False           # loading progress on stderr
     cfg_serial: bool = False        # CFG branches one after the other (less activation memory)
     cuda_graph: bool = True         # steps as CUDA graphs where they can be captured
+    max_denoise_batch: int = 1      # requests of one denoise step key whose steps share a forward
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {self.max_batch})")
+        if self.max_denoise_batch < 1:
+            raise ValueError(f"max_denoise_batch must be >= 1 (got {self.max_denoise_batch})")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1 (got {self.world_size})")
         if self.preview_every < 0:
@@ -32,4 +35,4 @@ class EngineConfig:
     def pipeline_options(self) -> dict:
         """What every rank's Pipeline takes from it (besides the model and its groups)."""
         return {"preview_every": self.preview_every, "slots": self.max_batch, "cfg_serial": self.cfg_serial,
-                "cuda_graph": self.cuda_graph}
+                "cuda_graph": self.cuda_graph, "max_denoise_batch": self.max_denoise_batch}

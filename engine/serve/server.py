@@ -102,7 +102,8 @@ class EngineServer:
                  world_size: int | None = None, plan: str | None = None, preview_every: int = 1,
                  verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S, sp_kind: str | None = None,
                  max_queue: int | None = None, quantize: str | None = None, max_batch: int = 1,
-                 step_timeout: float | None = None, cfg_serial: bool = False, cuda_graph: bool = True):
+                 step_timeout: float | None = None, cfg_serial: bool = False, cuda_graph: bool = True,
+                 max_denoise_batch: int = 1):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
@@ -112,7 +113,8 @@ class EngineServer:
         how many requests may wait beyond the running ones (None: no limit); one more is refused at
         submit with Error('busy'), checked under the queue's lock so simultaneous arrivals cannot
         overshoot it. `max_batch`: how many requests the engine runs at once (batched; 1: one at a
-        time). `quantize` ("fp8"): every rank quantizes the backbone linears of a high-precision
+        time); `max_denoise_batch`: how many of them, of one resolution bucket, share a denoise forward.
+        `quantize` ("fp8"): every rank quantizes the backbone linears of a high-precision
         checkpoint at load (engine/model/weights.py). `step_timeout`: seconds the running requests may go
         without a token or step before the engine is restarted (None: automatic, from the engine's own
         figures; 0: never; engine.serve.supervisor). All of it is checked here and fixed in one
@@ -131,7 +133,7 @@ class EngineServer:
         self.parallel.check_model(self.info.cfg)
         self.config = EngineConfig(str(Path(model).resolve()), device, dtype, self.parallel.name, self.parallel.world,
                                    self.parallel.sp_kind, quantize, max_batch, preview_every, verbose, cfg_serial,
-                                   cuda_graph)
+                                   cuda_graph, max_denoise_batch)
         self.cancel_grace_s = cancel_grace_s
         self.max_queue = max_queue
 

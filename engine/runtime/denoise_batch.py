@@ -1,0 +1,152 @@
+"""Denoise steps batched across requests: the requests holding denoise rows, and the one forward that
+serves all of them.
+
+A denoise batch is the requests in their denoise phase, of one step key at a time (same resolution
+bucket, token layout in the cache, rows per request; engine/runtime/denoise.py `step_key`), at most
+`limit` of them. Their rows sit side by side in the KV pool's denoise storage from row 0, in the order
+they joined (request k: rows [k * rows, (k + 1) * rows), its CFG branches and images branch-major as a
+request alone has them). When one ends, the ones after it move down (a copy of their cache rows on the
+device), so the batch's rows stay [0, members * rows) and one step graph per (key, members) serves it.
+
+Each turn, one forward computes every member's step: each its own latent, its own time (members may be
+at different steps, even of different step counts), its own prefix (its cache rows, its RoPE positions,
+its key mask: the rows of one request never see another's keys, AttnBatch.key_mask), then each request's
+rows are sliced back out. A request alone (one member) runs its own runner's step (`DenoiseRunner.velocity`).
+A cancel or a failure of one request (in its own part: its hand-off, prefill, update, preview, VAE)
+ends only it; a failure of the shared forward fails every request in it, as the batched decode step.
+
+Not batched, each alone in its batch: a request with a step cache (its policy decides per step whether
+the backbone runs at all, and the block cache decides on the host from its own residuals: no shared
+forward can follow two policies), and the plans whose step is not one plain forward over local rows
+(sequence parallel, CFG-parallel, CFG branches run one after the other): `DenoiseTurn.alone`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.model.attention import AttnBatch, KVCache
+from engine.model.hunyuan import HunyuanImage3
+from engine.parallel.layout import PhaseView
+from engine.runtime.denoise import StepInput, tail_embeddings, velocity
+from engine.runtime.graphs import Graphs
+from engine.runtime.kv_pool import KVPool
+from engine.runtime.needs import DenoiseTurn
+
+if TYPE_CHECKING:
+    from engine.runtime.request_state import RequestState
+
+
+@dataclass
+class BatchBuffers:
+    """The static inputs of a batched step graph (key, members): every member's latent, times and step
+    tables side by side; `rows` [N] maps each cache row to its image in x (a request's branches share
+    its image embeddings)."""
+    x: torch.Tensor
+    t: torch.Tensor
+    r: torch.Tensor | None
+    g: torch.Tensor | None
+    rows: torch.Tensor
+    batch: AttnBatch
+
+
+class DenoiseBatch:
+    def __init__(self, model: HunyuanImage3, pool: KVPool, heads: slice, view: PhaseView, graphs: Graphs, limit: int):
+        """heads: the denoise heads of the pool's rows; limit: requests in one batch (`max_denoise_batch`)."""
+        if limit < 1:
+            raise ValueError(f"max_denoise_batch must be >= 1 (got {limit})")
+        self.model, self.pool, self.heads, self.view, self.graphs, self.limit = model, pool, heads, view, graphs, limit
+        self.members: list["RequestState"] = []
+        self.key: tuple = ()
+        self.rows = 0
+        self.alone = False
+        self.forwards = 0            # forwards run for the batch (one per turn; tests count them)
+        self.member_steps = 0        # request steps they computed (/ forwards: the mean batch, bench serving)
+
+    # ------------------------------------------------------------------ who holds rows
+    def join(self, state: "RequestState") -> int | None:
+        """The first row of `state` (waiting with an admission DenoiseTurn) in the batch, or None: it is of
+        another key, alone, the batch is full, or its rows do not fit the storage while others hold it."""
+        need: DenoiseTurn = state.need
+        if self.members:
+            first = len(self.members) * self.rows
+            if (len(self.members) >= self.limit or self.alone or need.alone or need.key != self.key
+                    or not self.pool.denoise_fits(first + need.rows, need.length)):
+                return None
+        else:
+            first, self.key, self.rows, self.alone = 0, need.key, need.rows, need.alone
+        self.members.append(state)
+        return first
+
+    def leave(self, state: "RequestState") -> None:
+        """`state` ended: the members after it move down by its rows (their runners follow)."""
+        if state not in self.members:
+            return
+        k = self.members.index(state)
+        self.members.pop(k)
+        for j in range(k, len(self.members)):
+            job = self.members[j].need.job if isinstance(self.members[j].need, DenoiseTurn) else None
+            if job is None:      # joined this turn and not yet advanced to its rows: nothing to move
+                continue
+            runner = job.runner
+            cache = self.pool.move_denoise((j + 1) * self.rows, j * self.rows, self.rows, runner.cache.max_len)
+            runner.cache = cache.heads(self.heads)
+
+    # ------------------------------------------------------------------ the step
+    def velocities(self, jobs: list[StepInput]) -> list[torch.Tensor]:
+        """Each member's v for its step (members in row order): one forward for all of them."""
+        self.forwards += 1
+        self.member_steps += len(jobs)
+        if len(jobs) == 1:
+            j = jobs[0]
+            return [j.runner.velocity(j.i, j.x, j.t, j.r, j.g)]
+        lead, rows = jobs[0].runner, self.rows
+        key = (*lead.key, ("batch", len(jobs)))       # the solo key's graphs and this one go together
+        buf = self.graphs.buffers(key, lambda: self._buffers(jobs))
+        self._fill(buf, jobs)
+        cache = KVCache([t[:len(jobs) * rows] for t in self.pool.denoise.k],
+                        [t[:len(jobs) * rows] for t in self.pool.denoise.v]).heads(self.heads)
+        span, model = lead.span, self.model
+
+        def forward() -> torch.Tensor:
+            tail = tail_embeddings(model, buf.x, buf.t, buf.r, buf.g).index_select(0, buf.rows)
+            hidden = model.backbone(tail, buf.batch.index, None, None, cache, buf.batch.kv_len, self.view,
+                                    batch=buf.batch)
+            return velocity(model, hidden[:, -span.h * span.w:], buf.t.index_select(0, buf.rows), span)
+        v = self.graphs.replay(key, forward, warmup=2) if lead.use_graph else forward()
+        return [v[k * rows:(k + 1) * rows] for k in range(len(jobs))]
+
+    def _buffers(self, jobs: list[StepInput]) -> BatchBuffers:
+        """A batched key's buffers, shaped from its first members (outside any capture)."""
+        lead = jobs[0].runner
+        m, n, rows = len(jobs), lead.images, self.rows
+        _, _, b = lead.step_layout(self.model.device)
+
+        def per_row(v: torch.Tensor | None) -> torch.Tensor | None:
+            if v is None:         # cos/sin [T, D] -> [N, T, D]; masks [1, 1, q, K] -> [N, 1, q, K]
+                return None
+            return v.new_zeros((m * rows, *(v.shape[1:] if v.dim() == 4 else v.shape)))
+        j = jobs[0]
+        x = j.x.new_zeros((m * n, *j.x.shape[1:]))
+        ts = [None if v is None else v.new_zeros(m * n) for v in (j.t, j.r, j.g)]
+        img = torch.arange(m * n, device=x.device).view(m, 1, n)
+        row_image = img.expand(m, rows // n, n).reshape(-1)      # row k*rows + b*n + i -> image k*n + i
+        batch = AttnBatch(b.index, per_row(b.cos), per_row(b.sin), b.kv_len, per_row(b.mask), b.gathered,
+                          b.masked_rows, key_mask=per_row(b.key_mask))
+        return BatchBuffers(x, *ts, row_image, batch)
+
+    def _fill(self, buf: BatchBuffers, jobs: list[StepInput]) -> None:
+        """This turn's latents and times, and the members' step tables (their RoPE positions and masks)."""
+        n, rows = jobs[0].runner.images, self.rows
+        for k, j in enumerate(jobs):
+            buf.x[k * n:(k + 1) * n].copy_(j.x)
+            for dst, src in ((buf.t, j.t), (buf.r, j.r), (buf.g, j.g)):
+                if dst is not None:
+                    dst[k * n:(k + 1) * n].copy_(src.expand(n))
+        for k, j in enumerate(jobs):     # a few MB a step: cheaper than tracking who changed
+            _, _, b = j.runner.step_layout(self.model.device)
+            for name in ("cos", "sin", "mask", "key_mask"):
+                dst = getattr(buf.batch, name)
+                dst[k * rows:(k + 1) * rows].copy_(getattr(b, name).expand(rows, *dst.shape[1:]))

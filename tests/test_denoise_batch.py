@@ -1,0 +1,117 @@
+"""Denoise steps batched across requests (engine/runtime/denoise_batch.py) on the tiny checkpoint, fp32:
+requests of one resolution bucket, whatever their prompt lengths, share one step key (one graph), and up
+to `max_denoise_batch` of them one forward a step, each giving the image it gives alone; other buckets
+run apart; a cancel or a failure of one leaves the others' images unchanged."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image as PILImage
+
+from engine.runtime.denoise import DenoiseRunner, TAIL_GRAIN
+from engine.runtime.events import Done, Error, Image, Step
+from engine.runtime.pipeline import Pipeline
+from engine.runtime.request import Request
+from engine_drive import backbone_rows, run_together
+from faults import fail_request
+from test_scheduler import EagerGraphs
+
+SIDE = dict(size="256x256", bot_task="image", guidance=4.0)          # CFG: two rows a request
+SAME = [dict(SIDE, prompt="a red circle", steps=2, seed=51),
+        dict(SIDE, prompt="three small blue squares in a row on a wooden table", steps=3, seed=52),
+        dict(SIDE, prompt="a green star", steps=2, seed=53, guidance=2.5)]
+TAIL = 16 * 16 + 1          # a 256x256 step's tokens on the tiny model: <timestep> + 16x16 latent tokens
+_alone: dict = {}
+
+
+def image(events: list) -> np.ndarray:
+    errors = [e for e in events if isinstance(e, Error)]
+    assert not errors and isinstance(events[-1], Done), errors
+    png = next(e for e in events if isinstance(e, Image)).png
+    return np.asarray(PILImage.open(io.BytesIO(png)), dtype=np.float64)
+
+
+def alone(lm, kw: dict) -> np.ndarray:
+    """The image the request gives on its own engine (cached: several tests compare with it)."""
+    key = tuple(sorted(kw.items()))
+    if key not in _alone:
+        _alone[key] = image(list(Pipeline(lm, preview_every=0).run(Request(**kw))))
+    return _alone[key]
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a - b) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255 ** 2 / mse)
+
+
+def test_prompt_lengths_share_one_step_key(tiny, monkeypatch):
+    """Two requests of one bucket whose prefixes differ in length: one step key, captured once (the
+    second replays the first one's step over its own latent, positions and key mask), each its own image."""
+    starts = []
+    prefill = DenoiseRunner.prefill
+    monkeypatch.setattr(DenoiseRunner, "prefill", lambda self: (starts.append(self.span.meta_start), prefill(self))[1])
+    graphs = EagerGraphs()
+    pipe = Pipeline(tiny, preview_every=0, graphs=graphs)
+    for kw in SAME[:2]:
+        assert psnr(image(list(pipe.run(Request(**kw)))), alone(tiny, kw)) >= 40, kw
+    assert len(set(starts)) == 2 and len({s // TAIL_GRAIN for s in starts}) == 1, starts    # (solo runs too)
+    keys = [k for k in graphs.captures if k[0] == "denoise"]
+    assert len(keys) == 1 and graphs.captures[keys[0]] == 1, graphs.captures
+
+
+def test_requests_of_one_bucket_share_each_step_forward(tiny):
+    """Three requests (steps 2, 3, 2; other guidance, other prompts), max_denoise_batch 3: one forward of
+    all six rows per step while all three denoise, then the one left alone; each gives its solo image."""
+    pipe = Pipeline(tiny, preview_every=0, slots=3, max_denoise_batch=3)
+    with backbone_rows(tiny, tokens=True) as calls:
+        events, scheduler = run_together(tiny, SAME, pipeline=pipe)
+    for i, kw in enumerate(SAME):
+        assert psnr(image(events[i]), alone(tiny, kw)) >= 40, i
+    steps = [rows for rows, tokens in calls if tokens == TAIL]
+    assert steps == [6, 6, 2], calls
+    assert scheduler.denoising.forwards == 3 and not scheduler.denoising.members
+
+
+def test_other_buckets_run_apart(tiny):
+    """Two requests of 256x256 and two of 256x512, max_denoise_batch 4: the first two share their
+    forwards, then the other two theirs; no forward mixes buckets."""
+    wide = [dict(kw, size="256x512") for kw in SAME[:2]]
+    reqs = [SAME[0], SAME[2], *wide]
+    pipe = Pipeline(tiny, preview_every=0, slots=4, max_denoise_batch=4)
+    with backbone_rows(tiny, tokens=True) as calls:
+        events, _ = run_together(tiny, reqs, pipeline=pipe)
+    for i, kw in enumerate(reqs):
+        assert psnr(image(events[i]), alone(tiny, kw)) >= 40, i
+    steps = [c for c in calls if c[0] > 1]           # (a request's prefill is one row)
+    assert [rows for rows, _ in steps] == [4, 4, 4, 4, 2], calls
+    assert [t for _, t in steps[:2]] == [TAIL] * 2 and len({t for _, t in steps[2:]} - {TAIL}) == 1, calls
+
+
+def test_a_cancel_and_a_failure_end_only_their_own_request(tiny, monkeypatch):
+    """Four requests in one batch: request 0 cancelled after its first step, request 2 failing at its
+    second; the others (1 moved down into the rows the others left) give their solo images."""
+    reqs = [dict(SAME[1], seed=61), SAME[1], dict(SAME[1], prompt="a yellow moon"), SAME[2]]
+    fail_request(monkeypatch, "a yellow moon", lambda e: isinstance(e, Step) and e.i == 2, "injected")
+    pipe = Pipeline(tiny, preview_every=0, slots=4, max_denoise_batch=4)
+    with backbone_rows(tiny, tokens=True) as calls:
+        events, scheduler = run_together(tiny, reqs, cancel_at={0: 1}, pipeline=pipe)
+    assert isinstance(events[0][-1], Error) and events[0][-1].kind == "cancelled"
+    assert [e.i for e in events[0] if isinstance(e, Step)] == [1]
+    assert isinstance(events[2][-1], Error) and events[2][-1].kind == "engine" and "injected" in events[2][-1].message
+    for i in (1, 3):
+        assert psnr(image(events[i]), alone(tiny, reqs[i])) >= 40, i
+    assert [rows for rows, tokens in calls if tokens == TAIL] == [8, 6, 2], calls
+    assert not scheduler.busy and not scheduler.denoising.members
+
+
+def test_the_server_runs_with_max_denoise_batch(tiny_dir, tiny):
+    """EngineServer(max_denoise_batch=2) hands the setting to its worker's engine (EngineConfig): two
+    requests submitted together each give their solo image."""
+    from engine.serve.server import EngineServer
+    with EngineServer(tiny_dir, max_batch=2, max_denoise_batch=2, preview_every=0) as server:
+        assert server.wait_ready(300), server.health()
+        assert server.config.pipeline_options()["max_denoise_batch"] == 2
+        subs = [server.submit(Request(**kw)) for kw in SAME[:2]]
+        for kw, sub in zip(SAME[:2], subs):
+            assert psnr(image(list(sub)), alone(tiny, kw)) >= 40, kw
