@@ -16,7 +16,9 @@ WEBUI_MAY_IMPORT = {"engine", "engine.serve.client", "engine.serve.server", "eng
                     "engine.runtime.events", "engine.runtime.request",
                     # the studio checks a reference on upload by /v1's own rules and loader (issue 29): one
                     # implementation of the limits, not a copy in the UI
-                    "engine.runtime.images", "engine.serve.openai_errors", "engine.serve.openai_params"}
+                    "engine.runtime.images", "engine.serve.openai_errors", "engine.serve.openai_params",
+                    # the step cache's settings are request fields; the page offers them by name (issue 27)
+                    "engine.runtime.step_cache"}
 
 
 def _module_name(path: Path) -> str:
