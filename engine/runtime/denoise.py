@@ -13,6 +13,7 @@ import torch
 
 from engine.model.attention import AttnBatch, KVCache
 from engine.model.hunyuan import HunyuanImage3
+from engine.model.lora import LoraRows
 from engine.parallel.layout import Comm, PhaseView, graph_safe
 from engine.runtime.conditioning import embed_range
 from engine.runtime.graphs import Graphs
@@ -98,9 +99,10 @@ class DenoiseRunner:
     def __init__(self, model: HunyuanImage3, seq: Sequence, refs: list, ids: torch.Tensor, cache: KVCache,
                  view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
                  serial: bool = False, images: int = 1, use_graph: bool = False, graphs: Graphs | None = None,
-                 key: tuple = (), step_cache: StepCache | None = None):
+                 key: tuple = (), step_cache: StepCache | None = None, lora: LoraRows | None = None):
         """`key`: what else the step's graph depends on, appended to its step key (the KV storage the
-        rows are views of: a graph replays on the storage it was captured on)."""
+        rows are views of: a graph replays on the storage it was captured on). `lora`: the request's
+        LoRA adapter, one row for all its rows (the pool's static buffer: the graphs read it)."""
         self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
         self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
         self.serial = serial      # one forward per branch (less activation memory) instead of one batch
@@ -118,6 +120,7 @@ class DenoiseRunner:
         self.key = step_key(seq.gen_image, images, branches) + key
         self._static: StepBuffers | None = None
         self.step_cache = step_cache if step_cache is not None else StepCache(0)
+        self.lora = lora
 
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
@@ -132,7 +135,7 @@ class DenoiseRunner:
                 gathered = torch.cat([index, pad])
                 index = gathered[sp.rank * chunk:(sp.rank + 1) * chunk]
             batch = self.model.attn_batch(index, self.pos, self.blocks, stop, self.view, gathered=gathered,
-                                          masked_rows=self._masked_rows(start, stop, chunk))
+                                          masked_rows=self._masked_rows(start, stop, chunk), lora=self.lora)
             self._batches[(start, stop)] = (chunk, n, batch)
         return self._batches[(start, stop)]
 

@@ -92,7 +92,7 @@ class Pipeline:
         """One request on its own (the CLI, tests, tools): validated here, then the engine's steps with
         this one request in them; `cancelled()` is polled between steps (rank 0's answer is every rank's)."""
         try:
-            p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets)
+            p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets, self.adapters())
         except (RequestError, PromptError, ValueError) as e:
             yield Error("invalid", str(e), getattr(e, "field", None))
             return
@@ -106,6 +106,11 @@ class Pipeline:
             if not scheduler.busy:
                 return
             news = StepNews(cancel=frozenset({0}) if self.agree.flag(cancelled()) else frozenset())
+
+    def adapters(self) -> list[str]:
+        """The names of the LoRA adapters loaded (what a request's `lora` may name)."""
+        tables = self.lm.model.lora
+        return [] if tables is None else tables.loaded()
 
     def program(self, p: Prepared) -> Program:
         """The phases of the prepared request `p`: its events, and the needs the scheduler answers."""
@@ -170,6 +175,7 @@ class Pipeline:
                                f"model's {cfg.max_position_embeddings} positions", "images" if p.images else "prompt")
         budget = min(len(ar_seq) + p.max_new_tokens + 8 + self.max_image_tokens + 8, cfg.max_position_embeddings)
         n_img = 1 if text_only else p.images_out
+        adapter = self._adapter_slot(p)
 
         cot_text, ratio_index, text_res = None, None, TextResult()
         slot: int | None = None                 # this request's AR slot of the KV pool, until the hand-off
@@ -182,11 +188,12 @@ class Pipeline:
                 slot = yield ARSlot(ar_len)
                 T = ar_seq.tensors(dev, length=ar_len)        # positions for every position it may write
                 pool.set_positions(slot, T["pos"])
+                pool.set_adapter(slot, adapter, p.lora_scale)
                 emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
                 text_res = yield from generate_text(
                     model, tok, emb, T["pos"], T["blocks"], pool.slot_cache(slot).heads(heads.ar), plan, p.sampling,
                     text_gen, max_new, rt.ar, prefill=lambda e, pos, blocks: pool.prefill_into(slot, e, pos, blocks),
-                    agree=self.agree.token, slot=slot)
+                    agree=self.agree.token, slot=slot, lora=pool.slot_lora(slot))
                 timings.ar_prefill_ms = text_res.prefill_ms
                 timings.ar_tokens = text_res.sampled
                 timings.ar_forced = len(text_res.tokens) - text_res.sampled
@@ -240,7 +247,8 @@ class Pipeline:
             runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
                                    scratch, branch_comm, serial=self.cfg_serial, images=n_img,
                                    use_graph=self.cuda_graph, graphs=self.graphs, key=pool.denoise_key,
-                                   step_cache=make_step_cache(p.taylor_cache, p.steps, p.block_cache, cfg.num_layers))
+                                   step_cache=make_step_cache(p.taylor_cache, p.steps, p.block_cache, cfg.num_layers),
+                                   lora=pool.set_denoise_adapter(adapter, p.lora_scale))
             self._keep_denoise_graph(runner.key)
             # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
             latent_ch = int(cfg.vae["latent_channels"])
@@ -290,6 +298,15 @@ class Pipeline:
         finally:           # ended, failed or cancelled (closed where it waited): its share of the engine goes back
             if slot is not None:
                 pool.release_slot(slot)
+
+    def _adapter_slot(self, p: Prepared) -> int:
+        """The LoRA table slot of the request's adapter (0: none); one unloaded since it was validated is refused."""
+        if p.lora is None:
+            return 0
+        try:
+            return self.lm.model.lora.slot_of(p.lora)
+        except (KeyError, AttributeError):
+            raise RequestError(f"the LoRA adapter {p.lora!r} is no longer loaded", "lora") from None
 
     def _keep_denoise_graph(self, key: tuple) -> None:
         """Denoise step graphs stay for the engine's life, the DENOISE_GRAPHS most recently used keys: a
