@@ -15,7 +15,6 @@ import pytest
 import torch
 from PIL import Image as PILImage
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from engine.model.loader import load
 from engine.model.lora import load_adapter
@@ -26,6 +25,7 @@ from engine.runtime.request import Request, RequestError, prepare
 from engine.spec import names
 from engine.spec.config import ModelConfig
 from engine_drive import run_together
+from tools.tiny_lora import make_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -33,59 +33,6 @@ REQUEST = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens
 
 
 # ----------------------------------------------------------------------------- adapters made by peft
-class _Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        D = cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * D, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * D, cfg.hidden_size, bias=False)
-
-
-class _SharedMlp(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_and_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.shared_intermediate(0), bias=False)
-
-
-class _Mlp(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.shared_mlp = _SharedMlp(cfg)
-
-
-class _Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.self_attn = _Attention(cfg)
-        self.mlp = _Mlp(cfg)
-
-
-class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
-
-
-class _Trained(nn.Module):
-    """The module tree a trainer sees: `model.layers.{i}.self_attn.qkv_proj`, ... with the checkpoint's shapes."""
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.model = _Backbone(cfg)
-
-
-def make_adapter(folder: Path, cfg: ModelConfig, seed: int, std: float = 0.3, **config) -> Path:
-    """A PEFT adapter written by peft's save_pretrained, its lora_B non-zero (drawn from `seed`)."""
-    torch.manual_seed(seed)
-    kw = dict(r=8, lora_alpha=16, target_modules=["qkv_proj", "o_proj"]) | config
-    model = peft.get_peft_model(_Trained(cfg), peft.LoraConfig(**kw))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, std)
-    model.save_pretrained(str(folder))
-    return folder
-
-
 def merged_checkpoint(src: Path, dst: Path, adapter: Path, cfg: ModelConfig) -> Path:
     """A copy of the checkpoint with W + scale B A in every adapted linear (stored in fp32: no rounding)."""
     shutil.copytree(src, dst)
@@ -211,7 +158,7 @@ def test_request_names_a_loaded_adapter(served):
     with pytest.raises(RequestError, match="unknown LoRA adapter 'nope'; the loaded ones are patterned, plain") as e:
         prepare(Request("a cat", lora="nope", seed=1), served.gen, served.buckets, adapters)
     assert e.value.field == "lora"
-    with pytest.raises(RequestError, match=r"lora_scale must be a number in \(0, 4\]") as e:
+    with pytest.raises(RequestError, match=r"the LoRA strength \(lora_scale\) must be a number in \(0, 4\]") as e:
         prepare(Request("a cat", lora="plain", lora_scale=0, seed=1), served.gen, served.buckets, adapters)
     assert e.value.field == "lora_scale"
 
@@ -257,3 +204,141 @@ def test_unservable_folders_are_refused(tmp_path, cfg, case, message):
         (folder / "adapter_model.safetensors").unlink()
     with pytest.raises(AdapterError, match=message):
         read_peft(folder, cfg)
+
+
+# ----------------------------------------------------------------------------- hybrid4 on gloo, and serving
+def test_hybrid4_adapter_equals_merged_and_loads_at_run_time(served, base, tiny_dir, adapters, cfg, tmp_path):
+    """Four gloo ranks (AR TP4, denoise TP2 x SP2; each rank holds its slices of A/B): the adapter loaded at
+    start gives the merged checkpoint's text and image, no adapter the base model's; an adapter loaded while
+    the engine runs serves at once (as on tp1) and, unloaded, is refused by name."""
+    from engine.serve.server import EngineServer
+    merged = alone(load(merged_checkpoint(tiny_dir, tmp_path / "merged", adapters["plain"], cfg)))
+    with EngineServer(tiny_dir, plan="hybrid4", preview_every=0, loras=[("plain", adapters["plain"])],
+                      max_loras=2) as server:
+        assert server.wait_ready(300), server.health()
+        got = outcome(list(server.stream(Request(**(REQUEST | dict(lora="plain"))))))
+        none = outcome(list(server.stream(Request(**REQUEST))))
+        server.load_adapter("patterned", adapters["patterned"])
+        assert server.adapters() == ["plain", "patterned"]
+        late = outcome(list(server.stream(Request(**(REQUEST | dict(lora="patterned", lora_scale=0.5))))))
+        server.unload_adapter("patterned")
+        refused = list(server.stream(Request(**(REQUEST | dict(lora="patterned")))))
+    assert got[0] == merged[0] and psnr(got[1], merged[1]) >= 40
+    assert none[0] == base[0] and psnr(none[1], base[1]) >= 40
+    want = alone(served, lora="patterned", lora_scale=0.5)
+    assert late[0] == want[0] and psnr(late[1], want[1]) >= 40
+    assert [(e.kind, e.field) for e in refused] == [("invalid", "lora")] and "unknown LoRA adapter" in refused[0].message
+
+
+def test_readme_serves_a_peft_adapter_to_the_openai_client(tmp_path):
+    """The README's *LoRA adapters* commands and Python, as written (the port aside), on the embedded model:
+    the adapter is listed and chosen by name; the load / unload routes need the key, and a model that is not
+    served is a 404 naming what is."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    openai = pytest.importorskip("openai")
+    from engine.parallel.groups import free_port
+    root = Path(__file__).resolve().parents[1]
+    section = (root / "README.md").read_text().split("## LoRA adapters", 1)[1].split("\n## ", 1)[0]
+    shell = re.search(r"```bash\n(.*?)```", section, re.S).group(1).splitlines()
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "assets").symlink_to(root / "assets")
+    env = {**__import__("os").environ, "PYTHONPATH": str(root), "STUDIO_API_KEY": "", "GRADIO_ANALYTICS_ENABLED": "False"}
+    make, serve = (line.split("#")[0].split() for line in shell)
+    assert make[:3] == ["python", "-m", "tools.tiny_lora"] and serve[:2] == ["python", "app.py"]
+    subprocess.run([sys.executable, *make[1:]], cwd=tmp_path, env=env, check=True, timeout=300)
+    port = free_port()
+    log = (tmp_path / "app.log").open("w")
+    proc = subprocess.Popen([sys.executable, str(root / "app.py"), *serve[2:], "--port", str(port)], cwd=tmp_path,
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "app.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        exec(compile(code.replace("127.0.0.1:7860", f"127.0.0.1:{port}"), "README.md", "exec"), {"__name__": "readme"})
+        assert PILImage.open(tmp_path / "styled.png").size == (256, 256)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-local", max_retries=0)
+        assert [m.id for m in client.models.list()][1:] == ["my-style"]
+        with pytest.raises(openai.NotFoundError, match="does not exist; this server serves .* and the LoRA adapters 'my-style'"):
+            client.images.generate(model="other", prompt="a cat", size="256x256")
+        with pytest.raises(openai.BadRequestError, match="lora_scale.*applies only with `model` naming a LoRA adapter"):
+            client.images.generate(prompt="a cat", size="256x256", extra_body={"lora_scale": 0.5})
+        anonymous = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "my-style"}, timeout=10)
+        assert anonymous.status_code == 401
+        keyed = dict(headers={"Authorization": "Bearer sk-local"}, timeout=60)
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "my-style"}, **keyed).status_code == 200
+        assert [m.id for m in client.models.list()][1:] == []
+        bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "assets")}, **keyed)
+        assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]
+        ok = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "again", "lora_path": "my-style-lora"}, **keyed)
+        assert ok.status_code == 200 and [m.id for m in client.models.list()][1:] == ["again"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_steps_serve_adapters_per_row(tiny_dir, adapters):
+    """CUDA bf16, every prefill, decode and denoise step a graph replay reading the adapter slots from static
+    buffers: no adapter, one and the other decoded together each give their solo run, the adapter changes
+    the image, and an adapter loaded after the graphs were captured is served by the same graphs."""
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    tables = lm.model.enable_lora(capacity=3, max_rank=8)
+    for name, folder in adapters.items():
+        load_adapter(tables, name, folder)
+    kws = [REQUEST, REQUEST | dict(lora="plain"), REQUEST | dict(lora="patterned", lora_scale=0.5)]
+    pipe = Pipeline(lm, preview_every=0, slots=len(kws))
+    assert pipe.cuda_graph
+    solo = [outcome(list(pipe.run(Request(**kw)))) for kw in kws]
+    events, scheduler = run_together(lm, kws, pipeline=pipe)
+    for i in range(len(kws)):
+        got = outcome(events[i])
+        assert got[0] == solo[i][0] and psnr(got[1], solo[i][1]) >= 35, i
+    assert differs(solo[1], solo[0]) and differs(solo[2], solo[0])
+    captures = sum(pipe.graphs.captures.values())
+    assert captures > 0
+    tables.remove("patterned")
+    load_adapter(tables, "again", adapters["patterned"])
+    again = outcome(list(pipe.run(Request(**(kws[2] | dict(lora="again"))))))
+    assert again[0] == solo[2][0] and psnr(again[1], solo[2][1]) >= 35
+    assert sum(pipe.graphs.captures.values()) == captures          # no new capture for the new adapter
+
+
+def test_studio_picker_sends_the_adapter_and_puts_its_errors_on_the_controls(tiny_dir, tmp_path):
+    """The page's adapter picker and strength slider become the request's lora / lora_scale ("none" the base
+    model); a wrong value's message lands on the control that holds it."""
+    import dataclasses
+
+    from engine.serve.info import ModelInfo
+    from webui.options import NO_LORA, Settings, build_request
+    from webui.studio import Studio
+
+    class Client:                      # what the studio asks of the engine server here
+        def adapters(self) -> list[str]:
+            return ["plain"]
+
+    info = ModelInfo.from_folder(tiny_dir)
+    studio = Studio(Client(), info, tmp_path)
+    s = Settings("image", "auto", 1, False, 2, 5.0, info.presets[0], "", 8, "plain", 0.5)
+    assert (build_request("a cat", [], s).lora, build_request("a cat", [], s).lora_scale) == ("plain", 0.5)
+    assert build_request("a cat", [], dataclasses.replace(s, lora=NO_LORA)).lora is None
+    controls = ("prompt", *Settings.NAMES)
+    assert studio.validation("a cat", None, s, False, controls) == {}
+    gone = studio.validation("a cat", None, dataclasses.replace(s, lora="gone"), False, controls)
+    assert gone == {"lora": "Unknown LoRA adapter 'gone'; the loaded ones are plain"}
+    strong = studio.validation("a cat", None, dataclasses.replace(s, lora_scale=9), False, controls)
+    assert strong == {"lora_scale": "The LoRA strength (lora_scale) must be a number in (0, 4] (got 9)"}
+    picker, slider = studio.adapter_picker()
+    assert picker["choices"] == [NO_LORA, "plain"] and picker["visible"] and slider["visible"]

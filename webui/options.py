@@ -83,9 +83,11 @@ class Settings:
     system_prompt: str
     custom_system_prompt: str
     max_new_tokens: float | int
+    lora: str | None = None           # a LoRA adapter's name; None, "" or NO_LORA: the base model
+    lora_scale: float = 1.0
 
     NAMES = ("mode", "size", "seed", "random_seed", "steps", "guidance", "system_prompt",
-             "custom_system_prompt", "max_new_tokens")
+             "custom_system_prompt", "max_new_tokens", "lora", "lora_scale")
 
 
 def as_int(v: Any) -> Any:
@@ -115,8 +117,12 @@ def build_request(prompt: str, images: list[Any], s: Settings, for_check: bool =
         system_prompt=s.system_prompt or None,
         custom_system_prompt=(s.custom_system_prompt or None) if s.system_prompt == "custom" else None,
         max_new_tokens=as_int(s.max_new_tokens),
+        lora=None if s.lora in (None, "", NO_LORA) else s.lora,
+        lora_scale=1.0 if s.lora_scale is None else s.lora_scale,
     )
 
+
+NO_LORA = "none (base model)"          # the adapter picker's first choice
 
 # The Request fields that a control of the page holds under another name.
 CONTROL_OF_FIELD = {"bot_task": "mode"}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import time
 from typing import Any, Callable, Generator, Iterator
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.loader import LoadedModel
+from engine.model.lora import load_adapter
 from engine.parallel.groups import RankGroups
 from engine.parallel.layout import Comm
 from engine.runtime.agreement import Agreement
@@ -111,6 +113,20 @@ class Pipeline:
         """The names of the LoRA adapters loaded (what a request's `lora` may name)."""
         tables = self.lm.model.lora
         return [] if tables is None else tables.loaded()
+
+    def change_adapter(self, op: str, name: str, folder: str | None = None) -> None:
+        """Load ("load", name, folder) or unload ("unload", name) a LoRA adapter between steps, on every rank
+        alike (the server checked it first: a failure here is printed, the engine runs on without it)."""
+        tables = self.lm.model.lora
+        try:
+            if tables is None:
+                raise ValueError("the engine was started without LoRA adapter slots")
+            if op == "load":
+                load_adapter(tables, name, folder)
+            else:
+                tables.remove(name)
+        except (ValueError, KeyError, OSError) as e:
+            print(f"engine: LoRA adapter {name!r} not {op}ed: {e}", file=sys.stderr, flush=True)
 
     def program(self, p: Prepared) -> Program:
         """The phases of the prepared request `p`: its events, and the needs the scheduler answers."""

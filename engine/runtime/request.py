@@ -222,5 +222,6 @@ def _check_lora(req: Request, adapters: Collection[str]) -> None:
             raise RequestError(f"unknown LoRA adapter {req.lora!r}; {have}", "lora")
     lo, hi = LORA_SCALE_RANGE
     if not _in_range(req.lora_scale, lo, hi, integer=False) or req.lora_scale == lo:
-        raise RequestError(f"lora_scale must be a number in ({lo:g}, {hi:g}] (got {req.lora_scale!r})", "lora_scale")
+        raise RequestError(f"the LoRA strength (lora_scale) must be a number in ({lo:g}, {hi:g}] "
+                           f"(got {req.lora_scale!r})", "lora_scale")
 
