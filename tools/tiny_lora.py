@@ -8,11 +8,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.spec.config import CheckpointConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from engine.model.peft import PeftAdapter
 
 
 class _Linears(nn.Module):
@@ -57,6 +61,23 @@ def make_adapter(out: str | Path, cfg: ModelConfig, seed: int = 0, std: float = 
                 p.normal_(0.0, std)
     model.save_pretrained(str(out))
     return Path(out)
+
+
+def random_adapter(cfg: ModelConfig, r: int, seed: int = 0, scale: float = 2.0) -> "PeftAdapter":
+    """A rank-r adapter on every layer's qkv_proj and o_proj as the reader returns one (in memory, no peft
+    needed: the GPU test and the benchmark), A ~ N(0, 1/in), B ~ N(0, 0.05^2)."""
+    from engine.model.peft import LoraWeights, PeftAdapter
+    from engine.model.weights import backbone_linears
+    from engine.spec import names
+    g = torch.Generator().manual_seed(seed)
+    shapes = backbone_linears(cfg)
+    layers = {}
+    for i in range(cfg.num_layers):
+        for layer in (names.layer(i).qkv_proj, names.layer(i).o_proj):
+            n, k = shapes[layer][:2]
+            layers[layer] = LoraWeights(torch.randn(r, k, generator=g) * k ** -0.5, torch.randn(n, r, generator=g) * 0.05,
+                                        scale)
+    return PeftAdapter(Path(f"random-rank{r}-seed{seed}"), layers)
 
 
 def main(argv: list[str] | None = None) -> int:

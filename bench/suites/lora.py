@@ -25,11 +25,12 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.lora import RowAdapters
-from engine.model.peft import LoraWeights, PeftAdapter
+from engine.model.peft import PeftAdapter
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.denoise import denoise
 from engine.runtime.graphs import Graphs
 from engine.spec import names
+from tools.tiny_lora import random_adapter
 
 from .. import rank
 from ..report import Col, Output
@@ -43,20 +44,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rank", type=int, default=32, help="the adapter's rank (the trainers' default: 32)")
     ap.add_argument("--steps", type=int, default=10, help="denoise steps per timed run")
     ap.add_argument("--no-step-graph", action="store_true", help="denoise and decode steps eagerly")
-
-
-def random_adapter(cfg, r: int, seed: int = 0) -> PeftAdapter:
-    """A rank-r adapter on every layer's qkv_proj and o_proj (full, unsharded: the tables slice it)."""
-    from engine.model.weights import backbone_linears
-    g = torch.Generator().manual_seed(seed)
-    shapes = backbone_linears(cfg)
-    layers = {}
-    for i in range(cfg.num_layers):
-        for layer in (names.layer(i).qkv_proj, names.layer(i).o_proj):
-            n, k = shapes[layer][:2]
-            layers[layer] = LoraWeights(torch.randn(r, k, generator=g) * k ** -0.5,
-                                        torch.randn(n, r, generator=g) * 0.01, 2.0)
-    return PeftAdapter(None, layers)
 
 
 @torch.no_grad()

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.packed import shard_block
-from engine.model.peft import AdapterError, PeftAdapter, read_peft
+from engine.model.peft import AdapterError, PeftAdapter, read_peft, sliced
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec import names
 from engine.spec.config import ModelConfig
@@ -104,18 +103,22 @@ class LoraTables:
         if None not in self.names[1:]:
             raise AdapterError(f"cannot load LoRA adapter {name!r}: all {self.capacity} adapter slots are in use "
                                "(unload one first)")
+        if adapter.layout == ShardLayout() != self.layout:
+            adapter = sliced(adapter, self.layout)        # a whole adapter (made in memory): this rank's slices
+        if adapter.layout != self.layout:
+            raise AdapterError(f"LoRA adapter {adapter.folder} was read for {adapter.layout}, not this rank's "
+                               f"{self.layout}")
         s = self.names.index(None, 1)
         self._clear(s)
-        lay = self.layout
         for i in range(self.cfg.num_layers):
             n = names.layer(i)
-            if (w := adapter.layers.get(n.qkv_proj)) is not None:
-                r, b = w.rank, w.b[shard_block(self.qkv_out, lay)] * w.scale
-                self.qkv_a[i, s, :r].copy_(w.a)
-                self.qkv_b[i, s, ..., :r].copy_(b.view(lay.micros, -1, r))
-            if (w := adapter.layers.get(n.o_proj)) is not None:
+            if (w := adapter.layers.get(n.qkv_proj)) is not None:       # B: this shard's rows, as [micros, rows, r]
                 r = w.rank
-                self.o_a[i, s, :r].copy_(w.a[:, shard_block(self.o_in, lay)])
+                self.qkv_a[i, s, :r].copy_(w.a)
+                self.qkv_b[i, s, ..., :r].copy_((w.b * w.scale).view(self.micros, -1, r))
+            if (w := adapter.layers.get(n.o_proj)) is not None:         # A: this shard's input columns
+                r = w.rank
+                self.o_a[i, s, :r].copy_(w.a)
                 self.o_b[i, s, :, :r].copy_(w.b * w.scale)
         self.names[s] = name
         self.folders[name] = str(adapter.folder)
@@ -156,5 +159,5 @@ class RowAdapters:
 
 
 def load_adapter(tables: LoraTables, name: str, folder: str | Path) -> int:
-    """Read the PEFT folder for the tables' model and install it as `name`; returns its slot."""
-    return tables.install(name, read_peft(folder, tables.cfg))
+    """Read this rank's slices of the PEFT folder and install them as `name`; returns its slot."""
+    return tables.install(name, read_peft(folder, tables.cfg, tables.layout))

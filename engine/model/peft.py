@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.model.packed import shard_block
+from engine.parallel.layout import ShardLayout
 from engine.spec import names
 from engine.spec.config import ModelConfig
 
@@ -53,7 +55,7 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class LoraWeights:
-    """One adapted linear: A [r, in] and B [out, r] in fp32, and PEFT's scale for it."""
+    """One adapted linear: A [r, in] and B [out, r] in fp32 (or a rank's slice of them), and PEFT's scale."""
     a: torch.Tensor
     b: torch.Tensor
     scale: float
@@ -65,9 +67,11 @@ class LoraWeights:
 
 @dataclass(frozen=True)
 class PeftAdapter:
-    """An adapter read from a folder: checkpoint layer name -> its weights."""
+    """An adapter read from a folder: checkpoint layer name -> its weights, the slices a rank of `layout`
+    keeps (`_slices`; the default layout: whole)."""
     folder: Path
     layers: dict[str, LoraWeights]
+    layout: ShardLayout = ShardLayout()
 
     @property
     def rank(self) -> int:
@@ -97,8 +101,9 @@ def _check_config(cfg: dict, where: str) -> None:
             raise AdapterError(f"{where}: {field} must be a positive number (got {value!r})")
 
 
-def read_peft(folder: str | Path, model: ModelConfig) -> PeftAdapter:
-    """Read and check the adapter in `folder` for `model`; AdapterError names what is wrong."""
+def read_peft(folder: str | Path, model: ModelConfig, layout: ShardLayout = ShardLayout()) -> PeftAdapter:
+    """Read and check the adapter in `folder` for `model`, keeping the slices a rank of `layout` holds (the
+    whole adapter by default); AdapterError names what is wrong."""
     from engine.model.weights import backbone_linears     # the one table of the linears' shapes
     folder = Path(folder)
     where = f"LoRA adapter {folder}"
@@ -116,32 +121,54 @@ def read_peft(folder: str | Path, model: ModelConfig) -> PeftAdapter:
         raise AdapterError(f"{where}: {CONFIG} is not a JSON object")
     _check_config(cfg, where)
     shapes = backbone_linears(model)
-    parts: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(str(folder / WEIGHTS), framework="pt") as f:
+        parts: dict[str, dict[str, str]] = {}
         for key in f.keys():
             m = KEY.match(key.removeprefix(PREFIX))
             if m is None:
                 raise AdapterError(f"{where}: tensor {key!r} is not a lora_A/lora_B weight (trained biases, "
                                    "embeddings or saved modules are not supported)")
-            module = m["module"]
-            _check_target(module, shapes, where)
-            parts.setdefault(module, {})[m["part"]] = f.get_tensor(key).float()
-    if not parts:
-        raise AdapterError(f"{where}: {WEIGHTS} holds no LoRA weights")
-    layers = {}
-    for module, ab in sorted(parts.items()):
-        if set(ab) != {"A", "B"}:
-            missing = ({"A", "B"} - set(ab)).pop()
-            raise AdapterError(f"{where}: {module} has no lora_{missing} weight")
-        a, b = ab["A"], ab["B"]
-        n, k = shapes[module][:2]
-        r = int(_pattern(cfg.get("rank_pattern"), module, cfg["r"]))
-        if a.ndim != 2 or b.ndim != 2 or a.shape != (r, k) or b.shape != (n, r):
-            raise AdapterError(f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this "
-                               f"model's layer is [{n}, {k}] at rank {r}, so they must be ({r}, {k}) and ({n}, {r})")
-        alpha = float(_pattern(cfg.get("alpha_pattern"), module, cfg["lora_alpha"]))
-        layers[module] = LoraWeights(a, b, alpha / (math.sqrt(r) if cfg.get("use_rslora") else r))
-    return PeftAdapter(folder, layers)
+            _check_target(m["module"], shapes, where)
+            parts.setdefault(m["module"], {})[m["part"]] = key
+        if not parts:
+            raise AdapterError(f"{where}: {WEIGHTS} holds no LoRA weights")
+        layers = {}
+        for module, keys in sorted(parts.items()):
+            if set(keys) != {"A", "B"}:
+                missing = ({"A", "B"} - set(keys)).pop()
+                raise AdapterError(f"{where}: {module} has no lora_{missing} weight")
+            a, b = f.get_slice(keys["A"]), f.get_slice(keys["B"])
+            n, k = shapes[module][:2]
+            r = int(_pattern(cfg.get("rank_pattern"), module, cfg["r"]))
+            if tuple(a.get_shape()) != (r, k) or tuple(b.get_shape()) != (n, r):
+                raise AdapterError(f"{where}: {module} has lora_A {tuple(a.get_shape())} and lora_B "
+                                   f"{tuple(b.get_shape())}; this model's layer is [{n}, {k}] at rank {r}, so they "
+                                   f"must be ({r}, {k}) and ({n}, {r})")
+            alpha = float(_pattern(cfg.get("alpha_pattern"), module, cfg["lora_alpha"]))
+            # this rank's slice only: B by output rows (column-parallel qkv), A by input columns (row-parallel o)
+            rows, cols = _slices(module, n, k, layout)
+            layers[module] = LoraWeights(a[:, cols].float(), b[rows].float(),
+                                         alpha / (math.sqrt(r) if cfg.get("use_rslora") else r))
+    return PeftAdapter(folder, layers, layout)
+
+
+def _slices(module: str, n: int, k: int, layout: ShardLayout) -> tuple[slice, slice]:
+    """(B's rows, A's columns) a rank of `layout` keeps of an adapted layer [n, k]: the rows of its shard
+    of a column-parallel layer (qkv_proj), the input columns of its shard of a row-parallel one (o_proj)."""
+    if module.endswith(names.O_PROJ):
+        return slice(None), shard_block(k, layout)
+    return shard_block(n, layout), slice(None)
+
+
+def sliced(adapter: PeftAdapter, layout: ShardLayout) -> PeftAdapter:
+    """A whole adapter (read for one rank, or made in memory) cut to the slices a rank of `layout` keeps."""
+    if adapter.layout != ShardLayout():
+        raise ValueError(f"adapter {adapter.folder} is already a slice ({adapter.layout})")
+    out = {}
+    for module, w in adapter.layers.items():
+        rows, cols = _slices(module, w.b.shape[0], w.a.shape[1], layout)
+        out[module] = LoraWeights(w.a[:, cols], w.b[rows], w.scale)
+    return PeftAdapter(adapter.folder, out, layout)
 
 
 def _check_target(module: str, shapes: dict, where: str) -> None:

@@ -245,7 +245,8 @@ class EngineServer:
         with self._lock:
             if name not in self.adapters():
                 raise KeyError(f"no LoRA adapter named {name!r} is loaded")
-            users = [j.sub.request_id for j in (*self._waiting, *self._running.values()) if j.prepared.lora == name]
+            users = [j.sub.request_id for j in (*self._waiting, *self._running.values())
+                     if j.prepared.lora == name and not j.sub.ended]
             if users:
                 raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it when they end")
             self.config = dataclasses.replace(self.config, loras=tuple(a for a in self.config.loras if a[0] != name))
