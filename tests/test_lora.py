@@ -373,3 +373,12 @@ def test_each_rank_reads_its_slice(adapters, cfg):
     rows, cols = qkv.b.shape[0] // 2, o.a.shape[1] // 2
     assert torch.equal(mine.layers[n.qkv_proj].b, qkv.b[rows:]) and torch.equal(mine.layers[n.qkv_proj].a, qkv.a)
     assert torch.equal(mine.layers[n.o_proj].a, o.a[:, cols:]) and torch.equal(mine.layers[n.o_proj].b, o.b)
+
+
+def test_command_line_refuses_a_scale_without_adapter_and_a_bad_folder(tiny_dir, tmp_path, capsys):
+    from engine.__main__ import main
+    common = ["generate", "--model", str(tiny_dir), "--prompt", "a cat", "--steps", "1", "--out", str(tmp_path / "o.png")]
+    assert main(common + ["--lora-scale", "2"]) == 2
+    assert "--lora-scale needs --lora PATH" in capsys.readouterr().err
+    assert main(common + ["--lora", str(tiny_dir)]) == 2
+    assert f"LoRA adapter {tiny_dir}: no adapter_config.json" in capsys.readouterr().err

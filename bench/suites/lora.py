@@ -137,6 +137,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     out.table(rows, [Col("step", "what"), Col("ms", "ms", ".2f"), Col("vs base %", "overhead_pct", "+.1f")],
               f"one hybrid4 rank, Instruct bf16, T2I 1024x1024 CFG batched, adapter rank {args.rank} on qkv_proj + "
               "o_proj (compute only)")
+    out.data["rows"] = rows
+    out.data["adapter_rank"] = args.rank
     ok = dry or rows[1]["overhead_pct"] <= 5.0
     if not ok:
         out.say(f"the unmerged path costs {rows[1]['overhead_pct']:.1f}% of a DiT step, above the issue's 5%")
