@@ -96,6 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds a running request may go without a token or step before the engine is "
                          "restarted and the request failed (default: automatic, 20x the engine's slowest recent "
                          "token or step, at least 10 s, 120 s for the first request after a start; 0: never)")
+    ap.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                    help="serve a LoRA adapter folder (as PEFT saves it) as the model NAME (repeatable)")
+    ap.add_argument("--max-loras", type=int, default=0,
+                    help="adapter slots, for adapters loaded at run time too (default: as many as --lora)")
+    ap.add_argument("--max-lora-rank", type=int, default=64, help="the highest adapter rank served (default 64)")
     ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
     ap.add_argument("--max-upload-mb", type=float, default=20.0,
                     help="largest reference image file the API accepts, in MB (default 20)")
@@ -125,6 +130,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--max-upload-mb and --max-upload-pixels must be positive")
     if args.api_only and args.share:
         ap.error("--share opens the page; it does not go with --api-only")
+    args.loras = []
+    for item in args.lora:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            ap.error(f"--lora takes NAME=PATH (got {item!r})")
+        args.loras.append((name.strip(), path.strip()))
+    if args.max_loras < 0 or args.max_lora_rank < 1:
+        ap.error("--max-loras must be >= 0 and --max-lora-rank >= 1")
+    if args.replicas is not None and (args.loras or args.max_loras):
+        ap.error("--lora and --max-loras are not supported with --replicas")
     if args.step_timeout is not None and args.step_timeout < 0:
         ap.error("--step-timeout takes seconds >= 0 (0: never)")
     if args.replicas is None and any(v is not None for v in (args.gpus_per_replica, args.ray_address,
@@ -155,7 +170,8 @@ def engine_server(model: Path, device: str, args: argparse.Namespace):
                   max_batch=args.max_batch or default_max_batch(device), max_denoise_batch=args.max_denoise_batch)
     if args.replicas is None:
         from engine.serve.server import EngineServer
-        return EngineServer(model, world_size=args.gpus, **kwargs)
+        return EngineServer(model, world_size=args.gpus, loras=args.loras, max_loras=args.max_loras,
+                            max_lora_rank=args.max_lora_rank, **kwargs)
     from engine.serve.replicas import ReplicaPool
     return ReplicaPool(model, args.replica_options, **kwargs)
 

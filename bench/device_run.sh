@@ -22,6 +22,8 @@
 #   flashinfer     installs the carried FlashInfer (bench/flashinfer_install.sh: carry .fi/parts), JIT-builds
 #                  its four families in parallel (timed), its variants' GPU tests (failing, not skipping,
 #                  where it does not import), suite flashinfer (ours vs FlashInfer per op)
+#   lora           the LoRA GPU test (graph steps with per-row adapters), then suite lora (a hybrid4 rank's DiT
+#                  and decode step: unmerged rank-32 adapter vs none vs merged weights)
 #   step-cache     the step cache's GPU tests, then suite step-cache: speed (hybrid4 rank, MXFP4 Distil) and
 #                  quality (the embedded model), each to its own folder under $OUT
 # Each run's log goes to $OUT/<run>.log, each suite's JSON and tables to $OUT/<suite>.json / .txt; the
@@ -111,6 +113,9 @@ for section in "$@"; do
       else
         echo "=== flashinfer: not installed (carry .fi/parts: bench/flashinfer_install.sh)"
       fi ;;
+    lora)
+      tests lora_tests 300 -s tests/test_lora.py -k cuda
+      run lora 590 python3 -m bench lora ;;
     step-cache)
       tests step_cache_tests 300 -s tests/test_step_cache.py
       run step_cache_speed 590 python3 -m bench step-cache --speed --out "$OUT/step-cache-speed"

@@ -57,6 +57,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["fp8"], default=None,
                    help="fp8: quantize a high-precision checkpoint's backbone linears to FP8 at load (one scale per "
                         "output channel; activations per token on CUDA)")
+    p.add_argument("--lora", metavar="PATH", help="a LoRA adapter folder as PEFT saves it (adapter_config.json + "
+                   "adapter_model.safetensors), applied to this request")
+    p.add_argument("--lora-scale", type=float, default=None, metavar="S",
+                   help="the adapter's strength: its update times S (default 1)")
     p.add_argument("--cfg-serial", action="store_true", help="run the CFG branches one after the other")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run the AR decode and denoise steps eagerly on CUDA (by default each is a CUDA-graph replay)")
@@ -143,19 +147,28 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.lora_scale is not None and args.lora is None:
+        print("error: --lora-scale needs --lora PATH (the adapter it scales)", file=sys.stderr)
+        return 2
+    lora = None if args.lora is None else Path(args.lora).resolve().name or "adapter"
     req = Request(prompt=args.prompt, images=args.image, bot_task=args.bot_task, size=args.size,
                   seed=args.seed, system_prompt=args.system_prompt, custom_system_prompt=args.custom_system_prompt,
                   max_new_tokens=args.max_new_tokens, greedy=args.greedy, text_only=args.cmd == "text",
                   steps=getattr(args, "steps", None), guidance=getattr(args, "guidance", None),
                   stretch=getattr(args, "stretch", False),
                   taylor_cache=_step_cache(args, "use_taylor_cache", TaylorCacheParams),
-                  block_cache=_step_cache(args, "use_block_cache", BlockCacheParams))
+                  block_cache=_step_cache(args, "use_block_cache", BlockCacheParams),
+                  lora=lora, lora_scale=1.0 if args.lora_scale is None else args.lora_scale)
     out = Path(args.out) if args.cmd == "generate" else None
     if plan.world > 1:
         from engine.serve.server import EngineServer
-        server = EngineServer(args.model, args.device, args.dtype, plan=plan.name, sp_kind=plan.sp_kind,
-                              verbose=True, cfg_serial=args.cfg_serial, cuda_graph=args.cuda_graph,
-                              quantize=args.quantize)
+        try:
+            server = EngineServer(args.model, args.device, args.dtype, plan=plan.name, sp_kind=plan.sp_kind,
+                                  verbose=True, cfg_serial=args.cfg_serial, cuda_graph=args.cuda_graph,
+                                  quantize=args.quantize, loras=[(lora, args.lora)] if lora else [])
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         with server:
             if not server.wait_ready():
                 print(f"error: the engine did not start: {server.health()['last_error']}", file=sys.stderr)
@@ -163,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             return _print_events(server.stream(req), out)
 
     from engine.model.loader import load, parse_dtype, print_progress
+    from engine.model.peft import read_peft
     from engine.runtime.pipeline import Pipeline
     try:
         lm = load(args.model, args.device, parse_dtype(args.dtype, args.device), progress=print_progress,
@@ -170,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: cannot load {args.model}: {e}", file=sys.stderr)
         return 2
+    if lora:
+        try:
+            adapter = read_peft(args.lora, lm.cfg)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        lm.model.enable_lora(1, adapter.rank).install(lora, adapter)
     return _print_events(Pipeline(lm, cfg_serial=args.cfg_serial, cuda_graph=args.cuda_graph).run(req), out)
 
 if __name__ == "__main__":

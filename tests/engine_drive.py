@@ -68,7 +68,8 @@ def run_together(lm, requests: list[dict], cancel_at: dict[int, int] | None = No
     pipe = pipeline or Pipeline(lm, preview_every=0, slots=len(requests))
     scheduler = Scheduler(pipe)
     on_start(scheduler)
-    news = StepNews(join=tuple((i, prepare(Request(**kw), lm.gen, lm.buckets)) for i, kw in enumerate(requests)))
+    news = StepNews(join=tuple((i, prepare(Request(**kw), lm.gen, lm.buckets, pipe.adapters()))
+                                  for i, kw in enumerate(requests)))
     events: dict[int, list] = {i: [] for i in range(len(requests))}
     while True:
         scheduler.step(news)

@@ -90,7 +90,7 @@ class ScriptedModel:
 
         self.transformer = T()
 
-    def backbone(self, x, index, pos, blocks, cache, kv_len, view, masked=True, kv_len_dev=None):
+    def backbone(self, x, index, pos, blocks, cache, kv_len, view, masked=True, kv_len_dev=None, lora=None):
         return torch.zeros(1, x.shape[1], 4)
 
 

@@ -91,10 +91,12 @@ class Settings:
     system_prompt: str
     custom_system_prompt: str
     max_new_tokens: float | int
-    step_cache: str = "none"          # last: API clients that do not send it get the default
+    step_cache: str = "none"          # the last three: API clients that do not send them get the defaults
+    lora: str | None = None           # a LoRA adapter's name; None, "" or NO_LORA: the base model
+    lora_scale: float = 1.0
 
     NAMES = ("mode", "size", "seed", "random_seed", "steps", "guidance", "system_prompt",
-             "custom_system_prompt", "max_new_tokens", "step_cache")
+             "custom_system_prompt", "max_new_tokens", "step_cache", "lora", "lora_scale")
 
 
 def as_int(v: Any) -> Any:
@@ -130,8 +132,12 @@ def build_request(prompt: str, images: list[Any], s: Settings, for_check: bool =
         max_new_tokens=as_int(s.max_new_tokens),
         taylor_cache=taylor,
         block_cache=block,
+        lora=None if s.lora in (None, "", NO_LORA) else s.lora,
+        lora_scale=1.0 if s.lora_scale is None else s.lora_scale,
     )
 
+
+NO_LORA = "none (base model)"          # the adapter picker's first choice
 
 # The Request fields that a control of the page holds under another name.
 CONTROL_OF_FIELD = {"bot_task": "mode", **{n: "step_cache" for n in (*TaylorCacheParams.names(),

@@ -23,13 +23,13 @@ from typing import Any, AsyncIterator, Callable, Union
 
 import gradio as gr
 
-from engine.runtime.request import (GUIDANCE_RANGE, MAX_NEW_TOKENS_RANGE, SEED_RANGE, STEPS_RANGE,
-                                    RequestError)
+from engine.runtime.request import (GUIDANCE_RANGE, LORA_SCALE_RANGE, MAX_NEW_TOKENS_RANGE, SEED_RANGE,
+                                    STEPS_RANGE, RequestError)
 from engine.serve.info import ModelInfo
 
 from .fields import lenient
 from .examples import is_small, reference_examples, t2i_prompts
-from .options import (AUTO_SIZE, REASONING_MODES, STEP_CACHES, Settings, build_request, control_of,
+from .options import (AUTO_SIZE, NO_LORA, REASONING_MODES, STEP_CACHES, Settings, build_request, control_of,
                       default_mode, preset_choices, size_choices)
 from .references import check_reference
 from .runner import EngineClient, EngineFailure, RecentRuns, Update, run, running_count
@@ -182,13 +182,23 @@ class Studio:
             if (msg := check_reference(path)) is not None:
                 problems.setdefault("images", msg)
         try:
-            self.info.validate(build_request(prompt, images, settings, for_check=True))
+            self.info.validate(build_request(prompt, images, settings, for_check=True), self.adapters())
         except RequestError as e:
             msg = _without_paths(str(e), images)
             problems.setdefault(control_of(e.field, controls), msg[:1].upper() + msg[1:])
         except Exception as e:  # noqa: BLE001 - a value of a kind no control sends (API): say so, never a bare 400
             problems.setdefault("prompt", f"Invalid input ({type(e).__name__}: {e})")
         return problems
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters the engine serves now (loaded at start or since)."""
+        adapters = getattr(self.client, "adapters", None)
+        return adapters() if adapters is not None else []
+
+    def adapter_picker(self) -> tuple:
+        """The picker's choices and the strength slider, shown when the engine serves adapters."""
+        names = self.adapters()
+        return gr.update(choices=[NO_LORA, *names], visible=bool(names)), gr.update(visible=bool(names))
 
     def validator(self, names: tuple[str, ...], need_images: bool) -> Callable[..., list[dict]]:
         def validate(*values: Any) -> list[dict]:
@@ -409,28 +419,36 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                     max_new_tokens = lenient(gr.Slider(
                         *MAX_NEW_TOKENS_RANGE, value=clamp(gen.max_new_tokens, MAX_NEW_TOKENS_RANGE), step=1,
                         label="Max new tokens (reasoning length)", elem_id="max-new-tokens"))
+                    adapters = studio.adapters()
+                    lora = lenient(gr.Dropdown([NO_LORA, *adapters], value=NO_LORA, label="LoRA adapter",
+                                               visible=bool(adapters), elem_id="lora"))
+                    lora_scale = lenient(gr.Slider(
+                        0.05, LORA_SCALE_RANGE[1], value=1.0, step=0.05, label="LoRA strength", elem_id="lora-scale",
+                        visible=bool(adapters), info="1: as trained; lower tones the adapter down, higher strengthens it."))
         result = gr.State(None)       # the last finished image of this page (the canvas may hold a preview)
         result_seed = gr.State(None)  # its seed, as the engine reported it
         selected_ref = gr.State(None)  # the index of the reference image clicked last
         saved_prompts = gr.BrowserState(["", ""], storage_key=PROMPTS_KEY)
 
         settings = [mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
-                    max_new_tokens, step_cache]
+                    max_new_tokens, step_cache, lora, lora_scale]
         outputs = [status, image, timings, cot, result, result_seed]
         t2i_names = ("prompt", *Settings.NAMES)
         ti2i_names = ("prompt", "images", *Settings.NAMES)
 
         async def t2i(prompt, mode, size, seed, random_seed, steps, guidance, system_prompt,
-                      custom_system_prompt, max_new_tokens, step_cache="none"):
+                      custom_system_prompt, max_new_tokens, step_cache="none", lora=NO_LORA,
+                      lora_scale=1.0):
             s = Settings(mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
-                         max_new_tokens, step_cache)
+                         max_new_tokens, step_cache, lora, lora_scale)
             async for o in studio.generate(prompt, None, s):
                 yield o
 
         async def ti2i(prompt, images, mode, size, seed, random_seed, steps, guidance, system_prompt,
-                       custom_system_prompt, max_new_tokens, step_cache="none"):
+                       custom_system_prompt, max_new_tokens, step_cache="none", lora=NO_LORA,
+                       lora_scale=1.0):
             s = Settings(mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
-                         max_new_tokens, step_cache)
+                         max_new_tokens, step_cache, lora, lora_scale)
             async for o in studio.generate(prompt, images, s):
                 yield o
 
@@ -493,6 +511,8 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
 
         gr.api(studio.health, api_name="health", queue=False, api_visibility="undocumented")
         gr.api(studio.reload, api_name="reload", queue=False, api_visibility="undocumented")
+        # adapters loaded since the page was built (POST /v1/load_lora_adapter) appear on a reload
+        demo.load(studio.adapter_picker, None, [lora, lora_scale], api_visibility="private", queue=False)
         demo.load(None, None, None, js=HEALTH_JS)
         demo.load(None, None, None, js=RANGE_JS)
 

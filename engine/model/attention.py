@@ -10,6 +10,7 @@ codes and scales in the same packing).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from engine.model.packed import (PackFormat, linear, micro_cols, micro_rows, pac
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
 from engine.spec.names import LayerNames
+
+if TYPE_CHECKING:
+    from engine.model.lora import LoraRows
 
 
 class KVCache:
@@ -99,6 +103,8 @@ class AttnBatch:
       row may see, the others hidden from all rows (a denoise step whose kv_len is its step key's bound:
       the keys between the request's prefix and the step's own tokens are not its own). `mask`, where
       set, already hides them too.
+    lora: the LoRA adapter of each batch row (engine/model/lora.py), added to qkv_proj and o_proj; None
+      when the engine has no adapter tables.
     """
     index: torch.Tensor
     cos: torch.Tensor
@@ -109,6 +115,7 @@ class AttnBatch:
     masked_rows: int | None = None
     kv_len_dev: torch.Tensor | None = None
     key_mask: torch.Tensor | None = None
+    lora: "LoraRows | None" = None
 
 
 def sdpa_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -167,7 +174,10 @@ class Attention(nn.Module):
         B, T, H = x.shape
         D, g = self.head_dim, self.group
         kv = self.kv_per_micro * view.micro_count
-        qkv = linear(x, micro_rows(self.qkv, view)).view(B, T, kv, g + 2, D)
+        qkv = linear(x, micro_rows(self.qkv, view))
+        if batch.lora is not None:
+            batch.lora.add_qkv(qkv, x, layer, view)
+        qkv = qkv.view(B, T, kv, g + 2, D)
         # RoPE first, then the per-head RMSNorm, both in fp32 (official order), then back to the dtype
         norms = (batch.cos, batch.sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         sp = view.sp
@@ -196,7 +206,10 @@ class Attention(nn.Module):
             flat = _heads_to_tokens(out, sp)
         else:
             flat = out.transpose(1, 2).reshape(B, T, kv * g * D)
-        return linear(flat, micro_cols(self.o_proj, view, self.micros))
+        out = linear(flat, micro_cols(self.o_proj, view, self.micros))
+        if batch.lora is not None:
+            batch.lora.add_o(out, flat, layer, view)
+        return out
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
         """SDPA of q over the cache's first kv_len keys, under the batch's mask."""

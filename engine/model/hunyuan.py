@@ -12,6 +12,7 @@ from torch import nn
 from engine.model.attention import AttnBatch, KVCache, attention_mask, sdpa_mask
 from engine.model.image_heads import TimestepEmbedder, UNetDown, UNetUp
 from engine.model.layers import rope_angles
+from engine.model.lora import LoraRows, LoraTables
 from engine.model.transformer import Resident, Transformer
 from engine.model.vae import AutoencoderKLConv3D
 from engine.model.vit import Siglip2VisionModel, VisionAligner
@@ -35,6 +36,7 @@ class HunyuanImage3(nn.Module):
         with torch.device(device):      # build (and default-initialise) the replicated modules in place
             mods = image_side_modules(cfg, dtype, device)
         self.image_modules = list(mods)
+        self.lora: LoraTables | None = None     # the loaded LoRA adapters' tables (`enable_lora`), if any
         for name, mod in mods.items():
             setattr(self, name, mod)
         self.requires_grad_(False)
@@ -43,21 +45,29 @@ class HunyuanImage3(nn.Module):
     def device(self) -> torch.device:
         return self.transformer.wte.device
 
+    def enable_lora(self, capacity: int, max_rank: int) -> LoraTables:
+        """Allocate the LoRA tables for up to `capacity` adapters of rank <= `max_rank` (once, before the
+        runtime is made: it binds its forwards to them)."""
+        if self.lora is None:
+            self.lora = LoraTables(self.cfg, self.layout, capacity, max_rank, self.dtype, self.device)
+        return self.lora
+
     def attn_batch(self, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor, kv_len: int,
                    view: PhaseView, masked: bool = True, gathered: torch.Tensor | None = None,
-                   masked_rows: int | None = None, kv_len_dev: torch.Tensor | None = None) -> AttnBatch:
+                   masked_rows: int | None = None, kv_len_dev: torch.Tensor | None = None,
+                   lora: LoraRows | None = None) -> AttnBatch:
         """RoPE tables and mask for the tokens at sequence indices `index` [T] (see `backbone`).
         `masked_rows`: only that many leading query rows need the mask; `kv_len_dev`: the number of valid
-        keys as a device tensor, `kv_len` then the static bound (see AttnBatch)."""
+        keys as a device tensor, `kv_len` then the static bound; `lora`: the rows' adapters (see AttnBatch)."""
         cos, sin = rope_angles(pos.index_select(0, index), self.cfg.head_dim, self.cfg.rope_theta)
         rows = gathered if gathered is not None and view.sp_kind == "ulysses" else index
         if masked_rows is not None:
             rows = rows[:masked_rows]
         mask = sdpa_mask(attention_mask(rows, blocks, kv_len), self.dtype) if masked else None
-        return AttnBatch(index, cos, sin, kv_len, mask, gathered, masked_rows, kv_len_dev)
+        return AttnBatch(index, cos, sin, kv_len, mask, gathered, masked_rows, kv_len_dev, lora=lora)
 
     def row_batch(self, index: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, kv_len: int,
-                  kv_len_dev: torch.Tensor) -> AttnBatch:
+                  kv_len_dev: torch.Tensor, lora: LoraRows | None = None) -> AttnBatch:
         """The attention inputs of a batched decode step, each batch row its own sequence: row b's tokens
         sit at sequence indices index[b] ([B, T]) of its cache row, with the positions of position table
         rows[b] (pos [R, >=kv_len, 2]: tables differ per request, reference images having 2D positions)
@@ -66,12 +76,13 @@ class HunyuanImage3(nn.Module):
         B, T = index.shape
         D = self.cfg.head_dim
         cos, sin = rope_angles(pos[rows[:, None], index].view(B * T, 2), D, self.cfg.rope_theta)
-        return AttnBatch(index, cos.view(B, T, D), sin.view(B, T, D), kv_len, None, kv_len_dev=kv_len_dev)
+        return AttnBatch(index, cos.view(B, T, D), sin.view(B, T, D), kv_len, None, kv_len_dev=kv_len_dev, lora=lora)
 
     def backbone(self, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor,
                  cache: KVCache, kv_len: int, view: PhaseView, masked: bool = True,
                  gathered: torch.Tensor | None = None, batch: AttnBatch | None = None,
-                 kv_len_dev: torch.Tensor | None = None, layers: range | None = None) -> torch.Tensor:
+                 kv_len_dev: torch.Tensor | None = None, layers: range | None = None,
+                 lora: LoraRows | None = None) -> torch.Tensor:
         """Run the layers on embeddings x [B, T, H] of the tokens at sequence indices `index` [T].
 
         pos [>=kv_len, 2] and blocks [>=kv_len] describe the whole sequence; keys [0, kv_len) of the cache
@@ -80,9 +91,10 @@ class HunyuanImage3(nn.Module):
         A `batch` prepared once by `attn_batch` (the same tokens at every denoise step) skips rebuilding it.
         `kv_len_dev` (a device tensor [1], with masked=False): the number of valid keys, read on the device
         (a CUDA-graph decode step); kv_len is then the cache's static bound. `layers`: only these layers
-        (x is then the residual stream entering the first; default all).
+        (x is then the residual stream entering the first; default all). `lora`: the rows' LoRA adapters.
         """
-        batch = batch or self.attn_batch(index, pos, blocks, kv_len, view, masked, gathered, kv_len_dev=kv_len_dev)
+        batch = batch or self.attn_batch(index, pos, blocks, kv_len, view, masked, gathered, kv_len_dev=kv_len_dev,
+                                         lora=lora)
         return self.transformer(x, batch, cache, view, layers)
 
     def vae_autocast(self) -> contextlib.AbstractContextManager:

@@ -19,6 +19,7 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
+from engine.model.lora import LoraRows
 from engine.parallel.layout import PhaseView, graph_safe
 from engine.runtime.graphs import Graphs
 
@@ -31,9 +32,10 @@ def buckets_for(slots: int) -> tuple[int, ...]:
 
 class DecodeStep:
     def __init__(self, model: HunyuanImage3, cache: KVCache, pos: torch.Tensor, view: PhaseView, graphs: Graphs,
-                 key: tuple, use_graph: bool = False):
+                 key: tuple, use_graph: bool = False, lora: LoraRows | None = None):
         """cache: the AR slots' rows [slots, ar_heads, L, D] (L - 1 is the scratch position); pos [slots, L, 2]
-        the slots' position tables; `key` names the storage in the graph keys."""
+        the slots' position tables; `key` names the storage in the graph keys; `lora`: the slots' LoRA
+        adapters [slots] (static buffers, set per request)."""
         self.model, self.cache, self.pos, self.view, self.graphs, self.key = model, cache, pos, view, graphs, key
         dev = model.device
         self.slots, self.scratch = cache.k[0].shape[0], cache.max_len - 1
@@ -47,6 +49,9 @@ class DecodeStep:
         self._copied = torch.cuda.Event() if cuda else None
         self._rows = torch.arange(self.slots, device=dev)
         self._views = {b: cache.rows(slice(0, b)) for b in self.buckets}
+        # each bucket's rows of the slots' adapters, as views made once
+        self._lora = {b: None if lora is None else LoraRows(lora.tables, lora.slot[:b], lora.strength[:b])
+                      for b in self.buckets}
         self.forwards = 0             # forwards run (eager) or replayed (graph): one per engine step (tests)
 
     def bucket(self, slots: list[int]) -> int:
@@ -76,7 +81,7 @@ class DecodeStep:
     def _forward(self, b: int) -> torch.Tensor:
         m, cache = self.model, self._views[b]
         token, index, length = self._slots[0, :b].view(b, 1), self._slots[1, :b].view(b, 1), self._slots[2, :b]
-        batch = m.row_batch(index, self.pos, self._rows[:b], cache.max_len, length)
+        batch = m.row_batch(index, self.pos, self._rows[:b], cache.max_len, length, self._lora[b])
         h = m.transformer(m.transformer.embed(token), batch, cache, self.view)
         return m.transformer.logits(h[:, -1], self.view)
 

@@ -13,6 +13,7 @@ import torch
 
 from engine.model.attention import AttnBatch, KVCache, attention_mask, sdpa_mask
 from engine.model.hunyuan import HunyuanImage3
+from engine.model.lora import LoraRows
 from engine.parallel.layout import Comm, PhaseView, graph_safe
 from engine.runtime.conditioning import embed_range
 from engine.runtime.graphs import Graphs
@@ -119,9 +120,10 @@ class DenoiseRunner:
     def __init__(self, model: HunyuanImage3, seq: Sequence, refs: list, ids: torch.Tensor, cache: KVCache,
                  view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
                  serial: bool = False, images: int = 1, use_graph: bool = False, graphs: Graphs | None = None,
-                 key: tuple = (), step_cache: StepCache | None = None):
+                 key: tuple = (), step_cache: StepCache | None = None, lora: LoraRows | None = None):
         """`key`: what else the step's graph depends on, appended to its step key (the KV storage the
-        rows are views of: a graph replays on the storage it was captured on)."""
+        rows are views of: a graph replays on the storage it was captured on). `lora`: the request's
+        LoRA adapter, one row for all its rows (the pool's static buffer: the graphs read it)."""
         self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
         self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
         self.serial = serial      # one forward per branch (less activation memory) instead of one batch
@@ -143,6 +145,7 @@ class DenoiseRunner:
         self.key = step_key(seq.gen_image, images, branches) + key
         self._static: StepBuffers | None = None
         self.step_cache = step_cache if step_cache is not None else StepCache(0)
+        self.lora = lora
 
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
@@ -157,7 +160,7 @@ class DenoiseRunner:
                 gathered = torch.cat([index, pad])
                 index = gathered[sp.rank * chunk:(sp.rank + 1) * chunk]
             batch = self.model.attn_batch(index, self.pos, self.blocks, stop, self.view, gathered=gathered,
-                                          masked_rows=self._masked_rows(start, stop, chunk))
+                                          masked_rows=self._masked_rows(start, stop, chunk), lora=self.lora)
             self._batches[(start, stop)] = (chunk, n, batch)
         return self._batches[(start, stop)]
 
@@ -184,7 +187,7 @@ class DenoiseRunner:
             dt = self.model.dtype
             self._step = chunk, n, AttnBatch(moved(seq.index), seq.cos, seq.sin, K, sdpa_mask(mask[None, None], dt),
                                              moved(seq.gathered), seq.masked_rows,
-                                             key_mask=sdpa_mask(own.view(1, 1, 1, K), dt))
+                                             key_mask=sdpa_mask(own.view(1, 1, 1, K), dt), lora=self.lora)
         return self._step
 
     def _masked_rows(self, start: int, stop: int, chunk: int) -> int | None:

@@ -17,7 +17,8 @@ ends only it; a failure of the shared forward fails every request in it, as the 
 
 Not batched, each alone in its batch: a request with a step cache (its policy decides per step whether
 the backbone runs at all, and the block cache decides on the host from its own residuals: no shared
-forward can follow two policies), and the plans whose step is not one plain forward over local rows
+forward can follow two policies), a request with a LoRA adapter (the denoise rows hold one adapter
+slot, engine/runtime/kv_pool.py `set_denoise_adapter`; the shared forward runs the base weights), and the plans whose step is not one plain forward over local rows
 (sequence parallel, CFG-parallel, CFG branches run one after the other): `DenoiseTurn.alone`.
 """
 from __future__ import annotations

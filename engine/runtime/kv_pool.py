@@ -25,6 +25,7 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
+from engine.model.lora import LoraRows, RowAdapters
 from engine.parallel.layout import PhaseView
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.graphs import Graphs
@@ -53,6 +54,11 @@ class KVPool:
         self.prefill: PrefillStep | None = None
         self.denoise: KVCache | None = None            # [rows, heads, L, D] of the denoising requests
         self.allocations = 0                           # how often a storage was (re)allocated (tests)
+        # each AR slot's (and the staging row's) LoRA adapter, and the denoising request's (engine/model/lora.py):
+        # set once per request, read by every forward (None: the engine has no adapter tables)
+        tables = model.lora
+        self.ar_adapters = None if tables is None else RowAdapters(tables, slots + 1)
+        self.denoise_adapters = None if tables is None else RowAdapters(tables, 1)
         self._ar_generation = 0
         self._denoise_generation = 0
 
@@ -72,12 +78,22 @@ class KVPool:
         return self.free.pop(0)
 
     def release_slot(self, slot: int) -> None:
+        self.set_adapter(slot, 0, 0.0)
         self.free.append(slot)
         self.free.sort()
 
     def slot_cache(self, slot: int) -> KVCache:
         """The slot's AR cache row (every allocated head), [1, heads, L, D]."""
         return self.ar.rows(slice(slot, slot + 1))
+
+    def set_adapter(self, slot: int, adapter: int, strength: float) -> None:
+        """The LoRA adapter (table slot, 0: none) and strength of the request in AR slot `slot`."""
+        if self.ar_adapters is not None:
+            self.ar_adapters.set(slot, adapter, strength)
+
+    def slot_lora(self, slot: int) -> LoraRows | None:
+        """The adapter rows of a forward on the slot's cache row alone."""
+        return None if self.ar_adapters is None else self.ar_adapters.rows(slice(slot, slot + 1))
 
     def set_positions(self, slot: int, pos: torch.Tensor) -> None:
         """The request's positions [n, 2] (n <= ar_length) for the decode steps of its slot."""
@@ -86,8 +102,10 @@ class KVPool:
     def prefill_into(self, slot: int, embeds: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """The prompt's forward (embeds [1, L, H]) on the staging row, its K/V then copied to the slot;
         returns the fp32 logits [vocab] of its last token."""
-        logits = self.prefill(embeds, pos, blocks)
         L, staging, heads = embeds.shape[1], self.slots, self.ar_heads
+        if self.ar_adapters is not None:
+            self.ar_adapters.copy(staging, slot)
+        logits = self.prefill(embeds, pos, blocks)
         for buf in (*self.ar.k, *self.ar.v):
             buf[slot, heads, :L] = buf[staging, heads, :L]
         return logits
@@ -103,9 +121,12 @@ class KVPool:
         self.pos = torch.zeros(self.slots, length, 2, dtype=torch.long, device=m.device)
         key = (self.slots, ("ar", gen))
         slot_rows = self.ar.rows(slice(0, self.slots)).heads(self.ar_heads)
-        self.decode = DecodeStep(m, slot_rows, self.pos, self.view, self.graphs, key, self.use_graph)
+        ad = self.ar_adapters
+        self.decode = DecodeStep(m, slot_rows, self.pos, self.view, self.graphs, key, self.use_graph,
+                                 lora=None if ad is None else ad.rows(slice(0, self.slots)))
         staging = self.ar.rows(slice(self.slots, self.slots + 1)).heads(self.ar_heads)
-        self.prefill = PrefillStep(m, staging, self.view, self.use_graph, graphs=self.graphs, key=key)
+        self.prefill = PrefillStep(m, staging, self.view, self.use_graph, graphs=self.graphs, key=key,
+                                   lora=self.slot_lora(self.slots))
         self.allocations += 1
 
     # ------------------------------------------------------------------ denoise rows
@@ -143,6 +164,13 @@ class KVPool:
         for t in (*self.denoise.k, *self.denoise.v):
             t[dst:dst + rows, :, :length] = t[src:src + rows, :, :length]
         return self.denoise.rows(slice(dst, dst + rows)).prefix(length)
+
+    def set_denoise_adapter(self, adapter: int, strength: float) -> LoraRows | None:
+        """The denoising request's LoRA adapter (every one of its rows); returns its forwards' adapter rows."""
+        if self.denoise_adapters is None:
+            return None
+        self.denoise_adapters.set(0, adapter, strength)
+        return self.denoise_adapters.rows(slice(0, 1))
 
     @property
     def denoise_key(self) -> tuple:

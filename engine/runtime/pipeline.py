@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import time
 from typing import Any, Callable, Generator, Iterator
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.loader import LoadedModel
+from engine.model.lora import load_adapter
 from engine.parallel.groups import RankGroups
 from engine.parallel.layout import Comm
 from engine.runtime.agreement import Agreement
@@ -99,7 +101,7 @@ class Pipeline:
         """One request on its own (the CLI, tests, tools): validated here, then the engine's steps with
         this one request in them; `cancelled()` is polled between steps (rank 0's answer is every rank's)."""
         try:
-            p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets)
+            p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets, self.adapters())
         except (RequestError, PromptError, ValueError) as e:
             yield Error("invalid", str(e), getattr(e, "field", None))
             return
@@ -113,6 +115,25 @@ class Pipeline:
             if not scheduler.busy:
                 return
             news = StepNews(cancel=frozenset({0}) if self.agree.flag(cancelled()) else frozenset())
+
+    def adapters(self) -> list[str]:
+        """The names of the LoRA adapters loaded (what a request's `lora` may name)."""
+        tables = self.lm.model.lora
+        return [] if tables is None else tables.loaded()
+
+    def change_adapter(self, op: str, name: str, folder: str | None = None) -> None:
+        """Load ("load", name, folder) or unload ("unload", name) a LoRA adapter between steps, on every rank
+        alike (the server checked it first: a failure here is printed, the engine runs on without it)."""
+        tables = self.lm.model.lora
+        try:
+            if tables is None:
+                raise ValueError("the engine was started without LoRA adapter slots")
+            if op == "load":
+                load_adapter(tables, name, folder)
+            else:
+                tables.remove(name)
+        except (ValueError, KeyError, OSError) as e:
+            print(f"engine: LoRA adapter {name!r} not {op}ed: {e}", file=sys.stderr, flush=True)
 
     def program(self, p: Prepared) -> Program:
         """The phases of the prepared request `p`: its events, and the needs the scheduler answers."""
@@ -177,6 +198,7 @@ class Pipeline:
                                f"model's {cfg.max_position_embeddings} positions", "images" if p.images else "prompt")
         budget = min(len(ar_seq) + p.max_new_tokens + 8 + self.max_image_tokens + 8, cfg.max_position_embeddings)
         n_img = 1 if text_only else p.images_out
+        adapter = self._adapter_slot(p)
 
         cot_text, ratio_index, text_res = None, None, TextResult()
         slot: int | None = None                 # this request's AR slot of the KV pool, until the hand-off
@@ -189,11 +211,12 @@ class Pipeline:
                 slot = yield ARSlot(ar_len)
                 T = ar_seq.tensors(dev, length=ar_len)        # positions for every position it may write
                 pool.set_positions(slot, T["pos"])
+                pool.set_adapter(slot, adapter, p.lora_scale)
                 emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
                 text_res = yield from generate_text(
                     model, tok, emb, T["pos"], T["blocks"], pool.slot_cache(slot).heads(heads.ar), plan, p.sampling,
                     text_gen, max_new, rt.ar, prefill=lambda e, pos, blocks: pool.prefill_into(slot, e, pos, blocks),
-                    agree=self.agree.token, slot=slot)
+                    agree=self.agree.token, slot=slot, lora=pool.slot_lora(slot))
                 timings.ar_prefill_ms = text_res.prefill_ms
                 timings.ar_tokens = text_res.sampled
                 timings.ar_forced = len(text_res.tokens) - text_res.sampled
@@ -231,9 +254,10 @@ class Pipeline:
 
             turn = step_key(seq.gen_image, n_img, branches)
             step_cache = make_step_cache(p.taylor_cache, p.steps, p.block_cache, cfg.num_layers)
-            # a step cache, or a step that is not one plain forward over local rows, runs alone (denoise_batch.py)
-            alone = (type(step_cache) is not StepCache or self.cfg_serial or rt.denoise.sp.size > 1
-                     or branch_comm.size > 1)
+            # a step cache, an adapter (the denoise rows hold one adapter slot), or a step that is not one
+            # plain forward over local rows, runs alone (denoise_batch.py)
+            alone = (type(step_cache) is not StepCache or adapter != 0 or self.cfg_serial
+                     or rt.denoise.sp.size > 1 or branch_comm.size > 1)
             rows = len(branches) * n_img
             first = yield DenoiseTurn(turn, 0, rows, scratch + 1, alone)     # these rows are its own until it ends
             cache = pool.take_denoise(rows, scratch + 1, first)
@@ -252,7 +276,7 @@ class Pipeline:
             runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
                                    scratch, branch_comm, serial=self.cfg_serial, images=n_img,
                                    use_graph=self.cuda_graph, graphs=self.graphs, key=pool.denoise_key,
-                                   step_cache=step_cache)
+                                   step_cache=step_cache, lora=pool.set_denoise_adapter(adapter, p.lora_scale))
             self._keep_denoise_graph(runner.key)
             # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
             latent_ch = int(cfg.vae["latent_channels"])
@@ -301,6 +325,15 @@ class Pipeline:
         finally:           # ended, failed or cancelled (closed where it waited): its share of the engine goes back
             if slot is not None:
                 pool.release_slot(slot)
+
+    def _adapter_slot(self, p: Prepared) -> int:
+        """The LoRA table slot of the request's adapter (0: none); one unloaded since it was validated is refused."""
+        if p.lora is None:
+            return 0
+        try:
+            return self.lm.model.lora.slot_of(p.lora)
+        except (KeyError, AttributeError):
+            raise RequestError(f"the LoRA adapter {p.lora!r} is no longer loaded", "lora") from None
 
     def _keep_denoise_graph(self, key: tuple) -> None:
         """Denoise step graphs stay for the engine's life, the DENOISE_GRAPHS most recently used keys: a

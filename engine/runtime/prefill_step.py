@@ -19,6 +19,7 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
+from engine.model.lora import LoraRows
 from engine.parallel.layout import PhaseView, graph_safe
 from engine.runtime.graphs import Graphs
 
@@ -28,10 +29,12 @@ GRAPH_MAX = 2048       # longer prompts are GPU-bound (their kernels outlast iss
 
 class PrefillStep:
     def __init__(self, model: HunyuanImage3, cache: KVCache, view: PhaseView, use_graph: bool = False,
-                 padded: bool | None = None, graphs: Graphs | None = None, key: tuple = ()):
+                 padded: bool | None = None, graphs: Graphs | None = None, key: tuple = (),
+                 lora: LoraRows | None = None):
         """`padded`: run short prompts at their bucket (default: on CUDA; tests set it on the CPU).
-        `graphs`: the engine's graph owner (else one of its own); `key` names the cache in its keys."""
-        self.model, self.cache, self.view = model, cache, view
+        `graphs`: the engine's graph owner (else one of its own); `key` names the cache in its keys.
+        `lora`: the cache row's LoRA adapter (a static buffer the pool sets before each prefill)."""
+        self.model, self.cache, self.view, self.lora = model, cache, view, lora
         dev = model.device
         self.padded = dev.type == "cuda" if padded is None else padded
         self.use_graph = use_graph and dev.type == "cuda" and self.padded and graph_safe(view.tp, view.sp)
@@ -59,7 +62,8 @@ class PrefillStep:
         b = self.bucket(L)
         if b is None:
             m = self.model
-            h = m.backbone(embeds, torch.arange(L, device=embeds.device), pos, blocks, self.cache, L, self.view)
+            h = m.backbone(embeds, torch.arange(L, device=embeds.device), pos, blocks, self.cache, L, self.view,
+                           lora=self.lora)
             return m.transformer.logits(h[:, -1], self.view)[0]
         self.emb[:, :L].copy_(embeds)
         self.emb[:, L:b].zero_()
@@ -74,5 +78,5 @@ class PrefillStep:
     def _forward(self, b: int) -> torch.Tensor:
         """The bucket's forward over the static buffers (what a graph captures)."""
         m = self.model
-        h = m.backbone(self.emb[:, :b], self.index[:b], self.pos, self.blocks, self.cache, b, self.view)
+        h = m.backbone(self.emb[:, :b], self.index[:b], self.pos, self.blocks, self.cache, b, self.view, lora=self.lora)
         return m.transformer.logits(h.index_select(1, self.last)[:, 0], self.view)[0]

@@ -7,6 +7,7 @@ import random
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Collection
 
 from PIL import Image
 
@@ -33,6 +34,9 @@ N_RANGE = (1, 4)                     # images per request
 # below RANDOM_SEED_BOUND: short to read and type again.
 SEED_RANGE = (0, 2 ** 53 - 1)
 RANDOM_SEED_BOUND = 2 ** 31
+# A LoRA adapter's strength: its low-rank update times this (1: as trained; 0 < s, up to twice over-applied
+# and a little more, past which an adapter's update dwarfs the weights it adapts)
+LORA_SCALE_RANGE = (0.0, 4.0)
 
 
 def random_seed() -> int:
@@ -43,7 +47,7 @@ def random_seed() -> int:
 class RequestError(ValueError):
     """Bad input: nothing was run. `field` names the Request field at fault (prompt, images, bot_task,
     size, steps, guidance, seed, system_prompt, custom_system_prompt, max_new_tokens, temperature, top_k,
-    top_p, n, taylor_cache_*, block_cache_*; None when the request as a whole is at fault), so a front end can put the message on its
+    top_p, n, taylor_cache_*, block_cache_*, lora, lora_scale; None when the request as a whole is at fault), so a front end can put the message on its
     control or name the parameter in its error."""
 
     def __init__(self, message: str, field: str | None = None):
@@ -72,6 +76,8 @@ class Request:
     n: int = 1                                    # images sharing one reasoning pass, denoised as a batch
     taylor_cache: TaylorCacheParams | None = None  # the official Taylor step cache (None: off)
     block_cache: BlockCacheParams | None = None    # or the adaptive first-block step cache
+    lora: str | None = None                       # a loaded LoRA adapter, by name (None: the base model)
+    lora_scale: float = 1.0                       # its strength
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -91,6 +97,8 @@ class Prepared:
     images_out: int                                # n: how many images the request makes
     taylor_cache: TaylorCacheParams | None = None
     block_cache: BlockCacheParams | None = None
+    lora: str | None = None                        # the adapter's name (validated: loaded)
+    lora_scale: float = 1.0
 
 
 def with_seed(req: Request) -> Request:
@@ -129,9 +137,11 @@ def _in_range(value: object, lo: float, hi: float, integer: bool) -> bool:
     return lo <= value <= hi
 
 
-def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...]) -> Prepared:
+def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], adapters: Collection[str] = ()
+            ) -> Prepared:
     """Check every field of `req` (its seed fixed: `with_seed`) against the limits above and resolve its
-    defaults. Raises RequestError naming the field and what it accepts."""
+    defaults; `adapters`: the names of the LoRA adapters loaded. Raises RequestError naming the field and
+    what it accepts."""
     prompt = _text(req.prompt, "prompt", "the prompt", MAX_PROMPT_CHARS) or ""
     if not prompt.strip():
         raise RequestError("the prompt is empty: describe the image you want", "prompt")
@@ -197,6 +207,21 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...]) ->
                 raise RequestError(bad[1], bad[0])
     if req.taylor_cache is not None and req.block_cache is not None:
         raise RequestError("choose one step cache: the Taylor cache or the block cache, not both", "block_cache")
+    _check_lora(req, adapters)
     return Prepared(req, pil, bot_task, bucket, int(steps), float(guidance), s, preset, int(max_new), sampling,
-                    req.n, req.taylor_cache, req.block_cache)
+                    req.n, req.taylor_cache, req.block_cache, req.lora, float(req.lora_scale))
+
+
+def _check_lora(req: Request, adapters: Collection[str]) -> None:
+    if req.lora is not None:
+        if not isinstance(req.lora, str):
+            raise RequestError(f"lora must be the name of a loaded LoRA adapter (got {type(req.lora).__name__})",
+                               "lora")
+        if req.lora not in adapters:
+            have = f"the loaded ones are {', '.join(sorted(adapters))}" if adapters else "none is loaded"
+            raise RequestError(f"unknown LoRA adapter {req.lora!r}; {have}", "lora")
+    lo, hi = LORA_SCALE_RANGE
+    if not _in_range(req.lora_scale, lo, hi, integer=False) or req.lora_scale == lo:
+        raise RequestError(f"the LoRA strength (lora_scale) must be a number in ({lo:g}, {hi:g}] "
+                           f"(got {req.lora_scale!r})", "lora_scale")
 

@@ -54,9 +54,11 @@ NEEDS = (ARSlot, Decode, DenoiseTurn)
 @dataclass(frozen=True)
 class StepNews:
     """What changes at a step boundary, the same on every rank: requests that join (seq, prepared), in
-    order, and the seqs of requests to cancel."""
+    order, the seqs of requests to cancel, and LoRA adapters to load or unload first ((op, name, folder),
+    `Pipeline.change_adapter`)."""
     join: tuple[tuple[int, Prepared], ...] = ()
     cancel: frozenset[int] = field(default_factory=frozenset)
+    adapters: tuple[tuple[str, str, str | None], ...] = ()
 
 
 class Scheduler:
@@ -97,6 +99,8 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def step(self, news: StepNews = StepNews()) -> None:
         with torch.no_grad():
+            for change in news.adapters:
+                self.pipeline.change_adapter(*change)
             for seq in sorted(news.cancel):
                 if seq in self.requests:
                     self._cancel(self.requests[seq])

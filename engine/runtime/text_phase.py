@@ -20,6 +20,7 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
+from engine.model.lora import LoraRows
 from engine.parallel.layout import PhaseView
 from engine.runtime.events import Text
 from engine.runtime.needs import Decode
@@ -99,7 +100,8 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
                   blocks: torch.Tensor, cache: KVCache, plan: StagePlan, params: SamplingParams,
                   generator: torch.Generator | None, max_new_tokens: int, view: PhaseView,
                   prefill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                  agree: Callable[[torch.Tensor], int] = int, slot: int = 0) -> Generator[Text | Decode, int, TextResult]:
+                  agree: Callable[[torch.Tensor], int] = int, slot: int = 0,
+                  lora: LoraRows | None = None) -> Generator[Text | Decode, int, TextResult]:
     """The AR phase of one request: yields Text events as tokens are produced and a `Decode` need for
     every decode step (the engine batches the decode steps of its requests and answers with the next
     token); returns the TextResult.
@@ -109,6 +111,7 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
     of the KV pool) holds at least that many positions. `prefill(embeds, pos, blocks)` runs the prompt's forward into `cache` and
     returns its last logits. The choices made here (the first token, and after a forward of forced
     tokens) go through `agree(token)`: every rank continues with rank 0's token (the one host read).
+    `lora`: the slot's LoRA adapter rows, for the forwards run here (forced tokens).
     """
     dev = prompt_embeds.device
     L = prompt_embeds.shape[1]
@@ -158,7 +161,8 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
         else:  # a token and the tokens it forces: one causal forward of this request alone
             ids = torch.tensor([new], device=dev)
             index = torch.arange(fed, fed + len(new), device=dev)
-            h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(new), view)
+            h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(new), view,
+                               lora=lora)
             token = choose_here(model.transformer.logits(h[:, -1], view)[0], restrict)
         fed += len(new)
     res.decode_ms = (t_last - t_first) * 1e3
@@ -172,7 +176,7 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
         feed = unfed + forced
         ids = torch.tensor([feed], device=dev)
         index = torch.arange(fed, fed + len(feed), device=dev)
-        h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(feed), view)
+        h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(feed), view, lora=lora)
         fed += len(feed)
         res.ratio_token = agree(choose(model.transformer.logits(h[:, -1], view)[0], params, None, allowed_ratio))
         res.tokens.append(res.ratio_token)

@@ -21,6 +21,9 @@ class EngineConfig:
     cfg_serial: bool = False        # CFG branches one after the other (less activation memory)
     cuda_graph: bool = True         # steps as CUDA graphs where they can be captured
     max_denoise_batch: int = 1      # requests of one denoise step key whose steps share a forward
+    loras: tuple[tuple[str, str], ...] = ()   # LoRA adapters loaded at start: (name, PEFT folder)
+    max_loras: int = 0              # adapter slots (at least len(loras); 0 and no loras: no adapter tables)
+    max_lora_rank: int = 64         # the highest adapter rank the slots hold (the trainers use 32)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -31,6 +34,16 @@ class EngineConfig:
             raise ValueError(f"world_size must be >= 1 (got {self.world_size})")
         if self.preview_every < 0:
             raise ValueError(f"preview_every must be >= 0 (got {self.preview_every})")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1 (got {self.max_loras}, "
+                             f"{self.max_lora_rank})")
+        if len({n for n, _ in self.loras}) < len(self.loras):
+            raise ValueError(f"two LoRA adapters share a name: {', '.join(n for n, _ in self.loras)}")
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapter slots the engine allocates (0: none, the base model's forwards unchanged)."""
+        return max(self.max_loras, len(self.loras))
 
     def pipeline_options(self) -> dict:
         """What every rank's Pipeline takes from it (besides the model and its groups)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Collection
 
 from engine.runtime.request import Prepared, Request, prepare, with_seed
 from engine.spec.buckets import Bucket, build_buckets
@@ -33,11 +34,11 @@ class ModelInfo:
         return cls(folder, cc.model.model_version or folder.name, cc.generation,
                    build_buckets(cc.model.image_base_size), usable, cc.model.cfg_distilled, cc.model)
 
-    def prepare(self, req: Request) -> Prepared:
+    def prepare(self, req: Request, adapters: Collection[str] = ()) -> Prepared:
         """The request (its seed fixed: `with_seed`) checked and its defaults resolved, as the engine runs
-        it; RequestError otherwise (one implementation: `request.prepare`)."""
-        return prepare(req, self.gen, self.buckets)
+        it (`adapters`: the LoRA adapters it serves); RequestError otherwise (one implementation: `request.prepare`)."""
+        return prepare(req, self.gen, self.buckets, adapters)
 
-    def validate(self, req: Request) -> None:
+    def validate(self, req: Request, adapters: Collection[str] = ()) -> None:
         """Raise RequestError exactly as the engine would (a form's check before it submits)."""
-        self.prepare(with_seed(req))
+        self.prepare(with_seed(req), adapters)

@@ -3,7 +3,8 @@
     POST /v1/images/generations   JSON, as `client.images.generate(...)` sends it
     POST /v1/images/edits         multipart (`image` or repeated `image[]`, 1-3 files), as `client.images.edit`
     POST /v1/chat/completions     vLLM-Omni's recipe form: `modalities: ["image"]`, diffusion fields in `extra_body`
-    GET  /v1/models, GET /health
+    GET  /v1/models (the checkpoint, then each loaded LoRA adapter), GET /health
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   vLLM's names and bodies: {"lora_name", "lora_path"}
 
 Every route drives the one `EngineServer` (its queue, its validation, its cancel) that the page uses:
 `python app.py` mounts these routes on the FastAPI app Gradio serves (`OpenAIApi.lifespan`), and
@@ -244,12 +245,12 @@ class OpenAIApi:
 
     # ------------------------------------------------------------------ routes
     async def generations(self, request: HttpRequest) -> Response:
-        params = parse_generation(await self._json(request), self.info.name)
+        params = parse_generation(await self._json(request), self.info.name, self._adapters())
         return await self._images(request, params, "image_generation")
 
     async def edits(self, request: HttpRequest) -> Response:
         fields_, images = await self._multipart(request)
-        return await self._images(request, parse_edit(fields_, images, self.info.name), "image_edit")
+        return await self._images(request, parse_edit(fields_, images, self.info.name, self._adapters()), "image_edit")
 
     async def _images(self, request: HttpRequest, params: ImageParams, kind: str) -> Response:
         sub = await self._submit(params)
@@ -268,7 +269,7 @@ class OpenAIApi:
             raise
 
     async def chat(self, request: HttpRequest) -> Response:
-        params = parse_chat(await self._json(request), self.config.limits, self.info.name)
+        params = parse_chat(await self._json(request), self.config.limits, self.info.name, self._adapters())
         sub = await self._submit(params)
         inputs = await self._count(sub)
         if params.stream:
@@ -276,18 +277,67 @@ class OpenAIApi:
         out = await self._run(request, sub)
         return JSONResponse(await chat_response(out, params, self.info, inputs))
 
-    def _model(self) -> dict[str, Any]:
-        return {"id": self.info.name, "object": "model", "created": self.created, "owned_by": "hunyuan-studio",
+    def _adapters(self) -> list[str]:
+        """The LoRA adapters served (a server without adapter support, such as the replicas', has none)."""
+        adapters = getattr(self.server, "adapters", None)
+        return adapters() if adapters is not None else []
+
+    def _model(self, adapter: str | None = None) -> dict[str, Any]:
+        """A /v1/models entry: the checkpoint, or a LoRA adapter on it (`parent`, as vLLM lists adapters)."""
+        base = {"id": self.info.name, "object": "model", "created": self.created, "owned_by": "hunyuan-studio",
                 "sizes": size_list(self.info)}
+        return base if adapter is None else base | {"id": adapter, "parent": self.info.name, "root": adapter}
 
     async def models(self, request: HttpRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model()]})
+        return JSONResponse({"object": "list", "data": [self._model()] + [self._model(a) for a in self._adapters()]})
 
     async def model(self, request: HttpRequest) -> Response:
-        if request.path_params.get("model") != self.info.name:
-            raise ApiError(404, f"The model {request.path_params.get('model')!r} does not exist; this server "
-                                f"serves {self.info.name!r}", "model", "model_not_found")
-        return JSONResponse(self._model())
+        name = request.path_params.get("model")
+        if name != self.info.name and name not in self._adapters():
+            raise ApiError(404, f"The model {name!r} does not exist; this server serves {self.info.name!r} (GET "
+                                "/v1/models lists it and its LoRA adapters)", "model", "model_not_found")
+        return JSONResponse(self._model(None if name == self.info.name else name))
+
+    async def _adapter_body(self, request: HttpRequest, fields: tuple[str, ...]) -> list[str]:
+        """The fields of a load/unload body. These routes name folders of the server's machine: they exist
+        only behind an API key (an open /v1 does not let anyone make the server read its files)."""
+        if self.config.api_key is None:
+            raise ApiError(403, "loading and unloading LoRA adapters needs an API key: start the server with "
+                                "--api-key KEY (or STUDIO_API_KEY)", None, "api_key_required")
+        if not hasattr(self.server, "load_adapter"):
+            raise ApiError(400, "this server does not load LoRA adapters (engine replicas serve the base model)",
+                           None, "unsupported_parameter")
+        body = await self._json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+        for name in body:
+            if name not in fields:
+                raise ApiError(400, f"Unknown parameter: '{str(name)[:64]}'.", str(name)[:64], "unknown_parameter")
+        for name in fields:
+            if not isinstance(body.get(name), str) or not body[name].strip():
+                raise ApiError(400, f"{name} is required (a string)", name, "missing_required_parameter")
+        return [body[f] for f in fields]
+
+    async def load_lora_adapter(self, request: HttpRequest) -> Response:
+        """POST /v1/load_lora_adapter {"lora_name", "lora_path"} (vLLM's route): serve a PEFT adapter folder of
+        the server's machine from the next step on, as /v1/models lists it."""
+        name, path = await self._adapter_body(request, ("lora_name", "lora_path"))
+        try:
+            await asyncio.to_thread(self.server.load_adapter, name, path)
+        except (ValueError, OSError) as e:
+            raise ApiError(400, str(e), "lora_path", "invalid_lora_adapter") from None
+        return JSONResponse({"loaded": name})
+
+    async def unload_lora_adapter(self, request: HttpRequest) -> Response:
+        """POST /v1/unload_lora_adapter {"lora_name"}: refused (409) while a request uses it."""
+        (name,) = await self._adapter_body(request, ("lora_name",))
+        try:
+            self.server.unload_adapter(name)
+        except KeyError as e:
+            raise ApiError(404, e.args[0], "lora_name", "model_not_found") from None
+        except ValueError as e:
+            raise ApiError(409, str(e), "lora_name", "lora_adapter_in_use") from None
+        return JSONResponse({"unloaded": name})
 
     async def health(self, request: HttpRequest) -> Response:
         h = self.server.health()
@@ -328,6 +378,8 @@ class OpenAIApi:
         r.add_api_route("/v1/chat/completions", self._route(self.chat), methods=["POST"])
         r.add_api_route("/v1/models", self._route(self.models), methods=["GET"])
         r.add_api_route("/v1/models/{model:path}", self._route(self.model), methods=["GET"])
+        r.add_api_route("/v1/load_lora_adapter", self._route(self.load_lora_adapter), methods=["POST"])
+        r.add_api_route("/v1/unload_lora_adapter", self._route(self.unload_lora_adapter), methods=["POST"])
         r.add_api_route("/health", self._route(self.health, auth=False), methods=["GET"])
         r.add_api_route("/engine/reload", self._route(self.reload), methods=["POST"])
         self._routes = list(r.routes)

@@ -1,6 +1,6 @@
 """Which request fields each /v1 route knows, and the checks OpenAI itself makes before anything else:
 an unknown field is refused (400 `unknown_parameter`, as OpenAI answers "Unknown parameter: 'x'."), a
-`model` other than the one in /v1/models is 404 `model_not_found`.
+`model` other than those in /v1/models (the checkpoint and its loaded LoRA adapters) is 404 `model_not_found`.
 
 Why refuse rather than ignore: a misspelt or unsupported field (`num_inference_step`, `negative_prompt`)
 that is silently dropped gives a different image than the caller asked for, with no sign of it; OpenAI's
@@ -13,7 +13,7 @@ default) and refused as `unsupported_parameter` otherwise.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
 from engine.serve.openai_errors import ApiError
@@ -24,8 +24,9 @@ STEP_CACHE_FIELDS = frozenset({"use_taylor_cache", *TaylorCacheParams.names(), "
                                *BlockCacheParams.names()})
 
 # The engine's own fields (and vLLM-Omni's names for them), on every image route.
+# `lora_scale`: the strength of the LoRA adapter that `model` names.
 ENGINE_FIELDS = frozenset({"num_inference_steps", "guidance_scale", "seed", "bot_task", "use_system_prompt",
-                           "system_prompt", "max_new_tokens"}) | STEP_CACHE_FIELDS
+                           "system_prompt", "max_new_tokens", "lora_scale"}) | STEP_CACHE_FIELDS
 # vLLM-Omni fields that would change the result but are not implemented: refused by name (openai_params).
 REFUSED_FIELDS = frozenset({"negative_prompt", "lora", "mask", "true_cfg_scale", "flow_shift"})
 # Accepted and ignored: they cannot change the image (vae_use_tiling is a memory option of vLLM-Omni).
@@ -64,12 +65,16 @@ def check_fields(body: dict[str, Any], known: Iterable[str], neutral_only: Itera
             raise ApiError(400, f"Unknown parameter: '{_printable(name)}'.", _printable(name), "unknown_parameter")
 
 
-def check_model(body: dict[str, Any], served: str) -> None:
-    """`model`, when given, must be the served one (as /v1/models lists it)."""
+def check_model(body: dict[str, Any], served: str, adapters: Collection[str] = ()) -> str | None:
+    """`model`, when given, must be the served one or one of its LoRA adapters (as /v1/models lists them);
+    returns the adapter's name (None: the base model)."""
     model = body.get("model")
     if model is None or model == served:
-        return
-    raise ApiError(404, f"The model {_printable(str(model))!r} does not exist; this server serves {served!r} "
+        return None
+    if isinstance(model, str) and model in adapters:
+        return model
+    also = f" and the LoRA adapters {', '.join(repr(a) for a in adapters)}" if adapters else ""
+    raise ApiError(404, f"The model {_printable(str(model))!r} does not exist; this server serves {served!r}{also} "
                         "(GET /v1/models)", "model", "model_not_found")
 
 

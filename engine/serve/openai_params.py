@@ -17,7 +17,7 @@ import dataclasses
 import io
 import re
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Collection
 
 from PIL import Image as PILImage
 
@@ -162,7 +162,7 @@ def engine_size(size: Any) -> str:
 # ---------------------------------------------------------------------------------------- field routing
 # The Request field at fault (`Error.param`, from RequestError.field) -> the API field that sets it.
 API_FIELD = {"images": "image", "system_prompt": "use_system_prompt", "custom_system_prompt": "system_prompt",
-             "steps": "num_inference_steps", "guidance": "guidance_scale"}
+             "steps": "num_inference_steps", "guidance": "guidance_scale", "lora": "model"}
 # A message without a field (found by the engine once it runs) names it in the engine's words only.
 _FIELD_WORDS = (
     ("reference image", "image"),
@@ -269,8 +269,9 @@ def _step_cache(body: dict, use: str, kind: type) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- the forms
-def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any) -> Request:
-    """The engine request for OpenAI/vLLM-Omni field names (values converted, never range-checked)."""
+def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any, lora: str | None = None) -> Request:
+    """The engine request for OpenAI/vLLM-Omni field names (values converted, never range-checked);
+    `lora`: the adapter `model` named, whose strength is `lora_scale`."""
     for name in sorted(REFUSED_FIELDS):
         if body.get(name) not in (None, ""):
             raise invalid(name, "not supported by this server", "unsupported_parameter")
@@ -281,6 +282,9 @@ def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any) -> 
     if custom not in (None, "") and preset in (None, ""):
         preset = "custom"            # vLLM-Omni: a system_prompt text alone is the custom prompt
     n = _int_like(body.get("n"))
+    scale = _float_like(body.get("lora_scale"))
+    if scale is not None and lora is None:
+        raise invalid("lora_scale", "applies only with `model` naming a LoRA adapter (GET /v1/models lists them)")
     return Request(prompt=prompt, images=images, bot_task=body.get("bot_task") or None, size=size,
                    steps=_int_like(body.get("num_inference_steps")),
                    guidance=_float_like(body.get("guidance_scale")),
@@ -290,7 +294,8 @@ def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any) -> 
                    max_new_tokens=_int_like(body.get("max_new_tokens")),
                    n=1 if n is None else n,
                    taylor_cache=_step_cache(body, "use_taylor_cache", TaylorCacheParams),
-                   block_cache=_step_cache(body, "use_block_cache", BlockCacheParams))
+                   block_cache=_step_cache(body, "use_block_cache", BlockCacheParams),
+                   lora=lora, lora_scale=1.0 if scale is None else scale)
 
 
 def _output_options(body: dict, params: ImageParams) -> None:
@@ -313,26 +318,28 @@ def _prompt(body: dict) -> Any:
     return prompt
 
 
-def parse_generation(body: Any, served: str) -> ImageParams:
-    """POST /v1/images/generations (JSON); `served`: the model name /v1/models lists."""
+def parse_generation(body: Any, served: str, adapters: Collection[str] = ()) -> ImageParams:
+    """POST /v1/images/generations (JSON); `served`: the model name /v1/models lists, `adapters` the LoRA
+    adapters it lists besides."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
     check_fields(body, GENERATION_FIELDS)
-    check_model(body, served)
-    req = _engine_request(body, _prompt(body), [], engine_size(body.get("size")))
+    lora = check_model(body, served, adapters)
+    req = _engine_request(body, _prompt(body), [], engine_size(body.get("size")), lora)
     params = ImageParams(req, size=body.get("size", "auto"))
     _output_options(body, params)
     return params
 
 
-def parse_edit(fields_: dict[str, Any], images: list[bytes], served: str) -> ImageParams:
+def parse_edit(fields_: dict[str, Any], images: list[bytes], served: str, adapters: Collection[str] = ()
+               ) -> ImageParams:
     """POST /v1/images/edits (multipart): text fields as sent, reference images already read and checked."""
     check_fields(fields_, EDIT_FIELDS)
-    check_model(fields_, served)
+    lora = check_model(fields_, served, adapters)
     if not images:
         raise invalid("image", "give 1 to 3 reference images (as `image` or repeated `image[]` files)",
                       "missing_required_parameter")
-    req = _engine_request(fields_, _prompt(fields_), images, engine_size(fields_.get("size")))
+    req = _engine_request(fields_, _prompt(fields_), images, engine_size(fields_.get("size")), lora)
     params = ImageParams(req, size=fields_.get("size", "auto"))
     _output_options(fields_, params)
     return params
@@ -382,7 +389,7 @@ def _sampling(merged: dict, names: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def parse_chat(body: Any, limits: UploadLimits, served: str) -> ImageParams:
+def parse_chat(body: Any, limits: UploadLimits, served: str, adapters: Collection[str] = ()) -> ImageParams:
     """POST /v1/chat/completions in the vLLM-Omni recipe's form: the last user message's text is the prompt
     and its `image_url` parts (data URLs, up to 3) the reference images; a system message is the custom
     system prompt; the diffusion fields come in `extra_body` (sent literally by curl, merged into the
@@ -395,7 +402,7 @@ def parse_chat(body: Any, limits: UploadLimits, served: str) -> ImageParams:
         raise invalid("extra_body", f"must be an object of request fields (got {type(extra).__name__})")
     check_fields(extra or {}, CHAT_FIELDS - {"extra_body", "messages"}, CHAT_NEUTRAL_ONLY)
     merged = {**body, **(extra or {})}
-    check_model(merged, served)
+    lora = check_model(merged, served, adapters)
     modalities = merged.get("modalities")
     if modalities is not None and (not isinstance(modalities, list) or "image" not in modalities):
         raise invalid("modalities", 'this server answers with images: use ["image"]')
@@ -425,7 +432,7 @@ def parse_chat(body: Any, limits: UploadLimits, served: str) -> ImageParams:
     if (h is None) != (w is None):
         raise invalid("height" if h is None else "width", "give both height and width, or neither")
     size = f"{_int_like(h)}x{_int_like(w)}" if h is not None else engine_size(merged.get("size"))
-    req = dataclasses.replace(_engine_request(merged, "\n".join(texts), images, size), **_sampling(merged, names))
+    req = dataclasses.replace(_engine_request(merged, "\n".join(texts), images, size, lora), **_sampling(merged, names))
     names["size"] = "size" if h is None else "height"
     params = ImageParams(req, names=names,
                          size=merged.get("size", "auto") if h is None else f"height {h}, width {w}")

@@ -28,6 +28,7 @@ forever, a closed pipe just reads as EOF. Nothing a worker does can raise into t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -37,7 +38,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.events import Done, Error, Event
@@ -103,7 +104,8 @@ class EngineServer:
                  verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S, sp_kind: str | None = None,
                  max_queue: int | None = None, quantize: str | None = None, max_batch: int = 1,
                  step_timeout: float | None = None, cfg_serial: bool = False, cuda_graph: bool = True,
-                 max_denoise_batch: int = 1):
+                 max_denoise_batch: int = 1, loras: Sequence[tuple[str, str]] = (), max_loras: int = 0,
+                 max_lora_rank: int = 64):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
@@ -117,7 +119,9 @@ class EngineServer:
         `quantize` ("fp8"): every rank quantizes the backbone linears of a high-precision
         checkpoint at load (engine/model/weights.py). `step_timeout`: seconds the running requests may go
         without a token or step before the engine is restarted (None: automatic, from the engine's own
-        figures; 0: never; engine.serve.supervisor). All of it is checked here and fixed in one
+        figures; 0: never; engine.serve.supervisor). `loras`: LoRA adapters (name, PEFT folder) loaded at
+        start, each read and checked here; `max_loras` adapter slots in all (at least len(loras); more
+        leave room for `load_adapter`), of rank up to `max_lora_rank`. All of it is checked here and fixed in one
         `EngineConfig` (`self.config`), which every worker starts from."""
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0 (got {max_queue})")
@@ -133,7 +137,11 @@ class EngineServer:
         self.parallel.check_model(self.info.cfg)
         self.config = EngineConfig(str(Path(model).resolve()), device, dtype, self.parallel.name, self.parallel.world,
                                    self.parallel.sp_kind, quantize, max_batch, preview_every, verbose, cfg_serial,
-                                   cuda_graph, max_denoise_batch)
+                                   cuda_graph, max_denoise_batch, tuple((n, str(Path(f).resolve())) for n, f in loras),
+                                   max(max_loras, len(loras)),       # the slots stay when adapters are unloaded
+                                   max_lora_rank)
+        for name, folder in self.config.loras:
+            self._check_adapter(name, folder)
         self.cancel_grace_s = cancel_grace_s
         self.max_queue = max_queue
 
@@ -176,7 +184,7 @@ class EngineServer:
         sub = Submission(request, self.cancel)
         try:
             request = with_seed(request)
-            prepared = self.info.prepare(request)            # once: the engine runs it as prepared here
+            prepared = self.info.prepare(request, self.adapters())      # once: the engine runs it as prepared here
             request = _detach_images(request)
         except (RequestError, TypeError, ValueError) as e:     # TypeError: a value of the wrong kind
             sub._push(Error("invalid", str(e), getattr(e, "field", None)))
@@ -202,6 +210,56 @@ class EngineServer:
                 self._waiting.append(job)
         self._kick()
         return sub
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def adapters(self) -> list[str]:
+        """The names of the LoRA adapters served (a request's `lora` names one)."""
+        return [n for n, _ in self.config.loras]
+
+    def _check_adapter(self, name: str, folder: str) -> None:
+        """Refuse (ValueError naming why) an adapter the engine could not load: read here, as every rank will."""
+        from engine.model.peft import read_peft
+        if not isinstance(name, str) or not name.strip() or "/" in name:
+            raise ValueError(f"a LoRA adapter needs a name without '/' (got {name!r})")
+        adapter = read_peft(folder, self.info.cfg)
+        if adapter.rank > self.config.max_lora_rank:
+            raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above the engine's max LoRA rank "
+                             f"{self.config.max_lora_rank}")
+
+    def load_adapter(self, name: str, folder: str | Path) -> None:
+        """Serve another LoRA adapter from now on (every rank loads it before its next step). ValueError
+        when it cannot be: no free slot, a name in use, or a folder that is not a servable adapter."""
+        folder = str(Path(folder).resolve())
+        with self._lock:
+            if not self.config.lora_slots:
+                raise ValueError("this engine has no LoRA adapter slots (start it with --max-loras N or --lora)")
+            if name in self.adapters():
+                raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+            if len(self.config.loras) >= self.config.lora_slots:
+                raise ValueError(f"all {self.config.lora_slots} LoRA adapter slots are in use; unload one first")
+            self._check_adapter(name, folder)
+            # a restarted engine loads the current set; the running one is told
+            self.config = dataclasses.replace(self.config, loras=self.config.loras + ((name, folder),))
+            self._send_adapter(("adapter", "load", name, folder))
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving a LoRA adapter; refused (ValueError) while a queued or running request uses it."""
+        with self._lock:
+            if name not in self.adapters():
+                raise KeyError(f"no LoRA adapter named {name!r} is loaded")
+            users = [j.sub.request_id for j in (*self._waiting, *self._running.values())
+                     if j.prepared.lora == name and not j.sub.ended]
+            if users:
+                raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it when they end")
+            self.config = dataclasses.replace(self.config, loras=tuple(a for a in self.config.loras if a[0] != name))
+            self._send_adapter(("adapter", "unload", name, None))
+
+    def _send_adapter(self, msg: tuple) -> None:
+        try:
+            if self._req_conn is not None:
+                self._req_conn.send(msg)
+        except (OSError, ValueError):            # the worker is gone: its restart loads the config's set
+            pass
 
     def stream(self, request: Request) -> Iterator[Event]:
         """Sync convenience: submit and iterate the events."""

@@ -21,7 +21,8 @@ from engine.runtime.scheduler import StepNews
 
 
 class Inbox:
-    """Rank 0's end of the request pipe: ("run", seq, prepared), ("cancel", seq), or None (stop). A
+    """Rank 0's end of the request pipe: ("run", seq, prepared), ("cancel", seq), ("adapter", "load", name,
+    folder) / ("adapter", "unload", name, None), or None (stop). A
     thread of its own reads it as messages come, so the server never waits on a busy engine; the engine
     takes what has arrived at each step boundary."""
 
@@ -51,7 +52,7 @@ class Inbox:
             return None
         cancel = frozenset(m[1] for m in msgs if m[0] == "cancel")
         join = tuple((m[1], m[2]) for m in msgs if m[0] == "run" and m[1] not in cancel)
-        return StepNews(join, cancel)
+        return StepNews(join, cancel, tuple(m[1:] for m in msgs if m[0] == "adapter"))
 
 
 def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Connection | None,
@@ -73,6 +74,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
     import torch.distributed as dist
 
     from engine.model.loader import load, parse_dtype, print_progress
+    from engine.model.lora import load_adapter
     from engine.parallel.groups import RankGroups, rank_device, resident_pointers, set_threads_for_world, shutdown
     from engine.runtime.events import Error as ErrorEvent
     from engine.runtime.pipeline import Pipeline
@@ -100,6 +102,10 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
         lm = load(config.model, dev, parse_dtype(config.dtype, dev), rt.layout,
                   progress=progress if rank == 0 else None, quantize=config.quantize)
         p.check_model(lm.cfg)
+        if config.lora_slots:          # before the pipeline: its forwards bind to the adapter tables
+            tables = lm.model.enable_lora(config.lora_slots, config.max_lora_rank)
+            for name, folder in config.loras:
+                load_adapter(tables, name, folder)
         pointers = resident_pointers(lm.model)
         moved: list[str] = []          # phases at whose start a resident weight had moved (never, by design)
 
@@ -142,7 +148,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
         news = inbox.news(wait) if rank == 0 else None
         if control is None:
             return news
-        flag[0] = 2 if news is None else int(bool(news.join or news.cancel))
+        flag[0] = 2 if news is None else int(bool(news.join or news.cancel or news.adapters))
         dist.broadcast(flag, 0, group=control)
         if flag[0] == 2:
             return None

@@ -1,0 +1,145 @@
+"""LoRA adapters (issue 28): what the unmerged low-rank path costs a denoise step and a decode step.
+
+    python -m bench lora [--rank 32] [--steps 10] [--no-step-graph]
+
+One hybrid4 rank (AR TP4, denoise TP2 x SP2; compute only: collectives are FakeComm) of the Instruct
+config with random weights in bf16, T2I 1024x1024 with CFG batched (the rows of both branches), each
+denoise step a CUDA graph. Three ways to run the same step:
+  - base: the engine without adapter tables (the forward it runs today);
+  - lora: adapter tables (4 slots) holding a rank-R adapter on qkv_proj and o_proj of every layer, this
+    rank's slices, the request's rows picking slot 1: the gathered low-rank product per row that lets
+    requests with different adapters share a batch;
+  - merged: the same adapter added into the base weights (what a one-adapter server could run instead):
+    the base forward on other values, so it costs the base step; timed to show it.
+Per way: ms per denoise step (the median over the steps of 3 runs after a warm-up), and the overhead
+over base. The batched decode step (8 rows, each its own slot, the engine's AR view of the rank) is
+timed the same way: base and lora. The issue's bar: lora <= 5% over base for the DiT step at rank 32.
+`--dry`: the tiny config on the CPU (checks the suite runs; its times mean nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from engine.model.attention import KVCache
+from engine.model.lora import RowAdapters
+from engine.model.peft import PeftAdapter
+from engine.runtime.decode_step import DecodeStep
+from engine.runtime.denoise import denoise
+from engine.runtime.graphs import Graphs
+from engine.spec import names
+from tools.tiny_lora import random_adapter
+
+from .. import rank
+from ..report import Col, Output
+from ..timing import sync
+
+DRY = True
+SLOTS = 4
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--rank", type=int, default=32, help="the adapter's rank (the trainers' default: 32)")
+    ap.add_argument("--steps", type=int, default=10, help="denoise steps per timed run")
+    ap.add_argument("--no-step-graph", action="store_true", help="denoise and decode steps eagerly")
+
+
+@torch.no_grad()
+def merge(model, adapter: PeftAdapter) -> None:
+    """Add scale * B A into the rank's float qkv / o_proj slices (the merged fast path's weights)."""
+    from engine.model.packed import shard_block
+    lay = model.layout
+    for i, layer in enumerate(model.transformer.layers):
+        n = names.layer(i)
+        att = layer.self_attn
+        w = adapter.layers[n.qkv_proj]
+        d = (w.b @ w.a * w.scale)[shard_block(w.b.shape[0], lay)]
+        att.qkv.add_(d.view(att.qkv.shape).to(att.qkv.dtype, copy=False).to(att.qkv.device))
+        w = adapter.layers[n.o_proj]
+        d = (w.b @ w.a * w.scale)[:, shard_block(w.a.shape[1], lay)]
+        att.o_proj.add_(d.to(att.o_proj.device, att.o_proj.dtype))
+
+
+def step_ms(req, steps: int, rows, graph: bool, dry: bool) -> float:
+    """Median ms of one denoise step (CFG batched) over 3 runs of `steps` after a warm-up run."""
+    times = []
+    for k in range(2 if dry else 4):
+        r = req.runner(graph)
+        r.lora = rows
+        r.prefill()
+        x = rank.latent(req.model, req.s.side)
+        sync()
+        t0 = time.perf_counter()
+        for _ in denoise(r, x, steps, 3.0, 2.5, cfg=True, distil=False):
+            pass
+        sync()
+        if k:
+            times.append((time.perf_counter() - t0) * 1e3 / steps)
+        del r
+    return sorted(times)[len(times) // 2]
+
+
+def decode_ms(model, plan, rows, graph: bool, dry: bool, batch: int = 8) -> float:
+    """Median ms of the batched decode step with `batch` rows at position ~1300 (each row its own slot)."""
+    cfg, dev = model.cfg, model.device
+    n = 64 if dry else 2048
+    kvr = model.transformer.layers[0].self_attn.kv_per_micro
+    cache = KVCache.allocate(cfg.num_layers, batch, kvr, n, cfg.head_dim, model.dtype, dev)
+    pos = rank.text_positions(n, dev)[0][None].expand(batch, n, 2).contiguous()
+    step = DecodeStep(model, cache, pos, rank.ar_view(plan), Graphs(), (), use_graph=graph, lora=rows)
+    at = n // 2 if dry else 1300
+    times = []
+    for k in range(3 + (3 if dry else 30)):
+        sync()
+        t0 = time.perf_counter()
+        step([(s, 5, at) for s in range(batch)])
+        sync()
+        if k >= 3:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def run(args: argparse.Namespace, out: Output) -> bool:
+    from engine.parallel.plan import get_plan
+    from .one_gpu import Request, Shapes
+    dry = args.dry
+    dev = "cpu" if dry else "cuda"
+    graph = not args.no_step_graph and not dry
+    plan = get_plan("hybrid4")
+    cfg = rank.config(dry)
+    model = rank.build(cfg, plan, torch.bfloat16, dev)
+    req = Request(model, plan, Shapes(dry, 0), False, graph)
+    adapter = random_adapter(cfg, args.rank)
+    rows = []
+    with torch.no_grad():
+        base = step_ms(req, args.steps, None, graph, dry)
+        base_decode = decode_ms(model, plan, None, graph, dry)
+        tables = model.enable_lora(SLOTS, args.rank)
+        tables.install("bench", adapter)
+        denoise_rows = RowAdapters(tables, 1)
+        denoise_rows.set(0, 1, 1.0)
+        decode_rows = RowAdapters(tables, 8)
+        for s in range(8):
+            decode_rows.set(s, s % 2, 1.0)          # half the rows with the adapter, half without
+        lora = step_ms(req, args.steps, denoise_rows.rows(slice(0, 1)), graph, dry)
+        lora_decode = decode_ms(model, plan, decode_rows.rows(slice(0, 8)), graph, dry)
+        model.lora = None
+        merge(model, adapter)
+        merged = step_ms(req, args.steps, None, graph, dry)
+    for what, ms, ref in (("DiT step, base", base, base), ("DiT step, lora (unmerged, per row)", lora, base),
+                          ("DiT step, merged weights", merged, base),
+                          ("decode step x8, base", base_decode, base_decode),
+                          ("decode step x8, lora (4 rows adapted)", lora_decode, base_decode)):
+        rows.append(dict(what=what, ms=ms, overhead_pct=100 * (ms / ref - 1)))
+        out.say(f"{what}: {ms:.2f} ms ({rows[-1]['overhead_pct']:+.1f}%)")
+    out.table(rows, [Col("step", "what"), Col("ms", "ms", ".2f"), Col("vs base %", "overhead_pct", "+.1f")],
+              f"one hybrid4 rank, Instruct bf16, T2I 1024x1024 CFG batched, adapter rank {args.rank} on qkv_proj + "
+              "o_proj (compute only)")
+    out.data["rows"] = rows
+    out.data["adapter_rank"] = args.rank
+    ok = dry or rows[1]["overhead_pct"] <= 5.0
+    if not ok:
+        out.say(f"the unmerged path costs {rows[1]['overhead_pct']:.1f}% of a DiT step, above the issue's 5%")
+    return ok

@@ -1,0 +1,384 @@
+"""LoRA adapters as PEFT writes them (the real `peft` library, on a module tree with the checkpoint's layer
+names and shapes), applied unmerged: an adapter changes the output and equals a checkpoint with the
+merged weights (greedy text identical, image >= 40 dB, fp32 CPU), a request without one equals the base
+model bit for bit, requests with different adapters in one batch each give what they give alone, and
+folders that cannot be served are refused with a message naming why."""
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image as PILImage
+from safetensors.torch import load_file, save_file
+
+from engine.model.loader import load
+from engine.model.lora import load_adapter
+from engine.model.peft import AdapterError, read_peft
+from engine.runtime.events import Error, Image, Text
+from engine.runtime.pipeline import Pipeline
+from engine.runtime.request import Request, RequestError, prepare
+from engine.spec import names
+from engine.spec.config import ModelConfig
+from engine_drive import run_together
+from tools.tiny_lora import make_adapter, random_adapter
+
+REQUEST = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=3, greedy=True)
+
+
+# ----------------------------------------------------------------------------- adapters made by peft
+def merged_checkpoint(src: Path, dst: Path, adapter: Path, cfg: ModelConfig) -> Path:
+    """A copy of the checkpoint with W + scale B A in every adapted linear (stored in fp32: no rounding)."""
+    shutil.copytree(src, dst)
+    layers = read_peft(adapter, cfg).layers
+    for shard in dst.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        for layer, w in layers.items():
+            key = names.weight(layer)
+            if key in tensors:
+                tensors[key] = tensors[key].float() + w.scale * (w.b @ w.a)
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny) -> ModelConfig:
+    return tiny.cfg
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, cfg) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {"plain": make_adapter(root / "plain", cfg, seed=1),
+            # rsLoRA with per-module rank and alpha: PEFT's scale alpha / sqrt(r), the patterns as PEFT matches them
+            "patterned": make_adapter(root / "patterned", cfg, seed=2, r=4, lora_alpha=8, use_rslora=True,
+                                      rank_pattern={"layers.1.self_attn.o_proj": 2}, alpha_pattern={"o_proj": 3})}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir, adapters):
+    """The tiny checkpoint with both adapters loaded (its own copy of the model: the tables are its own)."""
+    lm = load(tiny_dir)
+    tables = lm.model.enable_lora(capacity=3, max_rank=8)
+    for name, folder in adapters.items():
+        load_adapter(tables, name, folder)
+    return lm
+
+
+def outcome(events: list) -> tuple[str, np.ndarray]:
+    errors = [e for e in events if isinstance(e, Error)]
+    assert not errors, errors
+    text = "".join(e.delta for e in events if isinstance(e, Text))
+    img = next(e for e in events if isinstance(e, Image))
+    return text, np.asarray(PILImage.open(io.BytesIO(img.png)), dtype=np.float64)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a - b) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255 ** 2 / mse)
+
+
+def differs(a: tuple[str, np.ndarray], b: tuple[str, np.ndarray]) -> bool:
+    """Another text, image size (the model chose another ratio) or image (< 30 dB)."""
+    return a[0] != b[0] or a[1].shape != b[1].shape or psnr(a[1], b[1]) < 30
+
+
+def alone(lm, **kw) -> tuple[str, np.ndarray]:
+    return outcome(list(Pipeline(lm, preview_every=0).run(Request(**(REQUEST | kw)))))
+
+
+@pytest.fixture(scope="module")
+def base(tiny):
+    return alone(tiny)
+
+
+# ----------------------------------------------------------------------------- reading PEFT folders
+def test_reads_what_peft_wrote(adapters, cfg):
+    """Every adapted layer's A/B at its rank, and PEFT's scale: alpha / r, or alpha / sqrt(r) with rslora
+    and the rank / alpha patterns (o_proj: alpha 3; layer 1's o_proj: rank 2)."""
+    plain = read_peft(adapters["plain"], cfg)
+    n = [names.layer(i) for i in range(cfg.num_layers)]
+    assert set(plain.layers) == {x for i in n for x in (i.qkv_proj, i.o_proj)}
+    assert {w.rank for w in plain.layers.values()} == {8} and {w.scale for w in plain.layers.values()} == {2.0}
+    pat = read_peft(adapters["patterned"], cfg).layers
+    assert (pat[n[0].qkv_proj].rank, pat[n[0].qkv_proj].scale) == (4, 8 / 2)
+    assert (pat[n[0].o_proj].rank, pat[n[0].o_proj].scale) == (4, 3 / 2)
+    assert pat[n[1].o_proj].rank == 2 and pat[n[1].o_proj].scale == pytest.approx(3 / 2 ** 0.5)
+    assert all(w.b.abs().sum() > 0 for w in pat.values())
+
+
+# ----------------------------------------------------------------------------- the adapter's effect on tp1
+@pytest.mark.parametrize("adapter", ["plain", "patterned"])
+def test_adapter_equals_merged_checkpoint(served, base, tiny_dir, adapters, cfg, tmp_path, adapter):
+    """The unmerged adapter gives the merged checkpoint's greedy text and image (>= 40 dB), and differs from the
+    base model."""
+    got = alone(served, lora=adapter)
+    merged = alone(load(merged_checkpoint(tiny_dir, tmp_path / "merged", adapters[adapter], cfg)))
+    assert got[0] == merged[0]
+    assert psnr(got[1], merged[1]) >= 40
+    assert differs(got, base)                                       # it does change the output
+
+
+def test_lora_scale_is_the_strength(served, base):
+    """lora_scale s scales the low-rank update: s and 2s give different images, both unlike the base model."""
+    one, two = alone(served, lora="plain"), alone(served, lora="plain", lora_scale=2.0)
+    assert differs(one, two) and differs(two, base)
+
+
+def test_no_adapter_equals_the_base_model(served, base):
+    """A request without an adapter on an engine with adapter tables: the base model's text and image, bit
+    for bit (slot 0 adds exact zeros)."""
+    got = alone(served)
+    assert got[0] == base[0] and np.array_equal(got[1], base[1])
+
+
+def test_different_adapters_in_one_batch_each_equal_their_solo_run(served):
+    """Three requests decoded together (one batched decode forward, one row each): no adapter, one and the
+    other; each gives its solo run's greedy text and image."""
+    kws = [REQUEST, REQUEST | dict(lora="plain"), REQUEST | dict(lora="patterned", lora_scale=0.5)]
+    events, scheduler = run_together(served, kws)
+    assert scheduler.pipeline.pool.decode.forwards < sum(kw["max_new_tokens"] for kw in kws)    # they shared steps
+    for i, kw in enumerate(kws):
+        want, got = alone(served, **kw), outcome(events[i])
+        assert got[0] == want[0], i
+        assert psnr(got[1], want[1]) >= 40, i
+    assert differs(outcome(events[1]), outcome(events[0])) and differs(outcome(events[2]), outcome(events[0]))
+
+
+# ----------------------------------------------------------------------------- what is refused
+def test_request_names_a_loaded_adapter(served):
+    adapters = Pipeline(served, preview_every=0).adapters()
+    assert sorted(adapters) == ["patterned", "plain"]
+    with pytest.raises(RequestError, match="unknown LoRA adapter 'nope'; the loaded ones are patterned, plain") as e:
+        prepare(Request("a cat", lora="nope", seed=1), served.gen, served.buckets, adapters)
+    assert e.value.field == "lora"
+    with pytest.raises(RequestError, match=r"the LoRA strength \(lora_scale\) must be a number in \(0, 4\]") as e:
+        prepare(Request("a cat", lora="plain", lora_scale=0, seed=1), served.gen, served.buckets, adapters)
+    assert e.value.field == "lora_scale"
+
+
+def _edit_config(folder: Path, **changes) -> Path:
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps(cfg | changes))
+    return folder
+
+
+@pytest.mark.parametrize("case,message", [
+    ("dora", "use_dora = True is not supported: DoRA"),
+    ("modules_to_save", "modules_to_save = \\['lm_head'\\] is not supported"),
+    ("mlp", "it adapts model.layers.0.mlp.shared_mlp.gate_and_up_proj; only the attention projections"),
+    ("unknown", "it adapts 'model.layers.0.self_attn.qkv', which is not a linear layer of this model"),
+    ("beyond", "it adapts 'model.layers.2.self_attn.qkv_proj', which is not a linear layer of this model"),
+    ("shape", r"o_proj has lora_A \(8, 128\) and lora_B \(32, 8\); this model's layer is \[64, 128\] at rank 8, "
+              r"so they must be \(8, 128\) and \(64, 8\)"),
+    ("no_weights", "no adapter_model.safetensors"),
+])
+def test_unservable_folders_are_refused(tmp_path, cfg, case, message):
+    """Each folder as peft (or a hand edit) leaves it, refused with the reason."""
+    folder = tmp_path / case
+    if case == "dora":
+        make_adapter(folder, cfg, seed=3, use_dora=True)
+    elif case == "modules_to_save":
+        make_adapter(folder, cfg, seed=3)
+        _edit_config(folder, modules_to_save=["lm_head"])
+    elif case == "mlp":
+        make_adapter(folder, cfg, seed=3, target_modules=["qkv_proj", "gate_and_up_proj"])
+    elif case in ("unknown", "beyond"):
+        make_adapter(folder, cfg, seed=3)
+        f = folder / "adapter_model.safetensors"
+        t = load_file(str(f))
+        old = "model.layers.0.self_attn.qkv_proj" if case == "unknown" else "model.layers.1.self_attn.qkv_proj"
+        new = "model.layers.0.self_attn.qkv" if case == "unknown" else "model.layers.2.self_attn.qkv_proj"
+        save_file({k.replace(old, new): v for k, v in t.items()}, str(f))
+    elif case == "shape":          # trained on a model half as wide
+        other = ModelConfig.from_dict(dict(cfg.raw, hidden_size=cfg.hidden_size // 2))
+        make_adapter(folder, other, seed=3)
+    else:
+        make_adapter(folder, cfg, seed=3)
+        (folder / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterError, match=message):
+        read_peft(folder, cfg)
+
+
+# ----------------------------------------------------------------------------- hybrid4 on gloo, and serving
+def test_hybrid4_adapter_equals_merged_and_loads_at_run_time(served, base, tiny_dir, adapters, cfg, tmp_path):
+    """Four gloo ranks (AR TP4, denoise TP2 x SP2; each rank holds its slices of A/B): the adapter loaded at
+    start gives the merged checkpoint's text and image, no adapter the base model's; an adapter loaded while
+    the engine runs serves at once (as on tp1) and, unloaded, is refused by name."""
+    from engine.serve.server import EngineServer
+    merged = alone(load(merged_checkpoint(tiny_dir, tmp_path / "merged", adapters["plain"], cfg)))
+    with EngineServer(tiny_dir, plan="hybrid4", preview_every=0, loras=[("plain", adapters["plain"])],
+                      max_loras=2) as server:
+        assert server.wait_ready(300), server.health()
+        got = outcome(list(server.stream(Request(**(REQUEST | dict(lora="plain"))))))
+        none = outcome(list(server.stream(Request(**REQUEST))))
+        server.load_adapter("patterned", adapters["patterned"])
+        assert server.adapters() == ["plain", "patterned"]
+        late = outcome(list(server.stream(Request(**(REQUEST | dict(lora="patterned", lora_scale=0.5))))))
+        server.unload_adapter("patterned")
+        refused = list(server.stream(Request(**(REQUEST | dict(lora="patterned")))))
+    assert got[0] == merged[0] and psnr(got[1], merged[1]) >= 40
+    assert none[0] == base[0] and psnr(none[1], base[1]) >= 40
+    want = alone(served, lora="patterned", lora_scale=0.5)
+    assert late[0] == want[0] and psnr(late[1], want[1]) >= 40
+    assert [(e.kind, e.param) for e in refused] == [("invalid", "lora")] and "unknown LoRA adapter" in refused[0].message
+
+
+def test_readme_serves_a_peft_adapter_to_the_openai_client(tmp_path, monkeypatch):
+    """The README's *LoRA adapters* commands and Python, as written (the port aside), on the embedded model:
+    the adapter is listed and chosen by name; the load / unload routes need the key, and a model that is not
+    served is a 404 naming what is."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    openai = pytest.importorskip("openai")
+    from engine.parallel.groups import free_port
+    root = Path(__file__).resolve().parents[1]
+    section = (root / "README.md").read_text().split("## LoRA adapters", 1)[1].split("\n## ", 1)[0]
+    shell = re.search(r"```bash\n(.*?)```", section, re.S).group(1).splitlines()
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "assets").symlink_to(root / "assets")
+    env = {**__import__("os").environ, "PYTHONPATH": str(root), "STUDIO_API_KEY": "", "GRADIO_ANALYTICS_ENABLED": "False"}
+    make, serve = (line.split("#")[0].split() for line in shell)
+    assert make[:3] == ["python", "-m", "tools.tiny_lora"] and serve[:2] == ["python", "app.py"]
+    subprocess.run([sys.executable, *make[1:]], cwd=tmp_path, env=env, check=True, timeout=300)
+    port = free_port()
+    log = (tmp_path / "app.log").open("w")
+    proc = subprocess.Popen([sys.executable, str(root / "app.py"), *serve[2:], "--port", str(port)], cwd=tmp_path,
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "app.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        monkeypatch.chdir(tmp_path)                   # where the README's commands ran
+        exec(compile(code.replace("127.0.0.1:7860", f"127.0.0.1:{port}"), "README.md", "exec"), {"__name__": "readme"})
+        assert PILImage.open(tmp_path / "styled.png").size == (256, 256)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-local", max_retries=0)
+        assert [m.id for m in client.models.list()][1:] == ["my-style"]
+        with pytest.raises(openai.NotFoundError, match="does not exist; this server serves .* and the LoRA adapters 'my-style'"):
+            client.images.generate(model="other", prompt="a cat", size="256x256")
+        with pytest.raises(openai.BadRequestError, match="lora_scale.*applies only with `model` naming a LoRA adapter"):
+            client.images.generate(prompt="a cat", size="256x256", extra_body={"lora_scale": 0.5})
+        anonymous = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "my-style"}, timeout=10)
+        assert anonymous.status_code == 401
+        keyed = dict(headers={"Authorization": "Bearer sk-local"}, timeout=60)
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "my-style"}, **keyed).status_code == 200
+        assert [m.id for m in client.models.list()][1:] == []
+        bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "assets")}, **keyed)
+        assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]
+        ok = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "again", "lora_path": "my-style-lora"}, **keyed)
+        assert ok.status_code == 200 and [m.id for m in client.models.list()][1:] == ["again"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_steps_serve_adapters_per_row(tiny_dir):
+    """CUDA bf16, every prefill, decode and denoise step a graph replay reading the adapter slots from static
+    buffers: no adapter, one and the other decoded together each give their solo run, the adapter changes
+    the image, and an adapter loaded after the graphs were captured is served by the same graphs."""
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    tables = lm.model.enable_lora(capacity=3, max_rank=8)
+    made = {"plain": random_adapter(lm.cfg, 8, seed=1), "patterned": random_adapter(lm.cfg, 4, seed=2)}
+    for name, adapter in made.items():       # in memory: the GPU machine need not have peft
+        tables.install(name, adapter)
+    kws = [REQUEST, REQUEST | dict(lora="plain"), REQUEST | dict(lora="patterned", lora_scale=0.5)]
+    pipe = Pipeline(lm, preview_every=0, slots=len(kws))
+    assert pipe.cuda_graph
+    solo = [outcome(list(pipe.run(Request(**kw)))) for kw in kws]
+    events, scheduler = run_together(lm, kws, pipeline=pipe)
+    for i in range(len(kws)):
+        got = outcome(events[i])
+        assert got[0] == solo[i][0] and psnr(got[1], solo[i][1]) >= 35, i
+    assert differs(solo[1], solo[0]) and differs(solo[2], solo[0])
+    captures = sum(pipe.graphs.captures.values())
+    assert captures > 0
+    tables.remove("patterned")
+    tables.install("again", made["patterned"])
+    again = outcome(list(pipe.run(Request(**(kws[2] | dict(lora="again"))))))
+    assert again[0] == solo[2][0] and psnr(again[1], solo[2][1]) >= 35
+    assert sum(pipe.graphs.captures.values()) == captures          # no new capture for the new adapter
+
+
+def test_studio_picker_sends_the_adapter_and_puts_its_errors_on_the_controls(tiny_dir, tmp_path):
+    """The page's adapter picker and strength slider become the request's lora / lora_scale ("none" the base
+    model); a wrong value's message lands on the control that holds it."""
+    import dataclasses
+
+    from engine.serve.info import ModelInfo
+    from webui.options import NO_LORA, Settings, build_request
+    from webui.studio import Studio
+
+    class Client:                      # what the studio asks of the engine server here
+        def adapters(self) -> list[str]:
+            return ["plain"]
+
+    info = ModelInfo.from_folder(tiny_dir)
+    studio = Studio(Client(), info, tmp_path)
+    s = Settings("image", "auto", 1, False, 2, 5.0, info.presets[0], "", 8, "none", "plain", 0.5)
+    assert (build_request("a cat", [], s).lora, build_request("a cat", [], s).lora_scale) == ("plain", 0.5)
+    assert build_request("a cat", [], dataclasses.replace(s, lora=NO_LORA)).lora is None
+    controls = ("prompt", *Settings.NAMES)
+    assert studio.validation("a cat", None, s, False, controls) == {}
+    gone = studio.validation("a cat", None, dataclasses.replace(s, lora="gone"), False, controls)
+    assert gone == {"lora": "Unknown LoRA adapter 'gone'; the loaded ones are plain"}
+    strong = studio.validation("a cat", None, dataclasses.replace(s, lora_scale=9), False, controls)
+    assert strong == {"lora_scale": "The LoRA strength (lora_scale) must be a number in (0, 4] (got 9)"}
+    picker, slider = studio.adapter_picker()
+    assert picker["choices"] == [NO_LORA, "plain"] and picker["visible"] and slider["visible"]
+
+
+def test_adapter_on_quantized_resident_weights(tmp_path):
+    """Base weights kept quantized (MXFP8 packs, the CUDA layout, here through the reference ops): the adapter's
+    product is added to the quantized projection's output, giving what it gives on the dequantized weights."""
+    from tools.tiny import make_tiny
+    folder = make_tiny(tmp_path / "mxfp8", blocks=True, quant="mxfp8")
+    runs = {}
+    for resident in ("quantized", "dense"):
+        lm = load(folder, resident=resident)
+        tables = lm.model.enable_lora(capacity=1, max_rank=8)
+        load_adapter(tables, "plain", make_adapter(tmp_path / "adapter", lm.cfg, seed=1))
+        runs[resident] = alone(lm, lora="plain")
+        if resident == "quantized":
+            base = alone(lm)
+    assert runs["quantized"][0] == runs["dense"][0] and psnr(runs["quantized"][1], runs["dense"][1]) >= 40
+    assert differs(runs["quantized"], base)
+
+
+def test_each_rank_reads_its_slice(adapters, cfg):
+    """A hybrid4 rank (storage shard 1 of 2, two micros) reads qkv_proj's lora_B rows and o_proj's lora_A
+    columns of its shard only, as its base weights are split; A of qkv_proj and B of o_proj whole."""
+    from engine.parallel.plan import get_plan
+    layout = get_plan("hybrid4").layout(3)
+    whole, mine = read_peft(adapters["plain"], cfg), read_peft(adapters["plain"], cfg, layout)
+    assert layout.storage_size == 2 and layout.storage_rank == 1
+    n = names.layer(1)
+    qkv, o = whole.layers[n.qkv_proj], whole.layers[n.o_proj]
+    rows, cols = qkv.b.shape[0] // 2, o.a.shape[1] // 2
+    assert torch.equal(mine.layers[n.qkv_proj].b, qkv.b[rows:]) and torch.equal(mine.layers[n.qkv_proj].a, qkv.a)
+    assert torch.equal(mine.layers[n.o_proj].a, o.a[:, cols:]) and torch.equal(mine.layers[n.o_proj].b, o.b)
+
+
+def test_command_line_refuses_a_scale_without_adapter_and_a_bad_folder(tiny_dir, tmp_path, capsys):
+    from engine.__main__ import main
+    common = ["generate", "--model", str(tiny_dir), "--prompt", "a cat", "--steps", "1", "--out", str(tmp_path / "o.png")]
+    assert main(common + ["--lora-scale", "2"]) == 2
+    assert "--lora-scale needs --lora PATH" in capsys.readouterr().err
+    assert main(common + ["--lora", str(tiny_dir)]) == 2
+    assert f"LoRA adapter {tiny_dir}: no adapter_config.json" in capsys.readouterr().err
