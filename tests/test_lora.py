@@ -149,6 +149,19 @@ def test_different_adapters_in_one_batch_each_equal_their_solo_run(served):
     assert differs(outcome(events[1]), outcome(events[0])) and differs(outcome(events[2]), outcome(events[0]))
 
 
+def test_adapters_under_denoise_batching_each_equal_their_solo_run(served):
+    """max_denoise_batch 3: a request with an adapter denoises alone (the denoise rows hold one adapter slot)
+    while the ones without share their steps' forwards; each gives its solo run."""
+    one = REQUEST | dict(size="256x256", steps=3)          # one bucket: the batch may take all three
+    kws = [one, one | dict(seed=4), one | dict(lora="plain")]    # no overtaking: the adapter one last
+    events, scheduler = run_together(served, kws, pipeline=Pipeline(served, preview_every=0, slots=3,
+                                                                     max_denoise_batch=3))
+    assert scheduler.denoising.member_steps > scheduler.denoising.forwards       # some steps were shared
+    for i, kw in enumerate(kws):
+        want, got = alone(served, **kw), outcome(events[i])
+        assert got[0] == want[0] and psnr(got[1], want[1]) >= 40, i
+
+
 # ----------------------------------------------------------------------------- what is refused
 def test_request_names_a_loaded_adapter(served):
     adapters = Pipeline(served, preview_every=0).adapters()
