@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
+from engine.runtime.history import MAX_IMAGES, HistoryError, SeenTurn, Turn, select
 from engine.runtime.images import ImageError, open_image
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
@@ -19,7 +20,6 @@ from engine.spec.prompts import BOT_TASKS, PRESETS
 
 # The limits of a request: one definition, used by the engine, the CLI, the studio's controls and API,
 # and any other front end (they all validate through `prepare`).
-MAX_IMAGES = 3
 MAX_PROMPT_CHARS = 8000
 # A custom system prompt: room for the official presets (a few thousand characters) several times over;
 # it is tokenized with the prompt, so an unbounded one holds the engine and its memory for nothing.
@@ -43,8 +43,9 @@ def random_seed() -> int:
 class RequestError(ValueError):
     """Bad input: nothing was run. `field` names the Request field at fault (prompt, images, bot_task,
     size, steps, guidance, seed, system_prompt, custom_system_prompt, max_new_tokens, temperature, top_k,
-    top_p, n, taylor_cache_*, block_cache_*; None when the request as a whole is at fault), so a front end can put the message on its
-    control or name the parameter in its error."""
+    top_p, n, taylor_cache_*, block_cache_*, history_policy, history[i].<field>; None when the request as
+    a whole is at fault), so a front end can put the message on its control or name the parameter in its
+    error."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
@@ -72,6 +73,8 @@ class Request:
     n: int = 1                                    # images sharing one reasoning pass, denoised as a batch
     taylor_cache: TaylorCacheParams | None = None  # the official Taylor step cache (None: off)
     block_cache: BlockCacheParams | None = None    # or the adaptive first-block step cache
+    history: tuple[Turn, ...] = ()                # a conversation's earlier turns, oldest first
+    history_policy: str | None = None             # what of them the model sees (history.POLICIES; None: default)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -79,7 +82,7 @@ class Request:
 class Prepared:
     """A validated request with every default resolved."""
     req: Request
-    images: list[Image.Image]
+    images: list[Image.Image]                      # this turn's references (the policy's carried image first)
     bot_task: str
     bucket: Bucket | None                          # None: the model chooses (size auto)
     steps: int
@@ -91,6 +94,13 @@ class Prepared:
     images_out: int                                # n: how many images the request makes
     taylor_cache: TaylorCacheParams | None = None
     block_cache: BlockCacheParams | None = None
+    history: list[SeenTurn] = field(default_factory=list)   # the earlier turns the sequence shows
+
+    @property
+    def sequence_images(self) -> list[Image.Image]:
+        """Every image of the sequence in its order: the earlier turns' (each: references, then the
+        model's image), then this turn's references."""
+        return [img for t in self.history for img in t.all_images] + self.images
 
 
 def with_seed(req: Request) -> Request:
@@ -142,6 +152,11 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...]) ->
         pil = [open_image(src, f"reference image {i + 1}") for i, src in enumerate(images)]
     except ImageError as e:
         raise RequestError(_OBJECT_REPR.sub("", str(e)), "images") from None
+    try:
+        history, carried = select(req.history, len(pil), req.history_policy, MAX_PROMPT_CHARS)
+    except HistoryError as e:
+        raise RequestError(_OBJECT_REPR.sub("", str(e)), e.where) from None
+    pil = carried + pil
     bot_task = req.bot_task or gen.bot_task
     if bot_task not in BOT_TASKS:
         raise RequestError(f"unknown reasoning mode (bot_task) {bot_task!r}; choose one of {', '.join(BOT_TASKS)}",
@@ -198,5 +213,5 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...]) ->
     if req.taylor_cache is not None and req.block_cache is not None:
         raise RequestError("choose one step cache: the Taylor cache or the block cache, not both", "block_cache")
     return Prepared(req, pil, bot_task, bucket, int(steps), float(guidance), s, preset, int(max_new), sampling,
-                    req.n, req.taylor_cache, req.block_cache)
+                    req.n, req.taylor_cache, req.block_cache, history)
 

@@ -147,7 +147,13 @@ async def images_response(out: Outcome, p: ImageParams, info: ModelInfo, inputs:
             item["b64_json"] = base64.b64encode(blob).decode()
         data.append(item)
     return {"created": out.created, "data": data, "background": "opaque", "output_format": p.output_format,
-            "quality": p.quality, "size": out.size, "usage": out.usage(info, inputs), **out.extensions()}
+            "quality": p.quality, "size": out.size, "usage": out.usage(info, inputs), **out.extensions(),
+            **_conversation(p)}
+
+
+def _conversation(p: ImageParams) -> dict[str, Any]:
+    """The conversation an edit's turn was added to (an extension: the id to continue it with)."""
+    return {"conversation_id": p.conversation_id} if p.conversation_id else {}
 
 
 async def chat_response(out: Outcome, p: ImageParams, info: ModelInfo, inputs: InputTokens) -> dict[str, Any]:
@@ -243,7 +249,7 @@ async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: s
                     yield sse({"type": f"{kind}.completed", "b64_json": base64.b64encode(blob).decode(),
                                **common(), "usage": usage, "index": index, "seed": im.seed,
                                "revised_prompt": out.revised_prompt, "reasoning": ext["reasoning"],
-                               "timings": ext["timings"]}, f"{kind}.completed")
+                               "timings": ext["timings"], **_conversation(p)}, f"{kind}.completed")
                 yield DONE_FRAME
             elif isinstance(ev, Error):
                 yield _error_frame(ev)
