@@ -28,13 +28,13 @@ forever, a closed pipe just reads as EOF. Nothing a worker does can raise into t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -221,18 +221,19 @@ class EngineServer:
                 raise ConversationError("branch_from_turn needs the conversation_id to branch from",
                                         "branch_from_turn")
             turns = () if conversation is None else self.conversations.turns_until(conversation, branch_from_turn)
+            made = conversation is None or branch_from_turn is not None
+            parent = None if conversation is None else (conversation, branch_from_turn)
+            conv = self.conversations.create(turns, parent) if made else self.conversations.get(conversation)
         except (ConversationError, RequestError) as e:
             sub = Submission(request, self.cancel)
             sub._push(Error("invalid", str(e), e.field))
             return sub
-        made = conversation is None or branch_from_turn is not None
-        conv = self.conversations.create(turns, None if conversation is None else (conversation, branch_from_turn)) \
-            if made else self.conversations.get(conversation)
         sub = self.submit(dataclasses.replace(request, history=turns),
                           lambda req, prepared: TurnRecorder(self.conversations, conv.id, req, prepared.bot_task))
         if sub.ended and made:             # refused: the conversation it would have started is not kept
             self.conversations.discard(conv.id)
-        sub.conversation_id = conv.id
+        else:
+            sub.conversation_id = conv.id
         return sub
 
     def stream(self, request: Request) -> Iterator[Event]:
