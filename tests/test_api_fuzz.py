@@ -205,7 +205,10 @@ def check(case: Case, r) -> str | None:
                                                                 "unsupported_parameter"):
         allowed = REPORTED_AS.get(case.field, {case.field})
         printable = case.field.encode("utf-8", "backslashreplace").decode()
-        if err["param"] not in allowed and not (len(case.field) > 64 and err["param"].startswith(printable[:60])):
+        # a chat's refusal may name the message and its field: messages[i].content (issue 29)
+        within = case.field == "messages" and err["param"].startswith("messages[")
+        if err["param"] not in allowed and not within and \
+                not (len(case.field) > 64 and err["param"].startswith(printable[:60])):
             return f"param {err['param']!r}, expected one of {allowed}: {err['message'][:200]}"
     return None
 

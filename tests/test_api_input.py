@@ -74,8 +74,9 @@ def test_a_system_prompt_that_is_not_text_is_400(http, value):
 
 @pytest.mark.parametrize("content", [5, {"text": "x"}, [{"type": "text", "text": 7}], [3]])
 def test_chat_content_of_the_wrong_kind_is_400(http, content):
+    # the refusal names the message and its field (issue 29: a chat carries a whole conversation)
     refused(post_json(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}),
-            400, "messages")
+            400, "messages[0].content")
 
 
 def test_deeply_nested_json_is_400_in_openais_shape(http):

@@ -260,3 +260,22 @@ def test_prefill_graph_replays_equal_eager_per_bucket(tiny_dir):
                 assert torch.equal(a[:, :, :L], b[:, :, :L])
     assert sorted(k[1] for k in graph.graphs.captures) == [GRAIN, 2 * GRAIN]
     assert set(graph.graphs.captures.values()) == {1}
+
+
+def test_conversation_turns_on_cuda(tiny_dir):
+    """Issue 29: a conversation's turn on CUDA (bf16, graphs on): under `last_image` it is the plain edit of
+    the last image, byte for byte; under `full` (the earlier turn whole: a longer prompt, 2 images) it runs
+    and differs."""
+    from engine.runtime.history import Turn, reasoning_of
+    pipe = Pipeline(load(tiny_dir, "cuda", torch.bfloat16), preview_every=0)
+    kw = dict(bot_task="think_recaption", max_new_tokens=8, steps=3, seed=3, greedy=True, size="256x256")
+    ev = list(pipe.run(Request(prompt="a red circle", **kw)))
+    first = outcome(ev)
+    png = next(e for e in ev if isinstance(e, Image)).png
+    history = (Turn("a red circle", (), reasoning_of("think_recaption", ev[-1].cot_text), png),)
+    chained = outcome(list(pipe.run(Request(prompt="make it blue", history=history, history_policy="last_image",
+                                            **kw))))
+    plain = outcome(list(pipe.run(Request(prompt="make it blue", images=[png], **kw))))
+    assert chained[0] == plain[0] and np.array_equal(chained[1], plain[1])
+    full = outcome(list(pipe.run(Request(prompt="make it blue", history=history, history_policy="full", **kw))))
+    assert full[1].shape == first[1].shape and not np.array_equal(full[1], plain[1])

@@ -34,6 +34,7 @@ from engine.runtime.denoise_batch import DenoiseBatch
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import cache_heads, gather_sibling_heads, reusable_prefix
+from engine.runtime.history import past_turn_layouts, reasoning_of
 from engine.runtime.images import align_to_reference, png_bytes, to_pil
 from engine.runtime.kv_pool import KVPool
 from engine.runtime.needs import ARSlot, DenoiseTurn, Need
@@ -151,13 +152,6 @@ class Pipeline:
             yield Error("invalid", str(e), e.field)
 
     # ------------------------------------------------------------------ helpers
-    def _cot_text(self, tokens: list[int], bot_task: str) -> str:
-        sp = self.lm.tok.special
-        end = sp.end_recaption if "recaption" in bot_task else sp.end_think
-        cut = tokens.index(end) + 1 if end in tokens else len(tokens)
-        opener = "<think>" if bot_task.startswith("think") else "<recaption>"
-        return opener + self.lm.tok.decode(tokens[:cut])
-
     def _agreed_seed(self, req: Request) -> Request:
         """A request given to the pipeline directly (the CLI, tests) may come without a seed: rank 0
         draws it and every rank takes rank 0's (the server fixes it before the request gets here)."""
@@ -183,8 +177,9 @@ class Pipeline:
         timings = Timings()
         image_gen = torch.Generator(dev).manual_seed(p.seed)     # reference VAE samples, then the noise
         text_gen = torch.Generator(dev).manual_seed(p.seed)      # CoT sampling (its own stream)
-        refs = encode_references(model, p.images, lm.buckets, image_gen, p.req.stretch)
-        layouts = [r.layout for r in refs]
+        # every image of the sequence, earlier turns' first (engine/runtime/history.py), in sequence order
+        refs = encode_references(model, p.sequence_images, lm.buckets, image_gen, p.req.stretch)
+        history, layouts = past_turn_layouts(p.history, [r.layout for r in refs])
         need_ratio = p.bucket is None
         run_ar = p.bot_task in COT_TASKS or p.bot_task == "auto" or need_ratio
         text_only = p.bot_task == "auto" or p.req.text_only
@@ -192,10 +187,11 @@ class Pipeline:
         branches, branch_comm = self._branches(cfg_on)
         plan = StagePlan.for_task(p.bot_task, need_ratio, sp)
         ar_seq = text_phase_sequence(tok, system, p.req.prompt, layouts, plan.first_task, cfg.image_base_size,
-                                     cfg.cond_token_attn_type)
+                                     cfg.cond_token_attn_type, history)
         if len(ar_seq) + 16 + self.max_image_tokens > cfg.max_position_embeddings:
             raise RequestError(f"the prompt and reference images take {len(ar_seq)} tokens, too many for the "
-                               f"model's {cfg.max_position_embeddings} positions", "images" if p.images else "prompt")
+                               f"model's {cfg.max_position_embeddings} positions",
+                               "images" if p.sequence_images else "prompt")
         budget = min(len(ar_seq) + p.max_new_tokens + 8 + self.max_image_tokens + 8, cfg.max_position_embeddings)
         n_img = 1 if text_only else p.images_out
         adapter = self._adapter_slot(p)
@@ -222,7 +218,7 @@ class Pipeline:
                 timings.ar_forced = len(text_res.tokens) - text_res.sampled
                 timings.ar_ms_per_token = text_res.ms_per_token
                 if p.bot_task in COT_TASKS:
-                    cot_text = self._cot_text(text_res.tokens, p.bot_task)
+                    cot_text = reasoning_of(p.bot_task, tok.decode(text_res.tokens))
                 if text_res.ratio_token is not None:
                     ratio_index = sp.ratio.index(text_res.ratio_token)
             full_text = tok.decode(text_res.tokens) if text_res.tokens else ""
@@ -244,7 +240,7 @@ class Pipeline:
             f = cfg.vae_downsample_factor
             h, w = bucket.height // f[0], bucket.width // f[1]
             seq = image_phase_sequence(tok, system, p.req.prompt, layouts, cot_text, h, w, bucket.index,
-                                       cfg.cfg_distilled, cfg.cond_token_attn_type)
+                                       cfg.cfg_distilled, cfg.cond_token_attn_type, history)
             prefix = 0
             if run_ar and self.kv_handoff:
                 prefix = reusable_prefix(seq.ids, ar_seq.ids + text_res.tokens, text_res.fed)

@@ -11,6 +11,7 @@ from typing import Collection
 
 from PIL import Image
 
+from engine.runtime.history import MAX_IMAGES, HistoryError, SeenTurn, Turn, select
 from engine.runtime.images import ImageError, open_image
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
@@ -20,7 +21,6 @@ from engine.spec.prompts import BOT_TASKS, PRESETS
 
 # The limits of a request: one definition, used by the engine, the CLI, the studio's controls and API,
 # and any other front end (they all validate through `prepare`).
-MAX_IMAGES = 3
 MAX_PROMPT_CHARS = 8000
 # A custom system prompt: room for the official presets (a few thousand characters) several times over;
 # it is tokenized with the prompt, so an unbounded one holds the engine and its memory for nothing.
@@ -47,8 +47,9 @@ def random_seed() -> int:
 class RequestError(ValueError):
     """Bad input: nothing was run. `field` names the Request field at fault (prompt, images, bot_task,
     size, steps, guidance, seed, system_prompt, custom_system_prompt, max_new_tokens, temperature, top_k,
-    top_p, n, taylor_cache_*, block_cache_*, lora, lora_scale; None when the request as a whole is at fault), so a front end can put the message on its
-    control or name the parameter in its error."""
+    top_p, n, taylor_cache_*, block_cache_*, lora, lora_scale, history_policy, history[i].<field>; None
+    when the request as a whole is at fault), so a front end can put the message on its control or name
+    the parameter in its error."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
@@ -78,6 +79,8 @@ class Request:
     block_cache: BlockCacheParams | None = None    # or the adaptive first-block step cache
     lora: str | None = None                       # a loaded LoRA adapter, by name (None: the base model)
     lora_scale: float = 1.0                       # its strength
+    history: tuple[Turn, ...] = ()                # a conversation's earlier turns, oldest first
+    history_policy: str | None = None             # what of them the model sees (history.POLICIES; None: default)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -85,7 +88,7 @@ class Request:
 class Prepared:
     """A validated request with every default resolved."""
     req: Request
-    images: list[Image.Image]
+    images: list[Image.Image]                      # this turn's references (the policy's carried image first)
     bot_task: str
     bucket: Bucket | None                          # None: the model chooses (size auto)
     steps: int
@@ -99,6 +102,13 @@ class Prepared:
     block_cache: BlockCacheParams | None = None
     lora: str | None = None                        # the adapter's name (validated: loaded)
     lora_scale: float = 1.0
+    history: list[SeenTurn] = field(default_factory=list)   # the earlier turns the sequence shows
+
+    @property
+    def sequence_images(self) -> list[Image.Image]:
+        """Every image of the sequence in its order: the earlier turns' (each: references, then the
+        model's image), then this turn's references."""
+        return [img for t in self.history for img in t.all_images] + self.images
 
 
 def with_seed(req: Request) -> Request:
@@ -152,6 +162,11 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], ad
         pil = [open_image(src, f"reference image {i + 1}") for i, src in enumerate(images)]
     except ImageError as e:
         raise RequestError(_OBJECT_REPR.sub("", str(e)), "images") from None
+    try:
+        history, carried = select(req.history, len(pil), req.history_policy, MAX_PROMPT_CHARS)
+    except HistoryError as e:
+        raise RequestError(_OBJECT_REPR.sub("", str(e)), e.where) from None
+    pil = carried + pil
     bot_task = req.bot_task or gen.bot_task
     if bot_task not in BOT_TASKS:
         raise RequestError(f"unknown reasoning mode (bot_task) {bot_task!r}; choose one of {', '.join(BOT_TASKS)}",
@@ -209,7 +224,7 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], ad
         raise RequestError("choose one step cache: the Taylor cache or the block cache, not both", "block_cache")
     _check_lora(req, adapters)
     return Prepared(req, pil, bot_task, bucket, int(steps), float(guidance), s, preset, int(max_new), sampling,
-                    req.n, req.taylor_cache, req.block_cache, req.lora, float(req.lora_scale))
+                    req.n, req.taylor_cache, req.block_cache, req.lora, float(req.lora_scale), history)
 
 
 def _check_lora(req: Request, adapters: Collection[str]) -> None:

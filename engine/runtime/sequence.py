@@ -28,6 +28,15 @@ class CondImageLayout:
 
 
 @dataclass(frozen=True)
+class PastTurnLayout:
+    """An earlier turn of a conversation as its sequence shows it (engine/runtime/history.py)."""
+    prompt: str
+    images: tuple[CondImageLayout, ...] = ()       # the user's references
+    reasoning: str = ""                            # tagged CoT, or plain assistant text, or ''
+    image: CondImageLayout | None = None           # the image the model made, now a conditioning image
+
+
+@dataclass(frozen=True)
 class GenImageSpan:
     """Where the generated image lives in a sequence."""
     meta_start: int                    # index of <timestep>; guidance/timestep_r follow for Distil
@@ -161,6 +170,14 @@ class SequenceBuilder:
             self.text(piece, uncond)
         return self
 
+    def assistant_text(self, text: str) -> "SequenceBuilder":
+        """An earlier assistant message's text: a CoT (it opens with its tag; cut short by the token
+        budget it may lack the closing one) as the image phase read it, else one uncond-able
+        `<answer>text</answer>` section (the official template's untagged assistant text)."""
+        if text.startswith(("<think>", "<recaption>")):
+            return self.cot(text)
+        return self.text(f"<answer>{text}</answer>", uncond=True)
+
     def build(self) -> Sequence:
         return self.seq
 
@@ -168,11 +185,24 @@ class SequenceBuilder:
 BOT_PREFIX = {"auto": ROLE_BOT, "image": "", "think": ROLE_BOT + "<think>", "recaption": ROLE_BOT + "<recaption>"}
 
 
-def user_turn(b: SequenceBuilder, system: str, prompt: str, cond_images: list[CondImageLayout]) -> SequenceBuilder:
-    """`<bos> [system \\n\\n] User: [images] prompt \\n\\n` — common to both phases."""
+def user_turn(b: SequenceBuilder, system: str, prompt: str, cond_images: list[CondImageLayout],
+              history: "tuple[PastTurnLayout, ...] | list[PastTurnLayout]" = ()) -> SequenceBuilder:
+    """`<bos> [system \\n\\n] [earlier turns] User: [images] prompt \\n\\n` — common to both phases. An
+    earlier turn is `User: [images] prompt \\n\\nAssistant: [reasoning] [image] \\n\\n`
+    (engine/runtime/history.py says why)."""
     b.token(b.sp.bos)
     if system:
         b.text(system).text(SEP)
+    for turn in history:
+        b.text(ROLE_USER)
+        for img in turn.images:
+            b.cond_image(img)
+        b.text(turn.prompt, uncond=True).text(SEP).text(ROLE_BOT)
+        if turn.reasoning:
+            b.assistant_text(turn.reasoning)
+        if turn.image is not None:
+            b.cond_image(turn.image)
+        b.text(SEP)
     b.text(ROLE_USER)
     for img in cond_images:
         b.cond_image(img)
@@ -180,10 +210,11 @@ def user_turn(b: SequenceBuilder, system: str, prompt: str, cond_images: list[Co
 
 
 def text_phase_sequence(tok: Tokenizer, system: str, prompt: str, cond_images: list[CondImageLayout],
-                        first_task: str, image_base_size: int, cond_attn: str = "joint_full") -> Sequence:
+                        first_task: str, image_base_size: int, cond_attn: str = "joint_full",
+                        history: tuple[PastTurnLayout, ...] = ()) -> Sequence:
     """The AR (gen_text) prompt: the user turn then the bot prefix of the first task
     (`think`, `recaption`, `auto`, `image`, or `img_ratio` for the one-step ratio pass)."""
-    b = user_turn(SequenceBuilder(tok, cond_attn), system, prompt, cond_images)
+    b = user_turn(SequenceBuilder(tok, cond_attn), system, prompt, cond_images, history)
     if first_task == "img_ratio":
         return b.text(f"{ROLE_BOT}<answer><boi><img_size_{image_base_size}>").build()
     return b.text(BOT_PREFIX[first_task]).build()
@@ -191,9 +222,9 @@ def text_phase_sequence(tok: Tokenizer, system: str, prompt: str, cond_images: l
 
 def image_phase_sequence(tok: Tokenizer, system: str, prompt: str, cond_images: list[CondImageLayout],
                          cot_text: str | None, h: int, w: int, ratio_index: int, distil: bool,
-                         cond_attn: str = "joint_full") -> Sequence:
+                         cond_attn: str = "joint_full", history: tuple[PastTurnLayout, ...] = ()) -> Sequence:
     """The denoising sequence: user turn, `Assistant: ` [CoT] `<answer>` image `</answer>\\n\\n` (no eos)."""
-    b = user_turn(SequenceBuilder(tok, cond_attn), system, prompt, cond_images).text(ROLE_BOT)
+    b = user_turn(SequenceBuilder(tok, cond_attn), system, prompt, cond_images, history).text(ROLE_BOT)
     if cot_text:
         b.cot(cot_text)
     return b.text("<answer>").gen_image(h, w, ratio_index, distil).text("</answer>").text(SEP).build()

@@ -21,6 +21,7 @@ class Submission:
     def __init__(self, request: Request, cancel: Callable[[str], bool]):
         self.request = request
         self.request_id = request.request_id
+        self.conversation_id: str | None = None      # EngineServer.submit_turn: the conversation of this turn
         self._cancel = cancel
         self._items: collections.deque[Event] = collections.deque()
         self._cond = threading.Condition()

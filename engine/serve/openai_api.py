@@ -152,7 +152,16 @@ class OpenAIApi:
         not the start of a stream. Submit validates (and so decodes the reference images) in a thread:
         the event loop keeps answering everyone else meanwhile."""
         self._check_ready()
-        sub = await asyncio.to_thread(self.server.submit, params.request)
+        submit_turn = getattr(self.server, "submit_turn", None)     # conversations: one engine server's
+        if params.turn and submit_turn is not None:
+            sub = await asyncio.to_thread(submit_turn, params.request, params.conversation_id, params.branch_from_turn)
+            params.conversation_id = sub.conversation_id
+        elif params.conversation_id is not None or params.branch_from_turn is not None:
+            raise ApiError(400, "conversations are held by a single engine server; this one serves replicas "
+                                "(send the whole history over /v1/chat/completions instead)",
+                           "conversation_id", "unsupported_parameter")
+        else:
+            sub = await asyncio.to_thread(self.server.submit, params.request)
         if sub.ended:                    # submit ended it at once: the first event is the refusal
             ev = sub.get(timeout=0)
             if isinstance(ev, Error):

@@ -36,11 +36,15 @@ IMAGE_OUTPUT_FIELDS = frozenset({"model", "n", "size", "quality", "response_form
                                  "output_format", "partial_images", "stream", "stream_reasoning"})
 
 GENERATION_FIELDS = frozenset({"prompt"}) | IMAGE_OUTPUT_FIELDS | ENGINE_FIELDS | REFUSED_FIELDS | IGNORED_FIELDS
-EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]"}
+# Conversations (engine/runtime/conversation.py): an edit continues one by id, or branches from its turn k;
+# what the model sees of the earlier turns is the history policy (chat too: its history is the messages).
+CONVERSATION_FIELDS = frozenset({"conversation_id", "branch_from_turn", "history_policy"})
+EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]"} | CONVERSATION_FIELDS
 # Chat: OpenAI's chat fields this server uses, the image fields, and `extra_body` as curl sends it literally.
 CHAT_FIELDS = frozenset({"messages", "model", "modalities", "stream", "stream_options", "n", "seed", "temperature",
                          "top_p", "max_tokens", "max_completion_tokens", "extra_body", "height", "width", "size",
-                         "output_format", "output_compression"}) | ENGINE_FIELDS | REFUSED_FIELDS | IGNORED_FIELDS
+                         "output_format", "output_compression", "history_policy"}) | ENGINE_FIELDS | REFUSED_FIELDS \
+    | IGNORED_FIELDS
 # OpenAI chat fields of text models: accepted at their neutral value only.
 CHAT_NEUTRAL_ONLY = frozenset({"frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
                                "stop", "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions",

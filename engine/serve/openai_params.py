@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Collection
 from PIL import Image as PILImage
 
 from engine.runtime.events import Error
+from engine.runtime.history import Turn
 from engine.runtime.images import MAX_PIXELS
 from engine.runtime.request import MAX_IMAGES, Request
 from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
@@ -65,6 +66,9 @@ class ImageParams:
     include_usage: bool = False          # chat streams: a last chunk with the usage (stream_options)
     size: Any = "auto"                   # the size as the client wrote it (for messages)
     names: dict[str, str] = field(default_factory=dict)   # engine field -> the API field it came from
+    turn: bool = False                   # a conversation's turn (edits): submitted with EngineServer.submit_turn
+    conversation_id: str | None = None   # the one it continues (given) / was added to (after submit)
+    branch_from_turn: Any = None         # or branch from its turn k
 
 
 # ---------------------------------------------------------------------------------------- wire types
@@ -295,7 +299,8 @@ def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any, lor
                    n=1 if n is None else n,
                    taylor_cache=_step_cache(body, "use_taylor_cache", TaylorCacheParams),
                    block_cache=_step_cache(body, "use_block_cache", BlockCacheParams),
-                   lora=lora, lora_scale=1.0 if scale is None else scale)
+                   lora=lora, lora_scale=1.0 if scale is None else scale,
+                   history_policy=body.get("history_policy") or None)
 
 
 def _output_options(body: dict, params: ImageParams) -> None:
@@ -336,37 +341,41 @@ def parse_edit(fields_: dict[str, Any], images: list[bytes], served: str, adapte
     """POST /v1/images/edits (multipart): text fields as sent, reference images already read and checked."""
     check_fields(fields_, EDIT_FIELDS)
     lora = check_model(fields_, served, adapters)
-    if not images:
-        raise invalid("image", "give 1 to 3 reference images (as `image` or repeated `image[]` files)",
-                      "missing_required_parameter")
+    conversation = fields_.get("conversation_id") or None
+    if not images and conversation is None:
+        raise invalid("image", "give 1 to 3 reference images (as `image` or repeated `image[]` files), or the "
+                               "conversation_id of a conversation to continue", "missing_required_parameter")
+    branch = _int_like(fields_.get("branch_from_turn")) if fields_.get("branch_from_turn") not in (None, "") else None
     req = _engine_request(fields_, _prompt(fields_), images, engine_size(fields_.get("size")), lora)
-    params = ImageParams(req, size=fields_.get("size", "auto"))
+    params = ImageParams(req, size=fields_.get("size", "auto"), turn=True, conversation_id=conversation,
+                         branch_from_turn=branch)
     _output_options(fields_, params)
     return params
 
 
-def _chat_text(content: Any, what: str) -> tuple[list[str], list[Any]]:
-    """A message's content as (texts, image_url values): a string, or a list of text / image_url parts."""
+def _chat_text(content: Any, what: str, param: str = "messages") -> tuple[list[str], list[Any]]:
+    """A message's content as (texts, image_url values): a string, or a list of text / image_url parts;
+    `param` is the field a refusal names."""
     if isinstance(content, str):
         return [content], []
     if content is None:
         return [], []
     if not isinstance(content, list):
-        raise invalid("messages", f"the {what} content must be a string or a list of content parts "
-                                  f"(got {type(content).__name__})")
+        raise invalid(param, f"the {what} content must be a string or a list of content parts "
+                             f"(got {type(content).__name__})")
     texts, urls = [], []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
             text = part.get("text")
             if not isinstance(text, str):
-                raise invalid("messages", f"a text part's `text` must be a string (got {type(text).__name__})")
+                raise invalid(param, f"a text part's `text` must be a string (got {type(text).__name__})")
             texts.append(text)
         elif kind == "image_url":
             url = part.get("image_url")
             urls.append(url.get("url") if isinstance(url, dict) else url)
         else:
-            raise invalid("messages", f"content parts must be text or image_url (got {kind!r})")
+            raise invalid(param, f"content parts must be text or image_url (got {kind!r})")
     return texts, urls
 
 
@@ -389,11 +398,74 @@ def _sampling(merged: dict, names: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def _chat_history(messages: list, limits: UploadLimits
+                  ) -> tuple[tuple[Turn, ...], list[str], list[bytes], dict[str, str]]:
+    """The chat's conversation: its earlier turns (each user message, or run of them, then the assistant's
+    answer: its `cot`, `reasoning_content` or text, and the image it returned as an `image_url` part), this
+    turn's texts and reference images (the last user messages), and where each turn came from (engine
+    field -> `messages[i]...`, for a refusal). System messages are the system prompt (parse_chat)."""
+    runs: list[tuple[str, list[int]]] = []           # (role, message indexes) of each run of one role
+    for i, m in enumerate(messages):
+        role = m["role"]
+        if role in ("system", "developer"):
+            continue
+        if role not in ("user", "assistant"):
+            raise invalid(f"messages[{i}].role", f"messages[{i}] has role {role!r}: this image model takes system, "
+                                                  "user and assistant messages")
+        if runs and runs[-1][0] == role:
+            runs[-1][1].append(i)
+        else:
+            runs.append((role, [i]))
+    if not runs or runs[-1][0] != "user":
+        raise invalid("messages", "the last message must be the user's: the instruction for the image to make",
+                      "missing_required_parameter" if not runs else "invalid_value")
+    names = dict(image="messages", prompt="messages", history="messages", history_policy="history_policy")
+
+    def user(indexes: list[int]) -> tuple[list[str], list[bytes]]:
+        texts, images = [], []
+        for i in indexes:
+            t, urls = _chat_text(messages[i].get("content"), f"messages[{i}]", f"messages[{i}].content")
+            texts += t
+            images += [decode_data_url(u, f"messages[{i}] image {k + 1}", f"messages[{i}].content", limits)
+                       for k, u in enumerate(urls)]
+        return texts, images
+
+    turns: list[Turn] = []
+    k = 0
+    while k + 1 < len(runs):
+        (_, asked), (_, answered) = runs[k], runs[k + 1]
+        texts, images = user(asked)
+        reasoning, image = [], None
+        for i in answered:
+            m = messages[i]
+            t, urls = _chat_text(m.get("content"), f"messages[{i}]", f"messages[{i}].content")
+            # the reasoning as the model wrote it (`cot`, which this server's answers carry), else as shown
+            name = "cot" if m.get("cot") else "reasoning_content"
+            r = m.get(name)
+            if r is not None and not isinstance(r, str):
+                raise invalid(f"messages[{i}].{name}", f"must be a string (got {type(r).__name__})")
+            reasoning += [r] if r else t
+            if len(urls) > 1 or (urls and image is not None):
+                raise invalid(f"messages[{i}].content", "an assistant turn holds at most one image (the one it made)")
+            if urls:
+                image = decode_data_url(urls[0], f"messages[{i}] image", f"messages[{i}].content", limits)
+        n = len(turns)
+        names.update({f"history[{n}]": f"messages[{asked[0]}]", f"history[{n}].prompt": f"messages[{asked[0]}].content",
+                      f"history[{n}].images": f"messages[{asked[0]}].content",
+                      f"history[{n}].reasoning": f"messages[{answered[0]}].reasoning_content",
+                      f"history[{n}].image": f"messages[{answered[0]}].content"})
+        turns.append(Turn("\n".join(texts), tuple(images), "\n".join(reasoning), image))
+        k += 2
+    texts, images = user(runs[-1][1])
+    return tuple(turns), texts, images, names
+
+
 def parse_chat(body: Any, limits: UploadLimits, served: str, adapters: Collection[str] = ()) -> ImageParams:
-    """POST /v1/chat/completions in the vLLM-Omni recipe's form: the last user message's text is the prompt
-    and its `image_url` parts (data URLs, up to 3) the reference images; a system message is the custom
-    system prompt; the diffusion fields come in `extra_body` (sent literally by curl, merged into the
-    top level by the openai client) and `height`/`width` give the size."""
+    """POST /v1/chat/completions in the vLLM-Omni recipe's form, with the whole conversation as chat
+    clients send it: the last user message's text is the prompt and its `image_url` parts (data URLs, up
+    to 3) the reference images; the messages before it are the earlier turns (`_chat_history`); a system
+    message is the custom system prompt; the diffusion fields come in `extra_body` (sent literally by
+    curl, merged into the top level by the openai client) and `height`/`width` give the size."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
     check_fields(body, CHAT_FIELDS, CHAT_NEUTRAL_ONLY)
@@ -414,12 +486,7 @@ def parse_chat(body: Any, limits: UploadLimits, served: str, adapters: Collectio
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid("messages", "every message must be an object with a `role` (got "
                                       f"{type(m).__name__ if not isinstance(m, dict) else 'no role'})")
-    users = [m for m in messages if m["role"] == "user"]
-    if not users:
-        raise invalid("messages", "no message with role 'user'")
-    texts, urls = _chat_text(users[-1].get("content"), "user message's")
-    images = [decode_data_url(url, f"reference image {i + 1}", "messages", limits) for i, url in enumerate(urls)]
-    names = dict(image="messages", prompt="messages")
+    history, texts, images, names = _chat_history(messages, limits)
     system = [m for m in messages if m["role"] in ("system", "developer")]
     if system and merged.get("system_prompt") is None:
         sys_texts, sys_urls = _chat_text(system[-1].get("content"), "system message's")
@@ -432,7 +499,8 @@ def parse_chat(body: Any, limits: UploadLimits, served: str, adapters: Collectio
     if (h is None) != (w is None):
         raise invalid("height" if h is None else "width", "give both height and width, or neither")
     size = f"{_int_like(h)}x{_int_like(w)}" if h is not None else engine_size(merged.get("size"))
-    req = dataclasses.replace(_engine_request(merged, "\n".join(texts), images, size, lora), **_sampling(merged, names))
+    req = dataclasses.replace(_engine_request(merged, "\n".join(texts), images, size, lora), history=history,
+                              **_sampling(merged, names))
     names["size"] = "size" if h is None else "height"
     params = ImageParams(req, names=names,
                          size=merged.get("size", "auto") if h is None else f"height {h}, width {w}")

@@ -38,9 +38,10 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from engine.parallel.plan import ParallelPlan, get_plan
+from engine.runtime.conversation import ConversationError, ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error, Event
 from engine.runtime.request import Prepared, Request, RequestError, with_seed
 from engine.serve.client import Submission
@@ -59,6 +60,7 @@ class _Job:
     sub: Submission
     prepared: Prepared
     cancelled_at: float | None = None
+    recorder: TurnRecorder | None = None     # a conversation's turn: recorded once it has its image
 
 
 @dataclass
@@ -164,6 +166,7 @@ class EngineServer:
         self._rank_conns: list[Connection] = []            # the other ranks': only "rank_failed"
         self._doomed: list[_Incarnation] = []              # detached under the lock, killed outside it
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
+        self.conversations = ConversationStore()           # multi-turn editing (engine/runtime/conversation.py)
         self._install(self._spawn())
         self._pump = threading.Thread(target=self._pump_loop, name="engine-server-pump", daemon=True)
         self._pump.start()
@@ -177,10 +180,11 @@ class EngineServer:
     max_batch = property(lambda self: self.config.max_batch)
 
     # ------------------------------------------------------------------ client API
-    def submit(self, request: Request) -> Submission:
+    def submit(self, request: Request, recorder: Callable[[Request, Prepared], TurnRecorder] | None = None
+               ) -> Submission:
         """Validate and queue a request. Bad input ends the stream at once with Error('invalid') and is
         never queued, a full queue ends it with Error('busy'); otherwise the events follow as the engine
-        runs it."""
+        runs it. `recorder` (submit_turn's): makes what sees its events before the client does."""
         sub = Submission(request, self.cancel)
         try:
             request = with_seed(request)
@@ -205,7 +209,7 @@ class EngineServer:
                                         "try again in a moment"))
             else:
                 self._seq += 1
-                job = _Job(self._seq, sub, prepared)
+                job = _Job(self._seq, sub, prepared, recorder=recorder and recorder(request, prepared))
                 self._jobs[request.request_id] = job
                 self._waiting.append(job)
         self._kick()
@@ -260,6 +264,36 @@ class EngineServer:
                 self._req_conn.send(msg)
         except (OSError, ValueError):            # the worker is gone: its restart loads the config's set
             pass
+
+    def submit_turn(self, request: Request, conversation: str | None = None,
+                    branch_from_turn: int | None = None) -> Submission:
+        """Submit a conversation's next turn: `request` is the new instruction (with its own reference
+        images, if any) and gets the conversation's turns as its history; without `conversation` it
+        starts one; with `branch_from_turn` k it continues a new conversation holding the first k turns
+        of `conversation`. `sub.conversation_id` names the conversation the turn is added to once it has
+        made its image. Bad input (an unknown id, a turn it does not have) ends the stream with
+        Error('invalid') and changes no conversation."""
+        try:
+            if request.history:
+                raise RequestError("a conversation's turn takes its history from the conversation", "history")
+            if conversation is None and branch_from_turn is not None:
+                raise ConversationError("branch_from_turn needs the conversation_id to branch from",
+                                        "branch_from_turn")
+            turns = () if conversation is None else self.conversations.turns_until(conversation, branch_from_turn)
+            made = conversation is None or branch_from_turn is not None
+            parent = None if conversation is None else (conversation, branch_from_turn)
+            conv = self.conversations.create(turns, parent) if made else self.conversations.get(conversation)
+        except (ConversationError, RequestError) as e:
+            sub = Submission(request, self.cancel)
+            sub._push(Error("invalid", str(e), e.field))
+            return sub
+        sub = self.submit(dataclasses.replace(request, history=turns),
+                          lambda req, prepared: TurnRecorder(self.conversations, conv.id, req, prepared.bot_task))
+        if sub.ended and made:             # refused: the conversation it would have started is not kept
+            self.conversations.discard(conv.id)
+        else:
+            sub.conversation_id = conv.id
+        return sub
 
     def stream(self, request: Request) -> Iterator[Event]:
         """Sync convenience: submit and iterate the events."""
@@ -553,6 +587,8 @@ class EngineServer:
                 if dead:
                     self._on_death(dead[0])
                     return
+            if job.recorder is not None:
+                job.recorder.see(ev)
             job.sub._push(ev)
         elif kind == "end":
             job = self._running.pop(msg[1], None)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from PIL import Image as PILImage
 
 from engine.model.vit import naflex_target_size
+from engine.runtime.history import select
 from engine.runtime.request import Request
-from engine.runtime.sequence import CondImageLayout, SequenceBuilder, user_turn
+from engine.runtime.sequence import CondImageLayout, PastTurnLayout, SequenceBuilder, user_turn
 from engine.serve.info import ModelInfo
 from engine.spec.buckets import nearest_bucket
 from engine.spec.prompts import SystemPrompts
@@ -52,11 +53,14 @@ class InputCounter:
                 self._prompts = SystemPrompts.load(self.info.folder)
             return self._tok, self._prompts
 
-    def _layout(self, data: bytes) -> CondImageLayout:
-        with PILImage.open(io.BytesIO(data)) as img:       # the header only
-            w, h = img.size
-            if img.getexif().get(0x0112, 1) in _ROTATED:
-                w, h = h, w
+    def _layout(self, data: "bytes | PILImage.Image") -> CondImageLayout:
+        if isinstance(data, PILImage.Image):               # an earlier turn's image, already opened
+            w, h = data.size
+        else:
+            with PILImage.open(io.BytesIO(data)) as img:   # the header only
+                w, h = img.size
+                if img.getexif().get(0x0112, 1) in _ROTATED:
+                    w, h = h, w
         f = self.info.cfg.vae_downsample_factor[0]
         b = nearest_bucket(self.info.buckets, h, w)
         proc = self.info.cfg.vit_processor
@@ -65,12 +69,17 @@ class InputCounter:
         return CondImageLayout((b.height // f, b.width // f), b.index, (vh // p, vw // p), slots)
 
     def count(self, req: Request) -> InputTokens:
-        """The request (validated, its images as bytes) as the model's user turn: (text, image) tokens."""
+        """The request (validated, its images as bytes) as the model's user turn, with the earlier turns its
+        history policy shows (engine/runtime/history.py): (text, image) tokens."""
         tok, prompts = self._load()
         gen = self.info.gen
         system = prompts.resolve(req.system_prompt or gen.use_system_prompt, req.bot_task or gen.bot_task,
                                  req.custom_system_prompt)
-        layouts = [self._layout(img) for img in req.images]
-        seq = user_turn(SequenceBuilder(tok, self.info.cfg.cond_token_attn_type), system, req.prompt, layouts).build()
+        seen, carried = select(req.history, len(req.images), req.history_policy)
+        layouts = [self._layout(img) for img in carried + list(req.images)]
+        past = [PastTurnLayout(t.prompt, tuple(self._layout(i) for i in t.images), t.reasoning,
+                               None if t.image is None else self._layout(t.image)) for t in seen]
+        seq = user_turn(SequenceBuilder(tok, self.info.cfg.cond_token_attn_type), system, req.prompt, layouts,
+                        past).build()
         image = sum((s.vae.stop - s.vae.start) + (s.vit.stop - s.vit.start) for s in seq.cond_images)
         return InputTokens(len(seq.ids) - image, image)
