@@ -38,7 +38,7 @@ from .references import check_reference
 from .runner import EngineClient, EngineFailure, RecentRuns, Update, run, running_count
 from .theme import CSS, theme
 from .thread import Thread, ThreadTurn, check_next, continued, started
-from .thread_view import thread_panel
+from .thread_view import QUEUED, thread_panel
 
 TITLE = "HunyuanImage-3.0 Studio"
 HEALTH_EVERY_MS = 1000    # the engine line's refresh (a small POST per open page)
@@ -514,12 +514,10 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                        show_progress="hidden")
             ev.success(studio.used_seed, result_seed, seed, queue=False, api_visibility="private",
                        show_progress="hidden")
-        ti2i_ev.success(studio.add_turn, [thread, turn_made], [thread, refs, ti2i_prompt], queue=False,
-                        api_visibility="private", show_progress="hidden")
+        ti2i_ev.success(studio.add_turn, [thread, turn_made], [thread, refs, ti2i_prompt], **QUEUED)
         result.change(studio.result_buttons, result, [download, edit_result], queue=False,
                       api_visibility="private", show_progress="hidden")
-        edit_result.click(studio.to_edit, [result, thread], [refs, tabs, thread], queue=False,
-                          api_visibility="private", show_progress="hidden")
+        edit_result.click(studio.to_edit, [result, thread], [refs, tabs, thread], **QUEUED)
 
         history.select(studio.reopen, None, [image, result], queue=False, api_visibility="private",
                        show_progress="hidden")

@@ -18,8 +18,9 @@ NO_CONVERSATIONS = ("This studio serves several engine replicas, which hold no c
 HINT = "Each result stays here as a turn: the next instruction continues from it."
 
 
-def _private(**kw: Any) -> dict:
-    return dict(queue=False, api_visibility="private", show_progress="hidden", **kw)
+# Every event that sets the thread is queued (never limited, so never behind a run): in Gradio 6.31 a
+# State set by an unqueued event does not fire its change, so the thread would not be drawn again.
+QUEUED = dict(concurrency_limit=None, api_visibility="private", show_progress="hidden")
 
 
 def branch_at(k: int):
@@ -63,7 +64,7 @@ def _turn(k: int, t: Any, thread: gr.State) -> None:
             with gr.Row():
                 gr.DownloadButton("Download", value=t.image, size="sm", elem_classes="turn-download")
                 branch = gr.Button("Branch from here", size="sm", elem_classes="turn-branch")
-    branch.click(branch_at(k), thread, thread, **_private())
+    branch.click(branch_at(k), thread, thread, **QUEUED)
 
 
 def thread_panel(thread: gr.State, refs: gr.Gallery, instruction: gr.Textbox, conversations: bool) -> None:
@@ -72,7 +73,7 @@ def thread_panel(thread: gr.State, refs: gr.Gallery, instruction: gr.Textbox, co
     if not conversations:
         gr.Markdown(NO_CONVERSATIONS, elem_id="thread-note")
 
-    @gr.render(inputs=thread, queue=False)
+    @gr.render(inputs=thread)
     def draw(current: Thread) -> None:
         if not current.turns:
             return
@@ -85,5 +86,5 @@ def thread_panel(thread: gr.State, refs: gr.Gallery, instruction: gr.Textbox, co
         with gr.Row():
             undo_button = gr.Button("Undo", size="sm", elem_id="thread-undo")
             over_button = gr.Button("Start over", size="sm", elem_id="thread-start-over")
-        undo_button.click(undo, thread, [thread, refs, instruction], **_private())
-        over_button.click(start_over, None, [thread, refs], **_private())
+        undo_button.click(undo, thread, [thread, refs, instruction], **QUEUED)
+        over_button.click(start_over, None, [thread, refs], **QUEUED)
