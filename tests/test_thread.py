@@ -122,3 +122,51 @@ def test_a_three_turn_thread_with_an_undo_and_a_branch_on_the_engine(engine_serv
     assert [x.prompt for x in engine_server.conversations.get(c3).turns] == ["make it blue", "make it a square"]
     # each request carried only its own references; the engine added the history
     assert [len(r.images) for r in client.submitted] == [1, 0, 0, 0, 0]
+
+
+class NoConversations:
+    """The engine client a ReplicaPool is to the studio: submit, cancel, health, reload, no submit_turn."""
+
+    def __init__(self, server):
+        self.server, self.submitted = server, []
+
+    def submit(self, request):
+        self.submitted.append(request)
+        return self.server.submit(request)
+
+    def cancel(self, request_id):
+        return self.server.cancel(request_id)
+
+    def health(self):
+        return self.server.health()
+
+    def reload(self):
+        return self.server.reload()
+
+
+def test_a_client_without_conversations_chains_edits_of_the_last_image(engine_server, tmp_path):
+    """Issue 29 item 3.4: behind a client without submit_turn (a ReplicaPool) the thread still works, each
+    turn a single edit with the last image as its first reference, and the page says threads need one
+    engine."""
+    from webui.studio import Studio, build_studio
+    from webui.thread_view import NO_CONVERSATIONS
+    ref = tmp_path / "ref.png"
+    PILImage.new("RGB", (64, 48), (30, 200, 30)).save(ref)
+    client = NoConversations(engine_server)
+    studio = Studio(client, engine_server.info, tmp_path / "out")
+    assert not studio.conversations
+    t = _run_turn(studio, "make it blue", [str(ref)], Thread())
+    t = _run_turn(studio, "add a star", [str(ref)], t)
+    assert [x.conversation for x in t.turns] == [None, None]
+    first, second = client.submitted
+    assert first.images == [str(ref)] and not first.history
+    assert second.images == [t.turns[0].image, str(ref)] and not second.history
+    problems = studio.validation("and a moon", [str(ref)] * 3, Settings(*settings()), ("prompt", "images"), t)
+    assert "at most 2 more reference images fit (got 3)" in problems["images"]
+
+    demo = build_studio(client, engine_server.info, out_dir=tmp_path / "o2", examples_dir=tmp_path / "ex")
+    texts = [c.get("props", {}).get("value") for c in demo.config["components"]]
+    assert NO_CONVERSATIONS in texts
+    demo_one = build_studio(CountingClient(engine_server), engine_server.info, out_dir=tmp_path / "o3",
+                            examples_dir=tmp_path / "ex")
+    assert NO_CONVERSATIONS not in [c.get("props", {}).get("value") for c in demo_one.config["components"]]
