@@ -544,7 +544,22 @@ def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studi
     assert counting.turns[-1] == (c1, 1), counting.turns
     expect(page.locator("#turn-2 .turn-instruction")).to_have_text("make it a square")
 
+    page.locator("#edit-result").click()           # the canvas holds the thread's last image: it continues
+    page.wait_for_timeout(1000)
+    expect(page.locator(".turn")).to_have_count(2)
+    expect(page.locator("#refs img")).to_have_count(0)
+
     page.locator("#thread-start-over").click()
     expect(page.locator(".turn")).to_have_count(0, timeout=10_000)
     expect(page.locator("#refs img")).to_have_count(0)
+    # any history item reopens on the canvas and starts a thread as its first reference
+    older = page.locator("#history img").nth(2)
+    older.click()
+    page.wait_for_function(
+        "() => document.querySelector('#result img').src.split('/').pop() === "
+        "document.querySelectorAll('#history img')[2].src.split('/').pop()", timeout=10_000)
+    page.locator("#edit-result").click()
+    expect(page.locator("#refs img")).to_have_count(1, timeout=10_000)
+    expect(page.locator(".turn")).to_have_count(0)
+    page.screenshot(path=str(tmp_path / "thread-from-history.png"))
     page.close()

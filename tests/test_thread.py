@@ -170,3 +170,17 @@ def test_a_client_without_conversations_chains_edits_of_the_last_image(engine_se
     demo_one = build_studio(CountingClient(engine_server), engine_server.info, out_dir=tmp_path / "o3",
                             examples_dir=tmp_path / "ex")
     assert NO_CONVERSATIONS not in [c.get("props", {}).get("value") for c in demo_one.config["components"]]
+
+
+def test_edit_this_result_continues_the_thread_or_starts_one():
+    """'Edit this result' on the thread's last image keeps the thread (the next instruction continues
+    it); on any other image (an earlier run, a history item) it starts a thread with that image as its
+    one reference."""
+    import gradio as gr
+    from webui.studio import Studio
+    t = continued(Thread(), turn("red", refs=("r.png",)))
+    refs, tabs, thread = Studio.to_edit("/out/red.png", t)
+    assert refs == thread == gr.skip() and tabs.selected == "ti2i"
+    refs, tabs, thread = Studio.to_edit("/out/older.png", t)
+    assert refs == ["/out/older.png"] and thread == Thread() and tabs.selected == "ti2i"
+    assert Studio.to_edit("/out/red.png", Thread())[0] == ["/out/red.png"]
