@@ -20,6 +20,8 @@
 #   flashinfer     installs the carried FlashInfer (bench/flashinfer_install.sh: carry .fi/parts), JIT-builds
 #                  its four families in parallel (timed), its variants' GPU tests (failing, not skipping,
 #                  where it does not import), suite flashinfer (ours vs FlashInfer per op)
+#   conversation   suite conversation (a 3-turn edit per history policy: tokens, prefill ms; embedded model
+#                  and one hybrid4 rank at the real shapes), then the chained-edit evaluation of the policies
 #   step-cache     the step cache's GPU tests, then suite step-cache: speed (hybrid4 rank, MXFP4 Distil) and
 #                  quality (the embedded model), each to its own folder under $OUT
 # Each run's log goes to $OUT/<run>.log, each suite's JSON and tables to $OUT/<suite>.json / .txt; the
@@ -106,6 +108,10 @@ for section in "$@"; do
       tests step_cache_tests 300 -s tests/test_step_cache.py
       run step_cache_speed 590 python3 -m bench step-cache --speed --out "$OUT/step-cache-speed"
       run step_cache_quality 400 python3 -m bench step-cache --quality --out "$OUT/step-cache-quality" ;;
+    conversation)
+      suite conversation 400 conversation
+      run eval_chains 590 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 \
+        --n 0 --chains 40 --seed 2 --device cuda --json "$OUT/eval_chains.json" ;;
     *)
       if python3 -c "import sys; from bench.suites import SUITES; sys.exit(sys.argv[1] not in SUITES)" "$section"; then
         suite "${section//-/_}" 590 "$section"

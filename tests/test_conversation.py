@@ -194,13 +194,32 @@ def test_three_turn_chat_conversation_with_the_openai_client(api):
         msg = chat.choices[0].message
         image = _png_of(msg.content[0]["image_url"]["url"])
         assert PILImage.open(io.BytesIO(image)).size == (256, 256)
-        # the client sends the answer back as it got it: the image part and its reasoning
+        # the client sends the answer back as it got it: the image part, its reasoning, and the reasoning
+        # as the model wrote it (`cot`, tags kept), which the next turn's sequence then holds
+        assert msg.model_extra["cot"].startswith("<think>") and msg.reasoning_content
         messages.append(msg.model_dump(exclude_none=True, warnings=False))
         assert chat.usage.prompt_tokens > 0
     # turn 3's prompt holds the earlier turns: more input tokens than the first turn alone
     first = client.chat.completions.create(model=MODEL, messages=messages[:1], extra_body=dict(
         height=256, width=256, num_inference_steps=1, bot_task="image", seed=3))
     assert chat.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_chat_messages_become_turns():
+    from engine.serve.openai_params import UploadLimits, _chat_history
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a red square"},
+                                         {"type": "image_url", "image_url": {"url": _data_url(RED)}}]},
+            {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": _data_url(GREEN)}}],
+             "reasoning_content": "hm\n\nred", "cot": "<think>hm</think><recaption>red</recaption>"},
+            {"role": "user", "content": "now blue"}, {"role": "user", "content": "and small"},
+            {"role": "assistant", "content": "plain words", "reasoning_content": "shown"},
+            {"role": "user", "content": [{"type": "text", "text": "add a dot"}]}]
+    turns, texts, images, names = _chat_history(msgs, UploadLimits())
+    assert turns == (Turn("a red square", (RED,), "<think>hm</think><recaption>red</recaption>", GREEN),
+                     Turn("now blue\nand small", (), "shown", None))
+    assert texts == ["add a dot"] and images == []
+    assert names["history[1].prompt"] == "messages[3].content" and names["history[1].image"] == "messages[5].content"
 
 
 @pytest.mark.parametrize("messages, param", [

@@ -17,7 +17,7 @@ from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.runtime.sequence import text_phase_sequence
 from engine.spec.tokenizer import OFFICIAL_SPECIAL_TOKENS
-from train.dataset import FORMATS, GROUP_TASKS, is_heldout, make_sample, system_text
+from train.dataset import FORMATS, GROUP_TASKS, edit_chain, is_heldout, make_sample, system_text
 from train.detect import detect
 from train.evaluate import check_edit, check_t2i, parse_recaption, well_formed
 from train.tokenizer import build_tokenizer, padded_vocab, save_and_load
@@ -45,6 +45,19 @@ def test_dataset_is_deterministic_and_split_by_spec():
     assert not {s.key for s in train} & {s.key for s in test}
     assert {s.bot_task for s in test} == {"think_recaption"} and {s.system for s in test} == {"en_unified"}
     assert {s.bot_task for s in train} == {"think_recaption", "recaption", "image"}
+
+
+def test_an_edit_chain_edits_the_scene_the_turn_before_should_have_made():
+    for seed in range(40):
+        chain = edit_chain(seed)
+        assert len(chain) == 3 and chain[0] == make_sample(seed, "test", group=1)
+        for before, after in zip(chain, chain[1:]):
+            assert after.refs == (before.target,) and after.task in GROUP_TASKS[1]
+            assert after.target != before.target        # every turn asks for a change
+        # and the checks hold on a perfect rendering of each target
+        for s in chain:
+            assert check_edit(s.task, s.check, detect(s.target.render()))[0], (seed, s.task, s.prompt)
+    assert edit_chain(3) == edit_chain(3)
 
 
 def test_cot_format_and_recaption_describes_the_target(tokenizers):

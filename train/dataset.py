@@ -330,10 +330,12 @@ def _describe_ref(i: int, scene: Scene) -> str:
     return f"image {i}: {names} on {scene.background}."
 
 
-def _edit(rng: random.Random, kind: str, fmt: str | None = None) -> Sample:
-    n_obj = {"remove": rng.choice((2, 2, 3)), "add": rng.choice((1, 1, 2, 3)),
-             "background": rng.choice((1, 2, 3))}.get(kind, rng.choice((1, 1, 2, 3)))
-    ref = _ref_scene(rng, n_obj, fmt)
+def _edit(rng: random.Random, kind: str, fmt: str | None = None, ref: Scene | None = None) -> Sample:
+    """An edit of `kind` on a random reference scene, or on `ref` (an edit chain's next turn)."""
+    if ref is None:
+        n_obj = {"remove": rng.choice((2, 2, 3)), "add": rng.choice((1, 1, 2, 3)),
+                 "background": rng.choice((1, 2, 3))}.get(kind, rng.choice((1, 1, 2, 3)))
+        ref = _ref_scene(rng, n_obj, fmt)
     objs = list(ref.objects)
     preserve = [o.name for o in objs]
     if kind == "recolor":
@@ -475,6 +477,39 @@ def make_sample(seed: int, split: str = "train", group: int | None = None, task:
         s.bot_task = rng.choices(BOT_TASKS, BOT_TASK_WEIGHTS)[0]
         s.system = rng.choices(SYSTEM_PRESETS, SYSTEM_WEIGHTS)[0]
     return s
+
+
+def _edit_fits(kind: str, scene: Scene) -> bool:
+    """Whether `_edit` can make an edit of `kind` on `scene` (as its own reference scenes always allow)."""
+    if kind == "remove":
+        return len(scene.objects) >= 2
+    if kind == "add":
+        return bool(scene.free_cells()) and len({o.shape for o in scene.objects}) < len(SHAPES)
+    if kind == "move":
+        free = scene.free_cells()
+        return any(any(c in free for c in REGIONS[r]) and o.cell not in REGIONS[r] for o in scene.objects
+                   for r in REGIONS)
+    return bool(scene.objects) or kind == "background"
+
+
+def edit_chain(seed: int, turns: int = 3) -> list[Sample]:
+    """Chained edits (issue 29 item 5): turn 1 is the held-out single edit `make_sample(seed, 'test',
+    group=1)`; each later turn edits the scene the turn before should have made (its target), with a
+    kind that scene allows. Later turns' scenes are not held out (they are new combinations anyway)."""
+    chain = [make_sample(seed, "test", group=1)]
+    rng = random.Random(f"chain:{seed}")
+    while len(chain) < turns:
+        ref = chain[-1].target
+        kinds = [k for k in GROUP_TASKS[1] if _edit_fits(k, ref)]
+        for _ in range(20):             # a move may find no free cell for the object it drew: draw again
+            try:
+                chain.append(_edit(rng, rng.choice(kinds), ref=ref))
+                break
+            except IndexError:
+                continue
+        else:
+            raise ValueError(f"no edit of chain {seed} after turn {len(chain)}")
+    return chain
 
 
 def corpus(n: int = 6000, seed: int = 0) -> list[str]:

@@ -23,6 +23,8 @@ and example edits run too, each with K seeds:
   CoT: the detected objects are exactly the recaption's.
 - Examples: the attribute accuracy of the studio's example prompts, and how often each example edit
   makes its change.
+- Chained edits (`--chains N`): a conversation of 3 edits, each turn under every history policy
+  (engine/runtime/history.py) and, as the yardstick, alone on a perfect image of the scene before it.
 - Time: median wall time of one T2I request (reasoning included) with `--threads` CPU threads.
 """
 from __future__ import annotations
@@ -40,14 +42,16 @@ import torch
 from PIL import Image as PILImage
 
 from engine.runtime.events import Done, Error, Image, Ratio
+from engine.runtime.history import POLICIES, Turn, reasoning_of
 from engine.model.loader import load
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 
-from .dataset import COLORS, FORMATS, REGIONS, SHAPES, make_sample
+from .dataset import COLORS, FORMATS, REGIONS, SHAPES, edit_chain, make_sample
 from .detect import Detection, SceneDetection, detect
 
 T2I_ATTRS = ("color", "shape", "count", "position")
+CHAIN_TURNS = 3
 # The studio's names for the reasoning modes -> the engine's bot_task (webui/options.py REASONING_MODES).
 MODES = {"off": "image", "think": "think", "think_recaption": "think_recaption"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -165,9 +169,11 @@ def check_edit(task: str, check: dict, det: SceneDetection) -> tuple[bool, bool]
     return ok, kept
 
 
-def run_one(pipe: Pipeline, sample, seed: int, bot_task: str | None = None, images: list | None = None) -> dict:
+def run_one(pipe: Pipeline, sample, seed: int, bot_task: str | None = None, images: list | None = None,
+            history: tuple = (), policy: str | None = None) -> dict:
     refs = images if images is not None else [sc.render() for sc in sample.refs]
-    req = Request(prompt=sample.prompt, images=refs, seed=seed, bot_task=bot_task)
+    req = Request(prompt=sample.prompt, images=refs, seed=seed, bot_task=bot_task, history=history,
+                  history_policy=policy)
     t0 = time.perf_counter()
     res: dict = {"error": None, "image": None, "ratio": None, "cot": "", "timings": None}
     for ev in pipe.run(req):
@@ -237,10 +243,44 @@ def evaluate_examples(pipe: Pipeline, bot_task: str | None, seeds: int, log=prin
     return out
 
 
+def evaluate_chains(pipe: Pipeline, n: int, seed: int, bot_task: str, log=print) -> dict:
+    """Chained edits (issue 29 item 5): `n` chains of CHAIN_TURNS edits (dataset.edit_chain), turn 1 on
+    the reference scene, each later turn a conversation's next turn under each history policy (the model
+    sees what the policy shows of the earlier turns: history.py), and, as the yardstick, the same edit
+    alone on a perfect rendering of the scene the turn before should have made ("single"). The share of
+    turns k whose requested change is in the image, per policy; turn 1 is one run shared by all."""
+    out: dict[str, list[bool]] = {}
+
+    def ok_of(r: dict, s) -> bool:
+        return r["image"] is not None and check_edit(s.task, s.check, detect(r["image"]))[0]
+
+    for i in range(n):
+        chain = edit_chain(seed * 100_003 + i, CHAIN_TURNS)
+        refs = [sc.render() for sc in chain[0].refs]
+        first = run_one(pipe, chain[0], seed + i, bot_task)
+        out.setdefault("chain_turn1", []).append(ok_of(first, chain[0]))
+        for policy in POLICIES:
+            history, r = (), first
+            for k, s in enumerate(chain[1:], start=2):
+                prev = chain[k - 2]
+                if r["image"] is None:          # the chain broke: the later turns cannot succeed
+                    out.setdefault(f"chain_{policy}_turn{k}", []).append(False)
+                    continue
+                history += (Turn(prev.prompt, tuple(refs if k == 2 else ()), reasoning_of(bot_task, r["cot"]),
+                                 r["image"]),)
+                r = run_one(pipe, s, seed + i, bot_task, images=[], history=history, policy=policy)
+                ok = ok_of(r, s)
+                out.setdefault(f"chain_{policy}_turn{k}", []).append(ok)
+                log(f"chain {i} [{policy}] turn {k} [{s.task}] {s.prompt!r}: ok={ok} {r['error'] or ''}")
+        for k, s in enumerate(chain[1:], start=2):
+            out.setdefault(f"chain_single_turn{k}", []).append(ok_of(run_one(pipe, s, seed + i, bot_task), s))
+    return {key: sum(v) / len(v) for key, v in out.items()}
+
+
 def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None = 2, device: str = "cpu",
              n_edit: int | None = None, save_dir: str | Path | None = None, log=print,
              bot_task: str | None = None, example_seeds: int = 0, quantize: str | None = None,
-             resident: str = "auto", dtype: torch.dtype | None = None) -> dict:
+             resident: str = "auto", dtype: torch.dtype | None = None, chains: int = 0) -> dict:
     """The metrics of one reasoning mode (`bot_task`; None: the checkpoint's default). `quantize`
     ("fp8"): the model quantized online at load, as `--quantize fp8` serves it; `resident` as `load`'s
     ("quantized" on the CPU: the quantized weights stay quantized and run the reference ops, so FP8 is
@@ -337,9 +377,10 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
     all_attr = [x for k in T2I_ATTRS for x in attrs[k]]
     all_edit = [x for v in edits.values() for x in v]
     examples = evaluate_examples(pipe, bot_task, example_seeds, log) if example_seeds else {}
+    chained = evaluate_chains(pipe, chains, seed, mode, log) if chains else {}
     return {
         "model": str(model), "mode": mode, "n_t2i": n, "n_ti2i": n_edit, "seed": seed, "threads": threads,
-        "errors": errors, "example_seeds": example_seeds, **examples,
+        "errors": errors, "example_seeds": example_seeds, **examples, "chains": chains, **chained,
         "t2i_attribute_accuracy": mean(all_attr), **{f"t2i_{k}": mean(v) for k, v in attrs.items()},
         **{f"t2i_{k}": mean(v) for k, v in extra.items()},
         "ti2i_edit_accuracy": mean(all_edit), **{f"ti2i_{k}": mean(v) for k, v in edits.items()},
@@ -365,6 +406,11 @@ def table(ms: list[dict]) -> str:
              ("  CoT (recaption) makes the requested change", "ti2i_cot_correct"),
              ("  image matches its recaption", "ti2i_image_follows_cot"),
              ("Reasoning well-formed (the mode's ids)", "reasoning_well_formed")]
+    if m0.get("chains"):
+        rows += [(f"Chained edits ({m0['chains']} chains): turn 1 makes its change", "chain_turn1")]
+        rows += [(f"  turn {k}, {who}", f"chain_{key}_turn{k}") for k in range(2, CHAIN_TURNS + 1)
+                 for key, who in [("single", "alone on a perfect image")] + [(p, f"history policy {p}")
+                                                                           for p in POLICIES]]
     if m0.get("example_seeds"):
         k = m0["example_seeds"]
         rows += [(f"Studio examples, {k} seeds each: T2I attribute accuracy", "examples_t2i_attribute_accuracy")]
@@ -396,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                          "'default' is the checkpoint's own)")
     ap.add_argument("--example-seeds", type=int, default=5,
                     help="runs of each of the studio's examples per mode (0: none; default 5)")
+    ap.add_argument("--chains", type=int, default=0,
+                    help=f"chained edits ({CHAIN_TURNS} turns each) per mode, every history policy (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (the timing target is 2 cores)")
     ap.add_argument("--device", default="cpu")
@@ -424,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         ms.append(evaluate(args.model, args.n, args.seed, args.threads, args.device, args.n_edit, save,
                            log=(lambda *_: None) if args.quiet else print,
                            bot_task=MODES.get(mode), example_seeds=args.example_seeds, quantize=args.quantize,
-                           resident=args.resident, dtype=DTYPES.get(args.dtype)))
+                           resident=args.resident, dtype=DTYPES.get(args.dtype), chains=args.chains))
     cmd = "python -m train.evaluate " + " ".join(sys.argv[1:] if argv is None else argv)
     print(table(ms))
     print(f"command: {cmd}")

@@ -23,6 +23,7 @@ SUITES = {
     "replicas": "throughput of engine replicas on Ray Serve against one engine, at K concurrent /v1 clients",
     "train-step": "where a training step of the embedded model goes",
     "step-cache": "the step cache's settings: denoise time per image at the real shapes, image PSNR/SSIM vs no cache",
+    "conversation": "a 3-turn edit conversation per history policy: each turn's tokens and prefill ms (embedded, real shapes)",
 }
 
 

@@ -50,6 +50,7 @@ MAX_IMAGES = 3                       # images in one sequence, the model's limit
 POLICIES = ("full", "last_image")
 DEFAULT_POLICY = "full"
 MAX_TURNS = 32                       # earlier turns one request may carry (each is re-read and checked)
+MAX_REASONING_CHARS = 65536          # a turn's reasoning: room for the longest CoT (8192 tokens) the engine writes
 
 
 class HistoryError(ValueError):
@@ -93,7 +94,8 @@ def _open(turns: tuple, max_prompt_chars: int) -> list[SeenTurn]:
         where = f"history[{i}]"
         if not isinstance(t, Turn):
             raise HistoryError(f"{where} must be a Turn (got {type(t).__name__})", where)
-        for name, text, limit in (("prompt", t.prompt, max_prompt_chars), ("reasoning", t.reasoning, 4 * max_prompt_chars)):
+        for name, text, limit in (("prompt", t.prompt, max_prompt_chars),
+                                  ("reasoning", t.reasoning, MAX_REASONING_CHARS)):
             if not isinstance(text, str):
                 raise HistoryError(f"{where}.{name} must be text (got {type(text).__name__})", f"{where}.{name}")
             if len(text) > limit:

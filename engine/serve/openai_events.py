@@ -23,7 +23,8 @@ from typing import Any, AsyncIterator
 
 from PIL import Image as PILImage
 
-from engine.runtime.events import Done, Error, Event, Image, Ratio, Step, Text
+from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Text
+from engine.runtime.history import reasoning_of
 from engine.serve.client import Submission
 from engine.serve.info import ModelInfo
 from engine.serve.openai_params import ApiError, ImageParams
@@ -52,9 +53,12 @@ class Outcome:
     done: Done | None = None
     error: Error | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    bot_task: str = ""
 
     def add(self, ev: Event) -> None:
-        if isinstance(ev, Text):
+        if isinstance(ev, Started):
+            self.bot_task = ev.bot_task
+        elif isinstance(ev, Text):
             self.sections[ev.section] = self.sections.get(ev.section, "") + ev.delta
         elif isinstance(ev, Ratio):
             self.ratio = ev
@@ -77,6 +81,12 @@ class Outcome:
     def reasoning(self) -> str:
         """The thinking and the recaption, as the model wrote them, one after the other."""
         return "\n\n".join(self.sections[s].strip() for s in ("think", "recaption") if self.sections.get(s))
+
+    @property
+    def cot(self) -> str:
+        """The reasoning as the image phase read it, tags kept: what a chat client sends back in its
+        history (an assistant message's `cot`) for the next turn to see it as the model wrote it."""
+        return reasoning_of(self.bot_task, self.done.cot_text) if self.done else ""
 
     @property
     def revised_prompt(self) -> str | None:
@@ -165,7 +175,8 @@ async def chat_response(out: Outcome, p: ImageParams, info: ModelInfo, inputs: I
     return {"id": f"chatcmpl-{p.request.request_id}", "object": "chat.completion", "created": out.created,
             "model": info.name,
             "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": parts, "reasoning_content": out.reasoning}}],
+                         "message": {"role": "assistant", "content": parts, "reasoning_content": out.reasoning,
+                                     "cot": out.cot}}],
             "usage": _chat_usage(u), "size": out.size, "revised_prompt": out.revised_prompt, **out.extensions()}
 
 
@@ -283,7 +294,8 @@ async def chat_stream(sub: Submission, p: ImageParams, info: ModelInfo, inputs: 
                 ims = out.ordered()
                 parts = [{"type": "image_url", "image_url": {"url": _data_url(b, p.output_format)}}
                          for b in await _encoded(ims, p)]
-                yield chunk({"content": parts}, "stop", size=out.size, revised_prompt=out.revised_prompt,
+                yield chunk({"content": parts, "cot": out.cot}, "stop", size=out.size,
+                            revised_prompt=out.revised_prompt,
                             **{k: v for k, v in out.extensions().items() if k != "reasoning"})
                 if p.include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk", "created": out.created,

@@ -394,7 +394,7 @@ def _sampling(merged: dict, names: dict[str, str]) -> dict[str, Any]:
 def _chat_history(messages: list, limits: UploadLimits
                   ) -> tuple[tuple[Turn, ...], list[str], list[bytes], dict[str, str]]:
     """The chat's conversation: its earlier turns (each user message, or run of them, then the assistant's
-    answer: its `reasoning_content` or text, and the image it returned as an `image_url` part), this
+    answer: its `cot`, `reasoning_content` or text, and the image it returned as an `image_url` part), this
     turn's texts and reference images (the last user messages), and where each turn came from (engine
     field -> `messages[i]...`, for a refusal). System messages are the system prompt (parse_chat)."""
     runs: list[tuple[str, list[int]]] = []           # (role, message indexes) of each run of one role
@@ -432,9 +432,11 @@ def _chat_history(messages: list, limits: UploadLimits
         for i in answered:
             m = messages[i]
             t, urls = _chat_text(m.get("content"), f"messages[{i}]", f"messages[{i}].content")
-            r = m.get("reasoning_content")
+            # the reasoning as the model wrote it (`cot`, which this server's answers carry), else as shown
+            name = "cot" if m.get("cot") else "reasoning_content"
+            r = m.get(name)
             if r is not None and not isinstance(r, str):
-                raise invalid(f"messages[{i}].reasoning_content", f"must be a string (got {type(r).__name__})")
+                raise invalid(f"messages[{i}].{name}", f"must be a string (got {type(r).__name__})")
             reasoning += [r] if r else t
             if len(urls) > 1 or (urls and image is not None):
                 raise invalid(f"messages[{i}].content", "an assistant turn holds at most one image (the one it made)")

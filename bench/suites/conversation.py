@@ -1,0 +1,176 @@
+"""A 3-turn edit conversation (issue 29): what each turn's prompt costs under each history policy.
+
+    python -m bench conversation           # one GPU: the embedded model end to end, then one hybrid4 rank
+    python -m bench conversation --dry     # CPU, the embedded model and the tiny config: the suite runs
+
+1. The embedded model (bf16 on CUDA, as served): turn 1 edits a reference image; turns 2 and 3 continue
+   the conversation under each policy (engine/runtime/history.py). Per turn: the input tokens of its
+   sequence (engine/serve/usage.py), the AR prefill and the denoise prefill ms (the engine's Timings,
+   median of --repeat runs after a warm-up), the request's wall time.
+2. Real shapes: rank 0 of hybrid4 (random bf16 weights, collectives no-ops) prefills each turn's
+   sequence at a 1024x1024 reference, laid out by the engine's sequence builder (the embedded model's
+   tokenizer and system prompt, the reasoning part 1 wrote, every image at the real config's 1024x1024
+   grid: 64x64 VAE tokens + 1024 ViT slots). ms are CUDA-event medians of the eager prefill.
+
+There is no prefix cache yet: turn k prefills and encodes its whole history again; this suite is the
+baseline the cache is to beat (turn 2's prefill against turn 1's).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+from pathlib import Path
+
+import torch
+
+from .. import rank
+from ..report import Col, Output
+from ..timing import time_ms
+
+DRY = True
+CUDA = True
+PROMPTS = ("make the circle blue", "move the square to the right", "add a small red star at the top")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each turn (median)")
+
+
+def _reference() -> bytes:
+    from PIL import Image as PILImage, ImageDraw
+    img = PILImage.new("RGB", (256, 256), (235, 235, 235))
+    d = ImageDraw.Draw(img)
+    d.ellipse((30, 90, 100, 160), fill=(220, 38, 38))
+    d.rectangle((150, 90, 220, 160), fill=(40, 160, 60))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def embedded(args: argparse.Namespace, out: Output) -> tuple[list[dict], dict]:
+    """Part 1; also what part 2 lays out: each (policy, turn)'s request and the reasoning of each turn."""
+    import time
+
+    from engine import EMBEDDED_MODEL
+    from engine.model.loader import load
+    from engine.runtime.events import Done, Error, Image
+    from engine.runtime.history import POLICIES, Turn, reasoning_of
+    from engine.runtime.pipeline import Pipeline
+    from engine.runtime.request import Request
+    from engine.serve.info import ModelInfo
+    from engine.serve.usage import InputCounter
+    dev = "cpu" if args.dry else "cuda"
+    folder = Path(args.model or EMBEDDED_MODEL)
+    lm = load(folder, dev, torch.bfloat16 if dev == "cuda" else None)
+    pipe, counter = Pipeline(lm, preview_every=0), InputCounter(ModelInfo.from_folder(folder))
+    repeat = 1 if args.dry else args.repeat
+
+    def turn(req: Request) -> tuple[list[Done], bytes, str]:
+        dones, png = [], b""
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            ev = list(pipe.run(req))
+            errs = [e for e in ev if isinstance(e, Error)]
+            if errs:
+                raise RuntimeError(f"{req.prompt!r}: {errs[0].message}")
+            done = next(e for e in ev if isinstance(e, Done))
+            done.timings.total_s = time.perf_counter() - t0
+            dones.append(done)
+            png = next(e for e in ev if isinstance(e, Image)).png
+        return dones, png, dones[-1].cot_text
+
+    ref = _reference()
+    common = dict(seed=1, steps=4 if args.dry else None, max_new_tokens=16 if args.dry else None)
+    first = Request(prompt=PROMPTS[0], images=[ref], **common)
+    list(pipe.run(first))                                   # warm-up: first-call allocations, graphs
+    rows, plan = [], {}
+    dones, png, cot = turn(first)
+    bot_task = lm.gen.bot_task
+    base = Turn(PROMPTS[0], (ref,), reasoning_of(bot_task, cot), png)
+
+    def row(policy: str, k: int, req: Request, dones: list[Done]) -> dict:
+        med = lambda f: statistics.median(f(d.timings) for d in dones)
+        tokens = counter.count(req)
+        return dict(policy=policy, turn=k, input_tokens=tokens.total, image_tokens=tokens.image,
+                    ar_prefill_ms=med(lambda t: t.ar_prefill_ms), dit_prefill_ms=med(lambda t: t.dit_prefill_ms),
+                    total_s=med(lambda t: t.total_s))
+
+    rows.append(row("-", 1, first, dones))
+    plan[("-", 1)] = first
+    for policy in POLICIES:
+        history = (base,)
+        for k, prompt in enumerate(PROMPTS[1:], start=2):
+            req = Request(prompt=prompt, history=history, history_policy=policy, **common)
+            dones, png, cot = turn(req)
+            rows.append(row(policy, k, req, dones))
+            plan[(policy, k)] = req
+            history += (Turn(prompt, (), reasoning_of(bot_task, cot), png),)
+    for r in rows:
+        out.say(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+    out.table(rows, [Col("policy", "policy"), Col("turn", "turn"), Col("input tokens", "input_tokens"),
+                     Col("of them image", "image_tokens"), Col("AR prefill ms", "ar_prefill_ms", ".1f"),
+                     Col("DiT prefill ms", "dit_prefill_ms", ".1f"), Col("request s", "total_s", ".2f")],
+              f"The embedded model ({dev}), a 3-turn edit conversation, median of {repeat}")
+    return rows, plan
+
+
+def real_shapes(args: argparse.Namespace, out: Output, plan: dict) -> list[dict]:
+    """Part 2: each turn's sequence at the real grid, prefilled by one hybrid4 rank."""
+    from engine import EMBEDDED_MODEL
+    from engine.model.attention import KVCache
+    from engine.parallel.plan import get_plan
+    from engine.runtime.history import select
+    from engine.runtime.sequence import CondImageLayout, PastTurnLayout, SequenceBuilder, user_turn
+    from engine.serve.info import ModelInfo
+    from engine.spec.prompts import SystemPrompts
+    from engine.spec.tokenizer import Tokenizer
+    dev = "cpu" if args.dry else "cuda"
+    cfg = rank.config(dry=args.dry)
+    info = ModelInfo.from_folder(Path(args.model or EMBEDDED_MODEL))
+    tok = Tokenizer(info.folder / "tokenizer.json", info.cfg.image_base_size, len(info.buckets))
+    system = SystemPrompts.load(info.folder).resolve(info.gen.use_system_prompt, info.gen.bot_task)
+    side = 4 if args.dry else 64                   # 1024x1024: 64x64 VAE tokens
+    vit = (4, 4) if args.dry else (32, 32)
+    image = CondImageLayout((side, side), 16, vit, vit[0] * vit[1])
+    p = get_plan("hybrid4")
+    model = rank.build(cfg, p, torch.bfloat16, dev)
+    view = rank.ar_view(p)
+    kvr = model.transformer.layers[0].self_attn.kv_per_micro
+    rows = []
+    for (policy, k), req in plan.items():
+        seen, carried = select(req.history, len(req.images), req.history_policy)
+        past = [PastTurnLayout(t.prompt, tuple(image for _ in t.images), t.reasoning,
+                               None if t.image is None else image) for t in seen]
+        seq = user_turn(SequenceBuilder(tok, cfg.cond_token_attn_type), system, req.prompt,
+                        [image] * (len(carried) + len(req.images)), past).text("Assistant: <think>").build()
+        T = seq.tensors(dev)
+        L = len(seq)
+        ids = T["ids"].clamp(max=cfg.vocab_size - 1)[None]
+        cache = KVCache.allocate(cfg.num_layers, 1, kvr, L + 8, cfg.head_dim, model.dtype, dev)
+        index = torch.arange(L, device=dev)
+
+        def prefill():
+            h = model.backbone(model.transformer.embed(ids), index, T["pos"], T["blocks"], cache, L, view)
+            return model.transformer.logits(h[:, -1], view)
+
+        with torch.no_grad():
+            ms = time_ms(prefill, "wall", n=1, warmup=0) if args.dry else time_ms(prefill, "events", n=5)
+        rows.append(dict(policy=policy, turn=k, tokens=L, images=len(seq.cond_images), prefill_ms=ms))
+        out.say(f"{policy} turn {k}: {L} tokens, {len(seq.cond_images)} images, prefill {ms:.1f} ms")
+        del cache
+    t1 = next(r["prefill_ms"] for r in rows if r["turn"] == 1)
+    for r in rows:
+        r["vs_turn1"] = r["prefill_ms"] / t1
+    out.table(rows, [Col("policy", "policy"), Col("turn", "turn"), Col("tokens", "tokens"), Col("images", "images"),
+                     Col("prefill ms", "prefill_ms", ".1f"), Col("x turn 1", "vs_turn1", ".2f")],
+              "One hybrid4 rank (AR TP4 view) at the real shapes: each turn's AR prefill, 1024x1024 images")
+    return rows
+
+
+def run(args: argparse.Namespace, out: Output) -> bool:
+    rows, plan = embedded(args, out)
+    out.data["embedded"] = rows
+    out.data["real_shapes"] = real_shapes(args, out, plan)
+    return True
