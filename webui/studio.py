@@ -21,6 +21,7 @@ import asyncio
 import html
 import tempfile
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Union
 
@@ -236,7 +237,8 @@ class Studio:
                 req = build_request(prompt, thread.images_for(paths, self.conversations), settings)
                 if self.conversations:
                     conversation, branch_from = thread.submit_args()
-                    submit = lambda r: self.client.submit_turn(r, conversation, branch_from)  # noqa: E731
+                    submit = partial(self.client.submit_turn, conversation=conversation,
+                                     branch_from_turn=branch_from)
             async for update in run(self.client, req, self.out_dir, self.recent, submit):
                 yield out(update)
         except EngineFailure as e:
@@ -269,7 +271,8 @@ class Studio:
             return None
         if not (u.final and u.image):
             return gr.skip()
-        return ThreadTurn(prompt, tuple(references), u.cot or "", u.image, u.conversation if self.conversations else None)
+        return ThreadTurn(prompt, tuple(references), u.cot or "", u.image,
+                          u.conversation if self.conversations else None)
 
     @staticmethod
     def add_turn(thread: Thread, turn: ThreadTurn | None) -> tuple:
