@@ -184,3 +184,21 @@ def test_edit_this_result_continues_the_thread_or_starts_one():
     refs, tabs, thread = Studio.to_edit("/out/older.png", t)
     assert refs == ["/out/older.png"] and thread == Thread() and tabs.selected == "ti2i"
     assert Studio.to_edit("/out/red.png", Thread())[0] == ["/out/red.png"]
+
+
+def test_a_thread_the_engine_no_longer_holds_says_how_to_go_on(engine_server, tmp_path):
+    """A conversation the engine dropped (least recently used) is refused before it runs, and the page
+    says what to do rather than only the engine's 'no conversation'."""
+    import gradio as gr
+    from webui.studio import LOST_THREAD, Studio
+    studio = Studio(CountingClient(engine_server), engine_server.info, tmp_path / "out")
+    outs = []
+
+    async def collect():
+        gone = continued(Thread(), turn("red", "conv_gone"))
+        async for o in studio.generate("add a moon", [], Settings(*settings()), gone):
+            outs.append(o)
+
+    with pytest.raises(gr.Error, match="no conversation 'conv_gone'"):
+        asyncio.run(collect())
+    assert outs[-1][0].startswith("Request refused: no conversation") and outs[-1][0].endswith(LOST_THREAD)

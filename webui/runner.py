@@ -38,9 +38,9 @@ class EngineFailure(Exception):
     """The request ended with an error from the engine; the message is meant for the user. `kind` is
     the Error event's: invalid, busy (the engine holds --max-queue requests already) or engine."""
 
-    def __init__(self, message: str, kind: str = "engine"):
+    def __init__(self, message: str, kind: str = "engine", param: str | None = None):
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.param = kind, param     # param: the request field at fault (Error.param)
 
 
 @dataclass
@@ -237,7 +237,7 @@ async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentR
                     if ev.kind == "cancelled":
                         yield Update(final=True, status="Stopped.", preview=preview, cot=cot.text)
                         return
-                    raise EngineFailure(ev.message, ev.kind)
+                    raise EngineFailure(ev.message, ev.kind, ev.param)
             if update.changed:
                 yield update
     finally:

@@ -49,6 +49,9 @@ PROMPTS_KEY = "hunyuan-studio-prompts"   # the browser storage that keeps the tw
 # What failed, said first in the message: Gradio 6.31's page ignores gr.Error's title (its toast always
 # reads "Error"), and API clients see only the message.
 FAILURE_PREFIX = {"invalid": "Request refused", "busy": "Not queued", "engine": "Generation failed"}
+# The engine dropped the thread's conversation (its store keeps the most recently used ones).
+LOST_THREAD = ("The engine no longer holds this thread: press Start over (its images are in this page's "
+               "history; open one and press Edit this result to go on from it)")
 
 # The engine line refreshes itself from the page: a timer-driven Gradio event would re-apply every
 # component's loading status on each tick, which wipes the validation message under a control (Gradio
@@ -243,6 +246,8 @@ class Studio:
                 yield out(update)
         except EngineFailure as e:
             message = f"{FAILURE_PREFIX.get(e.kind, 'Generation failed')}: {e}"
+            if thread is not None and e.param in ("conversation_id", "branch_from_turn"):
+                message += f". {LOST_THREAD}"
             # the Status box keeps it (the toast hides after a few seconds)
             yield out(Update(status=message))
             raise gr.Error(message, print_exception=False) from None
