@@ -55,10 +55,16 @@ class CountingClient:
     def __init__(self, server: EngineServer):
         self.server = server
         self.submitted: list[Request] = []
+        self.turns: list[tuple[str | None, int | None]] = []   # submit_turn's (conversation, branch_from_turn)
 
     def submit(self, request: Request):
         self.submitted.append(request)
         return self.server.submit(request)
+
+    def submit_turn(self, request: Request, conversation: str | None = None, branch_from_turn: int | None = None):
+        self.submitted.append(request)
+        self.turns.append((conversation, branch_from_turn))
+        return self.server.submit_turn(request, conversation, branch_from_turn)
 
     def cancel(self, request_id: str) -> bool:
         return self.server.cancel(request_id)

@@ -476,3 +476,90 @@ def test_a_run_on_a_phone_shows_the_reasoning_and_the_canvas(browser, studio):
     assert cot["y"] >= 0 and cot["y"] + cot["height"] <= 844 and canvas["y"] + 150 <= 844, (cot, canvas)
     wait_done(page, 0, timeout=120)
     page.close()
+
+
+def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studio, tmp_path):
+    """Issue 29 item 3 on the page: three edits in a row stay as turns (instruction, reasoning, image,
+    download) and continue one engine conversation; Undo gives the last instruction back and the next
+    one branches from turn 2; Branch from here on turn 1; Start over. During a turn the reasoning and the
+    canvas are in view at 1440x900 and at 390x844. Screenshots: tmp_path/thread-*.png."""
+    url, counting, _ = studio
+    expect = sync_api.expect
+    ref = tmp_path / "ref.png"
+    PILImage.new("RGB", (120, 90), (200, 40, 40)).save(ref)
+    page = open_page(browser, url, viewport={"width": 1440, "height": 900})
+    page.locator("#random-seed input").uncheck()
+    page.locator("#seed input").fill("1")         # the tiny model at some seeds closes its reasoning at once
+    page.locator("#seed input").press("Enter")
+    page.locator("#steps input[type=number]").fill("2")
+    page.locator("#steps input[type=number]").press("Enter")
+    page.locator("#mode label", has_text="Think").first.click()
+    page.get_by_role("tab", name="Edit with reference images").click()
+    page.locator("#refs input[type=file]").first.set_input_files([str(ref)])
+    expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
+    first_turn = len(counting.turns)
+
+    def edit(instruction: str, turns_after: int, shot: str | None = None, height: int = 900) -> None:
+        page.locator("#ti2i-prompt textarea").fill(instruction)
+        runs = page.evaluate("window.__done")
+        page.locator("#ti2i-run").click()
+        if shot:                                    # mid-run: the streamed reasoning and the canvas in view
+            expect(page.locator("#status textarea")).to_have_value(re.compile(r"^(Writing|Size|step)"), timeout=60_000)
+            expect(page.locator("#cot textarea")).to_have_value(re.compile(r"\[Thinking\]\n.+", re.S), timeout=5_000)
+            page.wait_for_timeout(1000)             # a phone's smooth scroll to the run
+            cot, canvas = page.locator("#cot").bounding_box(), page.locator("#result").bounding_box()
+            page.screenshot(path=str(tmp_path / f"thread-{shot}.png"))
+            assert 0 <= cot["y"] and cot["y"] + cot["height"] <= height and canvas["y"] + 150 <= height, (cot, canvas)
+        wait_done(page, runs)
+        expect(page.locator(".turn")).to_have_count(turns_after, timeout=20_000)
+        expect(page.locator("#ti2i-prompt textarea")).to_have_value("", timeout=10_000)
+
+    edit("make it blue", 1)
+    expect(page.locator("#refs img")).to_have_count(0)          # the references went into turn 1
+    edit("add a star", 2, shot="desktop-run")
+    page.set_viewport_size({"width": 390, "height": 844})
+    edit("make the star green", 3, shot="phone-run", height=844)
+    page.set_viewport_size({"width": 1440, "height": 900})
+    c1 = counting.turns[first_turn + 1][0]
+    assert counting.turns[first_turn:] == [(None, None), (c1, None), (c1, None)], counting.turns
+    expect(page.locator("#turn-3 .turn-instruction")).to_have_text("make the star green")
+    page.locator("#turn-1 .turn-reasoning").get_by_text("Reasoning").click()
+    expect(page.locator("#turn-1 .turn-reasoning textarea")).to_have_value(re.compile(r"^\[Thinking\]"), timeout=10_000)
+    with page.expect_download() as download:
+        page.locator("#turn-2 .turn-download").click()
+    assert Path(download.value.path()).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page.locator("#turn-1").scroll_into_view_if_needed()
+    page.screenshot(path=str(tmp_path / "thread-3-turns.png"), full_page=True)
+
+    page.locator("#thread-undo").click()
+    expect(page.locator(".turn")).to_have_count(2, timeout=10_000)
+    expect(page.locator("#ti2i-prompt textarea")).to_have_value("make the star green")   # given back to change
+    expect(page.locator("#thread-cut")).to_be_visible()
+    edit("make the star yellow", 3)
+    assert counting.turns[-1] == (c1, 2), counting.turns
+
+    page.locator("#turn-1 .turn-branch").click()
+    expect(page.locator(".turn")).to_have_count(1, timeout=10_000)
+    edit("make it a square", 2)
+    assert counting.turns[-1] == (c1, 1), counting.turns
+    expect(page.locator("#turn-2 .turn-instruction")).to_have_text("make it a square")
+
+    page.locator("#edit-result").click()           # the canvas holds the thread's last image: it continues
+    page.wait_for_timeout(1000)
+    expect(page.locator(".turn")).to_have_count(2)
+    expect(page.locator("#refs img")).to_have_count(0)
+
+    page.locator("#thread-start-over").click()
+    expect(page.locator(".turn")).to_have_count(0, timeout=10_000)
+    expect(page.locator("#refs img")).to_have_count(0)
+    # any history item reopens on the canvas and starts a thread as its first reference
+    older = page.locator("#history img").nth(2)
+    older.click()
+    page.wait_for_function(
+        "() => document.querySelector('#result img').src.split('/').pop() === "
+        "document.querySelectorAll('#history img')[2].src.split('/').pop()", timeout=10_000)
+    page.locator("#edit-result").click()
+    expect(page.locator("#refs img")).to_have_count(1, timeout=10_000)
+    expect(page.locator(".turn")).to_have_count(0)
+    page.screenshot(path=str(tmp_path / "thread-from-history.png"))
+    page.close()

@@ -348,10 +348,10 @@ def test_studio_picker_sends_the_adapter_and_puts_its_errors_on_the_controls(tin
     assert (build_request("a cat", [], s).lora, build_request("a cat", [], s).lora_scale) == ("plain", 0.5)
     assert build_request("a cat", [], dataclasses.replace(s, lora=NO_LORA)).lora is None
     controls = ("prompt", *Settings.NAMES)
-    assert studio.validation("a cat", None, s, False, controls) == {}
-    gone = studio.validation("a cat", None, dataclasses.replace(s, lora="gone"), False, controls)
+    assert studio.validation("a cat", None, s, controls) == {}
+    gone = studio.validation("a cat", None, dataclasses.replace(s, lora="gone"), controls)
     assert gone == {"lora": "Unknown LoRA adapter 'gone'; the loaded ones are plain"}
-    strong = studio.validation("a cat", None, dataclasses.replace(s, lora_scale=9), False, controls)
+    strong = studio.validation("a cat", None, dataclasses.replace(s, lora_scale=9), controls)
     assert strong == {"lora_scale": "The LoRA strength (lora_scale) must be a number in (0, 4] (got 9)"}
     picker, slider = studio.adapter_picker()
     assert picker["choices"] == [NO_LORA, "plain"] and picker["visible"] and slider["visible"]

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from PIL import Image as PILImage
 
@@ -38,9 +38,9 @@ class EngineFailure(Exception):
     """The request ended with an error from the engine; the message is meant for the user. `kind` is
     the Error event's: invalid, busy (the engine holds --max-queue requests already) or engine."""
 
-    def __init__(self, message: str, kind: str = "engine"):
+    def __init__(self, message: str, kind: str = "engine", param: str | None = None):
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.param = kind, param     # param: the request field at fault (Error.param)
 
 
 @dataclass
@@ -51,6 +51,7 @@ class Update:
     cot: str | None = None
     timings: str | None = None
     seed: int | None = None           # the seed of the final image (the engine's Image event says it)
+    conversation: str | None = None   # the engine conversation the finished turn was added to (submit_turn's)
     reset: bool = False               # clear every output first (start of a run)
     final: bool = False               # the run is over: send every output
 
@@ -171,15 +172,18 @@ def done_status(total_s: float, waited_s: float) -> str:
     return f"Done in {total_s:.1f} s" + (f", {waited_s:.1f} s of it waiting to start" if waited_s >= 0.05 else "")
 
 
-async def run(client: EngineClient, req: Request, out_dir: Path,
-              recent: RecentRuns | None = None) -> AsyncIterator[Update]:
+async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentRuns | None = None,
+              submit: Callable[[Request], Any] | None = None) -> AsyncIterator[Update]:
     """Submit `req` and describe its progress. Raises EngineFailure with a user-facing message when
     the engine refuses or fails the request; a cancelled request just ends with a 'Stopped' status.
-    `recent`: the studio's record of finished runs (read for the wait estimate, this run added)."""
+    `recent`: the studio's record of finished runs (read for the wait estimate, this run added).
+    `submit`: how to submit (a conversation's turn: `submit_turn` with its arguments); `client.submit`
+    when None."""
     prune(out_dir)
     submitted = time.monotonic()
     started_at: float | None = None
-    sub = await asyncio.to_thread(client.submit, req)      # it validates, so decodes the references: off the loop
+    # it validates, so decodes the references: off the loop
+    sub = await asyncio.to_thread(submit or client.submit, req)
     cot, image, started = CotLog(), None, False
     image_path: str | None = None
     size: tuple[int, int] | None = None            # (width, height) of the image, once chosen
@@ -224,7 +228,8 @@ async def run(client: EngineClient, req: Request, out_dir: Path,
                         recent.add(total)
                     waited = (started_at if started_at is not None else submitted) - submitted
                     yield Update(final=True, status=done_status(total, waited), image=image_path, cot=cot.text,
-                                 timings=timings_text(ev, image), seed=None if image is None else image.seed)
+                                 timings=timings_text(ev, image), seed=None if image is None else image.seed,
+                                 conversation=getattr(sub, "conversation_id", None))
                     return
                 elif isinstance(ev, Error):
                     if update.changed:
@@ -232,7 +237,7 @@ async def run(client: EngineClient, req: Request, out_dir: Path,
                     if ev.kind == "cancelled":
                         yield Update(final=True, status="Stopped.", preview=preview, cot=cot.text)
                         return
-                    raise EngineFailure(ev.message, ev.kind)
+                    raise EngineFailure(ev.message, ev.kind, ev.param)
             if update.changed:
                 yield update
     finally:

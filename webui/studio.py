@@ -1,16 +1,19 @@
 """The studio page: Gradio Blocks wired to the engine server.
 
 Layout: three columns that the page arranges by width. On a wide screen the prompt (two tabs: T2I, and
-TI2I with 1-3 reference images, each with Generate/Stop and examples) sits above the shared settings on
+TI2I, each with Generate/Stop and examples) sits above the shared settings on
 the left, and the run fills the right: a status line, the streamed reasoning, the canvas (the step
 preview is drawn in it while denoising, then the final image replaces it; it gives up height so that the
 reasoning and it share one screen), Download / Edit this result, the timings and the page's history (a
 click opens an item on the canvas). On a phone they stack prompt, run, settings, and Generate scrolls to
-the run.
+the run. The TI2I tab is a thread (webui/thread.py, drawn by thread_view.py): each finished edit stays
+there as a turn and the next instruction continues the engine conversation (the first turn takes 1-3
+reference images, later ones may add some); Undo, Branch from here, Start over.
 
 API: `/t2i(prompt, mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
 max_new_tokens)` and `/ti2i(prompt, images, ...same...)`, each streaming `(status, image, timings,
-reasoning)`; every parameter after the prompt (and images) has a default.
+reasoning)`; every parameter after the prompt (and images) has a default. An API call to `/ti2i` is one
+edit (the thread is the page's).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import asyncio
 import html
 import tempfile
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Union
 
@@ -34,6 +38,8 @@ from .options import (AUTO_SIZE, NO_LORA, REASONING_MODES, STEP_CACHES, Settings
 from .references import check_reference
 from .runner import EngineClient, EngineFailure, RecentRuns, Update, run, running_count
 from .theme import CSS, theme
+from .thread import Thread, ThreadTurn, check_next, continued, started
+from .thread_view import QUEUED, thread_panel
 
 TITLE = "HunyuanImage-3.0 Studio"
 HEALTH_EVERY_MS = 1000    # the engine line's refresh (a small POST per open page)
@@ -43,6 +49,9 @@ PROMPTS_KEY = "hunyuan-studio-prompts"   # the browser storage that keeps the tw
 # What failed, said first in the message: Gradio 6.31's page ignores gr.Error's title (its toast always
 # reads "Error"), and API clients see only the message.
 FAILURE_PREFIX = {"invalid": "Request refused", "busy": "Not queued", "engine": "Generation failed"}
+# The engine dropped the thread's conversation (its store keeps the most recently used ones).
+LOST_THREAD = ("The engine no longer holds this thread: press Start over (its images are in this page's "
+               "history; open one and press Edit this result to go on from it)")
 
 # The engine line refreshes itself from the page: a timer-driven Gradio event would re-apply every
 # component's loading status on each tick, which wipes the validation message under a control (Gradio
@@ -168,16 +177,19 @@ class Studio:
     def __init__(self, client: EngineClient, info: ModelInfo, out_dir: Path):
         self.client, self.info, self.out_dir = client, info, out_dir
         self.recent = RecentRuns()      # this studio's finished runs: the queue's wait estimate
+        # the edit tab's thread is an engine conversation where the client holds them (not a ReplicaPool)
+        self.conversations = callable(getattr(client, "submit_turn", None))
 
     # ---------------------------------------------------------------- validation (before queueing)
-    def validation(self, prompt: str, refs: Any, settings: Settings, need_images: bool,
-                   controls: tuple[str, ...]) -> dict[str, str]:
+    def validation(self, prompt: str, refs: Any, settings: Settings, controls: tuple[str, ...],
+                   thread: Thread | None = None) -> dict[str, str]:
         """Control name -> message for what is wrong. The engine's `prepare` is the one judge of a
-        request; this only puts its message on the control that holds the field."""
+        request; this only puts its message on the control that holds the field. `thread`: the edit
+        tab's (its first turn needs references; later ones may add some)."""
         problems: dict[str, str] = {}
         images = _image_paths(refs)
-        if need_images and not images:
-            problems["images"] = "Add 1 to 3 reference images to edit (or use the Text to image tab)."
+        if thread is not None and (problem := check_next(thread, images, self.conversations)) is not None:
+            problems[problem[0]] = problem[1]
         for path in images:
             if (msg := check_reference(path)) is not None:
                 problems.setdefault("images", msg)
@@ -200,11 +212,12 @@ class Studio:
         names = self.adapters()
         return gr.update(choices=[NO_LORA, *names], visible=bool(names)), gr.update(visible=bool(names))
 
-    def validator(self, names: tuple[str, ...], need_images: bool) -> Callable[..., list[dict]]:
+    def validator(self, names: tuple[str, ...]) -> Callable[..., list[dict]]:
         def validate(*values: Any) -> list[dict]:
             by_name = dict(zip(names, values))
             settings = Settings(**{n: by_name[n] for n in Settings.NAMES if n in by_name})
-            problems = self.validation(by_name["prompt"], by_name.get("images"), settings, need_images, names)
+            problems = self.validation(by_name["prompt"], by_name.get("images"), settings, names,
+                                       by_name.get("thread"))
             return [gr.validate(n not in problems, problems.get(n, "")) for n in names]
         return validate
 
@@ -221,17 +234,32 @@ class Studio:
         return out
 
     # ---------------------------------------------------------------- running
-    async def generate(self, prompt: str, refs: Any, settings: Settings) -> AsyncIterator[tuple]:
+    async def generate(self, prompt: str, refs: Any, settings: Settings,
+                       thread: Thread | None = None) -> AsyncIterator[tuple]:
+        """The run's outputs (`outputs`); with `thread` (the edit tab) the request is the thread's next
+        turn and each tuple ends with the turn once it has its image (see `made`)."""
+        def out(u: Update) -> tuple:
+            return self.outputs(u) if thread is None else (*self.outputs(u), self.made(u, prompt, paths))
+        paths, submit = _image_paths(refs), None
         try:
             for message in self.advice(settings):
                 gr.Warning(message)
-            req = build_request(prompt, _image_paths(refs), settings)
-            async for update in run(self.client, req, self.out_dir, self.recent):
-                yield self.outputs(update)
+            if thread is None:
+                req = build_request(prompt, paths, settings)
+            else:
+                req = build_request(prompt, thread.images_for(paths, self.conversations), settings)
+                if self.conversations:
+                    conversation, branch_from = thread.submit_args()
+                    submit = partial(self.client.submit_turn, conversation=conversation,
+                                     branch_from_turn=branch_from)
+            async for update in run(self.client, req, self.out_dir, self.recent, submit):
+                yield out(update)
         except EngineFailure as e:
             message = f"{FAILURE_PREFIX.get(e.kind, 'Generation failed')}: {e}"
+            if thread is not None and e.param in ("conversation_id", "branch_from_turn"):
+                message += f". {LOST_THREAD}"
             # the Status box keeps it (the toast hides after a few seconds)
-            yield self.outputs(Update(status=message))
+            yield out(Update(status=message))
             raise gr.Error(message, print_exception=False) from None
         except (gr.Error, asyncio.CancelledError, GeneratorExit):
             raise
@@ -251,14 +279,37 @@ class Studio:
         the model again, without restarting the studio. `reloading` False: it was not failed."""
         return {"reloading": bool(self.client.reload())}
 
+    def made(self, u: Update, prompt: str, references: list[str]) -> Any:
+        """The thread's new turn, once a run has its image (None at a run's start, so a stopped or failed
+        run adds nothing)."""
+        if u.reset:
+            return None
+        if not (u.final and u.image):
+            return gr.skip()
+        return ThreadTurn(prompt, tuple(references), u.cot or "", u.image,
+                          u.conversation if self.conversations else None)
+
     @staticmethod
-    def to_edit(result: str | None) -> tuple:
-        """'Edit this result': the last image becomes the one reference of the edit tab, which opens
-        (a conversation of edits, one instruction after another; the instruction box keeps its text)."""
+    def add_turn(thread: Thread, turn: ThreadTurn | None) -> tuple:
+        """A finished edit joins the thread; the references and the instruction boxes empty for the next."""
+        if turn is None:
+            return gr.skip(), gr.skip(), gr.skip()
+        return continued(thread, turn), [], ""
+
+    @staticmethod
+    def to_edit(result: str | None, thread: Thread) -> tuple:
+        """'Edit this result' (the canvas's image: the last run's, or a history item reopened): the edit
+        tab opens; the next instruction continues the thread when the image is its last turn's, else the
+        image starts a new thread as its one reference."""
         if not result:
             gr.Warning("Generate an image first: the result is what gets edited.")
-            return gr.skip(), gr.skip()
-        return [result], gr.Tabs(selected="ti2i")
+            return gr.skip(), gr.skip(), gr.skip()
+        if thread.turns and thread.turns[-1].image == result:
+            return gr.skip(), gr.Tabs(selected="ti2i"), gr.skip()
+        if thread.turns:
+            gr.Info("A new thread starts from this image (the images of the one before are in the page's history).")
+        fresh, refs = started(result)
+        return refs, gr.Tabs(selected="ti2i"), fresh
 
     @staticmethod
     def result_buttons(result: str | None) -> tuple:
@@ -362,9 +413,11 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                             t2i_stop = gr.Button("Stop", variant="secondary", interactive=False, elem_id="stop")
                         gr.Examples([[p] for p in t2i_prompts(info.buckets)], inputs=[t2i_prompt], label="Example prompts")
                     with gr.Tab("Edit with reference images", id="ti2i"):
-                        refs = gr.Gallery(label="Reference images (1 to 3)", type="filepath", interactive=True,
-                                          file_types=["image"], columns=3, height="auto", object_fit="contain",
-                                          allow_preview=False, elem_id="refs")
+                        thread = gr.State(Thread())     # the turns so far (webui/thread.py)
+                        thread_slot = gr.Column(elem_id="thread")   # drawn below, once the boxes it sets exist
+                        refs = gr.Gallery(label="Reference images (1 to 3; later turns may add some)", type="filepath",
+                                          interactive=True, file_types=["image"], columns=3, height="auto",
+                                          object_fit="contain", allow_preview=False, elem_id="refs")
                         remove_ref = gr.Button("Remove the selected image", size="sm", interactive=False,
                                                elem_id="remove-ref")
                         ti2i_prompt = gr.Textbox(label="Instruction", lines=3, elem_id="ti2i-prompt",
@@ -375,6 +428,8 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                             ti2i_stop = gr.Button("Stop", variant="secondary", interactive=False, elem_id="ti2i-stop")
                         gr.Examples([[[str(p)], prompt] for p, prompt in reference_examples(ex_dir, is_small(info.buckets))],
                                     inputs=[refs, ti2i_prompt], label="Example edits")
+                        with thread_slot:
+                            thread_panel(thread, refs, ti2i_prompt, studio.conversations)
             with gr.Column(scale=6, min_width=320, elem_id="col-run"):
                 status = gr.Textbox(label="Status", interactive=False, elem_id="status")
                 # the reasoning above the canvas: both in view during a run (1440x900, and a phone)
@@ -427,6 +482,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                         visible=bool(adapters), info="1: as trained; lower tones the adapter down, higher strengthens it."))
         result = gr.State(None)       # the last finished image of this page (the canvas may hold a preview)
         result_seed = gr.State(None)  # its seed, as the engine reported it
+        turn_made = gr.State(None)    # the edit tab's finished turn, for its thread (Studio.made)
         selected_ref = gr.State(None)  # the index of the reference image clicked last
         saved_prompts = gr.BrowserState(["", ""], storage_key=PROMPTS_KEY)
 
@@ -434,7 +490,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                     max_new_tokens, step_cache, lora, lora_scale]
         outputs = [status, image, timings, cot, result, result_seed]
         t2i_names = ("prompt", *Settings.NAMES)
-        ti2i_names = ("prompt", "images", *Settings.NAMES)
+        ti2i_names = ("prompt", "images", *Settings.NAMES, "thread")
 
         async def t2i(prompt, mode, size, seed, random_seed, steps, guidance, system_prompt,
                       custom_system_prompt, max_new_tokens, step_cache="none", lora=NO_LORA,
@@ -446,10 +502,12 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
 
         async def ti2i(prompt, images, mode, size, seed, random_seed, steps, guidance, system_prompt,
                        custom_system_prompt, max_new_tokens, step_cache="none", lora=NO_LORA,
-                       lora_scale=1.0):
+                       lora_scale=1.0, thread=None):
+            # `thread` is page state: an API call gets a fresh one (its finished turn is added to the
+            # page's thread by a follow-up event only the page runs), so /ti2i stays one edit
             s = Settings(mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
                          max_new_tokens, step_cache, lora, lora_scale)
-            async for o in studio.generate(prompt, images, s):
+            async for o in studio.generate(prompt, images, s, thread or Thread()):
                 yield o
 
         # No concurrency limit here: every accepted request goes straight to the engine server, whose
@@ -461,11 +519,11 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
         lock = dict(fn=lambda: busy_buttons(True), inputs=None, outputs=[*runs, *stops], queue=False,
                     api_visibility="private", show_progress="hidden")
         unlock = {**lock, "fn": lambda: busy_buttons(False)}
-        common = dict(outputs=outputs, concurrency_limit=None, show_progress="full", show_progress_on=[status])
-        t2i_ev = t2i_run.click(**lock).then(t2i, [t2i_prompt, *settings], api_name="t2i",
-                                            validator=studio.validator(t2i_names, need_images=False), **common)
-        ti2i_ev = ti2i_run.click(**lock).then(ti2i, [ti2i_prompt, refs, *settings], api_name="ti2i",
-                                              validator=studio.validator(ti2i_names, need_images=True), **common)
+        common = dict(concurrency_limit=None, show_progress="full", show_progress_on=[status])
+        t2i_ev = t2i_run.click(**lock).then(t2i, [t2i_prompt, *settings], outputs, api_name="t2i",
+                                            validator=studio.validator(t2i_names), **common)
+        ti2i_ev = ti2i_run.click(**lock).then(ti2i, [ti2i_prompt, refs, *settings, thread], [*outputs, turn_made],
+                                              api_name="ti2i", validator=studio.validator(ti2i_names), **common)
         for button, ev in ((t2i_run, t2i_ev), (ti2i_run, ti2i_ev)):
             button.click(None, None, None, js=SHOW_RUN_JS, queue=False, api_visibility="private")
             ev.then(**unlock)
@@ -486,10 +544,10 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                        show_progress="hidden")
             ev.success(studio.used_seed, result_seed, seed, queue=False, api_visibility="private",
                        show_progress="hidden")
+        ti2i_ev.success(studio.add_turn, [thread, turn_made], [thread, refs, ti2i_prompt], **QUEUED)
         result.change(studio.result_buttons, result, [download, edit_result], queue=False,
                       api_visibility="private", show_progress="hidden")
-        edit_result.click(studio.to_edit, result, [refs, tabs], queue=False, api_visibility="private",
-                          show_progress="hidden")
+        edit_result.click(studio.to_edit, [result, thread], [refs, tabs, thread], **QUEUED)
 
         history.select(studio.reopen, None, [image, result], queue=False, api_visibility="private",
                        show_progress="hidden")

@@ -38,6 +38,10 @@ CSS = """
 #timings { font-variant-numeric: tabular-nums; min-height: 1.5em; }
 #notice { border-left: 4px solid var(--color-accent); padding-left: 0.75em; }
 #engine-health { opacity: 0.85; font-size: 0.9em; }
+/* The edit tab's thread: one turn a row, its image whole in a small box beside its text. */
+.turn { border-bottom: 1px solid var(--border-color-primary); padding-bottom: 6px; }
+.turn-image img { object-fit: contain; }
+.turn-refs, .thread-hint, #thread-cut { opacity: 0.8; font-size: 0.9em; }
 """
 
 

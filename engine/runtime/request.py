@@ -12,6 +12,7 @@ from typing import Collection
 from PIL import Image
 
 from engine.runtime.history import MAX_IMAGES, HistoryError, SeenTurn, Turn, select
+from engine.runtime.history import MAX_TURNS as MAX_TURNS   # a request's limit too: front ends read it here
 from engine.runtime.images import ImageError, open_image
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
