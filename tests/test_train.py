@@ -246,12 +246,16 @@ def test_training_forward_is_the_inference_forward(monkeypatch):
 
     got = {}
 
-    def one_velocity(runner, noise, steps, shift, guidance, cfg_on, distil, cancelled=None):
-        got["v"] = runner.velocity(0, x, t, r * 1000.0, guid)
-        return iter(())
+    class FirstStepAtTheTrainingInputs(P.FlowSampler):     # step 0's velocity at the inputs above, kept
+        def inputs(self, i):
+            return (x, t, r * 1000.0, guid) if i == 0 else super().inputs(i)
+
+        def update(self, i, v):
+            got.setdefault("v", v.clone())
+            return super().update(i, v)
 
     monkeypatch.setattr(P, "generate_text", forced_text)
-    monkeypatch.setattr(P, "denoise", one_velocity)
+    monkeypatch.setattr(P, "FlowSampler", FirstStepAtTheTrainingInputs)
     list(Pipeline(lm, preview_every=0, kv_handoff=False).run(
         Request(prompt=s.prompt, images=[sc.render() for sc in s.refs], seed=1, steps=4)))
     assert got["v"].shape == v_train.shape
