@@ -447,6 +447,10 @@ def test_a_run_at_desktop_size_keeps_reasoning_in_view_and_the_buttons_honest(br
     page.wait_for_function(
         "() => document.querySelector('#result img').src.split('/').pop() === "
         "document.querySelectorAll('#history img')[1].src.split('/').pop()", timeout=10_000)
+    with page.expect_download(timeout=10_000) as got:          # Download gives the reopened image
+        page.locator("#download").click()
+    reopened = page.evaluate("document.querySelectorAll('#history img')[1].src.split('/').pop()")
+    assert got.value.suggested_filename == reopened, (got.value.suggested_filename, reopened)
     page.locator("#edit-result").click()
     expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
     page.reload(wait_until="load")

@@ -549,8 +549,12 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                       api_visibility="private", show_progress="hidden")
         edit_result.click(studio.to_edit, [result, thread], [refs, tabs, thread], **QUEUED)
 
+        # then the buttons at once: `result.change` does not fire for a State set by an unqueued event
+        # (Gradio 6.31), so Download kept the previous result's file
         history.select(studio.reopen, None, [image, result], queue=False, api_visibility="private",
-                       show_progress="hidden")
+                       show_progress="hidden") \
+            .then(studio.result_buttons, result, [download, edit_result], queue=False, api_visibility="private",
+                  show_progress="hidden")
         # queued: a warning needs the queue's channel to reach the page
         refs.upload(studio.checked_references, refs, refs, concurrency_limit=None, api_visibility="private",
                     show_progress="hidden")
