@@ -333,12 +333,13 @@ class Studio:
 
     @staticmethod
     def reopen(evt: gr.SelectData) -> tuple:
-        """A history item clicked: it goes back on the canvas as the page's result (so Download and
-        "Edit this result" work on it)."""
+        """A history item clicked: it goes back on the canvas as the page's result, and Download and
+        "Edit this result" take it in the same update (a chained event could land after a click on
+        Download, which then gave the previous file)."""
         path = (evt.value or {}).get("image", {}).get("path") if isinstance(evt.value, dict) else None
         if not path:
-            return gr.skip(), gr.skip()
-        return path, path
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return (path, path, *Studio.result_buttons(path))
 
     @staticmethod
     def checked_references(refs: Any) -> Any:
@@ -549,12 +550,10 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                       api_visibility="private", show_progress="hidden")
         edit_result.click(studio.to_edit, [result, thread], [refs, tabs, thread], **QUEUED)
 
-        # then the buttons at once: `result.change` does not fire for a State set by an unqueued event
-        # (Gradio 6.31), so Download kept the previous result's file
-        history.select(studio.reopen, None, [image, result], queue=False, api_visibility="private",
-                       show_progress="hidden") \
-            .then(studio.result_buttons, result, [download, edit_result], queue=False, api_visibility="private",
-                  show_progress="hidden")
+        # the buttons in the same update: `result.change` does not fire for a State set by an unqueued
+        # event (Gradio 6.31), and a chained `.then` could land after a quick click on Download
+        history.select(studio.reopen, None, [image, result, download, edit_result], queue=False,
+                       api_visibility="private", show_progress="hidden")
         # queued: a warning needs the queue's channel to reach the page
         refs.upload(studio.checked_references, refs, refs, concurrency_limit=None, api_visibility="private",
                     show_progress="hidden")
