@@ -261,3 +261,39 @@ def test_a_late_preview_leaves_the_next_partial_to_the_following_previews():
 
     assert picked(3, 10, lambda i: i in (1, 8, 9)) == [1, 8, 9]      # was [1, 8]: step 8 spent two targets
     assert picked(3, 4, lambda i: i in (1, 2, 3)) == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------- the refusal names its field
+BAD_FIELDS = [
+    ("prompt", {"prompt": "   "}),
+    ("prompt", {"prompt": 7}),
+    ("images", {"images": [b"not an image"]}),
+    ("images", {"images": [png()] * 4}),
+    ("bot_task", {"bot_task": "dream"}),
+    ("size", {"size": "huge"}),
+    ("size", {"size": 1024}),
+    ("steps", {"steps": 0}),
+    ("guidance", {"guidance": 99.0}),
+    ("system_prompt", {"system_prompt": "nonsense"}),
+    ("custom_system_prompt", {"system_prompt": "custom", "custom_system_prompt": "x" * (MAX_SYSTEM_PROMPT_CHARS + 1)}),
+    ("max_new_tokens", {"max_new_tokens": -1}),
+    ("seed", {"seed": -5}),
+    ("n", {"n": 0}),
+    ("temperature", {"temperature": "hot"}),
+    ("lora", {"lora": "nobody"}),
+    ("history_policy", {"history_policy": "everything"}),
+]
+
+
+@pytest.mark.parametrize("field,kw", BAD_FIELDS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_FIELDS)])
+def test_every_refusal_carries_the_request_field_it_is_about(engine_server, field, kw):
+    """The engine's refusal names its field (Error.param), so the API and the page never guess it from the
+    message's words."""
+    from engine.runtime.history import Turn
+    from engine.runtime.request import Request
+    kw = dict(kw)
+    if field == "history_policy":
+        kw["history"] = (Turn("a red circle", (), "", png()),)
+    events = list(engine_server.submit(Request(**{"prompt": "a red circle", **kw})))
+    assert len(events) == 1 and isinstance(events[0], Error) and events[0].kind == "invalid", events
+    assert events[0].param == field, (events[0].param, events[0].message)

@@ -167,37 +167,11 @@ def engine_size(size: Any) -> str:
 # The Request field at fault (`Error.param`, from RequestError.field) -> the API field that sets it.
 API_FIELD = {"images": "image", "system_prompt": "use_system_prompt", "custom_system_prompt": "system_prompt",
              "steps": "num_inference_steps", "guidance": "guidance_scale", "lora": "model"}
-# A message without a field (found by the engine once it runs) names it in the engine's words only.
-_FIELD_WORDS = (
-    ("reference image", "image"),
-    ("prompt preset", "use_system_prompt"),
-    ("system prompt", "use_system_prompt"),
-    ("prompt", "prompt"),
-    ("size", "size"),
-    ("steps", "num_inference_steps"),
-    ("guidance", "guidance_scale"),
-    ("seed", "seed"),
-    ("max_new_tokens", "max_new_tokens"),
-    ("reasoning mode", "bot_task"),
-    ("images per request", "n"),
-)
-_N_MESSAGE = re.compile(r"^\s*n\b|\bn must\b|\(n\b")
-
-
-def field_of(message: str) -> str:
-    low = message.lower()
-    if _N_MESSAGE.search(low):
-        return "n"
-    for words, name in _FIELD_WORDS:
-        if words in low:
-            return name
-    return "prompt"
-
-
 def refusal(err: Error, params: ImageParams, info: ModelInfo) -> ApiError:
     """The engine refused the request (`Error('invalid')`): a 400 naming the API field."""
     message = err.message
-    name = API_FIELD.get(err.param, err.param) if err.param else field_of(message)
+    # every refusal names its field (RequestError.field); 'prompt' only for one that somehow does not
+    name = API_FIELD.get(err.param, err.param) if err.param else "prompt"
     name = params.names.get(name, name)
     if name == "size":
         if "not understood" in message:     # the engine's own forms are height first; this API's are not

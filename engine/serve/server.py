@@ -194,7 +194,7 @@ class EngineServer:
             sub._push(Error("invalid", str(e), getattr(e, "field", None)))
             return sub
         except OSError as e:                                  # an upload that vanished after validation
-            sub._push(Error("invalid", f"a reference image cannot be read: {e}"))
+            sub._push(Error("invalid", f"a reference image cannot be read: {e}", "images"))
             return sub
         sub.request = request
         with self._lock:
@@ -203,7 +203,7 @@ class EngineServer:
             elif self._state == "failed":
                 sub._push(Error("engine", f"the engine is not running: {self._last_error}"))
             elif request.request_id in self._jobs:
-                sub._push(Error("invalid", f"request id {request.request_id!r} is already in use"))
+                sub._push(Error("invalid", f"request id {request.request_id!r} is already in use", "request_id"))
             elif self.max_queue is not None and len(self._waiting) >= self.max_queue:
                 sub._push(Error("busy", f"the queue is full ({len(self._waiting)} requests waiting); "
                                         "try again in a moment"))

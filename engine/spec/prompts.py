@@ -26,7 +26,7 @@ _VARIABLES = {
 
 
 class PromptError(ValueError):
-    pass
+    field = "system_prompt"           # the request field at fault (Error.param)
 
 
 def _string_constants(source: str) -> dict[str, str]:
