@@ -269,7 +269,7 @@ class DenoiseRunner:
     def _velocity(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
                   g: torch.Tensor | None, i: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(v, the backbone's output for the step's tokens [rows, meta + h*w, H]) at step i."""
-        model, span = self.model, self.span
+        model = self.model
         n, nb = self.images, len(self.branches)
         # the branches differ only in their prefix: the meta + image embeddings (the patch embedding's
         # 4096-channel convolutions among them) are computed once per image and shared by every branch
