@@ -157,8 +157,8 @@ class OpenAIApi:
             sub = await asyncio.to_thread(submit_turn, params.request, params.conversation_id, params.branch_from_turn)
             params.conversation_id = sub.conversation_id
         elif params.conversation_id is not None or params.branch_from_turn is not None:
-            raise ApiError(400, "conversations are held by a single engine server; this one serves replicas "
-                                "(send the whole history over /v1/chat/completions instead)",
+            raise ApiError(400, "this server holds no conversations (send the whole history over "
+                                "/v1/chat/completions instead)",
                            "conversation_id", "unsupported_parameter")
         else:
             sub = await asyncio.to_thread(self.server.submit, params.request)
@@ -287,7 +287,7 @@ class OpenAIApi:
         return JSONResponse(await chat_response(out, params, self.info, inputs))
 
     def _adapters(self) -> list[str]:
-        """The LoRA adapters served (a server without adapter support, such as the replicas', has none)."""
+        """The LoRA adapters served (a server without adapter support has none)."""
         adapters = getattr(self.server, "adapters", None)
         return adapters() if adapters is not None else []
 
@@ -314,7 +314,7 @@ class OpenAIApi:
             raise ApiError(403, "loading and unloading LoRA adapters needs an API key: start the server with "
                                 "--api-key KEY (or STUDIO_API_KEY)", None, "api_key_required")
         if not hasattr(self.server, "load_adapter"):
-            raise ApiError(400, "this server does not load LoRA adapters (engine replicas serve the base model)",
+            raise ApiError(400, "this server does not load LoRA adapters",
                            None, "unsupported_parameter")
         body = await self._json(request)
         if not isinstance(body, dict):
