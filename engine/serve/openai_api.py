@@ -341,7 +341,7 @@ class OpenAIApi:
         """POST /v1/unload_lora_adapter {"lora_name"}: refused (409) while a request uses it."""
         (name,) = await self._adapter_body(request, ("lora_name",))
         try:
-            self.server.unload_adapter(name)
+            await asyncio.to_thread(self.server.unload_adapter, name)      # a pool posts it to its replicas
         except KeyError as e:
             raise ApiError(404, e.args[0], "lora_name", "model_not_found") from None
         except ValueError as e:
