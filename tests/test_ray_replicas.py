@@ -169,6 +169,7 @@ def generate(client, prompt: str):
 def test_health_reports_each_replica_and_the_total(app):
     h = app.health()
     assert h["status"] == "ok" and h["replicas_target"] == 2 and len(h["replicas"]) == 2
+    assert h["replicas_min"] is None and h["replicas_max"] is None             # a fixed count: no autoscaling
     assert len({r["id"] for r in h["replicas"]}) == 2 and len({r["pid"] for r in h["replicas"]}) == 2
     for r in h["replicas"]:
         assert r["plan"] == "tp1" and r["world_size"] == 1 and r["device"] == "cpu" and r["max_batch"] == 2

@@ -358,7 +358,8 @@ class OpenAIApi:
                 **{k: h.get(k) for k in keys}, "running": h.get("running") or 0, "waiting": h.get("queue") or 0,
                 "auth": self.config.auth()}
         if "replicas" in h:          # engine replicas (engine/serve/replicas.py): each one, the total above
-            body.update({k: h[k] for k in ("replicas", "replicas_up", "replicas_target")})
+            body.update({k: h.get(k) for k in ("replicas", "replicas_up", "replicas_target", "replicas_min",
+                                               "replicas_max")})
         return JSONResponse(body, status_code=200 if up else 503)
 
     async def reload(self, request: HttpRequest) -> Response:
