@@ -198,16 +198,15 @@ class EngineServer:
     def submit_admitted(self, request: Request, prepared: Prepared,
                         recorder: Callable[[Request, Prepared], TurnRecorder] | None = None) -> Submission:
         """Queue a request admitted where it entered (engine.serve.admission: `submit`'s, or a replica pool's
-        ingress, whose replicas run what it admitted). Only what may have changed since is checked: the
-        adapter it names may have been unloaded meanwhile."""
+        ingress, whose replicas run what it admitted), unchecked: what may change after admission, an
+        adapter unloaded meanwhile, the engine refuses when the request starts (Error('invalid'), as for
+        a queued request)."""
         sub = Submission(request, self.cancel)
         with self._lock:
             if self._closing:
                 sub._push(Error("engine", "the engine is shut down"))
             elif self._state == "failed":
                 sub._push(Error("engine", f"the engine is not running: {self._last_error}"))
-            elif prepared.lora is not None and prepared.lora not in self.adapters():
-                sub._push(Error("invalid", f"LoRA adapter {prepared.lora!r} is not loaded on this engine", "lora"))
             elif request.request_id in self._jobs:
                 sub._push(Error("invalid", f"request id {request.request_id!r} is already in use"))
             elif self.max_queue is not None and len(self._waiting) >= self.max_queue:
