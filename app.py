@@ -117,6 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                          "(default: start a local Ray on this machine)")
     rep.add_argument("--min-replicas", type=int, default=None, help="autoscale on queue depth from this many ...")
     rep.add_argument("--max-replicas", type=int, default=None, help="... to this many replicas")
+    rep.add_argument("--upscale-delay", type=float, default=None, metavar="S",
+                     help="seconds the queue stays above the target before a replica is added (default 30)")
+    rep.add_argument("--downscale-delay", type=float, default=None, metavar="S",
+                     help="seconds it stays below before one is removed (default 600)")
     args = ap.parse_args(argv)
     try:
         args.auth = parse_auth(args.auth)
@@ -138,13 +142,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.loras.append((name.strip(), path.strip()))
     if args.max_loras < 0 or args.max_lora_rank < 1:
         ap.error("--max-loras must be >= 0 and --max-lora-rank >= 1")
-    if args.replicas is not None and (args.loras or args.max_loras):
-        ap.error("--lora and --max-loras are not supported with --replicas")
     if args.step_timeout is not None and args.step_timeout < 0:
         ap.error("--step-timeout takes seconds >= 0 (0: never)")
     if args.replicas is None and any(v is not None for v in (args.gpus_per_replica, args.ray_address,
-                                                             args.min_replicas, args.max_replicas)):
-        ap.error("--gpus-per-replica, --ray-address, --min-replicas and --max-replicas need --replicas N")
+                                                             args.min_replicas, args.max_replicas,
+                                                             args.upscale_delay, args.downscale_delay)):
+        ap.error("--gpus-per-replica, --ray-address, --min-replicas, --max-replicas and the scaling delays need "
+                 "--replicas N")
+    if args.min_replicas is None and (args.upscale_delay, args.downscale_delay) != (None, None):
+        ap.error("--upscale-delay and --downscale-delay need --min-replicas and --max-replicas (autoscaling)")
     if args.replicas is not None:
         if args.gpus is not None and args.gpus_per_replica not in (None, args.gpus):
             ap.error("--gpus and --gpus-per-replica differ; with --replicas give only --gpus-per-replica")
@@ -159,19 +165,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def replica_options(args: argparse.Namespace):
     """--replicas and its flags as the pool's options (checked there: ValueError names what is wrong)."""
     from engine.serve.replicas import ReplicaOptions        # imports no Ray
+    delays = {k: v for k, v in (("upscale_delay_s", args.upscale_delay), ("downscale_delay_s", args.downscale_delay))
+              if v is not None}
     return ReplicaOptions(replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
-                          min_replicas=args.min_replicas, max_replicas=args.max_replicas, ray_address=args.ray_address)
+                          min_replicas=args.min_replicas, max_replicas=args.max_replicas, ray_address=args.ray_address,
+                          **delays)
 
 
 def engine_server(model: Path, device: str, args: argparse.Namespace):
     """One EngineServer, or with --replicas a pool of them on Ray Serve with the same client API."""
     kwargs = dict(device=device, dtype=args.dtype, plan=args.plan, sp_kind=args.sp_attn, verbose=True,
                   max_queue=args.max_queue, quantize=args.quantize, step_timeout=args.step_timeout,
-                  max_batch=args.max_batch or default_max_batch(device), max_denoise_batch=args.max_denoise_batch)
+                  max_batch=args.max_batch or default_max_batch(device), max_denoise_batch=args.max_denoise_batch,
+                  loras=args.loras, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     if args.replicas is None:
         from engine.serve.server import EngineServer
-        return EngineServer(model, world_size=args.gpus, loras=args.loras, max_loras=args.max_loras,
-                            max_lora_rank=args.max_lora_rank, **kwargs)
+        return EngineServer(model, world_size=args.gpus, **kwargs)
     from engine.serve.replicas import ReplicaPool
     return ReplicaPool(model, args.replica_options, **kwargs)
 

@@ -18,6 +18,8 @@
 #                  16 clients) once per --max-denoise-batch in $DENOISE_BATCHES (default "1 2 4", one command each)
 #   studio         suite studio on CUDA
 #   replicas       suite replicas on CUDA: 8 clients, one engine vs two Ray Serve replicas on the one GPU
+#   replicas-autoscale  suite replicas-autoscale on CUDA: the autoscaler takes 1 -> 2 replicas on the one GPU
+#                  under 6 clients, and back to 1 once they stop
 #   eval           the embedded model's accuracy on CUDA (train.evaluate, seed 2, 100 + 100)
 #   flashinfer     installs the carried FlashInfer (bench/flashinfer_install.sh: carry .fi/parts), JIT-builds
 #                  its four families in parallel (timed), its variants' GPU tests (failing, not skipping,
@@ -103,6 +105,8 @@ for section in "$@"; do
       suite studio 300 studio --app-args="--device cuda" ;;
     replicas)     # needs ray[serve] (pip install -e '.[replicas]'): one engine vs two replicas sharing the GPU
       suite replicas 590 replicas --app-args="--device cuda" --gpus-per-replica 0.5 --clients 8 --requests 32 ;;
+    replicas-autoscale)   # Ray Serve's autoscaler, 1 -> 2 replicas sharing the GPU -> 1, as /health reports it
+      suite replicas_autoscale 590 replicas-autoscale --app-args="--device cuda --gpus-per-replica 0.5" ;;
     eval)
       run eval_cuda 330 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 \
         --n 100 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda.json" ;;

@@ -1,6 +1,8 @@
 """Engine replicas on Ray Serve (engine/serve/replicas.py), end to end on the CPU: `python app.py --replicas 2`
 as a real process on the embedded model, a local Ray under it, driven by the official `openai` client and
-by gradio_client. (tests/test_replicas.py is another thing: training's data parallel.)
+by gradio_client: requests spread and fail alone, a conversation continues on another replica than its
+last turn's, a LoRA adapter loaded through the ingress serves on every replica (a replacement too).
+(tests/test_replicas.py is another thing: training's data parallel.)
 
 The module leaves no process behind: its fixture stops the app and checks that every process of its tree
 (Ray's GCS, raylet, the replica actors, the engine workers) is gone."""
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image as PILImage
 
 openai = pytest.importorskip("openai")
 
@@ -27,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 420         # a loaded 2-core machine: Ray's start alone took 30-60 s
 # a request of about a second on the tiny model: reasoning, then a few steps (long enough to be seen running)
 REQ = dict(bot_task="think", max_new_tokens=8, num_inference_steps=4, seed=5)
+KEY = "sk-replicas"           # the load / unload routes need one; the page then logs in with it
 pytestmark = pytest.mark.slow
 
 
@@ -68,7 +72,8 @@ class ReplicaApp:
         self.log = log
         self.seen: dict[int, str] = {}
         self.proc = subprocess.Popen([sys.executable, "app.py", "--port", str(self.port), "--replicas", "2",
-                                      "--device", "cpu", "--max-batch", "2", "--max-queue", "3"],
+                                      "--device", "cpu", "--max-batch", "2", "--max-queue", "3",
+                                      "--api-key", KEY, "--max-loras", "1"],
                                      cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
     def health(self) -> dict:
@@ -91,7 +96,30 @@ class ReplicaApp:
         pytest.fail(f"{what} not reached in {timeout} s: {h}\n{self.log.read_text()[-4000:]}")
 
     def client(self, **kw) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=300, **kw)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=300, **kw)
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+
+    def served(self) -> dict[str, int]:
+        """Requests finished by each replica up, by its id."""
+        return {r["id"]: r["served"] for r in self.health()["replicas"] if r["state"] in ("ready", "busy")}
+
+    def ran_on(self, before: dict[str, int]) -> str:
+        """The replica that finished the one request since `before` (health is posted once a second)."""
+        h = self.wait(lambda h: sum(r["served"] for r in h["replicas"]) == sum(before.values()) + 1,
+                      "the request counted", timeout=10)
+        return next(r["id"] for r in h["replicas"] if r["served"] > before.get(r["id"], 0))
+
+    def long_stream(self, client, prompt: str):
+        """A streamed request that runs until it is closed (200 steps): it keeps one replica busy."""
+        stream = client.images.generate(prompt=prompt, size="256x256", stream=True,
+                                        extra_body=dict(REQ, num_inference_steps=200, stream_reasoning=True))
+        next(iter(stream))                            # it runs: its reasoning streams
+        return stream
+
+    def running_on(self) -> dict[str, int]:
+        return {r["id"]: r["running"] for r in self.health()["replicas"] if r["state"] in ("ready", "busy")}
 
     def stop(self) -> list[str]:
         """Stop the app as Ctrl-C / SIGTERM does; the processes of its tree still alive after 60 s."""
@@ -141,6 +169,7 @@ def generate(client, prompt: str):
 def test_health_reports_each_replica_and_the_total(app):
     h = app.health()
     assert h["status"] == "ok" and h["replicas_target"] == 2 and len(h["replicas"]) == 2
+    assert h["replicas_min"] is None and h["replicas_max"] is None             # a fixed count: no autoscaling
     assert len({r["id"] for r in h["replicas"]}) == 2 and len({r["pid"] for r in h["replicas"]}) == 2
     for r in h["replicas"]:
         assert r["plan"] == "tp1" and r["world_size"] == 1 and r["device"] == "cpu" and r["max_batch"] == 2
@@ -165,12 +194,79 @@ def test_the_page_works_through_the_ingress(app):
     from gradio_client import Client
     page = httpx.get(app.url + "/", timeout=10)
     assert page.status_code == 200 and "<html" in page.text.lower()
-    c = Client(app.url, verbose=False)
+    c = Client(app.url, auth=("anyone", KEY), verbose=False)
     status, image, timings, reasoning = c.predict(
         "a blue square on a white background", "think", "256:256", 3, False, 4, 5.0, "en_unified", "", 8,
         api_name="/t2i")
     assert status.startswith("Done") and image and Path(image).stat().st_size > 0 and reasoning
     c.close()
+
+
+@pytest.fixture(scope="module")
+def adapter(app, tmp_path_factory) -> str:
+    """A LoRA adapter of the embedded model (written by peft), loaded through the ingress."""
+    pytest.importorskip("peft")
+    from engine import EMBEDDED_MODEL
+    from engine.serve.info import ModelInfo
+    from tools.tiny_lora import make_adapter
+    folder = make_adapter(tmp_path_factory.mktemp("lora") / "style", ModelInfo.from_folder(EMBEDDED_MODEL).cfg, seed=1)
+    t0 = time.monotonic()
+    r = app.post("/v1/load_lora_adapter", {"lora_name": "style", "lora_path": str(folder)})
+    assert r.status_code == 200, r.text
+    print(f"adapter loaded on every replica {time.monotonic() - t0:.1f} s after the request")
+    return "style"
+
+
+def test_an_adapter_loaded_through_the_ingress_serves_on_both_replicas(app, adapter):
+    h = app.health()
+    assert [r["adapters"] for r in h["replicas"]] == [[adapter], [adapter]], h["replicas"]
+    lora = dict(bot_task="image", num_inference_steps=12, seed=7)
+    with app.client() as client:
+        assert [m.id for m in client.models.list()][1:] == [adapter]
+        before = app.served()
+        base = client.images.generate(prompt="a red circle", size="256x256", extra_body=lora)
+        app.ran_on(before)                        # counted (health is posted once a second): a fresh start
+        before = app.served()
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(client.images.generate, model=adapter, prompt="a red circle", size="256x256",
+                                extra_body=lora)
+            app.wait(lambda h: h["running"] == 1, "the first adapter request running", 60)
+            second = pool.submit(client.images.generate, model=adapter, prompt="a red circle", size="256x256",
+                                 extra_body=lora)
+            styled = [first.result().data[0].b64_json, second.result().data[0].b64_json]
+    h = app.wait(lambda h: sum(r["served"] for r in h["replicas"]) == sum(before.values()) + 2, "both counted", 10)
+    assert {r["id"]: r["served"] - before[r["id"]] for r in h["replicas"]} == {rid: 1 for rid in before}
+    # each replica applied it, the same way: one seed, one image; the base model's differs
+    assert styled[0] == styled[1] and styled[0] != base.data[0].b64_json
+
+
+def test_a_conversation_continues_on_another_replica(app, tmp_path):
+    """Conversations are held at the ingress: turn 2 runs on the other replica (the one of turn 1 is kept
+    busy) and its sequence holds turn 1 (the input tokens count turn 1's image and reasoning)."""
+    ref = tmp_path / "ref.png"
+    PILImage.new("RGB", (64, 48), (200, 30, 30)).save(ref)
+    with app.client() as client:
+        busy_a = app.long_stream(client, "keeps a replica busy")
+        app.wait(lambda h: h["running"] == 1, "a long request running", 30)
+        before = app.served()
+        r1 = client.images.edit(image=[("ref.png", ref.read_bytes(), "image/png")], prompt="a red square",
+                                size="256x256", extra_body=REQ)
+        turn1 = app.ran_on(before)
+        busy_b = app.long_stream(client, "keeps turn 1's replica busy")   # least-loaded: on turn 1's replica
+        app.wait(lambda h: app.running_on().get(turn1) == 1 and h["running"] == 2, "turn 1's replica busy", 30)
+        busy_a.close()                                                   # the other one is free again
+        app.wait(lambda h: h["running"] == 1, "the other replica idle", 30)
+        before = app.served()
+        conv = r1.model_extra["conversation_id"]
+        r2 = client.images.edit(image=[], prompt="make it blue", size="256x256",
+                                extra_body={**REQ, "conversation_id": conv})
+        turn2 = app.ran_on(before)
+        busy_b.close()
+    assert turn2 != turn1, "turn 2 should have run on the replica that did not hold turn 1"
+    assert r2.model_extra["conversation_id"] == conv and r2.data[0].b64_json
+    # turn 2 sent no image of its own: what its sequence holds beyond its text is turn 1 (reference, image)
+    assert r2.usage.input_tokens > r1.usage.input_tokens, (r1.usage, r2.usage)
+    app.wait(lambda h: h["running"] == 0 and h["waiting"] == 0, "the replicas idle", 30)
 
 
 def test_a_disconnect_cancels_the_request_on_its_replica(app):
@@ -187,7 +283,7 @@ def test_a_disconnect_cancels_the_request_on_its_replica(app):
         print(f"replica {holder} idle {time.monotonic() - t0:.1f} s after the disconnect (health is posted every 1 s)")
 
 
-def test_a_killed_replica_fails_only_its_request_and_the_pool_recovers(app):
+def test_a_killed_replica_fails_only_its_request_and_the_pool_recovers(app, adapter):
     long = dict(REQ, num_inference_steps=100)         # seconds on the CPU: both run when the kill comes
     client = app.client()
     try:
@@ -209,6 +305,8 @@ def test_a_killed_replica_fails_only_its_request_and_the_pool_recovers(app):
                                                                    if r["state"] == "ready"},
                      "a replacement replica", 300)
         assert [r["state"] for r in h["replicas"] if r["id"] == victim["id"]] in ([], ["lost"])
+        # the replacement serves the adapters loaded so far (the ingress's set, loaded at its start)
+        assert all(r["adapters"] == [adapter] for r in h["replicas"] if r["state"] == "ready"), h["replicas"]
         # the dead replica's engine workers noticed it (their pipe closed) and exited
         app.wait(lambda h: not any(Path(f"/proc/{p}").exists() for p in victim["worker_pids"]),
                  "the dead replica's workers gone", 30)
@@ -217,6 +315,16 @@ def test_a_killed_replica_fails_only_its_request_and_the_pool_recovers(app):
         assert all(r.data[0].b64_json for r in results)
     finally:
         client.close()
+
+
+def test_unloading_through_the_ingress_unloads_on_every_replica(app, adapter):
+    assert app.post("/v1/unload_lora_adapter", {"lora_name": adapter}).status_code == 200
+    with app.client() as client:
+        assert [m.id for m in client.models.list()][1:] == []
+        with pytest.raises(openai.NotFoundError):
+            client.images.generate(model=adapter, prompt="a cat", size="256x256", extra_body=REQ)
+    app.wait(lambda h: all(r["adapters"] == [] for r in h["replicas"] if r["state"] == "ready"),
+             "every replica unloaded it", 10)
 
 
 def test_without_replicas_ray_is_never_imported(tmp_path):
@@ -248,7 +356,11 @@ def test_replica_flags_are_checked(capsys):
                       (["--replicas", "2", "--min-replicas", "1"], "go together"),
                       (["--replicas", "4", "--min-replicas", "1", "--max-replicas", "3"], "min_replicas <= replicas"),
                       (["--replicas", "2", "--gpus", "2", "--gpus-per-replica", "4"], "differ"),
-                      (["--replicas", "2", "--gpus-per-replica", "1.5"], "whole number")):
+                      (["--replicas", "2", "--gpus-per-replica", "1.5"], "whole number"),
+                      (["--replicas", "2", "--upscale-delay", "1"], "need --min-replicas"),
+                      (["--upscale-delay", "1"], "need --replicas"),
+                      (["--replicas", "2", "--min-replicas", "1", "--max-replicas", "3", "--downscale-delay", "-1"],
+                       "delays are seconds")):
         with pytest.raises(SystemExit):
             studio_app.parse_args(argv)
         assert msg in capsys.readouterr().err, argv
@@ -265,5 +377,9 @@ def test_deployment_options_place_and_scale_the_replicas():
     assert shared["ray_actor_options"]["num_gpus"] == 0.5                  # two replicas on one GPU
     auto = deployment_options(ReplicaOptions(replicas=2, min_replicas=1, max_replicas=4), 1, 2, 8, cuda=False)
     assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 2,
-                                          "target_ongoing_requests": 2} and "num_replicas" not in auto
+                                          "target_ongoing_requests": 2, "upscale_delay_s": 30.0,
+                                          "downscale_delay_s": 600.0} and "num_replicas" not in auto
+    quick = deployment_options(ReplicaOptions(replicas=1, min_replicas=1, max_replicas=2, upscale_delay_s=2,
+                                              downscale_delay_s=20), 1, 1, 2, cuda=False)
+    assert quick["autoscaling_config"]["upscale_delay_s"] == 2 and quick["autoscaling_config"]["downscale_delay_s"] == 20
     assert auto["ray_actor_options"] == {"num_cpus": 1}

@@ -61,6 +61,22 @@ def test_invalid_requests_end_at_once_and_are_never_queued(engine_server, tmp_pa
     assert engine_server.health()["queue"] == 0
 
 
+def test_an_admitted_request_runs_as_admitted_and_an_unloaded_adapter_is_refused(engine_server):
+    """What a replica pool's ingress admits (engine/serve/admission.py) its replica runs without a second
+    check, with the seed drawn at admission; an adapter the engine does not hold (unloaded since) is
+    refused when the request starts, naming it."""
+    from engine.serve.admission import admit
+    request, prepared = admit(engine_server.info, fast_request(seed=None), engine_server.adapters())
+    assert request.seed is not None and prepared.seed == request.seed
+    events = list(engine_server.submit_admitted(request, prepared))
+    assert isinstance(events[-1], Done), events[-1]
+    assert [e.seed for e in events if isinstance(e, Started)] == [request.seed]
+    request, prepared = admit(engine_server.info, fast_request(lora="gone"), ["gone"])     # loaded at the ingress
+    ev = final(list(engine_server.submit_admitted(request, prepared)))
+    assert isinstance(ev, Error) and ev.kind == "invalid" and ev.param == "lora" and "'gone'" in ev.message, ev
+    assert isinstance(admit(engine_server.info, fast_request(lora="gone"), []), Error)      # the ingress's own check
+
+
 def test_cancel_running_request_frees_the_engine(engine_server):
     sub = engine_server.submit(fast_request(steps=60))
     for ev in sub:

@@ -145,9 +145,8 @@ class NoConversations:
 
 
 def test_a_client_without_conversations_chains_edits_of_the_last_image(engine_server, tmp_path):
-    """Issue 29 item 3.4: behind a client without submit_turn (a ReplicaPool) the thread still works, each
-    turn a single edit with the last image as its first reference, and the page says threads need one
-    engine."""
+    """Issue 29 item 3.4: behind a client without submit_turn the thread still works, each turn a single
+    edit with the last image as its first reference, and the page says the client holds no conversations."""
     from webui.studio import Studio, build_studio
     from webui.thread_view import NO_CONVERSATIONS
     ref = tmp_path / "ref.png"

@@ -177,7 +177,7 @@ class Studio:
     def __init__(self, client: EngineClient, info: ModelInfo, out_dir: Path):
         self.client, self.info, self.out_dir = client, info, out_dir
         self.recent = RecentRuns()      # this studio's finished runs: the queue's wait estimate
-        # the edit tab's thread is an engine conversation where the client holds them (not a ReplicaPool)
+        # the edit tab's thread is an engine conversation where the client holds them (EngineServer, ReplicaPool)
         self.conversations = callable(getattr(client, "submit_turn", None))
 
     # ---------------------------------------------------------------- validation (before queueing)

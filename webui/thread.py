@@ -9,7 +9,7 @@ Invariant: the thread's first k turns are the first k turns of the conversation 
 conversation of the last turn or, after "Undo" / "Branch from here" cut the thread at turn k, branches
 from turn k of the conversation that holds it: a new conversation, the old one unchanged.
 
-A client without conversations (a ReplicaPool) gets no conversation: each instruction is then a single
+A client without conversations (no `submit_turn`) gets no conversation: each instruction is then a single
 edit of the last image (its first reference), as "Edit this result" chained edits before threads.
 """
 from __future__ import annotations

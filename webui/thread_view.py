@@ -11,10 +11,9 @@ import gradio as gr
 from .thread import Thread, ThreadError, branched, started, undone
 
 TURN_IMAGE_HEIGHT = 120
-# A client without conversations (a ReplicaPool: each request may run on another replica).
-NO_CONVERSATIONS = ("This studio serves several engine replicas, which hold no conversations: each "
-                    "instruction edits the last image alone (the model does not see the earlier turns). "
-                    "A thread needs one engine.")
+# A client without conversations (no `submit_turn`: EngineServer and ReplicaPool both have it).
+NO_CONVERSATIONS = ("This studio's engine client holds no conversations: each instruction edits the last "
+                    "image alone (the model does not see the earlier turns).")
 HINT = "Each result stays here as a turn: the next instruction continues from it."
 
 

@@ -21,6 +21,7 @@ SUITES = {
     "serving": "whole requests through the engine's scheduler at 1, 4, 16 clients: images/min, p50/p90 latency",
     "studio": "the wall time of studio requests end to end through the web server",
     "replicas": "throughput of engine replicas on Ray Serve against one engine, at K concurrent /v1 clients",
+    "replicas-autoscale": "Ray Serve's autoscaler on the replicas, live: 1 -> 2 under queue depth and back, per /health",
     "train-step": "where a training step of the embedded model goes",
     "lora": "LoRA adapters: a hybrid4 rank's DiT and decode step with the unmerged per-row path vs none vs merged",
     "step-cache": "the step cache's settings: denoise time per image at the real shapes, image PSNR/SSIM vs no cache",

@@ -157,8 +157,8 @@ class OpenAIApi:
             sub = await asyncio.to_thread(submit_turn, params.request, params.conversation_id, params.branch_from_turn)
             params.conversation_id = sub.conversation_id
         elif params.conversation_id is not None or params.branch_from_turn is not None:
-            raise ApiError(400, "conversations are held by a single engine server; this one serves replicas "
-                                "(send the whole history over /v1/chat/completions instead)",
+            raise ApiError(400, "this server holds no conversations (send the whole history over "
+                                "/v1/chat/completions instead)",
                            "conversation_id", "unsupported_parameter")
         else:
             sub = await asyncio.to_thread(self.server.submit, params.request)
@@ -287,7 +287,7 @@ class OpenAIApi:
         return JSONResponse(await chat_response(out, params, self.info, inputs))
 
     def _adapters(self) -> list[str]:
-        """The LoRA adapters served (a server without adapter support, such as the replicas', has none)."""
+        """The LoRA adapters served (a server without adapter support has none)."""
         adapters = getattr(self.server, "adapters", None)
         return adapters() if adapters is not None else []
 
@@ -314,7 +314,7 @@ class OpenAIApi:
             raise ApiError(403, "loading and unloading LoRA adapters needs an API key: start the server with "
                                 "--api-key KEY (or STUDIO_API_KEY)", None, "api_key_required")
         if not hasattr(self.server, "load_adapter"):
-            raise ApiError(400, "this server does not load LoRA adapters (engine replicas serve the base model)",
+            raise ApiError(400, "this server does not load LoRA adapters",
                            None, "unsupported_parameter")
         body = await self._json(request)
         if not isinstance(body, dict):
@@ -341,7 +341,7 @@ class OpenAIApi:
         """POST /v1/unload_lora_adapter {"lora_name"}: refused (409) while a request uses it."""
         (name,) = await self._adapter_body(request, ("lora_name",))
         try:
-            self.server.unload_adapter(name)
+            await asyncio.to_thread(self.server.unload_adapter, name)      # a pool posts it to its replicas
         except KeyError as e:
             raise ApiError(404, e.args[0], "lora_name", "model_not_found") from None
         except ValueError as e:
@@ -358,7 +358,8 @@ class OpenAIApi:
                 **{k: h.get(k) for k in keys}, "running": h.get("running") or 0, "waiting": h.get("queue") or 0,
                 "auth": self.config.auth()}
         if "replicas" in h:          # engine replicas (engine/serve/replicas.py): each one, the total above
-            body.update({k: h[k] for k in ("replicas", "replicas_up", "replicas_target")})
+            body.update({k: h.get(k) for k in ("replicas", "replicas_up", "replicas_target", "replicas_min",
+                                               "replicas_max")})
         return JSONResponse(body, status_code=200 if up else 503)
 
     async def reload(self, request: HttpRequest) -> Response:

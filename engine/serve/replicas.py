@@ -21,7 +21,22 @@ CUDA_VISIBLE_DEVICES, which the engine's workers inherit). This process stays th
 - Health: each replica posts its engine's health to a small named actor (`HealthBoard`) every second;
   `health()` reports every replica and the total.
 - Autoscaling: with min < max replicas, Ray Serve's autoscaler scales on ongoing requests per replica
-  (the queue depth), aiming at `max_batch` each.
+  (the queue depth), aiming at `max_batch` each; `health()` reports the replicas it keeps (`replicas_target`).
+- Validation: the ingress admits every request (engine/serve/admission.py: seed, fields, adapters, images
+  read) and ships it prepared; the replica's engine queues it as admitted, without a second check.
+- Conversations are held here, at the ingress, not in a replica: a turn is admitted with the
+  conversation's turns as its history (engine/serve/turns.py, as one EngineServer does it) and goes to the
+  least-loaded replica like any request; the ingress records the turn from the events it relays. Why not
+  sticky routing (a conversation pinned to the replica that holds it): a replica that dies, or that the
+  autoscaler removes, would take its conversations with it, and a pinned turn would wait behind a busy
+  replica while another sits idle. The cost is the history's images travelling with each turn (a few
+  MB at most, against a request of seconds). A prefix cache held per replica would want the turn on the
+  replica of its previous turn: that belongs in the router as a preference among equally loaded ones.
+- LoRA adapters: the ingress holds the set every replica must serve (the `--lora` ones, then those
+  loaded and unloaded through it) on the health board; each replica loads and unloads to match it at its
+  next report, and a replica that Ray starts later loads the set at start. `load_adapter` returns once
+  every replica up has it (or undoes it, naming the replica that could not); `adapters()`, which
+  /v1/models lists and requests are checked against, names those that every replica up holds.
 
 Ray is imported here only, and only when a pool is built: without --replicas nothing imports it.
 """
@@ -34,14 +49,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from engine.parallel.plan import get_plan
+from engine.runtime.conversation import ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error
-from engine.runtime.request import Request, RequestError, with_seed
+from engine.runtime.request import Prepared, Request
+from engine.serve.adapters import Loras, check_load, check_unload
+from engine.serve.admission import admit
 from engine.serve.client import Submission
 from engine.serve.info import ModelInfo
-from engine.serve.server import _detach_images
+from engine.serve.turns import submit_turn
 
 APP_NAME = "hunyuan-engine"
 NAMESPACE = "hunyuan-studio"
@@ -52,6 +70,7 @@ FORGET_AFTER_S = 30.0         # ... and this long, no longer reported
 WAITING_EVERY_S = 1.0         # a queued request's position is sent this often
 ROUTER = "engine.serve.replica_router:LeastLoadedRouter"    # imported by Ray Serve where it routes
 HEALTH_CHECK_S = 2.0          # Ray Serve's health check period: how soon a dead replica is replaced
+ADAPTER_WAIT_S = 120.0        # how long a LoRA load waits for every replica up to have it
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,8 @@ class ReplicaOptions:
     min_replicas: int | None = None
     max_replicas: int | None = None
     ray_address: str | None = None
+    upscale_delay_s: float = 30.0             # the autoscaler's delays (Ray Serve's defaults): how long the
+    downscale_delay_s: float = 600.0          # queue must stay above / below the target before it acts
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -77,6 +98,9 @@ class ReplicaOptions:
         if self.min_replicas is not None and not 0 < self.min_replicas <= self.replicas <= self.max_replicas:
             raise ValueError(f"autoscaling needs 1 <= min_replicas <= replicas <= max_replicas (got "
                              f"{self.min_replicas} <= {self.replicas} <= {self.max_replicas})")
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+            raise ValueError(f"the autoscaling delays are seconds >= 0 (got {self.upscale_delay_s}, "
+                             f"{self.downscale_delay_s})")
 
     @property
     def autoscaling(self) -> bool:
@@ -98,21 +122,24 @@ class EngineReplica:
         import ray
         from ray import serve
         from engine.serve.server import EngineServer
-        self.server = EngineServer(model, **engine_kwargs)
+        self._board = ray.get_actor(BOARD_NAME, namespace=NAMESPACE)
+        self._adapters_epoch, loras = ray.get(self._board.loras.remote(), timeout=30)
+        self.server = EngineServer(model, **engine_kwargs, loras=loras)    # the adapters the pool serves now
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()
         self.gpus = [str(g) for g in ray.get_gpu_ids()]
-        self._board = ray.get_actor(BOARD_NAME, namespace=NAMESPACE)
         self._reload_epoch: int | None = None
+        self.adapter_errors: dict[str, str] = {}   # adapter name -> why this engine could not load it
         self.served = 0                         # requests this replica finished with their result
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, name="replica-health", daemon=True)
         self._reporter.start()
 
-    async def generate(self, request: Request):
+    async def generate(self, request: Request, prepared: Prepared):
         """The request's events as the engine emits them, with `Waiting` while it is queued. A cancel of
-        the handle call (Stop, a closed page, a gone client) arrives here as the generator's end."""
-        sub = self.server.submit(request)
+        the handle call (Stop, a closed page, a gone client) arrives here as the generator's end. The
+        ingress admitted it (engine/serve/admission.py): the engine runs it as prepared there."""
+        sub = self.server.submit_admitted(request, prepared)
         try:
             while True:
                 ev = await sub.aget(timeout=WAITING_EVERY_S)
@@ -137,19 +164,41 @@ class EngineReplica:
         return {"id": self.replica_id, "node": self.node, "pid": os.getpid(), "gpus": self.gpus, "served": self.served,
                 **{k: h.get(k) for k in ("state", "plan", "world_size", "device", "running", "waiting", "max_queue",
                                          "max_batch", "last_error", "restarts", "attempt", "loading",
-                                         "worker_pids")}}
+                                         "worker_pids")},
+                "adapters": self.server.adapters(), "adapters_epoch": self._adapters_epoch,
+                "adapter_errors": dict(self.adapter_errors)}
 
     def _report_loop(self) -> None:
         while not self._stop.wait(REPORT_EVERY_S):
             try:
                 import ray
-                epoch = ray.get(self._board.put.remote(self.report()), timeout=10)
+                epoch, (adapters_epoch, loras) = ray.get(self._board.put.remote(self.report()), timeout=10)
             except Exception as e:  # noqa: BLE001 - the board may be restarting; the engine keeps serving
                 print(f"replica {self.replica_id}: health report failed: {e}", file=sys.stderr, flush=True)
                 continue
             if self._reload_epoch is not None and epoch > self._reload_epoch:
                 self.server.reload()            # a no-op unless this engine failed to load
             self._reload_epoch = epoch
+            self._sync_adapters(adapters_epoch, loras)
+
+    def _sync_adapters(self, epoch: int, wanted: Loras) -> None:
+        """Load and unload LoRA adapters until this engine serves the pool's set (`wanted`, of `epoch`): the
+        next report says which epoch it has matched, and what it could not load."""
+        if epoch != self._adapters_epoch:
+            self.adapter_errors = {}              # a new set: try again what failed before
+        for name, folder in self.server.config.loras:
+            if (name, folder) not in wanted:
+                try:
+                    self.server.unload_adapter(name)
+                except (KeyError, ValueError):    # still used by a request here: the next report tries again
+                    pass
+        for name, folder in wanted:
+            if (name, folder) not in self.server.config.loras and name not in self.adapter_errors:
+                try:
+                    self.server.load_adapter(name, folder)
+                except (ValueError, OSError) as e:
+                    self.adapter_errors[name] = str(e)
+        self._adapters_epoch = epoch
 
     def __del__(self) -> None:       # Ray Serve's graceful stop (scale down, shutdown): free the GPUs
         self._stop.set()
@@ -158,15 +207,24 @@ class EngineReplica:
 
 class HealthBoard:
     """The replicas' latest health, keyed by replica id and stamped on this actor's clock; also the
-    pool's reload request (an epoch the replicas compare with the last they saw)."""
+    pool's reload request (an epoch the replicas compare with the last they saw) and the LoRA adapters
+    every replica is to serve (with the epoch of each change)."""
 
     def __init__(self) -> None:
         self.reports: dict[str, tuple[float, dict]] = {}
         self.reload_epoch = 0
+        self.adapters: tuple[int, Loras] = (0, ())
 
-    def put(self, report: dict) -> int:
+    def put(self, report: dict) -> tuple[int, tuple[int, Loras]]:
         self.reports[report["id"]] = (time.time(), report)
-        return self.reload_epoch
+        return self.reload_epoch, self.adapters
+
+    def loras(self) -> tuple[int, Loras]:
+        return self.adapters
+
+    def set_loras(self, loras: Loras) -> int:
+        self.adapters = (self.adapters[0] + 1, tuple(loras))
+        return self.adapters[0]
 
     def snapshot(self) -> list[dict]:
         now = time.time()
@@ -185,7 +243,8 @@ def deployment_options(o: ReplicaOptions, world: int, max_batch: int, max_queue:
     gpus = o.gpus_per_replica if o.gpus_per_replica and o.gpus_per_replica < 1 else world
     actor = {"num_gpus": gpus, "num_cpus": 1} if cuda else {"num_cpus": world}
     scale = ({"autoscaling_config": {"min_replicas": o.min_replicas, "max_replicas": o.max_replicas,
-                                     "initial_replicas": o.replicas, "target_ongoing_requests": max_batch}}
+                                     "initial_replicas": o.replicas, "target_ongoing_requests": max_batch,
+                                     "upscale_delay_s": o.upscale_delay_s, "downscale_delay_s": o.downscale_delay_s}}
              if o.autoscaling else {"num_replicas": o.replicas})
     return dict(ray_actor_options=actor, max_ongoing_requests=max_batch + (max_queue or 0),  # the engine's queue
                 health_check_period_s=HEALTH_CHECK_S, health_check_timeout_s=30, graceful_shutdown_timeout_s=30,
@@ -194,8 +253,9 @@ def deployment_options(o: ReplicaOptions, world: int, max_batch: int, max_queue:
 
 # ---------------------------------------------------------------------------------------- ingress side
 class ReplicaPool:
-    """EngineServer's client API (submit, cancel, position, health, reload, close, info) over engine
-    replicas on Ray Serve. `engine_kwargs` are EngineServer's (device, dtype, plan, max_batch, ...)."""
+    """EngineServer's client API (submit, submit_turn, cancel, position, health, reload, close, info, and the
+    LoRA adapters') over engine replicas on Ray Serve. `engine_kwargs` are EngineServer's (device, dtype,
+    plan, max_batch, loras, max_loras, ...)."""
 
     def __init__(self, model: str | Path, options: ReplicaOptions, **engine_kwargs: Any) -> None:
         import ray
@@ -210,6 +270,16 @@ class ReplicaPool:
         self.plan, self.world_size = plan.name, plan.world
         self.max_batch = int(engine_kwargs.get("max_batch", 1))
         self.max_queue = engine_kwargs.get("max_queue")
+        # the adapters every replica serves, checked here as one engine checks them (before any replica starts)
+        start = tuple(engine_kwargs.pop("loras", ()))
+        self._lora_slots = max(int(engine_kwargs.get("max_loras", 0)), len(start))
+        self._max_lora_rank = int(engine_kwargs.get("max_lora_rank", 64))
+        self._loras: Loras = ()
+        for name, folder in start:
+            self._loras += ((name, check_load(self.info, self._loras, self._lora_slots, self._max_lora_rank,
+                                              name, folder)),)
+        self._adapter_lock = threading.Lock()     # one load or unload at a time
+        self.conversations = ConversationStore()  # held here, at the ingress (the module's docstring says why)
         self._connected = not ray.is_initialized()            # ray.init here: ray.shutdown at close
         self._local_ray = self._connected and options.ray_address is None   # ... which stops this local Ray
         if self._connected:
@@ -230,15 +300,17 @@ class ReplicaPool:
         # ended stream and the engine forgetting it, so a second limit there refused requests Ray had
         # found room for (a 429 with room free, seen under CI load)
         self._engine_kwargs = {**engine_kwargs, "device": device, "plan": plan.name, "world_size": plan.world,
-                               "max_queue": None}
+                               "max_queue": None, "max_loras": self._lora_slots}
         self._board = ray.remote(num_cpus=0)(HealthBoard).options(
             name=BOARD_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime=None).remote()
+        ray.get(self._board.set_loras.remote(self._loras), timeout=30)     # before a replica starts: they load it
         self._handle = self._deploy(serve)
         self._streams: dict[str, Any] = {}         # request id -> its handle call (DeploymentResponseGenerator)
         self._subs: dict[str, Submission] = {}
         self._ahead: dict[str, int | None] = {}
         self._lock = threading.Lock()
         self._replicas: list[dict] = []
+        self._target = options.replicas           # the replicas Ray Serve keeps (the autoscaler's choice)
         self._closing = False
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="replica-pool", daemon=True)
@@ -256,20 +328,17 @@ class ReplicaPool:
         return serve.run(dep.bind(self.model, self._engine_kwargs), name=APP_NAME, route_prefix=None)
 
     # ------------------------------------------------------------------ client API (EngineServer's)
-    def submit(self, request: Request) -> Submission:
-        """Validate here (a refusal ends the stream at once, as EngineServer's does), then send the request
-        to the least-loaded replica; its events follow as that engine emits them."""
+    def submit(self, request: Request, recorder: Callable[[Request, Prepared], TurnRecorder] | None = None
+               ) -> Submission:
+        """Admit the request here (engine/serve/admission.py: a refusal ends the stream at once, as
+        EngineServer's does), then send it, prepared, to the least-loaded replica; its events follow as that
+        engine emits them. `recorder` (submit_turn's): sees the events before the client does."""
+        admitted = admit(self.info, request, self.adapters())
         sub = Submission(request, self.cancel)
-        try:
-            request = with_seed(request)           # drawn once, here: the seed reported is the seed used
-            self.info.prepare(request)
-            request = _detach_images(request)      # bytes: the replica may be on another machine
-        except (RequestError, TypeError, ValueError) as e:
-            sub._push(Error("invalid", str(e), getattr(e, "field", None)))
+        if isinstance(admitted, Error):
+            sub._push(admitted)
             return sub
-        except OSError as e:
-            sub._push(Error("invalid", f"a reference image cannot be read: {e}"))
-            return sub
+        request, prepared = admitted
         sub.request = request
         rid = request.request_id
         with self._lock:
@@ -278,14 +347,21 @@ class ReplicaPool:
             if self._closing:
                 sub._push(Error("engine", "the engine is shut down"))
             elif rid in self._subs:
-                sub._push(Error("invalid", f"request id {rid!r} is already in use"))
+                sub._push(Error("invalid", f"request id {rid!r} is already in use", "request_id"))
             elif len(self._subs) >= capacity:
                 sub._push(Error("busy", f"the queue is full ({len(self._subs)} requests on {len(live)} replica(s)); "
                                         "try again in a moment"))
             else:
                 self._subs[rid] = sub
-                asyncio.run_coroutine_threadsafe(self._relay(sub, request), self._loop)
+                rec = recorder(request, prepared) if recorder is not None else None
+                asyncio.run_coroutine_threadsafe(self._relay(sub, request, prepared, rec), self._loop)
         return sub
+
+    def submit_turn(self, request: Request, conversation: str | None = None,
+                    branch_from_turn: int | None = None) -> Submission:
+        """A conversation's next turn (engine.serve.turns.submit_turn, on the ingress's store): any replica
+        may run it, its history travels with it."""
+        return submit_turn(self, self.conversations, request, conversation, branch_from_turn)
 
     def stream(self, request: Request):
         return iter(self.submit(request))
@@ -328,8 +404,62 @@ class ReplicaPool:
             "restarts": sum(r.get("restarts") or 0 for r in reps),
             "attempt": max((r.get("attempt") or 0 for r in reps), default=0),
             "restart_in_s": None, "stall_limit_s": None,
-            "replicas": reps, "replicas_up": len(up), "replicas_target": self.options.replicas,
+            "replicas": reps, "replicas_up": len(up), "replicas_target": self._target,
+            "replicas_min": self.options.min_replicas, "replicas_max": self.options.max_replicas,
         }
+
+    # ------------------------------------------------------------------ LoRA adapters (every replica's)
+    def adapters(self) -> list[str]:
+        """The LoRA adapters served: the pool's set, as far as every replica up holds them."""
+        with self._lock:
+            live = [r for r in self._replicas if r["state"] in ("ready", "busy")]
+            return [n for n, _ in self._loras if all(n in (r.get("adapters") or ()) for r in live)]
+
+    def load_adapter(self, name: str, folder: str | Path) -> None:
+        """Serve another LoRA adapter on every replica, checked here as one engine checks it; returns once
+        every replica up has loaded it. ValueError when it cannot be (then no replica keeps it)."""
+        with self._adapter_lock:
+            with self._lock:
+                before = self._loras
+            folder = check_load(self.info, before, self._lora_slots, self._max_lora_rank, name, folder)
+            with self._lock:
+                self._loras = before + ((name, folder),)
+            failed = self._publish_adapters(name)
+            if failed:
+                with self._lock:
+                    self._loras = before
+                self._publish_adapters(None)      # the replicas that loaded it unload it
+                raise ValueError(f"LoRA adapter {name!r} was not loaded on every replica: {failed}")
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving a LoRA adapter on every replica; refused (ValueError) while a request uses it."""
+        with self._adapter_lock:
+            with self._lock:
+                users = [rid for rid, sub in self._subs.items() if sub.request.lora == name and not sub.ended]
+                self._loras = check_unload(self._loras, name, users)     # no request is admitted with it from now
+            self._publish_adapters(None)
+
+    def _publish_adapters(self, name: str | None) -> str | None:
+        """Post the pool's adapter set to the board; with `name`, wait until every replica up has matched
+        it and say which could not load `name` (None: all did)."""
+        import ray
+        with self._lock:
+            loras = self._loras
+        epoch = ray.get(self._board.set_loras.remote(loras), timeout=30)
+        if name is None:
+            return None
+        deadline = time.monotonic() + ADAPTER_WAIT_S
+        while True:
+            with self._lock:
+                live = [r for r in self._replicas if r["state"] in ("ready", "busy")]
+            if all((r.get("adapters_epoch") or 0) >= epoch for r in live):
+                errors = [f"replica {r['id']}: {r['adapter_errors'][name]}" for r in live
+                          if name in (r.get("adapter_errors") or {})]
+                return "; ".join(errors) or None
+            if time.monotonic() > deadline:
+                late = [r["id"] for r in live if (r.get("adapters_epoch") or 0) < epoch]
+                return f"replica(s) {', '.join(late)} did not load it within {ADAPTER_WAIT_S:.0f} s"
+            time.sleep(0.1)
 
     def reload(self) -> bool:
         """Ask every replica whose model failed to load to load it again (they see it at their next report)."""
@@ -380,8 +510,10 @@ class ReplicaPool:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    async def _relay(self, sub: Submission, request: Request) -> None:
-        """Pass one request's events from its replica to its Submission, one by one."""
+    async def _relay(self, sub: Submission, request: Request, prepared: Prepared,
+                     recorder: TurnRecorder | None) -> None:
+        """Pass one request's events from its replica to its Submission, one by one (a conversation's turn:
+        its recorder sees each first, so the turn is recorded before its client can send the next)."""
         from ray.exceptions import RayError
         from ray.serve.exceptions import BackPressureError, RequestCancelledError
         rid = request.request_id
@@ -389,7 +521,7 @@ class ReplicaPool:
         try:
             if sub.ended:                           # cancelled before it was sent
                 return
-            call = self._handle.options(stream=True).generate.remote(request)
+            call = self._handle.options(stream=True).generate.remote(request, prepared)
             self._streams[rid] = call
             async for item in call:
                 if sub.ended:                       # cancelled here meanwhile: the finally stops the replica's run
@@ -398,6 +530,8 @@ class ReplicaPool:
                     self._ahead[rid] = item.ahead
                     continue
                 self._ahead.pop(rid, None)
+                if recorder is not None:
+                    recorder.see(item)
                 sub._push(item)
                 if isinstance(item, (Done, Error)):
                     finished = True
@@ -440,8 +574,20 @@ class ReplicaPool:
         for r in reps:
             if r["age_s"] > STALE_AFTER_S:
                 r["state"] = "lost"
+        target = self._autoscaled_target() if self.options.autoscaling else self.options.replicas
         with self._lock:
             self._replicas = sorted(reps, key=lambda r: r["id"])
+            self._target = target if target is not None else self._target
+
+    def _autoscaled_target(self) -> int | None:
+        """How many replicas Ray Serve keeps now (running or starting; not those stopping)."""
+        from ray import serve
+        try:
+            dep = serve.status().applications[APP_NAME].deployments["EngineReplica"]
+        except Exception as e:  # noqa: BLE001 - deploying, or the controller busy: keep the last figure
+            print(f"replica pool: Serve status unreadable: {e}", file=sys.stderr, flush=True)
+            return None
+        return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) != "STOPPING")
 
 
 def _first_line(e: BaseException) -> str:

@@ -41,13 +41,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from engine.parallel.plan import ParallelPlan, get_plan
-from engine.runtime.conversation import ConversationError, ConversationStore, TurnRecorder
+from engine.runtime.conversation import ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error, Event
-from engine.runtime.request import Prepared, Request, RequestError, with_seed
+from engine.runtime.request import Prepared, Request
+from engine.serve.adapters import check_adapter, check_load, check_unload
+from engine.serve.admission import admit
 from engine.serve.client import Submission
 from engine.serve.engine_config import EngineConfig
 from engine.serve.info import ModelInfo
 from engine.serve.supervisor import Restarts, StallWatch
+from engine.serve.turns import submit_turn
 from engine.serve.worker import worker_main
 
 CANCEL_GRACE_S = 60.0       # a worker that ignores a cancel this long is considered hung and restarted
@@ -143,7 +146,7 @@ class EngineServer:
                                    max(max_loras, len(loras)),       # the slots stay when adapters are unloaded
                                    max_lora_rank)
         for name, folder in self.config.loras:
-            self._check_adapter(name, folder)
+            check_adapter(self.info, name, folder, self.config.max_lora_rank)
         self.cancel_grace_s = cancel_grace_s
         self.max_queue = max_queue
 
@@ -185,18 +188,20 @@ class EngineServer:
         """Validate and queue a request. Bad input ends the stream at once with Error('invalid') and is
         never queued, a full queue ends it with Error('busy'); otherwise the events follow as the engine
         runs it. `recorder` (submit_turn's): makes what sees its events before the client does."""
+        admitted = admit(self.info, request, self.adapters())    # once: the engine runs it as prepared here
+        if isinstance(admitted, Error):
+            sub = Submission(request, self.cancel)
+            sub._push(admitted)
+            return sub
+        return self.submit_admitted(*admitted, recorder=recorder)
+
+    def submit_admitted(self, request: Request, prepared: Prepared,
+                        recorder: Callable[[Request, Prepared], TurnRecorder] | None = None) -> Submission:
+        """Queue a request admitted where it entered (engine.serve.admission: `submit`'s, or a replica pool's
+        ingress, whose replicas run what it admitted), unchecked: what may change after admission, an
+        adapter unloaded meanwhile, the engine refuses when the request starts (Error('invalid'), as for
+        a queued request)."""
         sub = Submission(request, self.cancel)
-        try:
-            request = with_seed(request)
-            prepared = self.info.prepare(request, self.adapters())      # once: the engine runs it as prepared here
-            request = _detach_images(request)
-        except (RequestError, TypeError, ValueError) as e:     # TypeError: a value of the wrong kind
-            sub._push(Error("invalid", str(e), getattr(e, "field", None)))
-            return sub
-        except OSError as e:                                  # an upload that vanished after validation
-            sub._push(Error("invalid", f"a reference image cannot be read: {e}", "images"))
-            return sub
-        sub.request = request
         with self._lock:
             if self._closing:
                 sub._push(Error("engine", "the engine is shut down"))
@@ -220,28 +225,12 @@ class EngineServer:
         """The names of the LoRA adapters served (a request's `lora` names one)."""
         return [n for n, _ in self.config.loras]
 
-    def _check_adapter(self, name: str, folder: str) -> None:
-        """Refuse (ValueError naming why) an adapter the engine could not load: read here, as every rank will."""
-        from engine.model.peft import read_peft
-        if not isinstance(name, str) or not name.strip() or "/" in name:
-            raise ValueError(f"a LoRA adapter needs a name without '/' (got {name!r})")
-        adapter = read_peft(folder, self.info.cfg)
-        if adapter.rank > self.config.max_lora_rank:
-            raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above the engine's max LoRA rank "
-                             f"{self.config.max_lora_rank}")
-
     def load_adapter(self, name: str, folder: str | Path) -> None:
         """Serve another LoRA adapter from now on (every rank loads it before its next step). ValueError
         when it cannot be: no free slot, a name in use, or a folder that is not a servable adapter."""
-        folder = str(Path(folder).resolve())
         with self._lock:
-            if not self.config.lora_slots:
-                raise ValueError("this engine has no LoRA adapter slots (start it with --max-loras N or --lora)")
-            if name in self.adapters():
-                raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
-            if len(self.config.loras) >= self.config.lora_slots:
-                raise ValueError(f"all {self.config.lora_slots} LoRA adapter slots are in use; unload one first")
-            self._check_adapter(name, folder)
+            folder = check_load(self.info, self.config.loras, self.config.lora_slots, self.config.max_lora_rank,
+                                name, folder)
             # a restarted engine loads the current set; the running one is told
             self.config = dataclasses.replace(self.config, loras=self.config.loras + ((name, folder),))
             self._send_adapter(("adapter", "load", name, folder))
@@ -249,13 +238,9 @@ class EngineServer:
     def unload_adapter(self, name: str) -> None:
         """Stop serving a LoRA adapter; refused (ValueError) while a queued or running request uses it."""
         with self._lock:
-            if name not in self.adapters():
-                raise KeyError(f"no LoRA adapter named {name!r} is loaded")
             users = [j.sub.request_id for j in (*self._waiting, *self._running.values())
                      if j.prepared.lora == name and not j.sub.ended]
-            if users:
-                raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it when they end")
-            self.config = dataclasses.replace(self.config, loras=tuple(a for a in self.config.loras if a[0] != name))
+            self.config = dataclasses.replace(self.config, loras=check_unload(self.config.loras, name, users))
             self._send_adapter(("adapter", "unload", name, None))
 
     def _send_adapter(self, msg: tuple) -> None:
@@ -267,33 +252,8 @@ class EngineServer:
 
     def submit_turn(self, request: Request, conversation: str | None = None,
                     branch_from_turn: int | None = None) -> Submission:
-        """Submit a conversation's next turn: `request` is the new instruction (with its own reference
-        images, if any) and gets the conversation's turns as its history; without `conversation` it
-        starts one; with `branch_from_turn` k it continues a new conversation holding the first k turns
-        of `conversation`. `sub.conversation_id` names the conversation the turn is added to once it has
-        made its image. Bad input (an unknown id, a turn it does not have) ends the stream with
-        Error('invalid') and changes no conversation."""
-        try:
-            if request.history:
-                raise RequestError("a conversation's turn takes its history from the conversation", "history")
-            if conversation is None and branch_from_turn is not None:
-                raise ConversationError("branch_from_turn needs the conversation_id to branch from",
-                                        "branch_from_turn")
-            turns = () if conversation is None else self.conversations.turns_until(conversation, branch_from_turn)
-            made = conversation is None or branch_from_turn is not None
-            parent = None if conversation is None else (conversation, branch_from_turn)
-            conv = self.conversations.create(turns, parent) if made else self.conversations.get(conversation)
-        except (ConversationError, RequestError) as e:
-            sub = Submission(request, self.cancel)
-            sub._push(Error("invalid", str(e), e.field))
-            return sub
-        sub = self.submit(dataclasses.replace(request, history=turns),
-                          lambda req, prepared: TurnRecorder(self.conversations, conv.id, req, prepared.bot_task))
-        if sub.ended and made:             # refused: the conversation it would have started is not kept
-            self.conversations.discard(conv.id)
-        else:
-            sub.conversation_id = conv.id
-        return sub
+        """A conversation's next turn (engine.serve.turns.submit_turn, on this server's store)."""
+        return submit_turn(self, self.conversations, request, conversation, branch_from_turn)
 
     def stream(self, request: Request) -> Iterator[Event]:
         """Sync convenience: submit and iterate the events."""
@@ -719,12 +679,3 @@ def fitting_plan(model: str | Path, dtype: str | None, quantize: str | None, ver
     if verbose:
         print(f"engine: {len(sizes)} GPU(s) of {min(sizes) / 2 ** 30:.0f} GiB: plan {est.describe()}", flush=True)
     return plan.name
-
-
-def _detach_images(req: Request) -> Request:
-    """Reference images given as paths are read now, so a temporary upload may vanish after submit."""
-    if not req.images or all(not isinstance(i, (str, os.PathLike)) for i in req.images):
-        return req
-    from dataclasses import replace
-    return replace(req, images=[Path(i).read_bytes() if isinstance(i, (str, os.PathLike)) else i
-                                for i in req.images])

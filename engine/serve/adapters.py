@@ -1,0 +1,44 @@
+"""The checks on serving a LoRA adapter, shared by one engine (EngineServer) and the ingress of engine
+replicas (ReplicaPool), so both refuse the same adapters with the same words (ValueError / KeyError)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Collection
+
+from engine.serve.info import ModelInfo
+
+Loras = tuple[tuple[str, str], ...]          # (name, PEFT folder) of each adapter served, in load order
+
+
+def check_adapter(info: ModelInfo, name: str, folder: str, max_rank: int) -> None:
+    """Refuse (ValueError naming why) an adapter the engine could not load: read here, as every rank will."""
+    from engine.model.peft import read_peft
+    if not isinstance(name, str) or not name.strip() or "/" in name:
+        raise ValueError(f"a LoRA adapter needs a name without '/' (got {name!r})")
+    adapter = read_peft(folder, info.cfg)
+    if adapter.rank > max_rank:
+        raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above the engine's max LoRA rank {max_rank}")
+
+
+def check_load(info: ModelInfo, loras: Loras, slots: int, max_rank: int, name: str, folder: str | Path) -> str:
+    """The absolute folder of an adapter that may be loaded beside `loras` into `slots` slots; ValueError
+    when it cannot be: no free slot, a name in use, or a folder that is not a servable adapter."""
+    folder = str(Path(folder).resolve())
+    if not slots:
+        raise ValueError("this engine has no LoRA adapter slots (start it with --max-loras N or --lora)")
+    if name in (n for n, _ in loras):
+        raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+    if len(loras) >= slots:
+        raise ValueError(f"all {slots} LoRA adapter slots are in use; unload one first")
+    check_adapter(info, name, folder, max_rank)
+    return folder
+
+
+def check_unload(loras: Loras, name: str, users: Collection[str]) -> Loras:
+    """`loras` without `name`; KeyError when it is not loaded, ValueError while requests (`users`, their ids)
+    that use it are queued or running."""
+    if name not in (n for n, _ in loras):
+        raise KeyError(f"no LoRA adapter named {name!r} is loaded")
+    if users:
+        raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it when they end")
+    return tuple(a for a in loras if a[0] != name)
