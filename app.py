@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-loras", type=int, default=0,
                     help="adapter slots, for adapters loaded at run time too (default: as many as --lora)")
     ap.add_argument("--max-lora-rank", type=int, default=64, help="the highest adapter rank served (default 64)")
+    ap.add_argument("--prefix-cache-mb", type=int, default=2048,
+                    help="K/V of conversations' earlier turns kept per GPU for the next turn, in MiB "
+                         "(default 2048; 0: off)")
     ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
     ap.add_argument("--max-upload-mb", type=float, default=20.0,
                     help="largest reference image file the API accepts, in MB (default 20)")
@@ -124,8 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(str(e))
     if (args.gpus is not None and args.gpus < 1) or args.max_queue < 1 or (args.max_batch is not None and
                                                                          args.max_batch < 1) \
-            or args.max_denoise_batch < 1:
-        ap.error("--gpus, --max-queue, --max-batch and --max-denoise-batch must be at least 1")
+            or args.max_denoise_batch < 1 or args.prefix_cache_mb < 0:
+        ap.error("--gpus, --max-queue, --max-batch and --max-denoise-batch must be at least 1, "
+                 "--prefix-cache-mb at least 0")
     if args.max_upload_mb <= 0 or (args.max_upload_pixels is not None and args.max_upload_pixels < 1):
         ap.error("--max-upload-mb and --max-upload-pixels must be positive")
     if args.api_only and args.share:
@@ -167,7 +171,8 @@ def engine_server(model: Path, device: str, args: argparse.Namespace):
     """One EngineServer, or with --replicas a pool of them on Ray Serve with the same client API."""
     kwargs = dict(device=device, dtype=args.dtype, plan=args.plan, sp_kind=args.sp_attn, verbose=True,
                   max_queue=args.max_queue, quantize=args.quantize, step_timeout=args.step_timeout,
-                  max_batch=args.max_batch or default_max_batch(device), max_denoise_batch=args.max_denoise_batch)
+                  max_batch=args.max_batch or default_max_batch(device), max_denoise_batch=args.max_denoise_batch,
+                  prefix_cache_mb=args.prefix_cache_mb)
     if args.replicas is None:
         from engine.serve.server import EngineServer
         return EngineServer(model, world_size=args.gpus, loras=args.loras, max_loras=args.max_loras,
