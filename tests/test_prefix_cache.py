@@ -87,6 +87,27 @@ def test_eviction_under_a_tiny_byte_bound():
         ByteLRU(-1)
 
 
+def test_history_images_come_from_the_encoding_cache_else_from_their_content(tiny):
+    from engine.runtime.conditioning import EncodingCache, encode_references, encode_sequence_images
+    from engine.runtime.images import open_image
+    img, m, b = open_image(RED, "red"), tiny.model, tiny.buckets
+
+    def gen(seed: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)
+    cache = EncodingCache(1 << 30)
+    (own,) = encode_sequence_images(m, [], [img], b, gen(1), False, cache)
+    # a turn's own reference: drawn from the request's generator, as a single request always was
+    assert torch.equal(own.vae_tokens, encode_references(m, [img], b, gen(1))[0].vae_tokens)
+    # the next turn shows it as history: the very encoding turn 1 saw, whatever the next turn's seed
+    (seen,) = encode_sequence_images(m, [img], [], b, gen(2), False, cache)
+    assert seen is own and cache.hits == 1
+    # not in the cache: noise seeded from the content, not from the request
+    a = encode_sequence_images(m, [img], [], b, gen(1), False, EncodingCache(0))[0]
+    c = encode_sequence_images(m, [img], [], b, gen(2), False, EncodingCache(0))[0]
+    assert torch.equal(a.vae_tokens, c.vae_tokens) and a.identity == c.identity != own.identity
+    assert not torch.equal(a.vae_tokens, own.vae_tokens)
+
+
 # ------------------------------------------------------------------------------------------ the engine
 def _outcome(events):
     errors = [e for e in events if isinstance(e, Error)]
@@ -151,3 +172,25 @@ def test_two_ranks_on_gloo_agree_with_one(tiny_dir, cached_run):
     for (req, text, image, done), (text2, image2, done2) in zip(turns, results):
         assert text2 == text and done2.timings.ar_cached_tokens == done.timings.ar_cached_tokens
         assert _psnr(image, image2) >= 40
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("which", ["tiny", "embedded"])
+def test_a_cache_hit_on_cuda(tiny_dir, which):
+    """On CUDA in bf16 with graphs on (turn 1's prefill a graph; a hit's suffix the plain forward): the
+    turns after the first take their history from the cache and give the reasoning and (to rounding) the
+    image of the cache off."""
+    from engine import EMBEDDED_MODEL
+    from engine.model.loader import load
+    lm = load(tiny_dir if which == "tiny" else EMBEDDED_MODEL, "cuda", torch.bfloat16)
+    on, off = Pipeline(lm, preview_every=0), Pipeline(lm, preview_every=0, prefix_cache_bytes=0)
+    turns = _requests(lambda req: _outcome(list(on.run(req))))
+    for k, (req, text, image, done) in enumerate(turns):
+        text0, image0, done0 = _outcome(list(off.run(req)))
+        t = done.timings
+        print(f"{which} turn {k + 1}: {t.ar_cached_tokens} of {t.ar_prompt_tokens} cached, prefill "
+              f"{t.ar_prefill_ms:.1f} ms (off: {done0.timings.ar_prefill_ms:.1f} ms), same reasoning "
+              f"{text0 == text}, PSNR {_psnr(image0, image):.1f} dB")
+        assert (t.ar_cached_tokens > turns[k - 1][3].timings.ar_prompt_tokens) if k else t.ar_cached_tokens == 0
+        assert text0 == text and (image0 == image if k == 0 else _psnr(image0, image) >= 30)
