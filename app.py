@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from engine import EMBEDDED_MODEL
+from engine.runtime.lru import PREFIX_CACHE_MB
 EMBEDDED_NOTICE = ("This is the small **embedded demo model** (9.7 M parameters with the HunyuanImage-3.0 "
                    "architecture). It knows simple scenes: circles, squares, triangles, diamonds and stars in "
                    "red, orange, yellow, green, blue or purple, on white, gray or black, and edits that "
@@ -101,9 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-loras", type=int, default=0,
                     help="adapter slots, for adapters loaded at run time too (default: as many as --lora)")
     ap.add_argument("--max-lora-rank", type=int, default=64, help="the highest adapter rank served (default 64)")
-    ap.add_argument("--prefix-cache-mb", type=int, default=2048,
+    ap.add_argument("--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB,
                     help="K/V of conversations' earlier turns kept per GPU for the next turn, in MiB "
-                         "(default 2048; 0: off)")
+                         f"(default {PREFIX_CACHE_MB}; 0: off)")
     ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
     ap.add_argument("--max-upload-mb", type=float, default=20.0,
                     help="largest reference image file the API accepts, in MB (default 20)")

@@ -11,6 +11,12 @@ from typing import Generic, Hashable, Iterator, TypeVar
 
 V = TypeVar("V")
 
+# The default bounds, per rank, of the engine's two conversation caches (EngineConfig takes them from here;
+# 0 turns one off). K/V: 2 GiB holds ~16k tokens of the real model at TP1 in bf16 (128 KiB a token), three
+# 1024x1024 turns of a conversation; encodings: ~40 MiB per 1024x1024 image of the real model.
+PREFIX_CACHE_MB = 2048
+ENCODING_CACHE_MB = 1024
+
 
 class ByteLRU(Generic[V]):
     def __init__(self, max_bytes: int):

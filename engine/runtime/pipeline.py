@@ -23,6 +23,7 @@ from typing import Any, Callable, Generator, Iterator
 import torch
 import torch.nn.functional as F
 
+from engine.model.attention import KVCache
 from engine.model.loader import LoadedModel
 from engine.model.lora import load_adapter
 from engine.parallel.groups import RankGroups
@@ -37,12 +38,13 @@ from engine.runtime.handoff import cache_heads, gather_sibling_heads, reusable_p
 from engine.runtime.history import past_turn_layouts, reasoning_of
 from engine.runtime.images import align_to_reference, png_bytes, to_pil
 from engine.runtime.kv_pool import KVPool
+from engine.runtime.lru import ENCODING_CACHE_MB, PREFIX_CACHE_MB
 from engine.runtime.needs import ARSlot, DenoiseTurn, Need
-from engine.runtime.prefix_cache import PrefixCache, prefix_key
+from engine.runtime.prefix_cache import PrefixCache, PrefixKey, prefix_key
 from engine.runtime.request import Prepared, Request, RequestError, prepare, with_seed
 from engine.runtime.scheduler import Scheduler, StepNews
-from engine.runtime.sequence import (PastTurnLayout, Sequence, SequenceBuilder, image_phase_sequence,
-                                     text_phase_sequence, user_turn)
+from engine.runtime.sequence import (CondImageLayout, PastTurnLayout, Sequence, SequenceBuilder,
+                                     image_phase_sequence, text_phase_sequence, user_turn)
 from engine.runtime.step_cache import StepCache, make_step_cache
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 from engine.spec.buckets import nearest_bucket
@@ -50,8 +52,6 @@ from engine.spec.prompts import COT_TASKS, PromptError
 
 Program = Generator["Event | Need", Any, None]
 DENOISE_GRAPHS = 8      # denoise step keys whose graphs are kept (least recently used dropped first)
-PREFIX_CACHE_BYTES = 2 << 30     # K/V prefixes kept per rank (engine/runtime/prefix_cache.py; 0: off)
-ENCODING_CACHE_BYTES = 1 << 30   # image encodings kept per rank (engine/runtime/conditioning.py)
 
 
 def synchronize(dev: torch.device) -> None:
@@ -66,7 +66,8 @@ class Pipeline:
                  on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False,
                  cuda_graph: bool = True, preview_share: float = 0.25, slots: int = 1,
                  graphs: Graphs | None = None, max_denoise_batch: int = 1,
-                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, encoding_cache_bytes: int = ENCODING_CACHE_BYTES):
+                 prefix_cache_bytes: int = PREFIX_CACHE_MB << 20,
+                 encoding_cache_bytes: int = ENCODING_CACHE_MB << 20):
         """`slots`: requests in their AR phase at once (the engine's batch: its AR slots in the KV pool).
         `graphs`: the owner of the engine's CUDA graphs (default: a new one). `max_denoise_batch`: requests
         of one step key whose denoise steps share a forward (engine/runtime/denoise_batch.py).
@@ -358,8 +359,9 @@ class Pipeline:
         except (KeyError, AttributeError):
             raise RequestError(f"the LoRA adapter {p.lora!r} is no longer loaded", "lora") from None
 
-    def _keep_prefix(self, p: Prepared, system: str, ar_seq: Sequence, ar_key, history: tuple[PastTurnLayout, ...],
-                     own: list, cot_text: str | None, res: TextResult, cache) -> None:
+    def _keep_prefix(self, p: Prepared, system: str, ar_seq: Sequence, ar_key: PrefixKey,
+                     history: tuple[PastTurnLayout, ...], own: list[CondImageLayout], cot_text: str | None,
+                     res: TextResult, cache: KVCache) -> None:
         """Keep the AR cache's K/V up to where the next turn's layout of this one leaves the sequence that
         ran (prefix_cache.py): that layout is built here as the next turn would build it."""
         cfg, tok = self.lm.cfg, self.lm.tok

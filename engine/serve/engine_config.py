@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.runtime.lru import ENCODING_CACHE_MB, PREFIX_CACHE_MB
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -24,8 +26,8 @@ class EngineConfig:
     loras: tuple[tuple[str, str], ...] = ()   # LoRA adapters loaded at start: (name, PEFT folder)
     max_loras: int = 0              # adapter slots (at least len(loras); 0 and no loras: no adapter tables)
     max_lora_rank: int = 64         # the highest adapter rank the slots hold (the trainers use 32)
-    prefix_cache_mb: int = 2048     # conversations' cached K/V prefixes per rank (prefix_cache.py; 0: off)
-    encoding_cache_mb: int = 1024   # conversations' image encodings per rank (conditioning.py; 0: none kept)
+    prefix_cache_mb: int = PREFIX_CACHE_MB       # conversations' K/V prefixes per rank (prefix_cache.py; 0: off)
+    encoding_cache_mb: int = ENCODING_CACHE_MB   # their image encodings per rank (conditioning.py; 0: none kept)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:

@@ -107,7 +107,8 @@ class EngineServer:
                  max_queue: int | None = None, quantize: str | None = None, max_batch: int = 1,
                  step_timeout: float | None = None, cfg_serial: bool = False, cuda_graph: bool = True,
                  max_denoise_batch: int = 1, loras: Sequence[tuple[str, str]] = (), max_loras: int = 0,
-                 max_lora_rank: int = 64, prefix_cache_mb: int = 2048, encoding_cache_mb: int = 1024):
+                 max_lora_rank: int = 64, prefix_cache_mb: int = EngineConfig.prefix_cache_mb,
+                 encoding_cache_mb: int = EngineConfig.encoding_cache_mb):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
