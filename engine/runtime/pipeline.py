@@ -227,6 +227,12 @@ class Pipeline:
                 # only a turn that shows earlier turns reads the cache: a single request runs as it always did
                 entry, cached = self.prefix.lookup(ar_key, len(ar_seq) - 1) if self.prefix.enabled and p.history \
                     else (None, 0)
+                if p.history and self.prefix.enabled and rt.world.size > 1:
+                    # the ranks' caches hold the same keys by construction (prefix_cache.py); the least any rank
+                    # found is what every rank takes, so that a rank out of step cannot change the prefill's
+                    # shapes on its own (each rank's entry shares at least that many tokens)
+                    found = torch.tensor([cached], dtype=torch.long, device=dev)
+                    cached = int(rt.world.all_gather(found, 0).min())
 
                 def prefill(e: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
                     if not cached:

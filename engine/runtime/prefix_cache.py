@@ -25,7 +25,8 @@ conversation holds one entry; a branch keeps its own. Bounded in bytes, least re
 
 Each rank keeps the K/V of its own AR heads, on its device. Every rank takes the same decisions: they
 depend only on the ids, the identities and the token counts (every rank's AR micro has as many heads),
-all of which the ranks share. The CFG uncond branch is not cached (the denoise phase prefills it, as
+all of which the ranks share; and a hit's length is agreed once per turn (the least any rank found, one
+all-gather of one number before the prefill), so a rank out of step could only cost cached tokens. The CFG uncond branch is not cached (the denoise phase prefills it, as
 before). A request without an AR phase (no reasoning, size fixed) neither reads nor writes the cache.
 """
 from __future__ import annotations
