@@ -164,6 +164,17 @@ def test_a_cache_hit_gives_what_the_cache_off_gives(tiny, cached_run):
             assert _psnr(image0, image) >= 60, _psnr(image0, image)
 
 
+def test_an_engine_under_a_tiny_bound_keeps_what_fits(tiny, cached_run):
+    _, turns = cached_run
+    n1, n2 = (turns[k][3].timings.ar_cached_tokens for k in (1, 2))   # turn 1's and turn 2's kept prefixes
+    cfg = tiny.cfg
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4          # fp32, one rank: every head
+    pipe = Pipeline(tiny, preview_every=0, prefix_cache_bytes=per_token * (n1 + n2) // 2)
+    cached = [_outcome(list(pipe.run(req)))[2].timings.ar_cached_tokens for req, *_ in turns]
+    # turn 2's prefix is over the bound alone: it is not kept, and turn 1's stays for turn 3
+    assert cached == [0, n1, n1] and len(pipe.prefix.lru) == 1
+
+
 def test_two_ranks_on_gloo_agree_with_one(tiny_dir, cached_run):
     _, turns = cached_run
     with EngineServer(tiny_dir, plan="tp2", preview_every=0) as server:

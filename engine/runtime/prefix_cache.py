@@ -122,7 +122,10 @@ class PrefixCache:
         """Keep positions [0, len(key)) of `cache` (a slot row's AR heads) under `key`; an entry it
         extends is dropped, and nothing is stored where one already holds it whole."""
         n = len(key)
-        if not self.enabled or n == 0:
+        k0 = cache.k[0]
+        layers, heads, D = len(cache.k), k0.shape[1], k0.shape[3]
+        nbytes = layers * 2 * heads * n * D * k0.element_size()
+        if n == 0 or nbytes > self.lru.max_bytes:       # (off, or over the bound alone: the cache stays as it is)
             return False
         for name, entry in self.lru.items():
             shared = entry.key.common(key)
@@ -131,11 +134,7 @@ class PrefixCache:
                 return False
             if shared == len(entry.key):             # the new one extends it
                 self.lru.pop(name)
-        k0 = cache.k[0]
-        layers, heads, D = len(cache.k), k0.shape[1], k0.shape[3]
-        nbytes = layers * 2 * heads * n * D * k0.element_size()
-        if not self.lru.room(nbytes):              # evicted before the new entry is allocated
-            return False
+        self.lru.room(nbytes)                        # evicted before the new entry is allocated
         kv = torch.empty(layers, 2, heads, n, D, dtype=k0.dtype, device=k0.device)
         for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
             kv[layer, 0] = k[0, :, :n]
