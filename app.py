@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from engine import EMBEDDED_MODEL
+from engine.runtime.lru import PREFIX_CACHE_MB
 EMBEDDED_NOTICE = ("This is the small **embedded demo model** (9.7 M parameters with the HunyuanImage-3.0 "
                    "architecture). It knows simple scenes: circles, squares, triangles, diamonds and stars in "
                    "red, orange, yellow, green, blue or purple, on white, gray or black, and edits that "
@@ -101,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-loras", type=int, default=0,
                     help="adapter slots, for adapters loaded at run time too (default: as many as --lora)")
     ap.add_argument("--max-lora-rank", type=int, default=64, help="the highest adapter rank served (default 64)")
+    ap.add_argument("--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB,
+                    help="K/V of conversations' earlier turns kept per GPU for the next turn, in MiB "
+                         f"(default {PREFIX_CACHE_MB}; 0: off)")
     ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
     ap.add_argument("--max-upload-mb", type=float, default=20.0,
                     help="largest reference image file the API accepts, in MB (default 20)")
@@ -128,8 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(str(e))
     if (args.gpus is not None and args.gpus < 1) or args.max_queue < 1 or (args.max_batch is not None and
                                                                          args.max_batch < 1) \
-            or args.max_denoise_batch < 1:
-        ap.error("--gpus, --max-queue, --max-batch and --max-denoise-batch must be at least 1")
+            or args.max_denoise_batch < 1 or args.prefix_cache_mb < 0:
+        ap.error("--gpus, --max-queue, --max-batch and --max-denoise-batch must be at least 1, "
+                 "--prefix-cache-mb at least 0")
     if args.max_upload_mb <= 0 or (args.max_upload_pixels is not None and args.max_upload_pixels < 1):
         ap.error("--max-upload-mb and --max-upload-pixels must be positive")
     if args.api_only and args.share:
@@ -177,7 +182,8 @@ def engine_server(model: Path, device: str, args: argparse.Namespace):
     kwargs = dict(device=device, dtype=args.dtype, plan=args.plan, sp_kind=args.sp_attn, verbose=True,
                   max_queue=args.max_queue, quantize=args.quantize, step_timeout=args.step_timeout,
                   max_batch=args.max_batch or default_max_batch(device), max_denoise_batch=args.max_denoise_batch,
-                  loras=args.loras, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+                  loras=args.loras, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                  prefix_cache_mb=args.prefix_cache_mb)
     if args.replicas is None:
         from engine.serve.server import EngineServer
         return EngineServer(model, world_size=args.gpus, **kwargs)

@@ -26,6 +26,8 @@
 #                  where it does not import), suite flashinfer (ours vs FlashInfer per op)
 #   lora           the LoRA GPU test (graph steps with per-row adapters), then suite lora (a hybrid4 rank's DiT
 #                  and decode step: unmerged rank-32 adapter vs none vs merged weights)
+#   prefix-cache   the prefix cache's GPU test (cache on vs off, bf16, graphs on; tiny and embedded), then suite
+#                  conversation (each turn's AR prefill with the cache off and on; embedded, a hybrid4 rank)
 #   conversation   suite conversation (a 3-turn edit per history policy: tokens, prefill ms; embedded model
 #                  and one hybrid4 rank at the real shapes), then the chained-edit evaluation of the policies
 #   step-cache     the step cache's GPU tests, then suite step-cache: speed (hybrid4 rank, MXFP4 Distil) and
@@ -126,6 +128,9 @@ for section in "$@"; do
       tests step_cache_tests 300 -s tests/test_step_cache.py
       run step_cache_speed 590 python3 -m bench step-cache --speed --out "$OUT/step-cache-speed"
       run step_cache_quality 400 python3 -m bench step-cache --quality --out "$OUT/step-cache-quality" ;;
+    prefix-cache)
+      tests prefix_cache_tests 300 -s tests/test_prefix_cache.py
+      suite conversation 400 conversation ;;
     conversation)
       suite conversation 400 conversation
       run eval_chains 590 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 \

@@ -186,7 +186,7 @@ def test_three_turn_chat_conversation_with_the_openai_client(api):
     _, _, client = api
     messages = [{"role": "user", "content": [{"type": "text", "text": "a red square on grey"},
                                              {"type": "image_url", "image_url": {"url": _data_url(RED)}}]}]
-    prompt_tokens = []
+    prompt_tokens, cached = [], []
     for k, instruction in enumerate(("", "make it blue", "add a green dot")):
         if k:
             messages.append({"role": "user", "content": instruction})
@@ -200,8 +200,11 @@ def test_three_turn_chat_conversation_with_the_openai_client(api):
         assert msg.model_extra["cot"].startswith("<think>") and msg.reasoning_content
         messages.append(msg.model_dump(exclude_none=True, warnings=False))
         prompt_tokens.append(chat.usage.prompt_tokens)
+        cached.append(chat.usage.prompt_tokens_details.cached_tokens)
     # each turn's prompt holds the turns before it (policy full: 2 and then 3 images fit)
     assert prompt_tokens[0] < prompt_tokens[1] < prompt_tokens[2], prompt_tokens
+    # ... and takes them from the prefix cache: the previous turn's whole prompt and its reasoning
+    assert cached[0] == 0 and prompt_tokens[0] < cached[1] < prompt_tokens[1] < cached[2] < prompt_tokens[2], cached
 
 
 def test_chat_messages_become_turns():
@@ -241,8 +244,24 @@ def test_bad_history_over_chat_is_400_naming_the_message(api, messages, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
 
 
+def test_edits_by_conversation_id_report_cached_tokens(api):
+    _, _, client = api
+    extra = dict(num_inference_steps=2, bot_task="think", max_new_tokens=4, seed=5)
+    conv, inputs, cached = None, [], []
+    for prompt in ("a red square", "make it blue", "add a dot"):
+        body = {**extra, "conversation_id": conv} if conv else extra
+        r = client.images.edit(image=[] if conv else [("red.png", RED, "image/png")], prompt=prompt, size="256x256",
+                               extra_body=body)
+        assert r.data[0].b64_json and r.model_extra["conversation_id"] == (conv or r.model_extra["conversation_id"])
+        conv = r.model_extra["conversation_id"]
+        inputs.append(r.usage.input_tokens)
+        cached.append(r.usage.input_tokens_details.model_extra["cached_tokens"])
+    assert cached[0] == 0 and inputs[0] < cached[1] < inputs[1] < cached[2] < inputs[2], (inputs, cached)
+
+
 def test_three_turn_edit_conversation_by_id_and_a_branch(api):
     server, http, client = api
+    held = len(server.conversations)            # other tests' conversations on this server
     extra = dict(num_inference_steps=2, bot_task="image", seed=5)
     r1 = client.images.edit(image=[("red.png", RED, "image/png")], prompt="a red square", size="256x256",
                             extra_body=extra)
@@ -267,4 +286,4 @@ def test_three_turn_edit_conversation_by_id_and_a_branch(api):
         form = {"prompt": "x", **fields}
         r = http.post("/v1/images/edits", files={k: (None, str(v)) for k, v in form.items()})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
-    assert len(server.conversations.get(conv).turns) == 3 and len(server.conversations) == 2
+    assert len(server.conversations.get(conv).turns) == 3 and len(server.conversations) == held + 2

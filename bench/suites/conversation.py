@@ -4,16 +4,17 @@
     python -m bench conversation --dry     # CPU, the embedded model and the tiny config: the suite runs
 
 1. The embedded model (bf16 on CUDA, as served): turn 1 edits a reference image; turns 2 and 3 continue
-   the conversation under each policy (engine/runtime/history.py). Per turn: the input tokens of its
-   sequence (engine/serve/usage.py), the AR prefill and the denoise prefill ms (the engine's Timings,
-   median of --repeat runs after a warm-up), the request's wall time.
+   the conversation under each policy (engine/runtime/history.py), with the prefix cache
+   (engine/runtime/prefix_cache.py) off and on. Per turn: the input tokens of its sequence
+   (engine/serve/usage.py), the tokens taken from the cache, the AR prefill and the denoise prefill ms
+   (the engine's Timings), the request's wall time; medians of --repeat runs of the whole conversation
+   after a warm-up, each run from an empty cache (the requests are fixed by a first run).
 2. Real shapes: rank 0 of hybrid4 (random bf16 weights, collectives no-ops) prefills each turn's
    sequence at a 1024x1024 reference, laid out by the engine's sequence builder (the embedded model's
    tokenizer and system prompt, the reasoning part 1 wrote, every image at the real config's 1024x1024
-   grid: 64x64 VAE tokens + 1024 ViT slots). ms are CUDA-event medians of the eager prefill.
-
-There is no prefix cache yet: turn k prefills and encodes its whole history again; this suite is the
-baseline the cache is to beat (turn 2's prefill against turn 1's).
+   grid: 64x64 VAE tokens + 1024 ViT slots): the whole prompt (cache off), and the suffix after what the
+   turn shares with the previous turn's sequence through its reasoning (cache on: that K/V copied in,
+   the rest prefilled by the plain forward, as KVPool.prefill_from). ms are CUDA-event medians.
 """
 from __future__ import annotations
 
@@ -64,53 +65,58 @@ def embedded(args: argparse.Namespace, out: Output) -> tuple[list[dict], dict]:
     dev = "cpu" if args.dry else "cuda"
     folder = Path(args.model or EMBEDDED_MODEL)
     lm = load(folder, dev, torch.bfloat16 if dev == "cuda" else None)
-    pipe, counter = Pipeline(lm, preview_every=0), InputCounter(ModelInfo.from_folder(folder))
+    pipes = {"off": Pipeline(lm, preview_every=0, prefix_cache_bytes=0), "on": Pipeline(lm, preview_every=0)}
+    counter = InputCounter(ModelInfo.from_folder(folder))
     repeat = 1 if args.dry else args.repeat
 
-    def turn(req: Request) -> tuple[list[Done], bytes, str]:
-        dones, png = [], b""
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            ev = list(pipe.run(req))
-            errs = [e for e in ev if isinstance(e, Error)]
-            if errs:
-                raise RuntimeError(f"{req.prompt!r}: {errs[0].message}")
-            done = next(e for e in ev if isinstance(e, Done))
-            done.timings.total_s = time.perf_counter() - t0
-            dones.append(done)
-            png = next(e for e in ev if isinstance(e, Image)).png
-        return dones, png, dones[-1].cot_text
+    def once(pipe: Pipeline, req: Request) -> tuple[Done, bytes]:
+        t0 = time.perf_counter()
+        ev = list(pipe.run(req))
+        errs = [e for e in ev if isinstance(e, Error)]
+        if errs:
+            raise RuntimeError(f"{req.prompt!r}: {errs[0].message}")
+        done = next(e for e in ev if isinstance(e, Done))
+        done.timings.total_s = time.perf_counter() - t0
+        return done, next(e for e in ev if isinstance(e, Image)).png
 
     ref = _reference()
     common = dict(seed=1, steps=4 if args.dry else None, max_new_tokens=16 if args.dry else None)
     first = Request(prompt=PROMPTS[0], images=[ref], **common)
-    list(pipe.run(first))                                   # warm-up: first-call allocations, graphs
-    rows, plan = [], {}
-    dones, png, cot = turn(first)
+    for pipe in pipes.values():
+        once(pipe, first)                                   # warm-up: first-call allocations, graphs
     bot_task = lm.gen.bot_task
-    base = Turn(PROMPTS[0], (ref,), reasoning_of(bot_task, cot), png)
-
-    def row(policy: str, k: int, req: Request, dones: list[Done]) -> dict:
-        med = lambda f: statistics.median(f(d.timings) for d in dones)
-        tokens = counter.count(req)
-        return dict(policy=policy, turn=k, input_tokens=tokens.total, image_tokens=tokens.image,
-                    ar_prefill_ms=med(lambda t: t.ar_prefill_ms), dit_prefill_ms=med(lambda t: t.dit_prefill_ms),
-                    total_s=med(lambda t: t.total_s))
-
-    rows.append(row("-", 1, first, dones))
-    plan[("-", 1)] = first
+    # the requests of each policy's conversation, fixed by one run (each turn's history: what the turns
+    # before it gave), then timed with the cache off and on
+    plan: dict = {("-", 1): first}
+    done, png = once(pipes["on"], first)
+    base = Turn(PROMPTS[0], (ref,), reasoning_of(bot_task, done.cot_text), png)
     for policy in POLICIES:
         history = (base,)
         for k, prompt in enumerate(PROMPTS[1:], start=2):
-            req = Request(prompt=prompt, history=history, history_policy=policy, **common)
-            dones, png, cot = turn(req)
-            rows.append(row(policy, k, req, dones))
-            plan[(policy, k)] = req
-            history += (Turn(prompt, (), reasoning_of(bot_task, cot), png),)
+            req = plan[(policy, k)] = Request(prompt=prompt, history=history, history_policy=policy, **common)
+            done, png = once(pipes["on"], req)
+            history += (Turn(prompt, (), reasoning_of(bot_task, done.cot_text), png),)
+    rows = []
+    for policy in POLICIES:
+        reqs = [first] + [plan[(policy, k)] for k in range(2, len(PROMPTS) + 1)]
+        for cache, pipe in pipes.items():
+            runs = []
+            for _ in range(repeat):
+                pipe.prefix.clear()
+                pipe.encodings.lru.clear()
+                runs.append([once(pipe, req)[0] for req in reqs])
+            for k, req in enumerate(reqs, start=1):
+                med = lambda f: statistics.median(f(r[k - 1].timings) for r in runs)     # noqa: E731
+                tokens = counter.count(req)
+                rows.append(dict(policy=policy, cache=cache, turn=k, input_tokens=tokens.total,
+                                 image_tokens=tokens.image, cached_tokens=int(med(lambda t: t.ar_cached_tokens)),
+                                 ar_prefill_ms=med(lambda t: t.ar_prefill_ms),
+                                 dit_prefill_ms=med(lambda t: t.dit_prefill_ms), total_s=med(lambda t: t.total_s)))
     for r in rows:
         out.say(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
-    out.table(rows, [Col("policy", "policy"), Col("turn", "turn"), Col("input tokens", "input_tokens"),
-                     Col("of them image", "image_tokens"), Col("AR prefill ms", "ar_prefill_ms", ".1f"),
+    out.table(rows, [Col("policy", "policy"), Col("prefix cache", "cache"), Col("turn", "turn"),
+                     Col("input tokens", "input_tokens"), Col("of them image", "image_tokens"),
+                     Col("cached", "cached_tokens"), Col("AR prefill ms", "ar_prefill_ms", ".1f"),
                      Col("DiT prefill ms", "dit_prefill_ms", ".1f"), Col("request s", "total_s", ".2f")],
               f"The embedded model ({dev}), a 3-turn edit conversation, median of {repeat}")
     return rows, plan
@@ -122,6 +128,7 @@ def real_shapes(args: argparse.Namespace, out: Output, plan: dict) -> list[dict]
     from engine.model.attention import KVCache
     from engine.parallel.plan import get_plan
     from engine.runtime.history import select
+    from engine.runtime.handoff import reusable_prefix
     from engine.runtime.sequence import CondImageLayout, PastTurnLayout, SequenceBuilder, user_turn
     from engine.serve.info import ModelInfo
     from engine.spec.prompts import SystemPrompts
@@ -139,33 +146,53 @@ def real_shapes(args: argparse.Namespace, out: Output, plan: dict) -> list[dict]
     view = rank.ar_view(p)
     kvr = model.transformer.layers[0].self_attn.kv_per_micro
     rows = []
-    for (policy, k), req in plan.items():
+
+    def layout(req):
         seen, carried = select(req.history, len(req.images), req.history_policy)
         past = [PastTurnLayout(t.prompt, tuple(image for _ in t.images), t.reasoning,
                                None if t.image is None else image) for t in seen]
-        seq = user_turn(SequenceBuilder(tok, cfg.cond_token_attn_type), system, req.prompt,
-                        [image] * (len(carried) + len(req.images)), past).text("Assistant: <think>").build()
+        return past, [image] * (len(carried) + len(req.images))
+
+    for (policy, k), req in plan.items():
+        past, own = layout(req)
+        seq = user_turn(SequenceBuilder(tok, cfg.cond_token_attn_type), system, req.prompt, own,
+                        past).text("Assistant: <think>").build()
+        cached = 0
+        if past:     # a turn that shows earlier turns reads the cache: what the previous turn's sequence
+            # shares with it through the previous turn's reasoning (prefix_cache.py)
+            before = plan[(policy, k - 1) if k > 2 else ("-", 1)]
+            b = user_turn(SequenceBuilder(tok, cfg.cond_token_attn_type), system, before.prompt, *layout(before)[::-1])
+            b.text("Assistant: ")
+            prev = (b.assistant_text(req.history[-1].reasoning) if req.history[-1].reasoning else b).build()
+            cached = min(reusable_prefix(seq.ids, prev.ids, len(prev)), len(seq) - 1)
         T = seq.tensors(dev)
         L = len(seq)
         ids = T["ids"].clamp(max=cfg.vocab_size - 1)[None]
         cache = KVCache.allocate(cfg.num_layers, 1, kvr, L + 8, cfg.head_dim, model.dtype, dev)
-        index = torch.arange(L, device=dev)
 
-        def prefill():
-            h = model.backbone(model.transformer.embed(ids), index, T["pos"], T["blocks"], cache, L, view)
+        def prefill(start: int):
+            index = torch.arange(start, L, device=dev)
+            h = model.backbone(model.transformer.embed(ids[:, start:]), index, T["pos"], T["blocks"], cache, L, view)
             return model.transformer.logits(h[:, -1], view)
 
         with torch.no_grad():
-            ms = time_ms(prefill, "wall", n=1, warmup=0) if args.dry else time_ms(prefill, "events", n=5)
-        rows.append(dict(policy=policy, turn=k, tokens=L, images=len(seq.cond_images), prefill_ms=ms))
-        out.say(f"{policy} turn {k}: {L} tokens, {len(seq.cond_images)} images, prefill {ms:.1f} ms")
+            ms = {n: time_ms(lambda: prefill(n), "wall", n=1, warmup=0) if args.dry else
+                  time_ms(lambda: prefill(n), "events", n=5) for n in {0, cached}}
+        rows.append(dict(policy=policy, turn=k, tokens=L, images=len(seq.cond_images), cached=cached,
+                         prefill_ms=ms[0], cached_prefill_ms=ms[cached]))
+        out.say(f"{policy} turn {k}: {L} tokens, {len(seq.cond_images)} images, prefill {ms[0]:.1f} ms; "
+                f"{cached} cached: {ms[cached]:.1f} ms")
         del cache
     t1 = next(r["prefill_ms"] for r in rows if r["turn"] == 1)
     for r in rows:
         r["vs_turn1"] = r["prefill_ms"] / t1
+        r["cached_vs_turn1"] = r["cached_prefill_ms"] / t1
     out.table(rows, [Col("policy", "policy"), Col("turn", "turn"), Col("tokens", "tokens"), Col("images", "images"),
-                     Col("prefill ms", "prefill_ms", ".1f"), Col("x turn 1", "vs_turn1", ".2f")],
-              "One hybrid4 rank (AR TP4 view) at the real shapes: each turn's AR prefill, 1024x1024 images")
+                     Col("prefill ms", "prefill_ms", ".1f"), Col("x turn 1", "vs_turn1", ".2f"),
+                     Col("cached", "cached"), Col("with the cache ms", "cached_prefill_ms", ".1f"),
+                     Col("x turn 1 ", "cached_vs_turn1", ".2f")],
+              "One hybrid4 rank (AR TP4 view) at the real shapes: each turn's AR prefill, 1024x1024 images, "
+              "without and with the prefix cache")
     return rows
 
 

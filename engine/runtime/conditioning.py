@@ -1,11 +1,25 @@
 """Reference images as the model sees them, and the embedding of sequence ranges.
 
-A reference image is encoded once per request: VAE posterior sample (drawn from the request's
-generator, in image order, before the initial noise) through `patch_embed` at t=0, and SigLIP2 +
-aligner features. Both phases (AR and denoise) and both CFG branches share that encoding.
+A reference image is encoded once per request: VAE posterior sample through `patch_embed` at t=0, and
+SigLIP2 + aligner features. Both phases (AR and denoise) and both CFG branches share that encoding.
+
+Where the VAE sample's noise comes from (`encode_sequence_images`):
+- this turn's own references: drawn from the request's generator, in image order, before the initial
+  noise (a single request gives what the official code gives);
+- the images of a conversation's earlier turns (history.py: their references and the images the model
+  made) come from the engine's `EncodingCache`, keyed by the image's content (its decoded pixels and the
+  stretch option, which fix its bucket): every turn's own references are recorded there once encoded, so
+  the next turn's history shows the very encoding the earlier turn saw, and its K/V prefix
+  (prefix_cache.py) can match. A history image not in the cache (a made image, a client's own history,
+  or one evicted) is encoded with noise seeded from its content digest, so it does not depend on the
+  request, and is recorded. The cache is bounded in bytes, least recently used evicted first; an
+  eviction can change what a later turn sees (another sample of the same posterior), never its layout.
+Each encoding carries an `identity` naming the content and the noise it was drawn with, which every rank
+computes alike from host data: the K/V prefix cache keys image tokens by it.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +28,7 @@ from PIL import Image
 from engine.model.hunyuan import HunyuanImage3
 from engine.model.vit import vit_preprocess
 from engine.runtime.images import fit_to_bucket, reference_bucket, to_tensor
+from engine.runtime.lru import ByteLRU
 from engine.runtime.sequence import CondImageLayout, Sequence
 from engine.spec.buckets import Bucket
 
@@ -23,30 +38,88 @@ class EncodedImage:
     layout: CondImageLayout
     vae_tokens: torch.Tensor     # [h*w, H] patch_embed(latent, t=0), model dtype
     vit_tokens: torch.Tensor     # [vit_len, H] aligner(ViT), model dtype
+    identity: str = ""           # the content and the VAE noise it was encoded with (module docstring)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.vae_tokens, self.vit_tokens))
+
+
+def content_digest(img: Image.Image, stretch: bool) -> str:
+    """Names an image as the encoder reads it: its decoded pixels (mode, size, bytes) and the stretch
+    option (with the size, they fix its bucket and fit)."""
+    h = hashlib.sha256(f"{img.mode} {img.size} {stretch}".encode())
+    h.update(img.tobytes())
+    return h.hexdigest()[:32]
+
+
+class EncodingCache:
+    """Encodings of images by content digest, bounded in bytes, least recently used evicted first
+    (max_bytes 0: nothing kept)."""
+
+    def __init__(self, max_bytes: int):
+        self.lru: ByteLRU[EncodedImage] = ByteLRU(max_bytes)
+        self.hits = self.misses = 0
+
+    def get(self, digest: str) -> EncodedImage | None:
+        enc = self.lru.get(digest)
+        self.hits, self.misses = self.hits + (enc is not None), self.misses + (enc is None)
+        return enc
+
+    def record(self, digest: str, enc: EncodedImage) -> None:
+        self.lru.put(digest, enc, enc.nbytes)
 
 
 @torch.no_grad()
-def encode_references(model: HunyuanImage3, images: list[Image.Image], buckets: tuple[Bucket, ...],
-                      generator: torch.Generator | None, stretch: bool = False) -> list[EncodedImage]:
+def _encode(model: HunyuanImage3, img: Image.Image, buckets: tuple[Bucket, ...], generator: torch.Generator | None,
+            stretch: bool, identity: str = "") -> EncodedImage:
     cfg, dev, dt = model.cfg, model.device, model.dtype
     factor = cfg.vae_downsample_factor[0]
-    out = []
-    zero = torch.zeros(1, device=dev)
-    t_emb = model.time_embed(zero)
+    t_emb = model.time_embed(torch.zeros(1, device=dev))
+    bucket = reference_bucket(buckets, img)
+    pixels = to_tensor(fit_to_bucket(img, bucket, stretch)).unsqueeze(0).to(dev)
+    with model.vae_autocast():
+        latent = model.vae.encode_latent(pixels, generator)                  # [1, C, h, w]
+    vae_tokens = model.patch_embed(latent.to(dt), t_emb)[0]
+    vit = vit_preprocess(img, cfg.vit_processor)
+    feats = model.vision_model(vit.pixel_values[None].to(dev), vit.pixel_attention_mask[None].to(dev),
+                               [vit.spatial_shapes])
+    vit_tokens = model.vision_aligner(feats)[0].to(dt)
+    layout = CondImageLayout((bucket.height // factor, bucket.width // factor), bucket.index,
+                             vit.spatial_shapes, vit.pixel_values.shape[0])
+    return EncodedImage(layout, vae_tokens, vit_tokens, identity)
+
+
+def encode_references(model: HunyuanImage3, images: list[Image.Image], buckets: tuple[Bucket, ...],
+                      generator: torch.Generator | None, stretch: bool = False) -> list[EncodedImage]:
+    """A request's own references, their VAE noise drawn from `generator` in image order."""
+    return [_encode(model, img, buckets, generator, stretch) for img in images]
+
+
+def encode_sequence_images(model: HunyuanImage3, history: list[Image.Image], images: list[Image.Image],
+                           buckets: tuple[Bucket, ...], generator: torch.Generator, stretch: bool,
+                           cache: EncodingCache) -> list[EncodedImage]:
+    """Every image of a turn's sequence in its order: the earlier turns' (`history`, from the cache or
+    content-seeded), then this turn's own references (`images`, from `generator`, recorded in the
+    cache). See the module docstring."""
+    own, drawn = [], [f"seed {generator.initial_seed()}"]
     for img in images:
-        bucket = reference_bucket(buckets, img)
-        pixels = to_tensor(fit_to_bucket(img, bucket, stretch)).unsqueeze(0).to(dev)
-        with model.vae_autocast():
-            latent = model.vae.encode_latent(pixels, generator)                  # [1, C, h, w]
-        vae_tokens = model.patch_embed(latent.to(dt), t_emb)[0]
-        vit = vit_preprocess(img, cfg.vit_processor)
-        feats = model.vision_model(vit.pixel_values[None].to(dev), vit.pixel_attention_mask[None].to(dev),
-                                   [vit.spatial_shapes])
-        vit_tokens = model.vision_aligner(feats)[0].to(dt)
-        layout = CondImageLayout((bucket.height // factor, bucket.width // factor), bucket.index,
-                                 vit.spatial_shapes, vit.pixel_values.shape[0])
-        out.append(EncodedImage(layout, vae_tokens, vit_tokens))
-    return out
+        digest = content_digest(img, stretch)
+        drawn.append(digest)           # the k-th draw of the stream depends on the images drawn before it
+        enc = _encode(model, img, buckets, generator, stretch, "drawn " + hashlib.sha256(" ".join(drawn).encode())
+                      .hexdigest()[:32])
+        cache.record(digest, enc)
+        own.append(enc)
+    past = []
+    for img in history:
+        digest = content_digest(img, stretch)
+        enc = cache.get(digest)
+        if enc is None:
+            gen = torch.Generator(model.device).manual_seed(int(digest[:15], 16))
+            enc = _encode(model, img, buckets, gen, stretch, "content " + digest)
+            cache.record(digest, enc)
+        past.append(enc)
+    return past + own
 
 
 def embed_range(model: HunyuanImage3, seq: Sequence, ids: torch.Tensor, refs: list[EncodedImage],

@@ -74,16 +74,20 @@ class Timings:
     total_s: float = 0.0
     dit_prefill_ms: float = 0.0   # the uncached prefix (the uncond branch's, with CFG) before the first step
     kv_reused_tokens: int = 0     # prefix tokens the denoise cond branch took from the AR cache
+    ar_prompt_tokens: int = 0     # the AR phase's prompt (the whole sequence it read)
+    ar_cached_tokens: int = 0     # of them, tokens whose K/V came from the prefix cache (not prefilled)
 
     def parts(self) -> list[str]:
         """The measured figures as short phrases."""
         out = []
+        prefill = f"prefill {self.ar_prefill_ms:.0f} ms"
+        if self.ar_cached_tokens:
+            prefill += f": {self.ar_prompt_tokens - self.ar_cached_tokens} tokens, {self.ar_cached_tokens} cached"
         if self.ar_tokens > 1:
             forced = f" + {self.ar_forced} forced" if self.ar_forced else ""
-            out.append(f"AR {self.ar_ms_per_token:.1f} ms/token x {self.ar_tokens} sampled tokens{forced} "
-                       f"(prefill {self.ar_prefill_ms:.0f} ms)")
+            out.append(f"AR {self.ar_ms_per_token:.1f} ms/token x {self.ar_tokens} sampled tokens{forced} ({prefill})")
         elif self.ar_tokens:     # one choice only (the size, with reasoning off): no decode to time
-            out.append(f"AR prefill {self.ar_prefill_ms:.0f} ms (1 token)")
+            out.append(f"AR {prefill} (1 token)")
         if self.dit_steps:
             full = f" ({self.dit_full_steps} in full)" if 0 < self.dit_full_steps < self.dit_steps else ""
             out.append(f"DiT {self.dit_ms_per_step:.0f} ms/step x {self.dit_steps} steps{full}")

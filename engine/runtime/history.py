@@ -34,6 +34,11 @@ The policies (POLICIES; DEFAULT_POLICY is used when a request names none):
   before the user's own (what "edit this result" did before conversations existed).
 Which one edits best on the real model is measured by issue 29 item 5 (not done yet); "full" is the
 default because it is what the official template does with a conversation.
+
+The images of earlier turns are encoded once: they come from the engine's encoding cache, as the turn
+that showed them first encoded them, else with VAE noise seeded from their content (conditioning.py);
+and a turn that keeps the earlier turns as the previous one laid them out takes their K/V from the
+prefix cache (prefix_cache.py) up to the end of the previous turn's reasoning.
 """
 from __future__ import annotations
 

@@ -110,6 +110,16 @@ class KVPool:
             buf[slot, heads, :L] = buf[staging, heads, :L]
         return logits
 
+    def prefill_from(self, slot: int, embeds: torch.Tensor, start: int, pos: torch.Tensor, blocks: torch.Tensor
+                     ) -> torch.Tensor:
+        """The forward of a prompt's suffix (embeds [1, L - start, H] at sequence indices [start, L)) on
+        the slot's own row, whose K/V [0, start) is already there (engine/runtime/prefix_cache.py): the
+        plain forward, no graph; returns the fp32 logits [vocab] of its last token."""
+        L, m = start + embeds.shape[1], self.model
+        h = m.backbone(embeds, torch.arange(start, L, device=embeds.device), pos, blocks,
+                       self.slot_cache(slot).heads(self.ar_heads), L, self.view, lora=self.slot_lora(slot))
+        return m.transformer.logits(h[:, -1], self.view)[0]
+
     def _allocate_ar(self, length: int) -> None:
         m, cfg = self.model, self.model.cfg
         length = _grains(length + 1, self.limit)        # + the scratch position

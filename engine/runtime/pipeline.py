@@ -23,12 +23,13 @@ from typing import Any, Callable, Generator, Iterator
 import torch
 import torch.nn.functional as F
 
+from engine.model.attention import KVCache
 from engine.model.loader import LoadedModel
 from engine.model.lora import load_adapter
 from engine.parallel.groups import RankGroups
 from engine.parallel.layout import Comm
 from engine.runtime.agreement import Agreement
-from engine.runtime.conditioning import embed_range, encode_references
+from engine.runtime.conditioning import EncodingCache, embed_range, encode_sequence_images
 from engine.runtime.denoise import DenoiseRunner, FlowSampler, StepInput, step_key, step_keys
 from engine.runtime.denoise_batch import DenoiseBatch
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
@@ -37,10 +38,13 @@ from engine.runtime.handoff import cache_heads, gather_sibling_heads, reusable_p
 from engine.runtime.history import past_turn_layouts, reasoning_of
 from engine.runtime.images import align_to_reference, png_bytes, to_pil
 from engine.runtime.kv_pool import KVPool
+from engine.runtime.lru import ENCODING_CACHE_MB, PREFIX_CACHE_MB
 from engine.runtime.needs import ARSlot, DenoiseTurn, Need
+from engine.runtime.prefix_cache import PrefixCache, PrefixKey, prefix_key
 from engine.runtime.request import Prepared, Request, RequestError, prepare, with_seed
 from engine.runtime.scheduler import Scheduler, StepNews
-from engine.runtime.sequence import image_phase_sequence, text_phase_sequence
+from engine.runtime.sequence import (CondImageLayout, PastTurnLayout, Sequence, SequenceBuilder,
+                                     image_phase_sequence, text_phase_sequence, user_turn)
 from engine.runtime.step_cache import StepCache, make_step_cache
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 from engine.spec.buckets import nearest_bucket
@@ -61,10 +65,14 @@ class Pipeline:
                  preview_tokens: int | None = None, kv_handoff: bool = True,
                  on_phase: Callable[[str], None] = lambda phase: None, cfg_serial: bool = False,
                  cuda_graph: bool = True, preview_share: float = 0.25, slots: int = 1,
-                 graphs: Graphs | None = None, max_denoise_batch: int = 1):
+                 graphs: Graphs | None = None, max_denoise_batch: int = 1,
+                 prefix_cache_bytes: int = PREFIX_CACHE_MB << 20,
+                 encoding_cache_bytes: int = ENCODING_CACHE_MB << 20):
         """`slots`: requests in their AR phase at once (the engine's batch: its AR slots in the KV pool).
         `graphs`: the owner of the engine's CUDA graphs (default: a new one). `max_denoise_batch`: requests
-        of one step key whose denoise steps share a forward (engine/runtime/denoise_batch.py)."""
+        of one step key whose denoise steps share a forward (engine/runtime/denoise_batch.py).
+        `prefix_cache_bytes` / `encoding_cache_bytes`: the bounds of the cached K/V prefixes and image
+        encodings of conversations (prefix_cache.py, conditioning.py; 0: off)."""
         self.lm = lm
         self.graphs = graphs or Graphs()    # every CUDA graph of this engine, by key
         # AR prefill, decode and denoise steps as CUDA-graph replays where every kernel of a step can be
@@ -90,6 +98,8 @@ class Pipeline:
         self.pool = KVPool(model, self.heads.alloc.stop, self.heads.ar, lm.cfg.max_position_embeddings + 1, slots,
                            rt.ar, self.graphs, cuda_graph, max_denoise_batch)
         self.agree = Agreement(rt.world, model.device)
+        self.prefix = PrefixCache(prefix_cache_bytes)            # the AR phase's cond K/V prefixes
+        self.encodings = EncodingCache(encoding_cache_bytes)     # history images' encodings, by content
         self._denoise_keys: collections.OrderedDict = collections.OrderedDict()   # step keys, least recent first
 
     def denoise_batch(self) -> DenoiseBatch:
@@ -126,6 +136,7 @@ class Pipeline:
         """Load ("load", name, folder) or unload ("unload", name) a LoRA adapter between steps, on every rank
         alike (the server checked it first: a failure here is printed, the engine runs on without it)."""
         tables = self.lm.model.lora
+        self.prefix.clear()             # cached K/V was computed with the adapters as they were
         try:
             if tables is None:
                 raise ValueError("the engine was started without LoRA adapter slots")
@@ -177,8 +188,10 @@ class Pipeline:
         timings = Timings()
         image_gen = torch.Generator(dev).manual_seed(p.seed)     # reference VAE samples, then the noise
         text_gen = torch.Generator(dev).manual_seed(p.seed)      # CoT sampling (its own stream)
-        # every image of the sequence, earlier turns' first (engine/runtime/history.py), in sequence order
-        refs = encode_references(model, p.sequence_images, lm.buckets, image_gen, p.req.stretch)
+        # every image of the sequence, earlier turns' first (engine/runtime/history.py), in sequence order;
+        # the earlier turns' from the encoding cache (conditioning.py says why)
+        past = p.sequence_images[:len(p.sequence_images) - len(p.images)]
+        refs = encode_sequence_images(model, past, p.images, lm.buckets, image_gen, p.req.stretch, self.encodings)
         history, layouts = past_turn_layouts(p.history, [r.layout for r in refs])
         need_ratio = p.bucket is None
         run_ar = p.bot_task in COT_TASKS or p.bot_task == "auto" or need_ratio
@@ -209,10 +222,28 @@ class Pipeline:
                 pool.set_positions(slot, T["pos"])
                 pool.set_adapter(slot, adapter, p.lora_scale)
                 emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
+                ar_key = prefix_key(ar_seq.ids, [c.vae.start for c in ar_seq.cond_images], [r.identity for r in refs],
+                                    ar_seq.blocks, (p.lora, p.lora_scale))
+                # only a turn that shows earlier turns reads the cache: a single request runs as it always did
+                entry, cached = self.prefix.lookup(ar_key, len(ar_seq) - 1) if self.prefix.enabled and p.history \
+                    else (None, 0)
+                if p.history and self.prefix.enabled and rt.world.size > 1:
+                    # the ranks' caches hold the same keys by construction (prefix_cache.py); the least any rank
+                    # found is what every rank takes, so that a rank out of step cannot change the prefill's
+                    # shapes on its own (each rank's entry shares at least that many tokens)
+                    found = torch.tensor([cached], dtype=torch.long, device=dev)
+                    cached = int(rt.world.all_gather(found, 0).min())
+
+                def prefill(e: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+                    if not cached:
+                        return pool.prefill_into(slot, e, pos, blocks)
+                    self.prefix.restore(entry, cached, pool.slot_cache(slot).heads(heads.ar))
+                    return pool.prefill_from(slot, e[:, cached:], cached, pos, blocks)
                 text_res = yield from generate_text(
                     model, tok, emb, T["pos"], T["blocks"], pool.slot_cache(slot).heads(heads.ar), plan, p.sampling,
-                    text_gen, max_new, rt.ar, prefill=lambda e, pos, blocks: pool.prefill_into(slot, e, pos, blocks),
-                    agree=self.agree.token, slot=slot, lora=pool.slot_lora(slot))
+                    text_gen, max_new, rt.ar, prefill=prefill, agree=self.agree.token, slot=slot,
+                    lora=pool.slot_lora(slot))
+                timings.ar_prompt_tokens, timings.ar_cached_tokens = len(ar_seq), cached
                 timings.ar_prefill_ms = text_res.prefill_ms
                 timings.ar_tokens = text_res.sampled
                 timings.ar_forced = len(text_res.tokens) - text_res.sampled
@@ -221,6 +252,9 @@ class Pipeline:
                     cot_text = reasoning_of(p.bot_task, tok.decode(text_res.tokens))
                 if text_res.ratio_token is not None:
                     ratio_index = sp.ratio.index(text_res.ratio_token)
+                if self.prefix.enabled:
+                    self._keep_prefix(p, system, ar_seq, ar_key, history, layouts, cot_text,
+                                      text_res, pool.slot_cache(slot).heads(heads.ar))
             full_text = tok.decode(text_res.tokens) if text_res.tokens else ""
             if text_only:
                 if need_ratio and ratio_index is not None:
@@ -330,6 +364,21 @@ class Pipeline:
             return self.lm.model.lora.slot_of(p.lora)
         except (KeyError, AttributeError):
             raise RequestError(f"the LoRA adapter {p.lora!r} is no longer loaded", "lora") from None
+
+    def _keep_prefix(self, p: Prepared, system: str, ar_seq: Sequence, ar_key: PrefixKey,
+                     history: tuple[PastTurnLayout, ...], own: list[CondImageLayout], cot_text: str | None,
+                     res: TextResult, cache: KVCache) -> None:
+        """Keep the AR cache's K/V up to where the next turn's layout of this one leaves the sequence that
+        ran (prefix_cache.py): that layout is built here as the next turn would build it."""
+        cfg, tok = self.lm.cfg, self.lm.tok
+        this = PastTurnLayout(p.req.prompt, tuple(own), cot_text or "", None)
+        nxt = user_turn(SequenceBuilder(tok, cfg.cond_token_attn_type), system, "", [], history + (this,)).build()
+        ran = ar_seq.ids + res.tokens
+        n = reusable_prefix(nxt.ids, ran, res.fed)
+        blocks = ar_seq.blocks + [-1] * len(res.tokens)
+        images = [(start, identity) for start, identity in ar_key.images if start < n]
+        self.prefix.store(prefix_key(ran[:n], [s for s, _ in images], [i for _, i in images], blocks[:n],
+                                     ar_key.adapter), cache)
 
     def _keep_denoise_graph(self, key: tuple) -> None:
         """Denoise step graphs stay for the engine's life, the DENOISE_GRAPHS most recently used keys: a

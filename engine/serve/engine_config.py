@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.runtime.lru import ENCODING_CACHE_MB, PREFIX_CACHE_MB
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -24,6 +26,8 @@ class EngineConfig:
     loras: tuple[tuple[str, str], ...] = ()   # LoRA adapters loaded at start: (name, PEFT folder)
     max_loras: int = 0              # adapter slots (at least len(loras); 0 and no loras: no adapter tables)
     max_lora_rank: int = 64         # the highest adapter rank the slots hold (the trainers use 32)
+    prefix_cache_mb: int = PREFIX_CACHE_MB       # conversations' K/V prefixes per rank (prefix_cache.py; 0: off)
+    encoding_cache_mb: int = ENCODING_CACHE_MB   # their image encodings per rank (conditioning.py; 0: none kept)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -37,6 +41,9 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1 (got {self.max_loras}, "
                              f"{self.max_lora_rank})")
+        if self.prefix_cache_mb < 0 or self.encoding_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb and encoding_cache_mb must be >= 0 (0: off; got "
+                             f"{self.prefix_cache_mb}, {self.encoding_cache_mb})")
         if len({n for n, _ in self.loras}) < len(self.loras):
             raise ValueError(f"two LoRA adapters share a name: {', '.join(n for n, _ in self.loras)}")
 
@@ -48,4 +55,5 @@ class EngineConfig:
     def pipeline_options(self) -> dict:
         """What every rank's Pipeline takes from it (besides the model and its groups)."""
         return {"preview_every": self.preview_every, "slots": self.max_batch, "cfg_serial": self.cfg_serial,
-                "cuda_graph": self.cuda_graph, "max_denoise_batch": self.max_denoise_batch}
+                "cuda_graph": self.cuda_graph, "max_denoise_batch": self.max_denoise_batch,
+                "prefix_cache_bytes": self.prefix_cache_mb << 20, "encoding_cache_bytes": self.encoding_cache_mb << 20}

@@ -96,13 +96,18 @@ class Outcome:
         return sorted(self.images.items())
 
     def usage(self, info: ModelInfo, inputs: InputTokens) -> dict[str, Any]:
-        """OpenAI's image usage: the input (the user turn, engine.serve.usage), and the output the engine
-        made: the text it wrote and the image tokens it denoised."""
+        """OpenAI's image usage: the input (the user turn, engine.serve.usage; of it, `cached_tokens` not
+        prefilled again, engine/runtime/prefix_cache.py), and the output the engine made: the text it
+        wrote and the image tokens it denoised."""
         f = info.cfg.vae_downsample_factor
         image_tokens = sum((im.height // f[0]) * (im.width // f[1]) for im in self.images.values())
         text_tokens = self.done.timings.ar_tokens if self.done else 0
+        # input tokens whose K/V came from the prefix cache (OpenAI's `cached_tokens`); a retry of the same
+        # turn may also hit the start of the bot prefix, which the input count leaves out
+        cached = min(self.done.timings.ar_cached_tokens, inputs.total) if self.done else 0
         return {"input_tokens": inputs.total,
-                "input_tokens_details": {"text_tokens": inputs.text, "image_tokens": inputs.image},
+                "input_tokens_details": {"text_tokens": inputs.text, "image_tokens": inputs.image,
+                                         "cached_tokens": cached},
                 "output_tokens": text_tokens + image_tokens, "total_tokens": inputs.total + text_tokens + image_tokens,
                 "output_tokens_details": {"text_tokens": text_tokens, "image_tokens": image_tokens}}
 

@@ -110,7 +110,8 @@ class EngineServer:
                  max_queue: int | None = None, quantize: str | None = None, max_batch: int = 1,
                  step_timeout: float | None = None, cfg_serial: bool = False, cuda_graph: bool = True,
                  max_denoise_batch: int = 1, loras: Sequence[tuple[str, str]] = (), max_loras: int = 0,
-                 max_lora_rank: int = 64):
+                 max_lora_rank: int = 64, prefix_cache_mb: int = EngineConfig.prefix_cache_mb,
+                 encoding_cache_mb: int = EngineConfig.encoding_cache_mb):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
@@ -126,7 +127,9 @@ class EngineServer:
         without a token or step before the engine is restarted (None: automatic, from the engine's own
         figures; 0: never; engine.serve.supervisor). `loras`: LoRA adapters (name, PEFT folder) loaded at
         start, each read and checked here; `max_loras` adapter slots in all (at least len(loras); more
-        leave room for `load_adapter`), of rank up to `max_lora_rank`. All of it is checked here and fixed in one
+        leave room for `load_adapter`), of rank up to `max_lora_rank`. `prefix_cache_mb` / `encoding_cache_mb`:
+        each rank's bound on the K/V prefixes and image encodings kept for conversations' next turns
+        (engine/runtime/prefix_cache.py, conditioning.py; 0: off). All of it is checked here and fixed in one
         `EngineConfig` (`self.config`), which every worker starts from."""
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0 (got {max_queue})")
@@ -144,7 +147,7 @@ class EngineServer:
                                    self.parallel.sp_kind, quantize, max_batch, preview_every, verbose, cfg_serial,
                                    cuda_graph, max_denoise_batch, tuple((n, str(Path(f).resolve())) for n, f in loras),
                                    max(max_loras, len(loras)),       # the slots stay when adapters are unloaded
-                                   max_lora_rank)
+                                   max_lora_rank, prefix_cache_mb, encoding_cache_mb)
         for name, folder in self.config.loras:
             check_adapter(self.info, name, folder, self.config.max_lora_rank)
         self.cancel_grace_s = cancel_grace_s
