@@ -24,10 +24,11 @@ from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, RequestError, prepare
 from engine.spec import names
 from engine.spec.config import ModelConfig
-from engine_drive import run_together
+from engine_drive import backbone_rows, run_together
 from tools.tiny_lora import make_adapter, random_adapter
 
 REQUEST = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=3, greedy=True)
+TAIL = 16 * 16 + 1          # a 256x256 denoise step's tokens on the tiny model: <timestep> + 16x16 latent tokens
 
 
 # ----------------------------------------------------------------------------- adapters made by peft
@@ -149,17 +150,23 @@ def test_different_adapters_in_one_batch_each_equal_their_solo_run(served):
     assert differs(outcome(events[1]), outcome(events[0])) and differs(outcome(events[2]), outcome(events[0]))
 
 
-def test_adapters_under_denoise_batching_each_equal_their_solo_run(served):
-    """max_denoise_batch 3: a request with an adapter denoises alone (the denoise rows hold one adapter slot)
-    while the ones without share their steps' forwards; each gives its solo run."""
+def test_adapters_share_denoise_batches_and_each_equal_their_solo_run(served):
+    """max_denoise_batch 3: a request with one adapter, one without and one with the other adapter (steps 2, 3,
+    3; one bucket) denoise in the same forwards, each denoise row with its request's adapter (CFG rows too);
+    when the first ends the other two move down into its rows, their adapters with them. Each gives its solo
+    run's text and image."""
     one = REQUEST | dict(size="256x256", steps=3)          # one bucket: the batch may take all three
-    kws = [one, one | dict(seed=4), one | dict(lora="plain")]    # no overtaking: the adapter one last
-    events, scheduler = run_together(served, kws, pipeline=Pipeline(served, preview_every=0, slots=3,
-                                                                     max_denoise_batch=3))
-    assert scheduler.denoising.member_steps > scheduler.denoising.forwards       # some steps were shared
+    kws = [one | dict(lora="plain", steps=2), one, one | dict(lora="patterned", lora_scale=0.5)]
+    with backbone_rows(served, tokens=True) as calls:
+        events, scheduler = run_together(served, kws, pipeline=Pipeline(served, preview_every=0, slots=3,
+                                                                        max_denoise_batch=3))
+    steps = [rows for rows, tokens in calls if tokens == TAIL]
+    assert steps == [6, 6, 4], calls                       # all three together, then the two left
     for i, kw in enumerate(kws):
         want, got = alone(served, **kw), outcome(events[i])
         assert got[0] == want[0] and psnr(got[1], want[1]) >= 40, i
+    images = [outcome(events[i]) for i in range(3)]
+    assert differs(images[0], images[1]) and differs(images[2], images[1])
 
 
 # ----------------------------------------------------------------------------- what is refused

@@ -145,12 +145,13 @@ class RowAdapters:
         self.slot = torch.zeros(n, dtype=torch.long, device=dev)
         self.strength = torch.zeros(n, dtype=tables.qkv_a.dtype, device=dev)
 
-    def set(self, row: int, slot: int, strength: float) -> None:
-        self.slot[row] = slot
-        self.strength[row] = strength if slot else 0.0
+    def set(self, rows: int | slice, slot: int, strength: float) -> None:
+        """The adapter (table slot, 0: none) and strength of a row, or of a request's rows."""
+        self.slot[rows] = slot
+        self.strength[rows] = strength if slot else 0.0
 
-    def copy(self, dst: int, src: int) -> None:
-        """Row dst takes row src's adapter (on the device)."""
+    def copy(self, dst: int | slice, src: int | slice) -> None:
+        """Row(s) dst take row(s) src's adapter (on the device; ranges of one length, not overlapping)."""
         self.slot[dst] = self.slot[src]
         self.strength[dst] = self.strength[src]
 

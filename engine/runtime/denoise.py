@@ -120,10 +120,12 @@ class DenoiseRunner:
     def __init__(self, model: HunyuanImage3, seq: Sequence, refs: list, ids: torch.Tensor, cache: KVCache,
                  view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
                  serial: bool = False, images: int = 1, use_graph: bool = False, graphs: Graphs | None = None,
-                 key: tuple = (), step_cache: StepCache | None = None, lora: LoraRows | None = None):
+                 key: tuple = (), step_cache: StepCache | None = None, lora: LoraRows | None = None,
+                 prefill_lora: LoraRows | None = None):
         """`key`: what else the step's graph depends on, appended to its step key (the KV storage the
         rows are views of: a graph replays on the storage it was captured on). `lora`: the request's
-        LoRA adapter, one row for all its rows (the pool's static buffer: the graphs read it)."""
+        LoRA adapter in its steps, one row for all its rows (the pool's static buffer: the graphs read
+        it); `prefill_lora`: the same for its prefix (default `lora`: the request's rows where it joined)."""
         self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
         self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
         self.serial = serial      # one forward per branch (less activation memory) instead of one batch
@@ -146,6 +148,7 @@ class DenoiseRunner:
         self._static: StepBuffers | None = None
         self.step_cache = step_cache if step_cache is not None else StepCache(0)
         self.lora = lora
+        self.prefill_lora = lora if prefill_lora is None else prefill_lora
 
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
@@ -160,7 +163,7 @@ class DenoiseRunner:
                 gathered = torch.cat([index, pad])
                 index = gathered[sp.rank * chunk:(sp.rank + 1) * chunk]
             batch = self.model.attn_batch(index, self.pos, self.blocks, stop, self.view, gathered=gathered,
-                                          masked_rows=self._masked_rows(start, stop, chunk), lora=self.lora)
+                                          masked_rows=self._masked_rows(start, stop, chunk), lora=self.prefill_lora)
             self._batches[(start, stop)] = (chunk, n, batch)
         return self._batches[(start, stop)]
 

@@ -250,9 +250,8 @@ class Pipeline:
 
             turn = step_key(seq.gen_image, n_img, branches)
             step_cache = make_step_cache(p.taylor_cache, p.steps, p.block_cache, cfg.num_layers)
-            # a step cache, an adapter (the denoise rows hold one adapter slot), or a step that is not one
-            # plain forward over local rows, runs alone (denoise_batch.py)
-            alone = (type(step_cache) is not StepCache or adapter != 0 or self.cfg_serial
+            # a step cache, or a step that is not one plain forward over local rows, runs alone (denoise_batch.py)
+            alone = (type(step_cache) is not StepCache or self.cfg_serial
                      or rt.denoise.sp.size > 1 or branch_comm.size > 1)
             rows = len(branches) * n_img
             first = yield DenoiseTurn(turn, 0, rows, scratch + 1, alone)     # these rows are its own until it ends
@@ -269,10 +268,11 @@ class Pipeline:
             if cfg_on:
                 ids = torch.cat([ids, torch.tensor(seq.uncond_ids(sp.cfg), device=dev)[None]])
             starts = [min(prefix, seq.gen_image.meta_start) if b == 0 else 0 for b in branches]
+            prefill_lora, step_lora = pool.set_denoise_adapter(first, rows, adapter, p.lora_scale)
             runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
                                    scratch, branch_comm, serial=self.cfg_serial, images=n_img,
                                    use_graph=self.cuda_graph, graphs=self.graphs, key=pool.denoise_key,
-                                   step_cache=step_cache, lora=pool.set_denoise_adapter(adapter, p.lora_scale))
+                                   step_cache=step_cache, lora=step_lora, prefill_lora=prefill_lora)
             self._keep_denoise_graph(runner.key)
             # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
             latent_ch = int(cfg.vae["latent_channels"])
