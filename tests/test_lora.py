@@ -169,6 +169,66 @@ def test_adapters_share_denoise_batches_and_each_equal_their_solo_run(served):
     assert differs(images[0], images[1]) and differs(images[2], images[1])
 
 
+def test_step_graphs_are_kept_per_lora_mode(served):
+    """Denoise step graphs (EagerGraphs: a key's first forward is what its later replays run, as a CUDA graph)
+    of one step key: a request without an adapter, then one with, then both kinds in one batch; the step key
+    has a graph for the base step, one for a step adding one adapter, and the batched key one for rows with
+    different adapters: each request gives its solo run (no graphs)."""
+    from test_scheduler import EagerGraphs
+    graphs = EagerGraphs()
+    pipe = Pipeline(served, preview_every=0, slots=2, max_denoise_batch=2, graphs=graphs)
+    one = REQUEST | dict(size="256x256", steps=2)
+    kws = [one, one | dict(lora="plain"), one | dict(lora="patterned", lora_scale=0.5)]
+    got = [outcome(list(pipe.run(Request(**kw)))) for kw in kws[:2]]
+    events, _ = run_together(served, [kws[0], kws[2]], pipeline=pipe)
+    got += [outcome(events[0]), outcome(events[1])]
+    for kw, image in zip([*kws[:2], kws[0], kws[2]], got):
+        want = alone(served, **kw)
+        assert image[0] == want[0] and psnr(image[1], want[1]) >= 40, kw
+    keys = [k for k in graphs.captures if k[0] == "denoise"]
+    lora_parts = sorted(tuple(p for p in k if isinstance(p, tuple) and p[:1] in (("batch",), ("lora",))) for k in keys)
+    assert lora_parts == [(), (("batch", 2), ("lora", "rows")), (("lora", "one"),)], keys
+    assert set(graphs.captures.values()) == {1}
+
+
+def test_rows_mode_is_decided_when_rows_are_set(cfg):
+    """RowAdapters decides on the host, as rows are set, how a forward over them applies adapters: no row in
+    use with one: "off" (no LoraRows, nothing added); all the same one: "one" (its slot once, [1]: one A and B
+    per layer, not one per row); else "rows" (each row's own). Idle rows do not count. The one-slot form adds
+    what the per-row form adds, and idle rows (strength 0) get nothing."""
+    from engine.model.lora import LoraTables, RowAdapters
+    from engine.parallel.layout import PhaseView, ShardLayout
+    from tools.tiny_lora import random_adapter
+    tables = LoraTables(cfg, ShardLayout(), 2, 8, torch.float32, "cpu")
+    tables.install("a", random_adapter(cfg, 8, seed=1))
+    tables.install("b", random_adapter(cfg, 4, seed=2))
+    rows = RowAdapters(tables, 4)
+    assert rows.mode == "off" and rows.rows(slice(0, 4)) is None
+    rows.set(0, 1, 0.5)
+    rows.set(2, 1, 2.0)                        # rows 1 and 3 idle
+    one = rows.rows(slice(0, 4))
+    assert rows.mode == "one" and one.slot.tolist() == [1] and rows.rows(slice(0, 4)) is one    # made once
+    x = torch.randn(4, 3, cfg.hidden_size)
+    got, want = (torch.zeros(4, 3, tables.qkv_out) for _ in range(2))
+    one.add_qkv(got, x, 1, PhaseView())
+    rows.rows(slice(0, 4), "rows").add_qkv(want, x, 1, PhaseView())
+    torch.testing.assert_close(got, want)
+    assert got[0].abs().sum() > 0 and not got[1].any() and not got[3].any()
+    rows.set(1, 2, 1.0)
+    assert rows.mode == "rows" and rows.rows(slice(0, 4)).slot.tolist() == [1, 2, 1, 0]
+    rows.clear(1)
+    assert rows.mode == "one"
+    rows.set(3, 0, 0.0)                        # a request without an adapter among them: each row its own
+    assert rows.mode == "rows"
+    rows.clear(slice(0, 3))
+    assert rows.mode == "off" and rows.row(3) is None
+    rows.set(slice(2, 4), 2, 1.0)
+    rows.copy(slice(0, 2), slice(2, 4))        # rows 2, 3 moved to 0, 1 (a denoise batch's leave) ...
+    rows.clear(slice(2, 4))                    # ... and the rows left behind idle
+    assert rows.of(1) == (2, 1.0) and rows.slot.tolist() == [2, 2, 0, 0] and rows.mode == "one"
+    assert rows.common.tolist() == [2]
+
+
 # ----------------------------------------------------------------------------- what is refused
 def test_request_names_a_loaded_adapter(served):
     adapters = Pipeline(served, preview_every=0).adapters()

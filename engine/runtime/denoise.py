@@ -13,7 +13,7 @@ import torch
 
 from engine.model.attention import AttnBatch, KVCache, attention_mask, sdpa_mask
 from engine.model.hunyuan import HunyuanImage3
-from engine.model.lora import LoraRows
+from engine.model.lora import LoraRows, lora_key
 from engine.parallel.layout import Comm, PhaseView, graph_safe
 from engine.runtime.conditioning import embed_range
 from engine.runtime.graphs import Graphs
@@ -150,6 +150,12 @@ class DenoiseRunner:
         self.lora = lora
         self.prefill_lora = lora if prefill_lora is None else prefill_lora
 
+    @property
+    def graph_key(self) -> tuple:
+        """The key of its step's graph (and buffers) when it runs alone: the step key, and whether the step
+        adds an adapter (one for all its rows) or runs the base weights."""
+        return self.key + lora_key("off" if self.lora is None else "one")
+
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
         if (start, stop) not in self._batches:
@@ -253,7 +259,7 @@ class DenoiseRunner:
             for buf, val in ((s.x, x), (s.t, t), (s.r, r), (s.g, g)):
                 if buf is not None:
                     buf.copy_(val)
-            v, hidden = self.graphs.replay(self.key, lambda: self._velocity(s.x, s.t, s.r, s.g), warmup=2)
+            v, hidden = self.graphs.replay(self.graph_key, lambda: self._velocity(s.x, s.t, s.r, s.g), warmup=2)
         cache.record(i, hidden)
         return v
 
@@ -262,7 +268,7 @@ class DenoiseRunner:
         """The step key's buffers, this request's step layout copied into them (the first request of the
         key makes them from its own). Once per request, before its first step."""
         chunk, n, mine = self.step_layout(x.device)
-        s = self.graphs.buffers(self.key, lambda: StepBuffers(
+        s = self.graphs.buffers(self.graph_key, lambda: StepBuffers(
             *(None if v is None else v.clone() for v in (x, t, r, g)), mine))
         if s.batch is not mine:
             s.fill_batch(mine)

@@ -13,7 +13,8 @@ at different steps, even of different step counts), its own prefix (its cache ro
 its key mask: the rows of one request never see another's keys, AttnBatch.key_mask), its own LoRA adapter
 (or none: each denoise row has its request's, engine/runtime/kv_pool.py `set_denoise_adapter`), then each
 request's rows are sliced back out. Only the latents and times are written each turn; the members' step
-tables (positions, masks) are written into the batch's buffers when the members change (a join, a leave). A request alone (one member) runs its own runner's step (`DenoiseRunner.velocity`).
+tables (positions, masks) are written into the batch's buffers when the members change (a join, a
+leave). A request alone (one member) runs its own runner's step (`DenoiseRunner.velocity`).
 A cancel or a failure of one request (in its own part: its hand-off, prefill, update, preview, VAE)
 ends only it; a failure of the shared forward fails every request in it, as the batched decode step.
 
@@ -31,6 +32,7 @@ import torch
 
 from engine.model.attention import AttnBatch, KVCache
 from engine.model.hunyuan import HunyuanImage3
+from engine.model.lora import LoraRows, lora_key
 from engine.parallel.layout import PhaseView
 from engine.runtime.denoise import StepInput, tail_embeddings, velocity
 from engine.runtime.graphs import Graphs
@@ -100,6 +102,7 @@ class DenoiseBatch:
             runner = job.runner
             cache = self.pool.move_denoise((j + 1) * self.rows, j * self.rows, self.rows, runner.cache.max_len)
             runner.cache = cache.heads(self.heads)
+        self.pool.clear_denoise_adapter(len(self.members) * self.rows, self.rows)    # the rows no one holds now
 
     # ------------------------------------------------------------------ the step
     def velocities(self, jobs: list[StepInput]) -> list[torch.Tensor]:
@@ -110,8 +113,9 @@ class DenoiseBatch:
             j = jobs[0]
             return [j.runner.velocity(j.i, j.x, j.t, j.r, j.g)]
         lead, rows = jobs[0].runner, self.rows
-        key = (*lead.key, ("batch", len(jobs)))       # the solo key's graphs and this one go together
-        buf = self.graphs.buffers(key, lambda: self._buffers(jobs))
+        mode, lora = self.pool.denoise_lora(len(jobs) * rows)     # the members' adapters: a graph per mode
+        key = (*lead.key, ("batch", len(jobs)), *lora_key(mode))   # the solo key's graphs and this one go together
+        buf = self.graphs.buffers(key, lambda: self._buffers(jobs, lora))
         self._fill(buf, jobs)
         cache = KVCache([t[:len(jobs) * rows] for t in self.pool.denoise.k],
                         [t[:len(jobs) * rows] for t in self.pool.denoise.v]).heads(self.heads)
@@ -125,7 +129,7 @@ class DenoiseBatch:
         v = self.graphs.replay(key, forward, warmup=2) if lead.use_graph else forward()
         return [v[k * rows:(k + 1) * rows] for k in range(len(jobs))]
 
-    def _buffers(self, jobs: list[StepInput]) -> BatchBuffers:
+    def _buffers(self, jobs: list[StepInput], lora: LoraRows | None) -> BatchBuffers:
         """A batched key's buffers, shaped from its first members (outside any capture)."""
         lead = jobs[0].runner
         m, n, rows = len(jobs), lead.images, self.rows
@@ -141,7 +145,7 @@ class DenoiseBatch:
         img = torch.arange(m * n, device=x.device).view(m, 1, n)
         row_image = img.expand(m, rows // n, n).reshape(-1)      # row k*rows + b*n + i -> image k*n + i
         batch = AttnBatch(b.index, per_row(b.cos), per_row(b.sin), b.kv_len, per_row(b.mask), b.gathered,
-                          b.masked_rows, key_mask=per_row(b.key_mask), lora=self.pool.denoise_lora(m * rows))
+                          b.masked_rows, key_mask=per_row(b.key_mask), lora=lora)
         return BatchBuffers(x, *ts, row_image, batch)
 
     def _fill(self, buf: BatchBuffers, jobs: list[StepInput]) -> None:

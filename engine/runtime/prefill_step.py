@@ -19,7 +19,7 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
-from engine.model.lora import LoraRows
+from engine.model.lora import RowAdapters, lora_key
 from engine.parallel.layout import PhaseView, graph_safe
 from engine.runtime.graphs import Graphs
 
@@ -30,11 +30,12 @@ GRAPH_MAX = 2048       # longer prompts are GPU-bound (their kernels outlast iss
 class PrefillStep:
     def __init__(self, model: HunyuanImage3, cache: KVCache, view: PhaseView, use_graph: bool = False,
                  padded: bool | None = None, graphs: Graphs | None = None, key: tuple = (),
-                 lora: LoraRows | None = None):
+                 adapters: RowAdapters | None = None):
         """`padded`: run short prompts at their bucket (default: on CUDA; tests set it on the CPU).
         `graphs`: the engine's graph owner (else one of its own); `key` names the cache in its keys.
-        `lora`: the cache row's LoRA adapter (a static buffer the pool sets before each prefill)."""
-        self.model, self.cache, self.view, self.lora = model, cache, view, lora
+        `adapters`: the cache row's LoRA adapter (one row of static buffers the pool sets before each
+        prefill; a graph per LoRA mode: none, or one adapter)."""
+        self.model, self.cache, self.view, self.adapters = model, cache, view, adapters
         dev = model.device
         self.padded = dev.type == "cuda" if padded is None else padded
         self.use_graph = use_graph and dev.type == "cuda" and self.padded and graph_safe(view.tp, view.sp)
@@ -60,10 +61,11 @@ class PrefillStep:
         the sequence. Writes the prompt's K/V at [0, L) of the cache; returns fp32 logits [vocab]."""
         L = embeds.shape[1]
         b = self.bucket(L)
+        mode = "off" if self.adapters is None else self.adapters.mode
         if b is None:
             m = self.model
             h = m.backbone(embeds, torch.arange(L, device=embeds.device), pos, blocks, self.cache, L, self.view,
-                           lora=self.lora)
+                           lora=self._lora(mode))
             return m.transformer.logits(h[:, -1], self.view)[0]
         self.emb[:, :L].copy_(embeds)
         self.emb[:, L:b].zero_()
@@ -72,11 +74,15 @@ class PrefillStep:
         self.blocks[L:b].fill_(-1)            # padding is causal: no prompt row sees it
         self.last.fill_(L - 1)
         if self.use_graph:
-            return self.graphs.replay(("prefill", b) + self.key, lambda: self._forward(b))
-        return self._forward(b)
+            return self.graphs.replay(("prefill", b) + self.key + lora_key(mode), lambda: self._forward(b, mode))
+        return self._forward(b, mode)
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _lora(self, mode: str):
+        return None if self.adapters is None else self.adapters.rows(slice(0, 1), mode)
+
+    def _forward(self, b: int, mode: str) -> torch.Tensor:
         """The bucket's forward over the static buffers (what a graph captures)."""
         m = self.model
-        h = m.backbone(self.emb[:, :b], self.index[:b], self.pos, self.blocks, self.cache, b, self.view, lora=self.lora)
+        h = m.backbone(self.emb[:, :b], self.index[:b], self.pos, self.blocks, self.cache, b, self.view,
+                       lora=self._lora(mode))
         return m.transformer.logits(h.index_select(1, self.last)[:, 0], self.view)[0]
