@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-loras", type=int, default=0,
                     help="adapter slots, for adapters loaded at run time too (default: as many as --lora)")
     ap.add_argument("--max-lora-rank", type=int, default=64, help="the highest adapter rank served (default 64)")
+    ap.add_argument("--lora-merged", action="store_true",
+                    help="fold the one --lora adapter into the weights at load: every request uses it, at strength "
+                         "1, with no per-step cost (float weights only; no adapters loaded at run time)")
     ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
     ap.add_argument("--max-upload-mb", type=float, default=20.0,
                     help="largest reference image file the API accepts, in MB (default 20)")
@@ -138,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.loras.append((name.strip(), path.strip()))
     if args.max_loras < 0 or args.max_lora_rank < 1:
         ap.error("--max-loras must be >= 0 and --max-lora-rank >= 1")
+    if args.lora_merged and (len(args.loras) != 1 or args.max_loras > 1):
+        ap.error("--lora-merged folds one adapter into the weights: give exactly one --lora NAME=PATH (and no --max-loras)")
     if args.replicas is not None and (args.loras or args.max_loras):
         ap.error("--lora and --max-loras are not supported with --replicas")
     if args.step_timeout is not None and args.step_timeout < 0:
@@ -171,7 +176,7 @@ def engine_server(model: Path, device: str, args: argparse.Namespace):
     if args.replicas is None:
         from engine.serve.server import EngineServer
         return EngineServer(model, world_size=args.gpus, loras=args.loras, max_loras=args.max_loras,
-                            max_lora_rank=args.max_lora_rank, **kwargs)
+                            max_lora_rank=args.max_lora_rank, lora_merged=args.lora_merged, **kwargs)
     from engine.serve.replicas import ReplicaPool
     return ReplicaPool(model, args.replica_options, **kwargs)
 

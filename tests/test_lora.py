@@ -229,6 +229,72 @@ def test_rows_mode_is_decided_when_rows_are_set(cfg):
     assert rows.common.tolist() == [2]
 
 
+# ----------------------------------------------------------------------------- the merged fast path
+def test_merged_adapter_equals_the_unmerged_one(served, tiny_dir, adapters):
+    """The adapter folded into the weights at load (merge_adapter, at lora_scale 0.5) gives the unmerged
+    adapter's greedy text and image (>= 40 dB, fp32); the merged engine has no adapter tables, serves only
+    that adapter at that strength, and refuses a request without it or at another strength by name."""
+    from engine.model.lora_merge import merge_adapter
+    lm = load(tiny_dir)
+    merge_adapter(lm.model, read_peft(adapters["patterned"], lm.cfg), 0.5, name="patterned")
+    got, want = alone(lm, lora="patterned", lora_scale=0.5), alone(served, lora="patterned", lora_scale=0.5)
+    assert got[0] == want[0] and psnr(got[1], want[1]) >= 40
+    assert lm.model.lora is None and Pipeline(lm, preview_every=0).adapters() == ["patterned"]
+    for kw, field in ((dict(), "lora"), (dict(lora="patterned"), "lora_scale")):
+        events = list(Pipeline(lm, preview_every=0).run(Request(**(REQUEST | kw))))
+        assert [(e.kind, e.param) for e in events if isinstance(e, Error)] == [("invalid", field)], kw
+    with pytest.raises(ValueError, match="merged into the weights: no adapter tables"):
+        lm.model.enable_lora(1, 8)
+
+
+def test_each_rank_merges_its_slice(tiny_dir, adapters, cfg):
+    """A hybrid4 rank (storage shard 1 of 2, two micros) folds into its qkv_proj rows and o_proj columns
+    exactly its shard of the whole merged update."""
+    from engine.model.lora_merge import merge_adapter
+    from engine.model.packed import shard_block
+    from engine.parallel.plan import get_plan
+    layout = get_plan("hybrid4").layout(3)
+    base, rank = load(tiny_dir, layout=layout), load(tiny_dir, layout=layout)
+    merge_adapter(rank.model, read_peft(adapters["plain"], cfg, layout))
+    whole = read_peft(adapters["plain"], cfg).layers
+    for i in range(cfg.num_layers):
+        n, got, was = names.layer(i), rank.model.transformer.layers[i].self_attn, base.model.transformer.layers[i].self_attn
+        w = whole[n.qkv_proj]
+        d = (w.scale * w.b @ w.a)[shard_block(w.b.shape[0], layout)]
+        torch.testing.assert_close(got.qkv - was.qkv, d.view(got.qkv.shape))
+        w = whole[n.o_proj]
+        torch.testing.assert_close(got.o_proj - was.o_proj, (w.scale * w.b @ w.a)[:, shard_block(w.a.shape[1], layout)])
+
+
+def test_merging_into_quantized_weights_is_refused(tmp_path):
+    """Resident MXFP8 packs: W + BA is not in the codes' grid, so the merge is refused before any weight
+    changes, naming the layer and the format (the adapter is served unmerged instead)."""
+    from engine.model.lora_merge import merge_adapter
+    from tools.tiny import make_tiny
+    lm = load(make_tiny(tmp_path / "mxfp8", blocks=True, quant="mxfp8"), resident="quantized")
+    adapter = read_peft(make_adapter(tmp_path / "adapter", lm.cfg, seed=1), lm.cfg)
+    with pytest.raises(AdapterError, match=r"model.layers.0.self_attn.qkv_proj is kept quantized \(mxfp8\).*"
+                                           "serve the adapter unmerged"):
+        merge_adapter(lm.model, adapter)
+    assert lm.model.merged_lora is None
+
+
+def test_server_serves_a_merged_adapter(served, tiny_dir, adapters):
+    """EngineServer(lora_merged=True) (app.py --lora NAME=PATH --lora-merged): its worker folds the adapter into
+    the weights; a request naming it gives the unmerged adapter's text and image; loading another is refused."""
+    from engine.serve.server import EngineServer
+    with pytest.raises(ValueError, match="needs exactly one --lora"):
+        EngineServer(tiny_dir, loras=list(adapters.items()), lora_merged=True)
+    with EngineServer(tiny_dir, preview_every=0, loras=[("plain", adapters["plain"])], lora_merged=True) as server:
+        assert server.wait_ready(300), server.health()
+        assert server.config.lora_slots == 0 and server.adapters() == ["plain"]
+        got = outcome(list(server.stream(Request(**(REQUEST | dict(lora="plain"))))))
+        with pytest.raises(ValueError, match="merged into its weights"):
+            server.load_adapter("patterned", adapters["patterned"])
+    want = alone(served, lora="plain")
+    assert got[0] == want[0] and psnr(got[1], want[1]) >= 40
+
+
 # ----------------------------------------------------------------------------- what is refused
 def test_request_names_a_loaded_adapter(served):
     adapters = Pipeline(served, preview_every=0).adapters()
@@ -455,10 +521,16 @@ def test_each_rank_reads_its_slice(adapters, cfg):
     assert torch.equal(mine.layers[n.o_proj].a, o.a[:, cols:]) and torch.equal(mine.layers[n.o_proj].b, o.b)
 
 
-def test_command_line_refuses_a_scale_without_adapter_and_a_bad_folder(tiny_dir, tmp_path, capsys):
+def test_command_line_refuses_a_scale_without_adapter_and_a_bad_folder(tiny_dir, tmp_path, capsys, adapters):
+    """Refused: a strength or --lora-merged without an adapter, a folder that is not one; --lora-merged with an
+    adapter generates (the adapter folded into the weights at --lora-scale)."""
     from engine.__main__ import main
     common = ["generate", "--model", str(tiny_dir), "--prompt", "a cat", "--steps", "1", "--out", str(tmp_path / "o.png")]
     assert main(common + ["--lora-scale", "2"]) == 2
     assert "--lora-scale needs --lora PATH" in capsys.readouterr().err
+    assert main(common + ["--lora-merged"]) == 2
+    assert "--lora-merged needs --lora PATH" in capsys.readouterr().err
+    assert main(common + ["--lora", str(adapters["plain"]), "--lora-scale", "0.5", "--lora-merged"]) == 0
+    assert PILImage.open(tmp_path / "o.png").width > 0
     assert main(common + ["--lora", str(tiny_dir)]) == 2
     assert f"LoRA adapter {tiny_dir}: no adapter_config.json" in capsys.readouterr().err

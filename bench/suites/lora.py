@@ -28,11 +28,10 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.lora import LoraRows, RowAdapters
-from engine.model.peft import PeftAdapter
+from engine.model.lora_merge import merge_adapter
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.denoise import denoise
 from engine.runtime.graphs import Graphs
-from engine.spec import names
 from tools.tiny_lora import random_adapter
 
 from .. import rank
@@ -47,22 +46,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rank", type=int, default=32, help="the adapter's rank (the trainers' default: 32)")
     ap.add_argument("--steps", type=int, default=10, help="denoise steps per timed run")
     ap.add_argument("--no-step-graph", action="store_true", help="denoise and decode steps eagerly")
-
-
-@torch.no_grad()
-def merge(model, adapter: PeftAdapter) -> None:
-    """Add scale * B A into the rank's float qkv / o_proj slices (the merged fast path's weights)."""
-    from engine.model.packed import shard_block
-    lay = model.layout
-    for i, layer in enumerate(model.transformer.layers):
-        n = names.layer(i)
-        att = layer.self_attn
-        w = adapter.layers[n.qkv_proj]
-        d = (w.b @ w.a * w.scale)[shard_block(w.b.shape[0], lay)]
-        att.qkv.add_(d.view(att.qkv.shape).to(att.qkv.dtype, copy=False).to(att.qkv.device))
-        w = adapter.layers[n.o_proj]
-        d = (w.b @ w.a * w.scale)[:, shard_block(w.a.shape[1], lay)]
-        att.o_proj.add_(d.to(att.o_proj.device, att.o_proj.dtype))
 
 
 def step_ms(req, steps: int, rows: LoraRows | None, graph: bool, dry: bool) -> float:
@@ -133,7 +116,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         decode_rows.set(slice(0, 8, 2), 0, 0.0)         # half the rows with the adapter, half without
         rows_decode = decode_ms(model, plan, decode_rows, graph, dry)
         model.lora = None
-        merge(model, adapter)
+        merge_adapter(model, adapter)                   # the merged fast path (engine/model/lora_merge.py)
         merged = step_ms(req, args.steps, None, graph, dry)
     for what, ms, ref in (("DiT step, base", base, base), ("DiT step, lora one adapter (unmerged)", one, base),
                           ("DiT step, lora per row (unmerged, batched path)", per_row, base),

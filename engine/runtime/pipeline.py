@@ -118,9 +118,11 @@ class Pipeline:
             news = StepNews(cancel=frozenset({0}) if self.agree.flag(cancelled()) else frozenset())
 
     def adapters(self) -> list[str]:
-        """The names of the LoRA adapters loaded (what a request's `lora` may name)."""
-        tables = self.lm.model.lora
-        return [] if tables is None else tables.loaded()
+        """The names of the LoRA adapters loaded (what a request's `lora` may name), or the one merged."""
+        model = self.lm.model
+        if model.merged_lora is not None:
+            return [model.merged_lora]
+        return [] if model.lora is None else model.lora.loaded()
 
     def change_adapter(self, op: str, name: str, folder: str | None = None) -> None:
         """Load ("load", name, folder) or unload ("unload", name) a LoRA adapter between steps, on every rank
@@ -323,7 +325,19 @@ class Pipeline:
                 pool.release_slot(slot)
 
     def _adapter_slot(self, p: Prepared) -> int:
-        """The LoRA table slot of the request's adapter (0: none); one unloaded since it was validated is refused."""
+        """The LoRA table slot of the request's adapter (0: none); one unloaded since it was validated is refused.
+        An engine whose weights hold a merged adapter serves that adapter only, at its merged strength."""
+        merged = self.lm.model.merged_lora
+        if merged is not None:
+            if p.lora != merged:
+                raise RequestError(f"this engine serves the LoRA adapter {merged!r} merged into its weights "
+                                   f"(--lora-merged), so every request must name it (got {p.lora!r})", "lora")
+            strength = self.lm.model.merged_strength
+            if p.lora_scale != strength:
+                raise RequestError(f"the LoRA adapter {merged!r} is merged into the weights at strength {strength:g}: "
+                                   f"lora_scale {p.lora_scale:g} cannot apply (serve it without --lora-merged)",
+                                   "lora_scale")
+            return 0
         if p.lora is None:
             return 0
         try:

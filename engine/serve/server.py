@@ -107,7 +107,7 @@ class EngineServer:
                  max_queue: int | None = None, quantize: str | None = None, max_batch: int = 1,
                  step_timeout: float | None = None, cfg_serial: bool = False, cuda_graph: bool = True,
                  max_denoise_batch: int = 1, loras: Sequence[tuple[str, str]] = (), max_loras: int = 0,
-                 max_lora_rank: int = 64):
+                 max_lora_rank: int = 64, lora_merged: bool = False):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
@@ -123,7 +123,8 @@ class EngineServer:
         without a token or step before the engine is restarted (None: automatic, from the engine's own
         figures; 0: never; engine.serve.supervisor). `loras`: LoRA adapters (name, PEFT folder) loaded at
         start, each read and checked here; `max_loras` adapter slots in all (at least len(loras); more
-        leave room for `load_adapter`), of rank up to `max_lora_rank`. All of it is checked here and fixed in one
+        leave room for `load_adapter`), of rank up to `max_lora_rank`; `lora_merged`: the one adapter folded
+        into the weights at load (engine/model/lora_merge.py). All of it is checked here and fixed in one
         `EngineConfig` (`self.config`), which every worker starts from."""
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0 (got {max_queue})")
@@ -141,7 +142,7 @@ class EngineServer:
                                    self.parallel.sp_kind, quantize, max_batch, preview_every, verbose, cfg_serial,
                                    cuda_graph, max_denoise_batch, tuple((n, str(Path(f).resolve())) for n, f in loras),
                                    max(max_loras, len(loras)),       # the slots stay when adapters are unloaded
-                                   max_lora_rank)
+                                   max_lora_rank, lora_merged)
         for name, folder in self.config.loras:
             self._check_adapter(name, folder)
         self.cancel_grace_s = cancel_grace_s
@@ -235,6 +236,7 @@ class EngineServer:
         when it cannot be: no free slot, a name in use, or a folder that is not a servable adapter."""
         folder = str(Path(folder).resolve())
         with self._lock:
+            self._refuse_if_merged()
             if not self.config.lora_slots:
                 raise ValueError("this engine has no LoRA adapter slots (start it with --max-loras N or --lora)")
             if name in self.adapters():
@@ -251,12 +253,18 @@ class EngineServer:
         with self._lock:
             if name not in self.adapters():
                 raise KeyError(f"no LoRA adapter named {name!r} is loaded")
+            self._refuse_if_merged()
             users = [j.sub.request_id for j in (*self._waiting, *self._running.values())
                      if j.prepared.lora == name and not j.sub.ended]
             if users:
                 raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it when they end")
             self.config = dataclasses.replace(self.config, loras=tuple(a for a in self.config.loras if a[0] != name))
             self._send_adapter(("adapter", "unload", name, None))
+
+    def _refuse_if_merged(self) -> None:
+        if self.config.lora_merged:
+            raise ValueError(f"this engine serves the LoRA adapter {self.config.loras[0][0]!r} merged into its "
+                             "weights (--lora-merged): adapters cannot be loaded or unloaded")
 
     def _send_adapter(self, msg: tuple) -> None:
         try:
