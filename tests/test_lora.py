@@ -437,15 +437,17 @@ def test_readme_serves_a_peft_adapter_to_the_openai_client(tmp_path, monkeypatch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_steps_serve_adapters_per_row(tiny_dir):
     """CUDA bf16, every prefill, decode and denoise step a graph replay reading the adapter slots from static
-    buffers: no adapter, one and the other decoded together each give their solo run, the adapter changes
-    the image, and an adapter loaded after the graphs were captured is served by the same graphs."""
+    buffers (a graph per LoRA mode: none, one adapter, each row its own): no adapter, one and the other
+    decoded and denoised together (one denoise batch) each give their solo run, the adapter changes the
+    image, and an adapter loaded after the graphs were captured is served by the same graphs."""
     lm = load(tiny_dir, "cuda", torch.bfloat16)
     tables = lm.model.enable_lora(capacity=3, max_rank=8)
     made = {"plain": random_adapter(lm.cfg, 8, seed=1), "patterned": random_adapter(lm.cfg, 4, seed=2)}
     for name, adapter in made.items():       # in memory: the GPU machine need not have peft
         tables.install(name, adapter)
-    kws = [REQUEST, REQUEST | dict(lora="plain"), REQUEST | dict(lora="patterned", lora_scale=0.5)]
-    pipe = Pipeline(lm, preview_every=0, slots=len(kws))
+    one = REQUEST | dict(size="256x256")     # one bucket: one denoise batch
+    kws = [one, one | dict(lora="plain"), one | dict(lora="patterned", lora_scale=0.5)]
+    pipe = Pipeline(lm, preview_every=0, slots=len(kws), max_denoise_batch=len(kws))
     assert pipe.cuda_graph
     solo = [outcome(list(pipe.run(Request(**kw)))) for kw in kws]
     events, scheduler = run_together(lm, kws, pipeline=pipe)
@@ -453,6 +455,9 @@ def test_cuda_graph_steps_serve_adapters_per_row(tiny_dir):
         got = outcome(events[i])
         assert got[0] == solo[i][0] and psnr(got[1], solo[i][1]) >= 35, i
     assert differs(solo[1], solo[0]) and differs(solo[2], solo[0])
+    assert scheduler.denoising.member_steps > scheduler.denoising.forwards        # denoise steps were shared
+    modes = {p for k in pipe.graphs.captures for p in k if isinstance(p, tuple) and p[:1] == ("lora",)}
+    assert modes == {("lora", "one"), ("lora", "rows")}, pipe.graphs.captures
     captures = sum(pipe.graphs.captures.values())
     assert captures > 0
     tables.remove("patterned")

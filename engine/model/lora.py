@@ -229,6 +229,11 @@ def _slice(rows: int | slice) -> slice:
     return rows if isinstance(rows, slice) else slice(rows, rows + 1)
 
 
+def mode_of(adapters: RowAdapters | None) -> str:
+    """The LoRA mode of a forward over these rows (an engine without adapter tables: "off")."""
+    return "off" if adapters is None else adapters.mode
+
+
 def lora_key(mode: str) -> tuple:
     """What a step graph's key adds for its rows' LoRA mode (nothing for "off": the base step's graph)."""
     return () if mode == "off" else (("lora", mode),)

@@ -20,7 +20,7 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
-from engine.model.lora import RowAdapters, lora_key
+from engine.model.lora import RowAdapters, lora_key, mode_of
 from engine.parallel.layout import PhaseView, graph_safe
 from engine.runtime.graphs import Graphs
 
@@ -73,16 +73,16 @@ class DecodeStep:
         if self._copied is not None:
             self._copied.record()
         self.forwards += 1
-        mode = "off" if self.adapters is None else self.adapters.mode
         if self.use_graph:
-            return self.graphs.replay(("decode", b) + self.key + lora_key(mode), lambda: self._forward(b, mode),
-                                      warmup=2)
-        return self._forward(b, mode)
+            # a graph per LoRA mode of the slots (decided when a request takes or leaves its slot)
+            return self.graphs.replay(("decode", b) + self.key + lora_key(mode_of(self.adapters)),
+                                      lambda: self._forward(b), warmup=2)
+        return self._forward(b)
 
-    def _forward(self, b: int, mode: str) -> torch.Tensor:
+    def _forward(self, b: int) -> torch.Tensor:
         m, cache = self.model, self._views[b]
         token, index, length = self._slots[0, :b].view(b, 1), self._slots[1, :b].view(b, 1), self._slots[2, :b]
-        lora = None if self.adapters is None else self.adapters.rows(slice(0, b), mode)
+        lora = None if self.adapters is None else self.adapters.rows(slice(0, b))
         batch = m.row_batch(index, self.pos, self._rows[:b], cache.max_len, length, lora)
         h = m.transformer(m.transformer.embed(token), batch, cache, self.view)
         return m.transformer.logits(h[:, -1], self.view)

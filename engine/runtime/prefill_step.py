@@ -19,7 +19,7 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
-from engine.model.lora import RowAdapters, lora_key
+from engine.model.lora import LoraRows, RowAdapters, lora_key, mode_of
 from engine.parallel.layout import PhaseView, graph_safe
 from engine.runtime.graphs import Graphs
 
@@ -61,11 +61,10 @@ class PrefillStep:
         the sequence. Writes the prompt's K/V at [0, L) of the cache; returns fp32 logits [vocab]."""
         L = embeds.shape[1]
         b = self.bucket(L)
-        mode = "off" if self.adapters is None else self.adapters.mode
         if b is None:
             m = self.model
             h = m.backbone(embeds, torch.arange(L, device=embeds.device), pos, blocks, self.cache, L, self.view,
-                           lora=self._lora(mode))
+                           lora=self._lora())
             return m.transformer.logits(h[:, -1], self.view)[0]
         self.emb[:, :L].copy_(embeds)
         self.emb[:, L:b].zero_()
@@ -74,15 +73,17 @@ class PrefillStep:
         self.blocks[L:b].fill_(-1)            # padding is causal: no prompt row sees it
         self.last.fill_(L - 1)
         if self.use_graph:
-            return self.graphs.replay(("prefill", b) + self.key + lora_key(mode), lambda: self._forward(b, mode))
-        return self._forward(b, mode)
+            return self.graphs.replay(("prefill", b) + self.key + lora_key(mode_of(self.adapters)),
+                                      lambda: self._forward(b))
+        return self._forward(b)
 
-    def _lora(self, mode: str):
-        return None if self.adapters is None else self.adapters.rows(slice(0, 1), mode)
+    def _lora(self) -> LoraRows | None:
+        """The row's adapter in its current mode (set before each prefill): none, or one adapter."""
+        return None if self.adapters is None else self.adapters.rows(slice(0, 1))
 
-    def _forward(self, b: int, mode: str) -> torch.Tensor:
+    def _forward(self, b: int) -> torch.Tensor:
         """The bucket's forward over the static buffers (what a graph captures)."""
         m = self.model
         h = m.backbone(self.emb[:, :b], self.index[:b], self.pos, self.blocks, self.cache, b, self.view,
-                       lora=self._lora(mode))
+                       lora=self._lora())
         return m.transformer.logits(h.index_select(1, self.last)[:, 0], self.view)[0]
