@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.model.loader import load
 from engine.model.lora import load_adapter
-from engine.model.peft import AdapterError, read_peft
+from engine.model.peft import MERGE_TARGETS, AdapterError, read_peft
 from engine.runtime.events import Error, Image, Text
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, RequestError, prepare
@@ -35,7 +35,7 @@ TAIL = 16 * 16 + 1          # a 256x256 denoise step's tokens on the tiny model:
 def merged_checkpoint(src: Path, dst: Path, adapter: Path, cfg: ModelConfig) -> Path:
     """A copy of the checkpoint with W + scale B A in every adapted linear (stored in fp32: no rounding)."""
     shutil.copytree(src, dst)
-    layers = read_peft(adapter, cfg).layers
+    layers = read_peft(adapter, cfg, targets=MERGE_TARGETS).layers
     for shard in dst.glob("*.safetensors"):
         tensors = load_file(str(shard))
         for layer, w in layers.items():
@@ -266,6 +266,35 @@ def test_each_rank_merges_its_slice(tiny_dir, adapters, cfg):
         torch.testing.assert_close(got.o_proj - was.o_proj, (w.scale * w.b @ w.a)[:, shard_block(w.a.shape[1], layout)])
 
 
+MLP_TARGETS = ["qkv_proj", "o_proj", "gate_and_up_proj", "down_proj"]
+
+
+def test_merged_mlp_adapter_equals_the_merged_checkpoint(tiny_dir, cfg, tmp_path, base):
+    """An adapter of the MLPs too (PEFT's gate_and_up_proj / down_proj: the shared MLP and every expert), which
+    only the merged path takes: the engine with it merged gives the merged checkpoint's greedy text and image
+    (>= 40 dB, fp32) and differs from the base model; a hybrid4 rank's merged packs (gate/up rows per micro,
+    down columns) equal that rank's load of the merged checkpoint."""
+    from engine.model.lora_merge import merge_adapter
+    from engine.parallel.plan import get_plan
+    folder = make_adapter(tmp_path / "mlp", cfg, seed=4, target_modules=MLP_TARGETS)
+    adapter = read_peft(folder, cfg, targets=MERGE_TARGETS)
+    n = names.layer(1)
+    assert {n.shared("gate_and_up_proj"), n.expert(0, "down_proj")} <= set(adapter.layers)
+    merged_dir = merged_checkpoint(tiny_dir, tmp_path / "merged", folder, cfg)
+    lm = load(tiny_dir)
+    merge_adapter(lm.model, adapter, name="mlp")
+    got, want = alone(lm, lora="mlp"), alone(load(merged_dir))
+    assert got[0] == want[0] and psnr(got[1], want[1]) >= 40 and differs(got, base)
+    layout = get_plan("hybrid4").layout(3)
+    rank, ref = load(tiny_dir, layout=layout), load(merged_dir, layout=layout)
+    merge_adapter(rank.model, read_peft(folder, cfg, layout, MERGE_TARGETS))
+    for (name, got_p), (_, want_p) in zip(rank.model.transformer.named_parameters(),
+                                          ref.model.transformer.named_parameters()):
+        torch.testing.assert_close(got_p, want_p, msg=name)
+    with pytest.raises(AdapterError, match="not the MLPs, unless the adapter is merged"):
+        read_peft(folder, cfg)
+
+
 def test_merging_into_quantized_weights_is_refused(tmp_path):
     """Resident MXFP8 packs: W + BA is not in the codes' grid, so the merge is refused before any weight
     changes, naming the layer and the format (the adapter is served unmerged instead)."""
@@ -316,7 +345,8 @@ def _edit_config(folder: Path, **changes) -> Path:
 @pytest.mark.parametrize("case,message", [
     ("dora", "use_dora = True is not supported: DoRA"),
     ("modules_to_save", "modules_to_save = \\['lm_head'\\] is not supported"),
-    ("mlp", "it adapts model.layers.0.mlp.shared_mlp.gate_and_up_proj; only the attention projections"),
+    ("mlp", "it adapts model.layers.0.mlp.experts.0.gate_and_up_proj; only the attention projections .* unless the "
+            "adapter is merged into the weights"),
     ("unknown", "it adapts 'model.layers.0.self_attn.qkv', which is not a linear layer of this model"),
     ("beyond", "it adapts 'model.layers.2.self_attn.qkv_proj', which is not a linear layer of this model"),
     ("shape", r"o_proj has lora_A \(8, 128\) and lora_B \(32, 8\); this model's layer is \[64, 128\] at rank 8, "

@@ -3,10 +3,12 @@
 When an engine serves one adapter and only it (`--lora NAME=PATH --lora-merged`), nothing needs the base
 weights any more, so each adapted linear becomes W + strength * scale * B A once and every step is the
 base forward (no adapter tables, no per-row product: it costs nothing extra). Each rank folds only its
-slices, by the rules its base weights follow (engine/model/lora.py): qkv_proj is column-parallel (B's
-rows of the rank's micros, packed [micros, rows, H] like the qkv pack), o_proj row-parallel (A's input
-columns of the rank's micros, side by side like the o_proj pack). The sum is formed in fp32 and rounded
-once to the weights' dtype.
+slices, by the rules its base weights follow (engine/model/peft.py `_slice`): qkv_proj and the MLPs'
+gate_and_up_proj are column-parallel (B's rows of the rank's micros, packed like the qkv and gate/up
+packs), o_proj and down_proj row-parallel (A's input columns of the rank's micros, side by side like
+their packs). Besides the attention projections (all the unmerged path adapts), this path also takes
+the MLPs: the shared MLP and every expert (engine/model/moe.py packs). The sum is formed in fp32 and
+rounded once to the weights' dtype.
 
 Quantized resident weights (codes and block scales kept as stored, the CUDA layout of the quantized
 checkpoints) are refused: W + B A is not in the codes' grid, and re-quantizing it would change the
@@ -22,6 +24,22 @@ from engine.model.packed import QuantPack
 from engine.model.peft import AdapterError, PeftAdapter, sliced
 from engine.parallel.layout import ShardLayout
 from engine.spec import names
+from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ
+
+
+def _targets(model):
+    """(checkpoint layer name, resident pack, index of the layer's weight in the pack) of every linear an
+    adapter may adapt."""
+    for i, layer in enumerate(model.transformer.layers):
+        n, attn, mlp = names.layer(i), layer.self_attn, layer.mlp
+        yield n.qkv_proj, attn.qkv, ()
+        yield n.o_proj, attn.o_proj, ()
+        if mlp.shared_w1 is not None:
+            yield n.shared(GATE_AND_UP_PROJ), mlp.shared_w1, ()
+            yield n.shared(DOWN_PROJ), mlp.shared_w2, ()
+        for e in range(mlp.experts):
+            yield n.expert(e, GATE_AND_UP_PROJ), mlp.w1, (slice(None), e)
+            yield n.expert(e, DOWN_PROJ), mlp.w2, (e,)
 
 
 @torch.no_grad()
@@ -39,19 +57,17 @@ def merge_adapter(model, adapter: PeftAdapter, strength: float = 1.0, name: str 
         raise AdapterError(f"LoRA adapter {adapter.folder} was read for {adapter.layout}, not this rank's "
                            f"{model.layout}")
     work = []
-    for i, layer in enumerate(model.transformer.layers):
-        n, attn = names.layer(i), layer.self_attn
-        for module, param in ((n.qkv_proj, attn.qkv), (n.o_proj, attn.o_proj)):
-            if (w := adapter.layers.get(module)) is None:
-                continue
-            if isinstance(param, QuantPack):
-                raise AdapterError(
-                    f"cannot merge LoRA adapter {adapter.folder}: {module} is kept quantized "
-                    f"({param.format.fmt}), and W + BA is not in its codes' grid; serve the adapter unmerged "
-                    "(without --lora-merged)")
-            work.append((param, w))
+    for module, pack, index in _targets(model):
+        if (w := adapter.layers.get(module)) is None:
+            continue
+        if isinstance(pack, QuantPack):
+            raise AdapterError(
+                f"cannot merge LoRA adapter {adapter.folder}: {module} is kept quantized "
+                f"({pack.format.fmt}), and W + BA is not in its codes' grid; serve the adapter unmerged "
+                "(without --lora-merged)")
+        work.append((pack[index], w))
     for param, w in work:
-        # [out, in] of this rank: qkv's rows [micros * rows, H] (viewed as the pack), o_proj's [H, micros * cols]
+        # [out, in] of this rank: rows-packed [micros * rows, H] (viewed as the pack), cols-packed [H, micros * cols]
         delta = (w.b.to(param.device, torch.float32) * (w.scale * strength)) @ w.a.to(param.device, torch.float32)
         param.copy_((param.float() + delta.view(param.shape)).to(param.dtype))
     model.merged_lora, model.merged_strength = name or adapter.folder.name, strength

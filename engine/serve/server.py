@@ -223,10 +223,10 @@ class EngineServer:
 
     def _check_adapter(self, name: str, folder: str) -> None:
         """Refuse (ValueError naming why) an adapter the engine could not load: read here, as every rank will."""
-        from engine.model.peft import read_peft
+        from engine.model.peft import MERGE_TARGETS, TARGETS, read_peft
         if not isinstance(name, str) or not name.strip() or "/" in name:
             raise ValueError(f"a LoRA adapter needs a name without '/' (got {name!r})")
-        adapter = read_peft(folder, self.info.cfg)
+        adapter = read_peft(folder, self.info.cfg, targets=MERGE_TARGETS if self.config.lora_merged else TARGETS)
         if adapter.rank > self.config.max_lora_rank:
             raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above the engine's max LoRA rank "
                              f"{self.config.max_lora_rank}")
