@@ -22,8 +22,9 @@
 #   flashinfer     installs the carried FlashInfer (bench/flashinfer_install.sh: carry .fi/parts), JIT-builds
 #                  its four families in parallel (timed), its variants' GPU tests (failing, not skipping,
 #                  where it does not import), suite flashinfer (ours vs FlashInfer per op)
-#   lora           the LoRA GPU test (graph steps with per-row adapters), then suite lora (a hybrid4 rank's DiT
-#                  and decode step: unmerged rank-32 adapter vs none vs merged weights)
+#   lora           the LoRA GPU test (graph steps per LoRA mode; no adapter and two adapters in one decode and
+#                  one denoise batch), then suite lora (a hybrid4 rank's DiT step: rank-32 adapter unmerged, one
+#                  slot and per row (the batched path), vs none vs merged weights; the decode step per mode)
 #   conversation   suite conversation (a 3-turn edit per history policy: tokens, prefill ms; embedded model
 #                  and one hybrid4 rank at the real shapes), then the chained-edit evaluation of the policies
 #   step-cache     the step cache's GPU tests, then suite step-cache: speed (hybrid4 rank, MXFP4 Distil) and

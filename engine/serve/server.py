@@ -227,7 +227,7 @@ class EngineServer:
         if not isinstance(name, str) or not name.strip() or "/" in name:
             raise ValueError(f"a LoRA adapter needs a name without '/' (got {name!r})")
         adapter = read_peft(folder, self.info.cfg, targets=MERGE_TARGETS if self.config.lora_merged else TARGETS)
-        if adapter.rank > self.config.max_lora_rank:
+        if adapter.rank > self.config.max_lora_rank and not self.config.lora_merged:     # (merged: no slots)
             raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above the engine's max LoRA rank "
                              f"{self.config.max_lora_rank}")
 
