@@ -310,7 +310,8 @@ def test_merging_into_quantized_weights_is_refused(tmp_path):
 
 def test_server_serves_a_merged_adapter(served, tiny_dir, adapters):
     """EngineServer(lora_merged=True) (app.py --lora NAME=PATH --lora-merged): its worker folds the adapter into
-    the weights; a request naming it gives the unmerged adapter's text and image; loading another is refused."""
+    the weights; a request naming it gives the unmerged adapter's text and image, one without it is refused
+    where it enters; loading another adapter is refused."""
     from engine.serve.server import EngineServer
     with pytest.raises(ValueError, match="needs exactly one --lora"):
         EngineServer(tiny_dir, loras=list(adapters.items()), lora_merged=True)
@@ -318,6 +319,8 @@ def test_server_serves_a_merged_adapter(served, tiny_dir, adapters):
         assert server.wait_ready(300), server.health()
         assert server.config.lora_slots == 0 and server.adapters() == ["plain"]
         got = outcome(list(server.stream(Request(**(REQUEST | dict(lora="plain"))))))
+        refused = list(server.stream(Request(**REQUEST)))            # at submit: never queued
+        assert [(e.kind, e.param) for e in refused] == [("invalid", "lora")] and "must name it" in refused[0].message
         with pytest.raises(ValueError, match="merged into its weights"):
             server.load_adapter("patterned", adapters["patterned"])
     want = alone(served, lora="plain")

@@ -102,7 +102,7 @@ class Pipeline:
         """One request on its own (the CLI, tests, tools): validated here, then the engine's steps with
         this one request in them; `cancelled()` is polled between steps (rank 0's answer is every rank's)."""
         try:
-            p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets, self.adapters())
+            p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets, self.adapters(), self.merged())
         except (RequestError, PromptError, ValueError) as e:
             yield Error("invalid", str(e), getattr(e, "field", None))
             return
@@ -123,6 +123,11 @@ class Pipeline:
         if model.merged_lora is not None:
             return [model.merged_lora]
         return [] if model.lora is None else model.lora.loaded()
+
+    def merged(self) -> tuple[str, float] | None:
+        """(name, strength) of the LoRA adapter merged into the weights, if any (the only one then served)."""
+        model = self.lm.model
+        return None if model.merged_lora is None else (model.merged_lora, model.merged_strength)
 
     def change_adapter(self, op: str, name: str, folder: str | None = None) -> None:
         """Load ("load", name, folder) or unload ("unload", name) a LoRA adapter between steps, on every rank
@@ -325,20 +330,9 @@ class Pipeline:
                 pool.release_slot(slot)
 
     def _adapter_slot(self, p: Prepared) -> int:
-        """The LoRA table slot of the request's adapter (0: none); one unloaded since it was validated is refused.
-        An engine whose weights hold a merged adapter serves that adapter only, at its merged strength."""
-        merged = self.lm.model.merged_lora
-        if merged is not None:
-            if p.lora != merged:
-                raise RequestError(f"this engine serves the LoRA adapter {merged!r} merged into its weights "
-                                   f"(--lora-merged), so every request must name it (got {p.lora!r})", "lora")
-            strength = self.lm.model.merged_strength
-            if p.lora_scale != strength:
-                raise RequestError(f"the LoRA adapter {merged!r} is merged into the weights at strength {strength:g}: "
-                                   f"lora_scale {p.lora_scale:g} cannot apply (serve it without --lora-merged)",
-                                   "lora_scale")
-            return 0
-        if p.lora is None:
+        """The LoRA table slot of the request's adapter (0: none, or the adapter merged into the weights, which
+        `prepare` checked it names); one unloaded since it was validated is refused."""
+        if p.lora is None or self.lm.model.merged_lora is not None:
             return 0
         try:
             return self.lm.model.lora.slot_of(p.lora)

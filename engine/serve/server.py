@@ -189,7 +189,8 @@ class EngineServer:
         sub = Submission(request, self.cancel)
         try:
             request = with_seed(request)
-            prepared = self.info.prepare(request, self.adapters())      # once: the engine runs it as prepared here
+            prepared = self.info.prepare(request, self.adapters(),      # once: the engine runs it as prepared here
+                                         (self.config.loras[0][0], 1.0) if self.config.lora_merged else None)
             request = _detach_images(request)
         except (RequestError, TypeError, ValueError) as e:     # TypeError: a value of the wrong kind
             sub._push(Error("invalid", str(e), getattr(e, "field", None)))
