@@ -105,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB,
                     help="K/V of conversations' earlier turns kept per GPU for the next turn, in MiB "
                          f"(default {PREFIX_CACHE_MB}; 0: off)")
+    ap.add_argument("--lora-merged", action="store_true",
+                    help="fold the one --lora adapter into the weights at load: every request uses it, at strength "
+                         "1, with no per-step cost (float weights only; no adapters loaded at run time)")
     ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
     ap.add_argument("--max-upload-mb", type=float, default=20.0,
                     help="largest reference image file the API accepts, in MB (default 20)")
@@ -147,6 +150,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.loras.append((name.strip(), path.strip()))
     if args.max_loras < 0 or args.max_lora_rank < 1:
         ap.error("--max-loras must be >= 0 and --max-lora-rank >= 1")
+    if args.lora_merged and (len(args.loras) != 1 or args.max_loras > 1):
+        ap.error("--lora-merged folds one adapter into the weights: give exactly one --lora NAME=PATH (and no --max-loras)")
+    if args.replicas is not None and args.lora_merged:
+        ap.error("--lora-merged is not supported with --replicas yet (serve the adapter unmerged: --lora NAME=PATH)")
     if args.step_timeout is not None and args.step_timeout < 0:
         ap.error("--step-timeout takes seconds >= 0 (0: never)")
     if args.replicas is None and any(v is not None for v in (args.gpus_per_replica, args.ray_address,
@@ -186,7 +193,7 @@ def engine_server(model: Path, device: str, args: argparse.Namespace):
                   prefix_cache_mb=args.prefix_cache_mb)
     if args.replicas is None:
         from engine.serve.server import EngineServer
-        return EngineServer(model, world_size=args.gpus, **kwargs)
+        return EngineServer(model, world_size=args.gpus, lora_merged=args.lora_merged, **kwargs)
     from engine.serve.replicas import ReplicaPool
     return ReplicaPool(model, args.replica_options, **kwargs)
 

@@ -24,8 +24,9 @@
 #   flashinfer     installs the carried FlashInfer (bench/flashinfer_install.sh: carry .fi/parts), JIT-builds
 #                  its four families in parallel (timed), its variants' GPU tests (failing, not skipping,
 #                  where it does not import), suite flashinfer (ours vs FlashInfer per op)
-#   lora           the LoRA GPU test (graph steps with per-row adapters), then suite lora (a hybrid4 rank's DiT
-#                  and decode step: unmerged rank-32 adapter vs none vs merged weights)
+#   lora           the LoRA GPU test (graph steps per LoRA mode; no adapter and two adapters in one decode and
+#                  one denoise batch), then suite lora (a hybrid4 rank's DiT step: rank-32 adapter unmerged, one
+#                  slot and per row (the batched path), vs none vs merged weights; the decode step per mode)
 #   prefix-cache   the prefix cache's GPU test (cache on vs off, bf16, graphs on; tiny and embedded), then suite
 #                  conversation (each turn's AR prefill with the cache off and on; embedded, a hybrid4 rank)
 #   conversation   suite conversation (a 3-turn edit per history policy: tokens, prefill ms; embedded model

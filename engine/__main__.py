@@ -61,6 +61,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    "adapter_model.safetensors), applied to this request")
     p.add_argument("--lora-scale", type=float, default=None, metavar="S",
                    help="the adapter's strength: its update times S (default 1)")
+    p.add_argument("--lora-merged", action="store_true",
+                   help="fold the adapter into the weights at load (no per-step cost; float weights only)")
     p.add_argument("--cfg-serial", action="store_true", help="run the CFG branches one after the other")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run the AR decode and denoise steps eagerly on CUDA (by default each is a CUDA-graph replay)")
@@ -147,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.lora_scale is not None and args.lora is None:
-        print("error: --lora-scale needs --lora PATH (the adapter it scales)", file=sys.stderr)
+    if (args.lora_scale is not None or args.lora_merged) and args.lora is None:
+        print(f"error: {'--lora-scale' if args.lora_scale is not None else '--lora-merged'} needs --lora PATH "
+              "(the adapter it applies to)", file=sys.stderr)
         return 2
     lora = None if args.lora is None else Path(args.lora).resolve().name or "adapter"
     req = Request(prompt=args.prompt, images=args.image, bot_task=args.bot_task, size=args.size,
@@ -165,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             server = EngineServer(args.model, args.device, args.dtype, plan=plan.name, sp_kind=plan.sp_kind,
                                   verbose=True, cfg_serial=args.cfg_serial, cuda_graph=args.cuda_graph,
-                                  quantize=args.quantize, loras=[(lora, args.lora)] if lora else [])
+                                  quantize=args.quantize, loras=[(lora, args.lora)] if lora else [],
+                                  lora_merged=args.lora_merged)
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             return _print_events(server.stream(req), out)
 
     from engine.model.loader import load, parse_dtype, print_progress
-    from engine.model.peft import read_peft
+    from engine.model.peft import MERGE_TARGETS, TARGETS, read_peft
     from engine.runtime.pipeline import Pipeline
     try:
         lm = load(args.model, args.device, parse_dtype(args.dtype, args.device), progress=print_progress,
@@ -186,11 +190,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if lora:
         try:
-            adapter = read_peft(args.lora, lm.cfg)
+            adapter = read_peft(args.lora, lm.cfg, targets=MERGE_TARGETS if args.lora_merged else TARGETS)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        lm.model.enable_lora(1, adapter.rank).install(lora, adapter)
+        if args.lora_merged:
+            from engine.model.lora_merge import merge_adapter
+            try:
+                merge_adapter(lm.model, adapter, req.lora_scale, lora)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+        else:
+            lm.model.enable_lora(1, adapter.rank).install(lora, adapter)
     return _print_events(Pipeline(lm, cfg_serial=args.cfg_serial, cuda_graph=args.cuda_graph).run(req), out)
 
 if __name__ == "__main__":

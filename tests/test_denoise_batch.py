@@ -115,3 +115,16 @@ def test_the_server_runs_with_max_denoise_batch(tiny_dir, tiny):
         subs = [server.submit(Request(**kw)) for kw in SAME[:2]]
         for kw, sub in zip(SAME[:2], subs):
             assert psnr(image(list(sub)), alone(tiny, kw)) >= 40, kw
+
+
+def test_a_member_that_takes_the_place_of_another_gets_its_own_tables(tiny):
+    """max_denoise_batch 2, three requests of one bucket: the first two share their steps; when the first ends,
+    the second moves down and the third joins, and the 2-request buffers serve another pair: the members' step
+    tables (positions, masks) are written again for them (they are written only when the members change)."""
+    reqs = [SAME[0], SAME[1], dict(SAME[2], prompt="a green star above a small blue house")]
+    pipe = Pipeline(tiny, preview_every=0, slots=3, max_denoise_batch=2)
+    with backbone_rows(tiny, tokens=True) as calls:
+        events, _ = run_together(tiny, reqs, pipeline=pipe)
+    assert [rows for rows, tokens in calls if tokens == TAIL] == [4, 4, 4, 2], calls
+    for i, kw in enumerate(reqs):
+        assert psnr(image(events[i]), alone(tiny, kw)) >= 40, i

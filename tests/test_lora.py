@@ -18,23 +18,24 @@ from safetensors.torch import load_file, save_file
 
 from engine.model.loader import load
 from engine.model.lora import load_adapter
-from engine.model.peft import AdapterError, read_peft
+from engine.model.peft import MERGE_TARGETS, AdapterError, read_peft
 from engine.runtime.events import Error, Image, Text
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, RequestError, prepare
 from engine.spec import names
 from engine.spec.config import ModelConfig
-from engine_drive import run_together
+from engine_drive import backbone_rows, run_together
 from tools.tiny_lora import make_adapter, random_adapter
 
 REQUEST = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=3, greedy=True)
+TAIL = 16 * 16 + 1          # a 256x256 denoise step's tokens on the tiny model: <timestep> + 16x16 latent tokens
 
 
 # ----------------------------------------------------------------------------- adapters made by peft
 def merged_checkpoint(src: Path, dst: Path, adapter: Path, cfg: ModelConfig) -> Path:
     """A copy of the checkpoint with W + scale B A in every adapted linear (stored in fp32: no rounding)."""
     shutil.copytree(src, dst)
-    layers = read_peft(adapter, cfg).layers
+    layers = read_peft(adapter, cfg, targets=MERGE_TARGETS).layers
     for shard in dst.glob("*.safetensors"):
         tensors = load_file(str(shard))
         for layer, w in layers.items():
@@ -149,17 +150,181 @@ def test_different_adapters_in_one_batch_each_equal_their_solo_run(served):
     assert differs(outcome(events[1]), outcome(events[0])) and differs(outcome(events[2]), outcome(events[0]))
 
 
-def test_adapters_under_denoise_batching_each_equal_their_solo_run(served):
-    """max_denoise_batch 3: a request with an adapter denoises alone (the denoise rows hold one adapter slot)
-    while the ones without share their steps' forwards; each gives its solo run."""
+def test_adapters_share_denoise_batches_and_each_equal_their_solo_run(served):
+    """max_denoise_batch 3: a request with one adapter, one without and one with the other adapter (steps 2, 3,
+    3; one bucket) denoise in the same forwards, each denoise row with its request's adapter (CFG rows too);
+    when the first ends the other two move down into its rows, their adapters with them. Each gives its solo
+    run's text and image."""
     one = REQUEST | dict(size="256x256", steps=3)          # one bucket: the batch may take all three
-    kws = [one, one | dict(seed=4), one | dict(lora="plain")]    # no overtaking: the adapter one last
-    events, scheduler = run_together(served, kws, pipeline=Pipeline(served, preview_every=0, slots=3,
-                                                                     max_denoise_batch=3))
-    assert scheduler.denoising.member_steps > scheduler.denoising.forwards       # some steps were shared
+    kws = [one | dict(lora="plain", steps=2), one, one | dict(lora="patterned", lora_scale=0.5)]
+    with backbone_rows(served, tokens=True) as calls:
+        events, scheduler = run_together(served, kws, pipeline=Pipeline(served, preview_every=0, slots=3,
+                                                                        max_denoise_batch=3))
+    steps = [rows for rows, tokens in calls if tokens == TAIL]
+    assert steps == [6, 6, 4], calls                       # all three together, then the two left
     for i, kw in enumerate(kws):
         want, got = alone(served, **kw), outcome(events[i])
         assert got[0] == want[0] and psnr(got[1], want[1]) >= 40, i
+    images = [outcome(events[i]) for i in range(3)]
+    assert differs(images[0], images[1]) and differs(images[2], images[1])
+
+
+def test_step_graphs_are_kept_per_lora_mode(served):
+    """Denoise step graphs (EagerGraphs: a key's first forward is what its later replays run, as a CUDA graph)
+    of one step key: a request without an adapter, then one with, then both kinds in one batch; the step key
+    has a graph for the base step, one for a step adding one adapter, and the batched key one for rows with
+    different adapters: each request gives its solo run (no graphs)."""
+    from test_scheduler import EagerGraphs
+    graphs = EagerGraphs()
+    pipe = Pipeline(served, preview_every=0, slots=2, max_denoise_batch=2, graphs=graphs)
+    one = REQUEST | dict(size="256x256", steps=2)
+    kws = [one, one | dict(lora="plain"), one | dict(lora="patterned", lora_scale=0.5)]
+    got = [outcome(list(pipe.run(Request(**kw)))) for kw in kws[:2]]
+    events, _ = run_together(served, [kws[0], kws[2]], pipeline=pipe)
+    got += [outcome(events[0]), outcome(events[1])]
+    for kw, image in zip([*kws[:2], kws[0], kws[2]], got):
+        want = alone(served, **kw)
+        assert image[0] == want[0] and psnr(image[1], want[1]) >= 40, kw
+    keys = [k for k in graphs.captures if k[0] == "denoise"]
+    lora_parts = sorted(tuple(p for p in k if isinstance(p, tuple) and p[:1] in (("batch",), ("lora",))) for k in keys)
+    assert lora_parts == [(), (("batch", 2), ("lora", "rows")), (("lora", "one"),)], keys
+    assert set(graphs.captures.values()) == {1}
+
+
+def test_rows_mode_is_decided_when_rows_are_set(cfg):
+    """RowAdapters decides on the host, as rows are set, how a forward over them applies adapters: no row in
+    use with one: "off" (no LoraRows, nothing added); all the same one: "one" (its slot once, [1]: one A and B
+    per layer, not one per row); else "rows" (each row's own). Idle rows do not count. The one-slot form adds
+    what the per-row form adds, and idle rows (strength 0) get nothing."""
+    from engine.model.lora import LoraTables, RowAdapters
+    from engine.parallel.layout import PhaseView, ShardLayout
+    from tools.tiny_lora import random_adapter
+    tables = LoraTables(cfg, ShardLayout(), 2, 8, torch.float32, "cpu")
+    tables.install("a", random_adapter(cfg, 8, seed=1))
+    tables.install("b", random_adapter(cfg, 4, seed=2))
+    rows = RowAdapters(tables, 4)
+    assert rows.mode == "off" and rows.rows(slice(0, 4)) is None
+    rows.set(0, 1, 0.5)
+    rows.set(2, 1, 2.0)                        # rows 1 and 3 idle
+    one = rows.rows(slice(0, 4))
+    assert rows.mode == "one" and one.slot.tolist() == [1] and rows.rows(slice(0, 4)) is one    # made once
+    x = torch.randn(4, 3, cfg.hidden_size)
+    got, want = (torch.zeros(4, 3, tables.qkv_out) for _ in range(2))
+    one.add_qkv(got, x, 1, PhaseView())
+    rows.rows(slice(0, 4), "rows").add_qkv(want, x, 1, PhaseView())
+    torch.testing.assert_close(got, want)
+    assert got[0].abs().sum() > 0 and not got[1].any() and not got[3].any()
+    rows.set(1, 2, 1.0)
+    assert rows.mode == "rows" and rows.rows(slice(0, 4)).slot.tolist() == [1, 2, 1, 0]
+    rows.clear(1)
+    assert rows.mode == "one"
+    rows.set(3, 0, 0.0)                        # a request without an adapter among them: each row its own
+    assert rows.mode == "rows"
+    rows.clear(slice(0, 3))
+    assert rows.mode == "off" and rows.row(3) is None
+    rows.set(slice(2, 4), 2, 1.0)
+    rows.copy(slice(0, 2), slice(2, 4))        # rows 2, 3 moved to 0, 1 (a denoise batch's leave) ...
+    rows.clear(slice(2, 4))                    # ... and the rows left behind idle
+    assert rows.of(1) == (2, 1.0) and rows.slot.tolist() == [2, 2, 0, 0] and rows.mode == "one"
+    assert rows.common.tolist() == [2]
+
+
+# ----------------------------------------------------------------------------- the merged fast path
+def test_merged_adapter_equals_the_unmerged_one(served, tiny_dir, adapters):
+    """The adapter folded into the weights at load (merge_adapter, at lora_scale 0.5) gives the unmerged
+    adapter's greedy text and image (>= 40 dB, fp32); the merged engine has no adapter tables, serves only
+    that adapter at that strength, and refuses a request without it or at another strength by name."""
+    from engine.model.lora_merge import merge_adapter
+    lm = load(tiny_dir)
+    merge_adapter(lm.model, read_peft(adapters["patterned"], lm.cfg), 0.5, name="patterned")
+    got, want = alone(lm, lora="patterned", lora_scale=0.5), alone(served, lora="patterned", lora_scale=0.5)
+    assert got[0] == want[0] and psnr(got[1], want[1]) >= 40
+    assert lm.model.lora is None and Pipeline(lm, preview_every=0).adapters() == ["patterned"]
+    for kw, field in ((dict(), "lora"), (dict(lora="patterned"), "lora_scale")):
+        events = list(Pipeline(lm, preview_every=0).run(Request(**(REQUEST | kw))))
+        assert [(e.kind, e.param) for e in events if isinstance(e, Error)] == [("invalid", field)], kw
+    with pytest.raises(ValueError, match="merged into the weights: no adapter tables"):
+        lm.model.enable_lora(1, 8)
+
+
+def test_each_rank_merges_its_slice(tiny_dir, adapters, cfg):
+    """A hybrid4 rank (storage shard 1 of 2, two micros) folds into its qkv_proj rows and o_proj columns
+    exactly its shard of the whole merged update."""
+    from engine.model.lora_merge import merge_adapter
+    from engine.model.packed import shard_block
+    from engine.parallel.plan import get_plan
+    layout = get_plan("hybrid4").layout(3)
+    base, rank = load(tiny_dir, layout=layout), load(tiny_dir, layout=layout)
+    merge_adapter(rank.model, read_peft(adapters["plain"], cfg, layout))
+    whole = read_peft(adapters["plain"], cfg).layers
+    for i in range(cfg.num_layers):
+        n, got, was = names.layer(i), rank.model.transformer.layers[i].self_attn, base.model.transformer.layers[i].self_attn
+        w = whole[n.qkv_proj]
+        d = (w.scale * w.b @ w.a)[shard_block(w.b.shape[0], layout)]
+        torch.testing.assert_close(got.qkv - was.qkv, d.view(got.qkv.shape))
+        w = whole[n.o_proj]
+        torch.testing.assert_close(got.o_proj - was.o_proj, (w.scale * w.b @ w.a)[:, shard_block(w.a.shape[1], layout)])
+
+
+MLP_TARGETS = ["qkv_proj", "o_proj", "gate_and_up_proj", "down_proj"]
+
+
+def test_merged_mlp_adapter_equals_the_merged_checkpoint(tiny_dir, cfg, tmp_path, base):
+    """An adapter of the MLPs too (PEFT's gate_and_up_proj / down_proj: the shared MLP and every expert), which
+    only the merged path takes: the engine with it merged gives the merged checkpoint's greedy text and image
+    (>= 40 dB, fp32) and differs from the base model; a hybrid4 rank's merged packs (gate/up rows per micro,
+    down columns) equal that rank's load of the merged checkpoint."""
+    from engine.model.lora_merge import merge_adapter
+    from engine.parallel.plan import get_plan
+    folder = make_adapter(tmp_path / "mlp", cfg, seed=4, target_modules=MLP_TARGETS)
+    adapter = read_peft(folder, cfg, targets=MERGE_TARGETS)
+    n = names.layer(1)
+    assert {n.shared("gate_and_up_proj"), n.expert(0, "down_proj")} <= set(adapter.layers)
+    merged_dir = merged_checkpoint(tiny_dir, tmp_path / "merged", folder, cfg)
+    lm = load(tiny_dir)
+    merge_adapter(lm.model, adapter, name="mlp")
+    got, want = alone(lm, lora="mlp"), alone(load(merged_dir))
+    assert got[0] == want[0] and psnr(got[1], want[1]) >= 40 and differs(got, base)
+    layout = get_plan("hybrid4").layout(3)
+    rank, ref = load(tiny_dir, layout=layout), load(merged_dir, layout=layout)
+    merge_adapter(rank.model, read_peft(folder, cfg, layout, MERGE_TARGETS))
+    for (name, got_p), (_, want_p) in zip(rank.model.transformer.named_parameters(),
+                                          ref.model.transformer.named_parameters()):
+        torch.testing.assert_close(got_p, want_p, msg=name)
+    with pytest.raises(AdapterError, match="not the MLPs, unless the adapter is merged"):
+        read_peft(folder, cfg)
+
+
+def test_merging_into_quantized_weights_is_refused(tmp_path):
+    """Resident MXFP8 packs: W + BA is not in the codes' grid, so the merge is refused before any weight
+    changes, naming the layer and the format (the adapter is served unmerged instead)."""
+    from engine.model.lora_merge import merge_adapter
+    from tools.tiny import make_tiny
+    lm = load(make_tiny(tmp_path / "mxfp8", blocks=True, quant="mxfp8"), resident="quantized")
+    adapter = read_peft(make_adapter(tmp_path / "adapter", lm.cfg, seed=1), lm.cfg)
+    with pytest.raises(AdapterError, match=r"model.layers.0.self_attn.qkv_proj is kept quantized \(mxfp8\).*"
+                                           "serve the adapter unmerged"):
+        merge_adapter(lm.model, adapter)
+    assert lm.model.merged_lora is None
+
+
+def test_server_serves_a_merged_adapter(served, tiny_dir, adapters):
+    """EngineServer(lora_merged=True) (app.py --lora NAME=PATH --lora-merged): its worker folds the adapter into
+    the weights; a request naming it gives the unmerged adapter's text and image, one without it is refused
+    where it enters; loading another adapter is refused."""
+    from engine.serve.server import EngineServer
+    with pytest.raises(ValueError, match="needs exactly one --lora"):
+        EngineServer(tiny_dir, loras=list(adapters.items()), lora_merged=True)
+    with EngineServer(tiny_dir, preview_every=0, loras=[("plain", adapters["plain"])], lora_merged=True) as server:
+        assert server.wait_ready(300), server.health()
+        assert server.config.lora_slots == 0 and server.adapters() == ["plain"]
+        got = outcome(list(server.stream(Request(**(REQUEST | dict(lora="plain"))))))
+        refused = list(server.stream(Request(**REQUEST)))            # at submit: never queued
+        assert [(e.kind, e.param) for e in refused] == [("invalid", "lora")] and "must name it" in refused[0].message
+        with pytest.raises(ValueError, match="merged into its weights"):
+            server.load_adapter("patterned", adapters["patterned"])
+    want = alone(served, lora="plain")
+    assert got[0] == want[0] and psnr(got[1], want[1]) >= 40
 
 
 # ----------------------------------------------------------------------------- what is refused
@@ -183,7 +348,8 @@ def _edit_config(folder: Path, **changes) -> Path:
 @pytest.mark.parametrize("case,message", [
     ("dora", "use_dora = True is not supported: DoRA"),
     ("modules_to_save", "modules_to_save = \\['lm_head'\\] is not supported"),
-    ("mlp", "it adapts model.layers.0.mlp.shared_mlp.gate_and_up_proj; only the attention projections"),
+    ("mlp", "it adapts model.layers.0.mlp.experts.0.gate_and_up_proj; only the attention projections .* unless the "
+            "adapter is merged into the weights"),
     ("unknown", "it adapts 'model.layers.0.self_attn.qkv', which is not a linear layer of this model"),
     ("beyond", "it adapts 'model.layers.2.self_attn.qkv_proj', which is not a linear layer of this model"),
     ("shape", r"o_proj has lora_A \(8, 128\) and lora_B \(32, 8\); this model's layer is \[64, 128\] at rank 8, "
@@ -304,15 +470,17 @@ def test_readme_serves_a_peft_adapter_to_the_openai_client(tmp_path, monkeypatch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_steps_serve_adapters_per_row(tiny_dir):
     """CUDA bf16, every prefill, decode and denoise step a graph replay reading the adapter slots from static
-    buffers: no adapter, one and the other decoded together each give their solo run, the adapter changes
-    the image, and an adapter loaded after the graphs were captured is served by the same graphs."""
+    buffers (a graph per LoRA mode: none, one adapter, each row its own): no adapter, one and the other
+    decoded and denoised together (one denoise batch) each give their solo run, the adapter changes the
+    image, and an adapter loaded after the graphs were captured is served by the same graphs."""
     lm = load(tiny_dir, "cuda", torch.bfloat16)
     tables = lm.model.enable_lora(capacity=3, max_rank=8)
     made = {"plain": random_adapter(lm.cfg, 8, seed=1), "patterned": random_adapter(lm.cfg, 4, seed=2)}
     for name, adapter in made.items():       # in memory: the GPU machine need not have peft
         tables.install(name, adapter)
-    kws = [REQUEST, REQUEST | dict(lora="plain"), REQUEST | dict(lora="patterned", lora_scale=0.5)]
-    pipe = Pipeline(lm, preview_every=0, slots=len(kws))
+    one = REQUEST | dict(size="256x256")     # one bucket: one denoise batch
+    kws = [one, one | dict(lora="plain"), one | dict(lora="patterned", lora_scale=0.5)]
+    pipe = Pipeline(lm, preview_every=0, slots=len(kws), max_denoise_batch=len(kws))
     assert pipe.cuda_graph
     solo = [outcome(list(pipe.run(Request(**kw)))) for kw in kws]
     events, scheduler = run_together(lm, kws, pipeline=pipe)
@@ -320,6 +488,9 @@ def test_cuda_graph_steps_serve_adapters_per_row(tiny_dir):
         got = outcome(events[i])
         assert got[0] == solo[i][0] and psnr(got[1], solo[i][1]) >= 35, i
     assert differs(solo[1], solo[0]) and differs(solo[2], solo[0])
+    assert scheduler.denoising.member_steps > scheduler.denoising.forwards        # denoise steps were shared
+    modes = {p for k in pipe.graphs.captures for p in k if isinstance(p, tuple) and p[:1] == ("lora",)}
+    assert modes == {("lora", "one"), ("lora", "rows")}, pipe.graphs.captures
     captures = sum(pipe.graphs.captures.values())
     assert captures > 0
     tables.remove("patterned")
@@ -388,10 +559,16 @@ def test_each_rank_reads_its_slice(adapters, cfg):
     assert torch.equal(mine.layers[n.o_proj].a, o.a[:, cols:]) and torch.equal(mine.layers[n.o_proj].b, o.b)
 
 
-def test_command_line_refuses_a_scale_without_adapter_and_a_bad_folder(tiny_dir, tmp_path, capsys):
+def test_command_line_refuses_a_scale_without_adapter_and_a_bad_folder(tiny_dir, tmp_path, capsys, adapters):
+    """Refused: a strength or --lora-merged without an adapter, a folder that is not one; --lora-merged with an
+    adapter generates (the adapter folded into the weights at --lora-scale)."""
     from engine.__main__ import main
     common = ["generate", "--model", str(tiny_dir), "--prompt", "a cat", "--steps", "1", "--out", str(tmp_path / "o.png")]
     assert main(common + ["--lora-scale", "2"]) == 2
     assert "--lora-scale needs --lora PATH" in capsys.readouterr().err
+    assert main(common + ["--lora-merged"]) == 2
+    assert "--lora-merged needs --lora PATH" in capsys.readouterr().err
+    assert main(common + ["--lora", str(adapters["plain"]), "--lora-scale", "0.5", "--lora-merged"]) == 0
+    assert PILImage.open(tmp_path / "o.png").width > 0
     assert main(common + ["--lora", str(tiny_dir)]) == 2
     assert f"LoRA adapter {tiny_dir}: no adapter_config.json" in capsys.readouterr().err

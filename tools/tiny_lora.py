@@ -35,11 +35,16 @@ class _Layer(nn.Module):
         self.mlp = nn.Module()
         self.mlp.shared_mlp = _Linears({"gate_and_up_proj": (2 * cfg.shared_intermediate(i), cfg.hidden_size),
                                         "down_proj": (cfg.hidden_size, cfg.shared_intermediate(i))})
+        inter = cfg.moe_intermediate_size[i]
+        self.mlp.experts = nn.ModuleList(_Linears({"gate_and_up_proj": (2 * inter, cfg.hidden_size),
+                                                   "down_proj": (cfg.hidden_size, inter)})
+                                         for _ in range(cfg.num_experts[i]))
 
 
 class TrainedTree(nn.Module):
-    """What a trainer's PEFT sees of HunyuanImage-3.0: `model.layers.{i}` with the attention projections and
-    the shared MLP under their checkpoint names and shapes (no weights: PEFT adds its own A and B)."""
+    """What a trainer's PEFT sees of HunyuanImage-3.0: `model.layers.{i}` with the attention projections, the
+    shared MLP and the experts under their checkpoint names and shapes (no weights: PEFT adds its own A and B;
+    `gate_and_up_proj` matches the shared MLP's and every expert's, as it does in the trainers)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

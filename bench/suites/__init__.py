@@ -23,7 +23,7 @@ SUITES = {
     "replicas": "throughput of engine replicas on Ray Serve against one engine, at K concurrent /v1 clients",
     "replicas-autoscale": "Ray Serve's autoscaler on the replicas, live: 1 -> 2 under queue depth and back, per /health",
     "train-step": "where a training step of the embedded model goes",
-    "lora": "LoRA adapters: a hybrid4 rank's DiT and decode step with the unmerged per-row path vs none vs merged",
+    "lora": "LoRA adapters: a hybrid4 rank's DiT and decode step, unmerged (one slot, per row) vs none vs merged",
     "step-cache": "the step cache's settings: denoise time per image at the real shapes, image PSNR/SSIM vs no cache",
     "conversation": "a 3-turn edit conversation per history policy: each turn's tokens and prefill ms (embedded, real shapes)",
 }

@@ -4,16 +4,19 @@
 
 One hybrid4 rank (AR TP4, denoise TP2 x SP2; compute only: collectives are FakeComm) of the Instruct
 config with random weights in bf16, T2I 1024x1024 with CFG batched (the rows of both branches), each
-denoise step a CUDA graph. Three ways to run the same step:
+denoise step a CUDA graph. The ways to run the same step:
   - base: the engine without adapter tables (the forward it runs today);
-  - lora: adapter tables (4 slots) holding a rank-R adapter on qkv_proj and o_proj of every layer, this
-    rank's slices, the request's rows picking slot 1: the gathered low-rank product per row that lets
-    requests with different adapters share a batch;
-  - merged: the same adapter added into the base weights (what a one-adapter server could run instead):
-    the base forward on other values, so it costs the base step; timed to show it.
+  - lora, one adapter: adapter tables (4 slots) holding a rank-R adapter on qkv_proj and o_proj of every
+    layer, this rank's slices, every row of the request on slot 1 (engine/model/lora.py mode "one": the
+    slot's A and B taken once, what a request alone, or a batch of one adapter, runs);
+  - lora, per row: the same, each CFG row gathering its own slot (mode "rows": the path that lets requests
+    with different adapters, or none, share a denoise batch);
+  - merged: the same adapter folded into the base weights (the merged fast path): the base forward on
+    other values, so it should cost the base step.
 Per way: ms per denoise step (the median over the steps of 3 runs after a warm-up), and the overhead
-over base. The batched decode step (8 rows, each its own slot, the engine's AR view of the rank) is
-timed the same way: base and lora. The issue's bar: lora <= 5% over base for the DiT step at rank 32.
+over base. The batched decode step (8 rows, the engine's AR view of the rank) is timed the same way:
+base, adapter tables with no row using one (mode "off": nothing added), all 8 rows on one adapter
+("one"), half the rows on it ("rows"). The issue's bar: lora <= 5% over base for the DiT step at rank 32.
 `--dry`: the tiny config on the CPU (checks the suite runs; its times mean nothing).
 """
 from __future__ import annotations
@@ -24,12 +27,11 @@ import time
 import torch
 
 from engine.model.attention import KVCache
-from engine.model.lora import RowAdapters
-from engine.model.peft import PeftAdapter
+from engine.model.lora import LoraRows, RowAdapters
+from engine.model.lora_merge import merge_adapter
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.denoise import denoise
 from engine.runtime.graphs import Graphs
-from engine.spec import names
 from tools.tiny_lora import random_adapter
 
 from .. import rank
@@ -46,23 +48,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-step-graph", action="store_true", help="denoise and decode steps eagerly")
 
 
-@torch.no_grad()
-def merge(model, adapter: PeftAdapter) -> None:
-    """Add scale * B A into the rank's float qkv / o_proj slices (the merged fast path's weights)."""
-    from engine.model.packed import shard_block
-    lay = model.layout
-    for i, layer in enumerate(model.transformer.layers):
-        n = names.layer(i)
-        att = layer.self_attn
-        w = adapter.layers[n.qkv_proj]
-        d = (w.b @ w.a * w.scale)[shard_block(w.b.shape[0], lay)]
-        att.qkv.add_(d.view(att.qkv.shape).to(att.qkv.dtype, copy=False).to(att.qkv.device))
-        w = adapter.layers[n.o_proj]
-        d = (w.b @ w.a * w.scale)[:, shard_block(w.a.shape[1], lay)]
-        att.o_proj.add_(d.to(att.o_proj.device, att.o_proj.dtype))
-
-
-def step_ms(req, steps: int, rows, graph: bool, dry: bool) -> float:
+def step_ms(req, steps: int, rows: LoraRows | None, graph: bool, dry: bool) -> float:
     """Median ms of one denoise step (CFG batched) over 3 runs of `steps` after a warm-up run."""
     times = []
     for k in range(2 if dry else 4):
@@ -81,14 +67,14 @@ def step_ms(req, steps: int, rows, graph: bool, dry: bool) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def decode_ms(model, plan, rows, graph: bool, dry: bool, batch: int = 8) -> float:
-    """Median ms of the batched decode step with `batch` rows at position ~1300 (each row its own slot)."""
+def decode_ms(model, plan, adapters: RowAdapters | None, graph: bool, dry: bool, batch: int = 8) -> float:
+    """Median ms of the batched decode step with `batch` rows at position ~1300 (their adapters: `adapters`)."""
     cfg, dev = model.cfg, model.device
     n = 64 if dry else 2048
     kvr = model.transformer.layers[0].self_attn.kv_per_micro
     cache = KVCache.allocate(cfg.num_layers, batch, kvr, n, cfg.head_dim, model.dtype, dev)
     pos = rank.text_positions(n, dev)[0][None].expand(batch, n, 2).contiguous()
-    step = DecodeStep(model, cache, pos, rank.ar_view(plan), Graphs(), (), use_graph=graph, lora=rows)
+    step = DecodeStep(model, cache, pos, rank.ar_view(plan), Graphs(), (), use_graph=graph, adapters=adapters)
     at = n // 2 if dry else 1300
     times = []
     for k in range(3 + (3 if dry else 30)):
@@ -118,20 +104,27 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         base_decode = decode_ms(model, plan, None, graph, dry)
         tables = model.enable_lora(SLOTS, args.rank)
         tables.install("bench", adapter)
-        denoise_rows = RowAdapters(tables, 1)
-        denoise_rows.set(0, 1, 1.0)
+        cfg_rows = RowAdapters(tables, 2)               # the request's two CFG rows
+        cfg_rows.set(slice(0, 2), 1, 1.0)
+        one = step_ms(req, args.steps, cfg_rows.rows(slice(0, 2), "one"), graph, dry)
+        per_row = step_ms(req, args.steps, cfg_rows.rows(slice(0, 2), "rows"), graph, dry)
         decode_rows = RowAdapters(tables, 8)
-        for s in range(8):
-            decode_rows.set(s, s % 2, 1.0)          # half the rows with the adapter, half without
-        lora = step_ms(req, args.steps, denoise_rows.rows(slice(0, 1)), graph, dry)
-        lora_decode = decode_ms(model, plan, decode_rows.rows(slice(0, 8)), graph, dry)
+        decode_rows.set(slice(0, 8), 0, 0.0)            # 8 requests, none with an adapter
+        off_decode = decode_ms(model, plan, decode_rows, graph, dry)
+        decode_rows.set(slice(0, 8), 1, 1.0)            # all on the adapter
+        one_decode = decode_ms(model, plan, decode_rows, graph, dry)
+        decode_rows.set(slice(0, 8, 2), 0, 0.0)         # half the rows with the adapter, half without
+        rows_decode = decode_ms(model, plan, decode_rows, graph, dry)
         model.lora = None
-        merge(model, adapter)
+        merge_adapter(model, adapter)                   # the merged fast path (engine/model/lora_merge.py)
         merged = step_ms(req, args.steps, None, graph, dry)
-    for what, ms, ref in (("DiT step, base", base, base), ("DiT step, lora (unmerged, per row)", lora, base),
+    for what, ms, ref in (("DiT step, base", base, base), ("DiT step, lora one adapter (unmerged)", one, base),
+                          ("DiT step, lora per row (unmerged, batched path)", per_row, base),
                           ("DiT step, merged weights", merged, base),
                           ("decode step x8, base", base_decode, base_decode),
-                          ("decode step x8, lora (4 rows adapted)", lora_decode, base_decode)):
+                          ("decode step x8, adapter tables, no row adapted", off_decode, base_decode),
+                          ("decode step x8, all 8 rows on one adapter", one_decode, base_decode),
+                          ("decode step x8, per row (4 rows adapted)", rows_decode, base_decode)):
         rows.append(dict(what=what, ms=ms, overhead_pct=100 * (ms / ref - 1)))
         out.say(f"{what}: {ms:.2f} ms ({rows[-1]['overhead_pct']:+.1f}%)")
     out.table(rows, [Col("step", "what"), Col("ms", "ms", ".2f"), Col("vs base %", "overhead_pct", "+.1f")],
@@ -139,7 +132,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
               "o_proj (compute only)")
     out.data["rows"] = rows
     out.data["adapter_rank"] = args.rank
-    ok = dry or rows[1]["overhead_pct"] <= 5.0
+    worst = max(rows[1]["overhead_pct"], rows[2]["overhead_pct"])
+    ok = dry or worst <= 5.0
     if not ok:
-        out.say(f"the unmerged path costs {rows[1]['overhead_pct']:.1f}% of a DiT step, above the issue's 5%")
+        out.say(f"the unmerged path costs up to {worst:.1f}% of a DiT step, above the issue's 5%")
     return ok

@@ -37,6 +37,8 @@ class HunyuanImage3(nn.Module):
             mods = image_side_modules(cfg, dtype, device)
         self.image_modules = list(mods)
         self.lora: LoraTables | None = None     # the loaded LoRA adapters' tables (`enable_lora`), if any
+        self.merged_lora: str | None = None     # the adapter folded into the weights (engine/model/lora_merge.py)
+        self.merged_strength = 1.0              # ... at this strength (lora_scale)
         for name, mod in mods.items():
             setattr(self, name, mod)
         self.requires_grad_(False)
@@ -48,6 +50,8 @@ class HunyuanImage3(nn.Module):
     def enable_lora(self, capacity: int, max_rank: int) -> LoraTables:
         """Allocate the LoRA tables for up to `capacity` adapters of rank <= `max_rank` (once, before the
         runtime is made: it binds its forwards to them)."""
+        if self.merged_lora is not None:
+            raise ValueError(f"the LoRA adapter {self.merged_lora!r} is merged into the weights: no adapter tables")
         if self.lora is None:
             self.lora = LoraTables(self.cfg, self.layout, capacity, max_rank, self.dtype, self.device)
         return self.lora

@@ -14,9 +14,15 @@ PEFT's scale (alpha / r) is folded into B at load; a rank below `max_rank` is ze
 `LoraRows` is what a forward carries (in `AttnBatch`): the slot of each batch row ([B], or [1] for
 every row alike) and its strength (the request's scale), device tensors that the runtime writes once per
 request, never per step. A layer adds strength * (x A[slot]^T) B[slot]^T to its projection: gathered
-per row, two batched matmuls, no host read and no branch on the data. A row of slot 0 adds exact zeros,
-so it gives the base model's output bit for bit; the base weights may be quantized (the product is
-added to whatever the base projection returns).
+per row and two batched matmuls, or, with one slot for every row, that slot's A and B taken once and two
+plain matmuls over every row's tokens; no host read and no branch on the data. A row of slot 0 adds
+exact zeros, so it gives the base model's output bit for bit; the base weights may be quantized (the
+product is added to whatever the base projection returns).
+
+`RowAdapters` (the runtime's per-row buffers) decides on the host, when rows are set, which of these a
+forward over its rows needs (`mode`): "off" when no row in use has an adapter (the forward carries no
+LoraRows at all: the base step, nothing added), "one" when they all have the same adapter (the one-slot
+form), "rows" otherwise. A step graph is captured per mode (its key says which).
 """
 from __future__ import annotations
 
@@ -53,7 +59,13 @@ class LoraRows:
         self._add(out, x, a, t.o_b[layer])
 
     def _add(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        # a [S, R, K], b [S, N, R] -> this forward's rows: [B or 1, R, K], [B or 1, N, R] (matmul broadcasts [1])
+        # a [S, R, K], b [S, N, R]; x [B, T, K], out [B, T, N]
+        if self.slot.shape[0] == 1:        # every row one adapter: its A and B once, 2-D products over all tokens
+            u = torch.matmul(x, a.index_select(0, self.slot)[0].t())
+            u.mul_(self.strength.view(-1, 1, 1))
+            out.add_(torch.matmul(u, b.index_select(0, self.slot)[0].t()))
+            return
+        # each row its own: [B, R, K], [B, N, R], batched matmuls
         u = torch.matmul(x, a.index_select(0, self.slot).transpose(1, 2))
         u.mul_(self.strength.view(-1, 1, 1))
         out.add_(torch.matmul(u, b.index_select(0, self.slot).transpose(1, 2)))
@@ -135,27 +147,96 @@ class LoraTables:
             t[:, s].zero_()
 
 
+MODES = ("off", "one", "rows")      # how a forward applies its rows' adapters (module docstring)
+
+
 class RowAdapters:
-    """Static per-row adapter buffers for `n` batch rows (AR slots, denoise rows): a request's row is set
-    when it takes the row; forwards read views of them (`rows`), so a captured graph serves every request."""
+    """Static per-row adapter buffers for `n` batch rows (AR slots, denoise rows): a request's rows are set
+    when it takes them and cleared when it leaves them (idle: their output is not read, their adapter does
+    not count); forwards read views of them (`rows`), so a captured graph serves every request. A host copy
+    of the rows decides `mode` over the rows in use whenever they change; in mode "one" `common` [1] holds
+    their slot."""
 
     def __init__(self, tables: LoraTables, n: int):
         dev = tables.qkv_a.device
         self.tables = tables
         self.slot = torch.zeros(n, dtype=torch.long, device=dev)
         self.strength = torch.zeros(n, dtype=tables.qkv_a.dtype, device=dev)
+        self.common = torch.zeros(1, dtype=torch.long, device=dev)
+        self._host: list[tuple[int, float] | None] = [None] * n      # (slot, strength) of each row in use
+        self._common = 0
+        self.mode = "off"
+        self._views: dict[tuple, LoraRows] = {}
 
-    def set(self, row: int, slot: int, strength: float) -> None:
-        self.slot[row] = slot
-        self.strength[row] = strength if slot else 0.0
+    def set(self, rows: int | slice, slot: int, strength: float) -> None:
+        """The adapter (table slot, 0: none) and strength of a row, or of a request's rows."""
+        self._write(rows, slot, strength if slot else 0.0, in_use=True)
 
-    def copy(self, dst: int, src: int) -> None:
-        """Row dst takes row src's adapter (on the device)."""
+    def clear(self, rows: int | slice) -> None:
+        """The rows are idle: no adapter, and they no longer count for `mode`."""
+        self._write(rows, 0, 0.0, in_use=False)
+
+    def copy(self, dst: int | slice, src: int | slice) -> None:
+        """Row(s) dst take row(s) src's adapter (on the device; ranges of one length, not overlapping)."""
         self.slot[dst] = self.slot[src]
         self.strength[dst] = self.strength[src]
+        self._host[_slice(dst)] = self._host[_slice(src)]
+        self._decide()
 
-    def rows(self, rows: slice) -> LoraRows:
-        return LoraRows(self.tables, self.slot[rows], self.strength[rows])
+    def _write(self, rows: int | slice, slot: int, strength: float, in_use: bool) -> None:
+        self.slot[rows] = slot
+        self.strength[rows] = strength
+        sl = _slice(rows)
+        self._host[sl] = [(slot, strength) if in_use else None] * len(self._host[sl])
+        self._decide()
+
+    def of(self, row: int) -> tuple[int, float]:
+        """(slot, strength) of a row (0, 0.0 when idle)."""
+        return self._host[row] or (0, 0.0)
+
+    def _decide(self) -> None:
+        """`mode` for the rows in use, and `common` (a device write only when the shared slot changes)."""
+        live = {h[0] for h in self._host if h is not None}
+        if len(live) > 1:
+            self.mode = "rows"
+            return
+        s = live.pop() if live else 0
+        self.mode = "one" if s else "off"
+        if s and s != self._common:
+            self.common.fill_(s)
+            self._common = s
+
+    def rows(self, rows: slice, mode: str | None = None) -> LoraRows | None:
+        """The adapter rows of a forward over `rows` as `mode` (default: the current one) applies them:
+        None for "off", the one-slot form (`common`) for "one", else each row's own; views made once."""
+        mode = mode or self.mode
+        if mode not in MODES:
+            raise ValueError(f"unknown LoRA rows mode {mode!r} (one of {', '.join(MODES)})")
+        if mode == "off":
+            return None
+        key = (rows.start, rows.stop, mode)
+        if key not in self._views:
+            slot = self.common if mode == "one" else self.slot[rows]
+            self._views[key] = LoraRows(self.tables, slot, self.strength[rows])
+        return self._views[key]
+
+    def row(self, row: int) -> LoraRows | None:
+        """The adapter of a forward of this row alone (its slot as set now; None without an adapter)."""
+        return self.rows(slice(row, row + 1), "rows" if self.of(row)[0] else "off")
+
+
+def _slice(rows: int | slice) -> slice:
+    return rows if isinstance(rows, slice) else slice(rows, rows + 1)
+
+
+def mode_of(adapters: RowAdapters | None) -> str:
+    """The LoRA mode of a forward over these rows (an engine without adapter tables: "off")."""
+    return "off" if adapters is None else adapters.mode
+
+
+def lora_key(mode: str) -> tuple:
+    """What a step graph's key adds for its rows' LoRA mode (nothing for "off": the base step's graph)."""
+    return () if mode == "off" else (("lora", mode),)
 
 
 def load_adapter(tables: LoraTables, name: str, folder: str | Path) -> int:

@@ -8,10 +8,13 @@ name the trainer saw, which for HunyuanImage-3.0 is the checkpoint's layer name
 (`model.layers.3.self_attn.qkv_proj`). PEFT applies y = W x + scale * B (A x) with scale = alpha / r
 (alpha / sqrt(r) with rslora).
 
-Supported targets: each decoder layer's `qkv_proj` and `o_proj` (the trainers' default). Everything the
-low-rank product alone cannot reproduce is refused with a message naming it (DoRA, modules_to_save,
-trained biases, ...), as are targets this engine does not adapt (the MLPs), names that are not this
-model's, and shapes that do not match its layers. Nothing is read before the config has been checked.
+Supported targets: each decoder layer's `qkv_proj` and `o_proj` (the trainers' default), applied
+unmerged; with `targets=MERGE_TARGETS` (the merged fast path, engine/model/lora_merge.py) also the MLPs'
+`gate_and_up_proj` and `down_proj` (the shared MLP and every expert: what PEFT's target names match).
+Everything the low-rank product alone cannot reproduce is refused with a message naming it (DoRA,
+modules_to_save, trained biases, ...), as are targets not supported (the MLPs unmerged), names that are
+not this model's, and shapes that do not match its layers. Nothing is read before the config has been
+checked.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from engine.spec.config import ModelConfig
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."                     # PeftModel's wrapping of the trained model
-TARGETS = (names.QKV_PROJ, names.O_PROJ)         # a layer's linears this engine adapts
+TARGETS = (names.QKV_PROJ, names.O_PROJ)         # a layer's linears this engine adapts unmerged
+MERGE_TARGETS = TARGETS + names.MLP_LINEARS      # ... and merged into the weights
 KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 
 # config fields whose non-default value changes what the adapter computes beyond B A x: refused by name
@@ -101,9 +105,10 @@ def _check_config(cfg: dict, where: str) -> None:
             raise AdapterError(f"{where}: {field} must be a positive number (got {value!r})")
 
 
-def read_peft(folder: str | Path, model: ModelConfig, layout: ShardLayout = ShardLayout()) -> PeftAdapter:
+def read_peft(folder: str | Path, model: ModelConfig, layout: ShardLayout = ShardLayout(),
+              targets: tuple[str, ...] = TARGETS) -> PeftAdapter:
     """Read and check the adapter in `folder` for `model`, keeping the slices a rank of `layout` holds (the
-    whole adapter by default); AdapterError names what is wrong."""
+    whole adapter by default) of the linears named `targets`; AdapterError names what is wrong."""
     from engine.model.weights import backbone_linears     # the one table of the linears' shapes
     folder = Path(folder)
     where = f"LoRA adapter {folder}"
@@ -128,7 +133,7 @@ def read_peft(folder: str | Path, model: ModelConfig, layout: ShardLayout = Shar
             if m is None:
                 raise AdapterError(f"{where}: tensor {key!r} is not a lora_A/lora_B weight (trained biases, "
                                    "embeddings or saved modules are not supported)")
-            _check_target(m["module"], shapes, where)
+            _check_target(m["module"], shapes, where, targets)
             parts.setdefault(m["module"], {})[m["part"]] = key
         if not parts:
             raise AdapterError(f"{where}: {WEIGHTS} holds no LoRA weights")
@@ -145,19 +150,26 @@ def read_peft(folder: str | Path, model: ModelConfig, layout: ShardLayout = Shar
                                    f"{tuple(b.get_shape())}; this model's layer is [{n}, {k}] at rank {r}, so they "
                                    f"must be ({r}, {k}) and ({n}, {r})")
             alpha = float(_pattern(cfg.get("alpha_pattern"), module, cfg["lora_alpha"]))
-            # this rank's slice only: B by output rows (column-parallel qkv), A by input columns (row-parallel o)
-            rows, cols = _slices(module, n, k, layout)
-            layers[module] = LoraWeights(a[:, cols].float(), b[rows].float(),
+            # this rank's slice only: B by output rows (column-parallel qkv, gate/up), A by input columns
+            # (row-parallel o_proj, down_proj)
+            layers[module] = LoraWeights(*_slice(module, a, b, n, k, layout),
                                          alpha / (math.sqrt(r) if cfg.get("use_rslora") else r))
     return PeftAdapter(folder, layers, layout)
 
 
-def _slices(module: str, n: int, k: int, layout: ShardLayout) -> tuple[slice, slice]:
-    """(B's rows, A's columns) a rank of `layout` keeps of an adapted layer [n, k]: the rows of its shard
-    of a column-parallel layer (qkv_proj), the input columns of its shard of a row-parallel one (o_proj)."""
-    if module.endswith(names.O_PROJ):
-        return slice(None), shard_block(k, layout)
-    return shard_block(n, layout), slice(None)
+def _slice(module: str, a, b, n: int, k: int, layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) in fp32 as a rank of `layout` keeps them of an adapted layer [n, k] (a, b: tensors, or a
+    safetensors file's slices, read here): the input columns of its shard of a row-parallel layer
+    (o_proj, down_proj), else the output rows of its shard (qkv_proj; gate_and_up_proj as its pack holds
+    them: per micro, that micro's gate block, then its up block, engine/model/packed.py `read_gate_up`)."""
+    if module.endswith((names.O_PROJ, names.DOWN_PROJ)):
+        return a[:, shard_block(k, layout)].float(), b[:].float()
+    if module.endswith(names.GATE_AND_UP_PROJ):
+        inter, blk = n // 2, shard_block(n // 2, layout)
+        gate, up = (b[s].float() for s in (blk, slice(inter + blk.start, inter + blk.stop)))
+        return a[:].float(), torch.cat([gate.view(layout.micros, -1, gate.shape[-1]),
+                                        up.view(layout.micros, -1, up.shape[-1])], dim=1).flatten(0, 1)
+    return a[:].float(), b[shard_block(n, layout)].float()
 
 
 def sliced(adapter: PeftAdapter, layout: ShardLayout) -> PeftAdapter:
@@ -166,17 +178,17 @@ def sliced(adapter: PeftAdapter, layout: ShardLayout) -> PeftAdapter:
         raise ValueError(f"adapter {adapter.folder} is already a slice ({adapter.layout})")
     out = {}
     for module, w in adapter.layers.items():
-        rows, cols = _slices(module, w.b.shape[0], w.a.shape[1], layout)
-        out[module] = LoraWeights(w.a[:, cols], w.b[rows], w.scale)
+        out[module] = LoraWeights(*_slice(module, w.a, w.b, w.b.shape[0], w.a.shape[1], layout), w.scale)
     return PeftAdapter(adapter.folder, out, layout)
 
 
-def _check_target(module: str, shapes: dict, where: str) -> None:
+def _check_target(module: str, shapes: dict, where: str, targets: tuple[str, ...]) -> None:
     """A module name must be one of this model's adapted layers."""
-    if module in shapes and module.endswith(TARGETS):
+    if module in shapes and module.endswith(targets):
         return
     if module in shapes:
         raise AdapterError(f"{where}: it adapts {module}; only the attention projections "
-                           f"({', '.join(t.rsplit('.', 1)[-1] for t in TARGETS)}) are supported, not the MLPs")
+                           f"({', '.join(t.rsplit('.', 1)[-1] for t in TARGETS)}) are supported, not the MLPs, "
+                           "unless the adapter is merged into the weights (--lora-merged)")
     raise AdapterError(f"{where}: it adapts {module!r}, which is not a linear layer of this model (its layers "
                        f"are named like {names.layer(0).qkv_proj}); was it trained on another model?")

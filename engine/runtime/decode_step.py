@@ -8,8 +8,9 @@ which no request ever reads), attending to key 0 only, their logits ignored. Row
 per row, the MoE routes each token alone), so a request's logits do not depend on its neighbours.
 
 The step reads everything it varies from static device buffers (tokens, indices, lengths), so on CUDA
-each bucket is one CUDA graph, captured once per KV storage (engine/runtime/graphs.py, key
-("decode", bucket, slots, storage)) and replayed for every later step of every request. The eager step
+each bucket is one CUDA graph, captured once per KV storage and LoRA mode (engine/runtime/graphs.py, key
+("decode", bucket, slots, storage[, ("lora", mode)]): engine/model/lora.py `RowAdapters.mode`, decided
+when a request takes or leaves its slot) and replayed for every later step of every request. The eager step
 (the CPU, graphs off, or groups a graph cannot hold) runs the very same forward. One copy from pinned
 host memory sets the three buffers.
 """
@@ -19,7 +20,7 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
-from engine.model.lora import LoraRows
+from engine.model.lora import RowAdapters, lora_key, mode_of
 from engine.parallel.layout import PhaseView, graph_safe
 from engine.runtime.graphs import Graphs
 
@@ -32,10 +33,10 @@ def buckets_for(slots: int) -> tuple[int, ...]:
 
 class DecodeStep:
     def __init__(self, model: HunyuanImage3, cache: KVCache, pos: torch.Tensor, view: PhaseView, graphs: Graphs,
-                 key: tuple, use_graph: bool = False, lora: LoraRows | None = None):
+                 key: tuple, use_graph: bool = False, adapters: RowAdapters | None = None):
         """cache: the AR slots' rows [slots, ar_heads, L, D] (L - 1 is the scratch position); pos [slots, L, 2]
-        the slots' position tables; `key` names the storage in the graph keys; `lora`: the slots' LoRA
-        adapters [slots] (static buffers, set per request)."""
+        the slots' position tables; `key` names the storage in the graph keys; `adapters`: the slots' LoRA
+        adapters (static buffers, set per request)."""
         self.model, self.cache, self.pos, self.view, self.graphs, self.key = model, cache, pos, view, graphs, key
         dev = model.device
         self.slots, self.scratch = cache.k[0].shape[0], cache.max_len - 1
@@ -49,9 +50,7 @@ class DecodeStep:
         self._copied = torch.cuda.Event() if cuda else None
         self._rows = torch.arange(self.slots, device=dev)
         self._views = {b: cache.rows(slice(0, b)) for b in self.buckets}
-        # each bucket's rows of the slots' adapters, as views made once
-        self._lora = {b: None if lora is None else LoraRows(lora.tables, lora.slot[:b], lora.strength[:b])
-                      for b in self.buckets}
+        self.adapters = adapters
         self.forwards = 0             # forwards run (eager) or replayed (graph): one per engine step (tests)
 
     def bucket(self, slots: list[int]) -> int:
@@ -75,13 +74,16 @@ class DecodeStep:
             self._copied.record()
         self.forwards += 1
         if self.use_graph:
-            return self.graphs.replay(("decode", b) + self.key, lambda: self._forward(b), warmup=2)
+            # a graph per LoRA mode of the slots (decided when a request takes or leaves its slot)
+            return self.graphs.replay(("decode", b) + self.key + lora_key(mode_of(self.adapters)),
+                                      lambda: self._forward(b), warmup=2)
         return self._forward(b)
 
     def _forward(self, b: int) -> torch.Tensor:
         m, cache = self.model, self._views[b]
         token, index, length = self._slots[0, :b].view(b, 1), self._slots[1, :b].view(b, 1), self._slots[2, :b]
-        batch = m.row_batch(index, self.pos, self._rows[:b], cache.max_len, length, self._lora[b])
+        lora = None if self.adapters is None else self.adapters.rows(slice(0, b))
+        batch = m.row_batch(index, self.pos, self._rows[:b], cache.max_len, length, lora)
         h = m.transformer(m.transformer.embed(token), batch, cache, self.view)
         return m.transformer.logits(h[:, -1], self.view)
 

@@ -13,7 +13,7 @@ import torch
 
 from engine.model.attention import AttnBatch, KVCache, attention_mask, sdpa_mask
 from engine.model.hunyuan import HunyuanImage3
-from engine.model.lora import LoraRows
+from engine.model.lora import LoraRows, lora_key
 from engine.parallel.layout import Comm, PhaseView, graph_safe
 from engine.runtime.conditioning import embed_range
 from engine.runtime.graphs import Graphs
@@ -120,10 +120,12 @@ class DenoiseRunner:
     def __init__(self, model: HunyuanImage3, seq: Sequence, refs: list, ids: torch.Tensor, cache: KVCache,
                  view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
                  serial: bool = False, images: int = 1, use_graph: bool = False, graphs: Graphs | None = None,
-                 key: tuple = (), step_cache: StepCache | None = None, lora: LoraRows | None = None):
+                 key: tuple = (), step_cache: StepCache | None = None, lora: LoraRows | None = None,
+                 prefill_lora: LoraRows | None = None):
         """`key`: what else the step's graph depends on, appended to its step key (the KV storage the
         rows are views of: a graph replays on the storage it was captured on). `lora`: the request's
-        LoRA adapter, one row for all its rows (the pool's static buffer: the graphs read it)."""
+        LoRA adapter in its steps, one row for all its rows (the pool's static buffer: the graphs read
+        it); `prefill_lora`: the same for its prefix (default `lora`: the request's rows where it joined)."""
         self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
         self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
         self.serial = serial      # one forward per branch (less activation memory) instead of one batch
@@ -146,6 +148,13 @@ class DenoiseRunner:
         self._static: StepBuffers | None = None
         self.step_cache = step_cache if step_cache is not None else StepCache(0)
         self.lora = lora
+        self.prefill_lora = lora if prefill_lora is None else prefill_lora
+
+    @property
+    def graph_key(self) -> tuple:
+        """The key of its step's graph (and buffers) when it runs alone: the step key, and whether the step
+        adds an adapter (one for all its rows) or runs the base weights."""
+        return self.key + lora_key("off" if self.lora is None else "one")
 
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
@@ -160,7 +169,7 @@ class DenoiseRunner:
                 gathered = torch.cat([index, pad])
                 index = gathered[sp.rank * chunk:(sp.rank + 1) * chunk]
             batch = self.model.attn_batch(index, self.pos, self.blocks, stop, self.view, gathered=gathered,
-                                          masked_rows=self._masked_rows(start, stop, chunk), lora=self.lora)
+                                          masked_rows=self._masked_rows(start, stop, chunk), lora=self.prefill_lora)
             self._batches[(start, stop)] = (chunk, n, batch)
         return self._batches[(start, stop)]
 
@@ -250,7 +259,7 @@ class DenoiseRunner:
             for buf, val in ((s.x, x), (s.t, t), (s.r, r), (s.g, g)):
                 if buf is not None:
                     buf.copy_(val)
-            v, hidden = self.graphs.replay(self.key, lambda: self._velocity(s.x, s.t, s.r, s.g), warmup=2)
+            v, hidden = self.graphs.replay(self.graph_key, lambda: self._velocity(s.x, s.t, s.r, s.g), warmup=2)
         cache.record(i, hidden)
         return v
 
@@ -259,7 +268,7 @@ class DenoiseRunner:
         """The step key's buffers, this request's step layout copied into them (the first request of the
         key makes them from its own). Once per request, before its first step."""
         chunk, n, mine = self.step_layout(x.device)
-        s = self.graphs.buffers(self.key, lambda: StepBuffers(
+        s = self.graphs.buffers(self.graph_key, lambda: StepBuffers(
             *(None if v is None else v.clone() for v in (x, t, r, g)), mine))
         if s.batch is not mine:
             s.fill_batch(mine)

@@ -10,15 +10,17 @@ device), so the batch's rows stay [0, members * rows) and one step graph per (ke
 
 Each turn, one forward computes every member's step: each its own latent, its own time (members may be
 at different steps, even of different step counts), its own prefix (its cache rows, its RoPE positions,
-its key mask: the rows of one request never see another's keys, AttnBatch.key_mask), then each request's
-rows are sliced back out. A request alone (one member) runs its own runner's step (`DenoiseRunner.velocity`).
+its key mask: the rows of one request never see another's keys, AttnBatch.key_mask), its own LoRA adapter
+(or none: each denoise row has its request's, engine/runtime/kv_pool.py `set_denoise_adapter`), then each
+request's rows are sliced back out. Only the latents and times are written each turn; the members' step
+tables (positions, masks) are written into the batch's buffers when the members change (a join, a
+leave). A request alone (one member) runs its own runner's step (`DenoiseRunner.velocity`).
 A cancel or a failure of one request (in its own part: its hand-off, prefill, update, preview, VAE)
 ends only it; a failure of the shared forward fails every request in it, as the batched decode step.
 
 Not batched, each alone in its batch: a request with a step cache (its policy decides per step whether
 the backbone runs at all, and the block cache decides on the host from its own residuals: no shared
-forward can follow two policies), a request with a LoRA adapter (the denoise rows hold one adapter
-slot, engine/runtime/kv_pool.py `set_denoise_adapter`; the shared forward runs the base weights), and the plans whose step is not one plain forward over local rows
+forward can follow two policies), and the plans whose step is not one plain forward over local rows
 (sequence parallel, CFG-parallel, CFG branches run one after the other): `DenoiseTurn.alone`.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 from engine.model.attention import AttnBatch, KVCache
 from engine.model.hunyuan import HunyuanImage3
+from engine.model.lora import LoraRows, lora_key
 from engine.parallel.layout import PhaseView
 from engine.runtime.denoise import StepInput, tail_embeddings, velocity
 from engine.runtime.graphs import Graphs
@@ -44,13 +47,15 @@ if TYPE_CHECKING:
 class BatchBuffers:
     """The static inputs of a batched step graph (key, members): every member's latent, times and step
     tables side by side; `rows` [N] maps each cache row to its image in x (a request's branches share
-    its image embeddings)."""
+    its image embeddings). `members`: the batch's membership (`DenoiseBatch.members_version`) whose step
+    tables are in `batch`."""
     x: torch.Tensor
     t: torch.Tensor
     r: torch.Tensor | None
     g: torch.Tensor | None
     rows: torch.Tensor
     batch: AttnBatch
+    members: int = -1
 
 
 class DenoiseBatch:
@@ -63,6 +68,7 @@ class DenoiseBatch:
         self.key: tuple = ()
         self.rows = 0
         self.alone = False
+        self.members_version = 0     # changes at each join and leave: the batch buffers' tables are rewritten
         self.forwards = 0            # forwards run for the batch (one per turn; tests count them)
         self.member_steps = 0        # request steps they computed (/ forwards: the mean batch, bench serving)
 
@@ -79,6 +85,7 @@ class DenoiseBatch:
         else:
             first, self.key, self.rows, self.alone = 0, need.key, need.rows, need.alone
         self.members.append(state)
+        self.members_version += 1
         return first
 
     def leave(self, state: "RequestState") -> None:
@@ -87,6 +94,7 @@ class DenoiseBatch:
             return
         k = self.members.index(state)
         self.members.pop(k)
+        self.members_version += 1
         for j in range(k, len(self.members)):
             job = self.members[j].need.job if isinstance(self.members[j].need, DenoiseTurn) else None
             if job is None:      # joined this turn and not yet advanced to its rows: nothing to move
@@ -94,6 +102,7 @@ class DenoiseBatch:
             runner = job.runner
             cache = self.pool.move_denoise((j + 1) * self.rows, j * self.rows, self.rows, runner.cache.max_len)
             runner.cache = cache.heads(self.heads)
+        self.pool.clear_denoise_adapter(len(self.members) * self.rows, self.rows)    # the rows no one holds now
 
     # ------------------------------------------------------------------ the step
     def velocities(self, jobs: list[StepInput]) -> list[torch.Tensor]:
@@ -104,8 +113,9 @@ class DenoiseBatch:
             j = jobs[0]
             return [j.runner.velocity(j.i, j.x, j.t, j.r, j.g)]
         lead, rows = jobs[0].runner, self.rows
-        key = (*lead.key, ("batch", len(jobs)))       # the solo key's graphs and this one go together
-        buf = self.graphs.buffers(key, lambda: self._buffers(jobs))
+        mode, lora = self.pool.denoise_lora(len(jobs) * rows)     # the members' adapters: a graph per mode
+        key = (*lead.key, ("batch", len(jobs)), *lora_key(mode))   # the solo key's graphs and this one go together
+        buf = self.graphs.buffers(key, lambda: self._buffers(jobs, lora))
         self._fill(buf, jobs)
         cache = KVCache([t[:len(jobs) * rows] for t in self.pool.denoise.k],
                         [t[:len(jobs) * rows] for t in self.pool.denoise.v]).heads(self.heads)
@@ -119,7 +129,7 @@ class DenoiseBatch:
         v = self.graphs.replay(key, forward, warmup=2) if lead.use_graph else forward()
         return [v[k * rows:(k + 1) * rows] for k in range(len(jobs))]
 
-    def _buffers(self, jobs: list[StepInput]) -> BatchBuffers:
+    def _buffers(self, jobs: list[StepInput], lora: LoraRows | None) -> BatchBuffers:
         """A batched key's buffers, shaped from its first members (outside any capture)."""
         lead = jobs[0].runner
         m, n, rows = len(jobs), lead.images, self.rows
@@ -135,18 +145,22 @@ class DenoiseBatch:
         img = torch.arange(m * n, device=x.device).view(m, 1, n)
         row_image = img.expand(m, rows // n, n).reshape(-1)      # row k*rows + b*n + i -> image k*n + i
         batch = AttnBatch(b.index, per_row(b.cos), per_row(b.sin), b.kv_len, per_row(b.mask), b.gathered,
-                          b.masked_rows, key_mask=per_row(b.key_mask))
+                          b.masked_rows, key_mask=per_row(b.key_mask), lora=lora)
         return BatchBuffers(x, *ts, row_image, batch)
 
     def _fill(self, buf: BatchBuffers, jobs: list[StepInput]) -> None:
-        """This turn's latents and times, and the members' step tables (their RoPE positions and masks)."""
+        """This turn's latents and times, and, when the members changed since these buffers last served,
+        the members' step tables (their RoPE positions and masks)."""
         n, rows = jobs[0].runner.images, self.rows
         for k, j in enumerate(jobs):
             buf.x[k * n:(k + 1) * n].copy_(j.x)
             for dst, src in ((buf.t, j.t), (buf.r, j.r), (buf.g, j.g)):
                 if dst is not None:
                     dst[k * n:(k + 1) * n].copy_(src.expand(n))
-        for k, j in enumerate(jobs):     # a few MB a step: cheaper than tracking who changed
+        if buf.members == self.members_version:
+            return
+        buf.members = self.members_version
+        for k, j in enumerate(jobs):
             _, _, b = j.runner.step_layout(self.model.device)
             for name in ("cos", "sin", "mask", "key_mask"):
                 dst = getattr(buf.batch, name)

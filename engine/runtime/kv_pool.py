@@ -13,6 +13,9 @@ of its AR and denoise heads, engine/runtime/handoff.py):
   prefix is copied into the request's cond row (no recompute; a copy on the device) and the slot is free
   for the next request. The denoise step graphs (engine/runtime/denoise.py) are captured on
   this storage, once per step key, and replayed by every later request of the key until it grows.
+  Each denoise row has its request's LoRA adapter (`set_denoise_adapter`, every row of the request, CFG
+  rows included; set when it takes its rows, moved with them), so requests with different adapters (or
+  none) share a denoise batch's forward.
 
 A storage grows (whole grains of positions) only while nobody holds it: the AR slots when every slot is
 free, the denoise rows while no request holds any. The AR steps (and their graphs) are bound to one AR
@@ -54,11 +57,13 @@ class KVPool:
         self.prefill: PrefillStep | None = None
         self.denoise: KVCache | None = None            # [rows, heads, L, D] of the denoising requests
         self.allocations = 0                           # how often a storage was (re)allocated (tests)
-        # each AR slot's (and the staging row's) LoRA adapter, and the denoising request's (engine/model/lora.py):
-        # set once per request, read by every forward (None: the engine has no adapter tables)
-        tables = model.lora
-        self.ar_adapters = None if tables is None else RowAdapters(tables, slots + 1)
-        self.denoise_adapters = None if tables is None else RowAdapters(tables, 1)
+        # each AR slot's (and the staging row's) LoRA adapter, and each denoise row's (engine/model/lora.py):
+        # set once per request, read by every forward (None: the engine has no adapter tables; the denoise
+        # rows' are made with their storage)
+        self.lora_tables = tables = model.lora
+        self.ar_adapters = None if tables is None else RowAdapters(tables, slots)
+        self.staging_adapters = None if tables is None else RowAdapters(tables, 1)
+        self.denoise_adapters: RowAdapters | None = None
         self._ar_generation = 0
         self._denoise_generation = 0
 
@@ -78,7 +83,8 @@ class KVPool:
         return self.free.pop(0)
 
     def release_slot(self, slot: int) -> None:
-        self.set_adapter(slot, 0, 0.0)
+        if self.ar_adapters is not None:
+            self.ar_adapters.clear(slot)
         self.free.append(slot)
         self.free.sort()
 
@@ -92,8 +98,8 @@ class KVPool:
             self.ar_adapters.set(slot, adapter, strength)
 
     def slot_lora(self, slot: int) -> LoraRows | None:
-        """The adapter rows of a forward on the slot's cache row alone."""
-        return None if self.ar_adapters is None else self.ar_adapters.rows(slice(slot, slot + 1))
+        """The adapter rows of a forward on the slot's cache row alone (None: no adapter)."""
+        return None if self.ar_adapters is None else self.ar_adapters.row(slot)
 
     def set_positions(self, slot: int, pos: torch.Tensor) -> None:
         """The request's positions [n, 2] (n <= ar_length) for the decode steps of its slot."""
@@ -104,7 +110,7 @@ class KVPool:
         returns the fp32 logits [vocab] of its last token."""
         L, staging, heads = embeds.shape[1], self.slots, self.ar_heads
         if self.ar_adapters is not None:
-            self.ar_adapters.copy(staging, slot)
+            self.staging_adapters.set(0, *self.ar_adapters.of(slot))
         logits = self.prefill(embeds, pos, blocks)
         for buf in (*self.ar.k, *self.ar.v):
             buf[slot, heads, :L] = buf[staging, heads, :L]
@@ -131,12 +137,11 @@ class KVPool:
         self.pos = torch.zeros(self.slots, length, 2, dtype=torch.long, device=m.device)
         key = (self.slots, ("ar", gen))
         slot_rows = self.ar.rows(slice(0, self.slots)).heads(self.ar_heads)
-        ad = self.ar_adapters
         self.decode = DecodeStep(m, slot_rows, self.pos, self.view, self.graphs, key, self.use_graph,
-                                 lora=None if ad is None else ad.rows(slice(0, self.slots)))
+                                 adapters=self.ar_adapters)
         staging = self.ar.rows(slice(self.slots, self.slots + 1)).heads(self.ar_heads)
         self.prefill = PrefillStep(m, staging, self.view, self.use_graph, graphs=self.graphs, key=key,
-                                   lora=self.slot_lora(self.slots))
+                                   adapters=self.staging_adapters)
         self.allocations += 1
 
     # ------------------------------------------------------------------ denoise rows
@@ -157,6 +162,8 @@ class KVPool:
             L = _grains(max(length, 0 if have is None else have.max_len), self.limit)
             m, cfg = self.model, self.model.cfg
             self.denoise = KVCache.allocate(cfg.num_layers, n, self.heads, L, cfg.head_dim, m.dtype, m.device)
+            if self.lora_tables is not None:
+                self.denoise_adapters = RowAdapters(self.lora_tables, n)
             self.allocations += 1
         return self.denoise.rows(slice(first, first + rows)).prefix(length)
 
@@ -173,14 +180,31 @@ class KVPool:
             raise ValueError(f"moving denoise rows {src} -> {dst} ({rows} rows) would overlap")
         for t in (*self.denoise.k, *self.denoise.v):
             t[dst:dst + rows, :, :length] = t[src:src + rows, :, :length]
+        if self.denoise_adapters is not None:          # the rows' adapters go with them
+            self.denoise_adapters.copy(slice(dst, dst + rows), slice(src, src + rows))
         return self.denoise.rows(slice(dst, dst + rows)).prefix(length)
 
-    def set_denoise_adapter(self, adapter: int, strength: float) -> LoraRows | None:
-        """The denoising request's LoRA adapter (every one of its rows); returns its forwards' adapter rows."""
-        if self.denoise_adapters is None:
-            return None
-        self.denoise_adapters.set(0, adapter, strength)
-        return self.denoise_adapters.rows(slice(0, 1))
+    def set_denoise_adapter(self, first: int, rows: int, adapter: int,
+                            strength: float) -> tuple[LoraRows | None, LoraRows | None]:
+        """The LoRA adapter (table slot, 0: none) of the denoising request in rows [first, first + rows), every
+        row of it. Returns the adapter rows of its prefill (its first row: one adapter for all its rows) and
+        of its steps alone (from row 0, where the one request of a denoise batch sits); None without one."""
+        ad = self.denoise_adapters
+        if ad is None:
+            return None, None
+        ad.set(slice(first, first + rows), adapter, strength)
+        return ad.row(first), ad.rows(slice(0, 1), "rows" if adapter else "off")
+
+    def clear_denoise_adapter(self, first: int, rows: int) -> None:
+        """Rows [first, first + rows) are idle (their request left them)."""
+        if self.denoise_adapters is not None:
+            self.denoise_adapters.clear(slice(first, first + rows))
+
+    def denoise_lora(self, stop: int) -> tuple[str, LoraRows | None]:
+        """The LoRA mode of the denoise rows in use (those of a denoise batch's forward, [0, stop)) and their
+        adapter rows in that mode (engine/model/lora.py `RowAdapters`)."""
+        ad = self.denoise_adapters
+        return ("off", None) if ad is None else (ad.mode, ad.rows(slice(0, stop)))
 
     @property
     def denoise_key(self) -> tuple:

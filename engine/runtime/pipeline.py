@@ -112,7 +112,7 @@ class Pipeline:
         """One request on its own (the CLI, tests, tools): validated here, then the engine's steps with
         this one request in them; `cancelled()` is polled between steps (rank 0's answer is every rank's)."""
         try:
-            p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets, self.adapters())
+            p = prepare(self._agreed_seed(req), self.lm.gen, self.lm.buckets, self.adapters(), self.merged())
         except (RequestError, PromptError, ValueError) as e:
             yield Error("invalid", str(e), getattr(e, "field", None))
             return
@@ -128,9 +128,16 @@ class Pipeline:
             news = StepNews(cancel=frozenset({0}) if self.agree.flag(cancelled()) else frozenset())
 
     def adapters(self) -> list[str]:
-        """The names of the LoRA adapters loaded (what a request's `lora` may name)."""
-        tables = self.lm.model.lora
-        return [] if tables is None else tables.loaded()
+        """The names of the LoRA adapters loaded (what a request's `lora` may name), or the one merged."""
+        model = self.lm.model
+        if model.merged_lora is not None:
+            return [model.merged_lora]
+        return [] if model.lora is None else model.lora.loaded()
+
+    def merged(self) -> tuple[str, float] | None:
+        """(name, strength) of the LoRA adapter merged into the weights, if any (the only one then served)."""
+        model = self.lm.model
+        return None if model.merged_lora is None else (model.merged_lora, model.merged_strength)
 
     def change_adapter(self, op: str, name: str, folder: str | None = None) -> None:
         """Load ("load", name, folder) or unload ("unload", name) a LoRA adapter between steps, on every rank
@@ -284,9 +291,8 @@ class Pipeline:
 
             turn = step_key(seq.gen_image, n_img, branches)
             step_cache = make_step_cache(p.taylor_cache, p.steps, p.block_cache, cfg.num_layers)
-            # a step cache, an adapter (the denoise rows hold one adapter slot), or a step that is not one
-            # plain forward over local rows, runs alone (denoise_batch.py)
-            alone = (type(step_cache) is not StepCache or adapter != 0 or self.cfg_serial
+            # a step cache, or a step that is not one plain forward over local rows, runs alone (denoise_batch.py)
+            alone = (type(step_cache) is not StepCache or self.cfg_serial
                      or rt.denoise.sp.size > 1 or branch_comm.size > 1)
             rows = len(branches) * n_img
             first = yield DenoiseTurn(turn, 0, rows, scratch + 1, alone)     # these rows are its own until it ends
@@ -303,10 +309,11 @@ class Pipeline:
             if cfg_on:
                 ids = torch.cat([ids, torch.tensor(seq.uncond_ids(sp.cfg), device=dev)[None]])
             starts = [min(prefix, seq.gen_image.meta_start) if b == 0 else 0 for b in branches]
+            prefill_lora, step_lora = pool.set_denoise_adapter(first, rows, adapter, p.lora_scale)
             runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
                                    scratch, branch_comm, serial=self.cfg_serial, images=n_img,
                                    use_graph=self.cuda_graph, graphs=self.graphs, key=pool.denoise_key,
-                                   step_cache=step_cache, lora=pool.set_denoise_adapter(adapter, p.lora_scale))
+                                   step_cache=step_cache, lora=step_lora, prefill_lora=prefill_lora)
             self._keep_denoise_graph(runner.key)
             # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
             latent_ch = int(cfg.vae["latent_channels"])
@@ -357,8 +364,9 @@ class Pipeline:
                 pool.release_slot(slot)
 
     def _adapter_slot(self, p: Prepared) -> int:
-        """The LoRA table slot of the request's adapter (0: none); one unloaded since it was validated is refused."""
-        if p.lora is None:
+        """The LoRA table slot of the request's adapter (0: none, or the adapter merged into the weights, which
+        `prepare` checked it names); one unloaded since it was validated is refused."""
+        if p.lora is None or self.lm.model.merged_lora is not None:
             return 0
         try:
             return self.lm.model.lora.slot_of(p.lora)

@@ -19,7 +19,7 @@ import torch
 
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
-from engine.model.lora import LoraRows
+from engine.model.lora import LoraRows, RowAdapters, lora_key, mode_of
 from engine.parallel.layout import PhaseView, graph_safe
 from engine.runtime.graphs import Graphs
 
@@ -30,11 +30,12 @@ GRAPH_MAX = 2048       # longer prompts are GPU-bound (their kernels outlast iss
 class PrefillStep:
     def __init__(self, model: HunyuanImage3, cache: KVCache, view: PhaseView, use_graph: bool = False,
                  padded: bool | None = None, graphs: Graphs | None = None, key: tuple = (),
-                 lora: LoraRows | None = None):
+                 adapters: RowAdapters | None = None):
         """`padded`: run short prompts at their bucket (default: on CUDA; tests set it on the CPU).
         `graphs`: the engine's graph owner (else one of its own); `key` names the cache in its keys.
-        `lora`: the cache row's LoRA adapter (a static buffer the pool sets before each prefill)."""
-        self.model, self.cache, self.view, self.lora = model, cache, view, lora
+        `adapters`: the cache row's LoRA adapter (one row of static buffers the pool sets before each
+        prefill; a graph per LoRA mode: none, or one adapter)."""
+        self.model, self.cache, self.view, self.adapters = model, cache, view, adapters
         dev = model.device
         self.padded = dev.type == "cuda" if padded is None else padded
         self.use_graph = use_graph and dev.type == "cuda" and self.padded and graph_safe(view.tp, view.sp)
@@ -63,7 +64,7 @@ class PrefillStep:
         if b is None:
             m = self.model
             h = m.backbone(embeds, torch.arange(L, device=embeds.device), pos, blocks, self.cache, L, self.view,
-                           lora=self.lora)
+                           lora=self._lora())
             return m.transformer.logits(h[:, -1], self.view)[0]
         self.emb[:, :L].copy_(embeds)
         self.emb[:, L:b].zero_()
@@ -72,11 +73,17 @@ class PrefillStep:
         self.blocks[L:b].fill_(-1)            # padding is causal: no prompt row sees it
         self.last.fill_(L - 1)
         if self.use_graph:
-            return self.graphs.replay(("prefill", b) + self.key, lambda: self._forward(b))
+            return self.graphs.replay(("prefill", b) + self.key + lora_key(mode_of(self.adapters)),
+                                      lambda: self._forward(b))
         return self._forward(b)
+
+    def _lora(self) -> LoraRows | None:
+        """The row's adapter in its current mode (set before each prefill): none, or one adapter."""
+        return None if self.adapters is None else self.adapters.rows(slice(0, 1))
 
     def _forward(self, b: int) -> torch.Tensor:
         """The bucket's forward over the static buffers (what a graph captures)."""
         m = self.model
-        h = m.backbone(self.emb[:, :b], self.index[:b], self.pos, self.blocks, self.cache, b, self.view, lora=self.lora)
+        h = m.backbone(self.emb[:, :b], self.index[:b], self.pos, self.blocks, self.cache, b, self.view,
+                       lora=self._lora())
         return m.transformer.logits(h.index_select(1, self.last)[:, 0], self.view)[0]

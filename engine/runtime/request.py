@@ -148,11 +148,12 @@ def _in_range(value: object, lo: float, hi: float, integer: bool) -> bool:
     return lo <= value <= hi
 
 
-def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], adapters: Collection[str] = ()
-            ) -> Prepared:
+def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], adapters: Collection[str] = (),
+            merged: tuple[str, float] | None = None) -> Prepared:
     """Check every field of `req` (its seed fixed: `with_seed`) against the limits above and resolve its
-    defaults; `adapters`: the names of the LoRA adapters loaded. Raises RequestError naming the field and
-    what it accepts."""
+    defaults; `adapters`: the names of the LoRA adapters loaded; `merged`: (name, strength) of the adapter
+    folded into the weights (engine/model/lora_merge.py), the only one such an engine serves. Raises
+    RequestError naming the field and what it accepts."""
     prompt = _text(req.prompt, "prompt", "the prompt", MAX_PROMPT_CHARS) or ""
     if not prompt.strip():
         raise RequestError("the prompt is empty: describe the image you want", "prompt")
@@ -223,12 +224,12 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], ad
                 raise RequestError(bad[1], bad[0])
     if req.taylor_cache is not None and req.block_cache is not None:
         raise RequestError("choose one step cache: the Taylor cache or the block cache, not both", "block_cache")
-    _check_lora(req, adapters)
+    _check_lora(req, adapters, merged)
     return Prepared(req, pil, bot_task, bucket, int(steps), float(guidance), s, preset, int(max_new), sampling,
                     req.n, req.taylor_cache, req.block_cache, req.lora, float(req.lora_scale), history)
 
 
-def _check_lora(req: Request, adapters: Collection[str]) -> None:
+def _check_lora(req: Request, adapters: Collection[str], merged: tuple[str, float] | None) -> None:
     if req.lora is not None:
         if not isinstance(req.lora, str):
             raise RequestError(f"lora must be the name of a loaded LoRA adapter (got {type(req.lora).__name__})",
@@ -240,4 +241,13 @@ def _check_lora(req: Request, adapters: Collection[str]) -> None:
     if not _in_range(req.lora_scale, lo, hi, integer=False) or req.lora_scale == lo:
         raise RequestError(f"the LoRA strength (lora_scale) must be a number in ({lo:g}, {hi:g}] "
                            f"(got {req.lora_scale!r})", "lora_scale")
+    if merged is not None:
+        name, strength = merged
+        if req.lora != name:
+            raise RequestError(f"this engine serves the LoRA adapter {name!r} merged into its weights "
+                               f"(--lora-merged), so every request must name it (got {req.lora!r})", "lora")
+        if req.lora_scale != strength:
+            raise RequestError(f"the LoRA adapter {name!r} is merged into the weights at strength {strength:g}: "
+                               f"lora_scale {req.lora_scale:g} cannot apply (serve it without --lora-merged)",
+                               "lora_scale")
 

@@ -10,13 +10,14 @@ from engine.serve.info import ModelInfo
 Loras = tuple[tuple[str, str], ...]          # (name, PEFT folder) of each adapter served, in load order
 
 
-def check_adapter(info: ModelInfo, name: str, folder: str, max_rank: int) -> None:
-    """Refuse (ValueError naming why) an adapter the engine could not load: read here, as every rank will."""
-    from engine.model.peft import read_peft
+def check_adapter(info: ModelInfo, name: str, folder: str, max_rank: int, merged: bool = False) -> None:
+    """Refuse (ValueError naming why) an adapter the engine could not load: read here, as every rank will.
+    `merged`: folded into the weights at load (more targets; no slot, so no rank limit)."""
+    from engine.model.peft import MERGE_TARGETS, TARGETS, read_peft
     if not isinstance(name, str) or not name.strip() or "/" in name:
         raise ValueError(f"a LoRA adapter needs a name without '/' (got {name!r})")
-    adapter = read_peft(folder, info.cfg)
-    if adapter.rank > max_rank:
+    adapter = read_peft(folder, info.cfg, targets=MERGE_TARGETS if merged else TARGETS)
+    if adapter.rank > max_rank and not merged:
         raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above the engine's max LoRA rank {max_rank}")
 
 

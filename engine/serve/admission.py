@@ -14,12 +14,14 @@ from engine.runtime.request import Prepared, Request, RequestError, with_seed
 from engine.serve.info import ModelInfo
 
 
-def admit(info: ModelInfo, request: Request, adapters: Collection[str]) -> tuple[Request, Prepared] | Error:
+def admit(info: ModelInfo, request: Request, adapters: Collection[str], merged: tuple[str, float] | None = None
+          ) -> tuple[Request, Prepared] | Error:
     """The request as it will run (its seed fixed, its images bytes) and its Prepared form, or the
-    Error('invalid') that refuses it, naming the field at fault."""
+    Error('invalid') that refuses it, naming the field at fault (`merged`: the adapter folded into the
+    weights and its strength, the only one such an engine serves)."""
     try:
         request = with_seed(request)           # drawn once, here: the seed reported is the seed used
-        prepared = info.prepare(request, adapters)
+        prepared = info.prepare(request, adapters, merged)
         request = detach_images(request)
     except (RequestError, TypeError, ValueError) as e:     # TypeError: a value of the wrong kind
         return Error("invalid", str(e), getattr(e, "field", None))

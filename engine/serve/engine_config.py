@@ -28,6 +28,7 @@ class EngineConfig:
     max_lora_rank: int = 64         # the highest adapter rank the slots hold (the trainers use 32)
     prefix_cache_mb: int = PREFIX_CACHE_MB       # conversations' K/V prefixes per rank (prefix_cache.py; 0: off)
     encoding_cache_mb: int = ENCODING_CACHE_MB   # their image encodings per rank (conditioning.py; 0: none kept)
+    lora_merged: bool = False       # the one adapter of `loras` folded into the weights (engine/model/lora_merge.py)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -46,11 +47,14 @@ class EngineConfig:
                              f"{self.prefix_cache_mb}, {self.encoding_cache_mb})")
         if len({n for n, _ in self.loras}) < len(self.loras):
             raise ValueError(f"two LoRA adapters share a name: {', '.join(n for n, _ in self.loras)}")
+        if self.lora_merged and (len(self.loras) != 1 or self.max_loras > 1):
+            raise ValueError(f"--lora-merged folds one LoRA adapter into the weights: it needs exactly one --lora "
+                             f"and no other adapter slots (got {len(self.loras)} adapters, {self.max_loras} slots)")
 
     @property
     def lora_slots(self) -> int:
-        """Adapter slots the engine allocates (0: none, the base model's forwards unchanged)."""
-        return max(self.max_loras, len(self.loras))
+        """Adapter slots the engine allocates (0: none, the base model's forwards unchanged; merged: none)."""
+        return 0 if self.lora_merged else max(self.max_loras, len(self.loras))
 
     def pipeline_options(self) -> dict:
         """What every rank's Pipeline takes from it (besides the model and its groups)."""

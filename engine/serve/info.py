@@ -34,10 +34,12 @@ class ModelInfo:
         return cls(folder, cc.model.model_version or folder.name, cc.generation,
                    build_buckets(cc.model.image_base_size), usable, cc.model.cfg_distilled, cc.model)
 
-    def prepare(self, req: Request, adapters: Collection[str] = ()) -> Prepared:
+    def prepare(self, req: Request, adapters: Collection[str] = (), merged: tuple[str, float] | None = None
+                ) -> Prepared:
         """The request (its seed fixed: `with_seed`) checked and its defaults resolved, as the engine runs
-        it (`adapters`: the LoRA adapters it serves); RequestError otherwise (one implementation: `request.prepare`)."""
-        return prepare(req, self.gen, self.buckets, adapters)
+        it (`adapters`: the LoRA adapters it serves, `merged`: the one merged into its weights); RequestError
+        otherwise (one implementation: `request.prepare`)."""
+        return prepare(req, self.gen, self.buckets, adapters, merged)
 
     def validate(self, req: Request, adapters: Collection[str] = ()) -> None:
         """Raise RequestError exactly as the engine would (a form's check before it submits)."""

@@ -110,7 +110,8 @@ class EngineServer:
                  max_queue: int | None = None, quantize: str | None = None, max_batch: int = 1,
                  step_timeout: float | None = None, cfg_serial: bool = False, cuda_graph: bool = True,
                  max_denoise_batch: int = 1, loras: Sequence[tuple[str, str]] = (), max_loras: int = 0,
-                 max_lora_rank: int = 64, prefix_cache_mb: int = EngineConfig.prefix_cache_mb,
+                 max_lora_rank: int = 64, lora_merged: bool = False,
+                 prefix_cache_mb: int = EngineConfig.prefix_cache_mb,
                  encoding_cache_mb: int = EngineConfig.encoding_cache_mb):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
@@ -127,7 +128,8 @@ class EngineServer:
         without a token or step before the engine is restarted (None: automatic, from the engine's own
         figures; 0: never; engine.serve.supervisor). `loras`: LoRA adapters (name, PEFT folder) loaded at
         start, each read and checked here; `max_loras` adapter slots in all (at least len(loras); more
-        leave room for `load_adapter`), of rank up to `max_lora_rank`. `prefix_cache_mb` / `encoding_cache_mb`:
+        leave room for `load_adapter`), of rank up to `max_lora_rank`; `lora_merged`: the one adapter folded
+        into the weights at load (engine/model/lora_merge.py). `prefix_cache_mb` / `encoding_cache_mb`:
         each rank's bound on the K/V prefixes and image encodings kept for conversations' next turns
         (engine/runtime/prefix_cache.py, conditioning.py; 0: off). All of it is checked here and fixed in one
         `EngineConfig` (`self.config`), which every worker starts from."""
@@ -147,9 +149,9 @@ class EngineServer:
                                    self.parallel.sp_kind, quantize, max_batch, preview_every, verbose, cfg_serial,
                                    cuda_graph, max_denoise_batch, tuple((n, str(Path(f).resolve())) for n, f in loras),
                                    max(max_loras, len(loras)),       # the slots stay when adapters are unloaded
-                                   max_lora_rank, prefix_cache_mb, encoding_cache_mb)
+                                   max_lora_rank, prefix_cache_mb, encoding_cache_mb, lora_merged)
         for name, folder in self.config.loras:
-            check_adapter(self.info, name, folder, self.config.max_lora_rank)
+            check_adapter(self.info, name, folder, self.config.max_lora_rank, self.config.lora_merged)
         self.cancel_grace_s = cancel_grace_s
         self.max_queue = max_queue
 
@@ -191,7 +193,7 @@ class EngineServer:
         """Validate and queue a request. Bad input ends the stream at once with Error('invalid') and is
         never queued, a full queue ends it with Error('busy'); otherwise the events follow as the engine
         runs it. `recorder` (submit_turn's): makes what sees its events before the client does."""
-        admitted = admit(self.info, request, self.adapters())    # once: the engine runs it as prepared here
+        admitted = admit(self.info, request, self.adapters(), self._merged())   # once: the engine runs it as prepared
         if isinstance(admitted, Error):
             sub = Submission(request, self.cancel)
             sub._push(admitted)
@@ -232,6 +234,7 @@ class EngineServer:
         """Serve another LoRA adapter from now on (every rank loads it before its next step). ValueError
         when it cannot be: no free slot, a name in use, or a folder that is not a servable adapter."""
         with self._lock:
+            self._refuse_if_merged()
             folder = check_load(self.info, self.config.loras, self.config.lora_slots, self.config.max_lora_rank,
                                 name, folder)
             # a restarted engine loads the current set; the running one is told
@@ -241,10 +244,21 @@ class EngineServer:
     def unload_adapter(self, name: str) -> None:
         """Stop serving a LoRA adapter; refused (ValueError) while a queued or running request uses it."""
         with self._lock:
+            if name in self.adapters():
+                self._refuse_if_merged()
             users = [j.sub.request_id for j in (*self._waiting, *self._running.values())
                      if j.prepared.lora == name and not j.sub.ended]
             self.config = dataclasses.replace(self.config, loras=check_unload(self.config.loras, name, users))
             self._send_adapter(("adapter", "unload", name, None))
+
+    def _merged(self) -> tuple[str, float] | None:
+        """The adapter folded into the weights and its strength (--lora-merged), or None."""
+        return (self.config.loras[0][0], 1.0) if self.config.lora_merged else None
+
+    def _refuse_if_merged(self) -> None:
+        if self.config.lora_merged:
+            raise ValueError(f"this engine serves the LoRA adapter {self.config.loras[0][0]!r} merged into its "
+                             "weights (--lora-merged): adapters cannot be loaded or unloaded")
 
     def _send_adapter(self, msg: tuple) -> None:
         try:
