@@ -86,7 +86,7 @@ def test_reasoning_is_what_the_image_phase_read():
 def test_a_turn_with_history_in_the_official_layout(tiny):
     tok, cfg = tiny.tok, tiny.cfg
     ref, made = CondImageLayout((2, 2), 16, (2, 2), 4), CondImageLayout((2, 3), 16, (2, 3), 6)
-    prepared = prepare(Request(prompt="now blue", seed=1, history=(
+    prepared = prepare(Request(prompt="now blue", seed=1, history_policy="full", history=(
         Turn("a red square", (RED,), "<think>hm</think><recaption>red</recaption>", GREEN),)), tiny.gen, tiny.buckets)
     history, current = past_turn_layouts(prepared.history, [ref, made])
     assert current == [] and history[0].images == (ref,) and history[0].image == made
@@ -191,7 +191,8 @@ def test_three_turn_chat_conversation_with_the_openai_client(api):
         if k:
             messages.append({"role": "user", "content": instruction})
         chat = client.chat.completions.create(model=MODEL, messages=messages, extra_body=dict(
-            height=256, width=256, num_inference_steps=2, bot_task="think", max_new_tokens=4, seed=3))
+            height=256, width=256, num_inference_steps=2, bot_task="think", max_new_tokens=4, seed=3,
+            history_policy="full"))
         msg = chat.choices[0].message
         image = _png_of(msg.content[0]["image_url"]["url"])
         assert PILImage.open(io.BytesIO(image)).size == (256, 256)
@@ -246,7 +247,7 @@ def test_bad_history_over_chat_is_400_naming_the_message(api, messages, param):
 
 def test_edits_by_conversation_id_report_cached_tokens(api):
     _, _, client = api
-    extra = dict(num_inference_steps=2, bot_task="think", max_new_tokens=4, seed=5)
+    extra = dict(num_inference_steps=2, bot_task="think", max_new_tokens=4, seed=5, history_policy="full")
     conv, inputs, cached = None, [], []
     for prompt in ("a red square", "make it blue", "add a dot"):
         body = {**extra, "conversation_id": conv} if conv else extra

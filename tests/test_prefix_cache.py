@@ -121,7 +121,7 @@ def _requests(run) -> list:
     """The 3-turn conversation, each turn's history built from what `run` gave for the turns before."""
     out, history = [], ()
     for prompt, images in TURNS:
-        req = Request(prompt=prompt, images=list(images), history=history, **FAST)
+        req = Request(prompt=prompt, images=list(images), history=history, history_policy="full", **FAST)
         text, image, done = run(req)
         out.append((req, text, image, done))
         history += (Turn(prompt, images, reasoning_of("think", done.cot_text), image),)

@@ -259,7 +259,7 @@ def test_a_conversation_continues_on_another_replica(app, tmp_path):
         before = app.served()
         conv = r1.model_extra["conversation_id"]
         r2 = client.images.edit(image=[], prompt="make it blue", size="256x256",
-                                extra_body={**REQ, "conversation_id": conv})
+                                extra_body={**REQ, "conversation_id": conv, "history_policy": "full"})
         turn2 = app.ran_on(before)
         busy_b.close()
     assert turn2 != turn1, "turn 2 should have run on the replica that did not hold turn 1"

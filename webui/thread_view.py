@@ -14,7 +14,8 @@ TURN_IMAGE_HEIGHT = 120
 # A client without conversations (no `submit_turn`: EngineServer and ReplicaPool both have it).
 NO_CONVERSATIONS = ("This studio's engine client holds no conversations: each instruction edits the last "
                     "image alone (the model does not see the earlier turns).")
-HINT = "Each result stays here as a turn: the next instruction continues from it."
+HINT = ("Each result stays here as a turn: the next instruction edits its image (the model sees the last image, "
+        "not the earlier turns' words: that edited best when measured).")
 
 
 # Every event that sets the thread is queued (never limited, so never behind a run): in Gradio 6.31 a
