@@ -359,6 +359,7 @@ def test_replica_flags_are_checked(capsys):
                       (["--replicas", "2", "--gpus-per-replica", "1.5"], "whole number"),
                       (["--replicas", "2", "--upscale-delay", "1"], "need --min-replicas"),
                       (["--upscale-delay", "1"], "need --replicas"),
+                      (["--replicas", "2", "--lora", "a=/nowhere", "--lora-merged"], "not supported with --replicas"),
                       (["--replicas", "2", "--min-replicas", "1", "--max-replicas", "3", "--downscale-delay", "-1"],
                        "delays are seconds")):
         with pytest.raises(SystemExit):
