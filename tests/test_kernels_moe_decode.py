@@ -88,7 +88,9 @@ def test_interp_batched_matches_reference(small_tiles, fmt, sfmt, micros, ms, mc
         assert rel_err(got, moe_quant_reference(*args)) < (3e-2 if fmt == "fp8" else 1e-2), n
 
 
-@pytest.mark.parametrize("fmt,sfmt,micros,ms,mc", CASES)
+# batch invariance is the kernels' structure, not the format's: two cases (one with a down row over two
+# micros and a shared MLP, one without a shared MLP) keep the interpreter suite within CI's time
+@pytest.mark.parametrize("fmt,sfmt,micros,ms,mc", [CASES[0], CASES[4]])
 def test_interp_batched_is_batch_invariant(small_tiles, elementwise_dot, fmt, sfmt, micros, ms, mc):
     """Token 0 of a 32-row batch alone, then at other rows of batches of 3, 16 and 32 (the rest other
     tokens): the same bits; and another token of the 32 alone. 4 experts of top-2 (two cases): an expert
