@@ -121,8 +121,7 @@ def _swiglu_ref(h, inter):
 
 
 # every format at one row; several rows (and another tile) on the two FP4 formats: CI's time
-@pytest.mark.parametrize("fmt,n,tb", [(f, 1, 4) for f in FMTS] + [("mxfp4", 8, 4), ("mxfp4", 3, 4), ("nvfp4", 3, 4),
-                                                                   ("mxfp4", 8, 2)])
+@pytest.mark.parametrize("fmt,n,tb", [(f, 1, 4) for f in FMTS] + [("mxfp4", 3, 4), ("nvfp4", 3, 4), ("mxfp4", 8, 2)])
 def test_interp_gemv_decode_pair_routed_and_shared(qg, fmt, n, tb):
     """decode_up / decode_down on the chosen experts of micros [1, 3) of 3 (the down GEMV on the column
     block of the cols-packed [E, H, micros * I] pack), and on the shared MLP's micro block: every served
