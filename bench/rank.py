@@ -18,6 +18,7 @@ from engine.parallel.fake import FakeComm
 from engine.parallel.layout import PhaseView
 from engine.parallel.plan import ParallelPlan
 from engine.runtime.denoise import DenoiseRunner, step_keys
+from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import cache_heads
 from engine.runtime.sequence import GenImageSpan, Sequence
 from engine.spec.config import ModelConfig
@@ -110,20 +111,30 @@ def ar_view(plan: ParallelPlan) -> PhaseView:
     return PhaseView(plan.micro(0), 1, FakeComm(plan.ar_tp))
 
 
+def denoise_cache(model: HunyuanImage3, plan: ParallelPlan, seq: Sequence, branches: list[int]) -> KVCache:
+    """The KV storage of rank 0's denoise phase of `seq` (every layer, one row per branch)."""
+    heads = cache_heads(plan, 0, 0, model.transformer.layers[0].self_attn.kv_per_micro)
+    scratch = max(len(seq), step_keys(seq.gen_image))
+    return KVCache.allocate(model.cfg.num_layers, len(branches), heads.alloc.stop, scratch + 1, model.cfg.head_dim,
+                            model.dtype, model.device)
+
+
 def denoise_runner(model: HunyuanImage3, plan: ParallelPlan, seq: Sequence, prefix: int, branches: list[int],
-                   graph: bool) -> DenoiseRunner:
+                   graph: bool, cache: KVCache | None = None, graphs: Graphs | None = None) -> DenoiseRunner:
     """Rank 0's denoise phase of `seq`: the cond branch's prefix already in the cache (the KV hand-off),
-    the uncond branch's to prefill (`runner.prefill`); CFG-parallel ranks run the cond branch alone."""
-    cfg, dev = model.cfg, model.device
+    the uncond branch's to prefill (`runner.prefill`); CFG-parallel ranks run the cond branch alone.
+    `cache` (from `denoise_cache`) and `graphs`, kept by the caller across runners, make a later runner
+    replay the step graph the first one captured, as the engine's pool does (a graph replays on the KV
+    storage it was captured on); without them each runner allocates its own and captures again."""
+    dev = model.device
     view = PhaseView(0, plan.micros, FakeComm(plan.storage_tp), FakeComm(plan.sp), plan.sp_kind)
     heads = cache_heads(plan, 0, 0, model.transformer.layers[0].self_attn.kv_per_micro)
     scratch = max(len(seq), step_keys(seq.gen_image))       # past the step's keys (its tokens' cache place)
-    cache = KVCache.allocate(cfg.num_layers, len(branches), heads.alloc.stop, scratch + 1, cfg.head_dim,
-                             model.dtype, dev)
+    cache = cache or denoise_cache(model, plan, seq, branches)
     starts = [prefix if b == 0 else 0 for b in branches]
     ids = torch.full((2, len(seq)), 5, device=dev)
     return DenoiseRunner(model, seq, [], ids, cache.heads(heads.denoise), view, branches, starts, scratch,
-                         FakeComm(2 if plan.replica_mode == "cfg" else 1), use_graph=graph)
+                         FakeComm(2 if plan.replica_mode == "cfg" else 1), use_graph=graph, graphs=graphs)
 
 
 def latent(model: HunyuanImage3, side: int) -> torch.Tensor:

@@ -293,10 +293,13 @@ def test_schedule_cost_is_known_before_the_first_step():
 # ------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("which", ["tiny", "embedded"])
+@pytest.mark.parametrize("which", ["embedded"])
 def test_cuda_graph_cached_run_equals_eager_cached_run(tiny_dir, which):
     """bf16 on CUDA: a Taylor-cached request with the denoise step as a CUDA graph gives the eager cached
-    run's image bytes; the full step's graph is captured once and replayed on the full steps only."""
+    run's image bytes; the full step's graph is captured once and replayed on the full steps only.
+    Not the tiny checkpoint: on the H200 (2026-12-02) runs of this very request on it differed from one another
+    from step 9 of 12, with and without the cache, eager or graph (the embedded model's runs were all equal),
+    so its bytes cannot tell a graph from an eager run; that non-determinism is an open finding (issue 31)."""
     from engine import EMBEDDED_MODEL
     from engine.model.loader import load
     lm = load(tiny_dir if which == "tiny" else EMBEDDED_MODEL, "cuda", torch.bfloat16)

@@ -52,7 +52,7 @@ def step_ms(req, steps: int, rows: LoraRows | None, graph: bool, dry: bool) -> f
     """Median ms of one denoise step (CFG batched) over 3 runs of `steps` after a warm-up run."""
     times = []
     for k in range(2 if dry else 4):
-        r = req.runner(graph)
+        r = req.runner(graph, keep=True)
         r.lora = rows
         r.prefill()
         x = rank.latent(req.model, req.s.side)

@@ -101,6 +101,7 @@ class Request:
         self.prefill_step = PrefillStep(model, self.cache, self.view, use_graph=True, graphs=self.graphs)
         self.gen = torch.Generator(dev).manual_seed(0)
         self.token, self.index = 0, shapes.prefill
+        self._denoise_cache: KVCache | None = None
 
     def prefill(self) -> torch.Tensor:
         return self.prefill_step(self.model.transformer.embed(self.ids), self.pos, self.blocks)
@@ -111,10 +112,19 @@ class Request:
         self.token = int(kernels.call("sample", logits, 0.6, 1024, 0.95, self.gen, False, None)) % self.s.vocab
         self.index += 1
 
-    def runner(self, graph: bool) -> DenoiseRunner:
+    def runner(self, graph: bool, keep: bool = False) -> DenoiseRunner:
+        """A denoise runner of the request's image. `keep`: on the KV storage and graphs this Request keeps,
+        so every runner after the first replays the step graph the first captured (the engine's serving
+        pool: one capture per key); else fresh ones (a request of the one-request runtime, captured inside)."""
         prefix = self.s.prefill + self.s.cot
         seq = rank.image_sequence(prefix, self.s.side, meta_tokens=3 if self.distil else 1)
-        return rank.denoise_runner(self.model, self.plan, seq, prefix, [0] if self.distil else [0, 1], graph)
+        branches = [0] if self.distil else [0, 1]
+        if not keep:
+            return rank.denoise_runner(self.model, self.plan, seq, prefix, branches, graph)
+        if self._denoise_cache is None:
+            self._denoise_cache = rank.denoise_cache(self.model, self.plan, seq, branches)
+        return rank.denoise_runner(self.model, self.plan, seq, prefix, branches, graph, self._denoise_cache,
+                                   self.graphs)
 
     def step_ms(self, graph: bool, steps: int = 3) -> float:
         r = self.runner(graph)

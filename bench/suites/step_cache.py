@@ -71,7 +71,7 @@ def denoise_ms(req, steps: int, name: str, graph: bool, dry: bool) -> tuple[floa
     times, full = [], 0
     for k in range(2 if dry else 4):
         taylor, block = setting(name)
-        r = req.runner(graph and name != "none-eager")
+        r = req.runner(graph and name != "none-eager", keep=True)
         r.step_cache = make_step_cache(taylor, steps, block, model.cfg.num_layers)
         r.prefill()
         x = rank.latent(model, req.s.side)

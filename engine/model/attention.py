@@ -224,8 +224,9 @@ class Attention(nn.Module):
         else:
             B, h, T, D = q.shape
             kv = keys.shape[1]
+            # reshape, not view: CUDA's fp32 masked kernel returns its output strided (tokens outermost)
             out = F.scaled_dot_product_attention(q.reshape(B, kv, h // kv * T, D), keys, values,
-                                                 attn_mask=batch.key_mask).view(B, h, T, D)
+                                                 attn_mask=batch.key_mask).reshape(B, h, T, D)
         if m:        # (m: None with a key mask alone)
             head = F.scaled_dot_product_attention(q[:, :, :m], keys, values, attn_mask=batch.mask, enable_gqa=gqa)
             if torch.is_grad_enabled():         # autograd keeps SDPA's output: never written in place
