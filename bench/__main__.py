@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     suite.add_arguments(ap)
     args = ap.parse_args(a.options)
     import torch
-    if not dry and not torch.cuda.is_available() and getattr(suite, "CUDA", True):
+    needs_cuda = getattr(suite, "needs_cuda", lambda args: getattr(suite, "CUDA", True))   # per run, where a suite says
+    if not dry and not torch.cuda.is_available() and needs_cuda(args):
         ap.error("needs a CUDA GPU" + (" (or --dry)" if suite.DRY else ""))
     if dry:
         from kernels._triton import prepare_interpreter

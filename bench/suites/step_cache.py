@@ -63,6 +63,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="quality: where the embedded model runs (default: cuda, the CPU with --dry)")
 
 
+def needs_cuda(args: argparse.Namespace) -> bool:
+    """The quality part alone on the CPU (`--quality --quality-device cpu`) runs without a GPU."""
+    return not (args.quality and not args.speed and args.quality_device == "cpu")
+
+
 # ---------------------------------------------------------------------------------------- speed
 def denoise_ms(req, steps: int, name: str, graph: bool, dry: bool) -> tuple[float, int]:
     """(wall ms of `steps` denoise steps of one image, steps run in full); a warm-up run first (the
