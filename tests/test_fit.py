@@ -37,6 +37,20 @@ def test_the_fewest_gpus_that_fit_and_a_clear_refusal(tiny_dir):
         choose_plan(ckpt, cc, 1, two, working=0)
 
 
+def test_the_conversation_caches_count_per_rank(tiny_dir):
+    """The server's prefix and encoding caches fill up to their bounds on every rank: a GPU that holds tp1
+    without them needs tp2 with them, and the refusal names them."""
+    ckpt, cc = Checkpoint(tiny_dir), CheckpointConfig.load(tiny_dir)
+    one = estimate(ckpt, cc, PRESETS["tp1"], working=0)
+    caches = 3 * GIB
+    assert estimate(ckpt, cc, PRESETS["tp1"], working=0, caches=caches).total == one.total + caches
+    two = estimate(ckpt, cc, PRESETS["tp2"], working=0, caches=caches)
+    assert choose_plan(ckpt, cc, 4, one.total, working=0)[0].name == "tp1"
+    assert choose_plan(ckpt, cc, 4, two.total, working=0, caches=caches)[0].name == "tp2"
+    with pytest.raises(PlanError, match=r"3 GiB conversation caches"):
+        choose_plan(ckpt, cc, 1, one.total, working=0, caches=caches)
+
+
 class _Headers:
     """The real model's tensors as a checkpoint's headers would list them (no data)."""
 

@@ -5,9 +5,10 @@ Per rank: the resident weights (tensor-parallel tensors split over the plan's st
 replicated; quantized tensors as stored, codes and scales, since CUDA keeps them so; float tensors in
 the compute dtype; `--quantize fp8` backbone linears at one byte a weight), the KV cache of the
 longest request (a TI2I prefill of 6290 tokens, the generation config's reasoning budget and the
-largest image, both CFG branches), and the working memory of a 1024x1024 step and VAE decode: 16 GiB,
+largest image, both CFG branches), the working memory of a 1024x1024 step and VAE decode: 16 GiB,
 the peak above the resident weights measured on one H200 for a hybrid4 rank (14.2 GiB,
-docs/benchmarks.md) plus room for the allocator.
+docs/benchmarks.md) plus room for the allocator, and the server's caches of conversations (the prefix
+cache's K/V and the image encodings, each bounded per rank by its flag; they fill up to that bound).
 """
 from __future__ import annotations
 
@@ -31,14 +32,16 @@ class Estimate:
     weights: int
     kv_cache: int
     working: int
+    caches: int = 0          # the conversation caches' bounds (prefix K/V + image encodings)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.working
+        return self.weights + self.kv_cache + self.working + self.caches
 
     def describe(self) -> str:
+        caches = f", {self.caches / GIB:.0f} GiB conversation caches" if self.caches else ""
         return (f"{self.plan}: {self.total / GIB:.0f} GiB per GPU ({self.weights / GIB:.0f} GiB weights, "
-                f"{self.kv_cache / GIB:.1f} GiB KV cache, {self.working / GIB:.0f} GiB working memory)")
+                f"{self.kv_cache / GIB:.1f} GiB KV cache, {self.working / GIB:.0f} GiB working memory{caches})")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -49,7 +52,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def estimate(ckpt: Checkpoint, cc: CheckpointConfig, plan: ParallelPlan, dtype_bytes: int = 2,
-             quantize: str | None = None, working: int = WORKING_BYTES) -> Estimate:
+             quantize: str | None = None, working: int = WORKING_BYTES, caches: int = 0) -> Estimate:
     cfg = cc.model
     weights = 0
     for name, info in ckpt.tensors.items():
@@ -69,12 +72,12 @@ def estimate(ckpt: Checkpoint, cc: CheckpointConfig, plan: ParallelPlan, dtype_b
     tokens = LONGEST_PREFILL + cc.generation.max_new_tokens + image_tokens + 32
     heads = max(1, cfg.num_kv_heads // plan.storage_tp)
     kv = cfg.num_layers * 2 * 2 * heads * tokens * cfg.head_dim * dtype_bytes        # k, v; two CFG rows
-    return Estimate(plan.name, weights, kv, working)
+    return Estimate(plan.name, weights, kv, working, caches)
 
 
 def choose_plan(ckpt: Checkpoint, cc: CheckpointConfig, gpus: int, gpu_bytes: int,
                 quantize: str | None = None, working: int = WORKING_BYTES,
-                dtype_bytes: int = 2) -> tuple[ParallelPlan, Estimate]:
+                dtype_bytes: int = 2, caches: int = 0) -> tuple[ParallelPlan, Estimate]:
     """The plan of the fewest GPUs (1, 2, 4, 8, at most `gpus`) whose per-rank estimate fits `gpu_bytes`;
     PlanError saying what each would need when none does."""
     tried = []
@@ -86,7 +89,7 @@ def choose_plan(ckpt: Checkpoint, cc: CheckpointConfig, gpus: int, gpu_bytes: in
             plan.check_model(cc.model)
         except PlanError:
             continue
-        est = estimate(ckpt, cc, plan, dtype_bytes, quantize, working)
+        est = estimate(ckpt, cc, plan, dtype_bytes, quantize, working, caches)
         if est.total <= gpu_bytes:
             return plan, est
         tried.append(est)

@@ -142,7 +142,7 @@ class EngineServer:
             raise ValueError(f"unknown quantize {quantize!r} (supported: {', '.join(ONLINE_FORMATS)})")
         self.info = ModelInfo.from_folder(model)
         if device.startswith("cuda") and plan is None and world_size is None:
-            plan = fitting_plan(model, dtype, quantize, verbose)
+            plan = fitting_plan(model, dtype, quantize, verbose, (prefix_cache_mb + encoding_cache_mb) << 20)
         self.parallel: ParallelPlan = get_plan(plan, world_size, sp_kind)
         self.parallel.check_model(self.info.cfg)
         self.config = EngineConfig(str(Path(model).resolve()), device, dtype, self.parallel.name, self.parallel.world,
@@ -681,9 +681,11 @@ def gpu_memory() -> list[int]:
     return sizes
 
 
-def fitting_plan(model: str | Path, dtype: str | None, quantize: str | None, verbose: bool) -> str | None:
+def fitting_plan(model: str | Path, dtype: str | None, quantize: str | None, verbose: bool,
+                 cache_bytes: int = 0) -> str | None:
     """On CUDA with neither a plan nor a GPU count given: the plan of the fewest GPUs that fits, from the
-    checkpoint's headers (engine/parallel/fit.py); PlanError saying what each plan needs when none does."""
+    checkpoint's headers (engine/parallel/fit.py), with `cache_bytes` per rank for the conversation caches
+    (the server's; the one-shot CLI keeps none); PlanError saying what each plan needs when none does."""
     from engine.parallel.fit import choose_plan
     from engine.spec.checkpoint import Checkpoint
     from engine.spec.config import CheckpointConfig
@@ -692,7 +694,7 @@ def fitting_plan(model: str | Path, dtype: str | None, quantize: str | None, ver
         return None
     dtype_bytes = 4 if dtype in ("float32", "fp32") else 2
     plan, est = choose_plan(Checkpoint(model), CheckpointConfig.load(model), len(sizes), min(sizes), quantize,
-                            dtype_bytes=dtype_bytes)
+                            dtype_bytes=dtype_bytes, caches=cache_bytes)
     if verbose:
         print(f"engine: {len(sizes)} GPU(s) of {min(sizes) / 2 ** 30:.0f} GiB: plan {est.describe()}", flush=True)
     return plan.name
