@@ -317,7 +317,7 @@ def test_server_serves_a_merged_adapter(served, tiny_dir, adapters):
         EngineServer(tiny_dir, loras=list(adapters.items()), lora_merged=True)
     with EngineServer(tiny_dir, preview_every=0, loras=[("plain", adapters["plain"])], lora_merged=True) as server:
         assert server.wait_ready(300), server.health()
-        assert server.config.lora_slots == 0 and server.adapters() == ["plain"]
+        assert server.config.lora_slots == 0 and server.adapters() == ["plain"] and server.merged_adapter() == "plain"
         got = outcome(list(server.stream(Request(**(REQUEST | dict(lora="plain"))))))
         refused = list(server.stream(Request(**REQUEST)))            # at submit: never queued
         assert [(e.kind, e.param) for e in refused] == [("invalid", "lora")] and "must name it" in refused[0].message
@@ -526,6 +526,37 @@ def test_studio_picker_sends_the_adapter_and_puts_its_errors_on_the_controls(tin
     assert strong == {"lora_scale": "The LoRA strength (lora_scale) must be a number in (0, 4] (got 9)"}
     picker, slider = studio.adapter_picker()
     assert picker["choices"] == [NO_LORA, "plain"] and picker["visible"] and slider["visible"]
+
+
+def test_studio_on_a_merged_engine_offers_only_the_merged_adapter(tiny_dir, tmp_path):
+    """--lora-merged: the engine serves its one adapter at strength 1 and refuses the base model, so the page
+    shows that adapter chosen and fixed, with no strength slider, and the form's check refuses the base model
+    as the engine would (EngineServer.merged_adapter: test_server_serves_a_merged_adapter)."""
+    import dataclasses
+
+    from engine.serve.info import ModelInfo
+    from webui.options import NO_LORA, Settings
+    from webui.studio import Studio, build_studio
+
+    class Client:                      # what the studio asks of a merged engine server
+        def adapters(self) -> list[str]:
+            return ["plain"]
+
+        def merged_adapter(self) -> str | None:
+            return "plain"
+
+    info = ModelInfo.from_folder(tiny_dir)
+    studio = Studio(Client(), info, tmp_path)
+    picker, slider = studio.adapter_picker()
+    assert picker["choices"] == ["plain"] and picker["value"] == "plain" and picker["interactive"] is False
+    assert slider["visible"] is False and slider["value"] == 1.0
+    demo = build_studio(Client(), info, out_dir=tmp_path)
+    (lora,) = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "lora"]
+    assert lora.value == "plain" and not lora.interactive and [c[1] for c in lora.choices] == ["plain"]
+    controls = ("prompt", *Settings.NAMES)
+    s = Settings("image", "auto", 1, False, 2, 5.0, info.presets[0], "", 8, "none", lora.value, 1.0)
+    assert studio.validation("a cat", None, s, controls) == {}
+    assert "must name it" in studio.validation("a cat", None, dataclasses.replace(s, lora=NO_LORA), controls)["lora"]
 
 
 def test_adapter_on_quantized_resident_weights(tmp_path):

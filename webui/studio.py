@@ -194,7 +194,9 @@ class Studio:
             if (msg := check_reference(path)) is not None:
                 problems.setdefault("images", msg)
         try:
-            self.info.validate(build_request(prompt, images, settings, for_check=True), self.adapters())
+            merged = self.merged_adapter()              # an engine with it merged runs it at strength 1 only
+            self.info.validate(build_request(prompt, images, settings, for_check=True), self.adapters(),
+                               None if merged is None else (merged, 1.0))
         except RequestError as e:
             msg = _without_paths(str(e), images)
             problems.setdefault(control_of(e.field, controls), msg[:1].upper() + msg[1:])
@@ -207,8 +209,20 @@ class Studio:
         adapters = getattr(self.client, "adapters", None)
         return adapters() if adapters is not None else []
 
+    def merged_adapter(self) -> str | None:
+        """The adapter the engine folded into its weights (--lora-merged), which every request must name."""
+        merged = getattr(self.client, "merged_adapter", None)
+        return merged() if merged is not None else None
+
     def adapter_picker(self) -> tuple:
-        """The picker's choices and the strength slider, shown when the engine serves adapters."""
+        """The picker's choices and the strength slider, shown when the engine serves adapters. An engine
+        with its adapter merged serves nothing else at any other strength: the picker shows that one,
+        chosen and fixed, and no slider (the base model would be refused after Generate)."""
+        merged = self.merged_adapter()
+        if merged is not None:
+            return (gr.update(choices=[merged], value=merged, visible=True, interactive=False,
+                              info="merged into the weights at start (--lora-merged): every image uses it"),
+                    gr.update(value=1.0, visible=False))
         names = self.adapters()
         return gr.update(choices=[NO_LORA, *names], visible=bool(names)), gr.update(visible=bool(names))
 
@@ -475,12 +489,15 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                     max_new_tokens = lenient(gr.Slider(
                         *MAX_NEW_TOKENS_RANGE, value=clamp(gen.max_new_tokens, MAX_NEW_TOKENS_RANGE), step=1,
                         label="Max new tokens (reasoning length)", elem_id="max-new-tokens"))
-                    adapters = studio.adapters()
-                    lora = lenient(gr.Dropdown([NO_LORA, *adapters], value=NO_LORA, label="LoRA adapter",
-                                               visible=bool(adapters), elem_id="lora"))
+                    adapters, merged = studio.adapters(), studio.merged_adapter()   # as adapter_picker() says
+                    lora = lenient(gr.Dropdown(
+                        [merged] if merged else [NO_LORA, *adapters], value=merged or NO_LORA, label="LoRA adapter",
+                        visible=bool(adapters or merged), interactive=merged is None, elem_id="lora",
+                        info="merged into the weights at start (--lora-merged): every image uses it" if merged else None))
                     lora_scale = lenient(gr.Slider(
                         0.05, LORA_SCALE_RANGE[1], value=1.0, step=0.05, label="LoRA strength", elem_id="lora-scale",
-                        visible=bool(adapters), info="1: as trained; lower tones the adapter down, higher strengthens it."))
+                        visible=bool(adapters) and merged is None,
+                        info="1: as trained; lower tones the adapter down, higher strengthens it."))
         result = gr.State(None)       # the last finished image of this page (the canvas may hold a preview)
         result_seed = gr.State(None)  # its seed, as the engine reported it
         turn_made = gr.State(None)    # the edit tab's finished turn, for its thread (Studio.made)

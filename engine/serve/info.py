@@ -41,6 +41,6 @@ class ModelInfo:
         otherwise (one implementation: `request.prepare`)."""
         return prepare(req, self.gen, self.buckets, adapters, merged)
 
-    def validate(self, req: Request, adapters: Collection[str] = ()) -> None:
+    def validate(self, req: Request, adapters: Collection[str] = (), merged: tuple[str, float] | None = None) -> None:
         """Raise RequestError exactly as the engine would (a form's check before it submits)."""
-        self.prepare(with_seed(req), adapters)
+        self.prepare(with_seed(req), adapters, merged)

@@ -251,6 +251,11 @@ class EngineServer:
             self.config = dataclasses.replace(self.config, loras=check_unload(self.config.loras, name, users))
             self._send_adapter(("adapter", "unload", name, None))
 
+    def merged_adapter(self) -> str | None:
+        """The adapter folded into the weights (--lora-merged): every request runs it; None otherwise."""
+        merged = self._merged()
+        return None if merged is None else merged[0]
+
     def _merged(self) -> tuple[str, float] | None:
         """The adapter folded into the weights and its strength (--lora-merged), or None."""
         return (self.config.loras[0][0], 1.0) if self.config.lora_merged else None
