@@ -119,7 +119,7 @@ def test_interp_bf16_decode_takes_32_rows_batch_invariant(mc_mod, elementwise_do
     args = call_args(t, 1, 2, 3, True)
     x, rest = args[0], args[1:]
     assert moe_cuda.decode_fits(*args)
-    for n in (20, 32):
+    for n in (20,):          # a second token chunk of 4 rows; 32 rows run in the batch invariance below
         a = (x[:n], *rest)
         got = poisoned(moe_cuda.moe_decode, *a, out=torch.full_like(x[:n], float("nan")))
         truth = moe_loop_fp64(*a)

@@ -66,9 +66,9 @@ TIES = ("bf16", "few levels", "-inf padded", "-inf block", "all equal")
 
 @pytest.mark.parametrize("V,ks,chunk,names", [
     (50, (1, 7, 50), 16, None),                                  # every input kind, 4 chunks
-    (3000, (1, 7, 64), 512, TIES),
-    (3000, (1024,), 512, ("few levels", "-inf block")),          # the interpreter sorts slowly
-    (20000, (7, 1024), sampling.TOPK_CHUNK, ("bf16", "-inf padded")),
+    (3000, (1, 64), 512, TIES),
+    (3000, (1024,), 512, ("few levels", "-inf block")),          # the interpreter sorts slowly: few cases
+    (20000, (1024,), sampling.TOPK_CHUNK, ("-inf padded",)),      # the model's k over its padded vocabulary
 ])
 def test_interp_topk_equals_torch(interp, V, ks, chunk, names):
     for name, x in _inputs(V, seed=V).items():
