@@ -59,6 +59,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ns", default="", help="token counts (default 1,2,4,8,16,32)")
     ap.add_argument("--variants", default="", help="comma-separated: batched,decode,grouped (default all)")
     ap.add_argument("--tune", action="store_true", help="sweep batched's tile configs first (MXFP4)")
+    ap.add_argument("--decode-max", type=int, default=LIMIT["decode"],
+                    help="the most rows `decode` is timed at (the registry's GEMV_MAX_TOKENS by default; up to 32)")
+    ap.add_argument("--decode-tb", type=int, default=0, help="the GEMVs' tokens per pass (gemv.DECODE_TB: 2 or 4)")
 
 
 def layer(dims: Dims, fmt: str, seed: int) -> dict:
@@ -122,7 +125,8 @@ def timed(dims: Dims, fns: list) -> float:
     return time_ms(step, "wall", n=1, warmup=0) if dims.dry else time_ms(step, "graph")
 
 
-def fmt_rows(dims: Dims, fmt: str, nlayers: int, ns: list[int], names: list[str], rows: list, out: Output) -> bool:
+def fmt_rows(dims: Dims, fmt: str, nlayers: int, ns: list[int], names: list[str], rows: list, out: Output,
+             limits: dict) -> bool:
     t0 = time.time()
     layers = [layer(dims, fmt, 100 * i + 7) for i in range(nlayers)]
     out.say(f"{fmt}: {nlayers} layers made ({time.time() - t0:.0f} s)")
@@ -132,7 +136,7 @@ def fmt_rows(dims: Dims, fmt: str, nlayers: int, ns: list[int], names: list[str]
         experts = [touched(lay, n, dims) for lay in layers]
         floor_ms = sum(floor_bytes(fmt, e, dims) for e in experts) / PEAK_BW * 1e3
         for name in names:
-            limit = 32 if fmt == "bf16" and name == "decode" else LIMIT[name]      # bf16: the `moe` op's decode
+            limit = 32 if fmt == "bf16" and name == "decode" else limits[name]      # bf16: the `moe` op's decode
             if n > limit or (fmt == "bf16" and name == "batched"):
                 continue
             fn = variant_fn(fmt, name)
@@ -189,10 +193,15 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         out.say(f"moe_quant's variants on CUDA bf16, in order: {out.data['variants']}")
     if args.tune:
         out.data["tune"] = tune(dims, out)
+    limits = dict(LIMIT, decode=min(args.decode_max, 32))
+    if args.decode_tb:
+        from kernels.quant import gemv
+        gemv.DECODE_TB = args.decode_tb          # read at each launch (its token bucket, a constexpr)
+        out.say(f"decode's tokens per pass: {args.decode_tb}")
     rows: list[dict] = []
     ok = True
     for fmt in fmts:
-        ok &= fmt_rows(dims, fmt, min(nlayers, 16) if fmt == "bf16" else nlayers, ns, names, rows, out)
+        ok &= fmt_rows(dims, fmt, min(nlayers, 16) if fmt == "bf16" else nlayers, ns, names, rows, out, limits)
     out.data["rows"] = rows
     out.table(rows, [Col("format", "fmt"), Col("variant", "variant"), Col("N", "n"), Col("ms/step", "ms", ".3f"),
                      Col("us/layer", "us_layer", ".1f"), Col("experts/layer", "experts", ".1f"),
