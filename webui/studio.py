@@ -171,6 +171,9 @@ def _without_paths(message: str, paths: list[str]) -> str:
     return message
 
 
+MERGED_INFO = "merged into the weights at start (--lora-merged): every image uses it"
+
+
 class Studio:
     """The handlers behind the page, bound to one engine client and one model."""
 
@@ -214,17 +217,22 @@ class Studio:
         merged = getattr(self.client, "merged_adapter", None)
         return merged() if merged is not None else None
 
-    def adapter_picker(self) -> tuple:
-        """The picker's choices and the strength slider, shown when the engine serves adapters. An engine
-        with its adapter merged serves nothing else at any other strength: the picker shows that one,
-        chosen and fixed, and no slider (the base model would be refused after Generate)."""
+    def picker_fields(self) -> tuple[dict, dict]:
+        """The adapter picker's and the strength slider's properties, shown when the engine serves
+        adapters (the page's build and its refresh both take them from here). An engine with its adapter
+        merged serves nothing else at any other strength: the picker shows that one, chosen and fixed, and
+        no slider (the base model would be refused after Generate)."""
         merged = self.merged_adapter()
         if merged is not None:
-            return (gr.update(choices=[merged], value=merged, visible=True, interactive=False,
-                              info="merged into the weights at start (--lora-merged): every image uses it"),
-                    gr.update(value=1.0, visible=False))
+            return (dict(choices=[merged], value=merged, visible=True, interactive=False, info=MERGED_INFO),
+                    dict(value=1.0, visible=False))
         names = self.adapters()
-        return gr.update(choices=[NO_LORA, *names], visible=bool(names)), gr.update(visible=bool(names))
+        return dict(choices=[NO_LORA, *names], visible=bool(names)), dict(visible=bool(names))
+
+    def adapter_picker(self) -> tuple:
+        """The picker and the slider as updates (adapters loaded or unloaded since the page was built)."""
+        picker, slider = self.picker_fields()
+        return gr.update(**picker), gr.update(**slider)
 
     def validator(self, names: tuple[str, ...]) -> Callable[..., list[dict]]:
         def validate(*values: Any) -> list[dict]:
@@ -489,14 +497,11 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                     max_new_tokens = lenient(gr.Slider(
                         *MAX_NEW_TOKENS_RANGE, value=clamp(gen.max_new_tokens, MAX_NEW_TOKENS_RANGE), step=1,
                         label="Max new tokens (reasoning length)", elem_id="max-new-tokens"))
-                    adapters, merged = studio.adapters(), studio.merged_adapter()   # as adapter_picker() says
-                    lora = lenient(gr.Dropdown(
-                        [merged] if merged else [NO_LORA, *adapters], value=merged or NO_LORA, label="LoRA adapter",
-                        visible=bool(adapters or merged), interactive=merged is None, elem_id="lora",
-                        info="merged into the weights at start (--lora-merged): every image uses it" if merged else None))
+                    picker, slider = studio.picker_fields()
+                    lora = lenient(gr.Dropdown(**{"value": NO_LORA, **picker}, label="LoRA adapter", elem_id="lora"))
                     lora_scale = lenient(gr.Slider(
-                        0.05, LORA_SCALE_RANGE[1], value=1.0, step=0.05, label="LoRA strength", elem_id="lora-scale",
-                        visible=bool(adapters) and merged is None,
+                        0.05, LORA_SCALE_RANGE[1], **{"value": 1.0, **slider}, step=0.05, label="LoRA strength",
+                        elem_id="lora-scale",
                         info="1: as trained; lower tones the adapter down, higher strengthens it."))
         result = gr.State(None)       # the last finished image of this page (the canvas may hold a preview)
         result_seed = gr.State(None)  # its seed, as the engine reported it
