@@ -6,6 +6,9 @@ GPU (`-m gpu`): each variant against its reference at the model's shapes (hidden
 32 query / 8 KV heads of 128), the registry asserted to have run it, a captured decode step replayed at new
 lengths. Where CUDA is there but FlashInfer is not, the GPU tests skip, or fail with
 HUNYUAN_REQUIRE_FLASHINFER=1 (the GPU machine's run: `bash bench/device_run.sh flashinfer`).
+The bench's FlashInfer side of the `moe` op (bench/suites/flashinfer.py FiMoe: `cutlass_fused_moe`, the
+shared MLP as one more expert) against our reference, bf16 and FP8, where its module is built (its JIT
+build takes over 9 minutes, so the test never starts it: it skips, even with HUNYUAN_REQUIRE_FLASHINFER=1).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from test_kernels_decode_attention import naive
 
 import kernels
 from kernels import _flashinfer, decode_attention as da, norm, sampling
+from kernels.moe import moe_reference
 from kernels.registry import candidates
 
 HIDDEN, VOCAB, HQ, HKV, HEAD_DIM = 4096, 133120, 32, 8, 128
@@ -198,3 +202,26 @@ def test_gpu_flashinfer_decode_graph_replays_at_new_lengths(fi):
     assert torch.equal(out, call("decode_attention", q, k, v, length))
     ref = da.decode_attention_ref(q, k, v, length)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt,tol", [("bf16", 1e-2), ("fp8", 1e-1)])
+@pytest.mark.parametrize("n", [1, 37])
+def test_gpu_flashinfer_fused_moe_is_our_moe(fi, fmt, tol, n):
+    """Router + 8 routed experts + the shared MLP on micro 1 of 2 (the AR phase's single micro), at H 4096
+    and I 768 with 16 experts: a swapped gate/up order or a dropped shared expert is far outside `tol`."""
+    from bench.checks import rel_err
+    from bench.suites import flashinfer as suite
+    from bench.suites.kernels_moe import Dims
+    if not suite.moe_built():
+        pytest.skip("FlashInfer's fused MoE module is not built: bash bench/flashinfer_install.sh warm-bg moe")
+    dims = Dims(False)
+    dims.E = 16
+    inter, micros, ms, mc = dims.decode
+    w = dims.weights(inter, micros, seed=n)[0]
+    x = dims.tokens_of(n, seed=n + 1)
+    want = moe_reference(*dims.args(x, w, ms, mc))
+    got = suite.FiMoe(w, ms, inter, dims.K, n, fmt, x)(x)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert rel_err(got, want) < tol, rel_err(got, want)

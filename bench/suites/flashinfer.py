@@ -13,8 +13,16 @@ hidden 4096; decode_attention at 1, 4, 16 rows of 2001 keys (a 1251-token prompt
 scale, what the op contracts rule out: FlashInfer's in-place fused add + RMSNorm, and its own batched
 sampler (one call for all rows, its own RNG) against our one-row op called once a row. `first call s`:
 the first call of each FlashInfer family in this process (its JIT compile where the cache is cold).
-Not here: RoPE (ours fuses the q/k norm and the cache write, FlashInfer's rotates only) and the CUTLASS
-fused MoE (its JIT build outlasted two 9-minute calls, issue 32).
+MoE (the AR phase of a hybrid4 rank: TP4, one micro of I 768 of the two resident, H 4096, 64 experts,
+top-8, the shared MLP; N = 1, 16 decode tokens and a 1251-token prefill), where FlashInfer's module is built
+(`bash bench/flashinfer_install.sh warm-bg moe`: its JIT build takes over 9 minutes; skipped with a note
+otherwise): our `moe` op (router + routed experts + shared MLP, fp32 finalize) against the same computation
+on FlashInfer's side, our router (PyTorch) then `cutlass_fused_moe` with the shared MLP as a 65th expert that
+every token takes with weight 1 (top-9), and that call alone; FlashInfer's tactics are its heuristic's, then
+the autotuned ones. The FP8 rows: our `moe_quant` fp8 (W8A8, weights per output channel, activations per
+row) against FlashInfer's per-tensor FP8 (weights per expert, activations on a static scale), both checked
+against the bf16 reference: not the same recipe, the same work. Not here: RoPE (ours fuses the q/k norm and
+the cache write, FlashInfer's rotates only).
 Writes flashinfer.json, flashinfer.txt and flashinfer.md (the markdown table for docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -26,9 +34,13 @@ import torch
 
 import kernels
 from kernels import _flashinfer, decode_attention as da, norm, sampling
+from kernels.moe import moe_reference, route, swiglu_halves
+from kernels.quant import QWeight, quantize_fp8_rows
 
 from .. import variants
+from ..checks import compare
 from ..report import Col, Output
+from .kernels_moe import Dims
 from .kernels_ops import us, verdict
 
 DRY = True
@@ -37,6 +49,8 @@ HIDDEN, VOCAB, HQ, HKV, HEAD_DIM = 4096, 133120, 32, 8, 128
 NORM_ROWS = (1, 4, 16, 1251, 4098)
 DECODE_ROWS = (1, 4, 16)
 CACHE, KEYS = 2048, 1251 + 750
+MOE_TOKENS = (1, 16, 1251)
+MOE_TOL = {"bf16": 1e-2, "fp8": 1e-1}          # relative error against the bf16 reference (E4M3: 3 mantissa bits)
 FI = _flashinfer.NAME
 
 
@@ -179,6 +193,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     else:
         decodes(rows, dev, DECODE_ROWS, CACHE, KEYS, HQ, HKV, HEAD_DIM, fi_on, first)
     samples(rows, dev, V, k, 3 if args.dry else args.seeds, fi_on, first)
+    moes(rows, args.dry, fi_on, first, out)
     out.data.update(rows=rows, first_call_s=first)
     out.table(rows, COLS)
     if first:
@@ -189,3 +204,134 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     if bad:
         out.say(f"{len(bad)} row(s) differ from the reference")
     return not bad
+
+
+# ---- MoE: our `moe` / `moe_quant` op against FlashInfer's CUTLASS fused MoE ---------------------------------
+
+def moe_built() -> bool:
+    """FlashInfer's SM90 CUTLASS fused MoE module is in the JIT cache (a first call would build it: 9+ min)."""
+    from flashinfer.jit import env
+    return (env.FLASHINFER_JIT_DIR / "fused_moe_90" / "fused_moe_90.so").exists()
+
+
+def fp8_per_row(w: torch.Tensor) -> QWeight:
+    """Our fp8 format: E4M3 with a scale per output channel (row)."""
+    return QWeight("fp8", *quantize_fp8_rows(w))
+
+
+def fp8_per_matrix(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, r, c] -> E4M3 codes and one fp32 scale per expert [E] (FlashInfer's per-tensor FP8 weights)."""
+    codes, scale = quantize_fp8_rows(w.reshape(w.shape[0], -1))
+    return codes.view(w.shape), scale.view(-1).contiguous()
+
+
+class FiMoe:
+    """FlashInfer's side of the `moe` op on one micro: its expert packs are ours with the shared MLP as one
+    more expert (gate/up rows in our order, first half linear, second half through SiLU, which is also
+    `cutlass_fused_moe`'s: it computes act(rows I..2I) * rows 0..I), made once as the engine would at load."""
+
+    def __init__(self, w: dict, ms: int, inter: int, K: int, n: int, fmt: str, x: torch.Tensor):
+        self.fi, self.K, self.fmt, self.gate = _flashinfer.lib(), K, fmt, w["gate"]
+        assert w["shared_w1"].shape[1] == 2 * inter, "the shared MLP as one more expert needs its I to be theirs"
+        cols = slice(ms * inter, (ms + 1) * inter)
+        w1 = torch.cat([w["w1"][ms], w["shared_w1"][ms][None]])                          # [E+1, 2I, H]
+        w2 = torch.cat([w["w2"][:, :, cols], w["shared_w2"][:, cols][None]]).contiguous()  # [E+1, H, I]
+        self.scales: list[torch.Tensor] = []
+        if fmt == "fp8":
+            # static activation scales, calibrated on this input as a checkpoint's would be on real data
+            self.x_scale = x.float().abs().amax() / 448
+            h = torch.nn.functional.linear(x, w1.reshape(-1, w1.shape[-1])).view(x.shape[0], -1, 2 * inter)
+            a_scale = swiglu_halves(h).float().abs().amax() / 448
+            (w1, s1), (w2, s2) = fp8_per_matrix(w1), fp8_per_matrix(w2)
+            # quant_scales (FlashInfer 0.7.4, per-tensor FP8): GEMM1 dequant [E], GEMM2 input quant (0-dim),
+            # GEMM2 dequant [E], GEMM1 input dequant (0-dim)
+            self.scales = [s1 * self.x_scale, 1 / a_scale, s2 * a_scale, self.x_scale.clone()]
+        self.w1, self.w2 = w1, w2
+        E1, dev = w1.shape[0], x.device
+        self.out = torch.empty(n, w2.shape[1], dtype=torch.bfloat16, device=dev)
+        self.shared_id = torch.full((n, 1), E1 - 1, dtype=torch.int32, device=dev)
+        self.shared_p = torch.ones(n, 1, device=dev)
+        wdt = torch.float8_e4m3fn if fmt == "fp8" else torch.bfloat16
+        size = self.fi.cutlass_fused_moe_workspace_size(n, w2.shape[1], inter, E1, K + 1, x_dtype=wdt, weight_dtype=wdt,
+                                                        device=dev)
+        self.ws = torch.empty(size, dtype=torch.uint8, device=dev)      # no allocation per call: graphs capture it
+
+    def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Our router (the reference's PyTorch ops), the shared expert appended; x quantized where FP8."""
+        p, idx = route(x, self.gate, self.K, True)
+        ids = torch.cat([idx.int(), self.shared_id], dim=1)
+        xin = (x.float() / self.x_scale).to(torch.float8_e4m3fn) if self.fmt == "fp8" else x
+        return xin, ids, torch.cat([p, self.shared_p], dim=1)
+
+    def experts(self, xin, ids, p) -> torch.Tensor:
+        return self.fi.cutlass_fused_moe(xin, ids, p, self.w1, self.w2, torch.bfloat16, self.scales,
+                                         output=self.out, tune_max_num_tokens=2048, workspace_buffer=self.ws)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(*self.routing(x))
+
+
+def moe_check(got: torch.Tensor, want: torch.Tensor, fmt: str) -> str:
+    c = compare(got, want, MOE_TOL[fmt])
+    return f"{'ok' if c.ok else 'FAIL'} (rel err {c.err:.1e})"
+
+
+def moe_case(rows: list, dims: Dims, n: int, fmt: str, w: dict, pack: dict, fi_on: bool, first: dict) -> None:
+    """One N and format: ours (the `moe` op, or `moe_quant` on `pack`'s fp8 experts), then FlashInfer's
+    router + experts (its heuristic's tactics, then autotuned ones) and its experts alone; each side checked
+    against the bf16 reference first."""
+    inter, _, ms, mc = dims.decode
+    x = dims.tokens_of(n, 40 + n)
+    want = moe_reference(*dims.args(x, w, ms, mc))
+    op = "moe_quant" if fmt == "fp8" else "moe"
+    args = dims.args(x, pack, ms, mc)
+    ours = lambda: kernels.call(op, *args)  # noqa: E731
+    got = ours()
+    shape = f"N{n} H{dims.H} E{dims.E} top-{dims.K} I{inter}"
+    main = dict(op=f"{op} {fmt}: router + routed + shared MLP", shape=shape, ours=kernels.chosen(op),
+                ours_check=moe_check(got, want, fmt), ours_us=us(ours, "events"),
+                ours_graph_us=us(ours, "graph"))
+    rows.append(main)
+    if not fi_on:
+        return
+    try:             # FlashInfer's side never fails the suite: its error is a row
+        fi_moe_rows(rows, main, FiMoe(w, ms, inter, dims.K, n, fmt, x), x, want, fmt, shape, first)
+    except Exception as e:  # noqa: BLE001
+        rows.append(dict(op=f"FlashInfer moe {fmt} failed: {type(e).__name__}: {e}"[:240], shape=shape))
+
+
+def fi_moe_rows(rows: list, main: dict, fm: FiMoe, x, want, fmt: str, shape: str, first: dict) -> None:
+    _first_call(first, "moe", lambda: fm(x))
+    full = lambda: fm(x)  # noqa: E731
+    routed = fm.routing(x)
+    alone = lambda: fm.experts(*routed)  # noqa: E731
+    main.update(fi_check=moe_check(full().clone(), want, fmt), fi_us=us(full, "events"),
+                fi_graph_us=us(full, "graph"))
+    rows.append(dict(op=f"FlashInfer cutlass_fused_moe {fmt} alone (routing given: 65 experts, top-9)", shape=shape,
+                     fi_us=us(alone, "events"), fi_graph_us=us(alone, "graph")))
+    t0 = time.perf_counter()
+    with fm.fi.autotune(True):       # its autotuner profiles the tactics for this N once; later calls use them
+        full()
+    torch.cuda.synchronize()
+    first[f"moe {fmt} autotune N{x.shape[0]}"] = time.perf_counter() - t0
+    rows.append(dict(op=f"{main['op']}, FlashInfer autotuned", shape=shape,
+                     **{k: main[k] for k in ("ours", "ours_us", "ours_graph_us")},
+                     fi_check=moe_check(full().clone(), want, fmt), fi_us=us(full, "events"),
+                     fi_graph_us=us(full, "graph")))
+    rows.append(dict(op=f"FlashInfer cutlass_fused_moe {fmt} alone, autotuned", shape=shape,
+                     fi_us=us(alone, "events"), fi_graph_us=us(alone, "graph")))
+
+
+def moes(rows: list, dry: bool, fi_on: bool, first: dict, out: Output) -> None:
+    """The AR single-micro MoE rows (FlashInfer's side only where its module is built)."""
+    if fi_on and not moe_built():
+        out.say("FlashInfer's fused MoE is not built (fused_moe_90 not in its JIT cache): MoE rows on our side "
+                "only; build it with bash bench/flashinfer_install.sh warm-bg moe, then wait")
+        fi_on = False
+    dims = Dims(dry)
+    inter, micros, _, _ = dims.decode
+    w = dims.weights(inter, micros, seed=5)[0]
+    fp8 = {k: fp8_per_row(w[k]) for k in ("w1", "w2", "shared_w1", "shared_w2")}
+    for fmt, pack in (("bf16", w), ("fp8", {**w, **fp8})):
+        for n in (1, 5) if dry else MOE_TOKENS:
+            moe_case(rows, dims, n, fmt, w, pack, fi_on, first)
