@@ -20,6 +20,8 @@
 #   replicas       suite replicas on CUDA: 8 clients, one engine vs two Ray Serve replicas on the one GPU
 #   replicas-autoscale  suite replicas-autoscale on CUDA: the autoscaler takes 1 -> 2 replicas on the one GPU
 #                  under 6 clients, and back to 1 once they stop
+#                  (both first install the carried Ray Serve bundle, bench/replicas_install.sh: carry
+#                  .rw/parts/rw-site.manifest and the parts, one a call on the warm machine, as prepare prints)
 #   eval           the embedded model's accuracy on CUDA (train.evaluate, seed 2, 100 + 100)
 #   flashinfer     installs the carried FlashInfer (bench/flashinfer_install.sh: carry .fi/parts), waits up to
 #                  FI_WAIT (60) s for the JIT builds flashinfer-bg started (else builds its four families, 240 s),
@@ -109,10 +111,18 @@ for section in "$@"; do
       done ;;
     studio)
       suite studio 300 studio --app-args="--device cuda" ;;
-    replicas)     # needs ray[serve] (pip install -e '.[replicas]'): one engine vs two replicas sharing the GPU
-      suite replicas 590 replicas --app-args="--device cuda" --gpus-per-replica 0.5 --clients 8 --requests 32 ;;
+    replicas)     # ray[serve] from the carried bundle: one engine vs two replicas sharing the GPU
+      if source bench/replicas_install.sh install; then
+        suite replicas 590 replicas --app-args="--device cuda" --gpus-per-replica 0.5 --clients 8 --requests 32
+      else
+        echo "=== replicas: Ray Serve not installed (carry .rw/parts: bash bench/replicas_install.sh prepare)"
+      fi ;;
     replicas-autoscale)   # Ray Serve's autoscaler, 1 -> 2 replicas sharing the GPU -> 1, as /health reports it
-      suite replicas_autoscale 590 replicas-autoscale --app-args="--device cuda --gpus-per-replica 0.5" ;;
+      if source bench/replicas_install.sh install; then
+        suite replicas_autoscale 590 replicas-autoscale --app-args="--device cuda --gpus-per-replica 0.5"
+      else
+        echo "=== replicas-autoscale: Ray Serve not installed (carry .rw/parts: bash bench/replicas_install.sh prepare)"
+      fi ;;
     eval)
       run eval_cuda 330 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 \
         --n 100 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda.json" ;;
