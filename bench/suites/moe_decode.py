@@ -39,7 +39,7 @@ from .kernels_quant import BITS, PEAK_BW, tol
 DRY = True
 BF16 = torch.bfloat16
 FUNCS = {"batched": "moe_quant_batched", "decode": "moe_quant_decode", "grouped": "moe_quant_grouped"}
-LIMIT = {"batched": 32, "decode": 8, "grouped": 1 << 30}
+LIMIT = {"batched": 32, "decode": 16, "grouped": 1 << 30}
 SHARED = {"mxfp4": "mxfp8"}            # the MXFP4-mixed build's shared MLP; the others keep their format
 
 
@@ -60,7 +60,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--variants", default="", help="comma-separated: batched,decode,grouped (default all)")
     ap.add_argument("--tune", action="store_true", help="sweep batched's tile configs first (MXFP4)")
     ap.add_argument("--decode-max", type=int, default=LIMIT["decode"],
-                    help="the most rows `decode` is timed at (the registry's GEMV_MAX_TOKENS by default; up to 32)")
+                    help="the most rows `decode` is timed at (default 16, the registry's most; up to 32)")
     ap.add_argument("--decode-tb", type=int, default=0, help="the GEMVs' tokens per pass (gemv.DECODE_TB: 2 or 4)")
 
 

@@ -1,18 +1,21 @@
 """The CUDA variants of the `moe_quant` op (definition and reference: moe.py), preferred in this order:
 
-  decode   N <= GEMV_MAX_TOKENS (8, the CUDA server's --max-batch): each token on its own (batch invariant),
+  decode   N <= GEMV_MAX_TOKENS (16; FP8 8): each token on its own (batch invariant),
            reads only the chosen experts' quantized bytes, on gemv.py's GEMVs (no tensor cores, fp32 FMA on the codes as loaded, activations prepared once);
            for fp8 the activations are quantized and dequantized per row first, a down row over all its
            micros (the same numbers as W8A8 up to one bf16 rounding). Its cost grows with every (token,
            expert) pair, not with the experts touched (issue 31's figures).
-  batched  9 <= N <= BATCHED_MAX_TOKENS (32): expert-major, each touched expert's weight tile read once for every token routed to it (one program per micro, expert and row tile, its
+  batched  N <= BATCHED_MAX_TOKENS (32), after decode: expert-major, each touched expert's weight tile read once for every token routed to it (one program per micro, expert and row tile, its
            tokens gathered from the routing on the device, 16 per MMA on the dequantized bf16 tile:
            triton_kernels.py's `edecode_*`); the shared MLP (quantized or float) on the same kernels on a
            side stream. Batch invariant: tile shapes, K steps and the router's tiles are the same for
            every N, so a token's output is bitwise the same alone or with up to 31 others.
            Measured 2026-12-02 on one H200 (python -m bench moe-decode --quick, 8 layers in one graph), MXFP4:
            2.56 ms at N=1 and 11.3 at 8 against decode's 0.84 and 6.41, 15.1 at 16 (7.0x the touched-experts
-           floor): so it comes after `decode` until it is tuned (its --tune sweep) and the server stays at 8.
+           floor); no tile config of its --tune sweep does better. So it comes after `decode` and serves
+           17..32 rows (FP8: 9..32), where it is the faster (GEMV_MAX_TOKENS below). The two round
+           differently: a server batch that stays within GEMV_MAX_TOKENS (CUDA --max-batch 8) keeps every
+           request's tokens independent of its company.
   grouped  every N: routing and permutation as `moe`'s grouped path (moe/cuda.py), the expert GEMMs on
            triton_kernels.py's grouped GEMMs, or torch._scaled_grouped_mm for fp8 (GEMM1's rows
            quantized once for every micro), the down GEMM on the strided column block of the pack
@@ -59,7 +62,11 @@ def _run(path, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, 
     return path(x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
 
 
-GEMV_MAX_TOKENS = 8                         # the GEMV decode's sizes (its cost grows with every token)
+# The GEMV decode's sizes per expert format; `batched` takes the rest up to 32. Measured 2026-12-02 on one H200
+# (python -m bench moe-decode --quick --ns 1,8,16,32 --decode-max 32, 8 layers in one graph), ms at N = 16 /
+# 32, decode vs batched: MXFP4 11.3 / 19.5 vs 15.0 / 17.6; NVFP4 12.9 / 22.0 vs 21.2 / 23.9; MXFP8 11.7 / 20.6
+# vs 13.0 / 15.1; FP8 15.9 / 30.1 vs 11.6 / 13.4 (at 8: 8.50 vs 8.43).
+GEMV_MAX_TOKENS = {"mxfp4": 16, "nvfp4": 16, "mxfp8": 16, "fp8": 8}
 BATCHED_MAX_TOKENS = tk.DECODE_ROUTER_ROWS    # the batched decode's: the decode router's one program
 
 
@@ -77,7 +84,7 @@ def batched_fits(x, gate, w1, w2, shared_w1, shared_w2, *args, **kwargs) -> bool
 
 def decode_fits(x, gate, w1, w2, shared_w1, shared_w2, *args, **kwargs) -> bool:
     """Decode-sized, and the shared MLP quantized in both linears or in neither (the GEMVs' pairing)."""
-    return x.shape[0] <= GEMV_MAX_TOKENS and _shared_paired(shared_w1, shared_w2)
+    return x.shape[0] <= GEMV_MAX_TOKENS.get(w1.fmt, 8) and _shared_paired(shared_w1, shared_w2)
 
 
 @backend("moe_quant", "decode", dtypes=(torch.bfloat16,), available=moe_available, fits=decode_fits)
