@@ -28,7 +28,10 @@
 #                  its variants' GPU tests (failing, not skipping, where it does not import), suite flashinfer
 #                  (ours vs FlashInfer per op; the MoE rows where its fused MoE is built)
 #   flashinfer-bg  installs it and starts the JIT builds of all five families (the fused MoE: 9+ min) in the
-#                  background, at nice 10; they go on after the call (run flashinfer in a later call)
+#                  background, at nice 10; they go on after the call (run flashinfer in a later call). On
+#                  2026-12-02 the top-k and fused-MoE builds were still going after 16 min: once built, save them
+#   flashinfer-save  the built modules as the aot bundle's parts under $OUT (copy them into .fi/parts here:
+#                  later calls and sessions carry them and load the modules without building)
 #   lora           the LoRA GPU test (graph steps per LoRA mode; no adapter and two adapters in one decode and
 #                  one denoise batch), then suite lora (a hybrid4 rank's DiT step: rank-32 adapter unmerged, one
 #                  slot and per row (the batched path), vs none vs merged weights; the decode step per mode)
@@ -141,6 +144,8 @@ for section in "$@"; do
       else
         echo "=== flashinfer-bg: not installed (carry .fi/parts: bench/flashinfer_install.sh)"
       fi ;;
+    flashinfer-save)
+      bash bench/flashinfer_install.sh wait 0; bash bench/flashinfer_install.sh save ;;
     lora)
       tests lora_tests 300 -s tests/test_lora.py -k cuda
       run lora 590 python3 -m bench lora ;;

@@ -14,6 +14,9 @@
 #                                                # own session at nice 10 and returns; they go on across calls
 #   bash bench/flashinfer_install.sh wait [seconds]    # there: waits (default 0 s) for every family started,
 #                                                # prints each one's rc and seconds, tails the failed logs
+#   bash bench/flashinfer_install.sh save        # there, after the builds: the built modules as the `aot`
+#                                                # bundle's parts under $OUT; copied here into .fi/parts, later
+#                                                # calls (and sessions) carry them and build nothing
 #
 # Bundles. site: flashinfer-python 0.7.4 and what it imports that the GPU image lacks (apache-tvm-ffi, cuda-tile,
 # nccl4py; the image has torch, numpy, ninja, einops, click, tabulate, tqdm, requests, nvidia-ml-py,
@@ -28,6 +31,9 @@
 # gen_cutlass_fused_moe_module: its sources and include dirs are csrc/fused_moe/cutlass_backend and
 # csrc/nv_internal, which also holds the DeepGEMM headers it compiles at run time); the CUTLASS instantiations
 # it generates come from flashinfer/jit/gemm (Python, in site). ~4 MB of sources, <1 MB as xz.
+# aot: the modules built on the GPU machine (`save`), each as flashinfer/data/aot/<name>/<name>.so, the
+# path FlashInfer 0.7 loads a module from without building it (flashinfer/jit/env.py get_aot_artifacts):
+# JIT-built once (the top-k and fused-MoE modules took more than 16 minutes), carried from then on.
 # Parts are PART_MB (30) MB at most, so a call can carry them beside the tree.
 #
 # On the GPU machine each call runs in a fresh copy of the tree, but ignored paths already there stay while
@@ -37,7 +43,7 @@
 FI_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 FI_DIR=$FI_ROOT/.fi
 FI_WARM=$FI_DIR/warm
-FI_BUNDLES=(site moe)
+FI_BUNDLES=(site moe aot)
 FI_WHEELS=(flashinfer-python==0.7.4 apache-tvm-ffi==0.1.15.post2 cuda-tile==1.7.0 nccl4py==0.6.0)
 
 fi_whole() {   # fi_whole BUNDLE: the bundle's parts are there and make the file its sha256 names
@@ -48,7 +54,7 @@ fi_whole() {   # fi_whole BUNDLE: the bundle's parts are there and make the file
 
 fi_prepare() {
   local py=${PYTHON:-python3} b
-  [ $# -gt 0 ] || set -- "${FI_BUNDLES[@]}"
+  [ $# -gt 0 ] || set -- site moe             # (aot is made on the GPU machine: `save`)
   mkdir -p "$FI_DIR/wheels" "$FI_DIR/parts" || return 1
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
@@ -105,7 +111,8 @@ fi_install() {   # each bundle carried is unpacked once (its sha256 recorded in 
   for b in "${FI_BUNDLES[@]}"; do
     want=$(cat "$FI_DIR/parts/fi-$b.sha256" 2>/dev/null) || {
       [ "$b" = site ] && { echo "no .fi/parts/fi-site.sha256: carry .fi/parts"; return 1; }
-      [ -f "$FI_DIR/site/.$b.sha256" ] || echo "fi-$b: not carried (its families will not build)"; continue; }
+      [ -f "$FI_DIR/site/.$b.sha256" ] || [ "$b" = aot ] || echo "fi-$b: not carried (its families will not build)"
+      continue; }
     [ "$(cat "$FI_DIR/site/.$b.sha256" 2>/dev/null)" = "$want" ] && continue
     if ! fi_whole "$b"; then
       echo "the parts under .fi/parts do not make fi-$b.tar.xz (one missing?):"; ls -l "$FI_DIR/parts"; return 1
@@ -120,6 +127,24 @@ with tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz") as t:
   done
   fi_env
   (cd "$FI_ROOT" && python3 -c 'import flashinfer, kernels._flashinfer as f; print("flashinfer", flashinfer.__version__, "offered:", f.available())')
+}
+
+fi_save() {   # the JIT-built modules (.fi/ws/.../<name>/<name>.so) as the aot bundle, in parts under $OUT
+  local out=${OUT:?save writes under \$OUT} so n aot=$FI_DIR/build/site/flashinfer/data/aot
+  rm -rf "$FI_DIR/build" && mkdir -p "$aot" || return 1
+  while read -r so; do
+    n=$(basename "$so" .so)
+    [ "$(basename "$(dirname "$so")")" = "$n" ] || continue        # a module's library, not a helper object
+    mkdir -p "$aot/$n" && cp "$so" "$aot/$n/" && echo "aot: $n ($(du -h "$so" | cut -f1))"
+  done < <(find "$FI_DIR/ws" -name '*.so')
+  [ -n "$(ls -A "$aot")" ] || { echo "aot: no built module under .fi/ws"; return 1; }
+  tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -C "$FI_DIR/build" -cf - site \
+    | xz -6 -T0 > "$FI_DIR/fi-aot.tar.xz" || return 1
+  sha256sum "$FI_DIR/fi-aot.tar.xz" | cut -d' ' -f1 > "$out/fi-aot.sha256"
+  split -b 15m "$FI_DIR/fi-aot.tar.xz" "$out/fi-aot.tar.xz.part-"     # $OUT brings back files of 16 MB at most
+  rm -rf "$FI_DIR/build"
+  ls -l "$out"/fi-aot.*
+  echo "here: cp <files_at>/fi-aot.* .fi/parts/ (then carry .fi/parts)"
 }
 
 # The smallest call of each family that builds it (a built family loads from .fi/ws at once).
@@ -195,6 +220,7 @@ case "${1:-}" in
     fi_start 0 "$@" && fi_wait "${FI_BUILD_TIMEOUT:-240}" ;;     # (what is not built by then goes on building)
   warm-bg) shift; [ $# -gt 0 ] || set -- "${FI_ALL[@]}"; fi_start "${FI_NICE:-10}" "$@" ;;
   wait) fi_wait "${2:-0}" ;;
-  *) echo "usage: bash bench/flashinfer_install.sh prepare [bundle...]|warm [family...]|warm-bg [family...]|wait [s],"\
+  save) fi_save ;;
+  *) echo "usage: bash bench/flashinfer_install.sh prepare [bundle...]|warm [family...]|warm-bg [family...]|wait [s]|save,"\
           "source bench/flashinfer_install.sh install"; false ;;
 esac
