@@ -197,7 +197,8 @@ class EngineReplica:
                 try:
                     self.server.load_adapter(name, folder)
                 except (ValueError, OSError) as e:
-                    self.adapter_errors[name] = str(e)
+                    # /health shows it to anyone: the folder by its name, not the server's path
+                    self.adapter_errors[name] = str(e).replace(str(folder), Path(folder).name)
         self._adapters_epoch = epoch
 
     def __del__(self) -> None:       # Ray Serve's graceful stop (scale down, shutdown): free the GPUs
