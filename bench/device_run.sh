@@ -7,6 +7,7 @@
 #   gemms          suites gemm1, grouped-layout (the grouped MoE GEMMs' kernels and layouts)
 #   quant          suites kernels-quant --quick, kernels-quant --decode, decode-parts
 #   moe-decode     the batched decode MoE's GPU tests, then suite moe-decode (N = 1..32, every format)
+#   moe-scaled     the batched decode MoE on tl.dot_scaled (tile key SCALED): its GPU tests, then its tile sweep
 #   vae            suite convs
 #   tables         suite tables --profile (every 4-GPU plan, one rank each)
 #   one-gpu        suite one-gpu, every quantized build, --fp8-speedup
@@ -87,6 +88,9 @@ for section in "$@"; do
     moe-decode)
       tests moe_decode_tests 400 tests/test_kernels_moe_decode.py
       suite moe_decode 590 moe-decode ;;
+    moe-scaled)
+      tests moe_scaled_tests 200 tests/test_kernels_moe_decode.py -k dot_scaled
+      suite moe_scaled 400 moe-decode --quick --formats mxfp4,mxfp8 --ns 1,16,32 --tune-scaled ;;
     vae)
       suite convs 200 convs ;;
     tables)

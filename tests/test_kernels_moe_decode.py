@@ -58,6 +58,11 @@ if INTERPRETED:      # (the child run: Triton is there, under its interpreter)
     def _elementwise_dot(a, b, acc, UPCAST: tl.constexpr):
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
+    @triton.jit
+    def _nan_tile(a, b, g, FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr):
+        return tl.full((BN, BK), float("nan"), tl.bfloat16)
+
 
 CASES = [  # experts fmt, shared fmt ("bf16": float, None: no shared MLP), micros, micro_start, micro_count
     ("mxfp4", "mxfp8", 2, 0, 2),          # the MXFP4-mixed build; a down row over two micros
@@ -86,6 +91,25 @@ def test_interp_batched_matches_reference(small_tiles, fmt, sfmt, micros, ms, mc
         assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
         # the tolerances of the other decode paths' tests (fp8: the activations' E4M3 roundings)
         assert rel_err(got, moe_quant_reference(*args)) < (3e-2 if fmt == "fp8" else 1e-2), n
+
+
+@pytest.mark.parametrize("fmt,sfmt,micros,ms,mc", [CASES[0], ("mxfp8", "mxfp8", 1, 0, 1)])
+def test_interp_batched_on_dot_scaled_matches_reference(mc_mod, monkeypatch, fmt, sfmt, micros, ms, mc):
+    """The tile key SCALED (MX formats: tl.dot_scaled on the codes and their E8M0 scales as stored, no
+    dequantization of ours): the reference's result, with our dequantization (`_ewtile`) made to give NaN,
+    so the result shows it was not used. (Its speed is measured on the GPU: bench moe-decode --tune.)"""
+    from kernels.quant import triton_kernels as qt
+    from kernels.quant.moe import moe_quant_reference
+    monkeypatch.setattr(qt, "_ewtile", _nan_tile)
+    tiles = dict(up=dict(BI=32, BK=64, num_warps=4, num_stages=1, SCALED=True),
+                 down=dict(BH=64, BK=32, num_warps=4, num_stages=1, SCALED=True))
+    args = _args(16, fmt, sfmt, micros, ms, mc, seed=61)
+    got = poisoned(mc_mod.moe_quant_batched, *args, out=torch.full_like(args[0], float("nan")), tiles=tiles)
+    assert not got.isnan().any()
+    assert rel_err(got, moe_quant_reference(*args)) < 1e-2
+    tiles["up"].pop("SCALED")                     # (the launcher pops a copy's key, not ours)
+    tiles["down"].pop("SCALED")
+    assert poisoned(mc_mod.moe_quant_batched, *args, tiles=tiles).isnan().all()      # our dequantization ran
 
 
 # batch invariance is the kernels' structure, not the format's: two cases (one with a down row over two
@@ -227,6 +251,23 @@ def test_gpu_the_chosen_variant_is_batch_invariant_to_the_servers_batch(name):
         assert kernels.chosen("moe_quant") == chosen, (n, kernels.chosen("moe_quant"), chosen)
         for t in range(n):
             assert torch.equal(got[t], alone[t]), (chosen, n, t)
+
+
+@gpu
+@skip_no_cuda
+@pytest.mark.parametrize("name", ["tp1_mxfp4", "tp1_mxfp8", "hybrid4_mxfp4"])
+def test_gpu_batched_on_dot_scaled_matches_reference_and_is_batch_invariant(name):
+    """The SCALED tile key on the hardware (Triton's own MX upcast before the MMA): the reference's result at
+    1 and 16 rows, and each of 16 tokens the same bits alone."""
+    from kernels.quant import moe_cuda, triton_kernels as qt
+    tiles = dict(up=dict(qt.EDECODE_UP, SCALED=True), down=dict(qt.EDECODE_DOWN, SCALED=True))
+    args = _gpu_args(name, 16, seed=21)
+    with kernels.allowed():
+        ref = kernels.call("moe_quant", *args)
+    got = poisoned(moe_cuda.moe_quant_batched, *args, out=torch.full_like(args[0], float("nan")), tiles=tiles)
+    assert not got.isnan().any() and rel_err(got, ref) < 1e-2
+    for t in range(16):
+        assert torch.equal(got[t], moe_cuda.moe_quant_batched(args[0][t:t + 1], *args[1:], tiles=tiles)[0]), t
 
 
 @gpu

@@ -16,7 +16,8 @@ variant's N = 1. Before timing, each variant is checked on layer 0 against the o
 poisoned), and `batched` (and bf16's `decode`) for batch invariance (a token alone gives the same bits).
 Variants: `batched` (expert-major, every N <= 32), `decode` (the GEMVs, N <= 8; bf16: the `moe` op's
 decode, N <= 32), `grouped` (every N).
---tune: a few tile configs of `batched` (its `tiles` argument over triton_kernels.EDECODE_UP / EDECODE_DOWN) at N = 1 and 16, MXFP4.
+--tune: a few tile configs of `batched` (its `tiles` argument over triton_kernels.EDECODE_UP / EDECODE_DOWN) at N = 1 and 16, MXFP4;
+--tune-scaled: the same tiles with the SCALED key (Triton's tl.dot_scaled upcasting the MX codes itself).
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ns", default="", help="token counts (default 1,2,4,8,16,32)")
     ap.add_argument("--variants", default="", help="comma-separated: batched,decode,grouped (default all)")
     ap.add_argument("--tune", action="store_true", help="sweep batched's tile configs first (MXFP4)")
+    ap.add_argument("--tune-scaled", action="store_true",
+                    help="the same sweep with the tiles' SCALED key (tl.dot_scaled on the MX codes)")
     ap.add_argument("--decode-max", type=int, default=LIMIT["decode"],
                     help="the most rows `decode` is timed at (default 16, the registry's most; up to 32)")
     ap.add_argument("--decode-tb", type=int, default=0, help="the GEMVs' tokens per pass (gemv.DECODE_TB: 2 or 4)")
@@ -156,12 +159,14 @@ def fmt_rows(dims: Dims, fmt: str, nlayers: int, ns: list[int], names: list[str]
     return ok
 
 
-def tune(dims: Dims, out: Output) -> list[dict]:
+def tune(dims: Dims, out: Output, scaled: bool = False) -> list[dict]:
     """batched's tiles at N = 1 and 16 on 8 MXFP4 layers (each config checked, then timed)."""
     ups = [dict(BI=32, BK=128, num_warps=4), dict(BI=64, BK=64, num_warps=4), dict(BI=64, BK=128, num_warps=8),
            dict(BI=16, BK=256, num_warps=4)]
     downs = [dict(BH=64, BK=128, num_warps=4), dict(BH=128, BK=64, num_warps=4), dict(BH=128, BK=128, num_warps=8),
              dict(BH=32, BK=256, num_warps=4)]
+    if scaled:       # the same tiles on tl.dot_scaled (Triton's MX upcast) instead of our dequantization
+        ups, downs = [dict(u, SCALED=True) for u in ups], [dict(d, SCALED=True) for d in downs]
     layers = [layer(dims, "mxfp4", 100 * i + 7) for i in range(2 if dims.dry else 8)]
     fn = variant_fn("mxfp4", "batched")
     res = []
@@ -193,6 +198,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         out.say(f"moe_quant's variants on CUDA bf16, in order: {out.data['variants']}")
     if args.tune:
         out.data["tune"] = tune(dims, out)
+    if args.tune_scaled:
+        out.data["tune_scaled"] = tune(dims, out, scaled=True)
     limits = dict(LIMIT, decode=min(args.decode_max, 32))
     if args.decode_tb:
         from kernels.quant import gemv

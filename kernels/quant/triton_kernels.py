@@ -450,6 +450,21 @@ def _ewtile(a, b, g, FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr,
 
 
 @triton.jit
+def _emma(a, b, g, xt, acc, FMT: tl.constexpr, INVERSE: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr, SFMT: tl.constexpr):
+    """acc + (the `_ewload` tile a, b as weights) @ xt [BK, BT]. SCALED (MX formats: SFMT "e2m1" / "e4m3"):
+    Triton's tl.dot_scaled takes the codes and their E8M0 block scales as they are and upcasts them itself
+    (on Hopper, which has no MX MMA, its own conversion to bf16 before a bf16 MMA); else `_ewtile`'s
+    dequantization in fp32, rounded to bf16 (the same products: E2M1 / E4M3 values times a power of two are
+    exact in bf16). Which is the faster is `bench moe-decode --tune`'s question (the "SCALED" tile key)."""
+    if SCALED:
+        out = tl.dot_scaled(a, b, SFMT, xt, None, "bf16", acc=acc)
+    else:
+        out = dot(_ewtile(a, b, g, FMT, INVERSE, BS, BN, BK), xt, acc, UPCAST)
+    return out
+
+
+@triton.jit
 def _pass_tokens(sel, pos, j, t0, cnt, N_PAD: tl.constexpr, BT: tl.constexpr):
     """The slot's tokens t0 .. t0 + BT - 1 (in token order): their indices, top-k positions, validity."""
     rn = tl.arange(0, N_PAD)
@@ -487,7 +502,8 @@ def _edecode_up_kernel(x_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, act_ptr,
                        c_sm, c_se, c_sr, s_sm, s_se, s_sr, g_se, SLOTS,
                        K: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr, FMT: tl.constexpr,
                        INVERSE: tl.constexpr, BS: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
-                       BT: tl.constexpr, ROUTED: tl.constexpr, UPCAST: tl.constexpr):
+                       BT: tl.constexpr, ROUTED: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
+                       SFMT: tl.constexpr):
     """Rows [i, i + BI) of the first (linear) and second (SiLU) halves of micro m of the slot's expert, one
     [2 BI, BK] weight tile a K step, times each of its tokens, SwiGLU, written to act[m, row] (routed: row
     t*K + j of token t's j-th choice; shared: row t)."""
@@ -512,7 +528,7 @@ def _edecode_up_kernel(x_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, act_ptr,
                 xt = tl.load(x_ptr + tok.to(tl.int64)[:, None] * stride_x + rk[None, :],
                              mask=ok[:, None] & (rk < H)[None, :], other=0.0)
                 na, nb = _ewload(cb, sb, rows, mrows, k0 + BK, H, c_sr, s_sr, FMT, BS, BK)      # the next step's
-                acc = dot(_ewtile(a, b, g, FMT, INVERSE, BS, 2 * BI, BK), tl.trans(xt), acc, UPCAST)
+                acc = _emma(a, b, g, tl.trans(xt), acc, FMT, INVERSE, BS, 2 * BI, BK, UPCAST, SCALED, SFMT)
                 a, b = na, nb
             if FMT == 3:             # the rows' per-channel scales
                 acc = acc * tl.load(sb + rows.to(tl.int64) * s_sr, mask=mrows, other=0.0)[:, None]
@@ -532,7 +548,8 @@ def _edecode_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_pt
                          c_sm, c_se, c_sr, s_sm, s_se, s_sr, g_se, MC,
                          K: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr, FMT: tl.constexpr,
                          INVERSE: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
-                         BT: tl.constexpr, ROUTED: tl.constexpr, UPCAST: tl.constexpr):
+                         BT: tl.constexpr, ROUTED: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
+                         SFMT: tl.constexpr):
     """Rows [h, h + BH) of the slot's down weight over every active micro's columns (one sum, micro after
     micro), times each of its tokens' act rows, written to y (fp32, the route weights come in finalize)."""
     slot = tl.program_id(0)
@@ -558,7 +575,7 @@ def _edecode_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_pt
                     rk = k0 + tl.arange(0, BK)
                     at = tl.load(ab + rk[None, :], mask=ok[:, None] & (rk < I)[None, :], other=0.0)
                     na, nb = _ewload(cb, sb, rh, mh, k0 + BK, I, c_sr, s_sr, FMT, BS, BK)
-                    acc = dot(_ewtile(a, b, g, FMT, INVERSE, BS, BH, BK), tl.trans(at), acc, UPCAST)
+                    acc = _emma(a, b, g, tl.trans(at), acc, FMT, INVERSE, BS, BH, BK, UPCAST, SCALED, SFMT)
                     a, b = na, nb
             if FMT == 3:             # the per-channel scale, one for every micro's columns
                 acc = acc * tl.load(s_ptr + e.to(tl.int64) * s_se + rh.to(tl.int64) * s_sr, mask=mh,
@@ -567,9 +584,16 @@ def _edecode_down_kernel(act_ptr, ids_ptr, active_ptr, c_ptr, s_ptr, g_ptr, y_pt
 
 
 # tiles of the expert-major decode (`python -m bench moe-decode --tune` sweeps them); fixed for every N, so that
-# a token's sums do not depend on its batch
+# a token's sums do not depend on its batch. SCALED (MXFP4 / MXFP8): tl.dot_scaled instead of our
+# dequantization (`_emma`); off until the GPU says it is faster
 EDECODE_UP = dict(BI=32, BK=128, num_warps=4, num_stages=2)     # a [64, BK] tile: gate and up halves
 EDECODE_DOWN = dict(BH=64, BK=128, num_warps=4, num_stages=2)
+
+
+def _scaled(cfg: dict, fmt: str) -> str:
+    """The tl.dot_scaled operand format where a tile config asks for it (key SCALED, popped) and the weight
+    is an MX format; "" otherwise (NVFP4's E4M3 block scales of 16 and FP8's row scales are not MX)."""
+    return {"mxfp4": "e2m1", "mxfp8": "e4m3"}.get(fmt, "") if cfg.pop("SCALED", False) else ""
 
 
 def _fmt_id(fmt: str) -> int:
@@ -593,6 +617,7 @@ def edecode_up(x: torch.Tensor, ids: torch.Tensor, active: torch.Tensor | None, 
     are the bf16 weight, scales None. x [N, H] bf16."""
     c = dict(EDECODE_UP, **(cfg or {}))
     bi, bk = c.pop("BI"), c.pop("BK")
+    scaled = _scaled(c, fmt)
     n, h = x.shape
     mc, _, inter = act.shape
     pb = 1 if fmt == "bf16" else PER_BYTE[fmt]
@@ -606,7 +631,8 @@ def edecode_up(x: torch.Tensor, ids: torch.Tensor, active: torch.Tensor | None, 
         x, ids, active if active is not None else ids, codes, s, _gscale(gscale, x), act, n, h, inter, x.stride(0),
         act.stride(0), *_lead_strides(codes), *_lead_strides(s), _g_stride(gscale), slots, K=ids.shape[1],
         K_PAD=max(2, next_pow2(ids.shape[1])), N_PAD=max(2, next_pow2(n)), FMT=_fmt_id(fmt), INVERSE=bool(inverse),
-        BS=bs, BI=bi, BK=bk, BT=DECODE_BT, ROUTED=active is not None, UPCAST=INTERPRET, **c)
+        BS=bs, BI=bi, BK=bk, BT=DECODE_BT, ROUTED=active is not None, UPCAST=INTERPRET, SCALED=bool(scaled),
+        SFMT=scaled, **c)
 
 
 def edecode_down(act: torch.Tensor, ids: torch.Tensor, active: torch.Tensor | None, fmt: str, codes: torch.Tensor,
@@ -617,6 +643,7 @@ def edecode_down(act: torch.Tensor, ids: torch.Tensor, active: torch.Tensor | No
     micro m's columns start at m*I), act as edecode_up wrote it, y [N*k, H] (routed) / [N, H] fp32."""
     c = dict(EDECODE_DOWN, **(cfg or {}))
     bh, bk = c.pop("BH"), c.pop("BK")
+    scaled = _scaled(c, fmt)
     mc, _, inter = act.shape
     n = ids.shape[0]
     h = y.shape[1]
@@ -634,4 +661,5 @@ def edecode_down(act: torch.Tensor, ids: torch.Tensor, active: torch.Tensor | No
         act, ids, active if active is not None else ids, codes, s, _gscale(gscale, y), y, n, h, inter, act.stride(0),
         *col_strides(codes, inter // pb), *col_strides(s, per_micro_s), _g_stride(gscale), mc, K=ids.shape[1],
         K_PAD=max(2, next_pow2(ids.shape[1])), N_PAD=max(2, next_pow2(n)), FMT=_fmt_id(fmt), INVERSE=bool(inverse),
-        BS=bs, BH=bh, BK=bk, BT=DECODE_BT, ROUTED=active is not None, UPCAST=INTERPRET, **c)
+        BS=bs, BH=bh, BK=bk, BT=DECODE_BT, ROUTED=active is not None, UPCAST=INTERPRET, SCALED=bool(scaled),
+        SFMT=scaled, **c)
