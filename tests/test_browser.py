@@ -504,7 +504,14 @@ def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studi
     expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
     first_turn = len(counting.turns)
 
+    def steps(n: int) -> None:       # (the field is low in the settings: back to the top, where a user types)
+        page.locator("#steps input[type=number]").fill(str(n))
+        page.locator("#steps input[type=number]").press("Enter")
+        page.evaluate("window.scrollTo(0, 0)")
+
     def edit(instruction: str, turns_after: int, shot: str | None = None, height: int = 900) -> None:
+        if shot:            # a run long enough to be seen mid-way (at 2 steps CI once saw it end in 0.6 s)
+            steps(40)
         page.locator("#ti2i-prompt textarea").fill(instruction)
         runs = page.evaluate("window.__done")
         page.locator("#ti2i-run").click()
@@ -516,6 +523,8 @@ def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studi
             page.screenshot(path=str(tmp_path / f"thread-{shot}.png"))
             assert 0 <= cot["y"] and cot["y"] + cot["height"] <= height and canvas["y"] + 150 <= height, (cot, canvas)
         wait_done(page, runs)
+        if shot:
+            steps(2)
         expect(page.locator(".turn")).to_have_count(turns_after, timeout=20_000)
         expect(page.locator("#ti2i-prompt textarea")).to_have_value("", timeout=10_000)
 

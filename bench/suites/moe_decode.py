@@ -64,7 +64,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the same sweep with the tiles' SCALED key (tl.dot_scaled on the MX codes)")
     ap.add_argument("--decode-max", type=int, default=LIMIT["decode"],
                     help="the most rows `decode` is timed at (default 16, the registry's most; up to 32)")
-    ap.add_argument("--decode-tb", type=int, default=0, help="the GEMVs' tokens per pass (gemv.DECODE_TB: 2 or 4)")
 
 
 def layer(dims: Dims, fmt: str, seed: int) -> dict:
@@ -201,10 +200,6 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     if args.tune_scaled:
         out.data["tune_scaled"] = tune(dims, out, scaled=True)
     limits = dict(LIMIT, decode=min(args.decode_max, 32))
-    if args.decode_tb:
-        from kernels.quant import gemv
-        gemv.DECODE_TB = args.decode_tb          # read at each launch (its token bucket, a constexpr)
-        out.say(f"decode's tokens per pass: {args.decode_tb}")
     rows: list[dict] = []
     ok = True
     for fmt in fmts:
