@@ -11,7 +11,7 @@ patch of the engine. This package imports nothing of `engine`.
     norm.py              rms_norm, add_rms_norm
     rope.py              rope_qk_norm, rope_qk_norm_cache
     decode_attention.py  decode_attention (GQA over a static cache's valid prefix)
-    sampling.py          sample
+    sampling.py          sample, sample_rows
     moe/                 moe (routed + shared MoE)
     quant/               quantized weights: dequant_*, linear_*, grouped_mm_*, FP8, moe_quant
     vae/                 conv3d_same, group_norm_swish

@@ -22,13 +22,13 @@ op reads the device; the caller's `int(token)` is the one host read of a decode 
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from . import _flashinfer
 from ._triton import HAS_TRITON, available, next_pow2, tl, triton
-from .registry import backend, reference
+from .registry import backend, call, reference
 
 MAX_TRITON_K = 4096        # the top-p cut runs in one block of the sorted survivors
 # the "triton" variant (top-k by topk_desc) up to this k, "triton_torch_topk" (torch.topk, then the same cut) above: inside a decode step (the sample op queued behind the step's
@@ -44,48 +44,57 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
 
 
 def cut_ref(x: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The top-k then top-p kept set of x [V] as (thr, n_tie): kept = {x > thr} plus the n_tie highest-id
-    tokens with x == thr (n_tie None: every tie is kept). None when neither warper is on. 0-d tensors."""
-    V = x.numel()
+    """The top-k then top-p kept set of each row of x [..., V] as (thr, n_tie), each [..., 1]: kept =
+    {x > thr} plus the n_tie highest-id tokens with x == thr (n_tie None: every tie is kept). None when
+    neither warper is on. Every step is per row (the last dim): on the CPU a row of a batch and the same
+    row alone give the same bits (the batched `sample_rows` variant relies on it; tested)."""
+    V = x.shape[-1]
     k_on, p_on = 0 < top_k < V, top_p < 1.0
     if not (k_on or p_on):
         return None
     if k_on:
         vals = x.topk(top_k).values                  # descending; the only selection over V
-        kth = vals[-1]
+        kth = vals[..., -1:]
         if not p_on:
             return kth, None
         # tokens tied with the k-th value beyond the k returned survive top-k too (`x >= kth`); they are
         # the least likely survivors, the first ones of the ascending accumulation
-        extra = (x >= kth).sum() - top_k
+        extra = (x >= kth).sum(-1, keepdim=True) - top_k
     else:
         vals = x.sort(descending=True).values        # top-k disabled: the whole vocabulary, sorted
-        kth, extra = vals[-1], torch.zeros((), dtype=torch.long, device=x.device)
-    K = vals.numel()
+        kth = vals[..., -1:]
+        extra = torch.zeros_like(kth, dtype=torch.long)
+    K = vals.shape[-1]
     cut = 1 - top_p
-    m = vals[0]
-    e = (vals.flip(0) - m).exp()                     # ascending
+    m = vals[..., :1]
+    e = (vals.flip(-1) - m).exp()                    # ascending
     e_tie = (kth - m).exp()
-    z = e.sum() + extra * e_tie
+    z = e.sum(-1, keepdim=True) + extra * e_tie
     p_tie = e_tie / z
-    cum = (e / z).cumsum(0) + extra * p_tie
-    n_vals = (cum > cut).sum()                       # a suffix of the ascending survivors
+    cum = (e / z).cumsum(-1) + extra * p_tie
+    n_vals = (cum > cut).sum(-1, keepdim=True)       # a suffix of the ascending survivors
     # the extra ties are kept only if every listed survivor is: the j-th of them has accumulated j * p_tie
     # (clamp with a tensor bound reads it back on the host: minimum/clamp_min keep it on the device)
     kept_extra = torch.where(n_vals == K, torch.minimum((extra - torch.floor(cut / p_tie)).clamp_min(0),
                                                         extra.to(p_tie.dtype)), 0).long()
     n_keep = (n_vals + kept_extra).clamp(min=1)
-    thr = vals.index_select(0, (n_keep.clamp(max=K) - 1).view(1))[0]
-    return thr, n_keep - (vals > thr).sum()          # every x > thr >= kth is a listed survivor
+    thr = vals.gather(-1, n_keep.clamp(max=K) - 1)
+    return thr, n_keep - (vals > thr).sum(-1, keepdim=True)   # every x > thr >= kth is a listed survivor
 
 
 def kept_mask(x: torch.Tensor, thr: torch.Tensor, n_tie: torch.Tensor | None) -> torch.Tensor:
-    """The kept set of a cut as a bool mask over x [V]."""
+    """The kept set of a cut as a bool mask over x [..., V] (thr, n_tie: [..., 1] or 0-d)."""
     if n_tie is None:
         return x >= thr
     tie = x == thr
-    later = tie.flip(0).cumsum(0).flip(0)            # ties at this id or after it
+    later = tie.flip(-1).cumsum(-1).flip(-1)         # ties at this id or after it
     return (x > thr) | (tie & (later <= n_tie))
+
+
+def warp(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """x [..., V] (logits / temperature) with every token outside the top-k / top-p kept set at -inf."""
+    c = cut_ref(x, top_k, top_p)
+    return x if c is None else x.masked_fill(~kept_mask(x, *c), float("-inf"))
 
 
 @reference("sample")
@@ -101,11 +110,7 @@ def sample_ref(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
         return allowed[logits.index_select(0, allowed).argmax()]
     if greedy:
         return logits.argmax()
-    x = logits / temperature
-    c = cut_ref(x, top_k, top_p)
-    if c is not None:
-        x = x.masked_fill(~kept_mask(x, *c), float("-inf"))
-    return _draw(x.softmax(-1), generator)
+    return _draw(warp(logits / temperature, top_k, top_p).softmax(-1), generator)
 
 
 # ---- CUDA top-k: a radix select over order-preserving keys, then one sort of the k survivors ----------
@@ -401,3 +406,71 @@ def sample_flashinfer(logits: torch.Tensor, temperature: float, top_k: int, top_
                       generator: torch.Generator | None, greedy: bool = False,
                       allowed: torch.Tensor | None = None) -> torch.Tensor:
     return sample_device(logits.contiguous() / temperature, top_k, top_p, generator, topk=topk_flashinfer)[0]
+
+
+# ---- sample_rows: every row of a batched decode step in one call ----------------------------------------
+#
+# A `sample` call is ~30 small launches (~250-290 us of host time on one H200), once per row of a decode
+# step. `sample_rows` takes the step's rows at once: each row keeps its own parameters and generator, and
+# its token is the one `sample` gives it for the same generator state.
+#
+# The batched variant runs the reference's own steps (`warp`, softmax, the Exp(1) race) on [b, V] per group
+# of rows with equal (temperature, top_k, top_p): every step is per row (the cut reads a row's own top-k
+# values and counts, torch.topk's values are exact whatever the batch, the ties are ranked by id within the
+# row), and each row's noise is its own [V] draw from its own generator, in row order, as the per-row loop
+# draws it. On the CPU each row's arithmetic is then the per-row reference's, bit for bit (the tests check
+# it against `sample`, generator states included). It is not registered for CUDA: there `sample` runs the
+# Triton variants, whose exp (ex2.approx) and sums round differently from torch's, so torch ops on [b, V]
+# would pick another token near a tie of scores or at a cut moved by one token (the GPU test of `sample`
+# allows its variants a few such misses against the reference), and CUDA's reductions and scans can
+# change their thread layout with b, so a row's token could even depend on its batch. On CUDA
+# the reference (the per-row variants, row by row) runs; a bit-exact batched CUDA path is the Triton
+# kernels above with a row axis in their grids (each program's arithmetic unchanged).
+
+def _batchable(V: int, top_k: int, top_p: float, greedy: bool, allowed: torch.Tensor | None) -> bool:
+    """A row the batched path takes: sampled, with a top-k of at most MAX_TRITON_K or no warper at all.
+    Greedy and ratio-token rows are one op already; top-p over the whole vocabulary sorts it and sums V
+    values, whose order differs between a row alone and a batch (threads split one row, not a batch)."""
+    k_on = 0 < top_k < V
+    return allowed is None and not greedy and (top_k <= MAX_TRITON_K if k_on else top_p >= 1.0)
+
+
+@reference("sample_rows")
+def sample_rows_ref(logits: torch.Tensor, rows: Sequence[int], temperature: Sequence[float],
+                    top_k: Sequence[int], top_p: Sequence[float], generators: Sequence[torch.Generator | None],
+                    greedy: Sequence[bool], allowed: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """logits [N, V] fp32, the i-th sample read from row rows[i] with the i-th parameters -> tokens [B]
+    long on the logits' device: the `sample` op row by row (whichever variant it picks)."""
+    return torch.stack([call("sample", logits[r], *a)
+                        for r, *a in zip(rows, temperature, top_k, top_p, generators, greedy, allowed)])
+
+
+@backend("sample_rows", "batched", devices=("cpu",), dtypes=(torch.float32,))
+def sample_rows_batched(logits: torch.Tensor, rows: Sequence[int], temperature: Sequence[float],
+                        top_k: Sequence[int], top_p: Sequence[float], generators: Sequence[torch.Generator | None],
+                        greedy: Sequence[bool], allowed: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """sample_rows_ref's tokens with a fixed number of launches per group of equal settings, plus one noise
+    draw per row; the other rows (greedy, ratio tokens, top-p over the whole vocabulary) by `sample`."""
+    V = logits.shape[-1]
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for i in range(len(rows)):
+        if _batchable(V, top_k[i], top_p[i], greedy[i], allowed[i]):
+            groups.setdefault((temperature[i], top_k[i], top_p[i]), []).append(i)
+    noise = {key: torch.empty(len(members), V, dtype=logits.dtype, device=logits.device)
+             for key, members in groups.items()}
+    where = {i: (key, j) for key, members in groups.items() for j, i in enumerate(members)}
+    tokens: list[torch.Tensor | None] = [None] * len(rows)
+    # in row order: rows that share a generator (None: the default one) advance it as the per-row loop does
+    for i, r in enumerate(rows):
+        if i in where:
+            key, j = where[i]
+            noise[key][j].exponential_(1, generator=generators[i])   # a contiguous [V] row: _draw's values
+        else:
+            tokens[i] = call("sample", logits[r], temperature[i], top_k[i], top_p[i], generators[i], greedy[i],
+                             allowed[i])
+    for (t, k, p), members in groups.items():
+        x = torch.stack([logits[rows[i]] for i in members]) / t
+        picked = (warp(x, k, p).softmax(-1) / noise[(t, k, p)]).argmax(-1)
+        for i, tok in zip(members, picked.unbind()):
+            tokens[i] = tok
+    return torch.stack(tokens)

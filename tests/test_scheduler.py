@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image as PILImage
 
+import kernels
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.events import Done, Error, Image, Step, Text
 from engine.runtime.graphs import Graphs
@@ -96,6 +97,29 @@ def test_one_decode_forward_per_step_and_a_cancel_ends_one_request(tiny, monkeyp
         got = outcome(events[i])
         assert not got[2] and got[0] == alone(tiny, TEXT[i])[0], i
     assert scheduler.pipeline.pool.free == [0, 1, 2, 3]
+
+
+def test_one_sampling_call_per_decode_step(tiny, monkeypatch):
+    """The decode step samples all its rows in ONE `sample_rows` call (the batched variant on the CPU, no
+    per-row `sample` call for these sampled rows), and the four seeded requests still give what each
+    gives alone."""
+    import engine.runtime.scheduler as scheduler_module
+    from kernels import sampling
+    rec = Recorder(monkeypatch)
+    sampled, per_row = [], []
+    real_rows, real_call = scheduler_module.choose_rows, sampling.call
+
+    def counted_rows(logits, rows, *rest):
+        sampled.append((rec.scheduler.steps, len(rows)))
+        return real_rows(logits, rows, *rest)
+    monkeypatch.setattr(scheduler_module, "choose_rows", counted_rows)
+    monkeypatch.setattr(sampling, "call", lambda op, *a: per_row.append(op) or real_call(op, *a))
+    events, _ = run_together(tiny, TEXT, on_start=lambda s: setattr(rec, "scheduler", s))
+    assert sampled == rec.calls and len(sampled) > 4         # one call a decode step, every row in it
+    assert kernels.chosen("sample_rows") == "batched" and per_row == []
+    for i, kw in enumerate(TEXT):
+        got = outcome(events[i])
+        assert not got[2] and got[0] == alone(tiny, kw)[0], i
 
 
 def test_a_failure_ends_only_its_own_request(tiny, monkeypatch):

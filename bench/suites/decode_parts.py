@@ -11,6 +11,10 @@ topk: kernels.sampling.topk_desc (the Triton radix-select top-k of the `sample` 
     and -inf-padded logits (outputs poisoned first), GPU us by do_bench and per call inside a CUDA graph
     of 20 calls (no host launch cost), a sweep of the chunk per program, and the whole `sample` op +
     int() by each top-k (the variants "triton" and "triton_torch_topk").
+rows: a batched decode step's sampling (`sample_rows`, the engine's defaults on every row) at B = 1, 8, 16:
+    the op as registered on CUDA (the per-row variants, row by row) against the torch batched variant
+    (CPU-only: kernels/sampling.py says why), host ms (the launches) and events ms, and how many of the
+    batched variant's tokens differ from the per-row variants' on fresh logits (near-tie rounding).
 moe: one MoE layer's decode (`moe_quant` "decode", MXFP4 experts + MXFP8 shared MLP, tp1, 1 token) x 32
     layers (distinct weights, so L2 holds none of them), captured as ONE CUDA graph as the decode step
     is: microseconds per layer and GB/s of the weight bytes read (8 chosen experts + the shared MLP).
@@ -38,7 +42,7 @@ LAYERS = 32
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--sections", default="sample,moe", help="of sample,topk,moe")
+    ap.add_argument("--sections", default="sample,moe", help="of sample,topk,rows,moe")
 
 
 def two_stage(x: torch.Tensor, k: int):
@@ -128,6 +132,30 @@ def topk_section(out: Output) -> tuple[dict, bool]:
     return dict(checks=checks, rows=rows), not bad
 
 
+def rows_section(out: Output) -> dict:
+    rows, misses, draws = [], 0, 0
+    for B in (1, 8, 16):
+        logits = (torch.randn(B, V, device="cuda") * 2.5).bfloat16().float()      # ties, as the model's
+        gens = [torch.Generator("cuda").manual_seed(i) for i in range(B)]
+        args = (logits, list(range(B)), [0.6] * B, [1024] * B, [0.95] * B, gens, [False] * B, [None] * B)
+        forms = {"per row (the op on CUDA)": lambda: kernels.call("sample_rows", *args),
+                 "batched torch variant": lambda: sampling.sample_rows_batched(*args)}
+        for name, fn in forms.items():
+            rows.append(dict(B=B, form=name, host_ms=time_ms(fn, "host", n=30), events_ms=time_ms(fn, "events")))
+        for seed in range(20):                        # the same generator states for both
+            for i, g in enumerate(gens):
+                g.manual_seed(seed * 100 + i)
+            want = kernels.call("sample_rows", *args)
+            for i, g in enumerate(gens):
+                g.manual_seed(seed * 100 + i)
+            misses += int((sampling.sample_rows_batched(*args) != want).sum())
+            draws += B
+    out.table(rows, [Col("sample_rows, V 133120", "form"), Col("B", "B"), Col("host ms", "host_ms", ".3f"),
+                     Col("events ms", "events_ms", ".3f")])
+    out.say(f"batched torch variant vs the per-row variants on CUDA: {misses} of {draws} tokens differ")
+    return dict(rows=rows, misses=misses, draws=draws)
+
+
 def moe_section(out: Output) -> dict:
     gen = torch.Generator("cuda").manual_seed(1)
     layers = []
@@ -156,8 +184,10 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         elif s == "topk":
             out.data["topk"], good = topk_section(out)
             ok &= good
+        elif s == "rows":
+            out.data["rows"] = rows_section(out)
         elif s == "moe":
             out.data["moe"] = moe_section(out)
         else:
-            raise SystemExit(f"unknown section {s!r} (sample, topk, moe)")
+            raise SystemExit(f"unknown section {s!r} (sample, topk, rows, moe)")
     return ok

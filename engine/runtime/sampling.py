@@ -3,6 +3,7 @@ Optionally restricted to an allowed id set (the ratio tokens)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -26,3 +27,13 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """
     return kernels.call("sample", logits, params.temperature, params.top_k, params.top_p, generator,
                         params.greedy, allowed)
+
+
+def choose_rows(logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None],
+                allowed: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """The tokens [B] (long, on the logits' device) of a batched decode step in one call: the i-th is
+    `choose(logits[rows[i]], params[i], generators[i], allowed[i])` for the same generator state, through
+    the `sample_rows` kernel op (no host sync)."""
+    return kernels.call("sample_rows", logits, rows, [p.temperature for p in params], [p.top_k for p in params],
+                        [p.top_p for p in params], generators, [p.greedy for p in params], allowed)

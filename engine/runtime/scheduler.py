@@ -8,8 +8,9 @@ forwards and yields a need (engine/runtime/needs.py) where it shares the engine.
 2. AR slots go to the requests that wait for one, first come first served (a request that does not fit
    yet keeps the ones behind it waiting: no overtaking). A request given its slot prefills inline.
 3. One batched decode forward for every request in its decode stage (engine/runtime/decode_step.py);
-   each row is sampled with its own request's parameters and generator, and every row's token is read
-   at once (the step's one host read, agreed by all ranks); each program continues with its token.
+   each row is sampled with its own request's parameters and generator (one `sample_rows` call for the
+   step's rows), and every row's token is read at once (the step's one host read, agreed by all ranks);
+   each program continues with its token.
 4. The denoise turn: the denoise batch (engine/runtime/denoise_batch.py) holds up to
    `max_denoise_batch` requests of one step key; waiting requests join it in admission order (one of
    another key keeps the ones behind it waiting: no overtaking), and one forward runs a step of every
@@ -42,7 +43,7 @@ from engine.runtime.events import Error, Event
 from engine.runtime.needs import ARSlot, Decode, DenoiseTurn
 from engine.runtime.request import Prepared
 from engine.runtime.request_state import RequestState
-from engine.runtime.sampling import choose
+from engine.runtime.sampling import choose_rows
 
 if TYPE_CHECKING:
     from engine.runtime.pipeline import Pipeline
@@ -72,12 +73,10 @@ class Scheduler:
         self._since_denoise = 0                              # decode steps since the last denoise turn
         self._events: list[tuple[int, Event]] = []
         self._ended: list[int] = []
-        pool = pipeline.pool
         # at each denoise turn, how many other requests waited for a step of the same step key: with them
         # (same key, any step) / (same key and step) one forward could have served them all (denoise
         # batching across requests, issue 31 item 3: measured here before it is built)
         self.denoise_company: collections.Counter = collections.Counter()
-        self._tokens = torch.zeros(pool.slots, dtype=torch.long, device=pipeline.lm.model.device)
         self._vocab = pipeline.lm.tok.vocab_size
 
     @property
@@ -131,10 +130,10 @@ class Scheduler:
         def forward() -> list[int]:
             logits = self.pipeline.pool.decode([(s.need.slot, s.need.token, s.need.index) for s in rows])
             logits[:, self._vocab:] = float("-inf")      # the embedding is padded past the tokenizer's vocabulary
-            for i, s in enumerate(rows):
-                n = s.need
-                self._tokens[i] = choose(logits[n.slot], n.params, n.generator, n.allowed)
-            return self.pipeline.agree.tokens(self._tokens[:len(rows)])    # the step's one host read
+            needs = [s.need for s in rows]
+            tokens = choose_rows(logits, [n.slot for n in needs], [n.params for n in needs],
+                                 [n.generator for n in needs], [n.allowed for n in needs])
+            return self.pipeline.agree.tokens(tokens)    # the step's one host read
         self._shared(rows, forward)
         return True
 
