@@ -166,6 +166,9 @@ if HAS_TRITON:
     @triton.jit
     def _digit_kernel(x_ptr, hist_ptr, V, K, P, LEVEL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr):
         pid = tl.program_id(0)
+        row = tl.program_id(1)                       # the row of x [rows, V]; hist [rows, 4, P, 256]
+        x_ptr += row * V
+        hist_ptr += row * (4 * P * 256)
         offs = pid * CHUNK + tl.arange(0, CHUNK)
         inside = offs < V
         key = _key(x_ptr, offs, inside)
@@ -180,6 +183,10 @@ if HAS_TRITON:
     @triton.jit
     def _compact_kernel(x_ptr, hist_ptr, pack_ptr, V, K, P, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr):
         pid = tl.program_id(0)
+        row = tl.program_id(1)                       # pack [rows, K]
+        x_ptr += row * V
+        hist_ptr += row * (4 * P * 256)
+        pack_ptr += row * K
         kth, n_tie, gt = _descend(hist_ptr, P, K, 4, BLOCK_P)  # n_tie: the ties at the k-th key to take
         rows = tl.arange(0, BLOCK_P)
         eq = tl.load(hist_ptr + (3 * P + rows) * 256 + (kth & 0xFF).to(tl.int32), mask=rows < P, other=0)
@@ -201,6 +208,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _sort_kernel(pack_ptr, vals_ptr, idx_ptr, K, BLOCK_K: tl.constexpr):
+        row = tl.program_id(1)                       # pack, vals, idx [rows, K]
+        pack_ptr += row * K
+        vals_ptr += row * K
+        idx_ptr += row * K
         d = tl.arange(0, BLOCK_K)
         live = d < K
         packed = tl.load(pack_ptr + d, mask=live, other=0).to(tl.uint64, bitcast=True)   # stored as int64
@@ -214,20 +225,23 @@ if HAS_TRITON:
 def topk_desc(x: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(x, k) of x [V] fp32 (1 <= k <= min(V, MAX_TRITON_K)) by the Triton kernels -> (vals [k]
     fp32, exactly torch.topk's values; idx [k] int64, distinct, x[idx] == vals; ties at the k-th value:
-    the lowest ids)."""
-    V = x.numel()
-    assert x.dim() == 1 and x.dtype == torch.float32 and 1 <= k <= min(V, MAX_TRITON_K) and V < 2 ** 31
+    the lowest ids). x [rows, V] (contiguous): the same per row, each row by the same programs as alone
+    (the row is the grids' second axis) -> (vals, idx) [rows, k]."""
+    V = x.shape[-1]
+    assert x.dim() in (1, 2) and x.is_contiguous() and x.dtype == torch.float32
+    assert 1 <= k <= min(V, MAX_TRITON_K) and x.numel() < 2 ** 31
+    rows = x.shape[0] if x.dim() == 2 else 1
     P = triton.cdiv(V, chunk)
     BLOCK_P = max(2, next_pow2(P))
-    hist = torch.empty((4, P, 256), dtype=torch.int32, device=x.device)
+    hist = torch.empty((*x.shape[:-1], 4, P, 256), dtype=torch.int32, device=x.device)
     for level in range(4):
-        _digit_kernel[(P,)](x, hist, V, k, P, LEVEL=level, CHUNK=chunk, BLOCK_P=BLOCK_P, num_warps=8)
-    pack = torch.empty(k, dtype=torch.int64, device=x.device)     # uint64 bits (torch's uint64 is thin)
-    _compact_kernel[(P,)](x, hist, pack, V, k, P, CHUNK=chunk, BLOCK_P=BLOCK_P, num_warps=8)
-    vals = torch.empty(k, dtype=torch.float32, device=x.device)
-    idx = torch.empty(k, dtype=torch.int64, device=x.device)
+        _digit_kernel[(P, rows)](x, hist, V, k, P, LEVEL=level, CHUNK=chunk, BLOCK_P=BLOCK_P, num_warps=8)
+    pack = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)   # uint64 bits (torch's uint64 is thin)
+    _compact_kernel[(P, rows)](x, hist, pack, V, k, P, CHUNK=chunk, BLOCK_P=BLOCK_P, num_warps=8)
+    vals = torch.empty((*x.shape[:-1], k), dtype=torch.float32, device=x.device)
+    idx = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
     BLOCK_K = max(2, next_pow2(k))
-    _sort_kernel[(1,)](pack, vals, idx, k, BLOCK_K=BLOCK_K, num_warps=16 if BLOCK_K >= 2048 else 8)
+    _sort_kernel[(1, rows)](pack, vals, idx, k, BLOCK_K=BLOCK_K, num_warps=16 if BLOCK_K >= 2048 else 8)
     return vals, idx
 
 
@@ -243,6 +257,11 @@ if HAS_TRITON:
     @triton.jit
     def _count_kernel(x_ptr, vals_ptr, ge_ptr, eq_ptr, V, K, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
+        row = tl.program_id(1)                       # x [rows, V], vals [rows, K], ge and eq [rows, chunks]
+        x_ptr += row * V
+        vals_ptr += row * K
+        ge_ptr += row * tl.num_programs(0)
+        eq_ptr += row * tl.num_programs(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         inside = offs < V
         x = tl.load(x_ptr + offs, mask=inside, other=float("-inf"))
@@ -255,6 +274,16 @@ if HAS_TRITON:
                      V, K, NCHUNK, cut, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                      TOP_K: tl.constexpr, TOP_P: tl.constexpr):
         pid = tl.program_id(0)
+        row = tl.program_id(1)     # x, q [rows, V]; vals, idx [rows, K]; ge, eq, best, arg [rows, NCHUNK]; cut [rows, 2]
+        x_ptr += row * V
+        q_ptr += row * V
+        vals_ptr += row * K
+        idx_ptr += row * K
+        ge_ptr += row * NCHUNK
+        eq_ptr += row * NCHUNK
+        best_ptr += row * NCHUNK
+        arg_ptr += row * NCHUNK
+        cut_ptr += row * 2
         m = tl.load(vals_ptr)                        # the largest x (vals = [max] with no warper on)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         inside = offs < V
@@ -306,6 +335,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _final_kernel(best_ptr, arg_ptr, out_ptr, N, BLOCK: tl.constexpr):
+        row = tl.program_id(1)                       # best, arg [rows, N]; out [rows]
+        best_ptr += row * N
+        arg_ptr += row * N
+        out_ptr += row
         i = tl.arange(0, BLOCK)
         best = tl.load(best_ptr + i, mask=i < N, other=-2.0)
         j = tl.argmax(best, axis=0)
@@ -328,24 +361,50 @@ def sample_device(x: torch.Tensor, top_k: int, top_p: float, generator: torch.Ge
     if k_on:
         topk = topk or (topk_desc if radix else torch.topk)
         vals, idx = topk(x, top_k)
-        K = top_k
     else:
-        vals, idx, K = x.max().view(1), x, 1
+        vals, idx = x.max().view(1), x
     q = torch.empty_like(x).exponential_(1, generator=generator)
+    out, cut = _pick_rows(x.view(1, V), q.view(1, V), vals, idx, top_k, top_p, block)
+    return out[0], (cut[0] if k_on and p_on else cut)
+
+
+def _pick_rows(x: torch.Tensor, q: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor, top_k: int, top_p: float,
+               block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cut and the draw of every row of x [rows, V] with its noise q [rows, V] and its top-k survivors
+    vals, idx [rows, k] (contiguous; top-k off: vals = each row's max, idx unused), one program per chunk
+    and row (the row is the grids' second axis) -> (tokens [rows], the cuts [rows, 2] (top-k and top-p on;
+    else a scratch buffer))."""
+    rows, V = x.shape
+    k_on, p_on = 0 < top_k < V, top_p < 1.0
+    K = top_k if k_on else 1
     n = triton.cdiv(V, block)
-    ge = torch.empty(n, dtype=torch.int32, device=x.device)
-    eq = torch.empty(n, dtype=torch.int32, device=x.device)
+    ge = torch.empty((rows, n), dtype=torch.int32, device=x.device)
+    eq = torch.empty((rows, n), dtype=torch.int32, device=x.device)
     if k_on and p_on:
-        _count_kernel[(n,)](x, vals, ge, eq, V, K, BLOCK=block, num_warps=8)
-    best = torch.empty(n, dtype=torch.float32, device=x.device)
-    arg = torch.empty(n, dtype=torch.int32, device=x.device)
-    cut = torch.full((2,), float("nan"), dtype=torch.float32, device=x.device) if k_on and p_on else best
-    _pick_kernel[(n,)](x, q, vals, idx, ge, eq, best, arg, cut, V, K, n, 1 - top_p, BLOCK=block,
-                       BLOCK_K=max(2, next_pow2(K)), BLOCK_C=max(2, next_pow2(n)), TOP_K=k_on, TOP_P=k_on and p_on,
-                       num_warps=8)
-    out = torch.empty((), dtype=torch.long, device=x.device)
-    _final_kernel[(1,)](best, arg, out, n, BLOCK=max(2, next_pow2(n)), num_warps=4)
+        _count_kernel[(n, rows)](x, vals, ge, eq, V, K, BLOCK=block, num_warps=8)
+    best = torch.empty((rows, n), dtype=torch.float32, device=x.device)
+    arg = torch.empty((rows, n), dtype=torch.int32, device=x.device)
+    cut = torch.full((rows, 2), float("nan"), dtype=torch.float32, device=x.device) if k_on and p_on else best
+    _pick_kernel[(n, rows)](x, q, vals, idx, ge, eq, best, arg, cut, V, K, n, 1 - top_p, BLOCK=block,
+                            BLOCK_K=max(2, next_pow2(K)), BLOCK_C=max(2, next_pow2(n)), TOP_K=k_on,
+                            TOP_P=k_on and p_on, num_warps=8)
+    out = torch.empty(rows, dtype=torch.long, device=x.device)
+    _final_kernel[(1, rows)](best, arg, out, n, BLOCK=max(2, next_pow2(n)), num_warps=4)
     return out, cut
+
+
+def sample_rows_device(x: torch.Tensor, q: torch.Tensor, top_k: int, top_p: float, block: int = PICK_BLOCK,
+                       chunk: int = TOPK_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample_device of every row of x [rows, V] (contiguous, logits / temperature) with the noise q
+    [rows, V] already drawn, one top-k and top-p for all rows (top-k by `topk_desc`) -> (tokens [rows],
+    cuts [rows, 2] as sample_device's): each row's token and cut are the ones sample_device gives that row
+    alone with that noise, the same programs running on it (the row is the grids' second axis)."""
+    rows, V = x.shape
+    if 0 < top_k < V:
+        vals, idx = topk_desc(x, top_k, chunk=chunk)
+    else:       # each row's max, the value x.max() gives it alone (a ±0 max: the same exp(x - m) either way)
+        vals, idx = x.amax(-1, keepdim=True), x
+    return _pick_rows(x, q, vals, idx, top_k, top_p, block)
 
 
 def _device_fits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator, greedy: bool = False,
@@ -353,9 +412,7 @@ def _device_fits(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     """One row, sampled (ratio tokens and greedy are one or two ops already, the reference's), with a
     top-k of at most `max_k` or none at all with top_p == 1 (top-p over the whole vocabulary sorts it:
     the reference)."""
-    k_on = 0 < top_k < logits.numel()
-    return (allowed is None and not greedy and logits.dim() == 1 and (k_on or top_p >= 1.0)
-            and (not k_on or top_k <= max_k))
+    return logits.dim() == 1 and _batchable(logits.numel(), top_k, top_p, greedy, allowed, max_k)
 
 
 @backend("sample", "triton", devices=("cuda",), dtypes=(torch.float32,), available=available,
@@ -414,25 +471,40 @@ def sample_flashinfer(logits: torch.Tensor, temperature: float, top_k: int, top_
 # step. `sample_rows` takes the step's rows at once: each row keeps its own parameters and generator, and
 # its token is the one `sample` gives it for the same generator state.
 #
-# The batched variant runs the reference's own steps (`warp`, softmax, the Exp(1) race) on [b, V] per group
-# of rows with equal (temperature, top_k, top_p): every step is per row (the cut reads a row's own top-k
-# values and counts, torch.topk's values are exact whatever the batch, the ties are ranked by id within the
-# row), and each row's noise is its own [V] draw from its own generator, in row order, as the per-row loop
-# draws it. On the CPU each row's arithmetic is then the per-row reference's, bit for bit (the tests check
-# it against `sample`, generator states included). It is not registered for CUDA: there `sample` runs the
-# Triton variants, whose exp (ex2.approx) and sums round differently from torch's, so torch ops on [b, V]
-# would pick another token near a tie of scores or at a cut moved by one token (the GPU test of `sample`
-# allows its variants a few such misses against the reference), and CUDA's reductions and scans can
-# change their thread layout with b, so a row's token could even depend on its batch. On CUDA
-# the reference (the per-row variants, row by row) runs; a bit-exact batched CUDA path is the Triton
-# kernels above with a row axis in their grids (each program's arithmetic unchanged).
+# Both variants group the rows by equal (temperature, top_k, top_p), draw each row's noise as its own [V]
+# draw from its own generator, in row order, as the per-row loop draws it (rows sharing a generator advance
+# it in the loop's order; the rows a variant does not take run `sample` in their place in that order), and
+# divide a group's rows [b, V] by its temperature with the same scalar division as the per-row op.
+#
+# The batched variant then runs the reference's own steps (`warp`, softmax, the Exp(1) race) on [b, V]:
+# every step is per row (the cut reads a row's own top-k values and counts, torch.topk's values are exact
+# whatever the batch, the ties are ranked by id within the row). On the CPU each row's arithmetic is then
+# the per-row reference's, bit for bit (the tests check it against `sample`, generator states included).
+# It is not registered for CUDA: there `sample` runs the Triton variants, whose exp (ex2.approx) and sums
+# round differently from torch's, so torch ops on [b, V] would pick another token near a tie of scores or at
+# a cut moved by one token (the GPU test of `sample` allows its variants a few such misses against the
+# reference), and CUDA's reductions and scans can change their thread layout with b, so a row's token could
+# even depend on its batch.
+#
+# The triton_rows variant (CUDA) runs the `triton` variant's own kernels with the group's rows as their
+# grids' second axis (`sample_rows_device`): each program reads its row at an offset and does exactly the
+# arithmetic it does for that row alone (same BLOCK / CHUNK / BLOCK_K, warps and reduction shapes), so each
+# row gets the token and cut of `sample_device`, bit for bit; a group costs the launches of one row. It
+# takes exactly the rows `sample` gives its `triton` variant (radix top-k of at most TOPK_TRITON_MAX_K, or
+# no warper); the others (greedy, ratio tokens, top-p over the whole vocabulary, a larger top-k, which
+# `sample` gives torch.topk: its ids of ties may depend on the batch) run `sample` row by row. The group
+# key holds the exact top_k and top_p because the kernels take them as scalars: their parameter lists are
+# those of the one-row launch, which the sm_90 compile checks pin. Measured on the interpreter (the tests);
+# it is the CUDA default because those tests prove the bits and its kernels compile for sm_90; the GPU
+# test compares it with the per-row op at the model's vocabulary.
 
-def _batchable(V: int, top_k: int, top_p: float, greedy: bool, allowed: torch.Tensor | None) -> bool:
-    """A row the batched path takes: sampled, with a top-k of at most MAX_TRITON_K or no warper at all.
+def _batchable(V: int, top_k: int, top_p: float, greedy: bool, allowed: torch.Tensor | None,
+               max_k: int = MAX_TRITON_K) -> bool:
+    """A row the batched paths take: sampled, with a top-k of at most max_k or no warper at all.
     Greedy and ratio-token rows are one op already; top-p over the whole vocabulary sorts it and sums V
     values, whose order differs between a row alone and a batch (threads split one row, not a batch)."""
     k_on = 0 < top_k < V
-    return allowed is None and not greedy and (top_k <= MAX_TRITON_K if k_on else top_p >= 1.0)
+    return allowed is None and not greedy and (top_k <= max_k if k_on else top_p >= 1.0)
 
 
 @reference("sample_rows")
@@ -445,16 +517,17 @@ def sample_rows_ref(logits: torch.Tensor, rows: Sequence[int], temperature: Sequ
                         for r, *a in zip(rows, temperature, top_k, top_p, generators, greedy, allowed)])
 
 
-@backend("sample_rows", "batched", devices=("cpu",), dtypes=(torch.float32,))
-def sample_rows_batched(logits: torch.Tensor, rows: Sequence[int], temperature: Sequence[float],
+def sample_rows_grouped(logits: torch.Tensor, rows: Sequence[int], temperature: Sequence[float],
                         top_k: Sequence[int], top_p: Sequence[float], generators: Sequence[torch.Generator | None],
-                        greedy: Sequence[bool], allowed: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """sample_rows_ref's tokens with a fixed number of launches per group of equal settings, plus one noise
-    draw per row; the other rows (greedy, ratio tokens, top-p over the whole vocabulary) by `sample`."""
+                        greedy: Sequence[bool], allowed: Sequence[torch.Tensor | None], max_k: int,
+                        pick: Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]) -> torch.Tensor:
+    """sample_rows by groups of equal (temperature, top_k, top_p) among the rows `_batchable` takes with
+    `max_k`: pick(x [b, V] = the group's logits / temperature, noise [b, V], top_k, top_p) -> tokens [b];
+    the other rows by `sample`, in row order with the noise draws."""
     V = logits.shape[-1]
     groups: dict[tuple[float, int, float], list[int]] = {}
     for i in range(len(rows)):
-        if _batchable(V, top_k[i], top_p[i], greedy[i], allowed[i]):
+        if _batchable(V, top_k[i], top_p[i], greedy[i], allowed[i], max_k):
             groups.setdefault((temperature[i], top_k[i], top_p[i]), []).append(i)
     noise = {key: torch.empty(len(members), V, dtype=logits.dtype, device=logits.device)
              for key, members in groups.items()}
@@ -470,7 +543,29 @@ def sample_rows_batched(logits: torch.Tensor, rows: Sequence[int], temperature: 
                              allowed[i])
     for (t, k, p), members in groups.items():
         x = torch.stack([logits[rows[i]] for i in members]) / t
-        picked = (warp(x, k, p).softmax(-1) / noise[(t, k, p)]).argmax(-1)
-        for i, tok in zip(members, picked.unbind()):
+        for i, tok in zip(members, pick(x, noise[(t, k, p)], k, p).unbind()):
             tokens[i] = tok
     return torch.stack(tokens)
+
+
+@backend("sample_rows", "triton_rows", devices=("cuda",), dtypes=(torch.float32,), available=available,
+         fits=lambda logits, rows, *a: logits.dim() == 2 and len(rows) * logits.shape[-1] < 2 ** 31)
+def sample_rows_triton(logits: torch.Tensor, rows: Sequence[int], temperature: Sequence[float],
+                       top_k: Sequence[int], top_p: Sequence[float], generators: Sequence[torch.Generator | None],
+                       greedy: Sequence[bool], allowed: Sequence[torch.Tensor | None], block: int | None = None,
+                       chunk: int | None = None) -> torch.Tensor:
+    """sample_rows_ref's tokens on CUDA (each row's `sample` with its default variants), a group of rows
+    of equal settings in the launches of one row; block and chunk (PICK_BLOCK, TOPK_CHUNK) for the tests."""
+    block, chunk = block or PICK_BLOCK, chunk or TOPK_CHUNK
+    return sample_rows_grouped(logits, rows, temperature, top_k, top_p, generators, greedy, allowed,
+                               TOPK_TRITON_MAX_K, lambda x, q, k, p: sample_rows_device(x, q, k, p, block, chunk)[0])
+
+
+@backend("sample_rows", "batched", devices=("cpu",), dtypes=(torch.float32,))
+def sample_rows_batched(logits: torch.Tensor, rows: Sequence[int], temperature: Sequence[float],
+                        top_k: Sequence[int], top_p: Sequence[float], generators: Sequence[torch.Generator | None],
+                        greedy: Sequence[bool], allowed: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """sample_rows_ref's tokens with a fixed number of launches per group of equal settings, plus one noise
+    draw per row; the other rows (greedy, ratio tokens, top-p over the whole vocabulary) by `sample`."""
+    return sample_rows_grouped(logits, rows, temperature, top_k, top_p, generators, greedy, allowed, MAX_TRITON_K,
+                               lambda x, q, k, p: (warp(x, k, p).softmax(-1) / q).argmax(-1))

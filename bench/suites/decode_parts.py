@@ -12,9 +12,11 @@ topk: kernels.sampling.topk_desc (the Triton radix-select top-k of the `sample` 
     of 20 calls (no host launch cost), a sweep of the chunk per program, and the whole `sample` op +
     int() by each top-k (the variants "triton" and "triton_torch_topk").
 rows: a batched decode step's sampling (`sample_rows`, the engine's defaults on every row) at B = 1, 8, 16:
-    the op as registered on CUDA (the per-row variants, row by row) against the torch batched variant
-    (CPU-only: kernels/sampling.py says why), host ms (the launches) and events ms, and how many of the
-    batched variant's tokens differ from the per-row variants' on fresh logits (near-tie rounding).
+    the per-row path (the reference: the `sample` op's CUDA variants, row by row), the `triton_rows`
+    variant (the same kernels with a row axis: one group's launches for all rows; the CUDA default) and
+    the torch batched variant (CPU-only: kernels/sampling.py says why), host ms (the launches) and events
+    ms, and how many of each one's tokens differ from the per-row path's on fresh logits (triton_rows:
+    should be 0, it is bit-exact; batched torch: near-tie rounding).
 moe: one MoE layer's decode (`moe_quant` "decode", MXFP4 experts + MXFP8 shared MLP, tp1, 1 token) x 32
     layers (distinct weights, so L2 holds none of them), captured as ONE CUDA graph as the decode step
     is: microseconds per layer and GB/s of the weight bytes read (8 chosen experts + the shared MLP).
@@ -133,26 +135,33 @@ def topk_section(out: Output) -> tuple[dict, bool]:
 
 
 def rows_section(out: Output) -> dict:
-    rows, misses, draws = [], 0, 0
+    rows, draws = [], 0
+    misses = {"triton_rows": 0, "batched": 0}
     for B in (1, 8, 16):
         logits = (torch.randn(B, V, device="cuda") * 2.5).bfloat16().float()      # ties, as the model's
         gens = [torch.Generator("cuda").manual_seed(i) for i in range(B)]
         args = (logits, list(range(B)), [0.6] * B, [1024] * B, [0.95] * B, gens, [False] * B, [None] * B)
-        forms = {"per row (the op on CUDA)": lambda: kernels.call("sample_rows", *args),
-                 "batched torch variant": lambda: sampling.sample_rows_batched(*args)}
+        per_row = lambda: sampling.sample_rows_ref(*args)                  # noqa: E731
+        variants_ = {"triton_rows": lambda: sampling.sample_rows_triton(*args),
+                     "batched": lambda: sampling.sample_rows_batched(*args)}
+        forms = {"per row (sample op, row by row)": per_row, "triton_rows (row axis, CUDA default)":
+                 variants_["triton_rows"], "batched torch variant": variants_["batched"]}
         for name, fn in forms.items():
             rows.append(dict(B=B, form=name, host_ms=time_ms(fn, "host", n=30), events_ms=time_ms(fn, "events")))
-        for seed in range(20):                        # the same generator states for both
+        for seed in range(20):                        # the same generator states for each
             for i, g in enumerate(gens):
                 g.manual_seed(seed * 100 + i)
-            want = kernels.call("sample_rows", *args)
-            for i, g in enumerate(gens):
-                g.manual_seed(seed * 100 + i)
-            misses += int((sampling.sample_rows_batched(*args) != want).sum())
+            want = per_row()
+            for name, fn in variants_.items():
+                for i, g in enumerate(gens):
+                    g.manual_seed(seed * 100 + i)
+                misses[name] += int((fn() != want).sum())
             draws += B
     out.table(rows, [Col("sample_rows, V 133120", "form"), Col("B", "B"), Col("host ms", "host_ms", ".3f"),
                      Col("events ms", "events_ms", ".3f")])
-    out.say(f"batched torch variant vs the per-row variants on CUDA: {misses} of {draws} tokens differ")
+    for name, n in misses.items():
+        out.say(f"{name} variant vs the per-row path on CUDA: {n} of {draws} tokens differ"
+                + (" (should be 0: bit-exact)" if name == "triton_rows" else ""))
     return dict(rows=rows, misses=misses, draws=draws)
 
 
