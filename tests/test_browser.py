@@ -84,8 +84,9 @@ def open_page(browser, url: str, **kw):
     return page
 
 
-def wait_done(page, runs_before: int, timeout: float = 60.0) -> None:
-    """Until the page has finished one more run than `runs_before` (`page.evaluate("window.__done")`)."""
+def wait_done(page, runs_before: int, timeout: float = 120.0) -> None:
+    """Until the page has finished one more run than `runs_before` (`page.evaluate("window.__done")`).
+    120 s for a 2-step image: a CI run with other work on its two cores once took over 60 s for one."""
     page.wait_for_function(f"() => window.__done > {runs_before}", timeout=timeout * 1000)
 
 
