@@ -15,6 +15,8 @@
 #   host           suites prefill-host, train-step
 #   serving        suite serving: MXFP4 Distil tp1 (7a) and a hybrid4 rank (7b), 1/4/16 clients, then the
 #                  GPU test of graph keys across requests (denoise keys captured once)
+#   serving-profile  suite serving --profile: MXFP4 Distil tp1, 16 clients, --max-batch 8 then 16 (each step
+#                  synchronized and its wall time summed by what it held: decode rows, denoise rows, slots)
 #   denoise-batch  the GPU test of denoise steps batched across requests, then suite serving (MXFP4 Distil tp1,
 #                  16 clients) once per --max-denoise-batch in $DENOISE_BATCHES (default "1 2 4", one command each)
 #   studio         suite studio on CUDA
@@ -109,6 +111,12 @@ for section in "$@"; do
       run serving_distil 590 python3 -m bench serving --builds mxfp4-distil --per-client 1 --out "$OUT/serving-distil"
       run serving_hybrid4 590 python3 -m bench serving --builds hybrid4 --per-client 1 --out "$OUT/serving-hybrid4"
       tests serving_graph_tests 300 -s tests/test_gpu.py -k "graph_keys_captured_once or decode_graph_captured_once" ;;
+    serving-profile)
+      for mb in 8 16; do
+        mkdir -p "$OUT/serving-profile-mb$mb"
+        run serving_profile_mb$mb 590 python3 -m bench serving --builds mxfp4-distil --clients 16 --per-client 1 \
+          --max-batch "$mb" --profile --out "$OUT/serving-profile-mb$mb"
+      done ;;
     denoise-batch)
       tests denoise_batch_tests 300 -s tests/test_gpu.py -k "denoise_batch or graph_keys_captured_once"
       for b in ${DENOISE_BATCHES:-1 2 4}; do

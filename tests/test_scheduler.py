@@ -88,6 +88,10 @@ def test_one_decode_forward_per_step_and_a_cancel_ends_one_request(tiny, monkeyp
     assert [rows for _, rows in rec.calls] == rec.decoding                      # every decoding request in it
     assert sorted(per_step) == list(range(len(per_step)))                       # every step until the last token
     assert per_step[0] == per_step[3] == 4 and per_step[4] == 3                 # all four, then without 2
+    # the scheduler's own counts (bench serving's mean decode rows) agree with what the decode step saw
+    assert scheduler.totals["decode_steps"] == len(rec.calls)
+    assert scheduler.totals["decode_rows"] == sum(rows for _, rows in rec.calls)
+    assert scheduler.totals["slots"] == 4 and scheduler.totals["joined"] == 4
     cancelled = events[2]
     assert isinstance(cancelled[-1], Error) and cancelled[-1].kind == "cancelled"
     # it stopped at step 4: at most the 5 tokens of steps 0-3 (the first came with its prefill), a prefix of its text

@@ -2,7 +2,7 @@
 at the real shapes with random weights on one GPU, with 1, 4 and 16 concurrent clients:
 
     python -m bench serving [--builds mxfp4-distil,hybrid4] [--clients 1,4,16] [--per-client 2]
-                            [--cot 750] [--max-batch 8] [--max-denoise-batch 1,2,4] [--greedy] [--dry]
+                            [--cot 750] [--max-batch 8] [--max-denoise-batch 1,2,4] [--profile] [--greedy] [--dry]
 
 Builds: `mxfp4-distil` (7a) is the MXFP4-mixed Instruct-Distil as one-gpu builds it, tp1, 8 steps, no CFG;
 `hybrid4` (7b) is rank 0 of hybrid4 (AR TP4, denoise TP2 x SP2) in bf16, the BF16 Instruct, 50 steps,
@@ -79,6 +79,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-batch", type=int, default=8, help="requests the engine runs at once (--max-batch)")
     ap.add_argument("--max-denoise-batch", default="1",
                     help="requests of one bucket per denoise forward (--max-denoise-batch); a list runs each")
+    ap.add_argument("--profile", action="store_true",
+                    help="a device sync after every engine step, its wall time summed by what the step held "
+                         "(AR slots granted, decode rows, denoise rows): where a run's time goes")
     ap.add_argument("--greedy", action="store_true", help="greedy CoT: every request the same token layout")
 
 
@@ -138,10 +141,19 @@ def prompt_of(lm: LoadedModel, tokens: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------- the driver
+def step_kind(last: dict[str, int]) -> str:
+    """What an engine step held, as the profile groups steps: 'slots 1 + decode 8 + denoise 1'."""
+    parts = [f"{name} {last[key]}" for name, key in (("slots", "slots"), ("decode", "decode_rows"),
+                                                     ("denoise", "denoise_rows")) if last.get(key)]
+    return " + ".join(parts) or "idle"
+
+
 def serve(pipe: Pipeline, make: Callable[[int], Request], clients: int, per_client: int, max_batch: int,
-          rate: float | None, seed: int = 0) -> dict:
+          rate: float | None, seed: int = 0, profile: bool = False) -> dict:
     """Requests through the scheduler as the worker and the server's dispatch run them. `rate` None:
-    closed loop (N clients at once); else Poisson arrivals at `rate` requests/s. Returns the figures."""
+    closed loop (N clients at once); else Poisson arrivals at `rate` requests/s. Returns the figures.
+    `profile`: the device is synchronized after every step (a denoise forward is otherwise only waited for
+    by the next step's token read) and each step's wall time is summed under `step_kind`."""
     rng = random.Random(seed)
     total = clients * per_client
     if rate is None:
@@ -157,6 +169,8 @@ def serve(pipe: Pipeline, make: Callable[[int], Request], clients: int, per_clie
     arrived: dict[int, float] = {}                        # seq -> arrival (seconds from the start)
     latency: dict[int, float] = {}
     images, errors, sent, next_seq = 0, [], 0, 0
+    spent: dict[str, list] = {}                           # step kind -> [steps, seconds] (profile)
+    cuda = torch.cuda.is_available() and pipe.lm.model.device.type == "cuda"
     t0 = time.perf_counter()
     while len(latency) < total:                           # every request ends: with its image or an error
         now = time.perf_counter() - t0
@@ -170,7 +184,14 @@ def serve(pipe: Pipeline, make: Callable[[int], Request], clients: int, per_clie
         if not join and not scheduler.busy:
             time.sleep(max(0.0, min(arrivals[sent] - now, 0.05)) if sent < len(arrivals) else 0.0)
             continue
+        t_step = time.perf_counter()
         scheduler.step(StepNews(join=tuple(join)))
+        if profile:
+            if cuda:
+                torch.cuda.synchronize()
+            kind = spent.setdefault(step_kind(scheduler.last), [0, 0.0])
+            kind[0] += 1
+            kind[1] += time.perf_counter() - t_step
         done, ended = scheduler.drain()
         end = time.perf_counter() - t0
         for seq, ev in done:
@@ -185,7 +206,10 @@ def serve(pipe: Pipeline, make: Callable[[int], Request], clients: int, per_clie
     wall = time.perf_counter() - t0
     lat = sorted(latency.values())
     pick = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]) if lat else (lambda q: float("nan"))
+    done = scheduler.totals
     return {"requests": total, "images": images, "errors": errors, "wall_s": wall,
+            "decode_rows": done["decode_rows"] / max(1, done["decode_steps"]), "decode_steps": done["decode_steps"],
+            "denoise_forwards": done["denoise_forwards"], "profile": spent,
             "images_per_min": 60 * images / wall, "p50_s": pick(0.5), "p90_s": pick(0.9), "mean_s": sum(lat) / max(1, len(lat)),
             "engine_steps": scheduler.steps, "captures": sum(pipe.graphs.captures.values()) - captured,
             "requests_per_forward": scheduler.denoising.member_steps / max(1, scheduler.denoising.forwards),
@@ -222,6 +246,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
                      Col("images/min", "images_per_min", ".2f"), Col("p50 s", "p50_s", ".2f"),
                      Col("p90 s", "p90_s", ".2f"), Col("wall s", "wall_s", ".1f"),
                      Col("captures", "captures"), Col("steps", "engine_steps"),
+                     Col("decode rows", "decode_rows", ".2f"),
                      Col("requests/forward", "requests_per_forward", ".2f"),
                      Col("same-key company", "denoise_company", ".2f")],
               f"Serving through the scheduler, max-batch {args.max_batch}, {per_client} request(s) per client, "
@@ -245,9 +270,9 @@ def serve_all(pipe: Pipeline, args: argparse.Namespace, build: str, batch: int, 
     out.say(f"{build}, denoise batch {batch}: first {batch} request(s) (capture their graphs) {first['mean_s']:.2f} s, "
             f"{first['captures']} graphs")
     for n in clients:
-        closed = serve(pipe, make, n, per_client, args.max_batch, None)
+        closed = serve(pipe, make, n, per_client, args.max_batch, None, profile=args.profile)
         rate = (10 if args.dry else 0.9) * closed["images_per_min"] / 60      # dry: no idle waits
-        poisson = serve(pipe, make, n, per_client, args.max_batch, rate, seed=n)
+        poisson = serve(pipe, make, n, per_client, args.max_batch, rate, seed=n, profile=args.profile)
         for mode, r in (("closed", closed), ("poisson", poisson)):
             row = {"build": build, "max_denoise_batch": batch, "mode": mode, "clients": n, "steps": steps,
                    "cot": cot} | r
@@ -257,6 +282,12 @@ def serve_all(pipe: Pipeline, args: argparse.Namespace, build: str, batch: int, 
             ok = ok and not r["errors"] and r["images"] == r["requests"]
             out.say(f"{build} denoise batch {batch} {mode} x{n}: {r['images_per_min']:.2f} images/min, "
                     f"p50 {r['p50_s']:.2f} s, p90 {r['p90_s']:.2f} s, {r['requests_per_forward']:.2f} requests a "
-                    f"denoise forward, {r['captures']} graphs captured" +
+                    f"denoise forward, {r['decode_rows']:.2f} rows a decode step, {r['captures']} graphs captured" +
                     (f", errors: {r['errors'][:2]}" if r["errors"] else ""))
+            if r["profile"]:
+                stepped = sum(sec for _, sec in r["profile"].values())
+                out.say(f"  profile: {r['wall_s']:.1f} s wall, {stepped:.1f} s in engine steps, "
+                        f"{r['wall_s'] - stepped:.1f} s between them (arrivals, prepare, the driver)")
+                for kind, (count, sec) in sorted(r["profile"].items(), key=lambda kv: -kv[1][1]):
+                    out.say(f"    {kind:<32} {count:>6} steps {sec:8.2f} s {1000 * sec / count:9.2f} ms a step")
     return ok

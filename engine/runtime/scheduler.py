@@ -77,6 +77,11 @@ class Scheduler:
         # (same key, any step) / (same key and step) one forward could have served them all (denoise
         # batching across requests, issue 31 item 3: measured here before it is built)
         self.denoise_company: collections.Counter = collections.Counter()
+        # what each step did, counted without a device read: decode steps and the rows they carried (the
+        # mean decode batch), denoise forwards, AR slots granted (each prefilled inline); `last` is the
+        # latest step's own counts (bench serving --profile times the steps by what they held)
+        self.totals: collections.Counter = collections.Counter()
+        self.last: dict[str, int] = {}
         self._vocab = pipeline.lm.tok.vocab_size
 
     @property
@@ -106,26 +111,34 @@ class Scheduler:
             for seq, prepared in news.join:
                 state = self.requests[seq] = RequestState(seq, prepared, self.pipeline.program(prepared))
                 self._advance(state, None)
-            self._grant_slots()
+            slots = self._grant_slots()
             decoded = self._decode()
-            self._since_denoise += decoded
+            denoised = 0
+            self._since_denoise += bool(decoded)
             if not decoded or self._since_denoise >= self.k:
-                if self._denoise_turn():
+                denoised = self._denoise_turn()
+                if denoised:
                     self._since_denoise = 0
         self.steps += 1
+        self.last = {"joined": len(news.join), "slots": slots, "decode_rows": decoded, "denoise_rows": denoised}
+        self.totals.update(self.last, decode_steps=int(decoded > 0), denoise_forwards=int(denoised > 0))
 
-    def _grant_slots(self) -> None:
-        pool = self.pipeline.pool
+    def _grant_slots(self) -> int:
+        """AR slots to the requests waiting for one, in order -> how many were granted."""
+        pool, granted = self.pipeline.pool, 0
         for state in [s for s in self.requests.values() if isinstance(s.need, ARSlot)]:
             slot = pool.take_slot(state.need.length)
             if slot is None:
-                return                   # first come first served: the ones behind it wait too
+                break                    # first come first served: the ones behind it wait too
             self._advance(state, slot)
+            granted += 1
+        return granted
 
-    def _decode(self) -> bool:
+    def _decode(self) -> int:
+        """The step's batched decode forward -> its rows (0: none decoding)."""
         rows = [s for s in self.requests.values() if isinstance(s.need, Decode)]
         if not rows:
-            return False
+            return 0
 
         def forward() -> list[int]:
             logits = self.pipeline.pool.decode([(s.need.slot, s.need.token, s.need.index) for s in rows])
@@ -135,7 +148,7 @@ class Scheduler:
                                  [n.generator for n in needs], [n.allowed for n in needs])
             return self.pipeline.agree.tokens(tokens)    # the step's one host read
         self._shared(rows, forward)
-        return True
+        return len(rows)
 
     def _shared(self, states: list[RequestState], forward: Callable[[], list]) -> None:
         """One forward for `states`, each continuing with its own answer; if the forward fails, so did every
@@ -149,7 +162,8 @@ class Scheduler:
         for s, answer in zip(states, answers):
             self._advance(s, answer)
 
-    def _denoise_turn(self) -> bool:
+    def _denoise_turn(self) -> int:
+        """The denoise batch's joins and its one forward -> the requests it stepped (0: none)."""
         batch = self.denoising
         for state in [s for s in self.requests.values() if isinstance(s.need, DenoiseTurn) and not s.denoising]:
             first = batch.join(state)
@@ -159,10 +173,10 @@ class Scheduler:
             self._advance(state, first)  # its hand-off and prefill; it then asks for its first step
         members = list(batch.members)
         if not members:
-            return False
+            return 0
         self._count_company(members[0])
         self._shared(members, lambda: batch.velocities([s.need.job for s in members]))
-        return True
+        return len(members)
 
     def _count_company(self, holder: RequestState) -> None:
         turn = holder.need
