@@ -553,12 +553,14 @@ def sample_rows_grouped(logits: torch.Tensor, rows: Sequence[int], temperature: 
 def sample_rows_triton(logits: torch.Tensor, rows: Sequence[int], temperature: Sequence[float],
                        top_k: Sequence[int], top_p: Sequence[float], generators: Sequence[torch.Generator | None],
                        greedy: Sequence[bool], allowed: Sequence[torch.Tensor | None], block: int | None = None,
-                       chunk: int | None = None) -> torch.Tensor:
+                       chunk: int | None = None, max_k: int | None = None) -> torch.Tensor:
     """sample_rows_ref's tokens on CUDA (each row's `sample` with its default variants), a group of rows
-    of equal settings in the launches of one row; block and chunk (PICK_BLOCK, TOPK_CHUNK) for the tests."""
+    of equal settings in the launches of one row; block, chunk and max_k (PICK_BLOCK, TOPK_CHUNK,
+    TOPK_TRITON_MAX_K: the `triton` variant's top-k limit) for the tests at a small vocabulary."""
     block, chunk = block or PICK_BLOCK, chunk or TOPK_CHUNK
     return sample_rows_grouped(logits, rows, temperature, top_k, top_p, generators, greedy, allowed,
-                               TOPK_TRITON_MAX_K, lambda x, q, k, p: sample_rows_device(x, q, k, p, block, chunk)[0])
+                               max_k or TOPK_TRITON_MAX_K,
+                               lambda x, q, k, p: sample_rows_device(x, q, k, p, block, chunk)[0])
 
 
 @backend("sample_rows", "batched", devices=("cpu",), dtypes=(torch.float32,))

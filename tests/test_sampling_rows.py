@@ -182,8 +182,8 @@ def test_interp_row_launches_equal_sample_device_per_row(interp):
 
 def interp_case(V: int) -> dict:
     """A mixed step: three groups (one of them two rows sharing a generator), a row alone in its group, a
-    top-k above TOPK_TRITON_MAX_K (patched to 100: `sample` gives it torch.topk), greedy, ratio tokens and
-    top-p over the whole vocabulary, interleaved."""
+    top-k above MAX_K_INTERP (the limit scaled to this vocabulary: `sample` would give it torch.topk),
+    greedy, ratio tokens and top-p over the whole vocabulary, interleaved."""
     allowed = torch.tensor([5, 9, 11, V // 2])
     rows = [(0, 0.6, 64, 0.95, False, None), (1, 1.0, 0, 1.0, False, None), (2, 0.6, 0, 0.9, False, None),
             (3, 0.6, 64, 0.95, False, None), (4, 0.8, 150, 0.9, False, None), (5, 1.3, 7, 1.0, False, None),
@@ -193,36 +193,59 @@ def interp_case(V: int) -> dict:
                 top_p=[r[3] for r in rows], greedy=[r[4] for r in rows], allowed=[r[5] for r in rows])
 
 
-def cuda_per_row(logits: torch.Tensor, case: dict, gens: list) -> torch.Tensor:
+MAX_K_INTERP = 100     # the `triton` variant's top-k limit scaled to V_INTERP (TOPK_TRITON_MAX_K at V_MODEL)
+
+
+def on_triton(V: int, k: int, p: float, greedy: bool, allowed, max_k: int) -> bool:
+    """Whether `sample` gives the row its `triton` variant on CUDA, with that variant's top-k limit max_k."""
+    return sampling._batchable(V, k, p, greedy, allowed, max_k)
+
+
+def cuda_per_row(logits: torch.Tensor, case: dict, gens: list, max_k: int) -> torch.Tensor:
     """What the per-row loop gives on CUDA, run here: `sample_device` for the rows `sample` gives its triton
     variant there, the op itself (the CPU reference) for the others, in row order."""
     out = []
     for r, t, k, p, g, gr, a in zip(case["rows"], case["temperature"], case["top_k"], case["top_p"], gens,
                                     case["greedy"], case["allowed"]):
-        args = (logits[r], t, k, p, g, gr, a)
-        on_cuda = next(i for i in kernels.registry.candidates("sample", "cuda", torch.float32)
-                       if i.fits is None or i.fits(*args))
-        out.append(device_one(logits[r] / t, k, p, g)[0] if on_cuda.backend == "triton" else
-                   kernels.call("sample", *args))
+        out.append(device_one(logits[r] / t, k, p, g)[0] if on_triton(logits.shape[-1], k, p, gr, a, max_k) else
+                   kernels.call("sample", logits[r], t, k, p, g, gr, a))
     return torch.stack(out)
 
 
-def test_interp_triton_rows_equal_the_per_row_op(interp, monkeypatch):
-    monkeypatch.setattr(sampling, "TOPK_TRITON_MAX_K", 100)
+def test_the_rows_triton_rows_takes_are_the_ones_sample_gives_its_triton_variant():
+    """At the model's vocabulary and the real limit, the registry's own choice for one row on CUDA (fits
+    read shapes and settings only: a CPU tensor of the row's shape serves) agrees with `on_triton`."""
+    row, ratio = torch.empty(V_MODEL), torch.tensor([5, 9])
+    seen = set()
+    for k in (0, 1, 50, sampling.TOPK_TRITON_MAX_K, sampling.TOPK_TRITON_MAX_K + 1, sampling.MAX_TRITON_K,
+              sampling.MAX_TRITON_K + 1, V_MODEL):
+        for p in (1.0, 0.95):
+            for greedy, allowed in ((False, None), (True, None), (False, ratio)):
+                args = (row, 0.7, k, p, None, greedy, allowed)
+                chosen = next(i for i in kernels.registry.candidates("sample", "cuda", torch.float32)
+                              if i.fits is None or i.fits(*args))
+                takes = on_triton(V_MODEL, k, p, greedy, allowed, sampling.TOPK_TRITON_MAX_K)
+                assert takes == (chosen.backend == "triton"), (k, p, greedy, allowed is not None, chosen.backend)
+                seen.add(takes)
+    assert seen == {True, False}
+
+
+def test_interp_triton_rows_equal_the_per_row_op(interp):
     case = interp_case(V_INTERP)
     n = len(case["rows"])
-    takes = [sampling._batchable(V_INTERP, k, p, gr, a, sampling.TOPK_TRITON_MAX_K) for k, p, gr, a in
+    takes = [on_triton(V_INTERP, k, p, gr, a, MAX_K_INTERP) for k, p, gr, a in
              zip(case["top_k"], case["top_p"], case["greedy"], case["allowed"])]
     assert takes == [True, True, False, True, False, True, False, False, True, True]
     logits = logits_of(6, V_INTERP, 0, 6)
     mine, theirs = generators(n, 0), generators(n, 0)
-    got = sampling.sample_rows_triton(*run_args(logits, case, mine), block=BLOCK, chunk=CHUNK)
-    want = cuda_per_row(logits, case, theirs)
+    got = sampling.sample_rows_triton(*run_args(logits, case, mine), block=BLOCK, chunk=CHUNK, max_k=MAX_K_INTERP)
+    want = cuda_per_row(logits, case, theirs, MAX_K_INTERP)
     assert got.dtype == torch.long and got.shape == (n,) and torch.equal(got, want), (got.tolist(), want.tolist())
     for i, (a, b) in enumerate(zip(mine, theirs)):
         assert torch.equal(a.get_state(), b.get_state()), i
     # the comparison can fail: other generator states move some token
-    other = sampling.sample_rows_triton(*run_args(logits, case, generators(n, 7)), block=BLOCK, chunk=CHUNK)
+    other = sampling.sample_rows_triton(*run_args(logits, case, generators(n, 7)), block=BLOCK, chunk=CHUNK,
+                                        max_k=MAX_K_INTERP)
     assert not torch.equal(other, got)
 
 
