@@ -91,6 +91,15 @@ HEALTH_JS = """
 """ % HEALTH_EVERY_MS
 
 
+# The two prompts as this browser last had them (BrowserState `saved_prompts`), unless one is typed already.
+RESTORE_PROMPTS_JS = """
+(saved, t2i, ti2i) => {
+  const ok = Array.isArray(saved) && saved.length === 2;
+  return [t2i || (ok ? saved[0] : '') || '', ti2i || (ok ? saved[1] : '') || ''];
+}
+"""
+
+
 # A number typed outside a slider's range: Gradio's slider quietly sets it to the nearest bound (steps 0
 # ran as 1, guidance 99 as 30), before any validator sees it. The page says so on the field, naming the
 # range, until a value inside it is typed. Capture phase: the typed value, before the slider rewrites it.
@@ -588,15 +597,18 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
         # the prompts survive a reload (the browser's storage)
         gr.on([t2i_prompt.change, ti2i_prompt.change], lambda a, b: [a, b], [t2i_prompt, ti2i_prompt],
               saved_prompts, queue=False, api_visibility="private", show_progress="hidden")
-        demo.load(lambda saved: tuple(saved) if isinstance(saved, list) and len(saved) == 2 else (gr.skip(), gr.skip()),
-                  saved_prompts, [t2i_prompt, ti2i_prompt], queue=False, api_visibility="private",
-                  show_progress="hidden")
+        # restored in the page itself (no server round trip): a reply landing after the first keystrokes
+        # wiped the prompt being typed (CI: a Generate click then found an empty prompt); a prompt that is
+        # already typed is kept
+        demo.load(None, [saved_prompts, t2i_prompt, ti2i_prompt], [t2i_prompt, ti2i_prompt], js=RESTORE_PROMPTS_JS,
+                  queue=False, api_visibility="private", show_progress="hidden")
 
         gr.api(studio.health, api_name="health", queue=False, api_visibility="undocumented")
         gr.api(studio.reload, api_name="reload", queue=False, api_visibility="undocumented")
         # adapters loaded since the page was built (POST /v1/load_lora_adapter) appear on a reload
-        demo.load(studio.adapter_picker, None, [lora, lora_scale], api_visibility="private", queue=False)
-        demo.load(None, None, None, js=HEALTH_JS)
+        # the engine line polls once the picker is filled, so a page whose line has been polled is whole
+        demo.load(studio.adapter_picker, None, [lora, lora_scale], api_visibility="private", queue=False) \
+            .then(None, None, None, js=HEALTH_JS, queue=False, api_visibility="private")
         demo.load(None, None, None, js=RANGE_JS)
 
     demo.queue(default_concurrency_limit=1)
