@@ -108,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lora-merged", action="store_true",
                     help="fold the one --lora adapter into the weights at load: every request uses it, at strength "
                          "1, with no per-step cost (float weights only; no adapters loaded at run time)")
+    ap.add_argument("--warmup", nargs="?", const="default", default=None, metavar="SIZES",
+                    help="capture the CUDA graphs of default requests before the engine says ready, so the first "
+                         "users do not wait for them: decode and prefill buckets, and the denoise steps of "
+                         "SIZES (comma-separated HxW; default: the square bucket); takes seconds at start")
     ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
     ap.add_argument("--max-upload-mb", type=float, default=20.0,
                     help="largest reference image file the API accepts, in MB (default 20)")
@@ -142,6 +146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--max-upload-mb and --max-upload-pixels must be positive")
     if args.api_only and args.share:
         ap.error("--share opens the page; it does not go with --api-only")
+    if args.warmup is not None:
+        sizes = tuple(s.strip() for s in args.warmup.split(",") if s.strip())
+        if not sizes:
+            ap.error("--warmup takes sizes (HxW, comma-separated), or nothing for the square bucket")
+    args.warmup = () if args.warmup is None else sizes
     args.loras = []
     for item in args.lora:
         name, sep, path = item.partition("=")
@@ -190,7 +199,7 @@ def engine_server(model: Path, device: str, args: argparse.Namespace):
                   max_queue=args.max_queue, quantize=args.quantize, step_timeout=args.step_timeout,
                   max_batch=args.max_batch or default_max_batch(device), max_denoise_batch=args.max_denoise_batch,
                   loras=args.loras, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                  prefix_cache_mb=args.prefix_cache_mb)
+                  prefix_cache_mb=args.prefix_cache_mb, warmup=args.warmup)
     if args.replicas is None:
         from engine.serve.server import EngineServer
         return EngineServer(model, world_size=args.gpus, lora_merged=args.lora_merged, **kwargs)

@@ -17,6 +17,8 @@
 #                  GPU test of graph keys across requests (denoise keys captured once)
 #   serving-profile  suite serving --profile: MXFP4 Distil tp1, 16 clients, --max-batch 8 then 16 (each step
 #                  synchronized and its wall time summed by what it held: decode rows, denoise rows, slots)
+#   warmup         the GPU test of the warm-up, then suite serving --warmup (MXFP4 Distil tp1, 1 and 4 clients): the
+#                  warm-up's seconds and graphs, and what the first request still captured
 #   denoise-batch  the GPU test of denoise steps batched across requests, then suite serving (MXFP4 Distil tp1,
 #                  16 clients) once per --max-denoise-batch in $DENOISE_BATCHES (default "1 2 4", one command each)
 #   studio         suite studio on CUDA
@@ -117,6 +119,11 @@ for section in "$@"; do
         run serving_profile_mb$mb 590 python3 -m bench serving --builds mxfp4-distil --clients 16 --per-client 1 \
           --max-batch "$mb" --profile --out "$OUT/serving-profile-mb$mb"
       done ;;
+    warmup)
+      tests warmup_tests 300 -s tests/test_gpu.py -k warmup
+      mkdir -p "$OUT/serving-warmup"
+      run serving_warmup 590 python3 -m bench serving --builds mxfp4-distil --clients 1,4 --per-client 1 --warmup \
+        --out "$OUT/serving-warmup" ;;
     denoise-batch)
       tests denoise_batch_tests 300 -s tests/test_gpu.py -k "denoise_batch or graph_keys_captured_once"
       for b in ${DENOISE_BATCHES:-1 2 4}; do

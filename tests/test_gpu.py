@@ -279,3 +279,30 @@ def test_conversation_turns_on_cuda(tiny_dir):
     assert chained[0] == plain[0] and np.array_equal(chained[1], plain[1])
     full = outcome(list(pipe.run(Request(prompt="make it blue", history=history, history_policy="full", **kw))))
     assert full[1].shape == first[1].shape and not np.array_equal(full[1], plain[1])
+
+
+def test_warmup_captures_what_default_requests_need(tiny_dir):
+    """After `warm_up` (engine/runtime/warmup.py) every decode bucket, prefill bucket and the square bucket's
+    denoise keys are captured, once; four requests together at that size (reasoning or not, prompts short
+    and long) then capture nothing, and each gives the image a fresh engine gives it."""
+    from engine_drive import run_together
+    from engine.runtime.prefill_step import GRAIN, GRAPH_MAX
+    from engine.runtime.warmup import warm_up
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    pipe = Pipeline(lm, preview_every=0, slots=4)
+    w = warm_up(pipe)
+    captured = dict(pipe.graphs.captures)
+    assert w.graphs == len(captured) and set(captured.values()) == {1}, captured
+    assert sorted(k[1] for k in captured if k[0] == "decode") == [1, 2, 4], captured
+    assert sorted(k[1] for k in captured if k[0] == "prefill") == list(range(GRAIN, GRAPH_MAX + 1, GRAIN)), captured
+    assert len([k for k in captured if k[0] == "denoise"]) == 6, captured
+    reqs = [dict(prompt=f"{GREEDY_TEXT[i]} after a warm-up" + " with boats" * (60 * i), bot_task=task,
+                 max_new_tokens=16 + 4 * i, greedy=True, steps=2, seed=40 + i, size="256x256")
+            for i, task in enumerate(("think", "image", "recaption", "think_recaption"))]
+    events, _ = run_together(lm, reqs, pipeline=pipe)
+    assert all(isinstance(e[-1], Done) for e in events.values()), [e[-1] for e in events.values()]
+    assert dict(pipe.graphs.captures) == captured, set(pipe.graphs.captures) - set(captured)
+    fresh = Pipeline(lm, preview_every=0)
+    for i in (0, 3):
+        assert psnr(outcome(list(fresh.run(Request(**reqs[i]))))[1], outcome(events[i])[1]) >= 40, i
+    print(f"warm-up: {w.seconds:.1f} s, {w.graphs} graphs")

@@ -2,7 +2,8 @@
 at the real shapes with random weights on one GPU, with 1, 4 and 16 concurrent clients:
 
     python -m bench serving [--builds mxfp4-distil,hybrid4] [--clients 1,4,16] [--per-client 2]
-                            [--cot 750] [--max-batch 8] [--max-denoise-batch 1,2,4] [--profile] [--greedy] [--dry]
+                            [--cot 750] [--max-batch 8] [--max-denoise-batch 1,2,4] [--profile] [--greedy]
+                            [--warmup] [--dry]
 
 Builds: `mxfp4-distil` (7a) is the MXFP4-mixed Instruct-Distil as one-gpu builds it, tp1, 8 steps, no CFG;
 `hybrid4` (7b) is rank 0 of hybrid4 (AR TP4, denoise TP2 x SP2) in bf16, the BF16 Instruct, 50 steps,
@@ -23,7 +24,8 @@ up to that many requests of one bucket share each denoise forward (engine/runtim
 `requests/forward` is how many they were on average, `same-key company` how many other requests of the
 same denoise step key waited outside the batch at each denoise turn (the room a larger one would have).
 A first request (not timed; as many at once as the denoise batch takes) captures the graphs of the
-common keys; `captures` counts the graphs
+common keys (with --warmup the engine's warm-up runs before it, and the first request's captures say what
+it missed); `captures` counts the graphs
 captured during the timed runs (denoise step keys are per bucket, rows and TAIL_GRAIN of prompt + CoT
 length; a batch of n requests is its own key; --greedy gives every request the same CoT).
 --dry: the tiny config on the CPU (fp32), 2 clients, 2 steps, 4 CoT tokens, Poisson arrivals 10x faster
@@ -52,6 +54,7 @@ from engine.runtime.events import Done, Error, Image
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, prepare
 from engine.runtime.scheduler import Scheduler, StepNews
+from engine.runtime.warmup import warm_up
 from engine.runtime.sequence import text_phase_sequence
 from engine.spec.buckets import build_buckets
 from engine.spec.config import CheckpointConfig
@@ -82,6 +85,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="a device sync after every engine step, its wall time summed by what the step held "
                          "(AR slots granted, decode rows, denoise rows): where a run's time goes")
+    ap.add_argument("--warmup", action="store_true",
+                    help="warm the engine up first (--warmup: engine/runtime/warmup.py, at the requests' size): its "
+                         "time and graphs, then the first request's latency and captures")
     ap.add_argument("--greedy", action="store_true", help="greedy CoT: every request the same token layout")
 
 
@@ -266,6 +272,10 @@ def serve_all(pipe: Pipeline, args: argparse.Namespace, build: str, batch: int, 
         return Request(prompt=prompt, bot_task="think_recaption", size=size, steps=steps,
                        max_new_tokens=cot, seed=1000 + seq, greedy=args.greedy)
     out.data.setdefault("prefill_tokens", {})[build] = prefill_tokens(pipe.lm, make(0))
+    if args.warmup:
+        w = warm_up(pipe, (size,))
+        out.data.setdefault("warmup", {})[f"{build}/{batch}"] = w.summary()
+        out.say(f"{build}, denoise batch {batch}: warm-up {w.seconds:.2f} s, {w.graphs} graphs ({len(w.steps)} parts)")
     first = serve(pipe, make, batch, 1, args.max_batch, None, seed=1)     # a full denoise batch's keys too
     out.say(f"{build}, denoise batch {batch}: first {batch} request(s) (capture their graphs) {first['mean_s']:.2f} s, "
             f"{first['captures']} graphs")

@@ -61,7 +61,17 @@ class DecodeStep:
         """rows: (slot, token, index) of each active request: feed `token` at sequence `index` of the slot's
         row. Returns fp32 logits [bucket, vocab], row s = slot s (the output buffer of a graph: read it
         before the next step)."""
-        b = self.bucket([s for s, _, _ in rows])
+        return self._step(self.bucket([s for s, _, _ in rows]), rows)
+
+    def warm(self, bucket: int) -> None:
+        """One step of bucket `bucket` with every row idle (each writes only its slot's scratch position,
+        which no request reads): on CUDA its graph is captured here, at start (engine/runtime/warmup.py),
+        not in a user's request."""
+        if bucket not in self.buckets:
+            raise ValueError(f"no decode bucket {bucket} (buckets: {self.buckets})")
+        self._step(bucket, [])
+
+    def _step(self, b: int, rows: list[tuple[int, int, int]]) -> torch.Tensor:
         host = self._host_np
         if self._copied is not None:
             self._copied.synchronize()        # the previous copy has read the pinned buffer (it has, by now)

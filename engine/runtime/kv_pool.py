@@ -82,6 +82,14 @@ class KVPool:
             self._allocate_ar(length)
         return self.free.pop(0)
 
+    def reserve_ar(self, length: int) -> None:
+        """The AR storage made now for requests that write up to `length` positions (engine/runtime/warmup.py:
+        the steps' graphs are captured on the storage a default request would otherwise grow it to)."""
+        if length > self.ar_length:
+            if len(self.free) < self.slots:
+                raise ValueError("the AR storage grows only while every slot is free")
+            self._allocate_ar(length)
+
     def release_slot(self, slot: int) -> None:
         if self.ar_adapters is not None:
             self.ar_adapters.clear(slot)

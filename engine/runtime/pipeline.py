@@ -116,6 +116,10 @@ class Pipeline:
         except (RequestError, PromptError, ValueError) as e:
             yield Error("invalid", str(e), getattr(e, "field", None))
             return
+        yield from self.run_prepared(p, cancelled)
+
+    def run_prepared(self, p: Prepared, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
+        """The prepared request `p` alone through a scheduler of its own, to its end (`run`, the warm-up)."""
         scheduler = Scheduler(self)
         news = StepNews(join=((0, p),))
         while True:

@@ -72,6 +72,25 @@ class PrefillStep:
         self.blocks[:L].copy_(blocks[:L])
         self.blocks[L:b].fill_(-1)            # padding is causal: no prompt row sees it
         self.last.fill_(L - 1)
+        return self._run(b)
+
+    def buckets(self) -> tuple[int, ...]:
+        """The padded lengths this step runs at (none: the plain forward only, e.g. on the CPU)."""
+        return tuple(range(GRAIN, self.emb.shape[1] + 1, GRAIN)) if self.padded else ()
+
+    def warm(self, bucket: int) -> None:
+        """The forward of bucket `bucket` over padding alone (it writes only the staging row's K/V, which
+        the next prefill overwrites): on CUDA its graph is captured here, at start (engine/runtime/warmup.py)."""
+        if bucket not in self.buckets():
+            raise ValueError(f"no prefill bucket {bucket} (buckets: {self.buckets()})")
+        self.emb[:, :bucket].zero_()
+        self.pos[:bucket].zero_()
+        self.blocks[:bucket].fill_(-1)
+        self.last.fill_(bucket - 1)
+        self._run(bucket)
+
+    def _run(self, b: int) -> torch.Tensor:
+        """The bucket's forward as its graph's replay (captured at the first call) or eagerly."""
         if self.use_graph:
             return self.graphs.replay(("prefill", b) + self.key + lora_key(mode_of(self.adapters)),
                                       lambda: self._forward(b))

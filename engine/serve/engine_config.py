@@ -29,6 +29,8 @@ class EngineConfig:
     prefix_cache_mb: int = PREFIX_CACHE_MB       # conversations' K/V prefixes per rank (prefix_cache.py; 0: off)
     encoding_cache_mb: int = ENCODING_CACHE_MB   # their image encodings per rank (conditioning.py; 0: none kept)
     lora_merged: bool = False       # the one adapter of `loras` folded into the weights (engine/model/lora_merge.py)
+    warmup: tuple[str, ...] = ()    # sizes whose graphs are captured before "ready" ("default": the square
+                                    # bucket; engine/runtime/warmup.py); empty: none, the first requests capture
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -45,6 +47,8 @@ class EngineConfig:
         if self.prefix_cache_mb < 0 or self.encoding_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb and encoding_cache_mb must be >= 0 (0: off; got "
                              f"{self.prefix_cache_mb}, {self.encoding_cache_mb})")
+        if any(not isinstance(s, str) or not s for s in self.warmup):
+            raise ValueError(f"warmup takes sizes such as 1024x1024 or 'default' (got {self.warmup!r})")
         if len({n for n, _ in self.loras}) < len(self.loras):
             raise ValueError(f"two LoRA adapters share a name: {', '.join(n for n, _ in self.loras)}")
         if self.lora_merged and (len(self.loras) != 1 or self.max_loras > 1):

@@ -44,6 +44,7 @@ from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.conversation import ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error, Event
 from engine.runtime.request import Prepared, Request
+from engine.spec.buckets import parse_size
 from engine.serve.adapters import check_adapter, check_load, check_unload
 from engine.serve.admission import admit
 from engine.serve.client import Submission
@@ -112,7 +113,7 @@ class EngineServer:
                  max_denoise_batch: int = 1, loras: Sequence[tuple[str, str]] = (), max_loras: int = 0,
                  max_lora_rank: int = 64, lora_merged: bool = False,
                  prefix_cache_mb: int = EngineConfig.prefix_cache_mb,
-                 encoding_cache_mb: int = EngineConfig.encoding_cache_mb):
+                 encoding_cache_mb: int = EngineConfig.encoding_cache_mb, warmup: Sequence[str] = ()):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
@@ -131,7 +132,9 @@ class EngineServer:
         leave room for `load_adapter`), of rank up to `max_lora_rank`; `lora_merged`: the one adapter folded
         into the weights at load (engine/model/lora_merge.py). `prefix_cache_mb` / `encoding_cache_mb`:
         each rank's bound on the K/V prefixes and image encodings kept for conversations' next turns
-        (engine/runtime/prefix_cache.py, conditioning.py; 0: off). All of it is checked here and fixed in one
+        (engine/runtime/prefix_cache.py, conditioning.py; 0: off). `warmup`: sizes ("default": the square
+        bucket) whose CUDA graphs every rank captures before the engine says ready (engine/runtime/warmup.py;
+        /health shows its progress under "loading"). All of it is checked here and fixed in one
         `EngineConfig` (`self.config`), which every worker starts from."""
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0 (got {max_queue})")
@@ -149,7 +152,10 @@ class EngineServer:
                                    self.parallel.sp_kind, quantize, max_batch, preview_every, verbose, cfg_serial,
                                    cuda_graph, max_denoise_batch, tuple((n, str(Path(f).resolve())) for n, f in loras),
                                    max(max_loras, len(loras)),       # the slots stay when adapters are unloaded
-                                   max_lora_rank, prefix_cache_mb, encoding_cache_mb, lora_merged)
+                                   max_lora_rank, prefix_cache_mb, encoding_cache_mb, lora_merged, tuple(warmup))
+        for size in self.config.warmup:               # a size the checkpoint does not take: refused before spawning
+            if size != "default" and parse_size(size, self.info.buckets) is None:
+                raise ValueError(f"a warm-up size names a size (HxW), not {size!r}")
         for name, folder in self.config.loras:
             check_adapter(self.info, name, folder, self.config.max_lora_rank, self.config.lora_merged)
         self.cancel_grace_s = cancel_grace_s
@@ -332,6 +338,7 @@ class EngineServer:
                 "restart_in_s": round(max(0.0, spawn_at - now), 1) if spawn_at is not None else None,
                 "stall_limit_s": self._watch.limit() if self._running else None,
                 "load_s": self._worker_info.get("load_s"),
+                "warmup": self._worker_info.get("warmup"),
                 "worker_pids": [p.pid for p in self._procs],
                 "ranks": self._worker_info.get("ranks", []),
             }

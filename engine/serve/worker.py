@@ -81,6 +81,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
     from engine.runtime.events import Error as ErrorEvent
     from engine.runtime.pipeline import Pipeline
     from engine.runtime.scheduler import Scheduler
+    from engine.runtime.warmup import warm_up
 
     def send(msg: tuple) -> None:
         if events is not None and rank == 0:
@@ -119,6 +120,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
                 moved.append(phase)
 
         pipeline = Pipeline(lm, rt, on_phase=check, **config.pipeline_options())
+        warmed = warm_up(pipeline, config.warmup, progress=progress if rank == 0 else lambda *a: None) \
+            if config.warmup else None
         if control is not None:
             dist.barrier(group=control)              # "ready" means every rank holds its shard
     except Exception as e:  # noqa: BLE001 - any load failure is reported, the server decides
@@ -129,6 +132,9 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
         sys.exit(1)
     if config.verbose and rank == 0:
         print(f"\nengine: model loaded in {lm.load_s:.1f} s on {dev} (plan {p.name})", file=sys.stderr, flush=True)
+        if warmed is not None:
+            print(f"engine: warmed up in {warmed.seconds:.1f} s ({warmed.graphs} CUDA graphs captured)",
+                  file=sys.stderr, flush=True)
     def rank_stats() -> list[dict]:
         mine = {"rank": rank, "device": str(dev), "backend": dist.get_backend() if dist.is_initialized() else "none",
                 "bytes_read": lm.bytes_read,
@@ -143,7 +149,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
 
     stats = rank_stats()
     send(("ready", {"load_s": round(lm.load_s, 2), "device": str(dev), "dtype": str(lm.model.dtype),
-                    "plan": p.name, "ranks": stats}))
+                    "plan": p.name, "ranks": stats, "warmup": None if warmed is None else warmed.summary()}))
 
     inbox = Inbox(requests) if rank == 0 else None
     flag = torch.zeros(1, dtype=torch.long)        # 0: nothing new, 1: news follows, 2: stop
