@@ -45,8 +45,8 @@ def parse_dtype(name: str | None, device: torch.device | str) -> torch.dtype:
     return table[name]
 
 
-def print_progress(done: int, total: int, what: str) -> None:
-    print(f"\rloading weights {done}/{total} ({what})".ljust(60), end="" if done < total else "\n",
+def print_progress(done: int, total: int, what: str, label: str = "loading weights") -> None:
+    print(f"\r{label} {done}/{total} ({what})".ljust(60), end="" if done < total else "\n",
           file=sys.stderr, flush=True)
 
 

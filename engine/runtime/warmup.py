@@ -84,7 +84,7 @@ def warm_up(pipeline: "Pipeline", sizes: tuple[str, ...] = ("default",), tail_ma
         except Exception as e:  # noqa: BLE001 - whatever failed, the part says what was being warmed
             raise WarmupError(f"warm-up of {what} failed: {type(e).__name__}: {e}") from e
         done.append(what)
-        progress(i + 1, len(parts), f"warm-up: {what}")
+        progress(i + 1, len(parts), what)
     pipeline.prefix.clear()              # nothing for a next turn is kept from a warm-up request
     return Warmup(time.perf_counter() - t0, sum(graphs.captures.values()) - captured, tuple(done))
 

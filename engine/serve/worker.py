@@ -87,10 +87,10 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
         if events is not None and rank == 0:
             events.send(msg)
 
-    def progress(done: int, total: int, what: str) -> None:
+    def progress(done: int, total: int, what: str, label: str = "loading weights") -> None:
         if config.verbose:
-            print_progress(done, total, what)
-        send(("loading", done, total, what))
+            print_progress(done, total, what, label)
+        send(("loading", done, total, what if label == "loading weights" else f"{label}: {what}"))
 
     control = None
     try:
@@ -120,8 +120,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
                 moved.append(phase)
 
         pipeline = Pipeline(lm, rt, on_phase=check, **config.pipeline_options())
-        warmed = warm_up(pipeline, config.warmup, progress=progress if rank == 0 else lambda *a: None) \
-            if config.warmup else None
+        warmed = warm_up(pipeline, config.warmup, progress=(lambda d, n, what: progress(d, n, what, "warm-up"))
+                         if rank == 0 else (lambda *a: None)) if config.warmup else None
         if control is not None:
             dist.barrier(group=control)              # "ready" means every rank holds its shard
     except Exception as e:  # noqa: BLE001 - any load failure is reported, the server decides
