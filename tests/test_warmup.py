@@ -81,15 +81,17 @@ def test_the_flag_takes_sizes():
         parse_args(["--warmup", " , "])
 
 
-def test_a_warmed_server_says_so_and_serves(tiny_dir):
+def test_a_warmed_hybrid4_server_says_so_and_serves(tiny_dir):
+    """Four gloo ranks run the same warm-up in step (its requests' collectives), then serve."""
     with pytest.raises(ValueError, match="not understood"):
         EngineServer(tiny_dir, warmup=("huge",))           # refused before anything is spawned
-    server = EngineServer(tiny_dir, warmup=("default",), max_batch=2)
+    server = EngineServer(tiny_dir, plan="hybrid4", warmup=("default",), max_batch=2)
     try:
         assert server.wait_ready(120), server.health()
         h = server.health()
         assert h["warmup"]["steps"] == 2 + TAIL_MAX // TAIL_GRAIN and h["warmup"]["graphs"] == 0, h["warmup"]
-        events = list(server.submit(Request(**REQUESTS[1])))
-        assert isinstance(events[-1], Done), events[-1]
+        for kw in REQUESTS[:2]:
+            events = list(server.submit(Request(**kw)))
+            assert isinstance(events[-1], Done), events[-1]
     finally:
         server.close()
