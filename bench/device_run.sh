@@ -17,6 +17,8 @@
 #                  GPU test of graph keys across requests (denoise keys captured once)
 #   serving-profile  suite serving --profile: MXFP4 Distil tp1, 16 clients, --max-batch 8 then 16 (each step
 #                  synchronized and its wall time summed by what it held: decode rows, denoise rows, slots)
+#   moe-tune-decode  suite moe-decode --tune-decode: the GEMV decode MoE's tile configs at N = 1, 8, 16 (MXFP4, 8
+#                  layers a graph), each checked (reference, batch invariance) and timed
 #   warmup         the GPU test of the warm-up, then suite serving --warmup (MXFP4 Distil tp1, 1 and 4 clients): the
 #                  warm-up's seconds and graphs, and what the first request still captured
 #   denoise-batch  the GPU test of denoise steps batched across requests, then suite serving (MXFP4 Distil tp1,
@@ -119,6 +121,10 @@ for section in "$@"; do
         run serving_profile_mb$mb 590 python3 -m bench serving --builds mxfp4-distil --clients 16 --per-client 1 \
           --max-batch "$mb" --profile --out "$OUT/serving-profile-mb$mb"
       done ;;
+    moe-tune-decode)
+      mkdir -p "$OUT/moe-tune-decode"
+      run moe_tune_decode 590 python3 -m bench moe-decode --quick --formats mxfp4 --ns 1,8,16 --variants decode \
+        --tune-decode --out "$OUT/moe-tune-decode" ;;
     warmup)
       tests warmup_tests 300 -s tests/test_gpu.py -k warmup
       mkdir -p "$OUT/serving-warmup"

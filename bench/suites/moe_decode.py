@@ -18,6 +18,11 @@ Variants: `batched` (expert-major, every N <= 32), `decode` (the GEMVs, N <= 8; 
 decode, N <= 32), `grouped` (every N).
 --tune: a few tile configs of `batched` (its `tiles` argument over triton_kernels.EDECODE_UP / EDECODE_DOWN) at N = 1 and 16, MXFP4;
 --tune-scaled: the same tiles with the SCALED key (Triton's tl.dot_scaled upcasting the MX codes itself).
+--tune-decode: the GEMV decode's tiles (its `tiles` argument over gemv.DECODE_UP / DECODE_DOWN: rows a program,
+chunks along K, warps, tokens a pass, a register cap) at N = 1, 8 and 16, MXFP4; the up GEMV's with today's
+down, then the down GEMV's with today's up. Each is checked against the reference and for batch invariance
+(a token alone gives the same bits). G (the K split) sets every token's summation order: a default must keep
+one G for every N, the rest may differ per N.
 """
 from __future__ import annotations
 
@@ -62,6 +67,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tune", action="store_true", help="sweep batched's tile configs first (MXFP4)")
     ap.add_argument("--tune-scaled", action="store_true",
                     help="the same sweep with the tiles' SCALED key (tl.dot_scaled on the MX codes)")
+    ap.add_argument("--tune-decode", action="store_true",
+                    help="sweep the GEMV decode's tile configs first (MXFP4, N = 1, 8, 16; up and down in turn)")
     ap.add_argument("--decode-max", type=int, default=LIMIT["decode"],
                     help="the most rows `decode` is timed at (default 16, the registry's most; up to 32)")
 
@@ -105,15 +112,15 @@ def variant_fn(fmt: str, name: str):
     return getattr(moe_cuda, FUNCS[name])
 
 
-def check(fmt: str, name: str, fn, args: tuple) -> Check:
+def check(fmt: str, name: str, fn, args: tuple, invariant: bool = False) -> Check:
     """Layer 0 against the reference (poisoned scratch); the batch-invariant variants (batched, bf16's
-    decode): each token alone gives the same bits."""
+    decode; `invariant`: any): each token alone gives the same bits."""
     with poisoned():
         got = fn(*args)
     with kernels.allowed():
         want = kernels.call("moe" if fmt == "bf16" else "moe_quant", *args)
     res = compare(got, want, 5e-2 if fmt == "fp8" else tol(fmt))
-    if name == "batched" or (fmt == "bf16" and name == "decode"):
+    if invariant or name == "batched" or (fmt == "bf16" and name == "decode"):
         rows = range(args[0].shape[0]) if args[0].shape[0] <= 4 or not args[0].is_cuda else range(0, 32, 3)
         same = all(torch.equal(got[t], fn(args[0][t:t + 1], *args[1:])[0]) for t in rows if t < args[0].shape[0])
         res = Check(res.err, res.ok and same)
@@ -181,6 +188,31 @@ def tune(dims: Dims, out: Output, scaled: bool = False) -> list[dict]:
     return res
 
 
+# the GEMV tiles --tune-decode tries (today's first: gemv.DECODE_UP / DECODE_DOWN, tokens a pass gemv.DECODE_TB)
+DECODE_UPS = [dict(BI=16, G=32, num_warps=8), dict(BI=32, G=32, num_warps=8), dict(BI=8, G=32, num_warps=4),
+              dict(BI=32, G=16, num_warps=8), dict(BI=16, G=32, num_warps=8, TB=4),
+              dict(BI=32, G=32, num_warps=8, TB=4, maxnreg=128)]
+DECODE_DOWNS = [dict(R=16, G=32, num_warps=8), dict(R=32, G=32, num_warps=8), dict(R=8, G=32, num_warps=4),
+                dict(R=32, G=16, num_warps=8), dict(R=16, G=32, num_warps=8, TB=4)]
+
+
+def tune_decode(dims: Dims, out: Output) -> list[dict]:
+    """The GEMV decode's tiles at N = 1, 8, 16 on 8 MXFP4 layers (each config checked, then timed)."""
+    layers = [layer(dims, "mxfp4", 100 * i + 7) for i in range(2 if dims.dry else 8)]
+    fn = variant_fn("mxfp4", "decode")
+    configs = [dict(up=u, down=DECODE_DOWNS[0]) for u in DECODE_UPS] + \
+              [dict(up=DECODE_UPS[0], down=d) for d in DECODE_DOWNS[1:]]
+    res = []
+    for tiles in configs:
+        tiled = functools.partial(fn, tiles=tiles)
+        for n in (1, 5) if dims.dry else (1, 8, 16):
+            c = check("mxfp4", "decode", tiled, args_of(layers[0], n, dims), invariant=True)
+            ms = timed(dims, [(lambda a=args_of(lay, n, dims): tiled(*a)) for lay in layers])
+            res.append(dict(up=str(tiles["up"]), down=str(tiles["down"]), n=n, ms=ms, ok=c.ok, err=c.err))
+            out.say(f"  tune-decode up={tiles['up']} down={tiles['down']} N={n}: {ms:.3f} ms {c}")
+    return res
+
+
 def run(args: argparse.Namespace, out: Output) -> bool:
     dims = Dims(args.dry)
     nlayers = args.layers or (2 if args.dry else 8 if args.quick else 32)
@@ -199,6 +231,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         out.data["tune"] = tune(dims, out)
     if args.tune_scaled:
         out.data["tune_scaled"] = tune(dims, out, scaled=True)
+    if args.tune_decode:
+        out.data["tune_decode"] = tune_decode(dims, out)
     limits = dict(LIMIT, decode=min(args.decode_max, 32))
     rows: list[dict] = []
     ok = True

@@ -89,9 +89,13 @@ def decode_fits(x, gate, w1, w2, shared_w1, shared_w2, *args, **kwargs) -> bool:
 
 @backend("moe_quant", "decode", dtypes=(torch.bfloat16,), available=moe_available, fits=decode_fits)
 def moe_quant_decode(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
-                     topk: int, norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The `decode` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given)."""
-    return _run(_decode_gemv, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
+                     topk: int, norm_topk: bool, out: torch.Tensor | None = None,
+                     tiles: dict | None = None) -> torch.Tensor:
+    """The `decode` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given).
+    `tiles` {"up": cfg, "down": cfg} overrides gemv's DECODE_UP / DECODE_DOWN for this call's routed and
+    shared GEMVs (bench moe-decode --tune-decode); the engine never passes it."""
+    path = functools.partial(_decode_gemv, tiles=tiles or {})
+    return _run(path, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
 
 
 @backend("moe_quant", "batched", dtypes=(torch.bfloat16,), available=moe_available, fits=batched_fits)
@@ -147,7 +151,7 @@ def _grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_star
 
 
 def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
-                 out) -> torch.Tensor:
+                 out, tiles: dict) -> torch.Tensor:
     """The decode path on gemv.py's GEMVs: x prepared once per code-word width (prep), gate/up +
     SwiGLU writing act prepared for the down GEMV (fp32; FP8 writes bf16 act, quantized per row in
     place, read as is), down GEMV summing the micros, the shared MLP likewise, one finalize."""
@@ -168,11 +172,11 @@ def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
         ph = qg.act_ph(fmt_down)
         act = _empty(mc, slots, n, width, dtype=torch.float32 if ph else x.dtype, device=dev)
         qg.decode_up(x_in(fmt_up), ids, act_active, fmt_up, wa.codes, wa.scales, wa.gscale, wa.inverse, act, slots,
-                     width, x_prepared=True, act_prep=ph)
+                     width, tiles.get("up"), x_prepared=True, act_prep=ph)
         if not ph:                 # fp8: a down row (every micro's slice of it) quantized once
             qt.quantize_rows(act, fake=True, out=act, micros=mc)
         qg.decode_down(act, ids, act_active, fmt_down, wb.codes, wb.scales, wb.gscale, wb.inverse, y, slots, width,
-                       act_prepared=bool(ph))
+                       tiles.get("down"), act_prepared=bool(ph))
 
     # A quantized shared MLP does not depend on the routing: it runs on a side stream (inside a captured
     # decode graph: a parallel branch) while the main stream routes and runs the routed experts, so the
