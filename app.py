@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-queue", type=int, default=8, help="requests that may wait in the queue (default 8)")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="requests the engine runs at once, their decode steps batched; --max-queue more may wait "
-                         "(default 16 on CUDA, 8 on the CPU)")
+                         "(default 8: app.default_max_batch says why)")
     ap.add_argument("--max-denoise-batch", type=int, default=1,
                     help="requests of one resolution bucket whose denoise steps share one forward (default 1)")
     ap.add_argument("--api-key", default=os.environ.get("STUDIO_API_KEY"),
