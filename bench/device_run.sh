@@ -17,6 +17,8 @@
 #                  GPU test of graph keys across requests (denoise keys captured once)
 #   serving-profile  suite serving --profile: MXFP4 Distil tp1, 16 clients, --max-batch 8 then 16 (each step
 #                  synchronized and its wall time summed by what it held: decode rows, denoise rows, slots)
+#   sampling-rows  the GPU tests of batched sampling (triton_rows, the CUDA default of sample_rows: every row's
+#                  token equals the one-row op's), of top-k and the sample kernels, then decode-parts --sections rows
 #   moe-tune-decode  suite moe-decode --tune-decode: the GEMV decode MoE's tile configs at N = 1, 8, 16 (MXFP4, 8
 #                  layers a graph), each checked (reference, batch invariance) and timed
 #   warmup         the GPU test of the warm-up, then suite serving --warmup (MXFP4 Distil tp1, 1 and 4 clients): the
@@ -121,6 +123,10 @@ for section in "$@"; do
         run serving_profile_mb$mb 590 python3 -m bench serving --builds mxfp4-distil --clients 16 --per-client 1 \
           --max-batch "$mb" --profile --out "$OUT/serving-profile-mb$mb"
       done ;;
+    sampling-rows)
+      tests sampling_rows_tests 400 tests/test_sampling_rows.py tests/test_kernels_sampling_topk.py tests/test_kernels_ops.py
+      mkdir -p "$OUT/decode-parts-rows"
+      run decode_parts_rows 300 python3 -m bench decode-parts --sections rows --out "$OUT/decode-parts-rows" ;;
     moe-tune-decode)
       mkdir -p "$OUT/moe-tune-decode"
       run moe_tune_decode 590 python3 -m bench moe-decode --quick --formats mxfp4 --ns 1,8,16 --variants decode \
