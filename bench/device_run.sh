@@ -19,6 +19,8 @@
 #                  synchronized and its wall time summed by what it held: decode rows, denoise rows, slots)
 #   sampling-rows  the GPU tests of batched sampling (triton_rows, the CUDA default of sample_rows: every row's
 #                  token equals the one-row op's), of top-k and the sample kernels, then decode-parts --sections rows
+#   determinism    suite determinism: the tiny checkpoint's bf16 request 4 times (eager, then graphs on), the
+#                  embedded model's as the control: the first module whose output differs, PyTorch's flagged ops
 #   moe-tune-decode  suite moe-decode --tune-decode: the GEMV decode MoE's tile configs at N = 1, 8, 16 (MXFP4, 8
 #                  layers a graph), each checked (reference, batch invariance) and timed
 #   warmup         the GPU test of the warm-up, then suite serving --warmup (MXFP4 Distil tp1, 1 and 4 clients): the
@@ -127,6 +129,12 @@ for section in "$@"; do
       tests sampling_rows_tests 400 tests/test_sampling_rows.py tests/test_kernels_sampling_topk.py tests/test_kernels_ops.py
       mkdir -p "$OUT/decode-parts-rows"
       run decode_parts_rows 300 python3 -m bench decode-parts --sections rows --out "$OUT/decode-parts-rows" ;;
+    determinism)
+      for m in "tiny" "tiny --graphs" "tiny --ar" "embedded"; do
+        name=$(echo "$m" | tr -d ' -'); mkdir -p "$OUT/determinism-$name"
+        # shellcheck disable=SC2086
+        run "determinism_$name" 200 python3 -m bench determinism --model $m --out "$OUT/determinism-$name"
+      done ;;
     moe-tune-decode)
       mkdir -p "$OUT/moe-tune-decode"
       run moe_tune_decode 590 python3 -m bench moe-decode --quick --formats mxfp4 --ns 1,8,16 --variants decode \

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.runtime.request import Request
+
 from bench.suites import SUITES, module_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +103,8 @@ def test_two_dispatch_ablation_is_the_moe_op():
     """The ablation the tables time against the engine's MoE computes the op (under the interpreter)."""
     code = """
 import torch
+
+from engine.runtime.request import Request
 from kernels._triton import prepare_interpreter
 prepare_interpreter()
 from bench import ablations
@@ -120,3 +124,23 @@ print("ok", err)
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_the_determinism_probe_names_the_first_module_that_differs(tiny):
+    """bench determinism's probe on the tiny model (CPU fp32): two runs repeat each other call for call; a run in
+    which one layer's MLP output is nudged by 1e-6 differs first at that module's first call."""
+    from bench.suites.determinism import first_difference, run_once
+    req = Request(prompt="a green square on black", bot_task="image", steps=2, seed=5, size="256x256")
+    a, png_a = run_once(tiny, req, graphs=False)
+    b, png_b = run_once(tiny, req, graphs=False)
+    assert first_difference(a, b) is None and png_a == png_b and len(a) > 100
+    target = next(name for name, _ in tiny.model.named_modules() if name.endswith("layers.1.mlp"))
+    module = dict(tiny.model.named_modules())[target]
+    nudge = module.register_forward_hook(lambda m, i, o: o + 1e-6)
+    try:
+        c, _ = run_once(tiny, req, graphs=False)
+    finally:
+        nudge.remove()
+    i, ours, theirs = first_difference(a, c)
+    assert ours[0] == theirs[0] == target and ours != theirs, (ours, theirs)
+    assert all(x[0] != target for x in a[:i]), "an earlier call of the module was equal: not its first"

@@ -25,6 +25,7 @@ SUITES = {
     "train-step": "where a training step of the embedded model goes",
     "lora": "LoRA adapters: a hybrid4 rank's DiT and decode step, unmerged (one slot, per row) vs none vs merged",
     "step-cache": "the step cache's settings: denoise time per image at the real shapes, image PSNR/SSIM vs no cache",
+    "determinism": "the same request run several times: the first module whose output differs between runs",
     "conversation": "a 3-turn edit conversation per history policy: each turn's tokens and prefill ms (embedded, real shapes)",
 }
 
