@@ -1,6 +1,7 @@
 """Warm-up at start (`--warmup`): the CUDA graphs a default request needs, captured before the engine says
 ready, so that the first users do not wait for them (measured 2026-12-02 on one H200, MXFP4 Distil: the
-first request of a fresh engine took 44.2 s, most of it captures; engine/runtime/graphs.py).
+first request of a fresh engine took 44.2 s against 6.6 s for one without a capture: its graphs'
+captures, engine/runtime/graphs.py, and the kernels' first-use compiles, which the warm-up also pays).
 
 What it captures, on this engine's storages (a graph replays on the storage it was captured on, so the
 storages are first made as long as a default request makes them: engine/runtime/kv_pool.py):
