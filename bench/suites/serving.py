@@ -275,7 +275,7 @@ def serve_all(pipe: Pipeline, args: argparse.Namespace, build: str, batch: int, 
     if args.warmup:
         w = warm_up(pipe, (size,))
         out.data.setdefault("warmup", {})[f"{build}/{batch}"] = w.summary()
-        out.say(f"{build}, denoise batch {batch}: warm-up {w.seconds:.2f} s, {w.graphs} graphs ({len(w.steps)} parts)")
+        out.say(f"{build}, denoise batch {batch}: warm-up {w.seconds:.2f} s, {w.graphs} graphs ({len(w.parts)} parts)")
     first = serve(pipe, make, batch, 1, args.max_batch, None, seed=1)     # a full denoise batch's keys too
     out.say(f"{build}, denoise batch {batch}: first {batch} request(s) (capture their graphs) {first['mean_s']:.2f} s, "
             f"{first['captures']} graphs")

@@ -49,10 +49,10 @@ class WarmupError(RuntimeError):
 class Warmup:
     seconds: float
     graphs: int                 # graphs captured by the warm-up (0 without CUDA graphs)
-    steps: tuple[str, ...]      # what it ran, in order ("decode 4", "prefill 1280", "denoise 1024x1024 2048")
+    parts: tuple[str, ...]      # what it ran, in order ("decode 4", "prefill 1280", "denoise 1024x1024 2048")
 
     def summary(self) -> dict:
-        return {"seconds": round(self.seconds, 2), "graphs": self.graphs, "steps": len(self.steps)}
+        return {"seconds": round(self.seconds, 2), "graphs": self.graphs, "parts": len(self.parts)}
 
 
 def default_size(pipeline: "Pipeline") -> str:
