@@ -106,8 +106,8 @@ def sample_ref(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     `allowed` (ids) restricts the choice and forces greedy (the ratio tokens, as the official
     processor does). Branches only on the request's parameters, never on the logits.
     """
-    if allowed is not None:
-        return allowed[logits.index_select(0, allowed).argmax()]
+    if allowed is not None:      # index_select, not allowed[i]: indexing by a 0-d CUDA tensor reads it to the host
+        return allowed.index_select(0, logits.index_select(0, allowed).argmax().view(1)).view(())
     if greedy:
         return logits.argmax()
     return _draw(warp(logits / temperature, top_k, top_p).softmax(-1), generator)
