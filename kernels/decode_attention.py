@@ -78,11 +78,13 @@ def masked_whole_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     attention before this op; the reference off the CPU)."""
     L, T = k_cache.shape[2], q.shape[2]
     n = length.reshape(-1).clamp(max=L)
-    if n.numel() == 1:
-        mask = _causal_mask(T, L, n[:1], q.device)
-    else:                             # [B, 1, T, L]: each row's own prefix
-        keys = torch.arange(L, device=q.device)
-        mask = (keys[None, None, :] <= (n[:, None] - T + torch.arange(T, device=q.device))[:, :, None])[:, None]
+    if q.shape[0] > 1:
+        # row by row: how SDPA splits the keys depends on the batch, so a batched call rounds a row
+        # otherwise than the same row alone (seen on the H200, 2026-12-03: a greedy request's text changed
+        # when decoded beside three others in bf16); alone, each row is exactly the one-row call
+        return torch.cat([masked_whole_cache(q[b:b + 1], k_cache[b:b + 1], v_cache[b:b + 1],
+                                             n[b:b + 1] if n.numel() > 1 else n) for b in range(q.shape[0])])
+    mask = _causal_mask(T, L, n[:1], q.device)
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
                                           enable_gqa=q.shape[1] // k_cache.shape[1] > 1)
 

@@ -56,8 +56,8 @@ class Fingerprints:
         def record(module, inputs, output):
             t = output if isinstance(output, torch.Tensor) else next(
                 (o for o in (output if isinstance(output, (tuple, list)) else ()) if isinstance(o, torch.Tensor)), None)
-            if t is None or not t.is_floating_point():
-                return
+            if t is None or not t.is_floating_point() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+                return          # a graph being captured: no host read (its replays run no hooks anyway)
             d = t.detach().double()
             self.calls.append((name, d.sum().item(), (d * d).sum().item(), tuple(t.shape)))
         return record
