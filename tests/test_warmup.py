@@ -43,9 +43,9 @@ def warmed(tiny):
 def test_the_warm_up_runs_every_decode_bucket_and_each_tail_grain_longest_first(warmed):
     pipe, w = warmed
     grains = list(range(TAIL_MAX, 0, -TAIL_GRAIN))        # the tiny model's 4096 positions hold them all
-    assert w.parts == ("decode 1", "decode 2", "decode 4", *(f"denoise 256x256 {g}" for g in grains)), w.parts
+    assert w.parts == ("decode 1", "decode 2", "decode 4", *(f"denoise 256x256 {g}" for g in grains), "sampling"), w.parts
     # the tails the pipeline itself computed for the warm-up's requests (its denoise step keys)
-    tails = [k[3] for k in pipe._denoise_keys]
+    tails = [k[3] for k in pipe._denoise_keys]             # the sampling part's key is the shortest grain's
     assert tails == grains, tails
     assert w.graphs == 0                                   # the CPU captures none
 
@@ -89,7 +89,7 @@ def test_a_warmed_hybrid4_server_says_so_and_serves(tiny_dir):
     try:
         assert server.wait_ready(120), server.health()
         h = server.health()
-        assert h["warmup"]["parts"] == 2 + TAIL_MAX // TAIL_GRAIN and h["warmup"]["graphs"] == 0, h["warmup"]
+        assert h["warmup"]["parts"] == 3 + TAIL_MAX // TAIL_GRAIN and h["warmup"]["graphs"] == 0, h["warmup"]
         for kw in REQUESTS[:2]:
             events = list(server.submit(Request(**kw)))
             assert isinstance(events[-1], Done), events[-1]
