@@ -95,14 +95,14 @@ def test_imports_run_one_way():
     assert _violations() == []
 
 
-def test_the_check_sees_a_wrong_way_import():
-    """The walker must catch an import against the arrows (a test that cannot fail is a defect)."""
-    bad = ROOT / "engine" / "spec" / "_wrong_way_probe.py"
+def test_the_check_sees_a_wrong_way_import(tmp_path):
+    """The walker must catch an import against the arrows (a test that cannot fail is a defect). The probe
+    lies outside the tree, read as a module of engine.spec: in the tree, the tests that walk it on another
+    worker (pytest -n) would meet it, or lose it between listing and reading it."""
+    assert ROOT / "engine" / "spec" / "__init__.py" in _run_time()
+    bad = tmp_path / "_wrong_way_probe.py"
     bad.write_text("from engine.runtime.pipeline import Pipeline\nfrom ..serve import server\n")
-    try:
-        found = [v for v in _violations() if "_wrong_way_probe" in v]
-    finally:
-        bad.unlink()
+    found = [v for v in _violations({bad: "engine.spec._wrong_way_probe"}) if "_wrong_way_probe" in v]
     assert len(found) == 2 and "may not import engine.runtime" in found[0] and "engine.serve" in found[1]
 
 
@@ -142,12 +142,12 @@ def _kernel_modules() -> set[str]:
     return {_module_name(p) for p in _files("hunyuan_kernels")}
 
 
-def _kernel_imports(path: Path, modules: set[str]) -> set[str]:
-    """The kernels modules `path` imports (anywhere in it, function bodies too), `from pkg import mod`
-    resolved to the module."""
+def _kernel_imports(path: Path, modules: set[str], name: str | None = None) -> set[str]:
+    """The kernels modules `path` (module `name`, default: its place in the tree) imports (anywhere in it,
+    function bodies too), `from pkg import mod` resolved to the module."""
     out = set()
     tree = ast.parse(path.read_text(), str(path))
-    name = _module_name(path)
+    name = name or _module_name(path)
     me = name.split(".")
     package = me if path.name == "__init__.py" else me[:-1]
     for node in ast.walk(tree):
@@ -202,16 +202,14 @@ def test_kernels_import_without_circles_or_back_arrows():
     assert back == []
 
 
-def test_the_kernel_check_sees_a_circle_and_a_back_arrow():
+def test_the_kernel_check_sees_a_circle_and_a_back_arrow(tmp_path):
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _kernel_level("hunyuan_kernels.moe.cuda") < _kernel_level("hunyuan_kernels.quant.moe")
-    probe = ROOT / "hunyuan_kernels" / "moe" / "_back_arrow_probe.py"
+    assert "hunyuan_kernels.quant.formats" in _kernel_graph()["hunyuan_kernels.quant.moe"]
+    probe = tmp_path / "_back_arrow_probe.py"    # outside the tree: test_the_check_sees_a_wrong_way_import
     probe.write_text("from ..quant import formats\n")
-    try:
-        graph = _kernel_graph()
-        assert "hunyuan_kernels.quant.formats" in graph["hunyuan_kernels.moe._back_arrow_probe"]
-    finally:
-        probe.unlink()
+    assert "hunyuan_kernels.quant.formats" in _kernel_imports(probe, _kernel_modules(),
+                                                              "hunyuan_kernels.moe._back_arrow_probe")
 
 
 def _kernel_aliases(tree: ast.AST) -> set[str]:
