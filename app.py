@@ -50,8 +50,8 @@ def default_device() -> str:
 
 def default_max_batch(device: str) -> int:
     """Requests the engine runs at once: 8 on CUDA and on the CPU. CUDA: up to 8 rows each decode MoE
-    computes every token on its own (bf16: kernels/moe/cuda.py's decode variant; quantized: the GEMVs of
-    kernels/quant/moe_cuda.py), so a request's tokens do not depend on its neighbours. The GEMVs now
+    computes every token on its own (bf16: hunyuan_kernels/moe/cuda.py's decode variant; quantized: the GEMVs of
+    hunyuan_kernels/quant/moe_cuda.py), so a request's tokens do not depend on its neighbours. The GEMVs now
     take up to 16 rows in MXFP4, NVFP4 and MXFP8 (FP8: 8; `batched` above, which rounds differently); on
     2026-12-02 (one H200, bench moe-decode, 8 layers) 16 MXFP4 rows cost 11.3 ms against 6.4 for 8, ~15%
     less a token, so 16 would serve more at once; 8 stays until the serving bench measures 16 (issue 31).

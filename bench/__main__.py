@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     top.add_argument("options", nargs=argparse.REMAINDER, help="the suite's options (SUITE --help)")
     a = top.parse_args(argv)
     dry = "--dry" in a.options
-    if dry:     # before Triton is first imported (the suites import kernels): its interpreter runs the kernels
+    if dry:     # before Triton is first imported (the suites import hunyuan_kernels): its interpreter runs the kernels
         os.environ["TRITON_INTERPRET"] = "1"
     suite = importlib.import_module(module_name(a.suite))
     ap = argparse.ArgumentParser(prog=f"python -m bench {a.suite}", description=suite.__doc__,
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if not dry and not torch.cuda.is_available() and needs_cuda(args):
         ap.error("needs a CUDA GPU" + (" (or --dry)" if suite.DRY else ""))
     if dry:
-        from kernels._triton import prepare_interpreter
+        from hunyuan_kernels._triton import prepare_interpreter
         prepare_interpreter()
     from .report import Output
     out = Output(a.suite, args.out, argv, dry)

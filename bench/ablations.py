@@ -4,7 +4,7 @@ their ops (the engine never runs them; `kernels.allowed(name)` selects one for a
   moe / two_dispatch   the multi-micro MoE taken apart: routing, permutation, both grouped GEMMs and the
                        finalize again for every micro (GEMM2 on micro m's column block, K = I), each
                        micro's output cast and added, as a naive per-micro implementation does. The
-                       engine's variants route once for all active micros (kernels/moe/cuda.py).
+                       engine's variants route once for all active micros (hunyuan_kernels/moe/cuda.py).
 
 The other comparisons the suites make are between variants the kernels register themselves (the
 "fused" vs "grouped" GEMM1 of `moe`, the "triton" vs "triton_torch_topk" top-k of `sample`, the "gemv"
@@ -16,16 +16,16 @@ from typing import Iterator
 
 import torch
 
-import kernels
-from kernels.moe import cuda as moe_cuda
-from kernels.moe import triton_kernels as tk
-from kernels.registry import backend
-from kernels.scratch import empty
+import hunyuan_kernels as kernels
+from hunyuan_kernels.moe import cuda as moe_cuda
+from hunyuan_kernels.moe import triton_kernels as tk
+from hunyuan_kernels.registry import backend
+from hunyuan_kernels.scratch import empty
 
 
 def two_dispatch(x, gate, w1, w2, shared_w1, shared_w2, micro_start: int, micro_count: int, topk: int,
                  norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The `moe` op (signature: kernels.moe.reference.moe_reference), every micro on its own."""
+    """The `moe` op (signature: hunyuan_kernels.moe.reference.moe_reference), every micro on its own."""
     x = x.contiguous()
     out = torch.empty_like(x) if out is None else out
     if x.shape[0] == 0:

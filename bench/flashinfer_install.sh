@@ -126,7 +126,7 @@ with tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz") as t:
     echo "fi-$b: unpacked"
   done
   fi_env
-  (cd "$FI_ROOT" && python3 -c 'import flashinfer, kernels._flashinfer as f; print("flashinfer", flashinfer.__version__, "offered:", f.available())')
+  (cd "$FI_ROOT" && python3 -c 'import flashinfer, hunyuan_kernels._flashinfer as f; print("flashinfer", flashinfer.__version__, "offered:", f.available())')
 }
 
 fi_save() {   # the JIT-built modules (.fi/ws/.../<name>/<name>.so) as the aot bundle, in parts under $OUT
@@ -149,9 +149,9 @@ fi_save() {   # the JIT-built modules (.fi/ws/.../<name>/<name>.so) as the aot b
 
 # The smallest call of each family that builds it (a built family loads from .fi/ws at once).
 declare -A FI_CODE=(
-  [norm]='from kernels import norm; x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16); w = torch.ones(4096, device="cuda", dtype=x.dtype); norm.rms_norm_flashinfer(x, w, 1e-5); fi.norm.fused_add_rmsnorm(x, x.clone(), w, 1e-5)'
-  [topk]='from kernels import sampling; sampling.topk_flashinfer(torch.randn(133120, device="cuda"), 1024)'
-  [decode]='from kernels import decode_attention as da; q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16); k = torch.randn(1, 8, 64, 128, device="cuda", dtype=torch.bfloat16); da.decode_attention_flashinfer(q, k, k, torch.tensor([33], device="cuda"))'
+  [norm]='from hunyuan_kernels import norm; x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16); w = torch.ones(4096, device="cuda", dtype=x.dtype); norm.rms_norm_flashinfer(x, w, 1e-5); fi.norm.fused_add_rmsnorm(x, x.clone(), w, 1e-5)'
+  [topk]='from hunyuan_kernels import sampling; sampling.topk_flashinfer(torch.randn(133120, device="cuda"), 1024)'
+  [decode]='from hunyuan_kernels import decode_attention as da; q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16); k = torch.randn(1, 8, 64, 128, device="cuda", dtype=torch.bfloat16); da.decode_attention_flashinfer(q, k, k, torch.tensor([33], device="cuda"))'
   [sampler]='fi.sampling.top_k_top_p_sampling_from_logits(torch.randn(1, 133120, device="cuda"), 1024, 0.95)'
   # one module (fused_moe_90) holds every SM90 dtype: the bf16 call builds it, the FP8 one shows that path runs
   [moe]='E, H, I, k, n = 4, 256, 128, 2, 3; d = dict(device="cuda"); x = torch.randn(n, H, **d).bfloat16(); ids = torch.arange(k, dtype=torch.int32, **d).expand(n, k).contiguous(); p = torch.full((n, k), 0.5, **d); w1 = (torch.randn(E, 2 * I, H, **d) / 16).bfloat16(); w2 = (torch.randn(E, H, I, **d) / 11).bfloat16(); fi.cutlass_fused_moe(x, ids, p, w1, w2, torch.bfloat16, []); f8 = torch.float8_e4m3fn; one = torch.ones((), **d); fi.cutlass_fused_moe(x.to(f8), ids, p, w1.to(f8), w2.to(f8), torch.bfloat16, [one.expand(E).contiguous(), one, one.expand(E).contiguous(), one]); print("moe: bf16 and fp8 ran")'

@@ -14,33 +14,34 @@ from typing import Any, Callable
 
 import torch
 
-import kernels
-from kernels.registry import REFERENCE
+import hunyuan_kernels as kernels
+from hunyuan_kernels.registry import REFERENCE
 
 # (op, variant) -> "module:function", for the --dry runs
 _FUNCTIONS = {
-    ("rms_norm", "triton"): "kernels.norm:rms_norm_triton",
-    ("add_rms_norm", "triton"): "kernels.norm:add_rms_norm_triton",
-    ("rope_qk_norm", "triton"): "kernels.rope:rope_qk_norm_triton",
-    ("rope_qk_norm_cache", "triton"): "kernels.rope:rope_qk_norm_cache_triton",
-    ("sample", "triton"): "kernels.sampling:sample_triton",
-    ("sample", "triton_torch_topk"): "kernels.sampling:sample_triton_torch_topk",
-    ("decode_attention", "triton"): "kernels.decode_attention:decode_attention_triton",
-    **{(op, "flashinfer"): f"kernels.{module}:{op}_flashinfer" for op, module in (
+    ("rms_norm", "triton"): "hunyuan_kernels.norm:rms_norm_triton",
+    ("add_rms_norm", "triton"): "hunyuan_kernels.norm:add_rms_norm_triton",
+    ("rope_qk_norm", "triton"): "hunyuan_kernels.rope:rope_qk_norm_triton",
+    ("rope_qk_norm_cache", "triton"): "hunyuan_kernels.rope:rope_qk_norm_cache_triton",
+    ("sample", "triton"): "hunyuan_kernels.sampling:sample_triton",
+    ("sample", "triton_torch_topk"): "hunyuan_kernels.sampling:sample_triton_torch_topk",
+    ("decode_attention", "triton"): "hunyuan_kernels.decode_attention:decode_attention_triton",
+    **{(op, "flashinfer"): f"hunyuan_kernels.{module}:{op}_flashinfer" for op, module in (
         ("rms_norm", "norm"), ("add_rms_norm", "norm"), ("sample", "sampling"), ("decode_attention", "decode_attention"))},
-    ("conv3d_same", "taps2d"): "kernels.vae.conv:conv3d_same_taps",
-    ("group_norm_swish", "triton"): "kernels.vae.group_norm:group_norm_swish_triton",
-    ("moe", "decode"): "kernels.moe.cuda:moe_decode",
-    ("moe", "fused"): "kernels.moe.cuda:moe_fused",
-    ("moe", "grouped"): "kernels.moe.cuda:moe_grouped",
+    ("conv3d_same", "taps2d"): "hunyuan_kernels.vae.conv:conv3d_same_taps",
+    ("group_norm_swish", "triton"): "hunyuan_kernels.vae.group_norm:group_norm_swish_triton",
+    ("moe", "decode"): "hunyuan_kernels.moe.cuda:moe_decode",
+    ("moe", "fused"): "hunyuan_kernels.moe.cuda:moe_fused",
+    ("moe", "grouped"): "hunyuan_kernels.moe.cuda:moe_grouped",
     ("moe", "two_dispatch"): "bench.ablations:two_dispatch",
-    ("moe_quant", "decode"): "kernels.quant.moe_cuda:moe_quant_decode",
-    ("moe_quant", "grouped"): "kernels.quant.moe_cuda:moe_quant_grouped",
-    ("linear_fp8", "scaled_mm"): "kernels.quant.cuda:linear_fp8_cuda",
-    ("grouped_mm_fp8", "scaled_mm"): "kernels.quant.cuda:grouped_mm_fp8_cuda",
-    **{(f"linear_{f}", v): f"kernels.quant.cuda:linear_{f}_{v}"
+    ("moe_quant", "decode"): "hunyuan_kernels.quant.moe_cuda:moe_quant_decode",
+    ("moe_quant", "grouped"): "hunyuan_kernels.quant.moe_cuda:moe_quant_grouped",
+    ("linear_fp8", "scaled_mm"): "hunyuan_kernels.quant.cuda:linear_fp8_cuda",
+    ("grouped_mm_fp8", "scaled_mm"): "hunyuan_kernels.quant.cuda:grouped_mm_fp8_cuda",
+    **{(f"linear_{f}", v): f"hunyuan_kernels.quant.cuda:linear_{f}_{v}"
        for f in ("mxfp8", "mxfp4", "nvfp4") for v in ("gemv", "triton")},
-    **{(f"grouped_mm_{f}", "triton"): f"kernels.quant.cuda:grouped_mm_{f}_triton" for f in ("mxfp8", "mxfp4", "nvfp4")},
+    **{(f"grouped_mm_{f}", "triton"): f"hunyuan_kernels.quant.cuda:grouped_mm_{f}_triton"
+       for f in ("mxfp8", "mxfp4", "nvfp4")},
 }
 
 

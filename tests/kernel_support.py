@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels.scratch import poisoned as poisoned_scratch
+from hunyuan_kernels.scratch import poisoned as poisoned_scratch
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,12 +41,12 @@ def run_interpreter_suite(test_file: str) -> None:
 
 
 def interpreted(module: str | None = None) -> ModuleType | None:
-    """In the child run: the interpreter prepared (kernels._triton.prepare_interpreter) and `module`
+    """In the child run: the interpreter prepared (hunyuan_kernels._triton.prepare_interpreter) and `module`
     imported, asserted to run under the interpreter. Outside it the test is skipped (the parent's
     `test_triton_interpreter_suite` runs it)."""
     if not INTERPRETED:
         pytest.skip("runs in the child pytest of test_triton_interpreter_suite (TRITON_INTERPRET=1)")
-    from kernels._triton import INTERPRET, prepare_interpreter
+    from hunyuan_kernels._triton import INTERPRET, prepare_interpreter
     assert INTERPRET
     prepare_interpreter()
     return importlib.import_module(module) if module else None

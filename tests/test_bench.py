@@ -105,10 +105,10 @@ def test_two_dispatch_ablation_is_the_moe_op():
 import torch
 
 from engine.runtime.request import Request
-from kernels._triton import prepare_interpreter
+from hunyuan_kernels._triton import prepare_interpreter
 prepare_interpreter()
 from bench import ablations
-from kernels.moe import moe_reference
+from hunyuan_kernels.moe import moe_reference
 from bench.checks import rel_err
 ablations.register()
 g = torch.Generator().manual_seed(0)

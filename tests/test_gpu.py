@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image as PILImage
 
-import kernels
+import hunyuan_kernels as kernels
 from engine.runtime.events import Done, Error, Image, Text
 from engine.model.loader import load
 from engine.model.moe import MoE

@@ -1,4 +1,4 @@
-"""kernels/decode_attention.py: attention of the last T queries over the valid prefix of a static KV
+"""hunyuan_kernels/decode_attention.py: attention of the last T queries over the valid prefix of a static KV
 cache, its length a device tensor.
 
 CPU: the reference (and the masked whole-cache form the reference takes off the CPU) against a naive
@@ -16,8 +16,8 @@ import pytest
 import torch
 from kernel_support import INTERPRETED, interpreted, run_interpreter_suite
 
-import kernels
-from kernels import decode_attention as da
+import hunyuan_kernels as kernels
+from hunyuan_kernels import decode_attention as da
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 

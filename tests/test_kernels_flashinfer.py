@@ -1,4 +1,4 @@
-"""The `flashinfer` variants of rms_norm, add_rms_norm, sample and decode_attention (kernels/_flashinfer.py).
+"""The `flashinfer` variants of rms_norm, add_rms_norm, sample and decode_attention (hunyuan_kernels/_flashinfer.py).
 
 CPU: they are registered after the Triton variants (so never chosen by default), offered only where
 FlashInfer imports at a supported version, and absent from every op's candidates where it does not.
@@ -18,10 +18,10 @@ import pytest
 import torch
 from test_kernels_decode_attention import naive
 
-import kernels
-from kernels import _flashinfer, decode_attention as da, norm, sampling
-from kernels.moe import moe_reference
-from kernels.registry import candidates
+import hunyuan_kernels as kernels
+from hunyuan_kernels import _flashinfer, decode_attention as da, norm, sampling
+from hunyuan_kernels.moe import moe_reference
+from hunyuan_kernels.registry import candidates
 
 HIDDEN, VOCAB, HQ, HKV, HEAD_DIM = 4096, 133120, 32, 8, 128
 OPS = ("rms_norm", "add_rms_norm", "sample", "decode_attention")
@@ -63,7 +63,8 @@ def test_only_the_pinned_versions_are_offered(monkeypatch, version, offered):
 @pytest.fixture(scope="module")
 def fi():
     if not _flashinfer.available():
-        why = "flashinfer-python is not installed here at a supported version (kernels/_flashinfer.py: SUPPORTED)"
+        why = ("flashinfer-python is not installed here at a supported version "
+               "(hunyuan_kernels/_flashinfer.py: SUPPORTED)")
         if os.environ.get("HUNYUAN_REQUIRE_FLASHINFER") == "1":
             pytest.fail(why + ", and HUNYUAN_REQUIRE_FLASHINFER=1")
         pytest.skip(why)

@@ -1,4 +1,4 @@
-"""kernels/quant/gemv.py: the decode GEMVs on quantized weights. Under Triton's CPU interpreter on small
+"""hunyuan_kernels/quant/gemv.py: the decode GEMVs on quantized weights. Under Triton's CPU interpreter on small
 shapes (every format, 1 / 3 / 8 tokens, routed and shared slots, several micros): the dense GEMV is the
 fp32 dot product on the exactly dequantized weight (MX formats: the reference's bf16 weights) up to the
 summation order; the MoE decode pair against a per-slot reference; the whole `moe_quant` decode path on
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from kernel_support import interpreted, poisoned, rel_err, run_interpreter_suite
 
-import kernels
-import kernels.quant as kq
+import hunyuan_kernels as kernels
+import hunyuan_kernels.quant as kq
 
 FMTS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
 
@@ -30,7 +30,7 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture(scope="module")
 def qg():
-    return interpreted("kernels.quant.gemv")
+    return interpreted("hunyuan_kernels.quant.gemv")
 
 
 SMALL = dict(R=16, G=4, num_warps=4)          # several K steps on the small shapes
@@ -189,7 +189,7 @@ def _emulate_scaled_grouped(monkeypatch):
         acc = torch._grouped_mm(xq.float(), wq.float().transpose(1, 2), offs=offs)
         grp = torch.searchsorted(offs, torch.arange(xq.shape[0], dtype=offs.dtype), right=True)
         return (acc * xs * ws[..., 0].float()[grp.clamp_max(wq.shape[0] - 1).long()]).to(dtype)
-    from kernels.quant import cuda
+    from hunyuan_kernels.quant import cuda
     monkeypatch.setattr(cuda, "scaled_grouped", emu)
 
 
@@ -200,7 +200,7 @@ def _emulate_scaled_grouped(monkeypatch):
 def test_interp_moe_quant_decode_on_the_gemvs(qg, monkeypatch, fmt, shared_fmt, n, micro_start, micro_count):
     """The op's decode variant (on the GEMVs) against the op's reference."""
     from test_kernels_quant import make_qmoe, qargs
-    from kernels.quant import moe, moe_cuda
+    from hunyuan_kernels.quant import moe, moe_cuda
     _emulate_scaled_grouped(monkeypatch)
     t = make_qmoe(n, fmt, shared_fmt, hidden=128, inter=64, shared_inter=64, inverse=fmt == "nvfp4", seed=30 + n)
     args = qargs(t, micro_start, micro_count)
@@ -223,7 +223,7 @@ BF16 = torch.bfloat16
 @pytest.fixture
 def gemv_calls(monkeypatch):
     """Counts the GEMV launchers' calls (a GPU test fails if the GEMVs did not run)."""
-    from kernels.quant import gemv as quant_gemv
+    from hunyuan_kernels.quant import gemv as quant_gemv
     calls = {"decode_up": 0, "decode_down": 0, "linear": 0}
     for name in calls:
         real = getattr(quant_gemv, name)
@@ -341,7 +341,7 @@ def test_gpu_moe_decode_gemv_graph_replay_reproducible_per_token(name, gemv_call
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 1024)])     # qkv, o at tp1; o of a TP4 micro
 def test_gpu_gemv_linear_matches_reference(fmt, m, n, k, gemv_calls):
-    from kernels.quant import gemv as quant_gemv
+    from hunyuan_kernels.quant import gemv as quant_gemv
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     w = _qw(fmt, (n, k), k ** -0.5, g, "cuda", inverse=fmt == "nvfp4")
     x = torch.randn(m, k, generator=g, device="cuda").to(BF16)

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from kernel_support import interpreted, poisoned, rel_err, run_interpreter_suite
 
-import kernels
-from kernels.moe import moe_reference
+import hunyuan_kernels as kernels
+from hunyuan_kernels.moe import moe_reference
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -142,7 +142,7 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture(scope="module")
 def interp():
-    return interpreted("kernels.moe.cuda")
+    return interpreted("hunyuan_kernels.moe.cuda")
 
 
 INTERP_CASES = [  # (n, micro_start, micro_count, shared_inter, variant)
@@ -168,7 +168,7 @@ def test_interp_pipelines(interp, n, micro_start, micro_count, shared_inter, var
 def test_interp_router_and_counting_sort(interp):
     """The routing kernels alone: same experts and weights as the reference router, and the
     counting sort gives exactly the stable argsort permutation of the reference."""
-    from kernels.moe import triton_kernels as tk
+    from hunyuan_kernels.moe import triton_kernels as tk
     t = make_moe(150, experts=16, dtype=torch.bfloat16, seed=9)
     x, gate = t["x"], t["gate"]
     w_ref, idx_ref = kernels.moe.route(x, gate, 4, True)
@@ -213,7 +213,7 @@ def test_interp_router_and_counting_sort(interp):
 
 
 def test_interp_finalize_weights_and_sums_routes_in_fp32(interp):
-    from kernels.moe import triton_kernels as tk
+    from hunyuan_kernels.moe import triton_kernels as tk
     g = torch.Generator().manual_seed(4)
     n, k, h = 6, 3, 40
     part = torch.randn(n * k, h, generator=g).to(torch.bfloat16)
@@ -233,7 +233,7 @@ def test_interp_finalize_weights_and_sums_routes_in_fp32(interp):
 def test_interp_swiglu_writes_a_micro_column_block_in_place(interp):
     """The grouped path's SwiGLU of micro i lands in columns [i*I, (i+1)*I) of one [R, micros*I]
     activation buffer (out=, strided rows): the other columns stay untouched."""
-    from kernels.moe import triton_kernels as tk
+    from hunyuan_kernels.moe import triton_kernels as tk
     g = torch.Generator().manual_seed(6)
     r, inter = 7, 24
     h = torch.randn(r, 2 * inter, generator=g).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The `moe_quant` op's `batched` variant (kernels/quant/moe_cuda.py, triton_kernels.py `edecode_*`): the
+"""The `moe_quant` op's `batched` variant (hunyuan_kernels/quant/moe_cuda.py, triton_kernels.py `edecode_*`): the
 decode MoE of 1..32 rows that reads each touched expert's weights once for all its tokens.
 
 Under Triton's CPU interpreter on small shapes, every expert format with a quantized, float or no shared
@@ -15,7 +15,7 @@ import torch
 from kernel_support import INTERPRETED, interpreted, poisoned, rel_err, run_interpreter_suite
 from test_kernels_quant import make_qmoe, qargs
 
-import kernels
+import hunyuan_kernels as kernels
 
 BATCHES = (3, 16, 32)
 
@@ -27,7 +27,7 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture(scope="module")
 def mc_mod():
-    return interpreted("kernels.quant.moe_cuda")
+    return interpreted("hunyuan_kernels.quant.moe_cuda")
 
 
 @pytest.fixture
@@ -44,8 +44,8 @@ def elementwise_dot(monkeypatch):
     depend on the row's position in the tile (seen: 1 ulp between rows 0 and 14 of a [16, 128] operand in
     the bf16 decode kernel); an MMA's cannot (the GPU tests check it on the hardware). The batch
     invariance tests run the kernels on a dot whose every element is its own fp32 sum over K, in order."""
-    from kernels.moe import triton_kernels as tk
-    from kernels.quant import triton_kernels as qt
+    from hunyuan_kernels.moe import triton_kernels as tk
+    from hunyuan_kernels.quant import triton_kernels as qt
     monkeypatch.setattr(tk, "dot", _elementwise_dot)
     monkeypatch.setattr(qt, "dot", _elementwise_dot)
 
@@ -82,7 +82,7 @@ def _args(n, fmt, sfmt, micros, ms, mc, seed, experts=8, topk=3):
 
 @pytest.mark.parametrize("fmt,sfmt,micros,ms,mc", CASES)
 def test_interp_batched_matches_reference(small_tiles, fmt, sfmt, micros, ms, mc):
-    from kernels.quant.moe import moe_quant_reference
+    from hunyuan_kernels.quant.moe import moe_quant_reference
     for n in (3, 32):
         args = _args(n, fmt, sfmt, micros, ms, mc, seed=40 + n)
         assert small_tiles.batched_fits(*args)
@@ -98,8 +98,8 @@ def test_interp_batched_on_dot_scaled_matches_reference(mc_mod, monkeypatch, fmt
     """The tile key SCALED (MX formats: tl.dot_scaled on the codes and their E8M0 scales as stored, no
     dequantization of ours): the reference's result, with our dequantization (`_ewtile`) made to give NaN,
     so the result shows it was not used. (Its speed is measured on the GPU: bench moe-decode --tune.)"""
-    from kernels.quant import triton_kernels as qt
-    from kernels.quant.moe import moe_quant_reference
+    from hunyuan_kernels.quant import triton_kernels as qt
+    from hunyuan_kernels.quant.moe import moe_quant_reference
     monkeypatch.setattr(qt, "_ewtile", _nan_tile)
     tiles = dict(up=dict(BI=32, BK=64, num_warps=4, num_stages=1, SCALED=True),
                  down=dict(BH=64, BK=32, num_warps=4, num_stages=1, SCALED=True))
@@ -137,8 +137,8 @@ def test_interp_bf16_decode_takes_32_rows_batch_invariant(mc_mod, elementwise_do
     """The `moe` op's decode variant (bf16) at 17..32 rows (two token chunks): the reference's result, and
     a token's output the same bits alone and at another row of batches of 3, 16 and 32."""
     from test_kernels_moe import call_args, make_moe, moe_loop_fp64
-    from kernels.moe import cuda as moe_cuda
-    from kernels.moe import moe_reference
+    from hunyuan_kernels.moe import cuda as moe_cuda
+    from hunyuan_kernels.moe import moe_reference
     t = make_moe(32, shared_inter=shared_inter, dtype=torch.bfloat16, seed=5)
     args = call_args(t, 1, 2, 3, True)
     x, rest = args[0], args[1:]
@@ -156,7 +156,7 @@ def test_interp_bf16_decode_takes_32_rows_batch_invariant(mc_mod, elementwise_do
 
 def test_interp_router_is_batch_invariant(mc_mod):
     """The decode router (logits, softmax, top-k, weights) gives a token the same ids and bits at any N <= 32."""
-    from kernels.moe import triton_kernels as tk
+    from hunyuan_kernels.moe import triton_kernels as tk
     g = torch.Generator().manual_seed(3)
     x = torch.randn(32, 600, generator=g).bfloat16()               # 2 hidden splits, the last partial
     gate = torch.randn(16, 600, generator=g) * 600 ** -0.5
@@ -259,7 +259,7 @@ def test_gpu_the_chosen_variant_is_batch_invariant_to_the_servers_batch(name):
 def test_gpu_batched_on_dot_scaled_matches_reference_and_is_batch_invariant(name):
     """The SCALED tile key on the hardware (Triton's own MX upcast before the MMA): the reference's result at
     1 and 16 rows, and each of 16 tokens the same bits alone."""
-    from kernels.quant import moe_cuda, triton_kernels as qt
+    from hunyuan_kernels.quant import moe_cuda, triton_kernels as qt
     tiles = dict(up=dict(qt.EDECODE_UP, SCALED=True), down=dict(qt.EDECODE_DOWN, SCALED=True))
     args = _gpu_args(name, 16, seed=21)
     with kernels.allowed():

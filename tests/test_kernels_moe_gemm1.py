@@ -1,4 +1,4 @@
-"""kernels/moe/gemm1.py (the fused GEMM1 + SwiGLU of the grouped MoE path) and triton_kernels.dispatch_rows.
+"""hunyuan_kernels/moe/gemm1.py (the fused GEMM1 + SwiGLU of the grouped MoE path) and triton_kernels.dispatch_rows.
 Under Triton's CPU interpreter at small shapes (I a non-multiple of the tile, experts with no rows, one or
 two micros from micro 0 or 1, every weight-load form): the kernel equals today's path (dispatch, per
 micro grouped GEMM, SwiGLU) in fp32 on poisoned outputs, and the `moe` op's "fused" variant equals the
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from kernel_support import interpreted, poisoned, rel_err, run_interpreter_suite
 
-import kernels
+import hunyuan_kernels as kernels
 
 N, K, E, H, MICROS = 37, 4, 8, 64, 2
 NO_ROWS = (3, 5, 7)                   # experts the crafted gate never picks (the last one among them)
@@ -54,11 +54,11 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture(scope="module")
 def interp():
-    return interpreted("kernels.moe.cuda")
+    return interpreted("hunyuan_kernels.moe.cuda")
 
 
 def test_interp_dispatch_rows_is_dispatch_without_the_copy(interp):
-    from kernels.moe import triton_kernels as tk
+    from hunyuan_kernels.moe import triton_kernels as tk
     g = torch.Generator().manual_seed(1)
     x = torch.randn(150, 32, generator=g)
     gate = torch.randn(16, 32, generator=g)
@@ -92,8 +92,8 @@ GEMM1_CASES = [(c, 48, 0, 2) for c in CFGS] + [(c, i, ms, mc) for c in ("ptr", "
 
 @pytest.mark.parametrize("cfg,inter,micro_start,micro_count", GEMM1_CASES)
 def test_interp_gemm1_swiglu_equals_the_current_path(interp, cfg, inter, micro_start, micro_count):
-    from kernels.moe import gemm1 as moe_gemm1
-    from kernels.moe import triton_kernels as tk
+    from hunyuan_kernels.moe import gemm1 as moe_gemm1
+    from hunyuan_kernels.moe import triton_kernels as tk
     x, gate, w1 = crafted(inter, seed=inter + micro_start + 3 * micro_count)
     r = routing(tk, x, gate, K)
     ids, rank, base, bt, offs = r
@@ -110,7 +110,7 @@ def test_interp_gemm1_swiglu_equals_the_current_path(interp, cfg, inter, micro_s
 
 
 def test_interp_gemm1_swiglu_rejects_what_it_cannot_run(interp):
-    from kernels.moe import gemm1 as moe_gemm1
+    from hunyuan_kernels.moe import gemm1 as moe_gemm1
     x, gate, w1 = crafted(32, seed=2)
     src = torch.zeros(N * K, dtype=torch.int32)
     offs = torch.full((E,), N * K, dtype=torch.int32)
@@ -127,8 +127,8 @@ def test_interp_moe_pipeline_with_the_fused_gemm1(interp, monkeypatch, n, micro_
     """The "fused" variant (gemm1.CONFIG, the engine's tiles) against the fp64 loop, as
     tests/test_kernels_moe.py checks "grouped", and against "grouped"."""
     from test_kernels_moe import call_args, make_moe, moe_loop_fp64
-    from kernels.moe import gemm1 as moe_gemm1
-    from kernels.moe import moe_reference
+    from hunyuan_kernels.moe import gemm1 as moe_gemm1
+    from hunyuan_kernels.moe import moe_reference
     calls = []
     real = moe_gemm1.gemm1_swiglu
     monkeypatch.setattr(moe_gemm1, "gemm1_swiglu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -154,7 +154,7 @@ REAL = dict(h=4096, e=64, k=8, inter=768)
 
 
 def _gpu_case(n, seed, skewed=False):
-    from kernels.moe import triton_kernels as tk
+    from hunyuan_kernels.moe import triton_kernels as tk
     g = torch.Generator(device="cuda").manual_seed(seed)
     h, e = REAL["h"], REAL["e"]
     x = torch.randn(n, h, generator=g, device="cuda")
@@ -184,7 +184,7 @@ def _truth(x, w1, r, micro_start, micro_count, inter):
 
 
 def _variants():
-    from kernels.moe import gemm1 as moe_gemm1
+    from hunyuan_kernels.moe import gemm1 as moe_gemm1
     return list(moe_gemm1.CONFIGS)
 
 
@@ -192,7 +192,7 @@ def _variants():
 @pytest.mark.parametrize("variant", _variants())
 @pytest.mark.parametrize("n,micro_start,micro_count,skewed", [(4098, 0, 2, False), (1251, 1, 1, True)])
 def test_gpu_gemm1_swiglu_variants_match_the_current_path(variant, n, micro_start, micro_count, skewed):
-    from kernels.moe import gemm1 as moe_gemm1
+    from hunyuan_kernels.moe import gemm1 as moe_gemm1
     tk, x, w1, r = _gpu_case(n, seed=n + skewed, skewed=skewed)
     inter = REAL["inter"]
     cur = current_path(tk, x, w1, r, micro_start, micro_count, inter)
@@ -225,7 +225,7 @@ def test_gpu_fused_variant_equals_grouped_and_is_reproducible(name):
 def test_shapes_the_kernel_cannot_run_take_grouped_mm():
     """`fits` is host-known shape arithmetic: H off the K tile (or misaligned rows) sends the grouped path
     to torch._grouped_mm instead of a launch error."""
-    from kernels.moe import gemm1 as moe_gemm1
+    from hunyuan_kernels.moe import gemm1 as moe_gemm1
     w1 = torch.zeros(2, 4, 2 * 48, 64, dtype=torch.bfloat16)
     assert moe_gemm1.fits(torch.zeros(3, 64, dtype=torch.bfloat16), w1)
     assert not moe_gemm1.fits(torch.zeros(3, 64, dtype=torch.float32), w1)          # dtypes differ

@@ -1,4 +1,4 @@
-"""The small fused ops of the hot loops (kernels.norm, kernels.rope, kernels.sampling).
+"""The small fused ops of the hot loops (hunyuan_kernels.norm, hunyuan_kernels.rope, hunyuan_kernels.sampling).
 
 CPU: each reference equals the engine's code bit for bit; the sampler's kept set and draws equal
 `choose`'s; the Triton kernels run in Triton's interpreter (a subprocess with TRITON_INTERPRET=1).
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import hunyuan_kernels as kernels
 from kernel_support import INTERPRETED, interpreted, run_interpreter_suite
-from kernels import norm, rope, sampling
+from hunyuan_kernels import norm, rope, sampling
 from engine.model.attention import Attention, AttnBatch, KVCache
 from engine.model.layers import RMSNorm, rope_angles
 from engine.parallel.layout import PhaseView
@@ -259,7 +259,7 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture
 def rounding_interpreter():
-    """bf16 results of the interpreter rounded as on the GPU (see kernels._triton)."""
+    """bf16 results of the interpreter rounded as on the GPU (see hunyuan_kernels._triton)."""
     interpreted()
 
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from kernel_support import interpreted, poisoned, rel_err, run_interpreter_suite
 
-import kernels
-import kernels.quant as kq
-from kernels.moe import moe_reference
-from kernels.quant.moe import moe_quant_reference
+import hunyuan_kernels as kernels
+import hunyuan_kernels.quant as kq
+from hunyuan_kernels.moe import moe_reference
+from hunyuan_kernels.quant.moe import moe_quant_reference
 
 FMTS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
 FAST_FMTS = FMTS                          # formats whose CUDA dense/grouped GEMMs are not the reference
@@ -160,7 +160,7 @@ def test_triton_interpreter_suite():
 
 @pytest.fixture(scope="module")
 def qt():
-    return interpreted("kernels.quant.triton_kernels")
+    return interpreted("hunyuan_kernels.quant.triton_kernels")
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -217,7 +217,7 @@ def _emulate_scaled_grouped(monkeypatch):
         acc = torch._grouped_mm(xq.float(), wq.float().transpose(1, 2), offs=offs)
         grp = torch.searchsorted(offs, torch.arange(xq.shape[0], dtype=offs.dtype), right=True)
         return (acc * xs * ws[..., 0].float()[grp.clamp_max(wq.shape[0] - 1).long()]).to(dtype)
-    from kernels.quant import cuda
+    from hunyuan_kernels.quant import cuda
     monkeypatch.setattr(cuda, "scaled_grouped", emu)
 
 
@@ -227,7 +227,7 @@ def _emulate_scaled_grouped(monkeypatch):
     ("fp8", "fp8", 8, 1, 2), ("fp8", "fp8", 37, 0, 2),               # online FP8 (W8A8)
 ])
 def test_interp_moe_quant_paths(qt, monkeypatch, fmt, shared_fmt, n, micro_start, micro_count):
-    from kernels.quant import moe_cuda
+    from hunyuan_kernels.quant import moe_cuda
     _emulate_scaled_grouped(monkeypatch)
     t = make_qmoe(n, fmt, shared_fmt, inverse=fmt == "nvfp4", seed=20 + n)
     args = qargs(t, micro_start, micro_count)
@@ -311,7 +311,7 @@ def test_gpu_grouped_matches_reference(fmt, rows, n, k):
 @gpu
 @pytest.mark.parametrize("rows,n,k", [(8194 * 8, 6144, 4096), (8194 * 8, 4096, 3072)])   # tp1: GEMM1, GEMM2
 def test_gpu_triton_mxfp4_tiles_at_the_one_gpu_shapes(rows, n, k):
-    from kernels.quant import triton_kernels as qt
+    from hunyuan_kernels.quant import triton_kernels as qt
     g = torch.Generator(device="cuda").manual_seed(rows + n)
     e = 64
     w = kq.random_qweight("mxfp4", (e, n, k), k ** -0.5, "cuda", g)

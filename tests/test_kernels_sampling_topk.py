@@ -1,4 +1,4 @@
-"""kernels/sampling.py: the radix-select top-k (`topk_desc`) that `sample_device` uses instead of
+"""hunyuan_kernels/sampling.py: the radix-select top-k (`topk_desc`) that `sample_device` uses instead of
 torch.topk. Under Triton's CPU interpreter on small shapes: the values equal torch.topk's exactly, the
 ids are distinct, in range and give the values, on tie-heavy inputs (a few levels, bf16-rounded), -inf
 blocks, one value everywhere, k == V; and the whole `sample_device` on them equals `sample_ref` for the
@@ -10,8 +10,8 @@ import pytest
 import torch
 from kernel_support import INTERPRETED, interpreted, run_interpreter_suite
 
-import kernels
-from kernels import sampling
+import hunyuan_kernels as kernels
+from hunyuan_kernels import sampling
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -1,4 +1,5 @@
-"""The VAE's kernel ops: `conv3d_same` (kernels/conv.py) and `group_norm_swish` (kernels/group_norm.py).
+"""The VAE's kernel ops: `conv3d_same` (hunyuan_kernels/vae/conv.py) and `group_norm_swish`
+(hunyuan_kernels/vae/group_norm.py).
 
 CPU: the references are the module's code before the ops (bit for bit, and the VAE's output with the
 old forward patched back in is unchanged); the fast paths run under Triton's CPU interpreter (a child
@@ -13,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from kernel_support import INTERPRETED, interpreted, run_interpreter_suite
 
-import kernels
-from kernels.vae import conv, group_norm
+import hunyuan_kernels as kernels
+from hunyuan_kernels.vae import conv, group_norm
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 HALVES = (torch.float16, torch.bfloat16)

@@ -1,8 +1,8 @@
 """The package's imports run one way (DESIGN §1): serve -> runtime -> model -> parallel -> spec;
-`kernels` imports nothing of `engine`; the web UI uses only the serving client, events and requests;
-nothing at run time (`engine/`, `kernels/`, `webui/`, `app.py`; the command line included) imports the
-development tools, the trainer, the tests or the benchmarks. Imports needed only for type hints
-(`if TYPE_CHECKING:`) are not imports at run time and are not counted."""
+`hunyuan_kernels` imports nothing of `engine`; the web UI uses only the serving client, events and
+requests; nothing at run time (`engine/`, `hunyuan_kernels/`, `webui/`, `app.py`; the command line
+included) imports the development tools, the trainer, the tests or the benchmarks. Imports needed only
+for type hints (`if TYPE_CHECKING:`) are not imports at run time and are not counted."""
 from __future__ import annotations
 
 import ast
@@ -64,7 +64,7 @@ def _layer(module: str) -> int | None:
 
 def _run_time() -> dict[Path, str]:
     """Every file of the run time and its module name."""
-    return {p: _module_name(p) for p in _files("engine", "kernels", "webui") + [ROOT / "app.py"]}
+    return {p: _module_name(p) for p in _files("engine", "hunyuan_kernels", "webui") + [ROOT / "app.py"]}
 
 
 def _violations(files: dict[Path, str] | None = None) -> list[str]:
@@ -76,7 +76,7 @@ def _violations(files: dict[Path, str] | None = None) -> list[str]:
             top = mod.split(".")[0]
             if top in ("tools", "train", "tests", "bench"):
                 bad.append(where + " (a development tool at run time)")
-            if me.startswith("kernels") and top in ("engine", "webui"):
+            if me.split(".")[0] == "hunyuan_kernels" and top in ("engine", "webui"):
                 bad.append(where + " (kernels import nothing of the engine)")
             if me.startswith("engine"):
                 if top == "webui":
@@ -95,18 +95,18 @@ def test_imports_run_one_way():
     assert _violations() == []
 
 
-def test_the_check_sees_a_wrong_way_import():
-    """The walker must catch an import against the arrows (a test that cannot fail is a defect)."""
-    bad = ROOT / "engine" / "spec" / "_wrong_way_probe.py"
+def test_the_check_sees_a_wrong_way_import(tmp_path):
+    """The walker must catch an import against the arrows (a test that cannot fail is a defect). The probe
+    lies outside the tree, read as a module of engine.spec: in the tree, the tests that walk it on another
+    worker (pytest -n) would meet it, or lose it between listing and reading it."""
+    assert ROOT / "engine" / "spec" / "__init__.py" in _run_time()
+    bad = tmp_path / "_wrong_way_probe.py"
     bad.write_text("from engine.runtime.pipeline import Pipeline\nfrom ..serve import server\n")
-    try:
-        found = [v for v in _violations() if "_wrong_way_probe" in v]
-    finally:
-        bad.unlink()
+    found = [v for v in _violations({bad: "engine.spec._wrong_way_probe"}) if "_wrong_way_probe" in v]
     assert len(found) == 2 and "may not import engine.runtime" in found[0] and "engine.serve" in found[1]
 
 
-@pytest.mark.parametrize("module", ["app", "engine.__main__", "engine.model.weights", "kernels.registry",
+@pytest.mark.parametrize("module", ["app", "engine.__main__", "engine.model.weights", "hunyuan_kernels.registry",
                                     "webui.studio"])
 def test_the_check_sees_a_tool_imported_at_run_time(module, tmp_path):
     """tools or train imported by a run-time module, even lazily inside a function, is reported; the command
@@ -119,7 +119,7 @@ def test_the_check_sees_a_tool_imported_at_run_time(module, tmp_path):
 
 
 @pytest.mark.parametrize("package", ["engine.spec", "engine.parallel", "engine.model", "engine.runtime",
-                                     "engine.serve", "kernels", "tools"])
+                                     "engine.serve", "hunyuan_kernels", "tools"])
 def test_each_sub_package_says_what_lives_there(package):
     doc = ast.get_docstring(ast.parse((ROOT / package.replace(".", "/") / "__init__.py").read_text()))
     assert doc and len(doc.split()) >= 12, f"{package} needs a docstring saying what lives there and what it may import"
@@ -127,26 +127,27 @@ def test_each_sub_package_says_what_lives_there(package):
 
 # ------------------------------------------------------------------------------------------- kernels
 
-# kernels/ in levels: a module imports only its own level and those before it (no back-arrows)
+# hunyuan_kernels/ in levels: a module imports only its own level and those before it (no back-arrows)
 KERNEL_LEVELS = [
-    {"kernels.registry", "kernels._triton", "kernels._flashinfer", "kernels.scratch"},   # the machinery
-    {"kernels.norm", "kernels.rope", "kernels.decode_attention", "kernels.sampling", "kernels.vae",
-     "kernels.moe"},                                                               # op families
-    {"kernels.quant"},                                                             # uses the moe family
-    {"kernels"},                                                                   # the package: registers all
+    {"hunyuan_kernels.registry", "hunyuan_kernels._triton", "hunyuan_kernels._flashinfer",
+     "hunyuan_kernels.scratch"},                                                   # the machinery
+    {"hunyuan_kernels.norm", "hunyuan_kernels.rope", "hunyuan_kernels.decode_attention",
+     "hunyuan_kernels.sampling", "hunyuan_kernels.vae", "hunyuan_kernels.moe"},    # op families
+    {"hunyuan_kernels.quant"},                                                     # uses the moe family
+    {"hunyuan_kernels"},                                                           # the package: registers all
 ]
 
 
 def _kernel_modules() -> set[str]:
-    return {_module_name(p) for p in _files("kernels")}
+    return {_module_name(p) for p in _files("hunyuan_kernels")}
 
 
-def _kernel_imports(path: Path, modules: set[str]) -> set[str]:
-    """The kernels modules `path` imports (anywhere in it, function bodies too), `from pkg import mod`
-    resolved to the module."""
+def _kernel_imports(path: Path, modules: set[str], name: str | None = None) -> set[str]:
+    """The kernels modules `path` (module `name`, default: its place in the tree) imports (anywhere in it,
+    function bodies too), `from pkg import mod` resolved to the module."""
     out = set()
     tree = ast.parse(path.read_text(), str(path))
-    name = _module_name(path)
+    name = name or _module_name(path)
     me = name.split(".")
     package = me if path.name == "__init__.py" else me[:-1]
     for node in ast.walk(tree):
@@ -163,14 +164,14 @@ def _kernel_imports(path: Path, modules: set[str]) -> set[str]:
 
 def _kernel_level(module: str) -> int:
     for i, level in enumerate(KERNEL_LEVELS):
-        if any(module == m or module.startswith(m + ".") for m in level if m != "kernels"):
+        if any(module == m or module.startswith(m + ".") for m in level if m != "hunyuan_kernels"):
             return i
     return len(KERNEL_LEVELS) - 1
 
 
 def _kernel_graph() -> dict[str, set[str]]:
     modules = _kernel_modules()
-    return {_module_name(p): _kernel_imports(p, modules) for p in _files("kernels")}
+    return {_module_name(p): _kernel_imports(p, modules) for p in _files("hunyuan_kernels")}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -201,16 +202,14 @@ def test_kernels_import_without_circles_or_back_arrows():
     assert back == []
 
 
-def test_the_kernel_check_sees_a_circle_and_a_back_arrow():
+def test_the_kernel_check_sees_a_circle_and_a_back_arrow(tmp_path):
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert _kernel_level("kernels.moe.cuda") < _kernel_level("kernels.quant.moe")
-    probe = ROOT / "kernels" / "moe" / "_back_arrow_probe.py"
+    assert _kernel_level("hunyuan_kernels.moe.cuda") < _kernel_level("hunyuan_kernels.quant.moe")
+    assert "hunyuan_kernels.quant.formats" in _kernel_graph()["hunyuan_kernels.quant.moe"]
+    probe = tmp_path / "_back_arrow_probe.py"    # outside the tree: test_the_check_sees_a_wrong_way_import
     probe.write_text("from ..quant import formats\n")
-    try:
-        graph = _kernel_graph()
-        assert "kernels.quant.formats" in graph["kernels.moe._back_arrow_probe"]
-    finally:
-        probe.unlink()
+    assert "hunyuan_kernels.quant.formats" in _kernel_imports(probe, _kernel_modules(),
+                                                              "hunyuan_kernels.moe._back_arrow_probe")
 
 
 def _kernel_aliases(tree: ast.AST) -> set[str]:
@@ -218,14 +217,15 @@ def _kernel_aliases(tree: ast.AST) -> set[str]:
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("kernels")}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kernels") and not node.level:
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "hunyuan_kernels"}
+        elif (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "hunyuan_kernels"
+              and not node.level):
             names |= {a.asname or a.name for a in node.names if a.name.islower()}
     return names
 
 
 def _assigned_kernel_globals() -> list[str]:
-    """`mod.NAME = ...` (or monkeypatch.setattr(mod, "NAME", ...)) on a kernels module, outside kernels/:
+    """`mod.NAME = ...` (or monkeypatch.setattr(mod, "NAME", ...)) on a kernels module, outside hunyuan_kernels/:
     a switch flipped from outside. Spies on functions (lower-case names) in tests are not switches."""
     bad = []
     for path in _files("engine", "webui", "bench", "tools", "tests", "train") + [ROOT / "app.py"]:

@@ -12,13 +12,13 @@ from pathlib import Path
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "kernels", "webui", "tools")
+PACKAGES = ("engine", "hunyuan_kernels", "webui", "tools")
 
 # Modules that are Triton kernels and nothing else: they are imported only once the registry has found
 # Triton importable, and without it they must fail with ImportError for Triton, not for anything else.
-TRITON_KERNEL_MODULES = {"kernels.moe.cuda", "kernels.moe.triton_kernels", "kernels.moe.gemm1",
-                         "kernels.quant.cuda", "kernels.quant.moe_cuda", "kernels.quant.triton_kernels",
-                         "kernels.quant.gemv"}
+TRITON_KERNEL_MODULES = {"hunyuan_kernels.moe.cuda", "hunyuan_kernels.moe.triton_kernels", "hunyuan_kernels.moe.gemm1",
+                         "hunyuan_kernels.quant.cuda", "hunyuan_kernels.quant.moe_cuda",
+                         "hunyuan_kernels.quant.triton_kernels", "hunyuan_kernels.quant.gemv"}
 
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys, traceback
@@ -33,8 +33,8 @@ for name in names:
         ok.append(name)
     except BaseException as e:
         failed[name] = f"{type(e).__name__}: {e}"
-import kernels
-from kernels.registry import candidates
+import hunyuan_kernels as kernels
+from hunyuan_kernels.registry import candidates
 print(json.dumps({"ok": ok, "failed": failed,
                   "ops": {op: [i.backend for i in candidates(op, "cuda", None)] for op in kernels.ops()}}))
 """ % (PACKAGES,)

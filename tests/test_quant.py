@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-import kernels
-import kernels.quant as kq
+import hunyuan_kernels as kernels
+import hunyuan_kernels.quant as kq
 from engine.model.loader import load
 from engine.model.packed import dense, read_rows
 from engine.model.weights import FormatMismatchWarning, backbone_linears, plan_checkpoint

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image as PILImage
 
-import kernels
+import hunyuan_kernels as kernels
 from engine.model.loader import keeps_quantized, load
 from engine.model.packed import QuantPack, linear, micro_cols, micro_rows
 from engine.model.transformer import Transformer

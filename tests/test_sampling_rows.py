@@ -1,4 +1,4 @@
-"""The `sample_rows` op (kernels/sampling.py): a batched decode step's rows sampled in one call.
+"""The `sample_rows` op (hunyuan_kernels/sampling.py): a batched decode step's rows sampled in one call.
 
 CPU: the batched variant gives every row the token the per-row `sample` op gives it for the same
 generator state, bit for bit, and leaves each generator in the state the per-row loop leaves it: mixed
@@ -18,8 +18,8 @@ import pytest
 import torch
 from kernel_support import INTERPRETED, interpreted, run_interpreter_suite
 
-import kernels
-from kernels import sampling
+import hunyuan_kernels as kernels
+from hunyuan_kernels import sampling
 
 V_MODEL = 133120
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image as PILImage
 
-import kernels
+import hunyuan_kernels as kernels
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.events import Done, Error, Image, Step, Text
 from engine.runtime.graphs import Graphs
@@ -108,7 +108,7 @@ def test_one_sampling_call_per_decode_step(tiny, monkeypatch):
     per-row `sample` call for these sampled rows), and the four seeded requests still give what each
     gives alone."""
     import engine.runtime.scheduler as scheduler_module
-    from kernels import sampling
+    from hunyuan_kernels import sampling
     rec = Recorder(monkeypatch)
     sampled, per_row = [], []
     real_rows, real_call = scheduler_module.choose_rows, sampling.call

@@ -1,6 +1,7 @@
-"""Compile the quantized Triton kernels (kernels/quant/triton_kernels.py, gemv.py) for the H200 (sm_90) on a machine
-without a GPU, at the tile configs the launchers use, and print each one's registers, stack (spills)
-and whether its MMA is Hopper's wgmma. Catches compile errors and register spills before a GPU run.
+"""Compile the quantized Triton kernels (hunyuan_kernels/quant/triton_kernels.py, gemv.py) for the H200
+(sm_90) on a machine without a GPU, at the tile configs the launchers use, and print each one's
+registers, stack (spills) and whether its MMA is Hopper's wgmma. Catches compile errors and register
+spills before a GPU run.
 
     python -m tools.compile_sm90 [linear grouped quantize gemv]
 
@@ -22,7 +23,7 @@ try:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.quant import triton_kernels as qt
+    from hunyuan_kernels.quant import triton_kernels as qt
     TARGET = GPUTarget("cuda", 90, 32)
     BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 except ImportError:     # the module still imports (tests walk every module); main() says what is missing
@@ -118,7 +119,7 @@ def cases(sections):
 
 def gemv_cases(fmt: str, base: dict):
     """quant_gemv's kernels at the launchers' tiles: every token bucket is compiled into each kernel."""
-    from kernels.quant import gemv as qg
+    from hunyuan_kernels.quant import gemv as qg
     base = dict(base, c_ptr="*i32")
     cw = qg._chunk_words(fmt)
     meta = dict(FMT=qg.FMT[fmt], INVERSE=fmt == "nvfp4", CW=cw, EVEN_K=True)

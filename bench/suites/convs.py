@@ -4,7 +4,7 @@
   heads   the image heads (`patch_embed`, `final_layer`: 3x3 convs over 64x64 x 4096 channels, CFG
           batch 2) in bf16, per layout and cuDNN mode;
   conv    one VAE-decoder 3x3x3 conv at each of its large shapes, fp16, per way of computing it:
-          F.conv3d (the reference; channels_last_3d too), the `taps2d` variant (kernels/vae/conv.py: the
+          F.conv3d (the reference; channels_last_3d too), the `taps2d` variant (hunyuan_kernels/vae/conv.py: the
           frames as one stacked-tap conv2d, channels last, then a Triton tap sum), that conv2d alone,
           the same conv2d on NCHW frames, and three conv2d (one per temporal tap) accumulating;
   gn      GroupNorm + swish at the decoder's top level, reference (autocast) vs the Triton variant;
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-import kernels
+import hunyuan_kernels as kernels
 from engine.model.image_heads import UNetDown, UNetUp
 from engine.model.vae import AutoencoderKLConv3D
-from kernels.vae import conv, group_norm
+from hunyuan_kernels.vae import conv, group_norm
 
 from .. import variants
 from ..checks import nan_blocks

@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import decode_attention as da
+from hunyuan_kernels import decode_attention as da
 
 from .. import variants
 from ..checks import nan_blocks

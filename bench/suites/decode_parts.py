@@ -6,7 +6,7 @@ sample: the `sample` op on the 133120 logits (temperature 0.6, top-k 1024, top-p
     defaults) as a decode step pays it, outside the graph: wall time per call with its one host read,
     its parts (torch.topk(1024) over the vocabulary, a two-stage top-k over 2048-wide slices, the
     noise), and a profile of a few calls.
-topk: kernels.sampling.topk_desc (the Triton radix-select top-k of the `sample` op's "triton" variant)
+topk: hunyuan_kernels.sampling.topk_desc (the Triton radix-select top-k of the `sample` op's "triton" variant)
     against torch.topk at V = 133120, k 1024 / 4096: a check on fresh random, tie-heavy (bf16-rounded)
     and -inf-padded logits (outputs poisoned first), GPU us by do_bench and per call inside a CUDA graph
     of 20 calls (no host launch cost), a sweep of the chunk per program, and the whole `sample` op +
@@ -14,7 +14,7 @@ topk: kernels.sampling.topk_desc (the Triton radix-select top-k of the `sample` 
 rows: a batched decode step's sampling (`sample_rows`, the engine's defaults on every row) at B = 1, 8, 16:
     the per-row path (the reference: the `sample` op's CUDA variants, row by row), the `triton_rows`
     variant (the same kernels with a row axis: one group's launches for all rows; the CUDA default) and
-    the torch batched variant (CPU-only: kernels/sampling.py says why), host ms (the launches) and events
+    the torch batched variant (CPU-only: hunyuan_kernels/sampling.py says why), host ms (the launches) and events
     ms, and how many of each one's tokens differ from the per-row path's on fresh logits (triton_rows:
     should be 0, it is bit-exact; batched torch: near-tie rounding).
 moe: one MoE layer's decode (`moe_quant` "decode", MXFP4 experts + MXFP8 shared MLP, tp1, 1 token) x 32
@@ -28,9 +28,9 @@ import argparse
 
 import torch
 
-import kernels
-from kernels import sampling
-from kernels.quant import random_qweight
+import hunyuan_kernels as kernels
+from hunyuan_kernels import sampling
+from hunyuan_kernels.quant import random_qweight
 
 from .. import variants
 from ..checks import nan_blocks

@@ -1,5 +1,5 @@
 """Our kernels and FlashInfer's side by side, per op, at the engine's shapes: each op's `flashinfer`
-variant (kernels/_flashinfer.py) against the variant the registry picks today, both checked against the
+variant (hunyuan_kernels/_flashinfer.py) against the variant the registry picks today, both checked against the
 reference first, timed eager (CUDA events around back-to-back calls, launches included) and replayed
 from a CUDA graph of 20 calls (what the captured decode loop pays).
 
@@ -32,10 +32,10 @@ import time
 
 import torch
 
-import kernels
-from kernels import _flashinfer, decode_attention as da, norm, sampling
-from kernels.moe import moe_reference, route, swiglu_halves
-from kernels.quant import QWeight, quantize_fp8_rows
+import hunyuan_kernels as kernels
+from hunyuan_kernels import _flashinfer, decode_attention as da, norm, sampling
+from hunyuan_kernels.moe import moe_reference, route, swiglu_halves
+from hunyuan_kernels.quant import QWeight, quantize_fp8_rows
 
 from .. import variants
 from ..checks import compare

@@ -1,6 +1,6 @@
 """The grouped MoE path's GEMM1 + SwiGLU: the three steps of the `moe` op's "grouped" variant (dispatch
 copying x rows into xs, per micro torch._grouped_mm -> [R, 2I], SwiGLU into act's column block) against
-the fused kernel of its "fused" variant (kernels/moe/gemm1.py: dispatch_rows + gemm1_swiglu, x rows
+the fused kernel of its "fused" variant (hunyuan_kernels/moe/gemm1.py: dispatch_rows + gemm1_swiglu, x rows
 gathered in the kernel) in each tile variant of gemm1.CONFIGS; then the whole `moe` op, "grouped" vs
 "fused" (the engine's tiles, gemm1.CONFIG).
 
@@ -24,10 +24,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import gemm1 as moe_gemm1
-from kernels.moe import moe_reference
-from kernels.moe import triton_kernels as tk
-from kernels.scratch import poisoned
+from hunyuan_kernels.moe import gemm1 as moe_gemm1
+from hunyuan_kernels.moe import moe_reference
+from hunyuan_kernels.moe import triton_kernels as tk
+from hunyuan_kernels.scratch import poisoned
 
 from .. import variants
 from ..checks import compare, rel_err

@@ -7,7 +7,7 @@ against two per-micro down GEMMs, and the gate/up GEMM's layouts (issue 16).
 A hybrid4 / tp2cfg2 rank denoises with 2 micros of I_micro = 768 (its TP2 storage shard), 2 x 2049 or
 2 x 4097 CFG-batched local tokens, top-8 of 64 experts, uniform random routing. The down pack is
 cols-packed, W2[E, H, micros * I_micro] (engine/model/moe.py), so the grouped path runs ONE down GEMM
-with K = 1536 over both micros' activations side by side (kernels/moe/cuda.py `expert_mlp`); the
+with K = 1536 over both micros' activations side by side (hunyuan_kernels/moe/cuda.py `expert_mlp`); the
 per-micro way runs two with K = 768 on the two column blocks of the same pack (strided views) and sums
 two [R, H] partials. GEMM1 stays micro-major, W1[micro, E, 2*I_micro, H] (two GEMMs of N = 1536); an
 expert-major W1[E, micros*2*I_micro, H] (one of N = 3072) is timed as the open alternative.
@@ -20,8 +20,8 @@ import argparse
 
 import torch
 
-from kernels.moe.cuda import expert_mlp
-from kernels.scratch import poisoned
+from hunyuan_kernels.moe.cuda import expert_mlp
+from hunyuan_kernels.scratch import poisoned
 
 from ..checks import rel_err
 from ..report import Col, Output

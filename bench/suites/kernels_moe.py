@@ -11,7 +11,7 @@ torch._grouped_mm), the two-dispatch ablation (`bench.ablations`: every micro ro
 its own), the reference, the engine's first MoE (index_add_ finalize), and the grouped GEMMs alone (the
 part torch._grouped_mm does). Decode (hybrid4 AR = TP4, one micro): N = 1, 2, 8, the "decode" variant
 eager and as a CUDA graph, bytes vs the 4.3 TB/s floor. --tune sweeps the decode kernels' tiles
-(kernels/moe/triton_kernels.py DECODE_UP / DECODE_DOWN) on the kernels alone.
+(hunyuan_kernels/moe/triton_kernels.py DECODE_UP / DECODE_DOWN) on the kernels alone.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import moe_reference, route, swiglu_halves
-from kernels.scratch import poisoned
+from hunyuan_kernels.moe import moe_reference, route, swiglu_halves
+from hunyuan_kernels.scratch import poisoned
 
 from .. import ablations, variants
 from ..checks import Check, compare
@@ -175,7 +175,7 @@ def decode_case(n: int, dims: Dims, rows: list, layers: int = 4, calls: int = 8)
 def tune_decode(dims: Dims, out: Output) -> list[dict]:
     """The decode kernels' tiles (N = 1, one micro, the 8 chosen experts + the shared MLP as one more
     slot), each kernel alone on one routing: the best of each printed."""
-    from kernels.moe import triton_kernels as tk
+    from hunyuan_kernels.moe import triton_kernels as tk
     inter, micros, ms, mc = dims.decode
     w = dims.weights(inter, micros, seed=7)[0]
     x = dims.tokens_of(1, 30)

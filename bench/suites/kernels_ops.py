@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from kernels import norm, rope, sampling
+from hunyuan_kernels import norm, rope, sampling
 
 from .. import variants
 from ..checks import nan_blocks

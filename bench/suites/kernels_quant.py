@@ -15,7 +15,7 @@ memory) and the fraction of the floor: max(FLOPs / peak, bytes / 4.3 TB/s), with
 bf16 MMA (the weight-only kernels run bf16 MMA) and 1267 for FP8 (cuBLAS's FP8 fast accumulation, the
 engine's setting).
 
---decode: the decode GEMVs (kernels/quant/gemv.py), every format, each checked first: the routed gate/up
+--decode: the decode GEMVs (hunyuan_kernels/quant/gemv.py), every format, each checked first: the routed gate/up
 and down kernels alone (tp1, one token; --sweep: a few tiles of each), the dense qkv / o linears of one
 token (qkv also at 8) on the "gemv" variant against the "triton" split-K tile variant of the same op (FP8:
 cuBLAS W8A8), and one MoE layer's whole decode (`moe_quant` "decode", CUDA graph) at tp1 / tp4, 1 and 8
@@ -29,13 +29,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.moe import route
-from kernels.quant import QWeight, random_qweight
-from kernels.quant import cuda as qcuda
-from kernels.quant import gemv as qg
-from kernels.quant import triton_kernels as qt
-from kernels.scratch import poisoned
+import hunyuan_kernels as kernels
+from hunyuan_kernels.moe import route
+from hunyuan_kernels.quant import QWeight, random_qweight
+from hunyuan_kernels.quant import cuda as qcuda
+from hunyuan_kernels.quant import gemv as qg
+from hunyuan_kernels.quant import triton_kernels as qt
+from hunyuan_kernels.scratch import poisoned
 
 from .. import variants
 from ..checks import Check, compare
@@ -114,7 +114,7 @@ def row(rows: list, case: str, n: int, path: str, ms: float, flops: float, nbyte
 
 
 def linear_op(x: torch.Tensor, w: QWeight) -> tuple[str, tuple]:
-    """The registry op of a quantized linear and its arguments (as kernels.quant.qlinear calls it)."""
+    """The registry op of a quantized linear and its arguments (as hunyuan_kernels.quant.qlinear calls it)."""
     if w.fmt == "nvfp4":
         return "linear_nvfp4", (x, w.codes, w.scales, w.gscale, w.inverse)
     return "linear_" + w.fmt, (x, w.codes, w.scales)
@@ -300,7 +300,7 @@ def _cfg(cfg: dict) -> str:
 def decode_kernel_cases(dims: Dims, rows: list, sweep: bool) -> bool:
     """The routed gate/up and down GEMVs alone (tp1, 1 token, the 8 chosen experts), checked against the
     dequantized experts; (sweep) a few tile configs: GB/s of expert weights."""
-    from kernels.moe import triton_kernels as tk
+    from hunyuan_kernels.moe import triton_kernels as tk
     H, E, K, inter = dims.H, dims.E, dims.K, dims.decode_inter
     gate = torch.randn(E, H, generator=dims.gen(50), device=dims.dev) * H ** -0.5
     x = dims.randn(1, H, seed=51)
@@ -414,7 +414,7 @@ def _sweep(label: str, configs: list, run, work: float, unit: str, out: Output) 
 
 def tune(dims: Dims, fmts: list[str], out: Output) -> list[dict]:
     """The tile kernels' configs, per format, at one real shape each (paste the best into
-    kernels/quant/triton_kernels.py: LINEAR_LARGE, LINEAR_SMALL (9-16 rows: fewer take the GEMV), GROUPED)."""
+    hunyuan_kernels/quant/triton_kernels.py: LINEAR_LARGE, LINEAR_SMALL (9-16 rows: fewer take the GEMV), GROUPED)."""
     H, E, K = dims.H, dims.E, dims.K
     res = []
     x = dims.randn(8194, H, seed=40)

@@ -32,10 +32,10 @@ import time
 
 import torch
 
-import kernels
-from kernels.moe import route
-from kernels.quant import QWeight, random_qweight
-from kernels.scratch import poisoned
+import hunyuan_kernels as kernels
+from hunyuan_kernels.moe import route
+from hunyuan_kernels.quant import QWeight, random_qweight
+from hunyuan_kernels.scratch import poisoned
 
 from ..checks import Check, compare
 from ..report import Col, Output
@@ -106,9 +106,9 @@ def floor_bytes(fmt: str, experts: int, dims: Dims) -> float:
 
 def variant_fn(fmt: str, name: str):
     if fmt == "bf16":
-        from kernels.moe import cuda as moe_cuda
+        from hunyuan_kernels.moe import cuda as moe_cuda
         return {"decode": moe_cuda.moe_decode, "grouped": moe_cuda.moe_grouped}[name]
-    from kernels.quant import moe_cuda
+    from hunyuan_kernels.quant import moe_cuda
     return getattr(moe_cuda, FUNCS[name])
 
 

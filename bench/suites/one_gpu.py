@@ -26,7 +26,7 @@ import time
 
 import torch
 
-import kernels
+import hunyuan_kernels as kernels
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.model.packed import PackFormat
@@ -211,7 +211,7 @@ def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool,
 
 def fp8_speedup(cfg: ModelConfig, shapes: Shapes, args: argparse.Namespace, out: Output) -> dict:
     """One hybrid4 rank's T2I DiT step (CFG batched, graph) in bf16 vs online FP8 (W8A8, cuBLAS's FP8
-    fast accumulation: kernels/quant/cuda.py FP8_FAST_ACCUM)."""
+    fast accumulation: hunyuan_kernels/quant/cuda.py FP8_FAST_ACCUM)."""
     plan = get_plan("hybrid4")
     dev = "cpu" if args.dry else "cuda"
     res = {}

@@ -16,10 +16,10 @@ import argparse
 
 import torch
 
-import kernels
+import hunyuan_kernels as kernels
 from engine.model.attention import KVCache
 from engine.parallel.plan import get_plan
-from kernels.moe import triton_kernels as tk
+from hunyuan_kernels.moe import triton_kernels as tk
 
 from .. import rank
 from ..profiling import op_table

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-import kernels
+import hunyuan_kernels as kernels
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import PhaseView

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import hunyuan_kernels as kernels
 from engine.model.layers import RMSNorm
 from engine.model.packed import (PackFormat, linear, micro_cols, micro_rows, packed_param, read_cols, read_rows,
                                  store)

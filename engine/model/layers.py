@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
+import hunyuan_kernels as kernels
 
 
 class RMSNorm(nn.Module):

@@ -1,6 +1,6 @@
 """Mixture of experts: fp32 softmax router with renormalised top-k, routed experts computing
 `down(x1 * silu(x2))` with no token dropping, plus an ungated shared MLP. The computation is the
-`moe` kernel op (kernels/moe.py: its PyTorch reference and the CUDA paths); this module owns the
+`moe` kernel op (hunyuan_kernels/moe/: its PyTorch reference and the CUDA paths); this module owns the
 resident weights and how they are read from the checkpoint.
 
 Resident layout (see engine/model/packed.py): the gate/up packs micro-major, the down packs with the
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
+import hunyuan_kernels as kernels
 
 from engine.model.packed import (PackFormat, QuantPack, check_micro_cols, packed_param, read_cols, read_gate_up, store,
                                  value)
@@ -76,9 +76,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, view: PhaseView) -> torch.Tensor:
         """This rank's partial sum of the routed experts and the shared MLP over the active micros (the
-        caller all-reduces it over the TP group): the `moe` kernel op (kernels/moe.py)."""
+        caller all-reduces it over the TP group): the `moe` kernel op (hunyuan_kernels/moe/)."""
         shape = x.shape
-        op = "moe_quant" if isinstance(self.w1, QuantPack) else "moe"     # kernels/moe_quant.py: quantized experts
+        op = "moe_quant" if isinstance(self.w1, QuantPack) else "moe"     # hunyuan_kernels/quant/moe.py: quantized
         out = kernels.call(op, x.reshape(-1, shape[-1]), self.gate, value(self.w1), value(self.w2),
                            value(self.shared_w1), value(self.shared_w2), view.micro_start, view.micro_count, self.topk,
                            self.norm_topk)

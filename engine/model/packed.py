@@ -24,7 +24,7 @@ per output row of this shard's slice, quantized on the device it will live on.
 Resident quantized packs (CUDA): a packed weight may instead stay in its stored format, as a
 `QuantPack` (codes, scales and global scales as parameters, with the same leading dims and K columns
 of codes and scales), so a micro view is a slice of codes and scales (`micro_rows`,
-`micro_cols` return a `kernels.quant.QWeight` for it) and `linear` runs the quantized GEMM op of its
+`micro_cols` return a `hunyuan_kernels.quant.QWeight` for it) and `linear` runs the quantized GEMM op of its
 format. `PackFormat` is a pack's kernel format; the load plan decides which packs stay quantized
 (engine/model/weights.py). `store` writes a read into either kind of parameter.
 """
@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.quant import PER_BYTE, SCALE_BLOCK, QWeight, qlinear
+import hunyuan_kernels as kernels
+from hunyuan_kernels.quant import PER_BYTE, SCALE_BLOCK, QWeight, qlinear
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint, CheckpointError
 from engine.spec.qtensors import QuantTensors, TensorSet, read_tensors
@@ -98,9 +98,9 @@ def read_gate_up(ckpt: Checkpoint, layer: str, inter: int, layout: ShardLayout, 
 
 
 def dense(q: QuantTensors, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-    """The read's weights in `dtype`, dequantized exactly (kernels/quant.py), on `device` (the parameter's:
-    the compact codes move, the dequantization runs there). A float read stays where it is: the
-    parameter's copy_ moves it."""
+    """The read's weights in `dtype`, dequantized exactly (hunyuan_kernels/quant/formats.py), on `device`
+    (the parameter's: the compact codes move, the dequantization runs there). A float read stays where it
+    is: the parameter's copy_ moves it."""
     f = q.format
     if f is WeightFormat.BF16:
         return q.codes.to(dtype)

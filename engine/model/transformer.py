@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import hunyuan_kernels as kernels
 
 from engine.model.attention import Attention, AttnBatch, KVCache
 from engine.model.layers import RMSNorm

@@ -12,7 +12,8 @@ Every forward op mirrors the official one (same op, same order, same in-place vs
 choice), so the module also matches the official numbers when the caller wraps it in
 `torch.autocast` the way the official pipeline does. The convs and the GroupNorm + swish pairs run
 as kernel ops (`conv3d_same`, `group_norm_swish`) whose references are those same ops; on CUDA the
-fast backends compute the same math in fewer, faster passes (kernels/vae/conv.py, kernels/vae/group_norm.py).
+fast backends compute the same math in fewer, faster passes (hunyuan_kernels/vae/conv.py,
+hunyuan_kernels/vae/group_norm.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import kernels
+import hunyuan_kernels as kernels
 
 GROUPS = 32  # every GroupNorm of the official VAE uses 32 groups, eps 1e-6
 EPS = 1e-6
@@ -34,7 +35,7 @@ def _norm(channels: int) -> nn.GroupNorm:
 
 class _Conv3d(nn.Conv3d):
     """A 'same' zero-padded 3D conv, run by the `conv3d_same` kernel op (on one frame it is the
-    equivalent 2D conv; on CUDA fp16/bf16 a 2D conv over the frames, see kernels/vae/conv.py)."""
+    equivalent 2D conv; on CUDA fp16/bf16 a 2D conv over the frames, see hunyuan_kernels/vae/conv.py)."""
 
     def forward(self, x: Tensor) -> Tensor:
         w, b = self.weight, self.bias

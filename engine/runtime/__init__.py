@@ -3,5 +3,5 @@ reference-image conditioning, sampling, the text phase with its decode step (CUD
 hand-off, the denoise phase, the decisions all ranks agree on, and the pipeline that runs them in
 order, readable top to bottom.
 
-May import `engine.model`, `engine.parallel`, `engine.spec` and `kernels`; never the server.
+May import `engine.model`, `engine.parallel`, `engine.spec` and `hunyuan_kernels`; never the server.
 """

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-import kernels
+import hunyuan_kernels as kernels
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class SamplingParams:
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
            allowed: torch.Tensor | None = None) -> torch.Tensor:
     """logits [V] fp32 -> token id (0-d long tensor on the logits' device), through the `sample` kernel
-    op (kernels/sampling.py: no full-vocabulary sort, no host sync).
+    op (hunyuan_kernels/sampling.py: no full-vocabulary sort, no host sync).
 
     `allowed` (ids) restricts the choice and forces greedy, as the official ratio-token processor does.
     """

@@ -98,7 +98,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     return _launch(x, residual, weight, eps)
 
 
-# ---- FlashInfer (kernels/_flashinfer.py): after the Triton variant, so chosen only where selected ----------
+# ---- FlashInfer (hunyuan_kernels/_flashinfer.py): after the Triton variant, so chosen only where selected ----------
 #
 # Its rmsnorm multiplies x * rstd * weight in fp32 and rounds once, where ours rounds the normed row to the
 # dtype before the weight multiply: about a quarter of the outputs differ, by a unit in the last place (two

@@ -1,8 +1,12 @@
 """Fused GPU ops, each with its plain-PyTorch reference beside it (the CPU path).
 
-`kernels.registry` picks the implementation per device type, dtype and the arguments' shapes; the
-engine calls ops only through it (`kernels.call("op", ...)`), so a backend is an entry there, never a
+`hunyuan_kernels.registry` picks the implementation per device type, dtype and the arguments' shapes;
+the engine calls ops only through it (`kernels.call("op", ...)`), so a backend is an entry there, never a
 patch of the engine. This package imports nothing of `engine`.
+
+Its users import it as `import hunyuan_kernels as kernels`. It is not named `kernels` because the PyPI
+distribution `kernels` (Hugging Face's hub kernels, required by transformers >= 5.25) installs a
+top-level package of that name.
 
     registry.py          ops, their variants, `call`, `chosen`, `allowed`
     _triton.py           Triton where it imports (CPU builds of torch have none), interpreter fixes

@@ -1,4 +1,4 @@
-"""The `moe_quant` op: the `moe` op (kernels/moe) over quantized experts, resident as `QWeight`s.
+"""The `moe_quant` op: the `moe` op (hunyuan_kernels/moe) over quantized experts, resident as `QWeight`s.
 
     moe_quant(x [N, H], gate [E, H] fp32, w1: QWeight [micros, E, 2*I, H], w2: QWeight [E, H, micros*I],
               shared_w1, shared_w2 (QWeight or float tensors as in `moe`, or None),

@@ -226,7 +226,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return launch(q, k_cache, v_cache, length)
 
 
-# ---- FlashInfer (kernels/_flashinfer.py): after the Triton variant, so chosen only where selected ----------
+# ---- FlashInfer (hunyuan_kernels/_flashinfer.py): after the Triton variant, so chosen only where selected ----------
 #
 # The static cache [B, Hkv, L, D] is FlashInfer's paged cache in its HND layout with one page of L keys a
 # row (page b = row b), and the row's `length` is that page's fill ("last_page_len"). Its batch decode
