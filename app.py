@@ -102,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-loras", type=int, default=0,
                     help="adapter slots, for adapters loaded at run time too (default: as many as --lora)")
     ap.add_argument("--max-lora-rank", type=int, default=64, help="the highest adapter rank served (default 64)")
+    ap.add_argument("--lora-mlp", action="store_true",
+                    help="adapter slots for adapters of the MLPs too (gate_and_up_proj / down_proj: the shared MLP "
+                         "and every expert), loaded at run time; on by itself when a --lora adapter adapts them. "
+                         "Costs ~1.4 GB a slot per GPU at rank 32 on the full model (hybrid4)")
     ap.add_argument("--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB,
                     help="K/V of conversations' earlier turns kept per GPU for the next turn, in MiB "
                          f"(default {PREFIX_CACHE_MB}; 0: off)")
@@ -159,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.loras.append((name.strip(), path.strip()))
     if args.max_loras < 0 or args.max_lora_rank < 1:
         ap.error("--max-loras must be >= 0 and --max-lora-rank >= 1")
+    if args.lora_mlp and not (args.loras or args.max_loras):
+        ap.error("--lora-mlp sizes adapter slots: give --lora NAME=PATH or --max-loras N too")
     if args.lora_merged and (len(args.loras) != 1 or args.max_loras > 1):
         ap.error("--lora-merged folds one adapter into the weights: give exactly one --lora NAME=PATH (and no --max-loras)")
     if args.replicas is not None and args.lora_merged:
@@ -199,7 +205,7 @@ def engine_server(model: Path, device: str, args: argparse.Namespace):
                   max_queue=args.max_queue, quantize=args.quantize, step_timeout=args.step_timeout,
                   max_batch=args.max_batch or default_max_batch(device), max_denoise_batch=args.max_denoise_batch,
                   loras=args.loras, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                  prefix_cache_mb=args.prefix_cache_mb, warmup=args.warmup)
+                  lora_mlp=args.lora_mlp, prefix_cache_mb=args.prefix_cache_mb, warmup=args.warmup)
     if args.replicas is None:
         from engine.serve.server import EngineServer
         return EngineServer(model, world_size=args.gpus, lora_merged=args.lora_merged, **kwargs)

@@ -43,9 +43,10 @@
 #                  2026-12-02 the top-k and fused-MoE builds were still going after 16 min: once built, save them
 #   flashinfer-save  the built modules as the aot bundle's parts under $OUT (copy them into .fi/parts here:
 #                  later calls and sessions carry them and load the modules without building)
-#   lora           the LoRA GPU test (graph steps per LoRA mode; no adapter and two adapters in one decode and
-#                  one denoise batch), then suite lora (a hybrid4 rank's DiT step: rank-32 adapter unmerged, one
-#                  slot and per row (the batched path), vs none vs merged weights; the decode step per mode)
+#   lora           the LoRA GPU tests (graph steps per LoRA mode; no adapter and two adapters in one decode and
+#                  one denoise batch; an MLP adapter among them; the moe_lora op in bf16 and as a graph), then
+#                  suite lora (a hybrid4 rank's DiT step: rank-32 adapter unmerged, one slot and per row (the
+#                  batched path), vs none vs merged weights, and an MLP adapter; the decode step per mode)
 #   prefix-cache   the prefix cache's GPU test (cache on vs off, bf16, graphs on; tiny and embedded), then suite
 #                  conversation (each turn's AR prefill with the cache off and on; embedded, a hybrid4 rank)
 #   conversation   suite conversation (a 3-turn edit per history policy: tokens, prefill ms; embedded model
@@ -186,7 +187,7 @@ for section in "$@"; do
     flashinfer-save)
       bash bench/flashinfer_install.sh wait 0; bash bench/flashinfer_install.sh save ;;
     lora)
-      tests lora_tests 300 -s tests/test_lora.py -k cuda
+      tests lora_tests 300 -s tests/test_lora.py tests/test_kernels_moe_lora.py -k "cuda or gpu"
       run lora 590 python3 -m bench lora ;;
     step-cache)
       tests step_cache_tests 300 -s tests/test_step_cache.py

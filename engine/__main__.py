@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             return _print_events(server.stream(req), out)
 
     from engine.model.loader import load, parse_dtype, print_progress
-    from engine.model.peft import MERGE_TARGETS, TARGETS, read_peft
+    from engine.model.peft import ALL_TARGETS, read_peft
     from engine.runtime.pipeline import Pipeline
     try:
         lm = load(args.model, args.device, parse_dtype(args.dtype, args.device), progress=print_progress,
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if lora:
         try:
-            adapter = read_peft(args.lora, lm.cfg, targets=MERGE_TARGETS if args.lora_merged else TARGETS)
+            adapter = read_peft(args.lora, lm.cfg, targets=ALL_TARGETS)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
         else:
-            lm.model.enable_lora(1, adapter.rank).install(lora, adapter)
+            lm.model.enable_lora(1, adapter.rank, mlp=bool(adapter.adapts_mlp)).install(lora, adapter)
     return _print_events(Pipeline(lm, cfg_serial=args.cfg_serial, cuda_graph=args.cuda_graph).run(req), out)
 
 if __name__ == "__main__":

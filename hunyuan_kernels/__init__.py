@@ -17,7 +17,7 @@ top-level package of that name.
     decode_attention.py  decode_attention (GQA over a static cache's valid prefix)
     sampling.py          sample, sample_rows
     moe/                 moe (routed + shared MoE)
-    quant/               quantized weights: dequant_*, linear_*, grouped_mm_*, FP8, moe_quant
+    quant/               quantized weights: dequant_*, linear_*, grouped_mm_*, FP8, moe_quant; moe_lora (either packs)
     vae/                 conv3d_same, group_norm_swish
 """
 from .registry import allowed, call, chosen, ops  # noqa: F401

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.model.loader import load
 from engine.model.lora import load_adapter
-from engine.model.peft import MERGE_TARGETS, AdapterError, read_peft
+from engine.model.peft import ALL_TARGETS, AdapterError, read_peft
 from engine.runtime.events import Error, Image, Text
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, RequestError, prepare
@@ -29,13 +29,14 @@ from tools.tiny_lora import make_adapter, random_adapter
 
 REQUEST = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=3, greedy=True)
 TAIL = 16 * 16 + 1          # a 256x256 denoise step's tokens on the tiny model: <timestep> + 16x16 latent tokens
+MLP_TARGETS = ["qkv_proj", "o_proj", "gate_and_up_proj", "down_proj"]      # the trainers' optional MLP targets
 
 
 # ----------------------------------------------------------------------------- adapters made by peft
 def merged_checkpoint(src: Path, dst: Path, adapter: Path, cfg: ModelConfig) -> Path:
     """A copy of the checkpoint with W + scale B A in every adapted linear (stored in fp32: no rounding)."""
     shutil.copytree(src, dst)
-    layers = read_peft(adapter, cfg, targets=MERGE_TARGETS).layers
+    layers = read_peft(adapter, cfg, targets=ALL_TARGETS).layers
     for shard in dst.glob("*.safetensors"):
         tensors = load_file(str(shard))
         for layer, w in layers.items():
@@ -57,14 +58,17 @@ def adapters(tmp_path_factory, cfg) -> dict[str, Path]:
     return {"plain": make_adapter(root / "plain", cfg, seed=1),
             # rsLoRA with per-module rank and alpha: PEFT's scale alpha / sqrt(r), the patterns as PEFT matches them
             "patterned": make_adapter(root / "patterned", cfg, seed=2, r=4, lora_alpha=8, use_rslora=True,
-                                      rank_pattern={"layers.1.self_attn.o_proj": 2}, alpha_pattern={"o_proj": 3})}
+                                      rank_pattern={"layers.1.self_attn.o_proj": 2}, alpha_pattern={"o_proj": 3}),
+            # the MLPs too: the shared MLP's and every expert's gate_and_up_proj and down_proj
+            "mlp": make_adapter(root / "mlp", cfg, seed=4, target_modules=MLP_TARGETS)}
 
 
 @pytest.fixture(scope="module")
 def served(tiny_dir, adapters):
-    """The tiny checkpoint with both adapters loaded (its own copy of the model: the tables are its own)."""
+    """The tiny checkpoint with the three adapters loaded in tables that hold the MLPs too (its own copy of the
+    model: the tables are its own)."""
     lm = load(tiny_dir)
-    tables = lm.model.enable_lora(capacity=3, max_rank=8)
+    tables = lm.model.enable_lora(capacity=4, max_rank=8, mlp=True)
     for name, folder in adapters.items():
         load_adapter(tables, name, folder)
     return lm
@@ -113,10 +117,10 @@ def test_reads_what_peft_wrote(adapters, cfg):
 
 
 # ----------------------------------------------------------------------------- the adapter's effect on tp1
-@pytest.mark.parametrize("adapter", ["plain", "patterned"])
+@pytest.mark.parametrize("adapter", ["plain", "patterned", "mlp"])
 def test_adapter_equals_merged_checkpoint(served, base, tiny_dir, adapters, cfg, tmp_path, adapter):
     """The unmerged adapter gives the merged checkpoint's greedy text and image (>= 40 dB), and differs from the
-    base model."""
+    base model; an adapter of the MLPs too (applied inside the experts by the `moe_lora` op) as well."""
     got = alone(served, lora=adapter)
     merged = alone(load(merged_checkpoint(tiny_dir, tmp_path / "merged", adapters[adapter], cfg)))
     assert got[0] == merged[0]
@@ -169,6 +173,25 @@ def test_adapters_share_denoise_batches_and_each_equal_their_solo_run(served):
     assert differs(images[0], images[1]) and differs(images[2], images[1])
 
 
+def test_mlp_adapter_shares_batches_and_each_request_equals_its_solo_run(served):
+    """An adapter of the MLPs beside one of the attention projections and none, decoded together (mode
+    "rows+mlp": the MoE runs `moe_lora` and the base op, each row keeping its own adapter's output), then
+    denoised in one batch: each request gives its solo run's text and image; the one without an adapter its
+    solo run's."""
+    one = REQUEST | dict(size="256x256", steps=2)
+    kws = [one | dict(lora="mlp"), one, one | dict(lora="plain", lora_scale=0.5)]
+    pipe = Pipeline(served, preview_every=0, slots=3, max_denoise_batch=3)
+    with backbone_rows(served, tokens=True) as calls:
+        events, scheduler = run_together(served, kws, pipeline=pipe)
+    assert scheduler.pipeline.pool.decode.forwards < sum(kw["max_new_tokens"] for kw in kws)    # shared decode steps
+    assert [rows for rows, tokens in calls if tokens == TAIL] == [6, 6], calls                # and denoise steps
+    got = [outcome(events[i]) for i in range(3)]
+    for i, kw in enumerate(kws):
+        want = alone(served, **kw)
+        assert got[i][0] == want[0] and psnr(got[i][1], want[1]) >= 40, i
+    assert differs(got[0], got[1]) and differs(got[0], got[2])
+
+
 def test_step_graphs_are_kept_per_lora_mode(served):
     """Denoise step graphs (EagerGraphs: a key's first forward is what its later replays run, as a CUDA graph)
     of one step key: a request without an adapter, then one with, then both kinds in one batch; the step key
@@ -191,7 +214,7 @@ def test_step_graphs_are_kept_per_lora_mode(served):
     assert set(graphs.captures.values()) == {1}
 
 
-def test_rows_mode_is_decided_when_rows_are_set(cfg):
+def test_rows_mode_is_decided_when_rows_are_set(cfg, tmp_path, tiny):
     """RowAdapters decides on the host, as rows are set, how a forward over them applies adapters: no row in
     use with one: "off" (no LoraRows, nothing added); all the same one: "one" (its slot once, [1]: one A and B
     per layer, not one per row); else "rows" (each row's own). Idle rows do not count. The one-slot form adds
@@ -227,6 +250,27 @@ def test_rows_mode_is_decided_when_rows_are_set(cfg):
     rows.clear(slice(2, 4))                    # ... and the rows left behind idle
     assert rows.of(1) == (2, 1.0) and rows.slot.tolist() == [2, 2, 0, 0] and rows.mode == "one"
     assert rows.common.tolist() == [2]
+    # an adapter of the MLPs among those in use: "+mlp" (the MoE applies it); only a mixed view selects per row
+    mlp = LoraTables(cfg, ShardLayout(), 2, 8, torch.float32, "cpu", mlp=True)
+    mlp.install("a", random_adapter(cfg, 8, seed=1))
+    mlp.install("m", read_peft(make_adapter(tmp_path / "m", cfg, seed=4, target_modules=MLP_TARGETS), cfg,
+                               targets=mlp.targets))
+    assert mlp.mlp_slots == {2} and mlp.adapts_mlp.tolist() == [False, False, True]
+    rows = RowAdapters(mlp, 3)
+    rows.set(0, 1, 1.0)
+    assert rows.mode == "one" and not rows.rows(slice(0, 3)).mlp
+    rows.set(1, 2, 1.0)
+    view = rows.rows(slice(0, 3))
+    assert rows.mode == "rows+mlp" and view.mlp and view.select
+    moe = tiny.model.transformer.layers[1].mlp                  # rows without an MLP adapter: the base op's output
+    x = torch.randn(3, 5, cfg.hidden_size)
+    got, want = moe(x, PhaseView(), view, 1), moe(x, PhaseView())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]) and not torch.allclose(got[1], want[1])
+    assert rows.row(1).mlp and not rows.row(1).select and rows.row(0) is not None and not rows.row(0).mlp
+    rows.clear(0)
+    assert rows.mode == "one+mlp" and not rows.rows(slice(0, 3)).select
+    mlp.remove("m")
+    assert mlp.mlp_slots == set() and not mlp.mlp[0].a1[:, 2].any()
 
 
 # ----------------------------------------------------------------------------- the merged fast path
@@ -266,18 +310,15 @@ def test_each_rank_merges_its_slice(tiny_dir, adapters, cfg):
         torch.testing.assert_close(got.o_proj - was.o_proj, (w.scale * w.b @ w.a)[:, shard_block(w.a.shape[1], layout)])
 
 
-MLP_TARGETS = ["qkv_proj", "o_proj", "gate_and_up_proj", "down_proj"]
-
-
 def test_merged_mlp_adapter_equals_the_merged_checkpoint(tiny_dir, cfg, tmp_path, base):
-    """An adapter of the MLPs too (PEFT's gate_and_up_proj / down_proj: the shared MLP and every expert), which
-    only the merged path takes: the engine with it merged gives the merged checkpoint's greedy text and image
+    """An adapter of the MLPs too (PEFT's gate_and_up_proj / down_proj: the shared MLP and every expert), merged
+    into the weights: the engine with it merged gives the merged checkpoint's greedy text and image
     (>= 40 dB, fp32) and differs from the base model; a hybrid4 rank's merged packs (gate/up rows per micro,
     down columns) equal that rank's load of the merged checkpoint."""
     from engine.model.lora_merge import merge_adapter
     from engine.parallel.plan import get_plan
     folder = make_adapter(tmp_path / "mlp", cfg, seed=4, target_modules=MLP_TARGETS)
-    adapter = read_peft(folder, cfg, targets=MERGE_TARGETS)
+    adapter = read_peft(folder, cfg, targets=ALL_TARGETS)
     n = names.layer(1)
     assert {n.shared("gate_and_up_proj"), n.expert(0, "down_proj")} <= set(adapter.layers)
     merged_dir = merged_checkpoint(tiny_dir, tmp_path / "merged", folder, cfg)
@@ -287,12 +328,15 @@ def test_merged_mlp_adapter_equals_the_merged_checkpoint(tiny_dir, cfg, tmp_path
     assert got[0] == want[0] and psnr(got[1], want[1]) >= 40 and differs(got, base)
     layout = get_plan("hybrid4").layout(3)
     rank, ref = load(tiny_dir, layout=layout), load(merged_dir, layout=layout)
-    merge_adapter(rank.model, read_peft(folder, cfg, layout, MERGE_TARGETS))
+    merge_adapter(rank.model, read_peft(folder, cfg, layout, ALL_TARGETS))
     for (name, got_p), (_, want_p) in zip(rank.model.transformer.named_parameters(),
                                           ref.model.transformer.named_parameters()):
         torch.testing.assert_close(got_p, want_p, msg=name)
-    with pytest.raises(AdapterError, match="not the MLPs, unless the adapter is merged"):
-        read_peft(folder, cfg)
+    with pytest.raises(AdapterError, match="not the MLPs: start it with --lora-mlp"):
+        read_peft(folder, cfg)                        # tables of the attention projections only
+    with pytest.raises(AdapterError, match=r"adapts the MLPs \(model.layers.0.mlp.experts.0.down_proj\); this "
+                                           "engine's adapter tables hold the attention projections only"):
+        load(tiny_dir).model.enable_lora(1, 8).install("mlp", adapter)
 
 
 def test_merging_into_quantized_weights_is_refused(tmp_path):
@@ -330,13 +374,26 @@ def test_server_serves_a_merged_adapter(served, tiny_dir, adapters):
 # ----------------------------------------------------------------------------- what is refused
 def test_request_names_a_loaded_adapter(served):
     adapters = Pipeline(served, preview_every=0).adapters()
-    assert sorted(adapters) == ["patterned", "plain"]
-    with pytest.raises(RequestError, match="unknown LoRA adapter 'nope'; the loaded ones are patterned, plain") as e:
+    assert sorted(adapters) == ["mlp", "patterned", "plain"]
+    with pytest.raises(RequestError, match="unknown LoRA adapter 'nope'; the loaded ones are mlp, patterned, plain") as e:
         prepare(Request("a cat", lora="nope", seed=1), served.gen, served.buckets, adapters)
     assert e.value.field == "lora"
     with pytest.raises(RequestError, match=r"the LoRA strength \(lora_scale\) must be a number in \(0, 4\]") as e:
         prepare(Request("a cat", lora="plain", lora_scale=0, seed=1), served.gen, served.buckets, adapters)
     assert e.value.field == "lora_scale"
+
+
+def test_mlp_tables_are_asked_for_or_follow_the_start_adapters(tiny_dir, adapters):
+    """An engine holds MLP tables with --lora-mlp, or by itself when an adapter loaded at start adapts the MLPs
+    (known from the file's header); without them an MLP adapter loaded at run time is refused, naming the flag."""
+    from engine.serve.adapters import check_load, needs_mlp
+    from engine.serve.info import ModelInfo
+    assert needs_mlp((("mlp", str(adapters["mlp"])),)) and not needs_mlp((("plain", str(adapters["plain"])),))
+    assert not needs_mlp((("mlp", str(adapters["mlp"])),), merged=True)
+    info = ModelInfo.from_folder(tiny_dir)
+    with pytest.raises(ValueError, match="not the MLPs: start it with --lora-mlp"):
+        check_load(info, (), 2, 64, "mlp", adapters["mlp"])
+    assert check_load(info, (), 2, 64, "mlp", adapters["mlp"], mlp=True) == str(adapters["mlp"].resolve())
 
 
 def _edit_config(folder: Path, **changes) -> Path:
@@ -348,8 +405,8 @@ def _edit_config(folder: Path, **changes) -> Path:
 @pytest.mark.parametrize("case,message", [
     ("dora", "use_dora = True is not supported: DoRA"),
     ("modules_to_save", "modules_to_save = \\['lm_head'\\] is not supported"),
-    ("mlp", "it adapts model.layers.0.mlp.experts.0.gate_and_up_proj; only the attention projections .* unless the "
-            "adapter is merged into the weights"),
+    ("mlp", "it adapts model.layers.0.mlp.experts.0.gate_and_up_proj; this engine's adapter tables hold the "
+            r"attention projections \(qkv_proj, o_proj\), not the MLPs: start it with --lora-mlp"),
     ("unknown", "it adapts 'model.layers.0.self_attn.qkv', which is not a linear layer of this model"),
     ("beyond", "it adapts 'model.layers.2.self_attn.qkv_proj', which is not a linear layer of this model"),
     ("shape", r"o_proj has lora_A \(8, 128\) and lora_B \(32, 8\); this model's layer is \[64, 128\] at rank 8, "
@@ -386,24 +443,29 @@ def test_unservable_folders_are_refused(tmp_path, cfg, case, message):
 # ----------------------------------------------------------------------------- hybrid4 on gloo, and serving
 def test_hybrid4_adapter_equals_merged_and_loads_at_run_time(served, base, tiny_dir, adapters, cfg, tmp_path):
     """Four gloo ranks (AR TP4, denoise TP2 x SP2; each rank holds its slices of A/B): the adapter loaded at
-    start gives the merged checkpoint's text and image, no adapter the base model's; an adapter loaded while
-    the engine runs serves at once (as on tp1) and, unloaded, is refused by name."""
+    start gives the merged checkpoint's text and image, no adapter the base model's; adapters loaded while
+    the engine runs (one of the MLPs too: its experts' slices per rank) serve at once as on tp1 and, unloaded,
+    are refused by name."""
     from engine.serve.server import EngineServer
     merged = alone(load(merged_checkpoint(tiny_dir, tmp_path / "merged", adapters["plain"], cfg)))
     with EngineServer(tiny_dir, plan="hybrid4", preview_every=0, loras=[("plain", adapters["plain"])],
-                      max_loras=2) as server:
+                      max_loras=3, lora_mlp=True) as server:
         assert server.wait_ready(300), server.health()
         got = outcome(list(server.stream(Request(**(REQUEST | dict(lora="plain"))))))
         none = outcome(list(server.stream(Request(**REQUEST))))
         server.load_adapter("patterned", adapters["patterned"])
-        assert server.adapters() == ["plain", "patterned"]
+        server.load_adapter("mlp", adapters["mlp"])
+        assert server.adapters() == ["plain", "patterned", "mlp"]
         late = outcome(list(server.stream(Request(**(REQUEST | dict(lora="patterned", lora_scale=0.5))))))
+        mlp = outcome(list(server.stream(Request(**(REQUEST | dict(lora="mlp"))))))
         server.unload_adapter("patterned")
         refused = list(server.stream(Request(**(REQUEST | dict(lora="patterned")))))
     assert got[0] == merged[0] and psnr(got[1], merged[1]) >= 40
     assert none[0] == base[0] and psnr(none[1], base[1]) >= 40
     want = alone(served, lora="patterned", lora_scale=0.5)
     assert late[0] == want[0] and psnr(late[1], want[1]) >= 40
+    want = alone(served, lora="mlp")                   # tp1's unmerged MLP adapter: the merged checkpoint's output
+    assert mlp[0] == want[0] and psnr(mlp[1], want[1]) >= 40
     assert [(e.kind, e.param) for e in refused] == [("invalid", "lora")] and "unknown LoRA adapter" in refused[0].message
 
 
@@ -500,6 +562,30 @@ def test_cuda_graph_steps_serve_adapters_per_row(tiny_dir):
     assert sum(pipe.graphs.captures.values()) == captures          # no new capture for the new adapter
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_steps_serve_an_mlp_adapter_per_row(tiny_dir):
+    """CUDA bf16 with MLP tables: an adapter of the MLPs too, one of the attention projections and none, decoded
+    and denoised together (graphs of modes "rows+mlp", and "one+mlp" for the MLP adapter alone): each gives its
+    solo run and the MLP adapter changes the image."""
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    tables = lm.model.enable_lora(capacity=2, max_rank=8, mlp=True)
+    tables.install("plain", random_adapter(lm.cfg, 8, seed=1))
+    tables.install("mlp", random_adapter(lm.cfg, 8, seed=3, mlp=True))
+    one = REQUEST | dict(size="256x256")
+    kws = [one, one | dict(lora="mlp"), one | dict(lora="plain", lora_scale=0.5)]
+    pipe = Pipeline(lm, preview_every=0, slots=len(kws), max_denoise_batch=len(kws))
+    solo = [outcome(list(pipe.run(Request(**kw)))) for kw in kws]
+    events, scheduler = run_together(lm, kws, pipeline=pipe)
+    for i in range(len(kws)):
+        got = outcome(events[i])
+        assert got[0] == solo[i][0] and psnr(got[1], solo[i][1]) >= 35, i
+    assert differs(solo[1], solo[0])
+    assert scheduler.denoising.member_steps > scheduler.denoising.forwards
+    modes = {p for k in pipe.graphs.captures for p in k if isinstance(p, tuple) and p[:1] == ("lora",)}
+    assert {("lora", "one+mlp"), ("lora", "rows+mlp")} <= modes, pipe.graphs.captures
+
+
 def test_studio_picker_sends_the_adapter_and_puts_its_errors_on_the_controls(tiny_dir, tmp_path):
     """The page's adapter picker and strength slider become the request's lora / lora_scale ("none" the base
     model); a wrong value's message lands on the control that holds it."""
@@ -559,16 +645,18 @@ def test_studio_on_a_merged_engine_offers_only_the_merged_adapter(tiny_dir, tmp_
     assert "must name it" in studio.validation("a cat", None, dataclasses.replace(s, lora=NO_LORA), controls)["lora"]
 
 
-def test_adapter_on_quantized_resident_weights(tmp_path):
+@pytest.mark.parametrize("targets", [["qkv_proj", "o_proj"], MLP_TARGETS])
+def test_adapter_on_quantized_resident_weights(tmp_path, targets):
     """Base weights kept quantized (MXFP8 packs, the CUDA layout, here through the reference ops): the adapter's
-    product is added to the quantized projection's output, giving what it gives on the dequantized weights."""
+    product is added to the quantized projection's output, and inside the quantized experts (`moe_lora` on the
+    packs' grouped GEMMs), giving what it gives on the dequantized weights."""
     from tools.tiny import make_tiny
     folder = make_tiny(tmp_path / "mxfp8", blocks=True, quant="mxfp8")
     runs = {}
     for resident in ("quantized", "dense"):
         lm = load(folder, resident=resident)
-        tables = lm.model.enable_lora(capacity=1, max_rank=8)
-        load_adapter(tables, "plain", make_adapter(tmp_path / "adapter", lm.cfg, seed=1))
+        tables = lm.model.enable_lora(capacity=1, max_rank=8, mlp=len(targets) > 2)
+        load_adapter(tables, "plain", make_adapter(tmp_path / "adapter", lm.cfg, seed=1, target_modules=targets))
         runs[resident] = alone(lm, lora="plain")
         if resident == "quantized":
             base = alone(lm)
@@ -600,6 +688,9 @@ def test_command_line_refuses_a_scale_without_adapter_and_a_bad_folder(tiny_dir,
     assert main(common + ["--lora-merged"]) == 2
     assert "--lora-merged needs --lora PATH" in capsys.readouterr().err
     assert main(common + ["--lora", str(adapters["plain"]), "--lora-scale", "0.5", "--lora-merged"]) == 0
+    assert PILImage.open(tmp_path / "o.png").width > 0
+    (tmp_path / "o.png").unlink()
+    assert main(common + ["--lora", str(adapters["mlp"])]) == 0          # an adapter of the MLPs, unmerged
     assert PILImage.open(tmp_path / "o.png").width > 0
     assert main(common + ["--lora", str(tiny_dir)]) == 2
     assert f"LoRA adapter {tiny_dir}: no adapter_config.json" in capsys.readouterr().err

@@ -68,21 +68,19 @@ def make_adapter(out: str | Path, cfg: ModelConfig, seed: int = 0, std: float = 
     return Path(out)
 
 
-def random_adapter(cfg: ModelConfig, r: int, seed: int = 0, scale: float = 2.0) -> "PeftAdapter":
-    """A rank-r adapter on every layer's qkv_proj and o_proj as the reader returns one (in memory, no peft
-    needed: the GPU test and the benchmark), A ~ N(0, 1/in), B ~ N(0, 0.05^2)."""
-    from engine.model.peft import LoraWeights, PeftAdapter
+def random_adapter(cfg: ModelConfig, r: int, seed: int = 0, scale: float = 2.0, mlp: bool = False) -> "PeftAdapter":
+    """A rank-r adapter on every layer's qkv_proj and o_proj (with `mlp`: and on the shared MLP's and every
+    expert's gate_and_up_proj and down_proj) as the reader returns one (in memory, no peft needed: the GPU test
+    and the benchmark), A ~ N(0, 1/in), B ~ N(0, 0.05^2)."""
+    from engine.model.peft import ALL_TARGETS, TARGETS, LoraWeights, PeftAdapter
     from engine.model.weights import backbone_linears
-    from engine.spec import names
     g = torch.Generator().manual_seed(seed)
-    shapes = backbone_linears(cfg)
     layers = {}
-    for i in range(cfg.num_layers):
-        for layer in (names.layer(i).qkv_proj, names.layer(i).o_proj):
-            n, k = shapes[layer][:2]
+    for layer, (n, k, _) in backbone_linears(cfg).items():
+        if layer.endswith(ALL_TARGETS if mlp else TARGETS):
             layers[layer] = LoraWeights(torch.randn(r, k, generator=g) * k ** -0.5, torch.randn(n, r, generator=g) * 0.05,
                                         scale)
-    return PeftAdapter(Path(f"random-rank{r}-seed{seed}"), layers)
+    return PeftAdapter(Path(f"random-rank{r}-seed{seed}{'-mlp' if mlp else ''}"), layers)
 
 
 def main(argv: list[str] | None = None) -> int:

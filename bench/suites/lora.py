@@ -17,6 +17,10 @@ Per way: ms per denoise step (the median over the steps of 3 runs after a warm-u
 over base. The batched decode step (8 rows, the engine's AR view of the rank) is timed the same way:
 base, adapter tables with no row using one (mode "off": nothing added), all 8 rows on one adapter
 ("one"), half the rows on it ("rows"). The issue's bar: lora <= 5% over base for the DiT step at rank 32.
+The same for an adapter of the MLPs too (rank R on the shared MLP's and every expert's gate_and_up_proj and
+down_proj besides qkv/o; modes "one+mlp" and "rows+mlp": the MoE runs the `moe_lora` op instead of its
+fused kernels and, per row, the base op as well), reported beside them (no bar: the trainers' default
+adapts qkv/o only).
 `--dry`: the tiny config on the CPU (checks the suite runs; its times mean nothing).
 """
 from __future__ import annotations
@@ -102,12 +106,16 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     with torch.no_grad():
         base = step_ms(req, args.steps, None, graph, dry)
         base_decode = decode_ms(model, plan, None, graph, dry)
-        tables = model.enable_lora(SLOTS, args.rank)
+        tables = model.enable_lora(SLOTS, args.rank, mlp=True)
         tables.install("bench", adapter)
+        tables.install("mlp", random_adapter(cfg, args.rank, seed=1, mlp=True))      # slot 2
         cfg_rows = RowAdapters(tables, 2)               # the request's two CFG rows
         cfg_rows.set(slice(0, 2), 1, 1.0)
         one = step_ms(req, args.steps, cfg_rows.rows(slice(0, 2), "one"), graph, dry)
         per_row = step_ms(req, args.steps, cfg_rows.rows(slice(0, 2), "rows"), graph, dry)
+        cfg_rows.set(slice(0, 2), 2, 1.0)
+        mlp_one = step_ms(req, args.steps, cfg_rows.rows(slice(0, 2), "one+mlp"), graph, dry)
+        mlp_rows = step_ms(req, args.steps, cfg_rows.rows(slice(0, 2), "rows+mlp"), graph, dry)
         decode_rows = RowAdapters(tables, 8)
         decode_rows.set(slice(0, 8), 0, 0.0)            # 8 requests, none with an adapter
         off_decode = decode_ms(model, plan, decode_rows, graph, dry)
@@ -115,21 +123,29 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         one_decode = decode_ms(model, plan, decode_rows, graph, dry)
         decode_rows.set(slice(0, 8, 2), 0, 0.0)         # half the rows with the adapter, half without
         rows_decode = decode_ms(model, plan, decode_rows, graph, dry)
+        decode_rows.set(slice(0, 8), 2, 1.0)            # all on the MLP adapter ...
+        mlp_decode = decode_ms(model, plan, decode_rows, graph, dry)
+        decode_rows.set(slice(0, 8, 2), 0, 0.0)         # ... and half of them
+        mlp_rows_decode = decode_ms(model, plan, decode_rows, graph, dry)
         model.lora = None
         merge_adapter(model, adapter)                   # the merged fast path (engine/model/lora_merge.py)
         merged = step_ms(req, args.steps, None, graph, dry)
     for what, ms, ref in (("DiT step, base", base, base), ("DiT step, lora one adapter (unmerged)", one, base),
                           ("DiT step, lora per row (unmerged, batched path)", per_row, base),
                           ("DiT step, merged weights", merged, base),
+                          ("DiT step, MLP adapter too, one adapter", mlp_one, base),
+                          ("DiT step, MLP adapter too, per row (base op as well)", mlp_rows, base),
                           ("decode step x8, base", base_decode, base_decode),
                           ("decode step x8, adapter tables, no row adapted", off_decode, base_decode),
                           ("decode step x8, all 8 rows on one adapter", one_decode, base_decode),
-                          ("decode step x8, per row (4 rows adapted)", rows_decode, base_decode)):
+                          ("decode step x8, per row (4 rows adapted)", rows_decode, base_decode),
+                          ("decode step x8, MLP adapter too, all 8 rows", mlp_decode, base_decode),
+                          ("decode step x8, MLP adapter too, 4 rows", mlp_rows_decode, base_decode)):
         rows.append(dict(what=what, ms=ms, overhead_pct=100 * (ms / ref - 1)))
         out.say(f"{what}: {ms:.2f} ms ({rows[-1]['overhead_pct']:+.1f}%)")
     out.table(rows, [Col("step", "what"), Col("ms", "ms", ".2f"), Col("vs base %", "overhead_pct", "+.1f")],
               f"one hybrid4 rank, Instruct bf16, T2I 1024x1024 CFG batched, adapter rank {args.rank} on qkv_proj + "
-              "o_proj (compute only)")
+              "o_proj (MLP rows: + the MLPs' gate_and_up_proj / down_proj) (compute only)")
     out.data["rows"] = rows
     out.data["adapter_rank"] = args.rank
     worst = max(rows[1]["overhead_pct"], rows[2]["overhead_pct"])

@@ -47,13 +47,13 @@ class HunyuanImage3(nn.Module):
     def device(self) -> torch.device:
         return self.transformer.wte.device
 
-    def enable_lora(self, capacity: int, max_rank: int) -> LoraTables:
-        """Allocate the LoRA tables for up to `capacity` adapters of rank <= `max_rank` (once, before the
-        runtime is made: it binds its forwards to them)."""
+    def enable_lora(self, capacity: int, max_rank: int, mlp: bool = False) -> LoraTables:
+        """Allocate the LoRA tables for up to `capacity` adapters of rank <= `max_rank`, of the MLPs too with
+        `mlp` (once, before the runtime is made: it binds its forwards to them)."""
         if self.merged_lora is not None:
             raise ValueError(f"the LoRA adapter {self.merged_lora!r} is merged into the weights: no adapter tables")
         if self.lora is None:
-            self.lora = LoraTables(self.cfg, self.layout, capacity, max_rank, self.dtype, self.device)
+            self.lora = LoraTables(self.cfg, self.layout, capacity, max_rank, self.dtype, self.device, mlp)
         return self.lora
 
     def attn_batch(self, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor, kv_len: int,

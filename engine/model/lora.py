@@ -8,7 +8,12 @@ decoder layer, sharded like the base weights (engine/model/packed.py) so each ra
   packed [micros, rows, r] like the qkv pack, a phase using its micros' rows;
 - o_proj is row-parallel: A [r, in] by the input columns of the rank's micros, packed side by side like
   the o_proj pack, B [H, r] whole; each rank's B (A_slice x_slice) is a partial sum that the layer's
-  all-reduce adds up, as it does the base projection's.
+  all-reduce adds up, as it does the base projection's;
+- with `mlp`, the MLPs too (the shared MLP's and every expert's gate_and_up_proj, column-parallel, and
+  down_proj, row-parallel, by the same rules): `MoeLora` tables per layer, which the `moe_lora` op
+  (hunyuan_kernels/quant/moe_lora.py) applies inside the experts (the gate/up update enters before the SwiGLU).
+  They cost about (2H + 3I/ranks) * R * E values a layer a slot (the experts dominate): allocated only
+  when asked for (`--lora-mlp`, or an adapter of the MLPs among those loaded at start).
 PEFT's scale (alpha / r) is folded into B at load; a rank below `max_rank` is zero-padded (exact).
 
 `LoraRows` is what a forward carries (in `AttnBatch`): the slot of each batch row ([B], or [1] for
@@ -22,28 +27,53 @@ product is added to whatever the base projection returns).
 `RowAdapters` (the runtime's per-row buffers) decides on the host, when rows are set, which of these a
 forward over its rows needs (`mode`): "off" when no row in use has an adapter (the forward carries no
 LoraRows at all: the base step, nothing added), "one" when they all have the same adapter (the one-slot
-form), "rows" otherwise. A step graph is captured per mode (its key says which).
+form), "rows" otherwise; "+mlp" when an adapter in use adapts the MLPs (the MoE then runs `moe_lora`
+instead of its fused kernels and, in "rows+mlp", also the base op, each row keeping the base output
+unless its adapter adapts the MLPs: a request without one gives its solo output bit for bit). A step
+graph is captured per mode (its key says which).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from engine.model.peft import AdapterError, PeftAdapter, read_peft, sliced
+from hunyuan_kernels.quant.moe_lora import MoeLora
+
+from engine.model.peft import ALL_TARGETS, TARGETS, AdapterError, LoraWeights, PeftAdapter, read_peft, sliced
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec import names
+from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ
 from engine.spec.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class LoraRows:
     """The adapter of each row of a forward: slot [B] or [1] (int64), strength of the same shape (the
-    tables' dtype); views of static buffers owned by the runtime."""
+    tables' dtype); views of static buffers owned by the runtime. `mlp`: an adapter of these rows adapts
+    the MLPs (the MoE applies it); `select`: the rows may mix adapters that do and adapters that do not
+    (the MoE runs the base op too and each row keeps the output its own adapter calls for)."""
     tables: "LoraTables"
     slot: torch.Tensor
     strength: torch.Tensor
+    mlp: bool = False
+    select: bool = False
+
+    def moe(self, x: torch.Tensor, layer: int, base: Callable[[], torch.Tensor],
+            adapted: Callable[[torch.Tensor, torch.Tensor, MoeLora], torch.Tensor]) -> torch.Tensor:
+        """The MoE output [B, T, H] of these rows on x [B, T, H]: `adapted(slot, strength, tables)` with each
+        token's slot and strength [B * T], and where rows may not all adapt the MLPs, the `base()` output for
+        the rows whose adapter does not."""
+        b, t = x.shape[0], x.shape[1]
+        slot = self.slot.view(-1, 1).expand(b, t).reshape(-1)
+        strength = self.strength.view(-1, 1).expand(b, t).reshape(-1)
+        out = adapted(slot, strength, self.tables.mlp[layer]).view(x.shape)
+        if not self.select:
+            return out
+        keep = self.tables.adapts_mlp.index_select(0, self.slot).view(-1, 1, 1)
+        return torch.where(keep, out, base().view(x.shape))
 
     def add_qkv(self, out: torch.Tensor, x: torch.Tensor, layer: int, view: PhaseView) -> None:
         """out [B, T, N] += the rows' low-rank product on the qkv rows of the view's micros."""
@@ -75,7 +105,7 @@ class LoraTables:
     """Every loaded adapter of this rank, by slot (slot 0: none)."""
 
     def __init__(self, cfg: ModelConfig, layout: ShardLayout, capacity: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, mlp: bool = False):
         if capacity < 1 or max_rank < 1:
             raise ValueError(f"LoRA tables need capacity >= 1 and max_rank >= 1 (got {capacity}, {max_rank})")
         self.cfg, self.layout, self.max_rank, self.micros = cfg, layout, max_rank, layout.micros
@@ -89,8 +119,28 @@ class LoraTables:
             return torch.zeros(*shape, dtype=dtype, device=device)
         self.qkv_a, self.qkv_b = zeros(L, S, R, H), zeros(L, S, layout.micros, rows, R)
         self.o_a, self.o_b = zeros(L, S, R, layout.micros * cols), zeros(L, S, H, R)
+        self.mlp: list[MoeLora] | None = None             # per layer, with `mlp` (module docstring)
+        if mlp:
+            M = layout.micros
+            self.mlp = []
+            for i in range(L):
+                E = cfg.num_experts[i]
+                inter = layout.split(cfg.moe_intermediate_size[i], "the expert intermediate size")
+                shared = cfg.shared_intermediate(i)
+                si = layout.split(shared, "the shared MLP intermediate size") if shared else 0
+                self.mlp.append(MoeLora(zeros(E, S, R, H), zeros(M, E, S, 2 * inter, R), zeros(E, S, R, M * inter),
+                                        zeros(E, S, H, R), *((zeros(S, R, H), zeros(M, S, 2 * si, R),
+                                                               zeros(S, R, M * si), zeros(S, H, R)) if shared
+                                                              else (None,) * 4)))
+        self.adapts_mlp = torch.zeros(S, dtype=torch.bool, device=device)    # slot -> its adapter adapts the MLPs
+        self.mlp_slots: set[int] = set()                  # ... on the host (RowAdapters' mode)
         self.names: list[str | None] = [None] * S         # slot -> adapter name (slot 0 stays None)
         self.folders: dict[str, str] = {}
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The layers' linears an adapter may adapt in these tables."""
+        return TARGETS if self.mlp is None else ALL_TARGETS
 
     @property
     def capacity(self) -> int:
@@ -120,6 +170,10 @@ class LoraTables:
         if adapter.layout != self.layout:
             raise AdapterError(f"LoRA adapter {adapter.folder} was read for {adapter.layout}, not this rank's "
                                f"{self.layout}")
+        mlp = adapter.adapts_mlp
+        if mlp and self.mlp is None:
+            raise AdapterError(f"LoRA adapter {adapter.folder} adapts the MLPs ({mlp}); this engine's adapter "
+                               "tables hold the attention projections only (start it with --lora-mlp)")
         s = self.names.index(None, 1)
         self._clear(s)
         for i in range(self.cfg.num_layers):
@@ -132,9 +186,37 @@ class LoraTables:
                 r = w.rank
                 self.o_a[i, s, :r].copy_(w.a)
                 self.o_b[i, s, :, :r].copy_(w.b * w.scale)
+            if mlp:
+                self._install_mlp(adapter, i, s)
+        if mlp:
+            self.adapts_mlp[s] = True
+            self.mlp_slots.add(s)
         self.names[s] = name
         self.folders[name] = str(adapter.folder)
         return s
+
+    def _install_mlp(self, adapter: PeftAdapter, i: int, s: int) -> None:
+        """Layer i's MLP weights of the adapter into slot s: gate/up B as the w1 pack's micros hold the rows
+        ([micros, 2 * I_micro, r]: peft.py `_slice` has put them in that order), down A by input columns."""
+        n, t, micros = names.layer(i), self.mlp[i], self.micros
+
+        def put(a_tab, b_tab, gate_up: LoraWeights | None, down: LoraWeights | None, e: tuple) -> None:
+            if gate_up is not None:
+                r = gate_up.rank
+                a_tab[0][e + (s, slice(0, r))].copy_(gate_up.a)
+                b_tab[0][(slice(None),) + e + (s, Ellipsis, slice(0, r))].copy_(
+                    (gate_up.b * gate_up.scale).view(micros, -1, r))
+            if down is not None:
+                r = down.rank
+                a_tab[1][e + (s, slice(0, r))].copy_(down.a)
+                b_tab[1][e + (s, Ellipsis, slice(0, r))].copy_(down.b * down.scale)
+
+        for e in range(t.a1.shape[0]):
+            put((t.a1, t.a2), (t.b1, t.b2), adapter.layers.get(n.expert(e, GATE_AND_UP_PROJ)),
+                adapter.layers.get(n.expert(e, DOWN_PROJ)), (e,))
+        if t.sa1 is not None:
+            put((t.sa1, t.sa2), (t.sb1, t.sb2), adapter.layers.get(n.shared(GATE_AND_UP_PROJ)),
+                adapter.layers.get(n.shared(DOWN_PROJ)), ())
 
     def remove(self, name: str) -> None:
         s = self.slot_of(name)
@@ -145,9 +227,15 @@ class LoraTables:
     def _clear(self, s: int) -> None:
         for t in (self.qkv_a, self.qkv_b, self.o_a, self.o_b):
             t[:, s].zero_()
+        for layer in self.mlp or ():
+            for k, t in zip(layer._fields, layer):
+                if t is not None:      # the slot's axis: after E for the experts' tables, after micros in the Bs
+                    t.select(_slot_axis(k), s).zero_()
+        self.adapts_mlp[s] = False
+        self.mlp_slots.discard(s)
 
 
-MODES = ("off", "one", "rows")      # how a forward applies its rows' adapters (module docstring)
+MODES = ("off", "one", "rows", "one+mlp", "rows+mlp")     # how a forward applies its rows' adapters (module docstring)
 
 
 class RowAdapters:
@@ -197,11 +285,12 @@ class RowAdapters:
     def _decide(self) -> None:
         """`mode` for the rows in use, and `common` (a device write only when the shared slot changes)."""
         live = {h[0] for h in self._host if h is not None}
+        mlp = "+mlp" if live & self.tables.mlp_slots else ""
         if len(live) > 1:
-            self.mode = "rows"
+            self.mode = "rows" + mlp
             return
         s = live.pop() if live else 0
-        self.mode = "one" if s else "off"
+        self.mode = "one" + mlp if s else "off"
         if s and s != self._common:
             self.common.fill_(s)
             self._common = s
@@ -216,13 +305,23 @@ class RowAdapters:
             return None
         key = (rows.start, rows.stop, mode)
         if key not in self._views:
-            slot = self.common if mode == "one" else self.slot[rows]
-            self._views[key] = LoraRows(self.tables, slot, self.strength[rows])
+            slot = self.common if mode.startswith("one") else self.slot[rows]
+            self._views[key] = LoraRows(self.tables, slot, self.strength[rows], mode.endswith("+mlp"),
+                                        mode == "rows+mlp" and rows.stop - rows.start > 1)
         return self._views[key]
 
     def row(self, row: int) -> LoraRows | None:
         """The adapter of a forward of this row alone (its slot as set now; None without an adapter)."""
-        return self.rows(slice(row, row + 1), "rows" if self.of(row)[0] else "off")
+        return self.rows(slice(row, row + 1), self.alone(self.of(row)[0]))
+
+    def alone(self, slot: int) -> str:
+        """The mode of a forward of one request's rows with this adapter (table slot; 0: none)."""
+        return "off" if not slot else "rows+mlp" if slot in self.tables.mlp_slots else "rows"
+
+
+def _slot_axis(table: str) -> int:
+    """The slot's axis in a `MoeLora` table: [E, S, ...] / [micros, E, S, ...] / [S, ...] / [micros, S, ...]."""
+    return {"a1": 1, "b1": 2, "a2": 1, "b2": 1, "sa1": 0, "sb1": 1, "sa2": 0, "sb2": 0}[table]
 
 
 def _slice(rows: int | slice) -> slice:
@@ -241,4 +340,4 @@ def lora_key(mode: str) -> tuple:
 
 def load_adapter(tables: LoraTables, name: str, folder: str | Path) -> int:
     """Read this rank's slices of the PEFT folder and install them as `name`; returns its slot."""
-    return tables.install(name, read_peft(folder, tables.cfg, tables.layout))
+    return tables.install(name, read_peft(folder, tables.cfg, tables.layout, tables.targets))

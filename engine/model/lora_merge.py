@@ -13,7 +13,7 @@ rounded once to the weights' dtype.
 Quantized resident weights (codes and block scales kept as stored, the CUDA layout of the quantized
 checkpoints) are refused: W + B A is not in the codes' grid, and re-quantizing it would change the
 base weights beyond the adapter. Such an engine serves the adapter unmerged (exact: the product is added
-to the quantized projection's output). A quantized checkpoint dequantized at load (the CPU, or
+to the quantized projection's output, and for the MLPs inside the quantized experts, `--lora-mlp`). A quantized checkpoint dequantized at load (the CPU, or
 `resident="dense"`) holds float weights and merges like any other.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ def merge_adapter(model, adapter: PeftAdapter, strength: float = 1.0, name: str 
             raise AdapterError(
                 f"cannot merge LoRA adapter {adapter.folder}: {module} is kept quantized "
                 f"({pack.format.fmt}), and W + BA is not in its codes' grid; serve the adapter unmerged "
-                "(without --lora-merged)")
+                "(without --lora-merged; --lora-mlp for an adapter of the MLPs)")
         work.append((pack[index], w))
     for param, w in work:
         # [out, in] of this rank: rows-packed [micros * rows, H] (viewed as the pack), cols-packed [H, micros * cols]

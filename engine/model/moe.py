@@ -14,9 +14,14 @@ partials are summed in its fp32 accumulation, before the route weight) and one w
 The packs may stay quantized in the same packing (engine/model/packed.py `QuantPack`, codes and scales
 along K; an NVFP4 pack has one global scale per expert; a micro's column block must be whole scale
 blocks of the format); the forward then runs the `moe_quant` op.
+With LoRA adapters of the MLPs in the forward's rows (engine/model/lora.py, mode "+mlp") the forward runs
+the `moe_lora` op instead (hunyuan_kernels/quant/moe_lora.py: the same block with each token's adapter
+added inside its experts and the shared MLP, on either kind of pack).
 The output is this rank's partial sum; the caller all-reduces over the active TP group.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +33,9 @@ from engine.model.packed import (PackFormat, QuantPack, check_micro_cols, packed
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint
 from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ, LayerNames
+
+if TYPE_CHECKING:
+    from engine.model.lora import LoraRows
 
 
 class MoE(nn.Module):
@@ -74,12 +82,16 @@ class MoE(nn.Module):
             layer = names.expert(e, DOWN_PROJ)                # read as [H, micros * I_micro]: stored as is
             store(self.w2, read_cols(ckpt, layer, self.inter, layout, dev), layer, e, e)
 
-    def forward(self, x: torch.Tensor, view: PhaseView) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, view: PhaseView, lora: "LoraRows | None" = None,
+                layer: int = 0) -> torch.Tensor:
         """This rank's partial sum of the routed experts and the shared MLP over the active micros (the
-        caller all-reduces it over the TP group): the `moe` kernel op (hunyuan_kernels/moe/)."""
+        caller all-reduces it over the TP group): the `moe` kernel op (hunyuan_kernels/moe/), or, when the
+        rows' adapters adapt the MLPs (`lora.mlp`; x [B, T, H], `layer` its index), the `moe_lora` op."""
         shape = x.shape
         op = "moe_quant" if isinstance(self.w1, QuantPack) else "moe"     # hunyuan_kernels/quant/moe.py: quantized
-        out = kernels.call(op, x.reshape(-1, shape[-1]), self.gate, value(self.w1), value(self.w2),
-                           value(self.shared_w1), value(self.shared_w2), view.micro_start, view.micro_count, self.topk,
-                           self.norm_topk)
-        return out.view(shape)
+        args = (x.reshape(-1, shape[-1]), self.gate, value(self.w1), value(self.w2), value(self.shared_w1),
+                value(self.shared_w2), view.micro_start, view.micro_count, self.topk, self.norm_topk)
+        if lora is None or not lora.mlp:
+            return kernels.call(op, *args).view(shape)
+        return lora.moe(x, layer, lambda: kernels.call(op, *args),
+                        lambda slot, strength, tables: kernels.call("moe_lora", *args, slot, strength, tables))

@@ -8,13 +8,14 @@ name the trainer saw, which for HunyuanImage-3.0 is the checkpoint's layer name
 (`model.layers.3.self_attn.qkv_proj`). PEFT applies y = W x + scale * B (A x) with scale = alpha / r
 (alpha / sqrt(r) with rslora).
 
-Supported targets: each decoder layer's `qkv_proj` and `o_proj` (the trainers' default), applied
-unmerged; with `targets=MERGE_TARGETS` (the merged fast path, engine/model/lora_merge.py) also the MLPs'
-`gate_and_up_proj` and `down_proj` (the shared MLP and every expert: what PEFT's target names match).
+Supported targets: each decoder layer's `qkv_proj` and `o_proj` (the trainers' default); with
+`targets=ALL_TARGETS` also the MLPs' `gate_and_up_proj` and `down_proj` (the shared MLP and every expert:
+what PEFT's target names match), which adapter tables hold only when the engine keeps MLP tables
+(engine/model/lora.py, `--lora-mlp`) and the merged fast path always takes (engine/model/lora_merge.py).
 Everything the low-rank product alone cannot reproduce is refused with a message naming it (DoRA,
-modules_to_save, trained biases, ...), as are targets not supported (the MLPs unmerged), names that are
-not this model's, and shapes that do not match its layers. Nothing is read before the config has been
-checked.
+modules_to_save, trained biases, ...), as are targets not supported (the MLPs where the engine has no
+MLP tables), names that are not this model's, and shapes that do not match its layers. Nothing is read
+before the config has been checked.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from engine.spec.config import ModelConfig
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."                     # PeftModel's wrapping of the trained model
-TARGETS = (names.QKV_PROJ, names.O_PROJ)         # a layer's linears this engine adapts unmerged
-MERGE_TARGETS = TARGETS + names.MLP_LINEARS      # ... and merged into the weights
+TARGETS = (names.QKV_PROJ, names.O_PROJ)         # a layer's linears any adapter tables hold
+ALL_TARGETS = TARGETS + names.MLP_LINEARS        # ... and with the MLPs' (MLP tables, or merged)
 KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 
 # config fields whose non-default value changes what the adapter computes beyond B A x: refused by name
@@ -80,6 +81,23 @@ class PeftAdapter:
     @property
     def rank(self) -> int:
         return max(w.rank for w in self.layers.values())
+
+    @property
+    def adapts_mlp(self) -> str:
+        """The first MLP linear it adapts ('' when it adapts the attention projections only)."""
+        return next((m for m in sorted(self.layers) if m.endswith(names.MLP_LINEARS)), "")
+
+
+def adapted_modules(folder: str | Path) -> set[str]:
+    """The layer names a PEFT folder's weights adapt, from the safetensors header alone (no tensor read):
+    whether an adapter needs MLP tables is known before anything is loaded. Empty when unreadable (the
+    full read then says why)."""
+    try:
+        with safe_open(str(Path(folder) / WEIGHTS), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception:      # noqa: BLE001  (a missing or broken file: read_peft names what is wrong)
+        return set()
+    return {m["module"] for k in keys if (m := KEY.match(k.removeprefix(PREFIX)))}
 
 
 def _pattern(patterns: dict, module: str, default):
@@ -187,8 +205,9 @@ def _check_target(module: str, shapes: dict, where: str, targets: tuple[str, ...
     if module in shapes and module.endswith(targets):
         return
     if module in shapes:
-        raise AdapterError(f"{where}: it adapts {module}; only the attention projections "
-                           f"({', '.join(t.rsplit('.', 1)[-1] for t in TARGETS)}) are supported, not the MLPs, "
-                           "unless the adapter is merged into the weights (--lora-merged)")
+        raise AdapterError(f"{where}: it adapts {module}; this engine's adapter tables hold the attention "
+                           f"projections ({', '.join(t.rsplit('.', 1)[-1] for t in TARGETS)}), not the MLPs: "
+                           "start it with --lora-mlp (MLP tables), or merge the adapter into the weights "
+                           "(--lora-merged)")
     raise AdapterError(f"{where}: it adapts {module!r}, which is not a linear layer of this model (its layers "
                        f"are named like {names.layer(0).qkv_proj}); was it trained on another model?")

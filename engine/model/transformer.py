@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
             h, residual = self._add_norm(x, residual, self.input_layernorm)
         a = view.tp.all_reduce_(self.self_attn(h, batch, cache, layer, view))
         h, residual = self._add_norm(a, residual, self.post_attention_layernorm)
-        return view.tp.all_reduce_(self.mlp(h, view)), residual
+        return view.tp.all_reduce_(self.mlp(h, view, batch.lora, layer)), residual
 
     @staticmethod
     def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:

@@ -154,7 +154,7 @@ class DenoiseRunner:
     def graph_key(self) -> tuple:
         """The key of its step's graph (and buffers) when it runs alone: the step key, and whether the step
         adds an adapter (one for all its rows) or runs the base weights."""
-        return self.key + lora_key("off" if self.lora is None else "one")
+        return self.key + lora_key("off" if self.lora is None else "one+mlp" if self.lora.mlp else "one")
 
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""

@@ -201,7 +201,7 @@ class KVPool:
         if ad is None:
             return None, None
         ad.set(slice(first, first + rows), adapter, strength)
-        return ad.row(first), ad.rows(slice(0, 1), "rows" if adapter else "off")
+        return ad.row(first), ad.rows(slice(0, 1), ad.alone(adapter))
 
     def clear_denoise_adapter(self, first: int, rows: int) -> None:
         """Rows [first, first + rows) are idle (their request left them)."""

@@ -29,6 +29,7 @@ class EngineConfig:
     prefix_cache_mb: int = PREFIX_CACHE_MB       # conversations' K/V prefixes per rank (prefix_cache.py; 0: off)
     encoding_cache_mb: int = ENCODING_CACHE_MB   # their image encodings per rank (conditioning.py; 0: none kept)
     lora_merged: bool = False       # the one adapter of `loras` folded into the weights (engine/model/lora_merge.py)
+    lora_mlp: bool = False          # the adapter tables hold the MLPs too (engine/model/lora.py; --lora-mlp)
     warmup: tuple[str, ...] = ()    # sizes whose graphs are captured before "ready" ("default": the square
                                     # bucket; engine/runtime/warmup.py); empty: none, the first requests capture
 

@@ -55,7 +55,7 @@ from engine.parallel.plan import get_plan
 from engine.runtime.conversation import ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error
 from engine.runtime.request import Prepared, Request
-from engine.serve.adapters import Loras, check_load, check_unload
+from engine.serve.adapters import Loras, check_load, check_unload, needs_mlp
 from engine.serve.admission import admit
 from engine.serve.client import Submission
 from engine.serve.info import ModelInfo
@@ -275,10 +275,12 @@ class ReplicaPool:
         start = tuple(engine_kwargs.pop("loras", ()))
         self._lora_slots = max(int(engine_kwargs.get("max_loras", 0)), len(start))
         self._max_lora_rank = int(engine_kwargs.get("max_lora_rank", 64))
+        self._lora_mlp = bool(engine_kwargs.get("lora_mlp")) or needs_mlp(start)    # every replica's tables alike
+        engine_kwargs["lora_mlp"] = self._lora_mlp
         self._loras: Loras = ()
         for name, folder in start:
             self._loras += ((name, check_load(self.info, self._loras, self._lora_slots, self._max_lora_rank,
-                                              name, folder)),)
+                                              name, folder, self._lora_mlp)),)
         self._adapter_lock = threading.Lock()     # one load or unload at a time
         self.conversations = ConversationStore()  # held here, at the ingress (the module's docstring says why)
         self._connected = not ray.is_initialized()            # ray.init here: ray.shutdown at close
@@ -422,7 +424,8 @@ class ReplicaPool:
         with self._adapter_lock:
             with self._lock:
                 before = self._loras
-            folder = check_load(self.info, before, self._lora_slots, self._max_lora_rank, name, folder)
+            folder = check_load(self.info, before, self._lora_slots, self._max_lora_rank, name, folder,
+                                self._lora_mlp)
             with self._lock:
                 self._loras = before + ((name, folder),)
             failed = self._publish_adapters(name)

@@ -45,7 +45,7 @@ from engine.runtime.conversation import ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error, Event
 from engine.runtime.request import Prepared, Request
 from engine.spec.buckets import parse_size
-from engine.serve.adapters import check_adapter, check_load, check_unload
+from engine.serve.adapters import check_adapter, check_load, check_unload, needs_mlp
 from engine.serve.admission import admit
 from engine.serve.client import Submission
 from engine.serve.engine_config import EngineConfig
@@ -111,7 +111,7 @@ class EngineServer:
                  max_queue: int | None = None, quantize: str | None = None, max_batch: int = 1,
                  step_timeout: float | None = None, cfg_serial: bool = False, cuda_graph: bool = True,
                  max_denoise_batch: int = 1, loras: Sequence[tuple[str, str]] = (), max_loras: int = 0,
-                 max_lora_rank: int = 64, lora_merged: bool = False,
+                 max_lora_rank: int = 64, lora_merged: bool = False, lora_mlp: bool = False,
                  prefix_cache_mb: int = EngineConfig.prefix_cache_mb,
                  encoding_cache_mb: int = EngineConfig.encoding_cache_mb, warmup: Sequence[str] = ()):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
@@ -130,7 +130,9 @@ class EngineServer:
         figures; 0: never; engine.serve.supervisor). `loras`: LoRA adapters (name, PEFT folder) loaded at
         start, each read and checked here; `max_loras` adapter slots in all (at least len(loras); more
         leave room for `load_adapter`), of rank up to `max_lora_rank`; `lora_merged`: the one adapter folded
-        into the weights at load (engine/model/lora_merge.py). `prefix_cache_mb` / `encoding_cache_mb`:
+        into the weights at load (engine/model/lora_merge.py); `lora_mlp`: the adapter slots hold the MLPs
+        too (the shared MLP and every expert; on by itself when an adapter in `loras` adapts them).
+        `prefix_cache_mb` / `encoding_cache_mb`:
         each rank's bound on the K/V prefixes and image encodings kept for conversations' next turns
         (engine/runtime/prefix_cache.py, conditioning.py; 0: off). `warmup`: sizes ("default": the square
         bucket) whose CUDA graphs every rank captures before the engine says ready (engine/runtime/warmup.py;
@@ -152,12 +154,14 @@ class EngineServer:
                                    self.parallel.sp_kind, quantize, max_batch, preview_every, verbose, cfg_serial,
                                    cuda_graph, max_denoise_batch, tuple((n, str(Path(f).resolve())) for n, f in loras),
                                    max(max_loras, len(loras)),       # the slots stay when adapters are unloaded
-                                   max_lora_rank, prefix_cache_mb, encoding_cache_mb, lora_merged, tuple(warmup))
+                                   max_lora_rank, prefix_cache_mb, encoding_cache_mb, lora_merged,
+                                   lora_mlp or needs_mlp(loras, lora_merged), tuple(warmup))
         for size in self.config.warmup:               # a size the checkpoint does not take: refused before spawning
             if size != "default" and parse_size(size, self.info.buckets) is None:
                 raise ValueError(f"a warm-up size names a size (HxW), not {size!r}")
         for name, folder in self.config.loras:
-            check_adapter(self.info, name, folder, self.config.max_lora_rank, self.config.lora_merged)
+            check_adapter(self.info, name, folder, self.config.max_lora_rank, self.config.lora_merged,
+                          self.config.lora_mlp)
         self.cancel_grace_s = cancel_grace_s
         self.max_queue = max_queue
 
@@ -242,7 +246,7 @@ class EngineServer:
         with self._lock:
             self._refuse_if_merged()
             folder = check_load(self.info, self.config.loras, self.config.lora_slots, self.config.max_lora_rank,
-                                name, folder)
+                                name, folder, self.config.lora_mlp)
             # a restarted engine loads the current set; the running one is told
             self.config = dataclasses.replace(self.config, loras=self.config.loras + ((name, folder),))
             self._send_adapter(("adapter", "load", name, folder))

@@ -76,7 +76,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
     from engine.model.loader import load, parse_dtype, print_progress
     from engine.model.lora import load_adapter
     from engine.model.lora_merge import merge_adapter
-    from engine.model.peft import MERGE_TARGETS, read_peft
+    from engine.model.peft import ALL_TARGETS, read_peft
     from engine.parallel.groups import RankGroups, rank_device, resident_pointers, set_threads_for_world, shutdown
     from engine.runtime.events import Error as ErrorEvent
     from engine.runtime.pipeline import Pipeline
@@ -107,9 +107,9 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
         p.check_model(lm.cfg)
         if config.lora_merged:         # the one adapter, this rank's slices, folded into its weights
             (name, folder), = config.loras
-            merge_adapter(lm.model, read_peft(folder, lm.cfg, rt.layout, MERGE_TARGETS), name=name)
+            merge_adapter(lm.model, read_peft(folder, lm.cfg, rt.layout, ALL_TARGETS), name=name)
         if config.lora_slots:          # before the pipeline: its forwards bind to the adapter tables
-            tables = lm.model.enable_lora(config.lora_slots, config.max_lora_rank)
+            tables = lm.model.enable_lora(config.lora_slots, config.max_lora_rank, config.lora_mlp)
             for name, folder in config.loras:
                 load_adapter(tables, name, folder)
         pointers = resident_pointers(lm.model)
