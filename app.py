@@ -105,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lora-mlp", action="store_true",
                     help="adapter slots for adapters of the MLPs too (gate_and_up_proj / down_proj: the shared MLP "
                          "and every expert), loaded at run time; on by itself when a --lora adapter adapts them. "
-                         "Costs ~1.4 GB a slot per GPU at rank 32 on the full model (hybrid4)")
+                         "Each slot (and one of zeros) costs 1.7 GB per GPU under hybrid4, 2.4 GB on one GPU, at "
+                         "--max-lora-rank 32 on the full model")
     ap.add_argument("--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB,
                     help="K/V of conversations' earlier turns kept per GPU for the next turn, in MiB "
                          f"(default {PREFIX_CACHE_MB}; 0: off)")
