@@ -16,9 +16,10 @@ top-level package of that name.
     rope.py              rope_qk_norm, rope_qk_norm_cache
     decode_attention.py  decode_attention (GQA over a static cache's valid prefix)
     sampling.py          sample, sample_rows
+    lora.py              lora_add (a projection's output plus each row's LoRA update)
     moe/                 moe (routed + shared MoE)
     quant/               quantized weights: dequant_*, linear_*, grouped_mm_*, FP8, moe_quant; moe_lora (either packs)
     vae/                 conv3d_same, group_norm_swish
 """
 from .registry import allowed, call, chosen, ops  # noqa: F401
-from . import decode_attention, moe, norm, quant, rope, sampling, vae  # noqa: F401,E402  (register the ops)
+from . import decode_attention, lora, moe, norm, quant, rope, sampling, vae  # noqa: F401,E402  (register the ops)

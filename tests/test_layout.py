@@ -132,7 +132,8 @@ KERNEL_LEVELS = [
     {"hunyuan_kernels.registry", "hunyuan_kernels._triton", "hunyuan_kernels._flashinfer",
      "hunyuan_kernels.scratch"},                                                   # the machinery
     {"hunyuan_kernels.norm", "hunyuan_kernels.rope", "hunyuan_kernels.decode_attention",
-     "hunyuan_kernels.sampling", "hunyuan_kernels.vae", "hunyuan_kernels.moe"},    # op families
+     "hunyuan_kernels.sampling", "hunyuan_kernels.vae", "hunyuan_kernels.moe",
+     "hunyuan_kernels.lora"},                                                      # op families
     {"hunyuan_kernels.quant"},                                                     # uses the moe family
     {"hunyuan_kernels"},                                                           # the package: registers all
 ]

@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+import hunyuan_kernels as kernels
 from hunyuan_kernels.quant.moe_lora import MoeLora
 
 from engine.model.peft import ALL_TARGETS, TARGETS, AdapterError, LoraWeights, PeftAdapter, read_peft, sliced
@@ -89,17 +90,8 @@ class LoraRows:
         self._add(out, x, a, t.o_b[layer])
 
     def _add(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        # a [S, R, K], b [S, N, R]; x [B, T, K], out [B, T, N]. The second product accumulates into `out` in
-        # its GEMM (addmm_/baddbmm_: beta 1), so the projection's output is read and written once, not twice.
-        if self.slot.shape[0] == 1 and out.is_contiguous():    # every row one adapter: 2-D products over all tokens
-            u = torch.matmul(x, a.index_select(0, self.slot)[0].t())
-            u.mul_(self.strength.view(-1, 1, 1))
-            out.view(-1, out.shape[-1]).addmm_(u.view(-1, u.shape[-1]), b.index_select(0, self.slot)[0].t())
-            return
-        # each row its own ([B, R, K], [B, N, R]; a [1] slot broadcasts over the rows): batched matmuls
-        u = torch.matmul(x, a.index_select(0, self.slot).transpose(1, 2))
-        u.mul_(self.strength.view(-1, 1, 1))
-        out.baddbmm_(u, b.index_select(0, self.slot).transpose(1, 2).expand(out.shape[0], -1, -1))
+        # a [S, R, K], b [S, N, R]; x [B, T, K], out [B, T, N]: the `lora_add` op (hunyuan_kernels/lora.py), in place
+        kernels.call("lora_add", out, x, a, b, self.slot, self.strength)
 
 class LoraTables:
     """Every loaded adapter of this rank, by slot (slot 0: none)."""
