@@ -11,12 +11,13 @@ reference  two products per call: with one slot for every row and a contiguous `
            and 2-D GEMMs over all the rows' tokens, the second accumulating into `out` (addmm_); else
            each row's A and B gathered and batched GEMMs (baddbmm_). u = x A^T is rounded to the dtype,
            scaled by the strength and rounded again, then out + u B^T is rounded once.
-triton     a decode step's few rows (B * T <= 64): ONE launch that computes, per token row and block of
-           N, u in fp32 from its slot's A and adds strength * u B^T to `out`, rounding u as the reference
-           does. Each program recomputes its row's u (R x K multiply-adds: the tables' A sits in L2 after
-           the first program) instead of a second launch: the reference's five launches a projection
-           (two gathers, two GEMMs, a scale) were what the adapter cost a decode step (+21% at 8 rows on an
-           H200, 2026-12-03). A row's result depends on its own data only (fixed sum orders, no atomics).
+triton     a decode step's few rows (B * T <= 64): two launches, shrink (u = strength * x A[slot]^T per
+           token row and 4 ranks a program, rounded as the reference rounds it, kept in fp32) then expand
+           (out += u B[slot]^T per token row and 128 outputs a program), against the reference's five (two
+           gathers, two GEMMs, a scale), which were what an adapter cost a decode step (+21% at 8 rows on
+           an H200, 2026-12-03). One launch recomputing u in every output program measured worse (+50%): a
+           program walking K alone waits on each load in turn. A row's result depends on its own data only
+           (fixed sum orders, no atomics).
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ import torch
 
 from ._triton import FLOATS, HAS_TRITON, available, next_pow2, tl, triton
 from .registry import backend, reference
+from .scratch import empty as _empty
 
-TRITON_MAX_ROWS = 64      # token rows (B * T) the one-launch variant takes: decode steps
+TRITON_MAX_ROWS = 64      # token rows (B * T) the Triton variant takes: decode steps
 TRITON_MAX_RANK = 128
 
 
@@ -46,14 +48,14 @@ def lora_add_ref(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
 
 if HAS_TRITON:
     @triton.jit
-    def _lora_add_kernel(out_ptr, x_ptr, a_ptr, b_ptr, slot_ptr, st_ptr, T, N, K, R,
-                         s_out, s_x, s_as, s_ar, s_bs, s_bn, slot_step, st_step,
-                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _lora_shrink_kernel(x_ptr, a_ptr, slot_ptr, st_ptr, u_ptr, T, K, R, s_x, s_as, s_ar, slot_step, st_step,
+                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """u[m, r-block] = strength * (x[m] A[slot]^T), rounded as the reference rounds it, stored in fp32."""
         m = tl.program_id(0).to(tl.int64)               # token row b * T + t
         row = m // T
         s = tl.load(slot_ptr + row * slot_step)
         st = tl.load(st_ptr + row * st_step).to(tl.float32)
-        r = tl.arange(0, BLOCK_R)
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = r < R
         acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -63,15 +65,27 @@ if HAS_TRITON:
             av = tl.load(a_ptr + s * s_as + r[:, None] * s_ar + k[None, :], mask=rmask[:, None] & kmask[None, :],
                          other=0.0).to(tl.float32)
             acc += av * xv[None, :]
-        dt = out_ptr.dtype.element_ty
+        dt = x_ptr.dtype.element_ty
         u = tl.sum(acc, axis=1).to(dt).to(tl.float32)                 # x A^T in the dtype, as the reference's GEMM
         u = (u * st.to(dt).to(tl.float32)).to(dt).to(tl.float32)      # ... scaled in the dtype
+        tl.store(u_ptr + m * R + r, u, mask=rmask)
+
+    @triton.jit
+    def _lora_expand_kernel(out_ptr, u_ptr, b_ptr, slot_ptr, T, N, R, s_out, s_bs, s_bn, slot_step,
+                            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        """out[m, n-block] += u[m] B[slot]^T, summed in fp32 and rounded once."""
+        m = tl.program_id(0).to(tl.int64)
+        s = tl.load(slot_ptr + (m // T) * slot_step)
+        r = tl.arange(0, BLOCK_R)
+        rmask = r < R
+        u = tl.load(u_ptr + m * R + r, mask=rmask, other=0.0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < N
         bv = tl.load(b_ptr + s * s_bs + n[:, None] * s_bn + r[None, :], mask=nmask[:, None] & rmask[None, :],
                      other=0.0).to(tl.float32)
         o = tl.load(out_ptr + m * s_out + n, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * s_out + n, (o + tl.sum(bv * u[None, :], axis=1)).to(dt), mask=nmask)
+        tl.store(out_ptr + m * s_out + n, (o + tl.sum(bv * u[None, :], axis=1)).to(out_ptr.dtype.element_ty),
+                 mask=nmask)
 
 
 def _fits(out, x, a, b, slot, strength) -> bool:
@@ -81,19 +95,24 @@ def _fits(out, x, a, b, slot, strength) -> bool:
             and x.shape[:2] == out.shape[:2] and x.reshape(rows, -1).stride(-1) == 1)
 
 
+SHRINK_R, SHRINK_K, EXPAND_N = 4, 1024, 128    # u: 4 ranks a program over K in 1024s; B: 128 output rows a program
+
+
 @backend("lora_add", "triton", devices=("cuda",), dtypes=FLOATS, available=available, fits=_fits)
 def lora_add_triton(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot: torch.Tensor,
                     strength: torch.Tensor) -> torch.Tensor:
     bsz, t, n = out.shape
     k, r = x.shape[-1], a.shape[1]
-    x2 = x.reshape(bsz * t, k)
-    if bsz * t == 0:
+    rows = bsz * t
+    if rows == 0:
         return out
-    block_r = max(16, next_pow2(r))
-    block_k = max(16, 4096 // block_r)                   # an R x K tile of 4K values in registers
-    block_n = 256
-    _lora_add_kernel[(bsz * t, triton.cdiv(n, block_n))](
-        out, x2, a, b, slot, strength, t, n, k, r, n, x2.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        0 if slot.shape[0] == 1 else 1, 0 if strength.shape[0] == 1 else 1,
-        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4)
+    x2 = x.reshape(rows, k)
+    u = _empty(rows, r, dtype=torch.float32, device=out.device)
+    slot_step = 0 if slot.shape[0] == 1 else 1
+    _lora_shrink_kernel[(rows, triton.cdiv(r, SHRINK_R))](
+        x2, a, slot, strength, u, t, k, r, x2.stride(0), a.stride(0), a.stride(1), slot_step,
+        0 if strength.shape[0] == 1 else 1, BLOCK_R=SHRINK_R, BLOCK_K=SHRINK_K, num_warps=4)
+    _lora_expand_kernel[(rows, triton.cdiv(n, EXPAND_N))](
+        out, u, b, slot, t, n, r, n, b.stride(0), b.stride(1), slot_step,
+        BLOCK_R=max(16, next_pow2(r)), BLOCK_N=EXPAND_N, num_warps=4)
     return out

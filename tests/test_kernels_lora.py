@@ -1,7 +1,7 @@
 """The `lora_add` op (hunyuan_kernels/lora.py): a projection's output plus each row's LoRA update, in place.
 
 CPU: the reference equals the fp64 formula on each row's own slot, in both of its forms (one slot for every
-row, a slot per row), over strided views of packed tables; the one-launch Triton variant runs in Triton's
+row, a slot per row), over strided views of packed tables; the Triton variant (shrink, expand) runs in Triton's
 interpreter against the reference (fp32 and bf16). GPU (`-m gpu`): the Triton variant is the one chosen at
 decode sizes, within bf16 rounding of the reference, a row's result the same in any batch, and a CUDA-graph
 replay equal to eager."""
@@ -58,7 +58,7 @@ def test_triton_interpreter_suite():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slots", ["one", "rows", "one-strength"])
-def test_interp_one_launch_equals_the_reference(dtype, slots):
+def test_interp_triton_variant_equals_the_reference(dtype, slots):
     lora = interpreted("hunyuan_kernels.lora")
     g = torch.Generator().manual_seed(2)
     a, b = tables(g, dtype)
@@ -83,7 +83,7 @@ def test_interp_one_launch_equals_the_reference(dtype, slots):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows", [1, 8, 32])
-def test_gpu_one_launch_at_decode_sizes(rows):
+def test_gpu_triton_variant_at_decode_sizes(rows):
     """Real shapes of a hybrid4 AR rank (qkv: K 4096 -> N 1536; o_proj: K 1024 -> N 4096), rank 32, bf16."""
     g = torch.Generator().manual_seed(3)
     for k, n in ((4096, 1536), (1024, 4096)):
