@@ -220,7 +220,9 @@ def adapter(app, tmp_path_factory) -> str:
 def test_an_adapter_loaded_through_the_ingress_serves_on_both_replicas(app, adapter):
     h = app.health()
     assert [r["adapters"] for r in h["replicas"]] == [[adapter], [adapter]], h["replicas"]
-    lora = dict(bot_task="image", num_inference_steps=12, seed=7)
+    # 100 steps: the first request must still be running when the second is routed (health is posted once a
+    # second; 12 steps took 0.65 s on the CPU, and CI once saw both land on one replica)
+    lora = dict(bot_task="image", num_inference_steps=100, seed=7)
     with app.client() as client:
         assert [m.id for m in client.models.list()][1:] == [adapter]
         before = app.served()
