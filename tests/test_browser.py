@@ -56,14 +56,19 @@ RECORD_CANVAS = """
 """
 # Counts the runs the page has finished (the status box turning to "Done ..."): a run is waited for by
 # its own count, not by a "Done" that may still be the last run's.
+# A run is counted when the status says Done with the Generate buttons live again, after it was seen running
+# (a status other than Done, or a Generate button greyed out). The status alone is not enough: a short run's
+# updates can reach the page together, so it went from one "Done in ..." to the next with nothing between
+# (a CI run waited 120 s for a 2-step image that had finished).
 COUNT_DONE = """
 () => {
   window.__done = 0;
-  let last = '';
+  let armed = false;
   setInterval(() => {
     const b = document.querySelector('#status textarea'); if (!b) return;
-    if (b.value.startsWith('Done') && !last.startsWith('Done')) window.__done += 1;
-    last = b.value;
+    const busy = [...document.querySelectorAll('button.generate')].some(x => x.disabled);
+    if (busy || !b.value.startsWith('Done')) { armed = true; return; }
+    if (armed) { window.__done += 1; armed = false; }
   }, 10);
 }
 """
@@ -81,6 +86,7 @@ def open_page(browser, url: str, **kw):
     page.goto(url, wait_until="load")
     wait_wired(page)
     page.evaluate(COUNT_DONE)
+    assert page.evaluate("document.querySelector('#run').matches('button.generate')")    # what COUNT_DONE watches
     return page
 
 
