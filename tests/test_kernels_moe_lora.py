@@ -21,9 +21,8 @@ def tables(g: torch.Generator, shared: bool) -> MoeLora:
         return torch.randn(*shape, generator=g) * 0.2
     t = MoeLora(r(E, S, R, H), r(MICROS, E, S, 2 * I, R), r(E, S, R, MICROS * I), r(E, S, H, R),
                 *((r(S, R, H), r(MICROS, S, 2 * IS, R), r(S, R, MICROS * IS), r(S, H, R)) if shared else (None,) * 4))
-    for name, x in zip(t._fields, t):           # slot 0 holds no adapter: zeros, as LoraTables keeps it
-        if x is not None:
-            x.select({"a1": 1, "b1": 2, "a2": 1, "b2": 1, "sa1": 0, "sb1": 1, "sa2": 0, "sb2": 0}[name], 0).zero_()
+    for x in t.slot(0):                         # slot 0 holds no adapter: zeros, as LoraTables keeps it
+        x.zero_()
     return t
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -62,19 +61,14 @@ class LoraRows:
     mlp: bool = False
     select: bool = False
 
-    def moe(self, x: torch.Tensor, layer: int, base: Callable[[], torch.Tensor],
-            adapted: Callable[[torch.Tensor, torch.Tensor, MoeLora], torch.Tensor]) -> torch.Tensor:
-        """The MoE output [B, T, H] of these rows on x [B, T, H]: `adapted(slot, strength, tables)` with each
-        token's slot and strength [B * T], and where rows may not all adapt the MLPs, the `base()` output for
-        the rows whose adapter does not."""
-        b, t = x.shape[0], x.shape[1]
-        slot = self.slot.view(-1, 1).expand(b, t).reshape(-1)
-        strength = self.strength.view(-1, 1).expand(b, t).reshape(-1)
-        out = adapted(slot, strength, self.tables.mlp[layer]).view(x.shape)
-        if not self.select:
-            return out
-        keep = self.tables.adapts_mlp.index_select(0, self.slot).view(-1, 1, 1)
-        return torch.where(keep, out, base().view(x.shape))
+    def per_token(self, rows: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot, strength) of each token of a [rows, tokens] forward, [rows * tokens] (the `moe_lora` op's)."""
+        return tuple(t.view(-1, 1).expand(rows, tokens).reshape(-1) for t in (self.slot, self.strength))
+
+    def adapts_mlp(self) -> torch.Tensor:
+        """[B, 1, 1] bool: whether each row's adapter adapts the MLPs (`select`: those rows take `moe_lora`'s
+        output, the others the base op's)."""
+        return self.tables.adapts_mlp.index_select(0, self.slot).view(-1, 1, 1)
 
     def add_qkv(self, out: torch.Tensor, x: torch.Tensor, layer: int, view: PhaseView) -> None:
         """out [B, T, N] += the rows' low-rank product on the qkv rows of the view's micros."""
@@ -190,25 +184,13 @@ class LoraTables:
     def _install_mlp(self, adapter: PeftAdapter, i: int, s: int) -> None:
         """Layer i's MLP weights of the adapter into slot s: gate/up B as the w1 pack's micros hold the rows
         ([micros, 2 * I_micro, r]: peft.py `_slice` has put them in that order), down A by input columns."""
-        n, t, micros = names.layer(i), self.mlp[i], self.micros
-
-        def put(a_tab, b_tab, gate_up: LoraWeights | None, down: LoraWeights | None, e: tuple) -> None:
-            if gate_up is not None:
-                r = gate_up.rank
-                a_tab[0][e + (s, slice(0, r))].copy_(gate_up.a)
-                b_tab[0][(slice(None),) + e + (s, Ellipsis, slice(0, r))].copy_(
-                    (gate_up.b * gate_up.scale).view(micros, -1, r))
-            if down is not None:
-                r = down.rank
-                a_tab[1][e + (s, slice(0, r))].copy_(down.a)
-                b_tab[1][e + (s, Ellipsis, slice(0, r))].copy_(down.b * down.scale)
-
+        n, t, get = names.layer(i), self.mlp[i], adapter.layers.get
         for e in range(t.a1.shape[0]):
-            put((t.a1, t.a2), (t.b1, t.b2), adapter.layers.get(n.expert(e, GATE_AND_UP_PROJ)),
-                adapter.layers.get(n.expert(e, DOWN_PROJ)), (e,))
+            _put(t.a1[e, s], t.b1[:, e, s], get(n.expert(e, GATE_AND_UP_PROJ)))
+            _put(t.a2[e, s], t.b2[e, s], get(n.expert(e, DOWN_PROJ)))
         if t.sa1 is not None:
-            put((t.sa1, t.sa2), (t.sb1, t.sb2), adapter.layers.get(n.shared(GATE_AND_UP_PROJ)),
-                adapter.layers.get(n.shared(DOWN_PROJ)), ())
+            _put(t.sa1[s], t.sb1[:, s], get(n.shared(GATE_AND_UP_PROJ)))
+            _put(t.sa2[s], t.sb2[s], get(n.shared(DOWN_PROJ)))
 
     def remove(self, name: str) -> None:
         s = self.slot_of(name)
@@ -220,9 +202,8 @@ class LoraTables:
         for t in (self.qkv_a, self.qkv_b, self.o_a, self.o_b):
             t[:, s].zero_()
         for layer in self.mlp or ():
-            for k, t in zip(layer._fields, layer):
-                if t is not None:      # the slot's axis: after E for the experts' tables, after micros in the Bs
-                    t.select(_slot_axis(k), s).zero_()
+            for t in layer.slot(s):
+                t.zero_()
         self.adapts_mlp[s] = False
         self.mlp_slots.discard(s)
 
@@ -311,9 +292,12 @@ class RowAdapters:
         return "off" if not slot else "rows+mlp" if slot in self.tables.mlp_slots else "rows"
 
 
-def _slot_axis(table: str) -> int:
-    """The slot's axis in a `MoeLora` table: [E, S, ...] / [micros, E, S, ...] / [S, ...] / [micros, S, ...]."""
-    return {"a1": 1, "b1": 2, "a2": 1, "b2": 1, "sa1": 0, "sb1": 1, "sa2": 0, "sb2": 0}[table]
+def _put(a: torch.Tensor, b: torch.Tensor, w: LoraWeights | None) -> None:
+    """One adapted linear into a slot's views: a [R, K], b [N, R] or [micros, n, R] (rows as its pack holds
+    them); the scale folded into B, a lower rank into the first columns (the rest stays zero)."""
+    if w is not None:
+        a[:w.rank].copy_(w.a)
+        b[..., :w.rank].copy_((w.b * w.scale).view(*b.shape[:-1], w.rank))
 
 
 def _slice(rows: int | slice) -> slice:

@@ -93,5 +93,7 @@ class MoE(nn.Module):
                 value(self.shared_w2), view.micro_start, view.micro_count, self.topk, self.norm_topk)
         if lora is None or not lora.mlp:
             return kernels.call(op, *args).view(shape)
-        return lora.moe(x, layer, lambda: kernels.call(op, *args),
-                        lambda slot, strength, tables: kernels.call("moe_lora", *args, slot, strength, tables))
+        out = kernels.call("moe_lora", *args, *lora.per_token(shape[0], shape[1]), lora.tables.mlp[layer]).view(shape)
+        if lora.select:      # rows mixing adapters with and without MLPs: the latter keep the base op's output
+            out = torch.where(lora.adapts_mlp(), out, kernels.call(op, *args).view(shape))
+        return out

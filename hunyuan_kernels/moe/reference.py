@@ -68,25 +68,33 @@ def shared_mlp_reference(x, shared_w1, shared_w2, micro_start: int, micro_count:
     return F.linear(act, shared_w2[:, micro_start * is_micro:(micro_start + micro_count) * is_micro])
 
 
+def group_ends(key: torch.Tensor, groups: int) -> torch.Tensor:
+    """int32 cumulative end row of each group for rows sorted by `key` (torch._grouped_mm's offs), without a
+    host sync (bincount would read the max back)."""
+    counts = torch.zeros(groups, dtype=torch.int32, device=key.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    return counts.cumsum(0, dtype=torch.int32)
+
+
+def finalize_routes(partial: torch.Tensor, order: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[N, H] fp32: the routes' rows (in `order`, the sorted routes) back through the inverse permutation, the
+    k routes of each token weighted by w [N, k] and summed in fp32."""
+    n, topk = w.shape
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return (partial.float()[inv.view(n, topk)] * w.unsqueeze(-1)).sum(dim=1)
+
+
 def routed_reference(x: torch.Tensor, gate: torch.Tensor, topk: int, norm_topk: bool,
                      expert_mlp: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The routed part of the op in fp32 [N, H]: routing, the rows grouped by expert, `expert_mlp(xs,
     offs)` on them (the whole routed row of every active micro: GEMM1 + SwiGLU per micro, one GEMM2 over
     all of them), then the weighted finalize. Shared by the bf16 and the quantized references
     (quant/moe.py)."""
-    n, _ = x.shape
     w, idx = route(x, gate, topk, norm_topk)
     flat = idx.reshape(-1)                                  # route r = t*k + j
     order = flat.argsort(stable=True)                       # rows grouped by expert, token order inside
     xs = x.index_select(0, order // topk)
-    # cumulative end row per expert without a host sync (bincount would read the max back)
-    counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)
-    partial = expert_mlp(xs, offs).float()
-    # finalize: row of each route through the inverse permutation, k routes summed per token in fp32
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-    return (partial[inv.view(n, topk)] * w.unsqueeze(-1)).sum(dim=1)
+    return finalize_routes(expert_mlp(xs, group_ends(flat, gate.shape[0])), order, w)
 
 
 def check_packs(op: str, x, gate, w1_shape, w2_shape, micro_start: int, micro_count: int, topk: int) -> None:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..moe.reference import grouped_mm, route, swiglu_halves
+from ..moe.reference import finalize_routes, group_ends, grouped_mm, route, swiglu_halves
 from ..registry import reference
 from .formats import QWeight
 from .linear import qgrouped
@@ -50,6 +50,13 @@ class MoeLora(NamedTuple):
     sa2: torch.Tensor | None
     sb2: torch.Tensor | None
 
+    def slot(self, s: int) -> list[torch.Tensor]:
+        """Slot s's part of every table (views; the shared MLP's only where there is one)."""
+        views = [self.a1[:, s], self.b1[:, :, s], self.a2[:, s], self.b2[:, s]]
+        if self.sa1 is not None:
+            views += [self.sa1[s], self.sb1[:, s], self.sa2[s], self.sb2[s]]
+        return views
+
 
 def _grouped(x: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
     """Rows of x sorted by group times W[g]^T for a [G, N, K] pack, float or quantized."""
@@ -62,20 +69,13 @@ def _low_rank(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Te
     return grouped_mm(grouped_mm(x, a.transpose(1, 2), offs) * scale, b.transpose(1, 2), offs)
 
 
-def _ends(key: torch.Tensor, groups: int) -> torch.Tensor:
-    """int32 cumulative end row of each group for rows sorted by `key` (no host sync)."""
-    counts = torch.zeros(groups, dtype=torch.int32, device=key.device)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    return counts.cumsum(0, dtype=torch.int32)
-
-
 def _shared(x, shared_w1, shared_w2, micro_start: int, micro_count: int, slot, strength,
             lora: MoeLora) -> torch.Tensor:
     """The shared MLP with each token's adapter, [N, H] in x.dtype: the tokens sorted by slot."""
     n = x.shape[0]
     s, is_micro = lora.sa1.shape[0], shared_w1.shape[1] // 2
     order = slot.argsort(stable=True)
-    offs = _ends(slot, s)
+    offs = group_ends(slot, s)
     xs = x.index_select(0, order)
     st = strength.index_select(0, order).view(-1, 1)
     u = grouped_mm(xs, lora.sa1.transpose(1, 2), offs) * st
@@ -93,7 +93,6 @@ def _shared(x, shared_w1, shared_w2, micro_start: int, micro_count: int, slot, s
 def moe_lora_reference(x: torch.Tensor, gate: torch.Tensor, w1, w2, shared_w1, shared_w2, micro_start: int,
                        micro_count: int, topk: int, norm_topk: bool, slot: torch.Tensor, strength: torch.Tensor,
                        lora: MoeLora) -> torch.Tensor:
-    n = x.shape[0]
     e, s = lora.a1.shape[:2]
     inter = w1.shape[2] // 2
     w, idx = route(x, gate, topk, norm_topk)
@@ -102,7 +101,7 @@ def moe_lora_reference(x: torch.Tensor, gate: torch.Tensor, w1, w2, shared_w1, s
     tok = order // topk
     xs = x.index_select(0, tok)
     st = strength.index_select(0, tok).view(-1, 1)
-    offs_es = _ends(key, e * s)                             # the (expert, slot) groups ...
+    offs_es = group_ends(key, e * s)                        # the (expert, slot) groups ...
     offs_e = offs_es.view(e, s)[:, -1].contiguous()         # ... and each expert's, which they split
     u = grouped_mm(xs, lora.a1.flatten(0, 1).transpose(1, 2), offs_es) * st
     act = torch.cat([swiglu_halves(_grouped(xs, w1[m], offs_e)
@@ -112,8 +111,7 @@ def moe_lora_reference(x: torch.Tensor, gate: torch.Tensor, w1, w2, shared_w1, s
     down = _expert_cols(w2, micro_start, micro_count, inter) if isinstance(w2, QWeight) else w2[:, :, cols]
     y = _grouped(act, down, offs_e)
     y = y + _low_rank(act, lora.a2[..., cols].flatten(0, 1), lora.b2.flatten(0, 1), st, offs_es)
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-    out = (y.float()[inv.view(n, topk)] * w.unsqueeze(-1)).sum(dim=1)
+    out = finalize_routes(y, order, w)
     if shared_w1 is not None:
         out = out + _shared(x, shared_w1, shared_w2, micro_start, micro_count, slot, strength, lora).float()
     return out.to(x.dtype)
