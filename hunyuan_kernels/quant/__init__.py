@@ -8,6 +8,8 @@ cuda.py           the GEMMs' CUDA variants (registered where Triton imports): ge
                   rows, triton_kernels.py's tile and grouped kernels, cuBLAS's scaled FP8 GEMMs
 moe_cuda.py       the `moe_quant` op's CUDA variants (batched: a decode step's 1..32 rows, expert-major;
                   decode on the GEMVs; grouped)
+humming.py        humming-kernels (the `humming` extra) as the `moe_quant` variant for packs laid out for it
+                  at load (`lay_out`): W4A16 / W4A8 grouped GEMMs with no dequantize pass
 """
 from __future__ import annotations
 
@@ -20,3 +22,4 @@ from . import moe, moe_lora  # noqa: F401,E402  (register moe_quant's reference 
 
 if HAS_TRITON:
     from . import cuda, moe_cuda  # noqa: F401  (register the CUDA variants, the GEMVs first)
+    from . import humming  # noqa: F401  (its variant takes only packs laid out for it)

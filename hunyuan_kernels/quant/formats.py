@@ -100,6 +100,21 @@ SCALE_BLOCK = {"mxfp8": MX_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NV_BLOCK, "fp8": N
 PER_BYTE = {"mxfp8": 1, "mxfp4": 2, "nvfp4": 2, "fp8": 1}
 
 
+@dataclass(frozen=True, eq=False)
+class KernelLayout:
+    """How a resident quantized pack was laid out at load for one kernel family (humming.py): that family's
+    codes and scales replace the plain ones in the `QWeight` (same memory: a permutation of the codes, the
+    scales rebased where the family folds them), so no conversion runs per step. Host-known: the kernel's
+    name, the logical [..., N, K] shape, the activations' dtype it multiplies in ("bf16" or "fp8"), the
+    family's own config object; `scale2`: the family's per-matrix fp32 remainder of folded scales, if any.
+    The leading dim of codes, scales and scale2 is the pack's micro (one laid-out matrix stack per micro)."""
+    kernel: str
+    shape: tuple[int, ...]
+    activations: str
+    config: object
+    scale2: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class QWeight:
     """One quantized weight [..., N, K] as plain tensors: `fmt` one of FORMATS ("fp8": E4M3 with an
@@ -114,6 +129,7 @@ class QWeight:
     scales: torch.Tensor
     gscale: torch.Tensor | None = None
     inverse: bool = False
+    layout: "KernelLayout | None" = None    # None: the plain layout above; else laid out at load for one kernel
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -122,7 +138,14 @@ class QWeight:
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical [..., N, K] shape."""
+        if self.layout is not None:
+            return self.layout.shape
         return (*self.codes.shape[:-1], self.codes.shape[-1] * PER_BYTE[self.fmt])
+
+    def _plain(self, what: str) -> None:
+        if self.layout is not None:
+            raise ValueError(f"{what} reads the plain layout of a {self.fmt} weight, but this one was laid out at load "
+                             f"for the {self.layout.kernel!r} kernels (only their variants read it)")
 
     @property
     def device(self) -> torch.device:
@@ -133,6 +156,7 @@ class QWeight:
 
     def __getitem__(self, index) -> "QWeight":
         """Index / slice the leading dims (never N or K)."""
+        self._plain("indexing")
         g = self.gscale
         if g is not None and g.dim() == self.codes.dim():     # a gscale per index of the first dim
             g = g[index]
@@ -143,6 +167,7 @@ class QWeight:
         scale for all of them (a shared MLP's micros, never an expert pack)."""
         if self.gscale is not None and self.gscale.numel() != 1:
             raise ValueError("flat_rows would mix matrices with different global scales")
+        self._plain("flat_rows")
         return replace(self, codes=self.codes.reshape(-1, self.codes.shape[-1]),
                        scales=self.scales.reshape(-1, self.scales.shape[-1]))
 
@@ -151,6 +176,7 @@ class QWeight:
         micro block of a cols-packed [N, micros * c] weight or of an [E, N, micros * c] expert pack (a
         strided view of the same codes). Codes and block scales sliced to match, per-channel scales and
         the global scales kept."""
+        self._plain("cols")
         b = SCALE_BLOCK[self.fmt]
         if b and (start % b or stop % b):
             raise ValueError(f"columns {start}:{stop} cut the {self.fmt} scale blocks of {b}")
@@ -159,6 +185,7 @@ class QWeight:
         return replace(self, codes=self.codes[..., start // pb:stop // pb], scales=scales)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        self._plain("dequantize")
         if self.fmt == "mxfp8":
             return dequant_mxfp8(self.codes, self.scales, dtype)
         if self.fmt == "mxfp4":

@@ -71,6 +71,8 @@ def shared_reference(x, shared_w1: Weight, shared_w2: Weight, micro_start: int, 
 def moe_quant_reference(x: torch.Tensor, gate: torch.Tensor, w1: QWeight, w2: QWeight, shared_w1: Weight | None,
                         shared_w2: Weight | None, micro_start: int, micro_count: int, topk: int,
                         norm_topk: bool) -> torch.Tensor:
+    for w in (w1, w2):
+        w._plain("moe_quant's reference")       # a pack laid out for a kernel family runs only on its variant
     inter = w1.shape[2] // 2
 
     def expert_mlp(xs, offs):

@@ -27,6 +27,7 @@ per expert over all its tokens: `python -m bench moe-decode` times it against th
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -74,17 +75,23 @@ def _shared_paired(shared_w1, shared_w2) -> bool:
     return isinstance(shared_w1, QWeight) == isinstance(shared_w2, QWeight)
 
 
+def plain(w1: QWeight, w2: QWeight) -> bool:
+    """Both expert packs in the plain layout (not laid out at load for another kernel family: humming.py)."""
+    return w1.layout is None and w2.layout is None
+
+
 def batched_fits(x, gate, w1, w2, shared_w1, shared_w2, *args, **kwargs) -> bool:
     """A decode step's rows (1..32), and the shared MLP quantized in both linears or in neither (a float
     one in x's dtype: it is multiplied on the same MMAs)."""
-    return (x.shape[0] <= BATCHED_MAX_TOKENS and _shared_paired(shared_w1, shared_w2)
+    return (x.shape[0] <= BATCHED_MAX_TOKENS and plain(w1, w2) and _shared_paired(shared_w1, shared_w2)
             and (shared_w1 is None or isinstance(shared_w1, QWeight)
                  or shared_w1.dtype == shared_w2.dtype == x.dtype))
 
 
 def decode_fits(x, gate, w1, w2, shared_w1, shared_w2, *args, **kwargs) -> bool:
     """Decode-sized, and the shared MLP quantized in both linears or in neither (the GEMVs' pairing)."""
-    return x.shape[0] <= GEMV_MAX_TOKENS.get(w1.fmt, 8) and _shared_paired(shared_w1, shared_w2)
+    return (x.shape[0] <= GEMV_MAX_TOKENS.get(w1.fmt, 8) and plain(w1, w2)
+            and _shared_paired(shared_w1, shared_w2))
 
 
 @backend("moe_quant", "decode", dtypes=(torch.bfloat16,), available=moe_available, fits=decode_fits)
@@ -109,7 +116,8 @@ def moe_quant_batched(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, m
     return _run(path, x, gate, w1, w2, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk, out)
 
 
-@backend("moe_quant", "grouped", dtypes=(torch.bfloat16,), available=moe_available)
+@backend("moe_quant", "grouped", dtypes=(torch.bfloat16,), available=moe_available,
+         fits=lambda x, gate, w1, w2, *args, **kwargs: plain(w1, w2))
 def moe_quant_grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
                       topk: int, norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """The `grouped` variant: every N."""
@@ -150,61 +158,87 @@ def _grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_star
     return tk.finalize(y, inv, w, shared, out)
 
 
+class _Gemvs:
+    """One decode call's MLPs on gemv.py's GEMVs: x prepared once per code-word width (prep), gate/up +
+    SwiGLU writing act prepared for the down GEMV (fp32; FP8 writes bf16 act, quantized per row in place,
+    read as is), down GEMV summing the micros. `tiles` {"up": cfg, "down": cfg} overrides the GEMVs' tiles."""
+
+    def __init__(self, x: torch.Tensor, fmts: tuple, micro_count: int, tiles: dict):
+        self.x, self.mc, self.tiles = x, micro_count, tiles
+        self.fq = qt.quantize_rows(x, fake=True) if "fp8" in fmts else None
+        self.preps: dict[str, torch.Tensor] = {}
+
+    def x_in(self, fmt: str) -> torch.Tensor:          # the up GEMV's activations of `fmt`, prepared once
+        key = _x_key(fmt)
+        if key not in self.preps:
+            self.preps[key] = qg.prep(self.fq if fmt == "fp8" else self.x, fmt)
+        return self.preps[key]
+
+    def mlp(self, wa: QWeight, wb: QWeight, ids, slots, width, act_active, y) -> None:
+        ph = qg.act_ph(wb.fmt)
+        act = _empty(self.mc, slots, self.x.shape[0], width, dtype=torch.float32 if ph else self.x.dtype,
+                     device=self.x.device)
+        qg.decode_up(self.x_in(wa.fmt), ids, act_active, wa.fmt, wa.codes, wa.scales, wa.gscale, wa.inverse, act,
+                     slots, width, self.tiles.get("up"), x_prepared=True, act_prep=ph)
+        if not ph:                 # fp8: a down row (every micro's slice of it) quantized once
+            qt.quantize_rows(act, fake=True, out=act, micros=self.mc)
+        qg.decode_down(act, ids, act_active, wb.fmt, wb.codes, wb.scales, wb.gscale, wb.inverse, y, slots, width,
+                       self.tiles.get("down"), act_prepared=bool(ph))
+
+    def shared(self, shared_w1: QWeight, shared_w2: QWeight, micro_start: int, ids: torch.Tensor,
+               ys: torch.Tensor) -> None:
+        """The quantized shared MLP over the active micros into ys [N, H] fp32 (its GEMVs read no routing:
+        `ids` only gives the top-k width)."""
+        is_micro = shared_w1.shape[1] // 2
+        self.mlp(shared_w1[micro_start:micro_start + self.mc],
+                 shared_w2.cols(micro_start * is_micro, (micro_start + self.mc) * is_micro), ids, 1, is_micro, None, ys)
+
+
+def shared_fork(x: torch.Tensor, shared_w1: QWeight, shared_w2: QWeight, micro_start: int, micro_count: int,
+                topk: int, gemvs: "_Gemvs | None" = None) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A quantized shared MLP does not depend on the routing: it runs on a side stream (inside a captured
+    decode graph: a parallel branch) while the main stream routes and runs the routed experts, so the
+    small routing kernels and each GEMV's tail overlap the other's weight reads. Returns its output ys
+    [N, H] fp32 (made on the main stream before the fork) and the join to call before reading it. Batch
+    invariant (the decode GEMVs). Off CUDA (the interpreter's tests) it runs at once."""
+    g = gemvs or _Gemvs(x, (shared_w1.fmt,), micro_count, {})
+    n, h = x.shape
+    ys = _empty(n, h, dtype=torch.float32, device=x.device)
+    ids = _empty(n, topk, dtype=torch.int32, device=x.device)
+    if x.device.type != "cuda":
+        g.shared(shared_w1, shared_w2, micro_start, ids, ys)
+        return ys, lambda: None
+    side = _side_stream(x.device)
+    main = torch.cuda.current_stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        g.shared(shared_w1, shared_w2, micro_start, ids, ys)
+    return ys, lambda: main.wait_stream(side)
+
+
 def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
                  out, tiles: dict) -> torch.Tensor:
-    """The decode path on gemv.py's GEMVs: x prepared once per code-word width (prep), gate/up +
-    SwiGLU writing act prepared for the down GEMV (fp32; FP8 writes bf16 act, quantized per row in
-    place, read as is), down GEMV summing the micros, the shared MLP likewise, one finalize."""
+    """The decode path on gemv.py's GEMVs (`_Gemvs`): the routed experts' MLP, the shared MLP on a side
+    stream (`shared_fork`), one finalize."""
     n, h = x.shape
     mc = micro_count
     dev = x.device
     inter = w1.shape[2] // 2
-    fq = qt.quantize_rows(x, fake=True) if "fp8" in (w1.fmt, getattr(shared_w1, "fmt", None)) else None
-    preps: dict[str, torch.Tensor] = {}
-
-    def x_in(fmt: str) -> torch.Tensor:          # the up GEMV's activations of `fmt`, prepared once
-        key = _x_key(fmt)
-        if key not in preps:
-            preps[key] = qg.prep(fq if fmt == "fp8" else x, fmt)
-        return preps[key]
-
-    def mlp(fmt_up, fmt_down, wa: QWeight, wb: QWeight, ids, slots, width, act_active, y):
-        ph = qg.act_ph(fmt_down)
-        act = _empty(mc, slots, n, width, dtype=torch.float32 if ph else x.dtype, device=dev)
-        qg.decode_up(x_in(fmt_up), ids, act_active, fmt_up, wa.codes, wa.scales, wa.gscale, wa.inverse, act, slots,
-                     width, tiles.get("up"), x_prepared=True, act_prep=ph)
-        if not ph:                 # fp8: a down row (every micro's slice of it) quantized once
-            qt.quantize_rows(act, fake=True, out=act, micros=mc)
-        qg.decode_down(act, ids, act_active, fmt_down, wb.codes, wb.scales, wb.gscale, wb.inverse, y, slots, width,
-                       tiles.get("down"), act_prepared=bool(ph))
-
-    # A quantized shared MLP does not depend on the routing: it runs on a side stream (inside a captured
-    # decode graph: a parallel branch) while the main stream routes and runs the routed experts, so the
-    # small routing kernels and each GEMV's tail overlap the other's weight reads. Its output `ys` is made
-    # on the main stream before the fork and read after the join. (Its GEMVs read no routing: `ids` there
-    # only gives the top-k width.)
-    ys = _empty(n, h, dtype=torch.float32, device=dev) if shared_w1 is not None else None
-    is_micro = shared_w1.shape[1] // 2 if shared_w1 is not None else 0
-    side = _side_stream(dev) if isinstance(shared_w1, QWeight) and dev.type == "cuda" else None
-    if side is not None:
+    g = _Gemvs(x, (w1.fmt, getattr(shared_w1, "fmt", None)), mc, tiles)
+    ys, join = None, None
+    if isinstance(shared_w1, QWeight):
         if _x_key(shared_w1.fmt) == _x_key(w1.fmt):   # one prepared input for both branches: made before the fork
-            x_in(w1.fmt)
-        main = torch.cuda.current_stream(dev)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            mlp(shared_w1.fmt, shared_w2.fmt, shared_w1[micro_start:micro_start + mc],
-                shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro),
-                _empty(n, topk, dtype=torch.int32, device=dev), 1, is_micro, None, ys)
+            g.x_in(w1.fmt)
+        ys, join = shared_fork(x, shared_w1, shared_w2, micro_start, mc, topk, g)
     w, ids, active = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=False)
     y = _empty(n * topk, h, dtype=torch.float32, device=dev)
-    mlp(w1.fmt, w2.fmt, w1[micro_start:micro_start + mc], _expert_cols(w2, micro_start, mc, inter), ids,
-        active.shape[0], inter, active, y)
-    if side is not None:
-        main.wait_stream(side)
-    elif isinstance(shared_w1, QWeight):          # (no side stream off CUDA: the interpreter's tests)
-        mlp(shared_w1.fmt, shared_w2.fmt, shared_w1[micro_start:micro_start + mc],
-            shared_w2.cols(micro_start * is_micro, (micro_start + mc) * is_micro), ids, 1, is_micro, None, ys)
+    g.mlp(w1[micro_start:micro_start + mc], _expert_cols(w2, micro_start, mc, inter), ids, active.shape[0], inter,
+          active, y)
+    if join is not None:
+        join()
     elif shared_w1 is not None:                   # a float shared MLP: the bf16 decode kernels
+        is_micro = shared_w1.shape[1] // 2
+        ys = _empty(n, h, dtype=torch.float32, device=dev)
         act_s = _empty(mc, 1, 16, is_micro, dtype=x.dtype, device=dev)
         tk.decode_up(x, ids, None, None, shared_w1[micro_start:micro_start + mc], act_s, 1, is_micro)
         tk.decode_down(act_s, ids, None, None, shared_w2[:, micro_start * is_micro:], None, ys, 1, is_micro)

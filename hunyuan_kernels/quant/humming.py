@@ -1,0 +1,233 @@
+"""`humming-kernels` (`pip install '.[humming]'`, PyPI, Apache-2.0) as a backend of the `moe_quant` op: its
+W4A16 / W4A8 grouped GEMMs convert the MXFP4 codes in registers inside the GEMM (no dequantize pass), on
+Hopper's tensor cores, FP8 ones for W4A8. Found without importing it (`available()` reads the installed
+distribution); `lib()` imports it at the first layout.
+
+A pack it multiplies is laid out for it ONCE, at load (`lay_out`): humming's interleaved codes and its
+scales (for W4A8 the E8M0 block scales folded into the FP8 conversion, rebased per expert, with an fp32
+remainder per expert) replace the plain codes and scales in the resident `QWeight` (its `layout` says so),
+so memory stays what the codes and scales take and nothing is converted per step. Such a pack runs only on
+this variant: the other variants' `fits` and the reference refuse it by name. The rebasing of W4A8 keeps
+a block exact when its scale is within 11 binades of its expert's largest (`clamped_share` counts the
+others, which are rounded toward zero).
+
+    lay_out(w, activations)          a plain [micros, E, N, K] gate/up pack or [E, N, micros * I] down pack
+                                     -> the same weight laid out for humming ("bf16": W4A16, "fp8": W4A8)
+    moe_quant "humming" variant      routing and permutation as the `grouped` variant (moe/cuda.py), then per
+                                     active micro: GEMM1 (grouped-contiguous over the experts' rows),
+                                     SwiGLU (W4A8: fused with the per-row FP8 quantization in humming's
+                                     input kernel), GEMM2 over that micro's columns of the down pack; the
+                                     micros' partials summed in fp32; the shared MLP on the other variants'
+                                     linears; one weighted finalize.
+
+The API relied on is humming-kernels 0.1.19's (read from its wheel): `humming.schema.Mxfp4WeightSchema`,
+`HummingInputSchema`, `humming.transform.prepare_layer_config / prepare_fp16_e8m0_scale /
+transform_humming_tensors`, `humming.forward.humming_forward / may_process_input` and
+`humming.kernel.humming.HummingKernel.prepare_kernels`; other versions are not offered.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from ..moe import triton_kernels as tk
+from ..moe.cuda import permute
+from ..registry import backend
+from ..scratch import empty as _empty
+from .formats import KernelLayout, QWeight
+
+NAME = "humming"
+DIST = "humming-kernels"
+SUPPORTED = ("0.1.19",)
+FORMATS = ("mxfp4",)               # the weight formats laid out here (MXFP8 / NVFP4: not yet)
+ACTIVATIONS = ("bf16", "fp8")
+# x1 * silu(x2) on rows [x1 ; x2] (the official SwiGLU, moe/reference.swiglu_halves), as humming's input
+# kernel's binary activation: a the first half, b the second
+SWIGLU = "a * (b / (1.0f + __expf(-b)))"
+# grouped-contiguous over the experts' rows, every shape (a batch-invariant schedule: a row's sums do not
+# depend on the other rows in the call)
+COMPUTE = {"gemm_type": "grouped_contiguous", "use_batch_invariant": True}
+
+
+@functools.cache
+def installed() -> str | None:
+    """The installed humming-kernels version where it is a supported one (nothing imported)."""
+    if importlib.util.find_spec("humming") is None:
+        return None
+    try:
+        v = importlib.metadata.version(DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return v if v in SUPPORTED else None
+
+
+def available() -> bool:
+    """humming-kernels installed and a Hopper GPU (its SM90 kernels are the ones measured here)."""
+    return (installed() is not None and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() == (9, 0))
+
+
+@functools.cache
+def lib() -> ModuleType:
+    import humming
+    import humming.dtypes
+    import humming.forward
+    import humming.kernel.humming
+    import humming.schema
+    import humming.transform
+    return humming
+
+
+def fits_pack(w: QWeight, activations: str = "bf16") -> str | None:
+    """Why `w` cannot be laid out for humming (a sentence), or None where it can."""
+    if w.fmt not in FORMATS:
+        return f"humming lays out {', '.join(FORMATS)} packs here, not {w.fmt}"
+    if activations not in ACTIVATIONS:
+        return f"activations {activations!r}: one of {', '.join(ACTIVATIONS)}"
+    *_, n, k = w.shape
+    # its SM90 heuristics tile N by 64 and K by 128 (the real shapes: N 6144 / 4096, K 4096 / 3072)
+    if n % 64 or k % 128:
+        return f"humming's tiles need N % 64 == 0 and K % 128 == 0 (this pack is N {n}, K {k})"
+    return None
+
+
+def _layer_config(n: int, k: int, experts: int, activations: str, device: torch.device):
+    h = lib()
+    weight = h.schema.Mxfp4WeightSchema().to_humming_schema(torch.bfloat16)
+    a = h.dtypes.float8e4m3 if activations == "fp8" else h.dtypes.bfloat16
+    inputs = h.schema.HummingInputSchema(a_dtype=a)
+    return h.transform.prepare_layer_config(shape_n=n, shape_k=k, weight_schema=weight, input_schema=inputs,
+                                            num_experts=experts, torch_dtype=torch.bfloat16, device=device)
+
+
+def _transform(codes: torch.Tensor, scales: torch.Tensor, activations: str):
+    """One [E, N, K/2] MXFP4 matrix stack -> (layer config, humming's weight, scales, fp32 remainder or None)."""
+    h = lib()
+    e, n, kh = codes.shape
+    config = _layer_config(n, 2 * kh, e, activations, codes.device)
+    # copies: humming's W4A8 fold rewrites the codes in place, and the plain pack is the caller's
+    tensors = {"weight": codes.clone(memory_format=torch.contiguous_format).view(torch.int32),
+               "weight_scale": scales.clone(memory_format=torch.contiguous_format).view(torch.float8_e8m0fnu)}
+    config, tensors = h.transform.prepare_fp16_e8m0_scale(config, tensors)
+    out = h.transform.transform_humming_tensors(config, tensors)
+    h.kernel.humming.HummingKernel.prepare_kernels(config.to_str(), _compute(), None, codes.device)   # JIT, once
+    return config, out["weight"], out["weight_scale"], out.get("weight_scale_2")
+
+
+@functools.cache
+def _compute() -> str:
+    import json
+    return json.dumps(COMPUTE)
+
+
+def lay_out(w: QWeight, activations: str = "bf16", micros: int | None = None) -> QWeight:
+    """A plain MXFP4 expert pack laid out for humming: a gate/up pack [micros, E, N, K] (each micro a stack
+    of E matrices), or, with `micros`, a down pack [E, H, micros * I] (each micro's column block laid out
+    as its own stack [E, H, I]). Refuses (ValueError naming why) a pack it cannot take."""
+    if w.layout is not None:
+        raise ValueError(f"this pack is already laid out for {w.layout.kernel}")
+    why = fits_pack(w, activations)
+    if why:
+        raise ValueError(why)
+    if micros is None:
+        stacks = [(w.codes[m], w.scales[m]) for m in range(w.shape[0])]
+    else:
+        inter = w.shape[-1] // micros
+        stacks = [(c.codes, c.scales) for c in (w.cols(m * inter, (m + 1) * inter) for m in range(micros))]
+    parts = [_transform(c, s, activations) for c, s in stacks]
+    config = parts[0][0]
+    logical = tuple(w.shape) if micros is None else (micros, *w.shape[:-1], w.shape[-1] // micros)
+    scale2 = torch.stack([p[3] for p in parts]) if parts[0][3] is not None else None
+    layout = KernelLayout(NAME, logical, activations, config, scale2)
+    return QWeight(w.fmt, torch.stack([p[1] for p in parts]), torch.stack([p[2] for p in parts]), None, False, layout)
+
+
+def clamped_share(w: QWeight, micros: int | None = None) -> float:
+    """The share of a plain MXFP4 pack's scale blocks that W4A8's fold rounds (more than 11 binades below
+    the largest scale of their expert): those blocks' values lose low bits."""
+    s = w.scales.to(torch.int16)
+    if micros is not None:       # each micro's column block is its own stack
+        s = s.unflatten(-1, (micros, -1)).movedim(-2, 0)
+    flat = s.flatten(-2)         # [..., E, N * K/32]: one expert's blocks
+    top = flat.amax(-1, keepdim=True)
+    return (flat < top - 11).float().mean().item()
+
+
+# ------------------------------------------------------------------------------------------- the variant
+
+def _locks(device: torch.device) -> torch.Tensor:
+    return _LOCKS.setdefault(device, torch.zeros(2048, dtype=torch.int32, device=device))
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def humming_fits(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, *args, **kwargs) -> bool:
+    lay1, lay2 = getattr(w1, "layout", None), getattr(w2, "layout", None)
+    return (lay1 is not None and lay2 is not None and lay1.kernel == lay2.kernel == NAME
+            and lay1.activations == lay2.activations)
+
+
+def _gemm(inputs: torch.Tensor, w: QWeight, m: int, offsets: torch.Tensor, out: torch.Tensor,
+          input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    lay = w.layout
+    return lib().forward.humming_forward(
+        lay.config, inputs=inputs, weight=w.codes[m], weight_scale=w.scales[m],
+        weight_scale_2=lay.scale2[m] if lay.scale2 is not None else None, outputs=out, input_scale=input_scale,
+        expert_layout=offsets, locks=_locks(inputs.device), compute_config=COMPUTE)
+
+
+def _act(h: torch.Tensor, w2: QWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The SwiGLU of GEMM1's rows: bf16 (W4A16), or fused with their per-row FP8 quantization (W4A8)."""
+    if w2.layout.activations == "bf16":
+        return tk.swiglu(h), None
+    q, _, scale = lib().forward.may_process_input(w2.layout.config, h, activation_type="binary_split",
+                                                  activation_impl=SWIGLU)
+    return q, scale
+
+
+def _rows(xs: torch.Tensor, w1: QWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GEMM1's input rows, quantized once per row for W4A8 (every micro reads them)."""
+    if w1.layout.activations == "bf16":
+        return xs, None
+    q, _, scale = lib().forward.may_process_input(w1.layout.config, xs)
+    return q, scale
+
+
+@backend("moe_quant", NAME, dtypes=(torch.bfloat16,), available=available, fits=humming_fits)
+def moe_quant_humming(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
+                      topk: int, norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The `humming` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given).
+    The shared MLP of a decode step's rows (quantized, at most the GEMV decode's rows) runs on the decode
+    GEMVs on a side stream, as the `decode` variant runs it (batch invariant, hidden under the routing);
+    otherwise on the quantized linears (`moe_cuda._shared`)."""
+    from .moe_cuda import GEMV_MAX_TOKENS, _shared, shared_fork
+    x = x.contiguous()
+    n, hidden = x.shape
+    if out is None:
+        out = torch.empty_like(x)
+    if n == 0:
+        return out
+    shared, join = None, None
+    if isinstance(shared_w1, QWeight) and isinstance(shared_w2, QWeight) and n <= GEMV_MAX_TOKENS[shared_w1.fmt]:
+        shared, join = shared_fork(x, shared_w1, shared_w2, micro_start, micro_count, topk)
+    elif shared_w1 is not None:
+        shared = _shared(x, shared_w1, shared_w2, micro_start, micro_count)
+    w, inv, xs, offs = permute(x, gate, topk, norm_topk)
+    offsets = F.pad(offs, (1, 0)).long()            # [E + 1]: each expert's first row, then the end
+    rows, row_scale = _rows(xs, w1)
+    inter2 = w1.layout.shape[-2]
+    y = None
+    for m in range(micro_start, micro_start + micro_count):
+        h = _gemm(rows, w1, m, offsets, _empty(xs.shape[0], inter2, dtype=x.dtype, device=x.device), row_scale)
+        act, act_scale = _act(h, w2)
+        part = _gemm(act, w2, m, offsets, _empty(xs.shape[0], hidden, dtype=x.dtype, device=x.device), act_scale)
+        y = part if y is None else y.float() + part.float()      # the micros' partials summed in fp32
+    if join is not None:
+        join()
+    return tk.finalize(y, inv, w, shared, out)

@@ -1,0 +1,112 @@
+"""humming-kernels as the `moe_quant` op's `humming` variant (hunyuan_kernels/quant/humming.py): a pack laid
+out for it at load runs only there (the reference and our variants refuse it by name), and (marked gpu, on
+the H200 with the `humming` extra installed) the variant against the reference on plain packs: W4A16 and
+W4A8, one and two micros, decode and denoise sizes, the same bits a second time, a token alone the same
+bits as in a batch, inside a CUDA graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hunyuan_kernels as kernels
+import hunyuan_kernels.quant as kq
+from hunyuan_kernels.quant import humming
+from hunyuan_kernels.quant.formats import KernelLayout
+
+from test_kernels_quant import make_qmoe, qargs
+
+
+def fake_layout(w: kq.QWeight, micros: int | None = None) -> kq.QWeight:
+    """A pack whose layout says humming (its tensors untouched): what the refusals must see."""
+    shape = tuple(w.shape) if micros is None else (micros, *w.shape[:-1], w.shape[-1] // micros)
+    return kq.QWeight(w.fmt, w.codes, w.scales, None, False, KernelLayout("humming", shape, "bf16", None))
+
+
+def test_a_laid_out_pack_keeps_its_logical_shape_and_refuses_plain_reads():
+    t = make_qmoe(4, "mxfp4", "mxfp8", micros=2)
+    w = fake_layout(t["w1"])
+    assert w.shape == t["w1"].shape
+    for read in (lambda: w[0], lambda: w.cols(0, 32), lambda: w.flat_rows(), lambda: w.dequantize(torch.float32)):
+        with pytest.raises(ValueError, match="laid out at load for the 'humming' kernels"):
+            read()
+
+
+def test_only_the_humming_variant_takes_laid_out_packs():
+    """The reference refuses such packs by name, every other CUDA variant's `fits` declines them."""
+    t = make_qmoe(4, "mxfp4", "mxfp8", micros=2)
+    laid = dict(t, w1=fake_layout(t["w1"]), w2=fake_layout(t["w2"], micros=2))
+    with pytest.raises(ValueError, match="moe_quant's reference reads the plain layout"):
+        kernels.call("moe_quant", *qargs(laid, 0, 2))
+    from hunyuan_kernels.quant import moe_cuda
+    for fits in (moe_cuda.decode_fits, moe_cuda.batched_fits):
+        assert fits(*qargs(t, 0, 2)) and not fits(*qargs(laid, 0, 2))
+    assert humming.humming_fits(*qargs(laid, 0, 2)) and not humming.humming_fits(*qargs(t, 0, 2))
+
+
+def test_fits_pack_names_what_it_cannot_lay_out():
+    assert "not mxfp8" in humming.fits_pack(kq.random_qweight("mxfp8", (4, 128, 256)))
+    assert "N % 64" in humming.fits_pack(kq.random_qweight("mxfp4", (4, 96, 256)))
+    assert "activations 'int8'" in humming.fits_pack(kq.random_qweight("mxfp4", (4, 128, 256)), "int8")
+    assert humming.fits_pack(kq.random_qweight("mxfp4", (4, 128, 256))) is None
+
+
+def test_clamped_share_counts_blocks_more_than_11_binades_below_their_experts_largest():
+    w = kq.random_qweight("mxfp4", (2, 64, 128))
+    s = torch.full_like(w.scales, 120)
+    s[0, 0, 0] = 140                        # expert 0: every other block 20 binades below -> rounded
+    s[1, 0, 0] = 125                        # expert 1: within 11
+    share = humming.clamped_share(kq.QWeight("mxfp4", w.codes, s))
+    assert share == pytest.approx((s[0].numel() - 1) / s.numel())
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+gpu = pytest.mark.gpu
+
+
+def laid(t: dict, act: str, micros: int) -> dict:
+    return dict(t, w1=humming.lay_out(t["w1"], act), w2=humming.lay_out(t["w2"], act, micros=micros))
+
+
+@gpu
+def test_gpu_humming_is_available():
+    assert humming.available(), f"humming-kernels {humming.installed()} on {torch.cuda.get_device_name()}"
+
+
+@gpu
+@pytest.mark.parametrize("act", ["bf16", "fp8"])
+@pytest.mark.parametrize("n", [1, 5, 16, 700])
+@pytest.mark.parametrize("micros,ms,mc", [(1, 0, 1), (2, 0, 2), (2, 1, 1)])
+def test_gpu_humming_matches_the_reference(act, n, micros, ms, mc):
+    t = make_qmoe(n, "mxfp4", "mxfp8", hidden=512, experts=16, inter=256, shared_inter=256, micros=micros,
+                  device="cuda", seed=n)
+    with kernels.allowed():
+        want = kernels.call("moe_quant", *qargs(t, ms, mc, topk=4))
+    lt = laid(t, act, micros)
+    got = kernels.call("moe_quant", *qargs(lt, ms, mc, topk=4))
+    assert kernels.chosen("moe_quant") == "humming"
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < (5e-2 if act == "fp8" else 1e-2), err
+    assert torch.equal(got, kernels.call("moe_quant", *qargs(lt, ms, mc, topk=4)))      # the same bits again
+    if n <= 16:                                    # a token alone: the same bits as in the batch
+        for i in range(0, n, 4):
+            alone = kernels.call("moe_quant", t["x"][i:i + 1], *qargs(lt, ms, mc, topk=4)[1:])
+            assert torch.equal(alone[0], got[i]), i
+
+
+@gpu
+def test_gpu_humming_in_a_cuda_graph():
+    t = make_qmoe(8, "mxfp4", "mxfp8", hidden=512, experts=16, inter=256, shared_inter=256, micros=1,
+                  device="cuda", seed=3)
+    lt = laid(t, "bf16", 1)
+    eager = kernels.call("moe_quant", *qargs(lt, 0, 1, topk=4))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kernels.call("moe_quant", *qargs(lt, 0, 1, topk=4))
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = kernels.call("moe_quant", *qargs(lt, 0, 1, topk=4))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
