@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from engine import EMBEDDED_MODEL
+from engine.model.kernel_layouts import MOE_KERNELS
 from engine.runtime.lru import PREFIX_CACHE_MB
 EMBEDDED_NOTICE = ("This is the small **embedded demo model** (9.7 M parameters with the HunyuanImage-3.0 "
                    "architecture). It knows simple scenes: circles, squares, triangles, diamonds and stars in "
@@ -107,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "and every expert), loaded at run time; on by itself when a --lora adapter adapts them. "
                          "Each slot (and one of zeros) costs 1.7 GB per GPU under hybrid4, 2.4 GB on one GPU, at "
                          "--max-lora-rank 32 on the full model")
+    ap.add_argument("--moe-kernels", choices=MOE_KERNELS, default="auto",
+                    help="the kernels of quantized (MXFP4) experts: triton (ours), humming (humming-kernels W4A16: "
+                         "pip install '.[humming]', a Hopper GPU), humming-fp8 (its W4A8: FP8 activations), auto "
+                         "(humming where it can take the experts, else triton; default)")
     ap.add_argument("--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB,
                     help="K/V of conversations' earlier turns kept per GPU for the next turn, in MiB "
                          f"(default {PREFIX_CACHE_MB}; 0: off)")
@@ -206,7 +211,8 @@ def engine_server(model: Path, device: str, args: argparse.Namespace):
                   max_queue=args.max_queue, quantize=args.quantize, step_timeout=args.step_timeout,
                   max_batch=args.max_batch or default_max_batch(device), max_denoise_batch=args.max_denoise_batch,
                   loras=args.loras, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                  lora_mlp=args.lora_mlp, prefix_cache_mb=args.prefix_cache_mb, warmup=args.warmup)
+                  lora_mlp=args.lora_mlp, prefix_cache_mb=args.prefix_cache_mb, warmup=args.warmup,
+                  moe_kernels=args.moe_kernels)
     if args.replicas is None:
         from engine.serve.server import EngineServer
         return EngineServer(model, world_size=args.gpus, lora_merged=args.lora_merged, **kwargs)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from engine import EMBEDDED_MODEL
+from engine.model.kernel_layouts import MOE_KERNELS
 from engine.runtime.events import Done, Error, Image, Ratio, Step, Text
 from engine.spec.prompts import BOT_TASKS
 
@@ -63,6 +64,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="the adapter's strength: its update times S (default 1)")
     p.add_argument("--lora-merged", action="store_true",
                    help="fold the adapter into the weights at load (no per-step cost; float weights only)")
+    p.add_argument("--moe-kernels", choices=MOE_KERNELS, default="auto",
+                   help="the kernels of quantized experts: triton, humming, humming-fp8 or auto (see app.py --help)")
     p.add_argument("--cfg-serial", action="store_true", help="run the CFG branches one after the other")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run the AR decode and denoise steps eagerly on CUDA (by default each is a CUDA-graph replay)")
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             server = EngineServer(args.model, args.device, args.dtype, plan=plan.name, sp_kind=plan.sp_kind,
                                   verbose=True, cfg_serial=args.cfg_serial, cuda_graph=args.cuda_graph,
                                   quantize=args.quantize, loras=[(lora, args.lora)] if lora else [],
-                                  lora_merged=args.lora_merged)
+                                  lora_merged=args.lora_merged, moe_kernels=args.moe_kernels)
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -203,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         else:
             lm.model.enable_lora(1, adapter.rank, mlp=bool(adapter.adapts_mlp)).install(lora, adapter)
+    from engine.model.kernel_layouts import lay_out_experts
+    try:
+        lay_out_experts(lm.model, args.moe_kernels, lora_mlp=bool(lora) and not args.lora_merged
+                        and bool(adapter.adapts_mlp))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return _print_events(Pipeline(lm, cfg_serial=args.cfg_serial, cuda_graph=args.cuda_graph).run(req), out)
 
 if __name__ == "__main__":

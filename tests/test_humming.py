@@ -110,3 +110,37 @@ def test_gpu_humming_in_a_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+# ------------------------------------------------------------------------------- the engine's choice
+@pytest.fixture(scope="module")
+def mxfp4_model(tmp_path_factory):
+    from engine.model.loader import load
+    from tools.tiny import make_tiny
+    return load(make_tiny(tmp_path_factory.mktemp("mxfp4"), blocks=True, quant="mxfp4"), resident="quantized").model
+
+
+def test_moe_kernels_choice(mxfp4_model, monkeypatch):
+    """auto keeps our kernels where humming cannot serve; a named humming choice is refused saying why
+    (here: humming-kernels is not installed, or the model keeps no quantized experts); unknown names too."""
+    from engine.model.kernel_layouts import lay_out_experts
+    from engine.model.loader import load
+    assert lay_out_experts(mxfp4_model, "auto") == "triton"
+    assert lay_out_experts(mxfp4_model, "triton") == "triton"
+    assert mxfp4_model.transformer.layers[0].mlp.w1.layout is None
+    if humming.installed() is None:
+        with pytest.raises(ValueError, match=r"--moe-kernels humming-fp8: humming-kernels 0.1.19 is not installed"):
+            lay_out_experts(mxfp4_model, "humming-fp8")
+    with pytest.raises(ValueError, match="--moe-kernels 'cutlass': one of auto, triton, humming, humming-fp8"):
+        lay_out_experts(mxfp4_model, "cutlass")
+    from engine import EMBEDDED_MODEL
+    with pytest.raises(ValueError, match="keeps no quantized experts"):
+        lay_out_experts(load(EMBEDDED_MODEL).model, "humming")
+
+
+def test_why_not_humming_names_the_mlp_adapters_and_the_tiles(mxfp4_model, monkeypatch):
+    from engine.model import kernel_layouts
+    monkeypatch.setattr(humming, "available", lambda: True)     # as on a Hopper GPU with the extra installed
+    moes = kernel_layouts._quantized_moes(mxfp4_model)
+    assert "--lora-mlp" in kernel_layouts.why_not_humming(moes, lora_mlp=True)
+    assert "N % 64 == 0 and K % 128 == 0" in kernel_layouts.why_not_humming(moes, lora_mlp=False)   # tiny shapes

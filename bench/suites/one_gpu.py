@@ -29,6 +29,7 @@ import torch
 import hunyuan_kernels as kernels
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
+from engine.model.kernel_layouts import lay_out_experts
 from engine.model.packed import PackFormat
 from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.decode_step import DecodeStep
@@ -68,6 +69,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny config and workloads on the GPU (debugging)")
     ap.add_argument("--no-step-graph", action="store_true", help="denoise steps eagerly")
     ap.add_argument("--profile-decode", action="store_true", help="kernel tables of one decode step")
+    ap.add_argument("--profile-step", action="store_true", help="the kernel table of one DiT step (eager)")
+    ap.add_argument("--moe-kernels", default="triton",
+                    help="comma-separated kernels of the quantized experts, a row each: triton, humming, humming-fp8 "
+                         "(engine/model/kernel_layouts.py; default triton)")
 
 
 def resident_formats(cfg: ModelConfig, experts: str, dense: str) -> dict[str, PackFormat]:
@@ -126,14 +131,18 @@ class Request:
         return rank.denoise_runner(self.model, self.plan, seq, prefix, branches, graph, self._denoise_cache,
                                    self.graphs)
 
-    def step_ms(self, graph: bool, steps: int = 3) -> float:
+    def step_fn(self, graph: bool):
+        """One DiT step of the request's image (its runner prefilled), as a call."""
         r = self.runner(graph)
         r.prefill()
         dev = self.model.device
         x, t = rank.latent(self.model, self.s.side), torch.full((1,), 500.0, device=dev)
         g = torch.full((1,), 2500.0, device=dev) if self.distil else None
         rr = torch.full((1,), 400.0, device=dev) if self.distil and self.model.timestep_r_emb is not None else None
-        return time_ms(lambda: r.velocity(1, x, t, rr, g), "wall", n=steps)
+        return lambda: r.velocity(1, x, t, rr, g)
+
+    def step_ms(self, graph: bool, steps: int = 3) -> float:
+        return time_ms(self.step_fn(graph), "wall", n=steps)
 
     def whole(self, steps: int) -> dict:
         """The request end to end, timed once, as a request after the engine's first runs: the decode graph
@@ -179,7 +188,7 @@ def profile_decode(name: str, req: Request, row: dict, out: Output) -> None:
 
 
 def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool, whole_steps: int,
-            args: argparse.Namespace, out: Output) -> dict:
+            args: argparse.Namespace, out: Output, moe_kernels: str = "triton") -> dict:
     cuda = torch.cuda.is_available() and not args.dry
     if cuda:
         torch.cuda.empty_cache()
@@ -187,8 +196,10 @@ def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool,
     t0 = time.perf_counter()
     plan = get_plan("tp1")
     model = rank.build(cfg, plan, torch.bfloat16, "cuda" if cuda else "cpu", resident)
-    row = dict(build=name, resident_gib=rank.resident_gib(model), build_s=time.perf_counter() - t0,
-               allocated_gib=torch.cuda.memory_allocated() / 2 ** 30 if cuda else None)
+    t1 = time.perf_counter()
+    ran = lay_out_experts(model, moe_kernels)
+    row = dict(build=name, moe_kernels=ran, layout_s=time.perf_counter() - t1, resident_gib=rank.resident_gib(model),
+               build_s=time.perf_counter() - t0, allocated_gib=torch.cuda.memory_allocated() / 2 ** 30 if cuda else None)
     out.say(f"{name}: built in {row['build_s']:.0f} s, resident {row['resident_gib']:.1f} GiB")
     with torch.no_grad():
         req = Request(model, plan, shapes, distil, not args.no_step_graph)
@@ -198,6 +209,9 @@ def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool,
         if args.profile_decode and cuda:
             profile_decode(name, req, row, out)
         row["step_ms"] = req.step_ms(graph=False)
+        if args.profile_step and cuda:
+            for line in kernel_table(req.step_fn(graph=False), f"{name} ({ran}) DiT step (eager)", rows=32):
+                out.say(line)
         row["step_ms_graph"] = req.step_ms(graph=True) if not args.no_step_graph else None
         z = rank.latent(model, shapes.side)
         row["vae_ms"] = time_ms(lambda: model.decode_image(z), "wall", n=2)
@@ -234,11 +248,12 @@ def run(args: argparse.Namespace, out: Output) -> bool:
             raise SystemExit(f"unknown build {b!r} ({', '.join(BUILDS)})")
         distil, experts, dense, whole = BUILDS[b]
         cfg = rank.config(args.dry or args.tiny, distil)
-        rows.append(measure(b, cfg, resident_formats(cfg, experts, dense), shapes, distil, whole, args, out))
+        for k in filter(None, args.moe_kernels.split(",")):
+            rows.append(measure(b, cfg, resident_formats(cfg, experts, dense), shapes, distil, whole, args, out, k))
     if args.fp8_speedup:
         speed = fp8_speedup(rank.config(args.dry or args.tiny), shapes, args, out)
     out.data.update(rows=rows, fp8_speedup=speed, prefill=shapes.prefill, cot=shapes.cot)
-    out.table(rows, [Col("build", "build"), Col("resident GiB", "resident_gib", ".1f"), Col("peak GiB", "peak_gib", ".1f"),
+    out.table(rows, [Col("build", "build"), Col("experts on", "moe_kernels"), Col("resident GiB", "resident_gib", ".1f"), Col("peak GiB", "peak_gib", ".1f"),
                      Col("prefill ms", "prefill_ms", ".1f"), Col("ms/token", "ms_per_token", ".2f"),
                      Col("DiT step ms", "step_ms", ".1f"), Col("graph step", "step_ms_graph", ".1f"),
                      Col("VAE ms", "vae_ms", ".0f"), Col("whole T2I s", "whole_total_s", ".2f")],
@@ -246,7 +261,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
               f"{shapes.cot} CoT tokens")
     for r in rows:
         if "whole_total_s" in r:
-            out.say(f"{r['build']} whole request: " + ", ".join(f"{k[6:]} {v:.2f}" for k, v in r.items()
+            out.say(f"{r['build']} ({r['moe_kernels']}) whole request: " + ", ".join(f"{k[6:]} {v:.2f}" for k, v in r.items()
                                                               if k.startswith("whole_")))
     if speed:
         out.say(f"hybrid4 rank DiT step (compute only, graph): bf16 {speed['bf16']:.1f} ms, fp8 {speed['fp8']:.1f} ms "

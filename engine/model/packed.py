@@ -38,6 +38,7 @@ from torch import nn
 
 import hunyuan_kernels as kernels
 from hunyuan_kernels.quant import PER_BYTE, SCALE_BLOCK, QWeight, qlinear
+from hunyuan_kernels.quant.formats import KernelLayout
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.spec.checkpoint import Checkpoint, CheckpointError
 from engine.spec.qtensors import QuantTensors, TensorSet, read_tensors
@@ -155,13 +156,26 @@ class QuantPack(nn.Module):
         else:
             self.scales = param(*lead, n, k // block, dtype=torch.float8_e4m3fn if f == "nvfp4" else torch.uint8)
         self.gscale = param(*gscale_lead, *((1, 1) if gscale_lead else ()), dtype=torch.float32) if f == "nvfp4" else None
+        self.layout: KernelLayout | None = None     # set once, at load, by `take_layout`
 
     @property
     def device(self) -> torch.device:
         return self.codes.device
 
     def value(self) -> QWeight:
-        return QWeight(self.format.fmt, self.codes, self.scales, self.gscale, self.format.inverse)
+        return QWeight(self.format.fmt, self.codes, self.scales, self.gscale, self.format.inverse, self.layout)
+
+    def take_layout(self, w: QWeight) -> None:
+        """Hold the same weight laid out at load for one kernel family (hunyuan_kernels/quant/humming.py
+        `lay_out`): its codes, scales and fp32 remainder replace the plain ones (the plain tensors are
+        freed; the pack is then read only by that family's variants)."""
+        if self.layout is not None or w.layout is None:
+            raise ValueError("take_layout: a plain pack takes one laid-out weight, once")
+        self.codes = nn.Parameter(w.codes, requires_grad=False)
+        self.scales = nn.Parameter(w.scales, requires_grad=False)
+        if w.layout.scale2 is not None:
+            self.scale2 = nn.Parameter(w.layout.scale2, requires_grad=False)
+        self.layout = w.layout
 
     def _conform(self, q: QuantTensors, layer: str) -> QuantTensors:
         if not q.format.quantized or PackFormat.of(q.format, q.global_inverse) != self.format:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.model.kernel_layouts import MOE_KERNELS
 from engine.runtime.lru import ENCODING_CACHE_MB, PREFIX_CACHE_MB
 
 
@@ -32,8 +33,11 @@ class EngineConfig:
     lora_mlp: bool = False          # the adapter tables hold the MLPs too (engine/model/lora.py; --lora-mlp)
     warmup: tuple[str, ...] = ()    # sizes whose graphs are captured before "ready" ("default": the square
                                     # bucket; engine/runtime/warmup.py); empty: none, the first requests capture
+    moe_kernels: str = "auto"       # the kernels of the quantized experts (engine/model/kernel_layouts.py)
 
     def __post_init__(self) -> None:
+        if self.moe_kernels not in MOE_KERNELS:
+            raise ValueError(f"moe_kernels {self.moe_kernels!r}: one of {', '.join(MOE_KERNELS)}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {self.max_batch})")
         if self.max_denoise_batch < 1:

@@ -113,7 +113,8 @@ class EngineServer:
                  max_denoise_batch: int = 1, loras: Sequence[tuple[str, str]] = (), max_loras: int = 0,
                  max_lora_rank: int = 64, lora_merged: bool = False, lora_mlp: bool = False,
                  prefix_cache_mb: int = EngineConfig.prefix_cache_mb,
-                 encoding_cache_mb: int = EngineConfig.encoding_cache_mb, warmup: Sequence[str] = ()):
+                 encoding_cache_mb: int = EngineConfig.encoding_cache_mb, warmup: Sequence[str] = (),
+                 moe_kernels: str = EngineConfig.moe_kernels):
         """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
         (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
         plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
@@ -136,7 +137,8 @@ class EngineServer:
         each rank's bound on the K/V prefixes and image encodings kept for conversations' next turns
         (engine/runtime/prefix_cache.py, conditioning.py; 0: off). `warmup`: sizes ("default": the square
         bucket) whose CUDA graphs every rank captures before the engine says ready (engine/runtime/warmup.py;
-        /health shows its progress under "loading"). All of it is checked here and fixed in one
+        /health shows its progress under "loading"). `moe_kernels`: the kernels of quantized experts
+        (engine/model/kernel_layouts.py: auto, triton, humming, humming-fp8). All of it is checked here and fixed in one
         `EngineConfig` (`self.config`), which every worker starts from."""
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0 (got {max_queue})")
@@ -155,7 +157,7 @@ class EngineServer:
                                    cuda_graph, max_denoise_batch, tuple((n, str(Path(f).resolve())) for n, f in loras),
                                    max(max_loras, len(loras)),       # the slots stay when adapters are unloaded
                                    max_lora_rank, prefix_cache_mb, encoding_cache_mb, lora_merged,
-                                   lora_mlp or needs_mlp(loras, lora_merged), tuple(warmup))
+                                   lora_mlp or needs_mlp(loras, lora_merged), tuple(warmup), moe_kernels)
         for size in self.config.warmup:               # a size the checkpoint does not take: refused before spawning
             if size != "default" and parse_size(size, self.info.buckets) is None:
                 raise ValueError(f"a warm-up size names a size (HxW), not {size!r}")

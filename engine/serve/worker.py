@@ -73,6 +73,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
     import torch
     import torch.distributed as dist
 
+    from engine.model.kernel_layouts import lay_out_experts
     from engine.model.loader import load, parse_dtype, print_progress
     from engine.model.lora import load_adapter
     from engine.model.lora_merge import merge_adapter
@@ -112,6 +113,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
             tables = lm.model.enable_lora(config.lora_slots, config.max_lora_rank, config.lora_mlp)
             for name, folder in config.loras:
                 load_adapter(tables, name, folder)
+        moe_kernels = lay_out_experts(lm.model, config.moe_kernels, config.lora_mlp)   # after any merge
         pointers = resident_pointers(lm.model)
         moved: list[str] = []          # phases at whose start a resident weight had moved (never, by design)
 
@@ -149,7 +151,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
 
     stats = rank_stats()
     send(("ready", {"load_s": round(lm.load_s, 2), "device": str(dev), "dtype": str(lm.model.dtype),
-                    "plan": p.name, "ranks": stats, "warmup": None if warmed is None else warmed.summary()}))
+                    "plan": p.name, "moe_kernels": moe_kernels, "ranks": stats, "warmup": None if warmed is None else warmed.summary()}))
 
     inbox = Inbox(requests) if rank == 0 else None
     flag = torch.zeros(1, dtype=torch.long)        # 0: nothing new, 1: news follows, 2: stop

@@ -1,0 +1,73 @@
+"""Which kernels multiply the resident quantized experts, chosen once at load (`--moe-kernels`), and their
+packs laid out for them then (hunyuan_kernels/quant/humming.py `lay_out`): nothing is converted per step,
+and the memory stays what the codes and scales take (the laid-out codes replace the plain ones).
+
+    triton        the plain packs, on our Triton kernels (decode GEMVs, the batched and grouped paths)
+    humming       humming-kernels' W4A16 grouped GEMMs (bf16 activations: the reference's numbers within
+                  bf16 rounding), MXFP4 experts on Hopper
+    humming-fp8   its W4A8 GEMMs: activations quantized per row to FP8 E4M3, the E8M0 block scales folded
+                  per expert (blocks more than 11 binades below their expert's largest are rounded)
+    auto          humming where it can take every expert pack (installed, a Hopper GPU, MXFP4 packs of
+                  its tile sizes, no LoRA tables of the MLPs), else triton
+
+A laid-out pack runs only on its family's variant of the `moe_quant` op: LoRA adapters of the MLPs
+(`moe_lora`, which reads the plain codes) need `triton`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:        # the choices are read by the command lines, which import no torch: the rest imports lazily
+    from torch import nn
+
+    from engine.model.moe import MoE
+
+MOE_KERNELS = ("auto", "triton", "humming", "humming-fp8")
+
+
+def _quantized_moes(model: "nn.Module") -> "list[MoE]":
+    from engine.model.moe import MoE
+    from engine.model.packed import QuantPack
+    return [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.w1, QuantPack)]
+
+
+def why_not_humming(moes: "list[MoE]", lora_mlp: bool) -> str | None:
+    """Why humming cannot take these experts (a sentence), or None."""
+    from hunyuan_kernels.quant import humming
+    if not humming.available():
+        got = humming.installed()
+        return ("humming-kernels 0.1.19 is not installed (pip install '.[humming]')" if got is None
+                else "humming's kernels run on a Hopper GPU (SM 9.0) here")
+    if lora_mlp:
+        return "LoRA adapters of the MLPs (--lora-mlp) read the plain expert packs"
+    for m in moes:
+        for w in (m.w1.value(), m.w2.value()):
+            why = humming.fits_pack(w)
+            if why:
+                return why
+    return None
+
+
+def lay_out_experts(model: "nn.Module", choice: str = "auto", lora_mlp: bool = False) -> str:
+    """Lay out every quantized expert pack of `model` for the kernels `choice` names (see the module's
+    docstring) and return the kernels its experts run on: "triton", "humming" or "humming-fp8". A named
+    choice that cannot be served is refused (ValueError saying why); "auto" then keeps triton."""
+    if choice not in MOE_KERNELS:
+        raise ValueError(f"--moe-kernels {choice!r}: one of {', '.join(MOE_KERNELS)}")
+    moes = _quantized_moes(model)
+    if choice == "triton" or (choice == "auto" and not moes):
+        return "triton"
+    if not moes:
+        raise ValueError(f"--moe-kernels {choice}: this model keeps no quantized experts on the device (humming "
+                         "multiplies MXFP4 experts as a CUDA bf16 engine keeps them)")
+    why = why_not_humming(moes, lora_mlp)
+    if why:
+        if choice == "auto":
+            return "triton"
+        raise ValueError(f"--moe-kernels {choice}: {why}")
+    from hunyuan_kernels.quant import humming
+    activations = "fp8" if choice == "humming-fp8" else "bf16"
+    for m in moes:
+        m.w1.take_layout(humming.lay_out(m.w1.value(), activations))
+        m.w2.take_layout(humming.lay_out(m.w2.value(), activations, micros=m.micros))
+    return "humming-fp8" if activations == "fp8" else "humming"
