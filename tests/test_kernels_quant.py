@@ -246,12 +246,14 @@ BF16 = torch.bfloat16
 VARIANTS = {"linear_mxfp8": ["gemv", "triton"], "linear_mxfp4": ["gemv", "triton"],
             "linear_nvfp4": ["gemv", "triton"], "grouped_mm_mxfp8": ["triton"], "grouped_mm_mxfp4": ["triton"],
             "grouped_mm_nvfp4": ["triton"], "linear_fp8": ["scaled_mm"], "grouped_mm_fp8": ["scaled_mm"],
-            "quantize_fp8_rows": ["triton"], "moe_quant": ["decode", "batched", "grouped"]}
+            "quantize_fp8_rows": ["triton"], "moe_quant": ["decode", "batched", "grouped", "humming"]}
 
 
 @gpu
 def test_gpu_variants_are_available():
+    from hunyuan_kernels.quant import humming
     for op, names in VARIANTS.items():
+        names = [n for n in names if n != "humming" or humming.available()]   # the `humming` extra: test_humming.py
         assert [i.backend for i in kernels.registry.candidates(op, "cuda", BF16)] == names + ["torch"], op
     assert [i.backend for i in kernels.registry.candidates("fp8_scaled_mm", "cuda", torch.float8_e4m3fn)] == \
         ["scaled_mm", "torch"]

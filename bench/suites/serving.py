@@ -45,6 +45,7 @@ from typing import Callable
 
 import torch
 
+from engine.model.kernel_layouts import lay_out_experts
 from engine.model.loader import LoadedModel
 from engine.parallel.fake import FakeComm
 from engine.parallel.groups import RankGroups
@@ -89,6 +90,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="warm the engine up first (--warmup: engine/runtime/warmup.py, at the requests' size): its "
                          "time and graphs, then the first request's latency and captures")
     ap.add_argument("--greedy", action="store_true", help="greedy CoT: every request the same token layout")
+    ap.add_argument("--moe-kernels", default="triton",
+                    help="the quantized experts' kernels (engine/model/kernel_layouts.py: triton, humming, humming-fp8)")
 
 
 # ---------------------------------------------------------------------------------------- the engine
@@ -238,6 +241,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
             if dev == "cuda":
                 torch.cuda.empty_cache()
             lm, groups = engine(build, folder, dev)
+            out.data["moe_kernels"] = lay_out_experts(lm.model, args.moe_kernels)
+            out.say(f"{build}: quantized experts on {out.data['moe_kernels']}")
             for batch in [int(d) for d in args.max_denoise_batch.split(",")]:
                 pipe = Pipeline(lm, groups, preview_every=0, slots=args.max_batch, max_denoise_batch=batch)
                 ok = serve_all(pipe, args, build, batch, steps, cot, clients, per_client, rows, out) and ok
