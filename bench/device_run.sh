@@ -34,6 +34,8 @@
 #                  (both first install the carried Ray Serve bundle, bench/replicas_install.sh: carry
 #                  .rw/parts/rw-site.manifest and the parts, one a call on the warm machine, as prepare prints)
 #   eval           the embedded model's accuracy on CUDA (train.evaluate, seed 2, 100 + 100)
+#   humming        installs the carried humming-kernels wheel (.whl), its GPU tests, suite humming, then suite one-gpu
+#                  (MXFP4 Distil) with --moe-kernels humming-fp8,humming,triton --profile-step
 #   flashinfer     installs the carried FlashInfer (bench/flashinfer_install.sh: carry .fi/parts), waits up to
 #                  FI_WAIT (60) s for the JIT builds flashinfer-bg started (else builds its four families, 240 s),
 #                  its variants' GPU tests (failing, not skipping, where it does not import), suite flashinfer
@@ -169,6 +171,13 @@ for section in "$@"; do
     eval)
       run eval_cuda 330 python3 -m train.evaluate --model assets/model --modes think_recaption --example-seeds 0 \
         --n 100 --n-edit 100 --seed 2 --device cuda --json "$OUT/eval_cuda.json" ;;
+    humming)
+      # humming-kernels from the carried wheel (here: pip download --no-deps humming-kernels==0.1.19 -d .whl; carry .whl)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      tests humming_tests 300 tests/test_humming.py
+      suite humming 330 humming
+      suite one_gpu_humming 590 one-gpu --builds mxfp4-distil --moe-kernels humming-fp8,humming,triton --profile-step ;;
     flashinfer)
       if source bench/flashinfer_install.sh install; then
         if [ -d .fi/warm ]; then bash bench/flashinfer_install.sh wait "${FI_WAIT:-60}"; else bash bench/flashinfer_install.sh warm; fi
