@@ -72,7 +72,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--profile-step", action="store_true", help="the kernel table of one DiT step (eager)")
     ap.add_argument("--moe-kernels", default="triton",
                     help="comma-separated kernels of the quantized experts, a row each: triton, humming, humming-fp8 "
-                         "(engine/model/kernel_layouts.py; default triton)")
+                         "(engine/model/kernel_layouts.py; default triton). Every row's DiT-step velocity is compared "
+                         "with its build's first row's (same seeded weights and input): put triton first")
 
 
 def resident_formats(cfg: ModelConfig, experts: str, dense: str) -> dict[str, PackFormat]:
@@ -187,6 +188,16 @@ def profile_decode(name: str, req: Request, row: dict, out: Output) -> None:
         out.say(line)
 
 
+def velocity_errors(rows: list[dict]) -> None:
+    """Each row's DiT-step velocity against its build's first row's (the reference path: `triton` on the
+    plain packs, where it comes first), relative L2: what another kernel family costs a whole step."""
+    first: dict[str, torch.Tensor] = {}
+    for r in rows:
+        v = r.pop("_velocity")
+        ref = first.setdefault(r["build"], v)
+        r["velocity_err"] = ((v.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
 def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool, whole_steps: int,
             args: argparse.Namespace, out: Output, moe_kernels: str = "triton") -> dict:
     cuda = torch.cuda.is_available() and not args.dry
@@ -209,6 +220,7 @@ def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool,
         if args.profile_decode and cuda:
             profile_decode(name, req, row, out)
         row["step_ms"] = req.step_ms(graph=False)
+        row["_velocity"] = req.step_fn(graph=False)().float().cpu()     # the same seeded model and input per row
         if args.profile_step and cuda:
             for line in kernel_table(req.step_fn(graph=False), f"{name} ({ran}) DiT step (eager)", rows=32):
                 out.say(line)
@@ -218,7 +230,7 @@ def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool,
         if whole_steps:
             row |= {f"whole_{k}": v for k, v in req.whole(whole_steps).items()}
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
-    out.say(f"{name}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    out.say(f"{name}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if not k.startswith("_")))
     del model, req
     return row
 
@@ -250,13 +262,15 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         cfg = rank.config(args.dry or args.tiny, distil)
         for k in filter(None, args.moe_kernels.split(",")):
             rows.append(measure(b, cfg, resident_formats(cfg, experts, dense), shapes, distil, whole, args, out, k))
+    velocity_errors(rows)
     if args.fp8_speedup:
         speed = fp8_speedup(rank.config(args.dry or args.tiny), shapes, args, out)
     out.data.update(rows=rows, fp8_speedup=speed, prefill=shapes.prefill, cot=shapes.cot)
     out.table(rows, [Col("build", "build"), Col("experts on", "moe_kernels"), Col("resident GiB", "resident_gib", ".1f"), Col("peak GiB", "peak_gib", ".1f"),
                      Col("prefill ms", "prefill_ms", ".1f"), Col("ms/token", "ms_per_token", ".2f"),
                      Col("DiT step ms", "step_ms", ".1f"), Col("graph step", "step_ms_graph", ".1f"),
-                     Col("VAE ms", "vae_ms", ".0f"), Col("whole T2I s", "whole_total_s", ".2f")],
+                     Col("VAE ms", "vae_ms", ".0f"), Col("whole T2I s", "whole_total_s", ".2f"),
+                     Col("step velocity err", "velocity_err", ".1e")],
               f"One GPU, tp1, random weights, T2I {16 * shapes.side}x{16 * shapes.side}, prefill {shapes.prefill}, "
               f"{shapes.cot} CoT tokens")
     for r in rows:
