@@ -18,7 +18,8 @@ PACKAGES = ("engine", "hunyuan_kernels", "webui", "tools")
 # Triton importable, and without it they must fail with ImportError for Triton, not for anything else.
 TRITON_KERNEL_MODULES = {"hunyuan_kernels.moe.cuda", "hunyuan_kernels.moe.triton_kernels", "hunyuan_kernels.moe.gemm1",
                          "hunyuan_kernels.quant.cuda", "hunyuan_kernels.quant.moe_cuda",
-                         "hunyuan_kernels.quant.triton_kernels", "hunyuan_kernels.quant.gemv"}
+                         "hunyuan_kernels.quant.triton_kernels", "hunyuan_kernels.quant.gemv",
+                         "hunyuan_kernels.quant.humming"}
 
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys, traceback
