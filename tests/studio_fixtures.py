@@ -3,9 +3,11 @@ pytest only auto-loads conftest.py). Everything runs on a real tiny checkpoint (
 from __future__ import annotations
 
 import os
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no calls home from tests
 
@@ -107,3 +109,22 @@ def studio(engine_server, tmp_path_factory):
     url, client, demo = launch_studio(engine_server, tmp_path_factory)
     yield url, client, demo
     demo.close()
+
+
+@contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """An ASGI app (the /v1 API) on a real socket, uvicorn in a thread: what clients over the network meet
+    (a body sent in chunks while others are answered). Yields its URL."""
+    import uvicorn
+    from engine.parallel.groups import free_port
+    from engine.serve.openai_api import bind
+    sock = bind("127.0.0.1", free_port())
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, timeout=10)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -7,19 +7,23 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import threading
+import time
 
+import httpx
 import pytest
 from PIL import Image as PILImage
 from starlette.testclient import TestClient
 
 from engine.runtime.events import Error
-from engine.runtime.request import MAX_SYSTEM_PROMPT_CHARS
+from engine.runtime.request import MAX_PROMPT_CHARS, MAX_SYSTEM_PROMPT_CHARS
 from engine.serve.client import Submission
 from engine.serve.openai_api import ApiConfig, api_app
+from engine.serve.openai_errors import ApiError
 from engine.serve.openai_events import PreviewPicker
 
-from studio_fixtures import engine_server  # noqa: F401
+from studio_fixtures import engine_server, serve_app  # noqa: F401
 
 CHEAP = {"size": "256x192", "num_inference_steps": 1, "bot_task": "image", "seed": 1}
 
@@ -84,8 +88,8 @@ def test_deeply_nested_json_is_400_in_openais_shape(http):
     for path in ("/v1/images/generations", "/v1/chat/completions"):
         err = refused(post_json(http, path, deep), 400, None, "invalid_json")
         assert "nested" in err["message"]
-    just_past = {"prompt": "x", "deep": json.loads("[" * 70 + "]" * 70)}     # below the parser's own limit
-    refused(post_json(http, "/v1/images/generations", just_past), 400, None, "invalid_json")
+    just_past = {"messages": json.loads("[" * 70 + "]" * 70)}     # below the parser's own limit
+    refused(post_json(http, "/v1/chat/completions", just_past), 400, None, "invalid_json")
 
 
 # ---------------------------------------------------------------------------------------------- item 4
@@ -297,3 +301,176 @@ def test_every_refusal_carries_the_request_field_it_is_about(engine_server, fiel
     events = list(engine_server.submit(Request(**{"prompt": "a red circle", **kw})))
     assert len(events) == 1 and isinstance(events[0], Error) and events[0].kind == "invalid", events
     assert events[0].param == field, (events[0].param, events[0].message)
+
+
+# ------------------------------------------------------------------------------- issue 44, item 2: large bodies
+def _while_probed(url: str, send) -> tuple[httpx.Response, list[float]]:
+    """`send()` in a thread while /health is asked every 0.05 s: its answer and each probe's seconds."""
+    out: dict = {}
+    sender = threading.Thread(target=lambda: out.update(r=send()), daemon=True)
+    sender.start()
+    probes = []
+    with httpx.Client(timeout=30) as c:
+        while sender.is_alive() or not probes:
+            t0 = time.monotonic()
+            assert c.get(url + "/health").status_code == 200
+            probes.append(time.monotonic() - t0)
+            time.sleep(0.05)
+    sender.join()
+    return out["r"], probes
+
+
+CHAT_HEAD = b'{"messages": [{"role": "user", "content": "a red circle"}], '
+
+
+def test_an_80_mb_body_leaves_health_answering(engine_server):
+    """Issue 44: 40 M zeros in an unknown field, and 20 000 numbers of 4000 digits in the ignored `metadata`
+    (80 MB each): /health answers within 1 s while they arrive, and each is refused naming the problem
+    (the chat route's limit has room for 80 MB of images; the generation route's is far smaller)."""
+    zeros = b"0," * (40_000_000 - 1) + b"0"
+    numbers = b",".join([b"9" * 4000] * 20_000)
+    cases = [("/v1/chat/completions", CHAT_HEAD + b'"junk": [' + zeros + b"]}", 400, "junk", "unknown_parameter"),
+             ("/v1/chat/completions", CHAT_HEAD + b'"metadata": [' + numbers + b"]}", 400, "metadata",
+              "too_many_values"),
+             ("/v1/images/generations", b'{"prompt": "x", "metadata": {"a": [' + numbers + b"]}}", 413, None,
+              "request_too_large")]
+    del zeros, numbers
+    with serve_app(api_app(engine_server)) as url, httpx.Client(timeout=120) as big:
+        for path, body, status, param, code in cases:
+            assert len(body) > 80_000_000
+            r, probes = _while_probed(url, lambda: big.post(url + path, content=body,
+                                                            headers={"Content-Type": "application/json"}))
+            err = refused(r, status, param, code)
+            print(f"{path} {code}: {len(probes)} probes, slowest {max(probes):.3f} s")
+            assert max(probes) < 1.0, (path, code, probes)
+            if status == 413:           # the limit is named, with what it has room for
+                assert "limit on this route" in err["message"] and "prompt of 8000" in err["message"], err
+    assert engine_server.health()["queue"] == 0 and engine_server.health()["running"] == 0
+
+
+def test_a_large_legal_chat_is_parsed_off_the_event_loop(engine_server):
+    """Three 20 MB references as data URLs (80 MB of JSON, within the limit): parsed and decoded in a thread
+    while /health answers; here they are no images, so the engine refuses them, naming the message."""
+    url_part = b'{"type": "image_url", "image_url": {"url": "data:image/png;base64,' + \
+        base64.b64encode(os.urandom(20 * 2**20 - 4096)) + b'"}}'
+    body = b'{"messages": [{"role": "user", "content": [' + b", ".join([url_part] * 3) + \
+        b', {"type": "text", "text": "x"}]}], "height": 256, "width": 256}'
+    del url_part
+    with serve_app(api_app(engine_server)) as url, httpx.Client(timeout=120) as big:
+        r, probes = _while_probed(url, lambda: big.post(url + "/v1/chat/completions", content=body,
+                                                        headers={"Content-Type": "application/json"}))
+    err = refused(r, 400, "messages")
+    assert "cannot be read as an image" in err["message"], err
+    print(f"80 MB chat: {len(probes)} probes, slowest {max(probes):.3f} s")
+    assert max(probes) < 1.0, probes
+
+
+def test_body_limits_are_what_a_legal_request_needs(http):
+    """A generation body has room for the longest prompt and system prompt, escaped as JSON can escape them
+    (an astral character: 12 bytes), and not much more; the 413 says what the limit is for."""
+    astral = "\U0001F600"
+    longest = json.dumps({"prompt": astral * MAX_PROMPT_CHARS, "system_prompt": astral * MAX_SYSTEM_PROMPT_CHARS,
+                          "metadata": {f"k{i}": "v" * 512 for i in range(16)}, **CHEAP})    # ensure_ascii: \ud83d\ude00
+    assert len(longest) > 12 * (MAX_PROMPT_CHARS + MAX_SYSTEM_PROMPT_CHARS)
+    r = post_json(http, "/v1/images/generations", longest)
+    assert r.status_code != 413, r.text[:300]
+    err = refused(post_json(http, "/v1/images/generations", {"prompt": "x" * 400_000}), 413, None,
+                  "request_too_large")
+    assert "the limit on this route is" in err["message"] and "system prompt" in err["message"], err
+
+
+def test_the_largest_legal_chat_fits_the_value_budget():
+    """MAX_JSON_VALUES against the values of the largest chat the engine takes: MAX_TURNS earlier turns,
+    each user message with 3 references and a text, each answer with its reasoning and image, a system
+    message, every extension field."""
+    from engine.runtime.history import MAX_TURNS
+    from engine.serve.openai_api import CHAT_JSON
+    from engine.serve.openai_body import MAX_JSON_VALUES, JsonScan
+    ref = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "system", "content": "be brief"}]
+    for _ in range(MAX_TURNS):
+        messages += [{"role": "user", "content": [ref] * 3 + [{"type": "text", "text": "x"}]},
+                     {"role": "assistant", "reasoning_content": "r", "content": [ref, {"type": "text", "text": "y"}]}]
+    messages.append({"role": "user", "content": [ref] * 3 + [{"type": "text", "text": "x"}]})
+    body = {"messages": messages, "modalities": ["image"], "stream_options": {"include_usage": True},
+            "metadata": {f"k{i}": "v" for i in range(16)},
+            "extra_body": {"height": 256, "width": 256, "num_inference_steps": 2, "seed": 1, "bot_task": "think"}}
+    scan = JsonScan(CHAT_JSON)
+    scan.feed(json.dumps(body).encode())
+    print(f"the largest legal chat holds {scan.values} values; the budget is {MAX_JSON_VALUES}")
+    assert scan.values * 4 < MAX_JSON_VALUES
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64 * 1024])
+def test_the_scan_reads_strings_and_escapes_across_chunks(chunk):
+    """The scan sees only structure: brackets and commas inside strings (escaped quotes and backslashes
+    included, split anywhere between chunks) are text, not values or fields."""
+    from engine.serve.openai_api import GENERATION_JSON
+    from engine.serve.openai_body import JsonScan
+    tricky = '[{,}] \\" \\\\ \\\\\\" ' * 2000
+    text = json.dumps({"prompt": tricky, "user": "a\\\"b", "size": "256x192"}).encode()
+    scan = JsonScan(GENERATION_JSON, max_values=8)
+    for at in range(0, len(text), chunk):
+        scan.feed(text[at:at + chunk])
+    assert scan.values == 3 and not scan.stack and not scan.in_string
+    scan = JsonScan(GENERATION_JSON)
+    with pytest.raises(ApiError) as e:
+        bad = json.dumps({"prompt": tricky, "junk\\u00e9": 1}).encode()
+        for at in range(0, len(bad), chunk):
+            scan.feed(bad[at:at + chunk])
+    assert e.value.param == "junk\\u00e9" and e.value.code == "unknown_parameter"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("metadata", {f"k{i}": "v" for i in range(17)}, "17 pairs"),
+    ("metadata", {"k": 5}, "must be strings"),
+    ("metadata", [], "must be an object"),
+    ("user", 7, "must be a string"),
+    ("user", "u" * 513, "513 characters"),
+    ("store", "yes", "true or false"),
+])
+def test_ignored_fields_are_checked_against_their_type(http, field, value, message):
+    err = refused(post_json(http, "/v1/images/generations", {"prompt": "x", field: value}), 400, field)
+    assert message in err["message"], err
+
+
+# ------------------------------------------------------------------------------- issue 44, item 5: small defects
+@pytest.mark.parametrize("field,filename", [("prompt", "a green star on black"), ("size", "256x192"),
+                                            ("num_inference_steps", "2"), ("conversation_id", "c1")])
+def test_a_file_in_a_text_field_is_refused_naming_it(http, field, filename):
+    files = [("image", ("a.png", png(), "image/png")), (field, (filename, b"\x89PNG...", "image/png"))]
+    data = {k: v for k, v in {"prompt": "make it blue", **CHEAP}.items() if k != field}
+    err = refused(http.post("/v1/images/edits", files=files, data=data), 400, field, "invalid_value")
+    assert "not a file" in err["message"] and filename in err["message"], err
+
+
+@pytest.mark.parametrize("field,value", [("system_prompt", False), ("system_prompt", 0), ("system_prompt", []),
+                                         ("use_system_prompt", False), ("bot_task", {}), ("bot_task", 0),
+                                         ("history_policy", [])])
+def test_falsy_values_of_the_wrong_type_are_refused(http, field, value):
+    """`false`, `0`, `[]`, `{}` in a field that takes text were taken for 'not given' and ignored."""
+    if field != "history_policy":          # a conversation's field: chat and edits only
+        body = {"prompt": "a red circle", field: value, **({} if field == "bot_task" else {"bot_task": "image"})}
+        err = refused(post_json(http, "/v1/images/generations", body), 400, field, "invalid_value")
+        assert "must be text" in err["message"], err
+    chat = {"messages": [{"role": "user", "content": "a red circle"}], "extra_body": {field: value}}
+    err = refused(post_json(http, "/v1/chat/completions", chat), 400, field, "invalid_value")
+    assert "must be text" in err["message"], err
+
+
+def test_a_size_with_thousands_of_digits_is_refused_naming_size(http):
+    for size in ("1x" + "9" * 4300, "9" * 4301 + "x1", "1:" + "9" * 5000):
+        for r in (post_json(http, "/v1/images/generations", {"prompt": "x", "size": size}),
+                  http.post("/v1/images/edits", files=[("image", ("a.png", png(), "image/png"))],
+                            data={"prompt": "x", "size": size})):
+            err = refused(r, 400, "size", "invalid_value")
+            assert "at most 9 digits" in err["message"] and "int_max_str_digits" not in err["message"], err
+            assert "Valid sizes" in err["message"] and len(err["message"]) < 1000, err
+
+
+def test_invalid_utf8_in_a_form_field_is_refused_naming_it(http):
+    for field in ("prompt", "system_prompt", "size"):
+        files = [("image", ("a.png", png(), "image/png")), (field, (None, b"a red \xff\xfe circle"))]
+        data = {k: v for k, v in {"prompt": "make it blue"}.items() if k != field}
+        err = refused(http.post("/v1/images/edits", files=files, data=data), 400, field, "invalid_value")
+        assert "UTF-8" in err["message"], err

@@ -609,22 +609,25 @@ def test_a_body_without_content_length_is_cut_at_the_limit():
     """Chunked uploads declare no size: the body is counted as it arrives and refused past the limit."""
     from starlette.testclient import TestClient
     from engine.serve.openai_api import ApiConfig, api_app
+    from engine.serve.openai_body import chat_limit
     from engine.serve.openai_params import UploadLimits
     limits = UploadLimits(max_bytes=100_000)
 
     def chunks(head: bytes, tail: bytes = b""):
         yield head
-        for _ in range(limits.max_body // 10_000 + 1):
+        for _ in range(chat_limit(limits.max_bytes).bytes // 10_000 + 1):       # past the largest route's limit
             yield b" " * 10_000
         yield tail
 
     form = b'--B\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n\r\n'
     with TestClient(api_app(_NotRunning("loading"), ApiConfig(limits=limits))) as http:
-        for path, head, tail, ctype in (("edits", form, b"\r\n--B--\r\n", "multipart/form-data; boundary=B"),
-                                        ("generations", b"{", b"}", "application/json")):
+        # the edit's image is refused at its own limit, the JSON body at the route's
+        for path, head, tail, ctype, code in (
+                ("edits", form, b"\r\n--B--\r\n", "multipart/form-data; boundary=B", "file_too_large"),
+                ("generations", b"{", b"}", "application/json", "request_too_large")):
             r = http.post(f"/v1/images/{path}", content=chunks(head, tail), headers={"Content-Type": ctype})
             assert r.request.headers.get("transfer-encoding") == "chunked" and r.status_code == 413, r.text
-            assert r.json()["error"]["code"] == "request_too_large"
+            assert r.json()["error"]["code"] == code
 
 def test_partial_images_are_spread_over_the_steps():
     from engine.runtime.events import Step
@@ -658,18 +661,10 @@ class _FailsMidRun(_NotRunning):
 
 
 def test_an_engine_error_mid_stream_reaches_the_client_as_api_error():
-    import uvicorn
-    from engine.serve.openai_api import api_app, bind
-    sock = bind("127.0.0.1", free_port())
-    server = uvicorn.Server(uvicorn.Config(api_app(_FailsMidRun()), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0)
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+    from engine.serve.openai_api import api_app
+    from studio_fixtures import serve_app
+    with serve_app(api_app(_FailsMidRun())) as url:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         seen = []
         with pytest.raises(openai.APIError, match="caught fire"):
             for ev in c.images.generate(prompt="a red circle", stream=True, extra_body={"stream_reasoning": True}):
@@ -677,6 +672,3 @@ def test_an_engine_error_mid_stream_reaches_the_client_as_api_error():
         assert seen == ["image_generation.reasoning.delta"]
         with pytest.raises(openai.InternalServerError, match="caught fire"):   # not streamed: a 500
             c.images.generate(prompt="a red circle")
-    finally:
-        server.should_exit = True
-        thread.join(10)

@@ -18,8 +18,11 @@ next token or step instead of finishing an image nobody will read.
 What a browser may do (README, "Security"): nothing cross-site. The routes send no CORS headers of their
 own, JSON routes take JSON content types only (a `text/plain` body, which a web page may send anywhere
 without a CORS preflight, is 415), and a POST whose `Origin` is not this server is 403, which also covers
-the multipart form of the edit route. Every error, 404 and 405 included, is in OpenAI's shape; the
-engine's submit (which decodes reference images) runs off the event loop.
+the multipart form of the edit route. Every error, 404 and 405 included, is in OpenAI's shape.
+
+Nothing slow runs on the event loop: a body is checked as it arrives within its route's limit
+(`openai_body`: JSON; `openai_form`: the edit's form), then parsed, its images decoded and the request
+submitted in threads, so /health and everyone else are answered meanwhile.
 """
 from __future__ import annotations
 
@@ -36,8 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, FastAPI
-from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Match
@@ -47,8 +48,12 @@ from engine.runtime.request import MAX_IMAGES
 from engine.serve.client import Submission
 from engine.serve.openai_events import (Outcome, chat_response, chat_stream, collect, failure, image_stream,
                                         images_response)
-from engine.serve.openai_params import (ApiError, ImageParams, UploadLimits, capped, check_upload, parse_chat,
-                                        parse_edit, parse_generation, parse_int, refusal, size_list)
+from engine.serve.openai_body import (FIELDS_ALLOWANCE, BodyLimit, JsonFields, JsonParser, JsonScan, chat_limit,
+                                      declared_size, edit_limit, generation_limit, read_body)
+from engine.serve.openai_fields import CHAT_FIELDS, CHAT_NEUTRAL_ONLY, GENERATION_FIELDS, check_fields
+from engine.serve.openai_form import Form, FormReader
+from engine.serve.openai_params import (ApiError, ImageParams, UploadLimits, check_upload, parse_chat, parse_edit,
+                                        parse_generation, parse_int, refusal, size_list)
 from engine.serve.origin import foreign_origin
 from engine.serve.usage import InputCounter, InputTokens
 
@@ -57,7 +62,11 @@ PORT_TRIES = 100
 
 
 JSON_TYPES = ("application/json",)     # and any application/*+json
-MAX_JSON_DEPTH = 64                     # nesting the routes' JSON may have (a real request needs about 6)
+# What each JSON route's object may hold (openai_body.JsonScan checks it as the body arrives)
+GENERATION_JSON = JsonFields(GENERATION_FIELDS)
+CHAT_JSON = JsonFields(CHAT_FIELDS | CHAT_NEUTRAL_ONLY, whole=frozenset({"messages"}),
+                       nested=(("extra_body", (CHAT_FIELDS - {"extra_body", "messages"}) | CHAT_NEUTRAL_ONLY),))
+ADAPTER_LIMIT = BodyLimit(FIELDS_ALLOWANCE, "an adapter's name and folder")
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,10 @@ class OpenAIApi:
         self.config = config or ApiConfig()
         self.created = int(time.time())
         self.inputs = InputCounter(self.info)
+        image_bytes = self.config.limits.max_bytes
+        self.generation_limit, self.edit_limit = generation_limit(), edit_limit(image_bytes)
+        self.chat_limit = chat_limit(image_bytes)
+        self.parse_json = JsonParser(parse_int)
 
     # ------------------------------------------------------------------ plumbing
     def _authorize(self, request: HttpRequest) -> None:
@@ -168,65 +181,38 @@ class OpenAIApi:
                 raise refusal(ev, params, self.info) if ev.kind == "invalid" else failure(ev)
         return sub
 
-    def _content_length(self, request: HttpRequest) -> int:
-        limit = self.config.limits.max_body
-        try:
-            declared = int(request.headers.get("content-length") or 0)
-        except ValueError:
-            raise ApiError(400, "the Content-Length header is not a number", None, "invalid_request") from None
-        if declared > limit:
-            raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit} bytes",
-                           None, "request_too_large")
-        return limit
-
-    async def _json(self, request: HttpRequest) -> Any:
+    async def _json(self, request: HttpRequest, limit: BodyLimit, fields: JsonFields) -> Any:
+        """The JSON body, scanned as it arrives and parsed in a thread (openai_body)."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype not in JSON_TYPES and not (ctype.startswith("application/") and ctype.endswith("+json")):
             raise ApiError(415, f"send the body as JSON with `Content-Type: application/json` (got "
                                 f"{ctype or 'no Content-Type'})", None, "unsupported_media_type")
-        limit = self._content_length(request)
-        body = b"".join([c async for c in capped(request.stream(), limit)])
+        scan, body = JsonScan(fields), bytearray()
+
+        def feed(chunk: bytes) -> None:
+            scan.feed(chunk)
+            body.extend(chunk)
+        await read_body(request.stream(), limit, declared_size(request.headers), feed)
         try:
-            value = json.loads(body, parse_int=parse_int)
-        except RecursionError:
-            value = None                    # nested beyond the parser's stack: refused just below
+            return await self.parse_json(body)
         except ValueError as e:
             raise ApiError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
-        if value is None or _depth(value) > MAX_JSON_DEPTH:
-            raise ApiError(400, f"the request body must be a JSON object nested at most {MAX_JSON_DEPTH} levels "
-                                "deep", None, "invalid_json")
-        return value
 
-    async def _multipart(self, request: HttpRequest) -> tuple[dict[str, Any], list[bytes]]:
-        """The edit form: its text fields and its reference images (each checked against the limits)."""
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+    async def _form(self, request: HttpRequest) -> Form:
+        """The edit form: its text fields and its reference images (openai_form)."""
+        ctype = request.headers.get("content-type", "")
+        if not ctype.startswith("multipart/form-data"):
             raise ApiError(400, "send edits as multipart/form-data with the images in `image` or `image[]` "
                                 "(as the openai client does)", None, "invalid_content_type")
-        limit = self._content_length(request)
-        parser = MultiPartParser(request.headers, capped(request.stream(), limit),
-                                 max_files=MAX_IMAGES + 1, max_fields=64)
-        try:
-            form = await parser.parse()
-        except MultiPartException as e:
-            raise ApiError(400, f"the multipart body cannot be read: {e.message}", "image", "invalid_multipart") from None
-        try:
-            fields_: dict[str, Any] = {}
-            images: list[bytes] = []
-            for name, value in form.multi_items():
-                if name in ("image", "image[]"):
-                    if not isinstance(value, UploadFile):
-                        raise ApiError(400, "Invalid 'image': send the reference images as files (this server "
-                                            "fetches no URLs)", "image", "invalid_value")
-                    data = await value.read(self.config.limits.max_bytes + 1)
-                    images.append(check_upload(data, f"reference image {len(images) + 1}", "image",
-                                               self.config.limits))
-                elif isinstance(value, str):
-                    fields_[name] = value
-                else:       # a file where a text field belongs (a mask): refused by name, never dropped
-                    fields_[name] = value.filename or "a file"
-            return fields_, images
-        finally:
-            await form.close()
+        reader = FormReader(ctype, self.config.limits.max_bytes)
+        await read_body(request.stream(), self.edit_limit, declared_size(request.headers), reader.feed)
+        return reader.finish()
+
+    def _edit_params(self, form: Form) -> ImageParams:
+        """The edit's request, its reference images checked against the limits (in a thread: image headers)."""
+        images = [check_upload(data, f"reference image {k + 1}", "image", self.config.limits)
+                  for k, data in enumerate(form.images)]
+        return parse_edit(form.fields, images, self.info.name, self._adapters())
 
     async def _run(self, request: HttpRequest, sub: Submission) -> Outcome:
         """All events of a non-streamed request, cancelling it if the client leaves first."""
@@ -254,12 +240,13 @@ class OpenAIApi:
 
     # ------------------------------------------------------------------ routes
     async def generations(self, request: HttpRequest) -> Response:
-        params = parse_generation(await self._json(request), self.info.name, self._adapters())
+        body = await self._json(request, self.generation_limit, GENERATION_JSON)
+        params = parse_generation(body, self.info.name, self._adapters())
         return await self._images(request, params, "image_generation")
 
     async def edits(self, request: HttpRequest) -> Response:
-        fields_, images = await self._multipart(request)
-        return await self._images(request, parse_edit(fields_, images, self.info.name, self._adapters()), "image_edit")
+        form = await self._form(request)
+        return await self._images(request, await asyncio.to_thread(self._edit_params, form), "image_edit")
 
     async def _images(self, request: HttpRequest, params: ImageParams, kind: str) -> Response:
         sub = await self._submit(params)
@@ -278,7 +265,9 @@ class OpenAIApi:
             raise
 
     async def chat(self, request: HttpRequest) -> Response:
-        params = parse_chat(await self._json(request), self.config.limits, self.info.name, self._adapters())
+        body = await self._json(request, self.chat_limit, CHAT_JSON)
+        # in a thread: the images' base64 is decoded and their headers read
+        params = await asyncio.to_thread(parse_chat, body, self.config.limits, self.info.name, self._adapters())
         sub = await self._submit(params)
         inputs = await self._count(sub)
         if params.stream:
@@ -316,12 +305,10 @@ class OpenAIApi:
         if not hasattr(self.server, "load_adapter"):
             raise ApiError(400, "this server does not load LoRA adapters",
                            None, "unsupported_parameter")
-        body = await self._json(request)
+        body = await self._json(request, ADAPTER_LIMIT, JsonFields(frozenset(fields)))
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
-        for name in body:
-            if name not in fields:
-                raise ApiError(400, f"Unknown parameter: '{str(name)[:64]}'.", str(name)[:64], "unknown_parameter")
+        check_fields(body, fields)
         for name in fields:
             if not isinstance(body.get(name), str) or not body[name].strip():
                 raise ApiError(400, f"{name} is required (a string)", name, "missing_required_parameter")
@@ -413,19 +400,6 @@ class OpenAIApi:
                 app.state.openai_api = True
             yield
         return attach
-
-
-def _depth(value: Any) -> int:
-    """How deeply a parsed JSON value nests (iteratively: the value may be deeper than the stack)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        v, d = todo.pop()
-        deepest = max(deepest, d)
-        if isinstance(v, dict):
-            todo += [(x, d + 1) for x in v.values()]
-        elif isinstance(v, list):
-            todo += [(x, d + 1) for x in v]
-    return deepest
 
 
 def api_app(server: Any, config: ApiConfig | None = None) -> FastAPI:

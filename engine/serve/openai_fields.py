@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Collection, Iterable
 
 from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
-from engine.serve.openai_errors import ApiError
+from engine.serve.openai_errors import ApiError, invalid
 
 # The step caches' settings, as extension fields of every image route (the engine's names; the Taylor
 # cache's are the official generate_image arguments).
@@ -29,9 +29,15 @@ ENGINE_FIELDS = frozenset({"num_inference_steps", "guidance_scale", "seed", "bot
                            "system_prompt", "max_new_tokens", "lora_scale"}) | STEP_CACHE_FIELDS
 # vLLM-Omni fields that would change the result but are not implemented: refused by name (openai_params).
 REFUSED_FIELDS = frozenset({"negative_prompt", "lora", "mask", "true_cfg_scale", "flow_shift"})
-# Accepted and ignored: they cannot change the image (vae_use_tiling is a memory option of vLLM-Omni).
-IGNORED_FIELDS = frozenset({"user", "style", "moderation", "input_fidelity", "vae_use_tiling", "metadata", "store",
-                            "service_tier", "prompt_cache_key", "safety_identifier"})
+# Accepted and ignored: they cannot change the image (vae_use_tiling is a memory option of vLLM-Omni). Each
+# has the type OpenAI's schema gives it, checked on JSON bodies (`check_ignored`): ignored is not unchecked,
+# or they would be the one place a client could put anything, of any size (issue 44: 80 MB in `metadata`).
+IGNORED_TYPES: dict[str, type] = {"user": str, "style": str, "moderation": str, "input_fidelity": str,
+                                  "vae_use_tiling": bool, "metadata": dict, "store": bool, "service_tier": str,
+                                  "prompt_cache_key": str, "safety_identifier": str}
+IGNORED_FIELDS = frozenset(IGNORED_TYPES)
+MAX_IGNORED_TEXT = 512                     # characters of an ignored text field
+METADATA_PAIRS, METADATA_KEY_CHARS = 16, 64    # OpenAI's limits on `metadata` (its values: MAX_IGNORED_TEXT)
 IMAGE_OUTPUT_FIELDS = frozenset({"model", "n", "size", "quality", "response_format", "background", "output_compression",
                                  "output_format", "partial_images", "stream", "stream_reasoning"})
 
@@ -56,9 +62,15 @@ def _neutral(value: Any) -> bool:
     return value is None or value is False or (not isinstance(value, bool) and value == 0) or value in ("", [], {})
 
 
-def check_fields(body: dict[str, Any], known: Iterable[str], neutral_only: Iterable[str] = ()) -> None:
+def unknown_parameter(name: str) -> ApiError:
+    return ApiError(400, f"Unknown parameter: '{_printable(name)}'.", _printable(name), "unknown_parameter")
+
+
+def check_fields(body: dict[str, Any], known: Iterable[str], neutral_only: Iterable[str] = (), typed: bool = True
+                 ) -> None:
     """Refuse the first field that `known` does not list (400 unknown_parameter), or a field of
-    `neutral_only` set to anything but its neutral value (400 unsupported_parameter)."""
+    `neutral_only` set to anything but its neutral value (400 unsupported_parameter); with `typed` (a JSON
+    body, not a form's texts), an ignored field of the wrong type or size."""
     known, neutral_only = frozenset(known), frozenset(neutral_only)
     for name, value in body.items():
         if name in neutral_only:
@@ -66,7 +78,35 @@ def check_fields(body: dict[str, Any], known: Iterable[str], neutral_only: Itera
                 raise ApiError(400, f"Unsupported parameter: '{name}' is not supported by this image model "
                                     "(send it as null or leave it out).", name, "unsupported_parameter")
         elif name not in known:
-            raise ApiError(400, f"Unknown parameter: '{_printable(name)}'.", _printable(name), "unknown_parameter")
+            raise unknown_parameter(name)
+        elif typed and name in IGNORED_TYPES and value is not None:
+            _check_ignored(name, value)
+
+
+def _check_ignored(name: str, value: Any) -> None:
+    kind = IGNORED_TYPES[name]
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise invalid(name, f"must be {_KIND_NAMES[kind]} (got {json_kind(value)})")
+    if isinstance(value, str) and len(value) > MAX_IGNORED_TEXT:
+        raise invalid(name, f"is {len(value)} characters; the limit is {MAX_IGNORED_TEXT}")
+    if isinstance(value, dict):             # metadata, as OpenAI limits it
+        if len(value) > METADATA_PAIRS:
+            raise invalid(name, f"holds {len(value)} pairs; the limit is {METADATA_PAIRS}")
+        for key, v in value.items():
+            if len(key) > METADATA_KEY_CHARS:
+                raise invalid(name, f"a key is {len(key)} characters; the limit is {METADATA_KEY_CHARS}")
+            if not isinstance(v, str) or len(v) > MAX_IGNORED_TEXT:
+                raise invalid(name, f"values must be strings of at most {MAX_IGNORED_TEXT} characters (got "
+                                    f"{json_kind(v) if not isinstance(v, str) else f'{len(v)} characters'})")
+
+
+_KIND_NAMES = {str: "a string", bool: "true or false", dict: "an object of string keys and values"}
+
+
+def json_kind(value: Any) -> str:
+    """What a JSON value is, for a message (never the value itself: it may be huge)."""
+    return {bool: "a boolean", str: "a string", dict: "an object", list: "an array", type(None): "null"}.get(
+        type(value), "a number")
 
 
 def check_model(body: dict[str, Any], served: str, adapters: Collection[str] = ()) -> str | None:

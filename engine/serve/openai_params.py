@@ -17,7 +17,7 @@ import dataclasses
 import io
 import re
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Collection
+from typing import Any, Collection
 
 from PIL import Image as PILImage
 
@@ -28,8 +28,10 @@ from engine.runtime.request import MAX_IMAGES, Request
 from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
 from engine.serve.info import ModelInfo
 from engine.serve.openai_errors import ApiError, invalid
+from engine.serve.openai_body import chat_image_bytes
 from engine.serve.openai_fields import (CHAT_FIELDS, CHAT_NEUTRAL_ONLY, EDIT_FIELDS, GENERATION_FIELDS,
-                                        REFUSED_FIELDS, check_fields, check_model)
+                                        REFUSED_FIELDS, check_fields, check_model, json_kind)
+from engine.serve.openai_form import FilePart
 
 RESPONSE_FORMATS = ("b64_json", "url")                 # url: answered with a data URL (nothing is hosted)
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
@@ -44,11 +46,6 @@ class UploadLimits:
     header, before anything is decoded)."""
     max_bytes: int = 20 * 1024 * 1024
     max_pixels: int = min(4096 * 4096, MAX_PIXELS)
-
-    @property
-    def max_body(self) -> int:
-        """The most a request body may carry: the reference images (base64 in JSON: 4/3) and the fields."""
-        return MAX_IMAGES * self.max_bytes * 4 // 3 + 1024 * 1024
 
 
 @dataclass
@@ -111,6 +108,17 @@ def _float_like(v: Any) -> Any:
             return v
     if isinstance(v, HugeNumber):
         return float("inf") if not v.text.startswith("-") else float("-inf")
+    return v
+
+
+def _text_field(body: dict, name: str) -> str | None:
+    """A field that takes text: None when left out, null or empty; a value of another type is refused, not
+    taken for 'not given' (`false`, `0`, `[]`, `{}` were silently dropped)."""
+    v = body.get(name)
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str):
+        raise invalid(name, f"must be text (got {json_kind(v)})")
     return v
 
 
@@ -217,18 +225,6 @@ def decode_data_url(url: Any, what: str, param: str, limits: UploadLimits) -> by
     return check_upload(data, what, param, limits)
 
 
-async def capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
-    """Pass a request body through, refusing it (413) as soon as it exceeds `limit` bytes, whether or not
-    the client declared a Content-Length."""
-    seen = 0
-    async for chunk in chunks:
-        seen += len(chunk)
-        if seen > limit:
-            raise ApiError(413, f"the request body exceeds {limit} bytes (room for {MAX_IMAGES} reference "
-                                "images at the upload limit and the fields)", None, "request_too_large")
-        yield chunk
-
-
 def _step_cache(body: dict, use: str, kind: type) -> Any:
     """A step cache's extension fields (`use_taylor_cache` and `taylor_cache_*`, the official
     generate_image arguments; `use_block_cache` and `block_cache_*`): its settings, or None when it is
@@ -253,28 +249,29 @@ def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any, lor
     for name in sorted(REFUSED_FIELDS):
         if body.get(name) not in (None, ""):
             raise invalid(name, "not supported by this server", "unsupported_parameter")
-    if body.get("bot_task") == "auto":
+    bot_task = _text_field(body, "bot_task")
+    if bot_task == "auto":
         raise invalid("bot_task", "'auto' writes text and makes no image; use image, recaption, think or "
                                   "think_recaption")
-    preset, custom = body.get("use_system_prompt"), body.get("system_prompt")
-    if custom not in (None, "") and preset in (None, ""):
+    preset, custom = _text_field(body, "use_system_prompt"), _text_field(body, "system_prompt")
+    if custom is not None and preset is None:
         preset = "custom"            # vLLM-Omni: a system_prompt text alone is the custom prompt
     n = _int_like(body.get("n"))
     scale = _float_like(body.get("lora_scale"))
     if scale is not None and lora is None:
         raise invalid("lora_scale", "applies only with `model` naming a LoRA adapter (GET /v1/models lists them)")
-    return Request(prompt=prompt, images=images, bot_task=body.get("bot_task") or None, size=size,
+    return Request(prompt=prompt, images=images, bot_task=bot_task, size=size,
                    steps=_int_like(body.get("num_inference_steps")),
                    guidance=_float_like(body.get("guidance_scale")),
                    seed=_int_like(body.get("seed")),
-                   system_prompt=preset or None,
-                   custom_system_prompt=(custom or None) if preset == "custom" else None,
+                   system_prompt=preset,
+                   custom_system_prompt=custom if preset == "custom" else None,
                    max_new_tokens=_int_like(body.get("max_new_tokens")),
                    n=1 if n is None else n,
                    taylor_cache=_step_cache(body, "use_taylor_cache", TaylorCacheParams),
                    block_cache=_step_cache(body, "use_block_cache", BlockCacheParams),
                    lora=lora, lora_scale=1.0 if scale is None else scale,
-                   history_policy=body.get("history_policy") or None)
+                   history_policy=_text_field(body, "history_policy"))
 
 
 def _output_options(body: dict, params: ImageParams) -> None:
@@ -312,8 +309,12 @@ def parse_generation(body: Any, served: str, adapters: Collection[str] = ()) -> 
 
 def parse_edit(fields_: dict[str, Any], images: list[bytes], served: str, adapters: Collection[str] = ()
                ) -> ImageParams:
-    """POST /v1/images/edits (multipart): text fields as sent, reference images already read and checked."""
-    check_fields(fields_, EDIT_FIELDS)
+    """POST /v1/images/edits (multipart): text fields as sent, reference images already read and checked; a
+    file sent in a text field (a FilePart) is refused by that field's name."""
+    check_fields(fields_, EDIT_FIELDS, typed=False)
+    for name, value in fields_.items():
+        if isinstance(value, FilePart) and name not in REFUSED_FIELDS:      # those: "not supported", below
+            raise invalid(name, f"takes text, not a file (a file named {value.filename!r} was sent in it)")
     lora = check_model(fields_, served, adapters)
     conversation = fields_.get("conversation_id") or None
     if not images and conversation is None:
@@ -461,6 +462,12 @@ def parse_chat(body: Any, limits: UploadLimits, served: str, adapters: Collectio
             raise invalid("messages", "every message must be an object with a `role` (got "
                                       f"{type(m).__name__ if not isinstance(m, dict) else 'no role'})")
     history, texts, images, names = _chat_history(messages, limits)
+    budget = chat_image_bytes(limits.max_bytes)
+    total = sum(map(len, images)) + sum(len(i) for t in history for i in (*t.images, t.image) if i is not None)
+    if total > budget:
+        raise ApiError(413, f"the images of this conversation are {total} bytes together; the limit is {budget} "
+                            f"bytes (the model sees at most {MAX_IMAGES} images of a request)", "messages",
+                       "request_too_large")
     system = [m for m in messages if m["role"] in ("system", "developer")]
     if system and merged.get("system_prompt") is None:
         sys_texts, sys_urls = _chat_text(system[-1].get("content"), "system message's")

@@ -73,6 +73,8 @@ def nearest_bucket(buckets: tuple[Bucket, ...], height: float, width: float) -> 
     return min(buckets, key=lambda b: (abs(b.ratio - r), b.index))
 
 
+MAX_SIZE_DIGITS = 9         # a height, width or bucket index longer than this is no size (and Python's int()
+                            # refuses text past 4300 digits with a message of its own)
 _HXW = re.compile(r"^\s*(\d+)\s*[xX×*]\s*(\d+)\s*$")
 _W_H = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*:\s*(\d+(?:\.\d+)?)\s*$")
 _RATIO = re.compile(r"^\s*<img_ratio_(\d+)>\s*$")
@@ -83,6 +85,10 @@ def parse_size(size: str, buckets: tuple[Bucket, ...]) -> Bucket | None:
     s = size.strip()
     if s.lower() == "auto":
         return None
+    longest = max(map(len, re.findall(r"\d+", s)), default=0)
+    if longest > MAX_SIZE_DIGITS:
+        raise SizeError(f"size: heights, widths and bucket numbers have at most {MAX_SIZE_DIGITS} digits (got a "
+                        f"{longest}-digit number)")
     if m := _RATIO.match(s):
         k = int(m.group(1))
         if k >= len(buckets):
