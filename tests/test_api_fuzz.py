@@ -4,6 +4,11 @@ unknown routes and methods), in process against a real engine server on the tiny
 answer must be a 4xx in OpenAI's shape whose `param` names the field that was made wrong; none may be
 a 500; the server is healthy and generates after.
 
+Two families must be refused, not merely answered (issue 44, item 5): a form's text field sent as a file
+(whose name would read as a valid value), or as bytes that are not UTF-8; and a falsy value of the wrong
+type (false, 0, [], {}) in any field of the JSON routes, which was taken for "not given" and ignored.
+For those a 429 (valid, queue full) is a failure: the answer must be a 4xx naming the field.
+
 Requests that happen to be valid must not make the test slow: the queue holds none (max_queue 0), so a
 valid request is answered 429 at once (still an answer in OpenAI's shape) and nothing runs."""
 from __future__ import annotations
@@ -58,9 +63,10 @@ def _json_text(body) -> str:
 
 class Case:
     def __init__(self, method: str, path: str, *, field: str | None = None, expect: set[int] | None = None,
-                 **kw):
+                 refused: bool = False, **kw):
         self.method, self.path, self.field, self.kw = method, path, field, kw
         self.expect = expect            # allowed statuses (None: any 4xx)
+        self.refused = refused          # must be refused naming `field` (a 429, taken as valid, is wrong)
 
     def __repr__(self) -> str:
         return f"{self.method} {self.path} field={self.field} {str(self.kw)[:160]}"
@@ -172,6 +178,72 @@ def chat_cases(rng: random.Random) -> list[Case]:
     return out
 
 
+# What each field of the JSON routes takes, for the falsy values of another type (0 may be a valid number)
+FIELD_KINDS = {
+    str: ["prompt", "size", "quality", "response_format", "output_format", "background", "bot_task",
+          "use_system_prompt", "system_prompt", "model", "user", "style", "moderation", "input_fidelity",
+          "service_tier", "prompt_cache_key", "safety_identifier", "negative_prompt"],
+    int: ["n", "output_compression", "partial_images", "num_inference_steps", "seed", "max_new_tokens"],
+    float: ["guidance_scale", "lora_scale"],
+    bool: ["stream", "stream_reasoning", "use_taylor_cache", "use_block_cache", "store", "vae_use_tiling"],
+    dict: ["metadata"],
+}
+CHAT_KINDS = {str: ["bot_task", "use_system_prompt", "system_prompt", "history_policy", "output_format", "size",
+                    "user", "model"],
+              int: ["height", "width", "n", "seed", "max_tokens", "max_completion_tokens", "num_inference_steps",
+                    "output_compression"],
+              float: ["temperature", "top_p", "guidance_scale"], bool: ["stream", "store"],
+              dict: ["stream_options", "metadata"], list: ["modalities"]}
+FALSY = [False, 0, [], {}]
+
+
+def _wrong_falsy(kind: type) -> list:
+    """The falsy values that are not of `kind` (0 counts as a number for int and float fields)."""
+    return [v for v in FALSY if not (type(v) is kind or (kind is float and type(v) is int))]
+
+
+def falsy_cases() -> list[Case]:
+    base = {"prompt": "a red circle", "size": "256x192", "num_inference_steps": 1, "bot_task": "image", "seed": 1}
+    chat = {"messages": [{"role": "user", "content": "a red circle"}], "modalities": ["image"],
+            "extra_body": {"height": 192, "width": 256, "num_inference_steps": 1, "bot_task": "image"}}
+    out = []
+    for kind, fields in FIELD_KINDS.items():
+        for field in fields:
+            for v in _wrong_falsy(kind):
+                out.append(Case("POST", "/v1/images/generations", field=field, refused=True,
+                                content=json.dumps({**base, field: v}), headers={"Content-Type": "application/json"}))
+    for kind, fields in CHAT_KINDS.items():
+        for field in fields:
+            for v in _wrong_falsy(kind):
+                body = {**chat, "extra_body": {**chat["extra_body"], field: v}} if field != "modalities" else \
+                    {**chat, field: v}
+                out.append(Case("POST", "/v1/chat/completions", field=field, refused=True, content=json.dumps(body),
+                                headers={"Content-Type": "application/json"}))
+    return out
+
+
+def form_cases(rng: random.Random) -> list[Case]:
+    """The edit form's text fields sent as files named like a valid value, or as bytes that are not UTF-8."""
+    base = {"prompt": "make it blue", "size": "256x192", "num_inference_steps": "1", "bot_task": "image"}
+    valid = {"prompt": "a green star on black", "size": "256x192", "n": "1", "seed": "3", "num_inference_steps": "2",
+             "guidance_scale": "4", "bot_task": "image", "use_system_prompt": "en_unified", "system_prompt": "be brief",
+             "output_format": "png", "stream": "false", "model": "HunyuanImage-3.0-Instruct-Distil",
+             "history_policy": "full", "conversation_id": "c1", "quality": "high", "user": "u1"}
+    not_utf8 = [b"\xff", b"a red \xc3\x28 circle", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"256x192\xfe"]
+    out = []
+    for _ in range(PER_ROUTE):
+        field = rng.choice(sorted(valid))
+        data = {k: v for k, v in base.items() if k != field}
+        image = ("image", ("a.png", png(), "image/png"))
+        if rng.random() < 0.6:
+            part = (field, (valid[field], rng.choice([png(), valid[field].encode(), b""]),
+                            rng.choice(["image/png", "text/plain", "application/octet-stream"])))
+        else:
+            part = (field, (None, rng.choice(not_utf8)))
+        out.append(Case("POST", "/v1/images/edits", field=field, refused=True, files=[image, part], data=data))
+    return out
+
+
 def other_cases(rng: random.Random) -> list[Case]:
     out = [Case("GET", "/v1/models", expect={200}), Case("GET", "/health", expect={200}),
            Case("POST", "/engine/reload", expect={409})]
@@ -193,7 +265,7 @@ def check(case: Case, r) -> str | None:
         return f"{r.status_code}: {r.text[:300]}"
     if case.expect is not None:
         return None if r.status_code in case.expect else f"status {r.status_code}, expected {case.expect}"
-    if r.status_code < 400:
+    if r.status_code < 400 or (case.refused and r.status_code == 429):
         return f"status {r.status_code} for a bad request"
     try:
         err = r.json()["error"]
@@ -201,8 +273,8 @@ def check(case: Case, r) -> str | None:
         return f"not OpenAI's error shape: {r.text[:200]}"
     if set(err) != {"message", "type", "param", "code"} or not err["message"]:
         return f"not OpenAI's error shape: {err}"
-    if r.status_code == 400 and case.field and err["code"] in ("invalid_value", "unknown_parameter",
-                                                                "unsupported_parameter"):
+    if case.refused or (r.status_code == 400 and case.field and err["code"] in ("invalid_value", "unknown_parameter",
+                                                                                 "unsupported_parameter")):
         allowed = REPORTED_AS.get(case.field, {case.field})
         printable = case.field.encode("utf-8", "backslashreplace").decode()
         # a chat's refusal may name the message and its field: messages[i].content (issue 29)
@@ -215,7 +287,8 @@ def check(case: Case, r) -> str | None:
 
 def test_fuzz_every_route(engine_server):
     rng = random.Random(SEED)
-    cases = generation_cases(rng) + edit_cases(rng) + chat_cases(rng) + other_cases(rng)
+    cases = generation_cases(rng) + edit_cases(rng) + chat_cases(rng) + other_cases(rng) + falsy_cases() + \
+        form_cases(rng)
     rng.shuffle(cases)
     engine_server.max_queue = 0                  # a valid request: 429 at once, nothing runs
     problems, statuses = [], {}
@@ -234,7 +307,7 @@ def test_fuzz_every_route(engine_server):
         engine_server.max_queue = None
     print(f"fuzz: {len(cases)} requests in {took:.1f} s, statuses {dict(sorted(statuses.items()))}")
     assert not problems, f"{len(problems)} of {len(cases)} answers wrong:\n" + "\n".join(problems[:25])
-    assert len(cases) >= 300 and statuses.get(400, 0) > len(cases) // 2
+    assert len(cases) >= 500 and statuses.get(400, 0) > len(cases) // 2
     # healthy after: the engine takes a request and makes its image
     with TestClient(api_app(engine_server)) as http:
         r = http.post("/v1/images/generations", json={"prompt": "a red circle", "size": "256x192",

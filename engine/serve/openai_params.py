@@ -479,6 +479,8 @@ def parse_chat(body: Any, limits: UploadLimits, served: str, adapters: Collectio
     h, w = merged.get("height"), merged.get("width")
     if (h is None) != (w is None):
         raise invalid("height" if h is None else "width", "give both height and width, or neither")
+    if h is not None and _text_field(merged, "size") is not None:
+        raise invalid("size", "give the size, or height and width, not both")
     size = f"{_int_like(h)}x{_int_like(w)}" if h is not None else engine_size(merged.get("size"))
     req = dataclasses.replace(_engine_request(merged, "\n".join(texts), images, size, lora), history=history,
                               **_sampling(merged, names))
@@ -489,5 +491,7 @@ def parse_chat(body: Any, limits: UploadLimits, served: str, adapters: Collectio
     params.output_compression = _ranged_int(merged, "output_compression", 0, 100, 100)
     params.stream = _bool("stream", merged.get("stream"))
     opts = merged.get("stream_options")
-    params.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+    if opts is not None and not isinstance(opts, dict):
+        raise invalid("stream_options", f"must be an object such as {{\"include_usage\": true}} (got {json_kind(opts)})")
+    params.include_usage = _bool("stream_options", (opts or {}).get("include_usage"))
     return params
