@@ -474,3 +474,18 @@ def test_invalid_utf8_in_a_form_field_is_refused_naming_it(http):
         data = {k: v for k, v in {"prompt": "make it blue"}.items() if k != field}
         err = refused(http.post("/v1/images/edits", files=files, data=data), 400, field, "invalid_value")
         assert "UTF-8" in err["message"], err
+
+
+def test_bodies_held_at_once_have_a_budget():
+    """Past what all bodies may hold together, the next one is refused with 503 and Retry-After; what a
+    request held is returned when it ends, refused or not."""
+    from engine.serve.openai_body import HeldBodies
+    held = HeldBodies(100)
+    with held.hold() as a, held.hold() as b:
+        a(60)
+        with pytest.raises(ApiError) as e:
+            b(41)
+        assert e.value.status == 503 and e.value.retry_after and e.value.code == "server_busy"
+        b(40)
+        assert held.held == 100
+    assert held.held == 0

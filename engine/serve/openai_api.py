@@ -48,8 +48,8 @@ from engine.runtime.request import MAX_IMAGES
 from engine.serve.client import Submission
 from engine.serve.openai_events import (Outcome, chat_response, chat_stream, collect, failure, image_stream,
                                         images_response)
-from engine.serve.openai_body import (FIELDS_ALLOWANCE, BodyLimit, JsonFields, JsonParser, JsonScan, chat_limit,
-                                      declared_size, edit_limit, generation_limit, read_body)
+from engine.serve.openai_body import (FIELDS_ALLOWANCE, HELD_BODIES, BodyLimit, HeldBodies, JsonFields, JsonParser,
+                                      JsonScan, chat_limit, declared_size, edit_limit, generation_limit, read_body)
 from engine.serve.openai_fields import CHAT_FIELDS, CHAT_NEUTRAL_ONLY, GENERATION_FIELDS, check_fields
 from engine.serve.openai_form import Form, FormReader
 from engine.serve.openai_params import (ApiError, ImageParams, UploadLimits, check_upload, parse_chat, parse_edit,
@@ -105,6 +105,7 @@ class OpenAIApi:
         self.generation_limit, self.edit_limit = generation_limit(), edit_limit(image_bytes)
         self.chat_limit = chat_limit(image_bytes)
         self.parse_json = JsonParser(parse_int)
+        self.held = HeldBodies(HELD_BODIES * max(self.edit_limit.bytes, self.chat_limit.bytes))
 
     # ------------------------------------------------------------------ plumbing
     def _authorize(self, request: HttpRequest) -> None:
@@ -181,8 +182,10 @@ class OpenAIApi:
                 raise refusal(ev, params, self.info) if ev.kind == "invalid" else failure(ev)
         return sub
 
-    async def _json(self, request: HttpRequest, limit: BodyLimit, fields: JsonFields) -> Any:
-        """The JSON body, scanned as it arrives and parsed in a thread (openai_body)."""
+    async def _json(self, request: HttpRequest, limit: BodyLimit, fields: JsonFields,
+                    hold: Callable[[int], None]) -> Any:
+        """The JSON body, scanned as it arrives and parsed in a thread (openai_body); `hold` counts its bytes
+        against what all bodies may hold at once."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype not in JSON_TYPES and not (ctype.startswith("application/") and ctype.endswith("+json")):
             raise ApiError(415, f"send the body as JSON with `Content-Type: application/json` (got "
@@ -191,6 +194,7 @@ class OpenAIApi:
 
         def feed(chunk: bytes) -> None:
             scan.feed(chunk)
+            hold(len(chunk))
             body.extend(chunk)
         await read_body(request.stream(), limit, declared_size(request.headers), feed)
         try:
@@ -198,14 +202,18 @@ class OpenAIApi:
         except ValueError as e:
             raise ApiError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
 
-    async def _form(self, request: HttpRequest) -> Form:
+    async def _form(self, request: HttpRequest, hold: Callable[[int], None]) -> Form:
         """The edit form: its text fields and its reference images (openai_form)."""
         ctype = request.headers.get("content-type", "")
         if not ctype.startswith("multipart/form-data"):
             raise ApiError(400, "send edits as multipart/form-data with the images in `image` or `image[]` "
                                 "(as the openai client does)", None, "invalid_content_type")
         reader = FormReader(ctype, self.config.limits.max_bytes)
-        await read_body(request.stream(), self.edit_limit, declared_size(request.headers), reader.feed)
+
+        def feed(chunk: bytes) -> None:
+            hold(len(chunk))
+            reader.feed(chunk)
+        await read_body(request.stream(), self.edit_limit, declared_size(request.headers), feed)
         return reader.finish()
 
     def _edit_params(self, form: Form) -> ImageParams:
@@ -240,13 +248,16 @@ class OpenAIApi:
 
     # ------------------------------------------------------------------ routes
     async def generations(self, request: HttpRequest) -> Response:
-        body = await self._json(request, self.generation_limit, GENERATION_JSON)
+        with self.held.hold() as hold:
+            body = await self._json(request, self.generation_limit, GENERATION_JSON, hold)
         params = parse_generation(body, self.info.name, self._adapters())
         return await self._images(request, params, "image_generation")
 
     async def edits(self, request: HttpRequest) -> Response:
-        form = await self._form(request)
-        return await self._images(request, await asyncio.to_thread(self._edit_params, form), "image_edit")
+        with self.held.hold() as hold:          # the body's bytes, until the images are checked
+            form = await self._form(request, hold)
+            params = await asyncio.to_thread(self._edit_params, form)
+        return await self._images(request, params, "image_edit")
 
     async def _images(self, request: HttpRequest, params: ImageParams, kind: str) -> Response:
         sub = await self._submit(params)
@@ -265,9 +276,10 @@ class OpenAIApi:
             raise
 
     async def chat(self, request: HttpRequest) -> Response:
-        body = await self._json(request, self.chat_limit, CHAT_JSON)
-        # in a thread: the images' base64 is decoded and their headers read
-        params = await asyncio.to_thread(parse_chat, body, self.config.limits, self.info.name, self._adapters())
+        with self.held.hold() as hold:          # the body's bytes, until its images are decoded
+            body = await self._json(request, self.chat_limit, CHAT_JSON, hold)
+            # in a thread: the images' base64 is decoded and their headers read
+            params = await asyncio.to_thread(parse_chat, body, self.config.limits, self.info.name, self._adapters())
         sub = await self._submit(params)
         inputs = await self._count(sub)
         if params.stream:
@@ -305,7 +317,8 @@ class OpenAIApi:
         if not hasattr(self.server, "load_adapter"):
             raise ApiError(400, "this server does not load LoRA adapters",
                            None, "unsupported_parameter")
-        body = await self._json(request, ADAPTER_LIMIT, JsonFields(frozenset(fields)))
+        with self.held.hold() as hold:
+            body = await self._json(request, ADAPTER_LIMIT, JsonFields(frozenset(fields)), hold)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
         check_fields(body, fields)

@@ -12,8 +12,11 @@ the loop, an 80 MB body of 40 M zeros in an unknown field held every route for 2
   inside `extra_body`) may hold at most FIELD_VALUES values, so 20 000 numbers in the ignored `metadata`
   are refused at the 65th; the whole body at most MAX_JSON_VALUES;
 - a refused body is read to its end without being kept (so the client, still sending, reads the answer),
-  and only a body that passed is parsed: by `json.loads` in a thread (`read_json`), at most PARSERS at
-  once.
+  and only a body that passed is parsed: by `json.loads` in a thread (`JsonParser`), at most PARSERS at
+  once;
+- the bodies held at once, from their first byte until their request is built, are together at most
+  HELD_BODIES of the largest route's limit (`HeldBodies`): a body past that is refused with 503 and
+  Retry-After, so many large bodies at once cannot take the server's memory.
 """
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ import asyncio
 import json
 import re
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Iterator
 
 from engine.runtime.history import MAX_REASONING_CHARS, MAX_TURNS
 from engine.runtime.request import MAX_IMAGES, MAX_PROMPT_CHARS, MAX_SYSTEM_PROMPT_CHARS
@@ -35,6 +39,7 @@ MAX_JSON_DEPTH = 64        # nesting a route's JSON may have (the deepest legal 
 MAX_JSON_VALUES = 16_384
 FIELD_VALUES = 64          # in a field that takes one value, or a few (metadata: OpenAI allows 16 pairs)
 PARSERS = 2                # bodies parsed at once (each in a thread)
+HELD_BODIES = 4            # bodies of the largest route's limit held at once, by all requests together
 
 ESCAPED_CHAR = 12          # the most JSON text one character takes: an astral one as two \uXXXX escapes
 UTF8_CHAR = 4              # the most UTF-8 bytes of one character (multipart text)
@@ -91,6 +96,31 @@ def declared_size(headers) -> int | None:
         return int(headers.get("content-length") or 0) or None
     except ValueError:
         raise ApiError(400, "the Content-Length header is not a number", None, "invalid_request") from None
+
+
+class HeldBodies:
+    """The body bytes that requests being read and parsed hold, together, within `limit`. Used on the event
+    loop only (no lock): `hold()` gives a request its counter, returned when its block ends."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+
+    @contextmanager
+    def hold(self) -> Iterator[Callable[[int], None]]:
+        mine = 0
+
+        def add(n: int) -> None:
+            nonlocal mine
+            if self.held + n > self.limit:
+                raise ApiError(503, f"the server is reading {self.held} bytes of other request bodies, its limit "
+                                    "for all of them at once; send it again in a moment", None, "server_busy",
+                               retry_after=1)
+            self.held += n
+            mine += n
+        try:
+            yield add
+        finally:
+            self.held -= mine
 
 
 async def read_body(chunks: AsyncIterator[bytes], limit: BodyLimit, declared: int | None,
