@@ -8,7 +8,6 @@ import io
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -19,7 +18,7 @@ import httpx
 import pytest
 from PIL import Image as PILImage
 
-from engine.parallel.groups import free_port
+from bench.served import AppNotReady, ServedApp
 
 openai = pytest.importorskip("openai")
 
@@ -34,102 +33,18 @@ THINK = dict(bot_task="think", max_new_tokens=8, seed=3)
 PATIENT_S = 600               # a client that does not give up: slowness is not loss
 
 
-class App:
-    """A `python app.py` process and what the tests need of it."""
-
-    def __init__(self, *flags: str, log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "STUDIO_API_KEY": ""}
-        self.log = log
-        self.proc = subprocess.Popen([sys.executable, "app.py", "--port", str(self.port), *flags], cwd=ROOT,
-                                     env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+class App(ServedApp):
+    """A `python app.py` process (bench/served.py) and the `openai` client the tests drive it with."""
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"app.py exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"app.py did not become ready:\n{self.log.read_text()[-3000:]}")
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=5).json()
+        try:
+            super().wait_ready(READY_TIMEOUT_S)
+        except AppNotReady as e:
+            pytest.fail(str(e))
 
     def client(self, **kw) -> "openai.OpenAI":
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", KEY),
                              max_retries=kw.pop("max_retries", 0), timeout=kw.pop("timeout", 120), **kw)
-
-    def wait_idle(self, timeout: float) -> float:
-        """Seconds until the engine runs nothing and nothing waits (fails after `timeout`)."""
-        t0 = time.monotonic()
-        while True:
-            h = self.health()
-            if h["state"] == "ready" and not h["running"] and h["queue"] == 0:
-                return time.monotonic() - t0
-            if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"engine not idle after {timeout} s: {h}")
-            time.sleep(0.02)
-
-    def _tree(self) -> list[int]:
-        """The server process and its descendants (the engine workers)."""
-        out, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            try:
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-        return out
-
-    def rss_bytes(self) -> int:
-        """Resident memory of the server process and its engine workers."""
-        return sum(self.rss_by_process().values())
-
-    def rss_by_process(self) -> dict[str, int]:
-        """Resident memory of each: 'server', 'worker <pid>', 'other <pid>' (multiprocessing's helpers)."""
-        out, workers = {}, self.worker_pids()
-        for pid in self._tree():
-            try:
-                status = Path(f"/proc/{pid}/status").read_text()
-                rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
-            except (OSError, StopIteration):
-                continue
-            name = "server" if pid == self.proc.pid else ("worker" if pid in workers else "other")
-            out[name if name == "server" else f"{name} {pid}"] = rss
-        return out
-
-    def worker_pids(self) -> list[int]:
-        """The engine workers: the server's spawned children (not multiprocessing's resource tracker)."""
-        out = []
-        for pid in self._tree()[1:]:
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-                out.append(pid)
-        return out
-
-    def open_files(self) -> int:
-        """File descriptors the server process holds (sockets, pipes to the engine, uploads)."""
-        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
