@@ -16,8 +16,8 @@ Probes: /health every 0.5 s (its latency; a probe waits up to 10 s), the RSS of 
 engine worker and the server's open files every 10 s.
 
 Each request ends as: `image`; `left` (the client disconnected on purpose); `refused` (429 queue full or
-503 restarting, with Retry-After); `4xx` (a valid request refused: a defect); `error` (an OpenAI-shaped error that says what happened:
-the worker was killed, a step stalled); `lost` (an answer without an image or an error, a stream that
+503 loading, with Retry-After); `4xx` (a valid request refused: a defect); `error` (an OpenAI-shaped error that says what happened:
+the worker was killed or restarted, a step stalled); `lost` (an answer without an image or an error, a stream that
 ended without either, a connection closed without an answer); `hung` (no answer within --patience s).
 The checks: none lost, none hung; after the load the engine idle and ready; the server's RSS at the end
 within 10% of its level after the warm-up, its open files within 16; the large bodies refused with a 4xx.
@@ -108,7 +108,7 @@ def _answer(r: httpx.Response, has_image) -> tuple[str, str]:
     err = body.get("error") if isinstance(body, dict) else None
     if not isinstance(err, dict) or not err.get("message"):
         return "lost", f"{r.status_code} without an error message: {r.text[:120]}"
-    if r.status_code in (429, 503):
+    if r.status_code == 429 or err.get("code") == "engine_loading":
         return "refused", f"{r.status_code} {err.get('code')}, retry after {r.headers.get('retry-after') or 1}"
     if 400 <= r.status_code < 500:          # a valid request refused: a defect (of the server or this bench)
         return "4xx", f"{r.status_code} {err['message'][:120]}"
@@ -179,6 +179,7 @@ class Soak:
     samples: list[dict] = field(default_factory=list)                       # RSS and fds over time
     faults: list[dict] = field(default_factory=list)
     stops: list[tuple[float, float]] = field(default_factory=list)          # SIGSTOP windows
+    restarts: list[tuple[float, str]] = field(default_factory=list)         # (t, why), as /health said
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -208,14 +209,22 @@ class Soak:
             while not self.done.is_set():
                 t = self.now()
                 try:
-                    status = c.get(self.app.url + "/health").status_code
-                except httpx.HTTPError:
+                    r = c.get(self.app.url + "/health")
+                    status = r.status_code
+                    self._restarted(r.json())
+                except (httpx.HTTPError, ValueError):
                     status = 0
                 self.probes.append((t, self.now() - t, status))
                 if t - last_sample >= 10:
                     last_sample = t
                     self.sample()
                 time.sleep(0.5)
+
+    def _restarted(self, health: dict) -> None:
+        """Note each engine restart /health reports, with its reason."""
+        count = health.get("restarts") or 0
+        while len(self.restarts) < count:
+            self.restarts.append((self.now(), str(health.get("last_error"))[:100]))
 
     def sample(self) -> None:
         try:
@@ -380,15 +389,24 @@ def report(out: Output, args: argparse.Namespace, soak: Soak, baseline: dict, fi
 
     def in_stop(t: float) -> bool:
         return any(a - 1 <= t <= b + 1 for a, b in soak.stops)
+    out.say("engine restarts, as /health reported them:")
+    for t, why in soak.restarts:
+        out.say(f"  {t:7.1f} s  {why}")
     lat = sorted(p[1] for p in soak.probes)
     stalls_stop = [p for p in soak.probes if p[1] > 1.0 and in_stop(p[0])]
     stalls_else = [p for p in soak.probes if p[1] > 1.0 and not in_stop(p[0])]
     out.say(f"/health: {len(lat)} probes, p50 {1000 * lat[len(lat) // 2]:.0f} ms, p99 "
             f"{1000 * lat[int(len(lat) * 0.99)]:.0f} ms, max {lat[-1]:.2f} s; over 1 s: {len(stalls_stop)} during "
             f"a SIGSTOP, {len(stalls_else)} elsewhere" if lat else "/health: no probes")
+    for t, seconds, status in stalls_stop + stalls_else:
+        out.say(f"  /health asked at {t:.1f} s took {seconds:.2f} s ({status or 'no answer'})"
+                f"{' (during a SIGSTOP)' if in_stop(t) else ''}")
+    minutes = soak.samples[::6]                 # a sample every 10 s
+    if soak.samples[-1] is not minutes[-1]:
+        minutes.append(soak.samples[-1])
     mem = [dict(t=s["t"], server=s["server"] / 2**20, workers=" ".join(f"{k.split()[1]}:{v / 2**20:.0f}"
                                                                       for k, v in s["workers"].items()),
-                fds=s["fds"]) for s in soak.samples[::6] + soak.samples[-1:]]
+                fds=s["fds"]) for s in minutes]
     out.table(mem, [Col("t s", "t", ".0f"), Col("server MiB", "server", ".0f"), Col("workers (pid:MiB)", "workers"),
                     Col("server fds", "fds")], "memory (every minute, and at the end after idle)")
     growth = (final["server"] - baseline["server"]) / baseline["server"]
@@ -406,9 +424,9 @@ def report(out: Output, args: argparse.Namespace, soak: Soak, baseline: dict, fi
     for name, ok in checks.items():
         out.say(f"check: {name}: {'ok' if ok else 'FAILED'}")
     out.data.update(minutes=args.minutes, clients=args.clients, fault_every=args.fault_every, stop_s=args.stop_s,
-                    requests=rows, faults=soak.faults, checks=checks, rss_growth=growth,
-                    health=dict(probes=len(lat), max_s=lat[-1] if lat else None, over_1s_in_stop=len(stalls_stop),
-                                over_1s_elsewhere=len(stalls_else)),
+                    requests=rows, faults=soak.faults, restarts=soak.restarts, checks=checks, rss_growth=growth,
+                    health=dict(probes=len(lat), max_s=lat[-1] if lat else None, over_1s_in_stop=stalls_stop,
+                                over_1s_elsewhere=stalls_else),
                     memory=[dict(t=s["t"], server=s["server"], workers=s["workers"], fds=s["fds"])
                             for s in soak.samples])
     return all(checks.values())
