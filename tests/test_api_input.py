@@ -489,3 +489,27 @@ def test_bodies_held_at_once_have_a_budget():
         b(40)
         assert held.held == 100
     assert held.held == 0
+
+
+def test_a_chats_images_together_have_a_budget(engine_server):
+    """A chat's images, history included, at most 3 times the upload limit together (the model sees at most
+    3 of them): past it, 413 naming `messages`, each image within its own limit."""
+    from engine.serve.openai_params import UploadLimits
+    noisy = []
+    for k in range(4):
+        buf = io.BytesIO()
+        PILImage.frombytes("RGB", (20, 20), os.urandom(1200)).save(buf, "PNG")
+        noisy.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    limit = max(len(base64.b64decode(u.split(",")[1])) for u in noisy) + 10
+    part = lambda u: {"type": "image_url", "image_url": {"url": u}}         # noqa: E731
+    chat = {"messages": [{"role": "user", "content": [part(noisy[0]), part(noisy[1]), {"type": "text", "text": "x"}]},
+                         {"role": "assistant", "content": [part(noisy[2])]},
+                         {"role": "user", "content": [part(noisy[3]), {"type": "text", "text": "make it blue"}]}],
+            "extra_body": {"height": 192, "width": 256, "num_inference_steps": 1, "bot_task": "image", "seed": 1}}
+    with TestClient(api_app(engine_server, ApiConfig(limits=UploadLimits(max_bytes=limit))),
+                    raise_server_exceptions=False) as c:
+        err = refused(post_json(c, "/v1/chat/completions", chat), 413, "messages", "request_too_large")
+        assert f"the limit is {3 * limit} bytes" in err["message"], err
+        chat["messages"] = [{"role": "user", "content": [part(u) for u in noisy[:3]] + [{"type": "text", "text": "x"}]}]
+        r = post_json(c, "/v1/chat/completions", chat)            # three images: within the budget
+        assert r.status_code == 200, r.text[:300]

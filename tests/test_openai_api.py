@@ -536,13 +536,11 @@ def test_a_body_without_content_length_is_cut_at_the_limit():
 
     form = b'--B\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n\r\n'
     with TestClient(api_app(_NotRunning("loading"), ApiConfig(limits=limits))) as http:
-        # the edit's image is refused at its own limit, the JSON body at the route's
-        for path, head, tail, ctype, code in (
-                ("edits", form, b"\r\n--B--\r\n", "multipart/form-data; boundary=B", "file_too_large"),
-                ("generations", b"{", b"}", "application/json", "request_too_large")):
+        for path, head, tail, ctype in (("edits", form, b"\r\n--B--\r\n", "multipart/form-data; boundary=B"),
+                                        ("generations", b"{", b"}", "application/json")):
             r = http.post(f"/v1/images/{path}", content=chunks(head, tail), headers={"Content-Type": ctype})
             assert r.request.headers.get("transfer-encoding") == "chunked" and r.status_code == 413, r.text
-            assert r.json()["error"]["code"] == code
+            assert r.json()["error"]["code"] == "request_too_large"
 
 def test_partial_images_are_spread_over_the_steps():
     from engine.runtime.events import Step

@@ -16,9 +16,10 @@ Probes: /health every 0.5 s (its latency; a probe waits up to 10 s), the RSS of 
 engine worker and the server's open files every 10 s.
 
 Each request ends as: `image`; `left` (the client disconnected on purpose); `refused` (429 queue full or
-503 loading, with Retry-After); `4xx` (a valid request refused: a defect); `error` (an OpenAI-shaped error that says what happened:
-the worker was killed or restarted, a step stalled); `lost` (an answer without an image or an error, a stream that
-ended without either, a connection closed without an answer); `hung` (no answer within --patience s).
+503 loading, with Retry-After); `4xx` (a valid request refused: a defect); `error` (an OpenAI-shaped error
+that says what happened: the worker was killed or restarted, a step stalled); `lost` (an answer without an
+image or an error, a stream that ended without either, a connection closed without an answer); `hung` (no
+answer within --patience s).
 The checks: none lost, none hung; after the load the engine idle and ready; the server's RSS at the end
 within 10% of its level after the warm-up, its open files within 16; the large bodies refused with a 4xx.
 /health's latency is reported (a worker stopped while a request is sent to it froze every route up to
@@ -129,15 +130,15 @@ def send(kind: str, url: str, rng: random.Random, i: int, leave_after: float | N
                 return _stream(c, url, {"prompt": f"soak {i}", "size": "256x256", "stream": True,
                                         "partial_images": 1, **extra}, leave_after)
             if kind == "edit":
+                form = {"prompt": f"soak edit {i}", "size": "256x256", **{k: str(v) for k, v in extra.items()}}
                 r = c.post(url + "/v1/images/edits", files=[("image", ("ref.png", images["ref"], "image/png"))],
-                           data={"prompt": f"soak edit {i}", "size": "256x256", **{k: str(v) for k, v in extra.items()}})
+                           data=form)
                 return _answer(r, lambda b: bool(b["data"][0].get("b64_json")))
             messages = [{"role": "user", "content": f"soak chat {i}"}]
             if kind == "chat_history":
-                messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(images["ref"])}},
-                                                         {"type": "text", "text": "a red circle"}]},
-                            {"role": "assistant", "content": [{"type": "image_url",
-                                                               "image_url": {"url": data_url(images["made"])}}]},
+                ref, made = ({"type": "image_url", "image_url": {"url": data_url(images[k])}} for k in ("ref", "made"))
+                messages = [{"role": "user", "content": [ref, {"type": "text", "text": "a red circle"}]},
+                            {"role": "assistant", "content": [made]},
                             {"role": "user", "content": f"make it blue {i}"}]
             r = c.post(url + "/v1/chat/completions", json={"messages": messages, "modalities": ["image"],
                                                            "extra_body": {"height": 256, "width": 256, **extra}})
@@ -250,8 +251,8 @@ class Soak:
             else:
                 # issue 44's freeze: an edit with a 512x512 reference sent to the stopped worker
                 os.kill(pid, signal.SIGSTOP)
-                edit = threading.Thread(target=lambda: self.record("stop_edit", self.now(), send(
-                    "edit", self.app.url, rng, 800_000 + len(self.faults), None, self.args.patience, images)), daemon=True)
+                edit = threading.Thread(daemon=True, target=lambda: self.record("stop_edit", self.now(), send(
+                    "edit", self.app.url, rng, 800_000 + len(self.faults), None, self.args.patience, images)))
                 try:
                     time.sleep(0.5)
                     edit.start()
@@ -372,7 +373,8 @@ def report(out: Output, args: argparse.Namespace, soak: Soak, baseline: dict, fi
                                                        ("image", "left", "refused", "4xx", "error", "lost", "hung")},
                          p50=statistics.median(secs) if secs else None, max=secs[-1] if secs else None))
     out.table(rows, [Col("kind", "kind"), Col("sent", "sent"), Col("image", "image"), Col("left", "left"),
-                     Col("refused", "refused"), Col("4xx", "4xx"), Col("error", "error"), Col("lost", "lost"), Col("hung", "hung"),
+                     Col("refused", "refused"), Col("4xx", "4xx"), Col("error", "error"), Col("lost", "lost"),
+                     Col("hung", "hung"),
                      Col("image p50 s", "p50", ".2f"), Col("max s", "max", ".2f")],
               f"requests over {args.minutes:g} min, {args.clients} clients")
     bad = [o for o in soak.outcomes if o.result in ("lost", "hung", "4xx")]

@@ -30,7 +30,7 @@ ENGINE_FIELDS = frozenset({"num_inference_steps", "guidance_scale", "seed", "bot
 # vLLM-Omni fields that would change the result but are not implemented: refused by name (openai_params).
 REFUSED_FIELDS = frozenset({"negative_prompt", "lora", "mask", "true_cfg_scale", "flow_shift"})
 # Accepted and ignored: they cannot change the image (vae_use_tiling is a memory option of vLLM-Omni). Each
-# has the type OpenAI's schema gives it, checked on JSON bodies (`check_ignored`): ignored is not unchecked,
+# has the type OpenAI's schema gives it, checked on JSON bodies (`check_fields`): ignored is not unchecked,
 # or they would be the one place a client could put anything, of any size (issue 44: 80 MB in `metadata`).
 IGNORED_TYPES: dict[str, type] = {"user": str, "style": str, "moderation": str, "input_fidelity": str,
                                   "vae_use_tiling": bool, "metadata": dict, "store": bool, "service_tier": str,

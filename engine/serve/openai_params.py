@@ -492,6 +492,6 @@ def parse_chat(body: Any, limits: UploadLimits, served: str, adapters: Collectio
     params.stream = _bool("stream", merged.get("stream"))
     opts = merged.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
-        raise invalid("stream_options", f"must be an object such as {{\"include_usage\": true}} (got {json_kind(opts)})")
+        raise invalid("stream_options", f"must be an object, as {{\"include_usage\": true}} (got {json_kind(opts)})")
     params.include_usage = _bool("stream_options", (opts or {}).get("include_usage"))
     return params
