@@ -15,8 +15,6 @@ import sys
 from pathlib import Path
 
 from engine import EMBEDDED_MODEL
-from engine.model.kernel_layouts import MOE_KERNELS
-from engine.runtime.lru import PREFIX_CACHE_MB
 EMBEDDED_NOTICE = ("This is the small **embedded demo model** (9.7 M parameters with the HunyuanImage-3.0 "
                    "architecture). It knows simple scenes: circles, squares, triangles, diamonds and stars in "
                    "red, orange, yellow, green, blue or purple, on white, gray or black, and edits that "
@@ -44,37 +42,13 @@ def parse_auth(value: str | None) -> tuple[str, str] | None:
     return user, password
 
 
-def default_device() -> str:
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_max_batch(device: str) -> int:
-    """Requests the engine runs at once: 8 on CUDA and on the CPU. CUDA: up to 8 rows each decode MoE
-    computes every token on its own (bf16: hunyuan_kernels/moe/cuda.py's decode variant; quantized: the GEMVs of
-    hunyuan_kernels/quant/moe_cuda.py), so a request's tokens do not depend on its neighbours. The GEMVs now
-    take up to 16 rows in MXFP4, NVFP4 and MXFP8 (FP8: 8; `batched` above, which rounds differently); on
-    2026-12-02 (one H200, bench moe-decode, 8 layers) 16 MXFP4 rows cost 11.3 ms against 6.4 for 8, ~15%
-    less a token, so 16 would serve more at once; 8 stays until the serving bench measures 16 (issue 31).
-    CPU: as many as the default --max-queue lets wait; a CPU decode step of the embedded model costs mostly
-    its Python and launch overhead, which 8 rows share."""
-    return 8
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The page's, the API's and the replicas' flags, and the engine's (EngineConfig's): `args.engine` is the
+    engine's configuration, `args.replica_options` the replicas' (with --replicas)."""
+    from engine.serve.engine_config import SERVING_MAX_BATCH, EngineConfig
     ap = argparse.ArgumentParser(prog="python app.py", description="HunyuanImage-3.0 studio (Gradio web UI).")
-    ap.add_argument("--model", help="checkpoint folder in the official layout (default: the embedded model "
-                                    "under assets/model)")
-    ap.add_argument("--plan", default=None, help="parallel plan: tp1, tp2, tp4, hybrid4, tp2sp2, tp2cfg2, tp8, "
-                                                  "hybrid8, ... (default: from --gpus)")
-    ap.add_argument("--gpus", type=int, default=None, help="number of GPUs = engine ranks, one process each "
-                                                           "(default: the plan's, else 1; on cpu: gloo processes)")
-    ap.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when available)")
-    ap.add_argument("--dtype", default="auto", help="bfloat16, float16, float32 or auto (bf16 on GPU, fp32 on CPU)")
-    ap.add_argument("--quantize", choices=["fp8"], default=None,
-                    help="fp8: quantize a high-precision (BF16) checkpoint's backbone linears to FP8 at load, one scale "
-                         "per output channel, activations per token on CUDA (router, embeddings, heads, ViT, VAE "
-                         "untouched); about half the weight memory")
+    EngineConfig.add_arguments(ap.add_argument_group("engine", "the engine's options (engine/serve/engine_config.py)"))
+    ap.set_defaults(max_batch=SERVING_MAX_BATCH)          # a server runs requests together (the one-shot CLI: 1)
     ap.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1, or $GRADIO_SERVER_NAME; "
                                                   "0.0.0.0 for every interface)")
     ap.add_argument("--port", type=int, default=None, help="port (default 7860, or $GRADIO_SERVER_PORT; the next "
@@ -82,14 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--share", action="store_true", help="also open a temporary public *.gradio.live link")
     ap.add_argument("--auth", default=os.environ.get("STUDIO_AUTH"),
                     help="user:password required to open the page and use the API (default $STUDIO_AUTH)")
-    ap.add_argument("--sp-attn", choices=["ulysses", "kv_gather"], default=None,
-                    help="sequence-parallel attention of the denoise phase (default ulysses)")
     ap.add_argument("--max-queue", type=int, default=8, help="requests that may wait in the queue (default 8)")
-    ap.add_argument("--max-batch", type=int, default=None,
-                    help="requests the engine runs at once, their decode steps batched; --max-queue more may wait "
-                         "(default 8: app.default_max_batch says why)")
-    ap.add_argument("--max-denoise-batch", type=int, default=1,
-                    help="requests of one resolution bucket whose denoise steps share one forward (default 1)")
     ap.add_argument("--api-key", default=os.environ.get("STUDIO_API_KEY"),
                     help="key the OpenAI-compatible /v1 API requires as 'Authorization: Bearer KEY' "
                          "(default $STUDIO_API_KEY; none: /v1 is open, unless --auth is set). Without --auth the "
@@ -98,30 +65,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds a running request may go without a token or step before the engine is "
                          "restarted and the request failed (default: automatic, 20x the engine's slowest recent "
                          "token or step, at least 10 s, 120 s for the first request after a start; 0: never)")
-    ap.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                    help="serve a LoRA adapter folder (as PEFT saves it) as the model NAME (repeatable)")
-    ap.add_argument("--max-loras", type=int, default=0,
-                    help="adapter slots, for adapters loaded at run time too (default: as many as --lora)")
-    ap.add_argument("--max-lora-rank", type=int, default=64, help="the highest adapter rank served (default 64)")
-    ap.add_argument("--lora-mlp", action="store_true",
-                    help="adapter slots for adapters of the MLPs too (gate_and_up_proj / down_proj: the shared MLP "
-                         "and every expert), loaded at run time; on by itself when a --lora adapter adapts them. "
-                         "Each slot (and one of zeros) costs 1.7 GB per GPU under hybrid4, 2.4 GB on one GPU, at "
-                         "--max-lora-rank 32 on the full model")
-    ap.add_argument("--moe-kernels", choices=MOE_KERNELS, default="auto",
-                    help="the kernels of quantized (MXFP4) experts: triton (ours), humming (humming-kernels W4A16: "
-                         "pip install '.[humming]', a Hopper GPU), humming-fp8 (its W4A8: FP8 activations), auto "
-                         "(humming where it can take the experts, else triton; default)")
-    ap.add_argument("--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB,
-                    help="K/V of conversations' earlier turns kept per GPU for the next turn, in MiB "
-                         f"(default {PREFIX_CACHE_MB}; 0: off)")
-    ap.add_argument("--lora-merged", action="store_true",
-                    help="fold the one --lora adapter into the weights at load: every request uses it, at strength "
-                         "1, with no per-step cost (float weights only; no adapters loaded at run time)")
-    ap.add_argument("--warmup", nargs="?", const="default", default=None, metavar="SIZES",
-                    help="capture the CUDA graphs of default requests before the engine says ready, so the first "
-                         "users do not wait for them: decode and prefill buckets, and the denoise steps of "
-                         "SIZES (comma-separated HxW; default: the square bucket); takes seconds at start")
     ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
     ap.add_argument("--max-upload-mb", type=float, default=20.0,
                     help="largest reference image file the API accepts, in MB (default 20)")
@@ -145,54 +88,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     try:
         args.auth = parse_auth(args.auth)
-    except argparse.ArgumentTypeError as e:
+        args.engine = EngineConfig.from_args(args)
+        check_server_flags(args)
+        args.replica_options = replica_options(args) if args.replicas is not None else None
+    except (argparse.ArgumentTypeError, ValueError) as e:
         ap.error(str(e))
-    if (args.gpus is not None and args.gpus < 1) or args.max_queue < 1 or (args.max_batch is not None and
-                                                                         args.max_batch < 1) \
-            or args.max_denoise_batch < 1 or args.prefix_cache_mb < 0:
-        ap.error("--gpus, --max-queue, --max-batch and --max-denoise-batch must be at least 1, "
-                 "--prefix-cache-mb at least 0")
-    if args.max_upload_mb <= 0 or (args.max_upload_pixels is not None and args.max_upload_pixels < 1):
-        ap.error("--max-upload-mb and --max-upload-pixels must be positive")
-    if args.api_only and args.share:
-        ap.error("--share opens the page; it does not go with --api-only")
-    if args.warmup is not None:
-        sizes = tuple(s.strip() for s in args.warmup.split(",") if s.strip())
-        if not sizes:
-            ap.error("--warmup takes sizes (HxW, comma-separated), or nothing for the square bucket")
-    args.warmup = () if args.warmup is None else sizes
-    args.loras = []
-    for item in args.lora:
-        name, sep, path = item.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            ap.error(f"--lora takes NAME=PATH (got {item!r})")
-        args.loras.append((name.strip(), path.strip()))
-    if args.max_loras < 0 or args.max_lora_rank < 1:
-        ap.error("--max-loras must be >= 0 and --max-lora-rank >= 1")
-    if args.lora_mlp and not (args.loras or args.max_loras):
-        ap.error("--lora-mlp sizes adapter slots: give --lora NAME=PATH or --max-loras N too")
-    if args.lora_merged and (len(args.loras) != 1 or args.max_loras > 1):
-        ap.error("--lora-merged folds one adapter into the weights: give exactly one --lora NAME=PATH (and no --max-loras)")
-    if args.replicas is not None and args.lora_merged:
-        ap.error("--lora-merged is not supported with --replicas yet (serve the adapter unmerged: --lora NAME=PATH)")
+    return args
+
+
+def check_server_flags(args: argparse.Namespace) -> None:
+    """The page's, the API's and the replicas' flags (ValueError naming the one at fault)."""
+    if args.max_queue < 1:
+        raise ValueError("--max-queue must be at least 1")
     if args.step_timeout is not None and args.step_timeout < 0:
-        ap.error("--step-timeout takes seconds >= 0 (0: never)")
+        raise ValueError("--step-timeout takes seconds >= 0 (0: never)")
+    if args.max_upload_mb <= 0 or (args.max_upload_pixels is not None and args.max_upload_pixels < 1):
+        raise ValueError("--max-upload-mb and --max-upload-pixels must be positive")
+    if args.api_only and args.share:
+        raise ValueError("--share opens the page; it does not go with --api-only")
+    if args.replicas is not None and args.engine.lora_merged:
+        raise ValueError("--lora-merged is not supported with --replicas yet (serve the adapter unmerged: "
+                         "--lora NAME=PATH)")
     if args.replicas is None and any(v is not None for v in (args.gpus_per_replica, args.ray_address,
                                                              args.min_replicas, args.max_replicas,
                                                              args.upscale_delay, args.downscale_delay)):
-        ap.error("--gpus-per-replica, --ray-address, --min-replicas, --max-replicas and the scaling delays need "
-                 "--replicas N")
+        raise ValueError("--gpus-per-replica, --ray-address, --min-replicas, --max-replicas and the scaling delays "
+                         "need --replicas N")
     if args.min_replicas is None and (args.upscale_delay, args.downscale_delay) != (None, None):
-        ap.error("--upscale-delay and --downscale-delay need --min-replicas and --max-replicas (autoscaling)")
-    if args.replicas is not None:
-        if args.gpus is not None and args.gpus_per_replica not in (None, args.gpus):
-            ap.error("--gpus and --gpus-per-replica differ; with --replicas give only --gpus-per-replica")
-        args.gpus_per_replica = args.gpus_per_replica or args.gpus
-        try:
-            args.replica_options = replica_options(args)
-        except ValueError as e:
-            ap.error(str(e))
-    return args
+        raise ValueError("--upscale-delay and --downscale-delay need --min-replicas and --max-replicas (autoscaling)")
+    if args.replicas is not None and args.world_size is not None and \
+            args.gpus_per_replica not in (None, args.world_size):
+        raise ValueError("--gpus and --gpus-per-replica differ; with --replicas give only --gpus-per-replica")
 
 
 def replica_options(args: argparse.Namespace):
@@ -200,24 +126,19 @@ def replica_options(args: argparse.Namespace):
     from engine.serve.replicas import ReplicaOptions        # imports no Ray
     delays = {k: v for k, v in (("upscale_delay_s", args.upscale_delay), ("downscale_delay_s", args.downscale_delay))
               if v is not None}
-    return ReplicaOptions(replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
+    return ReplicaOptions(replicas=args.replicas, gpus_per_replica=args.gpus_per_replica or args.world_size,
                           min_replicas=args.min_replicas, max_replicas=args.max_replicas, ray_address=args.ray_address,
                           **delays)
 
 
-def engine_server(model: Path, device: str, args: argparse.Namespace):
+def engine_server(args: argparse.Namespace):
     """One EngineServer, or with --replicas a pool of them on Ray Serve with the same client API."""
-    kwargs = dict(device=device, dtype=args.dtype, plan=args.plan, sp_kind=args.sp_attn, verbose=True,
-                  max_queue=args.max_queue, quantize=args.quantize, step_timeout=args.step_timeout,
-                  max_batch=args.max_batch or default_max_batch(device), max_denoise_batch=args.max_denoise_batch,
-                  loras=args.loras, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                  lora_mlp=args.lora_mlp, prefix_cache_mb=args.prefix_cache_mb, warmup=args.warmup,
-                  moe_kernels=args.moe_kernels)
+    server_options = dict(max_queue=args.max_queue, step_timeout=args.step_timeout)
     if args.replicas is None:
         from engine.serve.server import EngineServer
-        return EngineServer(model, world_size=args.gpus, lora_merged=args.lora_merged, **kwargs)
+        return EngineServer(args.engine, **server_options)
     from engine.serve.replicas import ReplicaPool
-    return ReplicaPool(model, args.replica_options, **kwargs)
+    return ReplicaPool(args.engine, args.replica_options, **server_options)
 
 
 def key_login(key: str):
@@ -298,28 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     from engine.spec.config import ConfigError
 
     try:
-        model, notice = (Path(args.model), None) if args.model else default_model()
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.replicas is not None and args.device == "auto":
-        device = "auto"               # the replicas' machines decide (the pool asks the Ray cluster)
-    else:
-        device = default_device() if args.device == "auto" else args.device
-    from engine.__main__ import device_problem
-    if args.replicas is None and (problem := device_problem(device)) is not None:    # before the page is served
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    try:
-        server = engine_server(model, device, args)
-    except (ConfigError, ValueError, OSError) as e:      # a wrong folder, an unknown plan or one that does not fit
+        notice = None if args.model else default_model()[1]       # FileNotFoundError: a broken checkout
+        server = engine_server(args)
+    except (ConfigError, ValueError, OSError) as e:      # a wrong folder or device, a plan that does not fit
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.replicas is not None:      # again: Ray's start puts its own SIGTERM handler in, which ends the
         signal.signal(signal.SIGTERM, _interrupt)     # process at once and would leave its cluster running
     copies = f"{args.replicas} replicas of " if args.replicas is not None else ""
-    print(f"engine: loading {model} on {copies}{server.device} (plan {server.plan}, {server.world_size} rank(s)) in the "
-          "background; requests wait until it is ready", flush=True)
+    print(f"engine: loading {server.model} on {copies}{server.device} (plan {server.plan}, {server.world_size} "
+          "rank(s)) in the background; requests wait until it is ready", flush=True)
     print(access_notice(args), flush=True)
     if args.api_only:
         try:

@@ -15,6 +15,7 @@ import pytest
 
 from engine.runtime.events import Done, Error, Event
 from engine.runtime.request import Request
+from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
 
 READY_TIMEOUT_S = 180
@@ -78,8 +79,13 @@ class CountingClient:
         return self.server.reload()
 
 
+SERVER_OPTIONS = ("max_queue", "step_timeout", "cancel_grace_s")      # EngineServer's own; the rest: EngineConfig's
+
+
 def start_server(model: Path, **kw: Any) -> EngineServer:
-    server = EngineServer(model, **kw)
+    """An engine server on `model` with `kw` (EngineConfig's fields and EngineServer's options), ready."""
+    options = {k: kw.pop(k) for k in SERVER_OPTIONS if k in kw}
+    server = EngineServer(EngineConfig(model, **kw), **options)
     if not server.wait_ready(READY_TIMEOUT_S):
         server.close()
         pytest.fail(f"engine did not become ready: {server.health()}")

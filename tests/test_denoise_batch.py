@@ -108,8 +108,9 @@ def test_a_cancel_and_a_failure_end_only_their_own_request(tiny, monkeypatch):
 def test_the_server_runs_with_max_denoise_batch(tiny_dir, tiny):
     """EngineServer(max_denoise_batch=2) hands the setting to its worker's engine (EngineConfig): two
     requests submitted together each give their solo image."""
+    from engine.serve.engine_config import EngineConfig
     from engine.serve.server import EngineServer
-    with EngineServer(tiny_dir, max_batch=2, max_denoise_batch=2, preview_every=0) as server:
+    with EngineServer(EngineConfig(tiny_dir, max_batch=2, max_denoise_batch=2, preview_every=0)) as server:
         assert server.wait_ready(300), server.health()
         assert server.config.pipeline_options()["max_denoise_batch"] == 2
         subs = [server.submit(Request(**kw)) for kw in SAME[:2]]

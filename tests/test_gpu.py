@@ -15,6 +15,7 @@ from engine.model.moe import MoE
 from engine.parallel.layout import PhaseView
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
+from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -74,7 +75,7 @@ def test_grouped_moe_bf16_matches_fp32():
 @pytest.mark.parametrize("plan,sp", [("tp2", None), ("hybrid4", "ulysses"), ("tp2cfg2", None),
                                      ("tp2sp2", "kv_gather")])
 def test_plans_on_cuda_equal_world1(tiny_dir, cuda_fp32, plan, sp):
-    with EngineServer(tiny_dir, device="cuda", dtype="float32", plan=plan, sp_kind=sp, preview_every=0) as server:
+    with EngineServer(EngineConfig(tiny_dir, device="cuda", dtype="float32", plan=plan, sp_kind=sp, preview_every=0)) as server:
         assert server.wait_ready(300), server.health()
         res = outcome(list(server.stream(Request(**REQ))))
         stats = server.health()["ranks"]

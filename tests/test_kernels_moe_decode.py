@@ -241,8 +241,8 @@ def test_gpu_batched_is_batch_invariant(name):
 def test_gpu_the_chosen_variant_is_batch_invariant_to_the_servers_batch(name):
     """What serving runs: the op as the registry picks it (the GEMV `decode` up to its 8 rows, the CUDA
     server's --max-batch) gives each token alone what it gives in a batch of 2..8."""
-    from app import default_max_batch
-    args = _gpu_args(name, default_max_batch("cuda"), seed=7)
+    from engine.serve.engine_config import SERVING_MAX_BATCH
+    args = _gpu_args(name, SERVING_MAX_BATCH, seed=7)
     x, rest = args[0], args[1:]
     alone = [kernels.call("moe_quant", x[t:t + 1], *rest)[0] for t in range(len(x))]
     chosen = kernels.chosen("moe_quant")

@@ -356,10 +356,11 @@ def test_server_serves_a_merged_adapter(served, tiny_dir, adapters):
     """EngineServer(lora_merged=True) (app.py --lora NAME=PATH --lora-merged): its worker folds the adapter into
     the weights; a request naming it gives the unmerged adapter's text and image, one without it is refused
     where it enters; loading another adapter is refused."""
+    from engine.serve.engine_config import EngineConfig
     from engine.serve.server import EngineServer
     with pytest.raises(ValueError, match="needs exactly one --lora"):
-        EngineServer(tiny_dir, loras=list(adapters.items()), lora_merged=True)
-    with EngineServer(tiny_dir, preview_every=0, loras=[("plain", adapters["plain"])], lora_merged=True) as server:
+        EngineServer(EngineConfig(tiny_dir, loras=list(adapters.items()), lora_merged=True))
+    with EngineServer(EngineConfig(tiny_dir, preview_every=0, loras=[("plain", adapters["plain"])], lora_merged=True)) as server:
         assert server.wait_ready(300), server.health()
         assert server.config.lora_slots == 0 and server.adapters() == ["plain"] and server.merged_adapter() == "plain"
         got = outcome(list(server.stream(Request(**(REQUEST | dict(lora="plain"))))))
@@ -446,10 +447,11 @@ def test_hybrid4_adapter_equals_merged_and_loads_at_run_time(served, base, tiny_
     start gives the merged checkpoint's text and image, no adapter the base model's; adapters loaded while
     the engine runs (one of the MLPs too: its experts' slices per rank) serve at once as on tp1 and, unloaded,
     are refused by name."""
+    from engine.serve.engine_config import EngineConfig
     from engine.serve.server import EngineServer
     merged = alone(load(merged_checkpoint(tiny_dir, tmp_path / "merged", adapters["plain"], cfg)))
-    with EngineServer(tiny_dir, plan="hybrid4", preview_every=0, loras=[("plain", adapters["plain"])],
-                      max_loras=3, lora_mlp=True) as server:
+    with EngineServer(EngineConfig(tiny_dir, plan="hybrid4", preview_every=0, loras=[("plain", adapters["plain"])],
+                      max_loras=3, lora_mlp=True)) as server:
         assert server.wait_ready(300), server.health()
         got = outcome(list(server.stream(Request(**(REQUEST | dict(lora="plain"))))))
         none = outcome(list(server.stream(Request(**REQUEST))))

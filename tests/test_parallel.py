@@ -15,6 +15,7 @@ from engine.runtime.events import Error, Image, Text
 from engine.runtime.pipeline import Pipeline
 from engine.parallel.plan import PRESETS, ParallelPlan, PlanError, get_plan
 from engine.runtime.request import Request
+from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
 
 
@@ -105,7 +106,7 @@ def _expected_bytes(folder, storage_tp):
                                      ("tp2sp2", "ulysses"), ("tp2sp2", "kv_gather"), ("tp2cfg2", None),
                                      ("hybrid8sp4", "ulysses")])   # 8 ranks: AR TP8 -> TP2 x SP4 (4 micros)
 def test_plan_equals_world1(tiny_dir, world1, plan, sp):
-    with EngineServer(tiny_dir, plan=plan, sp_kind=sp, preview_every=0) as server:
+    with EngineServer(EngineConfig(tiny_dir, plan=plan, sp_kind=sp, preview_every=0)) as server:
         assert server.wait_ready(300), server.health()
         results = [_outcome(list(server.stream(Request(**kw)))) for kw in REQUESTS]
         stats = server.health()["ranks"]

@@ -17,6 +17,7 @@ from engine.runtime.lru import ByteLRU
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.prefix_cache import PrefixCache, prefix_key
 from engine.runtime.request import Request
+from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
 
 
@@ -178,7 +179,7 @@ def test_an_engine_under_a_tiny_bound_keeps_what_fits(tiny, cached_run):
 
 def test_two_ranks_on_gloo_agree_with_one(tiny_dir, cached_run):
     _, turns = cached_run
-    with EngineServer(tiny_dir, plan="tp2", preview_every=0) as server:
+    with EngineServer(EngineConfig(tiny_dir, plan="tp2", preview_every=0)) as server:
         assert server.wait_ready(300), server.health()
         results = [_outcome(list(server.stream(req))) for req, *_ in turns]
     for (req, text, image, done), (text2, image2, done2) in zip(turns, results):

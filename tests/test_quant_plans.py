@@ -21,6 +21,7 @@ from engine.parallel.plan import PRESETS, get_plan
 from engine.runtime.events import Error, Image, Text
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
+from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
 from engine.model.loader import load
 from engine.spec import names
@@ -135,7 +136,7 @@ def test_tool_made_mxfp4_runs_on_hybrid4_like_tp1(tmp_path):
     folder = qf.build("autoround-mxfp4", tmp_path / "mxfp4")
     req = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=3, greedy=True)
     text0, img0 = _outcome(list(Pipeline(load(folder), preview_every=0).run(Request(**req))))
-    with EngineServer(folder, plan="hybrid4", preview_every=0) as server:
+    with EngineServer(EngineConfig(folder, plan="hybrid4", preview_every=0)) as server:
         assert server.wait_ready(300), server.health()
         text1, img1 = _outcome(list(server.stream(Request(**req))))
         stats = server.health()["ranks"]

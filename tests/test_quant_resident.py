@@ -211,16 +211,17 @@ def test_quantize_flag_reaches_the_load(folders):
     from pathlib import Path
 
     import app
+    from engine.serve.engine_config import EngineConfig
     from engine.serve.server import EngineServer
     root = Path(__file__).resolve().parents[1]
-    assert app.parse_args(["--quantize", "fp8"]).quantize == "fp8" and app.parse_args([]).quantize is None
+    assert app.parse_args(["--quantize", "fp8"]).engine.quantize == "fp8" and app.parse_args([]).engine.quantize is None
     p = subprocess.run([sys.executable, "-m", "engine", "text", "--model", str(folders["bf16"]), "--prompt", "a red circle",
                         "--max-new-tokens", "4", "--seed", "1", "--quantize", "fp8"], cwd=root, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0 and "[think]" in p.stdout, p.stderr[-2000:]
     with pytest.raises(ValueError, match="unknown quantize 'int8'"):
-        EngineServer(folders["bf16"], quantize="int8")
-    with EngineServer(folders["mxfp4"], plan="tp2", quantize="fp8", preview_every=0) as server:   # two gloo ranks
+        EngineServer(EngineConfig(folders["bf16"], quantize="int8"))
+    with EngineServer(EngineConfig(folders["mxfp4"], plan="tp2", quantize="fp8", preview_every=0)) as server:   # two gloo ranks
         assert not server.wait_ready(120)
         assert "already quantized" in server.health()["last_error"]
 

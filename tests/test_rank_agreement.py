@@ -13,6 +13,7 @@ import engine.serve.server as server_module
 from engine.runtime.events import Error, Image, Started, Text
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
+from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
 from faults import FAULT_ENV, faulty_worker
 from studio_fixtures import READY_TIMEOUT_S
@@ -25,7 +26,7 @@ def _pixels(ev: Image) -> np.ndarray:
 
 
 def test_a_request_without_a_seed_gives_the_tp1_image_of_the_reported_seed(tiny, tiny_dir):
-    with EngineServer(tiny_dir, plan="hybrid4", preview_every=0) as server:
+    with EngineServer(EngineConfig(tiny_dir, plan="hybrid4", preview_every=0)) as server:
         assert server.wait_ready(READY_TIMEOUT_S), server.health()
         events = list(server.stream(Request(**REQ)))           # no seed
     started = next(e for e in events if isinstance(e, Started))
@@ -41,7 +42,7 @@ def test_a_failure_on_rank_1_ends_the_request_with_its_message_and_the_next_one_
                                                                                     monkeypatch):
     monkeypatch.setenv(FAULT_ENV, f"1:1:{tmp_path / 'fired'}")
     monkeypatch.setattr(server_module, "worker_main", faulty_worker)
-    with EngineServer(tiny_dir, plan="hybrid4", preview_every=0) as server:
+    with EngineServer(EngineConfig(tiny_dir, plan="hybrid4", preview_every=0)) as server:
         assert server.wait_ready(READY_TIMEOUT_S), server.health()
         t0 = time.monotonic()
         events = list(server.stream(Request(seed=1, **REQ)))

@@ -334,9 +334,9 @@ def test_without_replicas_ray_is_never_imported(tmp_path):
     code = """
 import sys
 import app
-args = app.parse_args(["--max-batch", "1"])
+args = app.parse_args(["--max-batch", "1", "--device", "cpu"])
 model, notice = app.default_model()
-server = app.engine_server(model, "cpu", args)
+server = app.engine_server(args)
 try:
     from engine.serve.openai_api import OpenAIApi
     from webui.studio import build_studio

@@ -13,6 +13,7 @@ from PIL import Image as PILImage
 
 from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text
 from engine.serve.info import ModelInfo
+from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer, describe_exit
 
 from studio_fixtures import READY_TIMEOUT_S, engine_server, fast_request, final, start_server, wait_for  # noqa: F401
@@ -164,7 +165,7 @@ def test_broken_checkpoint_fails_loading_with_a_message(tiny_dir, tmp_path):
     for f in Path(tiny_dir).iterdir():        # the small files only: the weights are missing
         if f.is_file() and not f.name.endswith(".safetensors"):
             shutil.copy(f, broken / f.name)
-    with EngineServer(broken) as server:
+    with EngineServer(EngineConfig(broken)) as server:
         assert not server.wait_ready(120)
         h = server.health()
         assert h["state"] == "failed" and "could not load" in h["last_error"]
@@ -200,14 +201,14 @@ def test_describe_exit():
 def test_unknown_or_unfit_plans_are_refused_before_spawning(tiny_dir):
     from engine.parallel.plan import PlanError
     with pytest.raises(PlanError, match="unknown plan"):
-        EngineServer(tiny_dir, plan="nope")
+        EngineServer(EngineConfig(tiny_dir, plan="nope"))
     with pytest.raises(PlanError, match="needs 4 ranks"):
-        EngineServer(tiny_dir, plan="hybrid4", world_size=2)
+        EngineServer(EngineConfig(tiny_dir, plan="hybrid4", world_size=2))
 
 
 @pytest.mark.slow
 def test_two_ranks_on_cpu_serve_cancel_and_survive_a_dead_follower(tiny_dir):
-    with EngineServer(tiny_dir, world_size=2) as server:      # gloo ranks, default plan tp2
+    with EngineServer(EngineConfig(tiny_dir, world_size=2)) as server:      # gloo ranks, default plan tp2
         assert server.wait_ready(READY_TIMEOUT_S), server.health()
         h = server.health()
         assert h["plan"] == "tp2" and len(h["worker_pids"]) == 2
@@ -231,7 +232,7 @@ def test_requests_run_together_up_to_max_batch(tiny_dir):
     request while its neighbours run on."""
     import threading
     import time
-    with EngineServer(tiny_dir, max_batch=4, preview_every=0) as server:
+    with EngineServer(EngineConfig(tiny_dir, max_batch=4, preview_every=0)) as server:
         assert server.wait_ready(READY_TIMEOUT_S), server.health()
         seen: dict[int, list] = {i: [] for i in range(4)}
         subs = [server.submit(fast_request(prompt=f"shape number {i}", seed=i)) for i in range(4)]

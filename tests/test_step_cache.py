@@ -169,11 +169,12 @@ def test_distil_and_n_images_forecast_every_row(tiny_distil):
 def test_multi_rank_cached_run_equals_world1_cached_run(tiny_dir, tiny, plan, sp):
     """gloo ranks: under SP every rank forecasts the gathered tail, under CFG-parallel each its own branch;
     the cached image equals the one-rank cached image (PSNR >= 40 dB) with the same steps in full."""
+    from engine.serve.engine_config import EngineConfig
     from engine.serve.server import EngineServer
     kw = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=5, seed=3, greedy=True,
               taylor_cache=P(taylor_cache_interval=2))
     ref = list(Pipeline(tiny, preview_every=0).run(Request(**kw)))
-    with EngineServer(tiny_dir, plan=plan, sp_kind=sp, preview_every=0) as server:
+    with EngineServer(EngineConfig(tiny_dir, plan=plan, sp_kind=sp, preview_every=0)) as server:
         assert server.wait_ready(300), server.health()
         ev = list(server.stream(Request(**kw)))
     assert psnr(image_of(ev), image_of(ref)) >= 40
@@ -212,11 +213,12 @@ def test_block_cache_skips_within_its_limits_with_cfg_rows_together(tiny):
 def test_multi_rank_block_cache_takes_one_decision(tiny_dir, tiny, plan, sp):
     """Every rank takes the same branch (a rank that skipped alone would leave the others waiting in a
     collective) and the image equals the one-rank one."""
+    from engine.serve.engine_config import EngineConfig
     from engine.serve.server import EngineServer
     kw = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=6, seed=3, greedy=True,
               block_cache=B(block_cache_threshold=1.0, block_cache_warmup_steps=1, block_cache_max_skips=1))
     ref = list(Pipeline(tiny, preview_every=0).run(Request(**kw)))
-    with EngineServer(tiny_dir, plan=plan, sp_kind=sp, preview_every=0) as server:
+    with EngineServer(EngineConfig(tiny_dir, plan=plan, sp_kind=sp, preview_every=0)) as server:
         assert server.wait_ready(300), server.health()
         ev = list(server.stream(Request(**kw)))
     assert psnr(image_of(ev), image_of(ref)) >= 40

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.runtime.events import Done, Error, Ratio, Step
+from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
 from engine.serve.supervisor import (BACKOFF_S, FIRST_REQUEST_S, LOAD_DEATHS_LIMIT, STABLE_S, STALL_FACTOR,
                                      STALL_FLOOR_S, Restarts, StallWatch)
@@ -226,7 +227,7 @@ def test_failed_load_says_why_and_reload_brings_it_back(tiny_dir, tmp_path):
     for f in Path(tiny_dir).iterdir():
         if f.is_file() and f not in weights:
             shutil.copy(f, folder / f.name)
-    with EngineServer(folder) as s:
+    with EngineServer(EngineConfig(folder)) as s:
         assert not s.wait_ready(READY_TIMEOUT_S)
         h = s.health()
         assert h["state"] == "failed" and "could not load" in h["last_error"] and h["worker_pids"] == []

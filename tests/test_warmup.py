@@ -17,6 +17,7 @@ from engine.runtime.events import Done, Error, Image, Text
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.runtime.warmup import TAIL_MAX, WarmupError, warm_up
+from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
 
 REQUESTS = [dict(prompt="a red circle on a white table", bot_task="think", max_new_tokens=24, steps=2, seed=5,
@@ -74,9 +75,9 @@ def test_a_failed_part_is_named(tiny, monkeypatch):
 
 
 def test_the_flag_takes_sizes():
-    assert parse_args([]).warmup == ()
-    assert parse_args(["--warmup"]).warmup == ("default",)
-    assert parse_args(["--warmup", "1024x1024, 768x1280"]).warmup == ("1024x1024", "768x1280")
+    assert parse_args([]).engine.warmup == ()
+    assert parse_args(["--warmup"]).engine.warmup == ("default",)
+    assert parse_args(["--warmup", "1024x1024, 768x1280"]).engine.warmup == ("1024x1024", "768x1280")
     with pytest.raises(SystemExit):
         parse_args(["--warmup", " , "])
 
@@ -84,8 +85,8 @@ def test_the_flag_takes_sizes():
 def test_a_warmed_hybrid4_server_says_so_and_serves(tiny_dir):
     """Four gloo ranks run the same warm-up in step (its requests' collectives), then serve."""
     with pytest.raises(ValueError, match="not understood"):
-        EngineServer(tiny_dir, warmup=("huge",))           # refused before anything is spawned
-    server = EngineServer(tiny_dir, plan="hybrid4", warmup=("default",), max_batch=2)
+        EngineServer(EngineConfig(tiny_dir, warmup=("huge",)))           # refused before anything is spawned
+    server = EngineServer(EngineConfig(tiny_dir, plan="hybrid4", warmup=("default",), max_batch=2))
     try:
         assert server.wait_ready(120), server.health()
         h = server.health()

@@ -1,6 +1,6 @@
 """Engine replicas on Ray Serve: several copies of the engine behind one page and one /v1 (DESIGN §2.11).
 
-    pool = ReplicaPool(model, ReplicaOptions(replicas=2, gpus_per_replica=4), device="cuda", max_batch=8)
+    pool = ReplicaPool(EngineConfig(model, device="cuda", max_batch=8), ReplicaOptions(replicas=2, gpus_per_replica=4))
     sub = pool.submit(Request(prompt="a red fox"))      # EngineServer's client API, unchanged
     async for ev in sub: ...                             # pool.cancel(id), pool.position(id), pool.health()
 
@@ -43,6 +43,7 @@ Ray is imported here only, and only when a pool is built: without --replicas not
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import threading
@@ -51,13 +52,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.parallel.plan import get_plan
 from engine.runtime.conversation import ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error
 from engine.runtime.request import Prepared, Request
-from engine.serve.adapters import Loras, check_load, check_unload, needs_mlp
+from engine.serve.adapters import Loras, check_load, check_unload
 from engine.serve.admission import admit
 from engine.serve.client import Submission
+from engine.serve.engine_config import EngineConfig
 from engine.serve.info import ModelInfo
 from engine.serve.turns import submit_turn
 
@@ -118,13 +119,14 @@ class EngineReplica:
     """The body of one replica: one EngineServer, its health posted to the board. Ray Serve wraps this
     class (`serve.deployment` in `ReplicaPool._deploy`), so it is plain Python here."""
 
-    def __init__(self, model: str, engine_kwargs: dict) -> None:
+    def __init__(self, config: EngineConfig, step_timeout: float | None) -> None:
         import ray
         from ray import serve
         from engine.serve.server import EngineServer
         self._board = ray.get_actor(BOARD_NAME, namespace=NAMESPACE)
         self._adapters_epoch, loras = ray.get(self._board.loras.remote(), timeout=30)
-        self.server = EngineServer(model, **engine_kwargs, loras=loras)    # the adapters the pool serves now
+        # the adapters the pool serves now
+        self.server = EngineServer(dataclasses.replace(config, loras=loras), step_timeout=step_timeout)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()
         self.gpus = [str(g) for g in ray.get_gpu_ids()]
@@ -255,44 +257,37 @@ def deployment_options(o: ReplicaOptions, world: int, max_batch: int, max_queue:
 # ---------------------------------------------------------------------------------------- ingress side
 class ReplicaPool:
     """EngineServer's client API (submit, submit_turn, cancel, position, health, reload, close, info, and the
-    LoRA adapters') over engine replicas on Ray Serve. `engine_kwargs` are EngineServer's (device, dtype,
-    plan, max_batch, loras, max_loras, ...)."""
+    LoRA adapters') over engine replicas on Ray Serve."""
 
-    def __init__(self, model: str | Path, options: ReplicaOptions, **engine_kwargs: Any) -> None:
+    def __init__(self, config: EngineConfig, options: ReplicaOptions, *, max_queue: int | None = None,
+                 step_timeout: float | None = None) -> None:
+        """Replicas of the engine `config` describes (each one's ranks: `options.gpus_per_replica`, else the
+        config's), checked here against the checkpoint as one engine checks it, before any replica starts.
+        `max_queue` and `step_timeout` are EngineServer's: the requests that may wait on each replica, each
+        replica's stall limit."""
         import ray
         from ray import serve
         self.options = options
-        self.info = ModelInfo.from_folder(model)
-        self.model = str(Path(model).resolve())
+        self.info = ModelInfo.from_folder(config.model)
         g = options.gpus_per_replica
-        plan = get_plan(engine_kwargs.get("plan"), max(1, int(g)) if g else engine_kwargs.get("world_size"),
-                        engine_kwargs.get("sp_kind"))
-        plan.check_model(self.info.cfg)            # refused here, before any replica starts
-        self.plan, self.world_size = plan.name, plan.world
-        self.max_batch = int(engine_kwargs.get("max_batch", 1))
-        self.max_queue = engine_kwargs.get("max_queue")
-        # the adapters every replica serves, checked here as one engine checks them (before any replica starts)
-        start = tuple(engine_kwargs.pop("loras", ()))
-        self._lora_slots = max(int(engine_kwargs.get("max_loras", 0)), len(start))
-        self._max_lora_rank = int(engine_kwargs.get("max_lora_rank", 64))
-        self._lora_mlp = bool(engine_kwargs.get("lora_mlp")) or needs_mlp(start)    # every replica's tables alike
-        engine_kwargs["lora_mlp"] = self._lora_mlp
-        self._loras: Loras = ()
-        for name, folder in start:
-            self._loras += ((name, check_load(self.info, self._loras, self._lora_slots, self._max_lora_rank,
-                                              name, folder, self._lora_mlp)),)
+        config = dataclasses.replace(config, world_size=max(1, int(g)) if g else config.world_size).with_plan()
+        config = config.for_checkpoint(self.info)
+        self.model, self.plan, self.world_size = config.model, config.plan, config.world_size
+        self.max_batch, self.max_queue = config.max_batch, max_queue
+        self._lora_slots, self._max_lora_rank, self._lora_mlp = config.lora_slots, config.max_lora_rank, config.lora_mlp
+        self._loras: Loras = config.loras          # the adapters every replica serves (loaded from the board)
         self._adapter_lock = threading.Lock()     # one load or unload at a time
         self.conversations = ConversationStore()  # held here, at the ingress (the module's docstring says why)
         self._connected = not ray.is_initialized()            # ray.init here: ray.shutdown at close
         self._local_ray = self._connected and options.ray_address is None   # ... which stops this local Ray
         if self._connected:
             ray.init(address=options.ray_address, namespace=NAMESPACE, include_dashboard=False)
-        device = engine_kwargs.get("device", "auto")
+        device = config.device
         if device == "auto":                       # the replicas' machines decide, not this one
             device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
         self.device = device
         if device.startswith("cuda"):              # Ray would wait for GPUs that never come: say so now
-            have, per = ray.cluster_resources().get("GPU", 0), options.gpus_per_replica or plan.world
+            have, per = ray.cluster_resources().get("GPU", 0), options.gpus_per_replica or config.world_size
             if have < per * options.replicas:      # (serve.run waits for every replica it starts with)
                 if self._connected:
                     ray.shutdown()
@@ -302,8 +297,8 @@ class ReplicaPool:
         # replica's engine takes whatever Ray admits: its own count lags Ray's by the moment between an
         # ended stream and the engine forgetting it, so a second limit there refused requests Ray had
         # found room for (a 429 with room free, seen under CI load)
-        self._engine_kwargs = {**engine_kwargs, "device": device, "plan": plan.name, "world_size": plan.world,
-                               "max_queue": None, "max_loras": self._lora_slots}
+        self._replica_config = dataclasses.replace(config, device=device, loras=(), max_loras=self._lora_slots)
+        self._step_timeout = step_timeout
         self._board = ray.remote(num_cpus=0)(HealthBoard).options(
             name=BOARD_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime=None).remote()
         ray.get(self._board.set_loras.remote(self._loras), timeout=30)     # before a replica starts: they load it
@@ -328,7 +323,7 @@ class ReplicaPool:
                                      cuda=self.device.startswith("cuda"))
         serve.start(proxy_location="Disabled")    # this process is the ingress: no Ray HTTP proxy
         dep = serve.deployment(EngineReplica).options(name="EngineReplica", **options)
-        return serve.run(dep.bind(self.model, self._engine_kwargs), name=APP_NAME, route_prefix=None)
+        return serve.run(dep.bind(self._replica_config, self._step_timeout), name=APP_NAME, route_prefix=None)
 
     # ------------------------------------------------------------------ client API (EngineServer's)
     def submit(self, request: Request, recorder: Callable[[Request, Prepared], TurnRecorder] | None = None

@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import multiprocessing as mp
-import os
 import signal
 import sys
 import threading
@@ -38,14 +37,12 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
-from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.conversation import ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error, Event
 from engine.runtime.request import Prepared, Request
-from engine.spec.buckets import parse_size
-from engine.serve.adapters import check_adapter, check_load, check_unload, needs_mlp
+from engine.serve.adapters import check_load, check_unload
 from engine.serve.admission import admit
 from engine.serve.client import Submission
 from engine.serve.engine_config import EngineConfig
@@ -105,65 +102,21 @@ def _kill(inc: _Incarnation) -> None:
 class EngineServer:
     """Spawns the engine workers once, keeps the model resident, runs queued requests one at a time."""
 
-    def __init__(self, model: str | Path, device: str = "cpu", dtype: str | None = None,
-                 world_size: int | None = None, plan: str | None = None, preview_every: int = 1,
-                 verbose: bool = False, cancel_grace_s: float = CANCEL_GRACE_S, sp_kind: str | None = None,
-                 max_queue: int | None = None, quantize: str | None = None, max_batch: int = 1,
-                 step_timeout: float | None = None, cfg_serial: bool = False, cuda_graph: bool = True,
-                 max_denoise_batch: int = 1, loras: Sequence[tuple[str, str]] = (), max_loras: int = 0,
-                 max_lora_rank: int = 64, lora_merged: bool = False, lora_mlp: bool = False,
-                 prefix_cache_mb: int = EngineConfig.prefix_cache_mb,
-                 encoding_cache_mb: int = EngineConfig.encoding_cache_mb, warmup: Sequence[str] = (),
-                 moe_kernels: str = EngineConfig.moe_kernels):
-        """`plan`: a preset of engine.parallel.plan (tp1, tp2, hybrid4, ...); `world_size`: the number of ranks
-        (one worker process each; GPUs on cuda, gloo processes on cpu). Either may be left out: the
-        plan gives the world size and a world size picks its default plan. A plan the checkpoint cannot
-        be split by, or a folder that is not a checkpoint, is refused here, before anything is spawned
-        (PlanError / ConfigError, both ValueErrors). `sp_kind` picks the SP attention (ulysses or
-        kv_gather); `cfg_serial` and `cuda_graph` go to every rank's Pipeline. `max_queue`:
-        how many requests may wait beyond the running ones (None: no limit); one more is refused at
-        submit with Error('busy'), checked under the queue's lock so simultaneous arrivals cannot
-        overshoot it. `max_batch`: how many requests the engine runs at once (batched; 1: one at a
-        time); `max_denoise_batch`: how many of them, of one resolution bucket, share a denoise forward.
-        `quantize` ("fp8"): every rank quantizes the backbone linears of a high-precision
-        checkpoint at load (engine/model/weights.py). `step_timeout`: seconds the running requests may go
-        without a token or step before the engine is restarted (None: automatic, from the engine's own
-        figures; 0: never; engine.serve.supervisor). `loras`: LoRA adapters (name, PEFT folder) loaded at
-        start, each read and checked here; `max_loras` adapter slots in all (at least len(loras); more
-        leave room for `load_adapter`), of rank up to `max_lora_rank`; `lora_merged`: the one adapter folded
-        into the weights at load (engine/model/lora_merge.py); `lora_mlp`: the adapter slots hold the MLPs
-        too (the shared MLP and every expert; on by itself when an adapter in `loras` adapts them).
-        `prefix_cache_mb` / `encoding_cache_mb`:
-        each rank's bound on the K/V prefixes and image encodings kept for conversations' next turns
-        (engine/runtime/prefix_cache.py, conditioning.py; 0: off). `warmup`: sizes ("default": the square
-        bucket) whose CUDA graphs every rank captures before the engine says ready (engine/runtime/warmup.py;
-        /health shows its progress under "loading"). `moe_kernels`: the kernels of quantized experts
-        (engine/model/kernel_layouts.py: auto, triton, humming, humming-fp8). All of it is checked here and fixed in one
-        `EngineConfig` (`self.config`), which every worker starts from."""
+    def __init__(self, config: EngineConfig, *, max_queue: int | None = None, step_timeout: float | None = None,
+                 cancel_grace_s: float = CANCEL_GRACE_S):
+        """Start the engine `config` describes (engine/serve/engine_config.py), fixed for this machine and its
+        checkpoint first: a plan the checkpoint cannot be split by, a folder that is not a checkpoint or an
+        adapter it cannot serve is refused here, before anything is spawned (ValueError: PlanError,
+        ConfigError). `self.config` is what every worker starts from. `max_queue`: how many requests may
+        wait beyond the running ones (None: no limit); one more is refused at submit with Error('busy'),
+        checked under the queue's lock so simultaneous arrivals cannot overshoot it. `step_timeout`: seconds
+        the running requests may go without a token or step before the engine is restarted (None: automatic,
+        from the engine's own figures; 0: never; engine.serve.supervisor). `cancel_grace_s`: how long a
+        running request may ignore a cancel before the engine counts as hung."""
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0 (got {max_queue})")
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
-        from engine.model.weights import ONLINE_FORMATS
-        if quantize is not None and quantize not in ONLINE_FORMATS:
-            raise ValueError(f"unknown quantize {quantize!r} (supported: {', '.join(ONLINE_FORMATS)})")
-        self.info = ModelInfo.from_folder(model)
-        if device.startswith("cuda") and plan is None and world_size is None:
-            plan = fitting_plan(model, dtype, quantize, verbose, (prefix_cache_mb + encoding_cache_mb) << 20)
-        self.parallel: ParallelPlan = get_plan(plan, world_size, sp_kind)
-        self.parallel.check_model(self.info.cfg)
-        self.config = EngineConfig(str(Path(model).resolve()), device, dtype, self.parallel.name, self.parallel.world,
-                                   self.parallel.sp_kind, quantize, max_batch, preview_every, verbose, cfg_serial,
-                                   cuda_graph, max_denoise_batch, tuple((n, str(Path(f).resolve())) for n, f in loras),
-                                   max(max_loras, len(loras)),       # the slots stay when adapters are unloaded
-                                   max_lora_rank, prefix_cache_mb, encoding_cache_mb, lora_merged,
-                                   lora_mlp or needs_mlp(loras, lora_merged), tuple(warmup), moe_kernels)
-        for size in self.config.warmup:               # a size the checkpoint does not take: refused before spawning
-            if size != "default" and parse_size(size, self.info.buckets) is None:
-                raise ValueError(f"a warm-up size names a size (HxW), not {size!r}")
-        for name, folder in self.config.loras:
-            check_adapter(self.info, name, folder, self.config.max_lora_rank, self.config.lora_merged,
-                          self.config.lora_mlp)
+        self.info = ModelInfo.from_folder(config.model)
+        self.config = config.on_this_machine().for_checkpoint(self.info)
         self.cancel_grace_s = cancel_grace_s
         self.max_queue = max_queue
 
@@ -679,40 +632,3 @@ class EngineServer:
         return {"running": len(self._running), "waiting": len(self._waiting), "queue": len(self._waiting),
                 "max_batch": self.max_batch, "running_ids": [j.sub.request_id for j in self._running.values()]}
 
-
-def gpu_memory() -> list[int]:
-    """Total memory of each visible GPU in bytes, read with nvidia-smi (this process opens no CUDA
-    context); [] when it cannot be read."""
-    import shutil
-    import subprocess
-    if not shutil.which("nvidia-smi"):
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=15).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    sizes = [int(v) * 2 ** 20 for v in out.split() if v.strip().isdigit()]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        sizes = [sizes[int(i)] for i in visible.split(",") if i.strip().isdigit() and int(i) < len(sizes)]
-    return sizes
-
-
-def fitting_plan(model: str | Path, dtype: str | None, quantize: str | None, verbose: bool,
-                 cache_bytes: int = 0) -> str | None:
-    """On CUDA with neither a plan nor a GPU count given: the plan of the fewest GPUs that fits, from the
-    checkpoint's headers (engine/parallel/fit.py), with `cache_bytes` per rank for the conversation caches
-    (the server's; the one-shot CLI keeps none); PlanError saying what each plan needs when none does."""
-    from engine.parallel.fit import choose_plan
-    from engine.spec.checkpoint import Checkpoint
-    from engine.spec.config import CheckpointConfig
-    sizes = gpu_memory()
-    if not sizes:
-        return None
-    dtype_bytes = 4 if dtype in ("float32", "fp32") else 2
-    plan, est = choose_plan(Checkpoint(model), CheckpointConfig.load(model), len(sizes), min(sizes), quantize,
-                            dtype_bytes=dtype_bytes, caches=cache_bytes)
-    if verbose:
-        print(f"engine: {len(sizes)} GPU(s) of {min(sizes) / 2 ** 30:.0f} GiB: plan {est.describe()}", flush=True)
-    return plan.name
