@@ -180,7 +180,7 @@ class _SlowSubmit:
         self.entered.set()
         self.release.wait(30)
         sub = Submission(request, lambda request_id: False)
-        sub._push(Error("busy", "the queue is full"))
+        sub.push(Error("busy", "the queue is full"))
         return sub
 
 

@@ -569,7 +569,7 @@ class _FailsMidRun(_NotRunning):
         sub = Submission(request, lambda request_id: False)
         for ev in (Started(request.request_id, "think", "auto", 4, 2.5, 1), Text("one red", "think"),
                    Error("engine", "the GPU caught fire")):
-            sub._push(ev)
+            sub.push(ev)
         return sub
 
 

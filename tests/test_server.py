@@ -14,7 +14,8 @@ from PIL import Image as PILImage
 from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text
 from engine.serve.info import ModelInfo
 from engine.serve.engine_config import EngineConfig
-from engine.serve.server import EngineServer, describe_exit
+from engine.serve.server import EngineServer
+from engine.serve.workers import describe_exit
 
 from studio_fixtures import READY_TIMEOUT_S, engine_server, fast_request, final, start_server, wait_for  # noqa: F401
 

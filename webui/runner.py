@@ -14,24 +14,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable
 
 from PIL import Image as PILImage
 
 from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text
 from engine.runtime.request import Request
+from engine.serve.client import EngineClient     # the engine's one client API (tests pass stand-ins)
 
 PREVIEW_MAX_SIDE = 256
 HEARTBEAT_S = 1.0          # yield at least this often: a closed tab is only noticed at a yield
 SECTION_TITLES = {"think": "Thinking", "recaption": "Recaption", "answer": "Answer"}
-
-
-class EngineClient(Protocol):
-    """What the studio needs from `engine.server.EngineServer` (tests may pass a stand-in)."""
-    def submit(self, request: Request) -> Any: ...
-    def cancel(self, request_id: str) -> bool: ...
-    def health(self) -> dict[str, Any]: ...
-    def reload(self) -> bool: ...
 
 
 class EngineFailure(Exception):

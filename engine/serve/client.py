@@ -1,13 +1,20 @@
-"""The client side of one submitted request: its events, in order, for sync and async consumers."""
+"""The client side of the engine: what every front end calls (`EngineClient`, served by one engine server or
+by engine replicas), and one submitted request's events, in order, for sync and async consumers
+(`Submission`)."""
 from __future__ import annotations
 
 import asyncio
 import collections
 import threading
-from typing import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Protocol, Self
 
 from engine.runtime.events import Done, Error, Event
-from engine.runtime.request import Request
+from engine.runtime.request import Prepared, Request
+
+if TYPE_CHECKING:
+    from engine.runtime.conversation import ConversationStore, TurnRecorder
+    from engine.serve.info import ModelInfo
 
 
 class Submission:
@@ -29,8 +36,16 @@ class Submission:
         self._ended = False       # a terminal event was pushed; later pushes are dropped
         self._consumed = False    # the consumer has taken the terminal event
 
+    @classmethod
+    def refused(cls, request: Request, error: Error, cancel: Callable[[str], bool]) -> Submission:
+        """A request that ends at once with `error` (bad input, a full queue, an engine down)."""
+        sub = cls(request, cancel)
+        sub.push(error)
+        return sub
+
     # -- producer side (server threads)
-    def _push(self, ev: Event) -> bool:
+    def push(self, ev: Event) -> bool:
+        """Add the next event (False: the stream has ended; a later event is dropped)."""
         with self._cond:
             if self._ended:
                 return False
@@ -117,3 +132,35 @@ class Submission:
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+class EngineClient(Protocol):
+    """The engine as every front end sees it (the studio, /v1, the command line, the benchmarks): one engine
+    (engine/serve/server.py `EngineServer`) or replicas of it (engine/serve/replicas.py `ReplicaPool`), which
+    both declare it."""
+    info: ModelInfo
+    conversations: ConversationStore           # the conversations whose turns `submit_turn` continues
+    model: str
+    device: str
+    plan: str
+    world_size: int
+    max_batch: int
+    max_queue: int | None
+
+    def submit(self, request: Request, recorder: Callable[[Request, Prepared], TurnRecorder] | None = None
+               ) -> Submission: ...
+    def submit_turn(self, request: Request, conversation: str | None = None,
+                    branch_from_turn: int | None = None) -> Submission: ...
+    def stream(self, request: Request) -> Iterator[Event]: ...
+    def cancel(self, request_id: str) -> bool: ...
+    def position(self, request_id: str) -> int | None: ...
+    def health(self) -> dict[str, Any]: ...
+    def adapters(self) -> list[str]: ...
+    def merged_adapter(self) -> str | None: ...
+    def load_adapter(self, name: str, folder: str | Path) -> None: ...
+    def unload_adapter(self, name: str) -> None: ...
+    def reload(self) -> bool: ...
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *exc: object) -> None: ...

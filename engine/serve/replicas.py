@@ -57,7 +57,7 @@ from engine.runtime.events import Done, Error
 from engine.runtime.request import Prepared, Request
 from engine.serve.adapters import Loras, check_load, check_unload
 from engine.serve.admission import admit
-from engine.serve.client import Submission
+from engine.serve.client import EngineClient, Submission
 from engine.serve.engine_config import EngineConfig
 from engine.serve.info import ModelInfo
 from engine.serve.turns import submit_turn
@@ -255,7 +255,7 @@ def deployment_options(o: ReplicaOptions, world: int, max_batch: int, max_queue:
 
 
 # ---------------------------------------------------------------------------------------- ingress side
-class ReplicaPool:
+class ReplicaPool(EngineClient):
     """EngineServer's client API (submit, submit_turn, cancel, position, health, reload, close, info, and the
     LoRA adapters') over engine replicas on Ray Serve."""
 
@@ -332,22 +332,20 @@ class ReplicaPool:
         EngineServer's does), then send it, prepared, to the least-loaded replica; its events follow as that
         engine emits them. `recorder` (submit_turn's): sees the events before the client does."""
         admitted = admit(self.info, request, self.adapters())
-        sub = Submission(request, self.cancel)
         if isinstance(admitted, Error):
-            sub._push(admitted)
-            return sub
+            return Submission.refused(request, admitted, self.cancel)
         request, prepared = admitted
-        sub.request = request
+        sub = Submission(request, self.cancel)
         rid = request.request_id
         with self._lock:
             live = [r for r in self._replicas if r["state"] not in ("lost", "failed", "closed")]
             capacity = max(1, len(live)) * (self.max_batch + (self.max_queue if self.max_queue is not None else 10 ** 9))
             if self._closing:
-                sub._push(Error("engine", "the engine is shut down"))
+                sub.push(Error("engine", "the engine is shut down"))
             elif rid in self._subs:
-                sub._push(Error("invalid", f"request id {rid!r} is already in use", "request_id"))
+                sub.push(Error("invalid", f"request id {rid!r} is already in use", "request_id"))
             elif len(self._subs) >= capacity:
-                sub._push(Error("busy", f"the queue is full ({len(self._subs)} requests on {len(live)} replica(s)); "
+                sub.push(Error("busy", f"the queue is full ({len(self._subs)} requests on {len(live)} replica(s)); "
                                         "try again in a moment"))
             else:
                 self._subs[rid] = sub
@@ -371,7 +369,7 @@ class ReplicaPool:
             if sub is None or sub.ended:
                 return False
             queued = self._ahead.get(request_id, None) is not None
-        sub._push(Error("cancelled", "stopped before it started" if queued else "stopped by the user"))
+        sub.push(Error("cancelled", "stopped before it started" if queued else "stopped by the user"))
         self._loop.call_soon_threadsafe(self._cancel_call, request_id)
         return True
 
@@ -407,6 +405,10 @@ class ReplicaPool:
         }
 
     # ------------------------------------------------------------------ LoRA adapters (every replica's)
+    def merged_adapter(self) -> None:
+        """Replicas serve adapters unmerged (app.py refuses --lora-merged with --replicas)."""
+        return None
+
     def adapters(self) -> list[str]:
         """The LoRA adapters served: the pool's set, as far as every replica up holds them."""
         with self._lock:
@@ -488,7 +490,7 @@ class ReplicaPool:
             self._closing = True
             pending = list(self._subs.values())
         for sub in pending:
-            sub._push(Error("engine", "the engine was shut down"))
+            sub.push(Error("engine", "the engine was shut down"))
         self._refresh_stop.set()
         try:
             serve.delete(APP_NAME)
@@ -531,24 +533,24 @@ class ReplicaPool:
                 self._ahead.pop(rid, None)
                 if recorder is not None:
                     recorder.see(item)
-                sub._push(item)
+                sub.push(item)
                 if isinstance(item, (Done, Error)):
                     finished = True
                     break
         except (RequestCancelledError, asyncio.CancelledError):
             pass                                    # cancel() has answered the client already
         except BackPressureError:
-            sub._push(Error("busy", "every replica's queue is full; try again in a moment"))
+            sub.push(Error("busy", "every replica's queue is full; try again in a moment"))
         except RayError as e:                       # the replica died (killed, out of memory, its node lost)
-            sub._push(Error("engine", f"the engine replica running this request stopped ({_first_line(e)}); "
+            sub.push(Error("engine", f"the engine replica running this request stopped ({_first_line(e)}); "
                                       "it is being replaced, try again"))
         except Exception as e:  # noqa: BLE001 - whatever it was, the client hears it and the pool goes on
-            sub._push(Error("engine", f"the request to its engine replica failed: {type(e).__name__}: {e}"))
+            sub.push(Error("engine", f"the request to its engine replica failed: {type(e).__name__}: {e}"))
         finally:
             if call is not None and not finished:
                 call.cancel()                       # a no-op once the replica's generator has ended
             if not sub.ended:
-                sub._push(Error("engine", "the engine replica ended the request without a result"))
+                sub.push(Error("engine", "the engine replica ended the request without a result"))
             self._streams.pop(rid, None)
             self._ahead.pop(rid, None)
             with self._lock:

@@ -1,19 +1,16 @@
 """The persistent engine server: worker processes that keep the model resident, and the client API that
-the studio, the CLI and the benchmarks use.
+the studio, the CLI and the benchmarks use (engine/serve/client.py `EngineClient`).
 
-    with EngineServer("path/to/model") as server:
+    with EngineServer(EngineConfig("path/to/model")) as server:
         sub = server.submit(Request(prompt="a red fox"))     # validated here, then queued
         async for ev in sub: ...                              # or `for ev in sub:` from sync code
         server.cancel(sub.request_id); server.health()
 
-Process model (DESIGN §2.7). The server spawns one worker per rank of the parallel plan (`spawn`
-context: CUDA cannot be forked). Worker 0 receives requests over a pipe, broadcasts them to the other
-ranks over a gloo control group, and sends rank 0's events back; every rank runs the same engine
-steps over the same requests (engine/runtime/scheduler.py). Requests are validated and prepared here,
-once, queued here, and handed to worker 0 as soon as fewer than `max_batch` run (the engine batches
-them); `max_queue` counts the ones waiting beyond that. A cancel is a message on the request pipe,
-("cancel", seq), which the engine takes at its next step boundary (its next token or denoise step); it
-ends that request only. Sequence numbers are never reused, so a stale cancel hits nothing.
+Requests are validated and prepared here, once, queued here, and handed to the engine's worker 0
+(engine/serve/workers.py) as soon as fewer than `max_batch` run (the engine batches them); `max_queue`
+counts the ones waiting beyond that. A cancel is a message to the engine (engine/serve/messages.py
+`Cancel`), which it takes at its next step boundary (its next token or denoise step); it ends that
+request only. Sequence numbers are never reused, so a stale cancel hits nothing.
 
 One pump thread owns the workers: it reads their messages, dispatches queued requests, notices a
 dead worker (its pipe closes and its process sentinel fires) or a stalled one (no token or step within
@@ -21,39 +18,39 @@ the limit of `engine.serve.supervisor.StallWatch`), fails the in-flight request 
 `Error("engine", ...)` and starts the workers again, which reload the weights; when, how often and when
 to give up is `engine.serve.supervisor.Restarts`' call (backoff, an attempt count, "failed" only when
 the model cannot load; `reload()` starts over). Killing the old workers and spawning new ones happens
-outside the server's lock, so `health()` and `submit()` answer while the engine restarts. Pipes are
-created fresh for every incarnation: a worker killed while writing can leave a shared queue's lock held
-forever, a closed pipe just reads as EOF. Nothing a worker does can raise into the caller.
+outside the server's lock, so `health()` and `submit()` answer while the engine restarts. Nothing a
+worker does can raise into the caller.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import multiprocessing as mp
-import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, assert_never
 
 from engine.runtime.conversation import ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error, Event
 from engine.runtime.request import Prepared, Request
 from engine.serve.adapters import check_load, check_unload
 from engine.serve.admission import admit
-from engine.serve.client import Submission
+from engine.serve.client import EngineClient, Submission
 from engine.serve.engine_config import EngineConfig
 from engine.serve.info import ModelInfo
+from engine.serve.messages import (AdapterChange, Cancel, End, EventOut, Failed, FromWorker, Loading, RankFailed,
+                                   Ready, Run, Stats, ToWorker)
 from engine.serve.supervisor import Restarts, StallWatch
 from engine.serve.turns import submit_turn
-from engine.serve.worker import worker_main
+from engine.serve.workers import Workers
 
 CANCEL_GRACE_S = 60.0       # a worker that ignores a cancel this long is considered hung and restarted
 DEATH_GRACE_S = 2.0         # an engine error of a multi-rank request waits this long for a rank's death to show
-KILL_WAIT_S = 5.0           # a SIGKILLed worker is reaped within this (it cannot ignore the signal, even stopped)
+
 
 @dataclass
 class _Job:
@@ -64,43 +61,9 @@ class _Job:
     recorder: TurnRecorder | None = None     # a conversation's turn: recorded once it has its image
 
 
-@dataclass
-class _Incarnation:
-    """One start of the engine: its worker processes and the server's ends of their pipes."""
-    procs: list
-    req_conn: Connection | None
-    ev_conn: Connection | None                # rank 0's events
-    rank_conns: list[Connection]              # the other ranks': only "rank_failed"
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "stopped"
-    if code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
-        why = {"SIGKILL": " - killed, often because the machine ran out of memory",
-               "SIGSEGV": " - crashed", "SIGBUS": " - crashed", "SIGABRT": " - aborted"}.get(name, "")
-        return f"{name}{why}"
-    return f"exit code {code}"
-
-
-def _kill(inc: _Incarnation) -> None:
-    """End an engine start that is being replaced: SIGKILL (a stopped or hung worker ignores anything
-    politer, and nothing it holds needs saving), reap, close the pipes."""
-    for p in inc.procs:
-        if p.is_alive():
-            p.kill()
-    for p in inc.procs:
-        p.join(KILL_WAIT_S)
-        if not p.is_alive():
-            p.close()
-    for c in (inc.req_conn, inc.ev_conn, *inc.rank_conns):
-        if c is not None:
-            c.close()
-
-
-class EngineServer:
-    """Spawns the engine workers once, keeps the model resident, runs queued requests one at a time."""
+class EngineServer(EngineClient):
+    """The engine's workers, started once and restarted when they die or stall, the model resident in them;
+    the queue of requests in front of them and the client API."""
 
     def __init__(self, config: EngineConfig, *, max_queue: int | None = None, step_timeout: float | None = None,
                  cancel_grace_s: float = CANCEL_GRACE_S):
@@ -133,11 +96,8 @@ class EngineServer:
         self._loading: str | None = None
         self._worker_info: dict[str, Any] = {}
         self._closing = False
-        self._procs: list[Any] = []
-        self._req_conn: Connection | None = None
-        self._ev_conn: Connection | None = None           # rank 0's events
-        self._rank_conns: list[Connection] = []            # the other ranks': only "rank_failed"
-        self._doomed: list[_Incarnation] = []              # detached under the lock, killed outside it
+        self._workers: Workers | None = None               # the running start of the engine
+        self._doomed: list[Workers] = []                   # detached under the lock, killed outside it
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self.conversations = ConversationStore()           # multi-turn editing (engine/runtime/conversation.py)
         self._install(self._spawn())
@@ -160,9 +120,7 @@ class EngineServer:
         runs it. `recorder` (submit_turn's): makes what sees its events before the client does."""
         admitted = admit(self.info, request, self.adapters(), self._merged())   # once: the engine runs it as prepared
         if isinstance(admitted, Error):
-            sub = Submission(request, self.cancel)
-            sub._push(admitted)
-            return sub
+            return Submission.refused(request, admitted, self.cancel)
         return self.submit_admitted(*admitted, recorder=recorder)
 
     def submit_admitted(self, request: Request, prepared: Prepared,
@@ -171,71 +129,29 @@ class EngineServer:
         ingress, whose replicas run what it admitted), unchecked: what may change after admission, an
         adapter unloaded meanwhile, the engine refuses when the request starts (Error('invalid'), as for
         a queued request)."""
-        sub = Submission(request, self.cancel)
         with self._lock:
-            if self._closing:
-                sub._push(Error("engine", "the engine is shut down"))
-            elif self._state == "failed":
-                sub._push(Error("engine", f"the engine is not running: {self._last_error}"))
-            elif request.request_id in self._jobs:
-                sub._push(Error("invalid", f"request id {request.request_id!r} is already in use", "request_id"))
-            elif self.max_queue is not None and len(self._waiting) >= self.max_queue:
-                sub._push(Error("busy", f"the queue is full ({len(self._waiting)} requests waiting); "
-                                        "try again in a moment"))
-            else:
-                self._seq += 1
-                job = _Job(self._seq, sub, prepared, recorder=recorder and recorder(request, prepared))
-                self._jobs[request.request_id] = job
-                self._waiting.append(job)
+            refusal = self._refusal(request)
+            if refusal is not None:
+                return Submission.refused(request, refusal, self.cancel)
+            sub = Submission(request, self.cancel)
+            self._seq += 1
+            job = _Job(self._seq, sub, prepared, recorder=recorder and recorder(request, prepared))
+            self._jobs[request.request_id] = job
+            self._waiting.append(job)
         self._kick()
         return sub
 
-    # ------------------------------------------------------------------ LoRA adapters
-    def adapters(self) -> list[str]:
-        """The names of the LoRA adapters served (a request's `lora` names one)."""
-        return [n for n, _ in self.config.loras]
-
-    def load_adapter(self, name: str, folder: str | Path) -> None:
-        """Serve another LoRA adapter from now on (every rank loads it before its next step). ValueError
-        when it cannot be: no free slot, a name in use, or a folder that is not a servable adapter."""
-        with self._lock:
-            self._refuse_if_merged()
-            folder = check_load(self.info, self.config.loras, self.config.lora_slots, self.config.max_lora_rank,
-                                name, folder, self.config.lora_mlp)
-            # a restarted engine loads the current set; the running one is told
-            self.config = dataclasses.replace(self.config, loras=self.config.loras + ((name, folder),))
-            self._send_adapter(("adapter", "load", name, folder))
-
-    def unload_adapter(self, name: str) -> None:
-        """Stop serving a LoRA adapter; refused (ValueError) while a queued or running request uses it."""
-        with self._lock:
-            if name in self.adapters():
-                self._refuse_if_merged()
-            users = [j.sub.request_id for j in (*self._waiting, *self._running.values())
-                     if j.prepared.lora == name and not j.sub.ended]
-            self.config = dataclasses.replace(self.config, loras=check_unload(self.config.loras, name, users))
-            self._send_adapter(("adapter", "unload", name, None))
-
-    def merged_adapter(self) -> str | None:
-        """The adapter folded into the weights (--lora-merged): every request runs it; None otherwise."""
-        merged = self._merged()
-        return None if merged is None else merged[0]
-
-    def _merged(self) -> tuple[str, float] | None:
-        """The adapter folded into the weights and its strength (--lora-merged), or None."""
-        return (self.config.loras[0][0], 1.0) if self.config.lora_merged else None
-
-    def _refuse_if_merged(self) -> None:
-        if self.config.lora_merged:
-            raise ValueError(f"this engine serves the LoRA adapter {self.config.loras[0][0]!r} merged into its "
-                             "weights (--lora-merged): adapters cannot be loaded or unloaded")
-
-    def _send_adapter(self, msg: tuple) -> None:
-        try:
-            if self._req_conn is not None:
-                self._req_conn.send(msg)
-        except (OSError, ValueError):            # the worker is gone: its restart loads the config's set
-            pass
+    def _refusal(self, request: Request) -> Error | None:
+        """Why a request cannot be queued now (lock held), or None."""
+        if self._closing:
+            return Error("engine", "the engine is shut down")
+        if self._state == "failed":
+            return Error("engine", f"the engine is not running: {self._last_error}")
+        if request.request_id in self._jobs:
+            return Error("invalid", f"request id {request.request_id!r} is already in use", "request_id")
+        if self.max_queue is not None and len(self._waiting) >= self.max_queue:
+            return Error("busy", f"the queue is full ({len(self._waiting)} requests waiting); try again in a moment")
+        return None
 
     def submit_turn(self, request: Request, conversation: str | None = None,
                     branch_from_turn: int | None = None) -> Submission:
@@ -256,11 +172,12 @@ class EngineServer:
             if job in self._waiting:
                 self._waiting.remove(job)
                 del self._jobs[request_id]
-                job.sub._push(Error("cancelled", "stopped before it started"))
+                job.sub.push(Error("cancelled", "stopped before it started"))
                 return True
             # running: tell the engine, answer the client now, free its place when the worker says so
-            self._send_cancel(job)
-            job.sub._push(Error("cancelled", "stopped by the user"))
+            job.cancelled_at = time.monotonic()
+            self._send(Cancel(job.seq))
+            job.sub.push(Error("cancelled", "stopped by the user"))
         self._kick()
         return True
 
@@ -298,9 +215,14 @@ class EngineServer:
                 "stall_limit_s": self._watch.limit() if self._running else None,
                 "load_s": self._worker_info.get("load_s"),
                 "warmup": self._worker_info.get("warmup"),
-                "worker_pids": [p.pid for p in self._procs],
+                "worker_pids": self._workers.pids if self._workers is not None else [],
                 "ranks": self._worker_info.get("ranks", []),
             }
+
+    def _counts(self) -> dict[str, Any]:
+        """Health's view of the requests: running (in the engine's batch) and waiting (queued beyond it)."""
+        return {"running": len(self._running), "waiting": len(self._waiting), "queue": len(self._waiting),
+                "max_batch": self.max_batch, "running_ids": [j.sub.request_id for j in self._running.values()]}
 
     def reload(self) -> bool:
         """The way back from "failed" without restarting the process: load the model again (the folder
@@ -334,18 +256,21 @@ class EngineServer:
             pending = list(self._waiting) + list(self._running.values())
             self._waiting.clear()
             for job in pending:
-                job.sub._push(Error("engine", "the engine was shut down"))
+                job.sub.push(Error("engine", "the engine was shut down"))
         self._kick()
         self._pump.join(timeout)
-        self._stop_workers(timeout)
-        for inc in self._take_doomed():
-            _kill(inc)
+        with self._lock:
+            workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.stop(timeout)
+        for doomed in self._take_doomed():
+            doomed.kill()
         with self._lock:
             self._state = "closed"
         for c in (self._wake_r, self._wake_w):
             c.close()
 
-    def __enter__(self) -> "EngineServer":
+    def __enter__(self) -> EngineServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -358,30 +283,54 @@ class EngineServer:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-    # ------------------------------------------------------------------ workers
-    def _spawn(self) -> _Incarnation:
-        """Start every rank's worker process (called without the lock held, but for the first start)."""
-        from engine.parallel.groups import free_port, init_method_for
-        req_r, req_w = self._ctx.Pipe(duplex=False)
-        pipes = [self._ctx.Pipe(duplex=False) for _ in range(self.world_size)]     # one event pipe a rank
-        init_method = init_method_for(free_port())      # a fresh rendezvous for every incarnation
-        procs = []
-        for rank in range(self.world_size):
-            lead = rank == 0
-            p = self._ctx.Process(
-                target=worker_main, name=f"engine-worker-{rank}", daemon=True,
-                args=(rank, self.config, init_method, req_r if lead else None, pipes[rank][1]))
-            p.start()
-            procs.append(p)
-        req_r.close()      # the children hold their ends; ours must close so a dead worker reads as EOF
-        for _, w in pipes:
-            w.close()
-        return _Incarnation(procs, req_w, pipes[0][0], [r for r, _ in pipes[1:]])
+    # ------------------------------------------------------------------ LoRA adapters
+    def adapters(self) -> list[str]:
+        """The names of the LoRA adapters served (a request's `lora` names one)."""
+        return [n for n, _ in self.config.loras]
 
-    def _install(self, inc: _Incarnation) -> None:
-        """Make `inc` the running engine (with the lock held, or before the pump starts)."""
-        self._procs, self._req_conn, self._ev_conn, self._rank_conns = inc.procs, inc.req_conn, inc.ev_conn, \
-            inc.rank_conns
+    def load_adapter(self, name: str, folder: str | Path) -> None:
+        """Serve another LoRA adapter from now on (every rank loads it before its next step). ValueError
+        when it cannot be: no free slot, a name in use, or a folder that is not a servable adapter."""
+        with self._lock:
+            self._refuse_if_merged()
+            folder = check_load(self.info, self.config.loras, self.config.lora_slots, self.config.max_lora_rank,
+                                name, folder, self.config.lora_mlp)
+            # a restarted engine loads the current set; the running one is told
+            self.config = dataclasses.replace(self.config, loras=self.config.loras + ((name, folder),))
+            self._send(AdapterChange("load", name, folder))
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving a LoRA adapter; refused (ValueError) while a queued or running request uses it."""
+        with self._lock:
+            if name in self.adapters():
+                self._refuse_if_merged()
+            users = [j.sub.request_id for j in (*self._waiting, *self._running.values())
+                     if j.prepared.lora == name and not j.sub.ended]
+            self.config = dataclasses.replace(self.config, loras=check_unload(self.config.loras, name, users))
+            self._send(AdapterChange("unload", name))
+
+    def merged_adapter(self) -> str | None:
+        """The adapter folded into the weights (--lora-merged): every request runs it; None otherwise."""
+        merged = self._merged()
+        return None if merged is None else merged[0]
+
+    def _merged(self) -> tuple[str, float] | None:
+        """The adapter folded into the weights and its strength (--lora-merged), or None."""
+        return (self.config.loras[0][0], 1.0) if self.config.lora_merged else None
+
+    def _refuse_if_merged(self) -> None:
+        if self.config.lora_merged:
+            raise ValueError(f"this engine serves the LoRA adapter {self.config.loras[0][0]!r} merged into its "
+                             "weights (--lora-merged): adapters cannot be loaded or unloaded")
+
+    # ------------------------------------------------------------------ the workers
+    def _spawn(self) -> Workers:
+        """Start every rank's worker process (called without the lock held, but for the first start)."""
+        return Workers.spawn(self._ctx, self.config)
+
+    def _install(self, workers: Workers) -> None:
+        """Make `workers` the running engine (with the lock held, or before the pump starts)."""
+        self._workers = workers
         self._loading = "starting"
         self._restarts.spawned()
         self._watch.new_engine()
@@ -389,58 +338,20 @@ class EngineServer:
     def _detach(self) -> None:
         """Take the running engine's processes and pipes out of service (lock held); the pump kills them
         once the lock is released."""
-        if self._procs or self._req_conn is not None:
-            self._doomed.append(_Incarnation(self._procs, self._req_conn, self._ev_conn, self._rank_conns))
-        self._procs, self._req_conn, self._ev_conn, self._rank_conns = [], None, None, []
+        if self._workers is not None:
+            self._doomed.append(self._workers)
+        self._workers = None
 
-    def _take_doomed(self) -> list[_Incarnation]:
+    def _take_doomed(self) -> list[Workers]:
         with self._lock:
             doomed, self._doomed = self._doomed, []
         return doomed
 
-    def _stop_workers(self, timeout: float) -> None:
-        procs, self._procs = self._procs, []
-        if self._req_conn is not None:
-            try:
-                self._req_conn.send(None)        # a polite stop; an idle worker exits at once
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(2.0)
-            if p.is_alive():
-                p.kill()
-                p.join(2.0)
-            p.close()
-        for c in (self._req_conn, self._ev_conn, *self._rank_conns):
-            if c is not None:
-                c.close()
-        self._req_conn = self._ev_conn = None
-        self._rank_conns = []
-
-    def _restart(self, why: str, while_loading: bool = False) -> None:
-        """Called by the pump with the lock held: fail the in-flight requests, take the workers out of
-        service and schedule the next start (or give up: `Restarts`). Nothing here waits on a process."""
-        self._last_error = why
-        running, self._running = list(self._running.values()), {}
-        self._watch.stop()
-        for job in running:
-            self._jobs.pop(job.sub.request_id, None)
-            job.sub._push(Error("engine", f"{why}. The engine is restarting and reloading the model; "
-                                          "please try again in a moment."))
-        self._detach()
-        decision = self._restarts.crashed(time.monotonic(), while_loading, why)
-        if decision.failed is not None:
-            self._fail(decision.failed)
-            return
-        self._state, self._loading = "restarting", None
-        wait = f" in {decision.delay_s:g} s" if decision.delay_s else ""
-        print(f"engine server: {why}; restarting the engine{wait} (attempt {decision.attempt})",
-              file=sys.stderr, flush=True)
+    def _send(self, msg: ToWorker) -> None:
+        """Hand the engine a message (lock held); a worker that is gone is its sentinel's news, and a restarted
+        engine starts from the config."""
+        if self._workers is not None:
+            self._workers.send(msg)
 
     def _kick(self) -> None:
         try:
@@ -454,9 +365,10 @@ class EngineServer:
             with self._lock:
                 if self._closing:
                     return
-                conn, procs, rank_conns = self._ev_conn, list(self._procs), list(self._rank_conns)
+                workers = self._workers
                 timeout = self._next_wake(time.monotonic())
-            watched = [self._wake_r, *(p.sentinel for p in procs), *rank_conns] + ([conn] if conn is not None else [])
+            watched = [self._wake_r] + ([] if workers is None else [*(p.sentinel for p in workers.procs),
+                                                                    *workers.inbound()])
             wait(watched, timeout)             # a message, a dead worker, a kick or the timeout
             while self._wake_r.poll():
                 self._wake_r.recv_bytes()
@@ -464,31 +376,34 @@ class EngineServer:
                 if self._closing:
                     return
                 # a rank's failure first: its peers' errors (a collective broken by its exit) come after it
-                for c in rank_conns:
-                    if c in self._rank_conns:
-                        self._drain(c)
-                if conn is not None and conn is self._ev_conn:
-                    self._drain(conn)
+                if workers is not None and workers is self._workers:
+                    for conn in workers.inbound():
+                        self._drain(conn)
                 self._supervise(time.monotonic())
                 self._dispatch()
-                start = not self._procs and self._state in ("loading", "restarting") and \
+                start = self._workers is None and self._state in ("loading", "restarting") and \
                     self._restarts.due(time.monotonic())
-            # the slow part, without the lock: reap the old workers, start the new ones
-            for inc in self._take_doomed():
-                _kill(inc)
-            if start:
-                try:
-                    inc = self._spawn()
-                except Exception as e:  # noqa: BLE001 - (out of processes, files, memory): try again later
-                    with self._lock:
-                        self._restart(f"the engine could not be started ({type(e).__name__}: {e})",
-                                      while_loading=True)
-                    continue
-                with self._lock:
-                    if self._closing:
-                        self._doomed.append(inc)
-                        return
-                    self._install(inc)
+            if not self._replace_workers(start):
+                return
+
+    def _replace_workers(self, start: bool) -> bool:
+        """The slow part, without the lock: reap the old workers, start the new ones (False: closing)."""
+        for doomed in self._take_doomed():
+            doomed.kill()
+        if not start:
+            return True
+        try:
+            workers = self._spawn()
+        except Exception as e:  # noqa: BLE001 - (out of processes, files, memory): try again later
+            with self._lock:
+                self._restart(f"the engine could not be started ({type(e).__name__}: {e})", while_loading=True)
+            return True
+        with self._lock:
+            if self._closing:
+                self._doomed.append(workers)
+                return False
+            self._install(workers)
+        return True
 
     def _next_wake(self, now: float) -> float:
         """How long the pump may sleep: until the next deadline (a cancel's grace, a stall, a start)."""
@@ -500,15 +415,19 @@ class EngineServer:
 
     def _supervise(self, now: float) -> None:
         """Deaths, stalls and ignored cancels end in a restart (lock held)."""
-        if self._state in ("failed", "closed"):
+        if self._state in ("failed", "closed") or self._workers is None:
             return
-        dead = [p for p in self._procs if not p.is_alive()]
-        if dead:
+        if dead := self._workers.dead():
             self._on_death(dead[0])
         elif (stuck := self._oldest_cancel()) is not None and now - stuck > self.cancel_grace_s:
             self._restart(f"the engine did not stop within {self.cancel_grace_s:.0f} s of a cancel")
         elif (stalled := self._watch.overdue(now)) is not None:
             self._restart(stalled)
+
+    def _oldest_cancel(self) -> float | None:
+        """When the oldest cancel the engine has not yet acted on was sent (None: there is none)."""
+        times = [j.cancelled_at for j in self._running.values() if j.cancelled_at is not None]
+        return min(times) if times else None
 
     def _drain(self, conn: Connection) -> None:
         try:
@@ -517,71 +436,85 @@ class EngineServer:
         except (EOFError, OSError):
             pass            # the worker is gone: its sentinel tells the rest
 
-    def _on_message(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "event":
-            _, seq, ev = msg
-            job = self._running.get(seq)
-            if job is None:
-                return
-            if isinstance(ev, Done):
-                self._watch.completed(time.monotonic())
-            else:
-                self._watch.progress(time.monotonic())
-            if isinstance(ev, Error) and ev.kind == "engine" and self.world_size > 1:
-                # rank 0 failing in a collective is often the echo of another rank's death: name the cause
-                # (the broken pipe can reach rank 0 before the dying process reads as dead: wait briefly)
-                dead = self._dead_within(DEATH_GRACE_S)
-                if dead:
-                    self._on_death(dead[0])
-                    return
-            if job.recorder is not None:
-                job.recorder.see(ev)
-            job.sub._push(ev)
-        elif kind == "end":
-            job = self._running.pop(msg[1], None)
-            if job is not None:
-                if not self._running:
-                    self._watch.stop()
-                self._jobs.pop(job.sub.request_id, None)
-                job.sub._push(Error("engine", "the engine ended the request without a result"))  # no-op if ended
-                self._state = "busy" if self._running else "ready"
-        elif kind == "rank_failed":
-            _, seq, rank, message = msg
-            if seq in self._running:
-                self._running[seq].sub._push(Error("engine", f"{message} (on engine rank {rank}; the engine is "
-                                                        "restarting and reloading the model)"))
-            self._restart(f"engine rank {rank} failed a request: {message}")
-        elif kind == "stats":
-            self._worker_info["ranks"] = msg[1]
-        elif kind == "loading":
-            _, done, total, what = msg
-            self._loading = f"{done}/{total} {what}"
-        elif kind == "ready":
-            self._worker_info = msg[1]
-            self._loading = None
-            self._state = "ready"
-            self._restarts.ready(time.monotonic())
-        elif kind == "failed":
-            self._fail(f"the engine could not load the model: {msg[1]}")
+    # ------------------------------------------------------------------ the workers' messages (lock held)
+    def _on_message(self, msg: FromWorker) -> None:
+        match msg:
+            case EventOut(seq, ev):
+                self._on_event(seq, ev)
+            case End(seq):
+                self._on_end(seq)
+            case RankFailed(seq, rank, message):
+                if seq in self._running:
+                    self._running[seq].sub.push(Error("engine", f"{message} (on engine rank {rank}; the engine is "
+                                                                "restarting and reloading the model)"))
+                self._restart(f"engine rank {rank} failed a request: {message}")
+            case Stats(ranks):
+                self._worker_info["ranks"] = ranks
+            case Loading(done, total, what):
+                self._loading = f"{done}/{total} {what}"
+            case Ready(info):
+                self._worker_info, self._loading, self._state = info, None, "ready"
+                self._restarts.ready(time.monotonic())
+            case Failed(message):
+                self._fail(f"the engine could not load the model: {message}")
+            case _:
+                assert_never(msg)
 
-    def _dead_within(self, seconds: float) -> list:
-        """The worker processes that are dead now or within `seconds` (at once if one already is)."""
-        deadline = time.monotonic() + seconds
-        while True:
-            dead = [p for p in self._procs if not p.is_alive()]
-            if dead or time.monotonic() >= deadline:
-                return dead
-            time.sleep(0.02)
+    def _on_event(self, seq: int, ev: Event) -> None:
+        job = self._running.get(seq)
+        if job is None:
+            return
+        if isinstance(ev, Done):
+            self._watch.completed(time.monotonic())
+        else:
+            self._watch.progress(time.monotonic())
+        if isinstance(ev, Error) and ev.kind == "engine" and self.world_size > 1 and self._workers is not None:
+            # rank 0 failing in a collective is often the echo of another rank's death: name the cause
+            # (the broken pipe can reach rank 0 before the dying process reads as dead: wait briefly)
+            if dead := self._workers.dead_within(DEATH_GRACE_S):
+                self._on_death(dead[0])
+                return
+        if job.recorder is not None:
+            job.recorder.see(ev)
+        job.sub.push(ev)
+
+    def _on_end(self, seq: int) -> None:
+        job = self._running.pop(seq, None)
+        if job is None:
+            return
+        if not self._running:
+            self._watch.stop()
+        self._jobs.pop(job.sub.request_id, None)
+        job.sub.push(Error("engine", "the engine ended the request without a result"))    # no-op if ended
+        self._state = "busy" if self._running else "ready"
 
     def _on_death(self, proc: Any) -> None:
-        proc.join(1.0)
-        rank = f" (rank {self._procs.index(proc)})" if self.world_size > 1 else ""
-        why = f"the engine process{rank} stopped unexpectedly ({describe_exit(proc.exitcode)})"
+        assert self._workers is not None
+        why = self._workers.describe_death(proc)
         if self._state in ("loading", "restarting"):
             self._restart(f"{why} while loading the model", while_loading=True)
         else:
             self._restart(why)
+
+    def _restart(self, why: str, while_loading: bool = False) -> None:
+        """Fail the in-flight requests, take the workers out of service and schedule the next start (or
+        give up: `Restarts`). Nothing here waits on a process."""
+        self._last_error = why
+        running, self._running = list(self._running.values()), {}
+        self._watch.stop()
+        for job in running:
+            self._jobs.pop(job.sub.request_id, None)
+            job.sub.push(Error("engine", f"{why}. The engine is restarting and reloading the model; "
+                                         "please try again in a moment."))
+        self._detach()
+        decision = self._restarts.crashed(time.monotonic(), while_loading, why)
+        if decision.failed is not None:
+            self._fail(decision.failed)
+            return
+        self._state, self._loading = "restarting", None
+        wait = f" in {decision.delay_s:g} s" if decision.delay_s else ""
+        print(f"engine server: {why}; restarting the engine{wait} (attempt {decision.attempt})",
+              file=sys.stderr, flush=True)
 
     def _fail(self, why: str) -> None:
         """The model cannot load: no point respawning in a loop. Every pending request ends with the
@@ -594,41 +527,19 @@ class EngineServer:
         self._running = {}
         for job in pending:
             self._jobs.pop(job.sub.request_id, None)
-            job.sub._push(Error("engine", why))
+            job.sub.push(Error("engine", why))
         self._detach()
 
-    # ------------------------------------------------------------------ dispatch, cancel, counts
+    # ------------------------------------------------------------------ dispatch (lock held)
     def _dispatch(self) -> None:
-        """Hand waiting requests to the engine while fewer than max_batch run (called with the lock held)."""
+        """Hand waiting requests to the engine while fewer than max_batch run."""
         while self._state in ("ready", "busy") and self._waiting and len(self._running) < self.max_batch \
-                and self._req_conn is not None:
+                and self._workers is not None:
             job = self._waiting.popleft()
             if not self._running:
                 self._watch.start(time.monotonic())      # the engine has work again: its events are watched
             self._running[job.seq] = job
             self._state = "busy"
-            try:
-                self._req_conn.send(("run", job.seq, job.prepared))
-            except (OSError, ValueError) as e:   # the worker died between messages: the sentinel handles it
-                self._last_error = f"could not hand the request to the engine: {e}"
+            if not self._workers.send(Run(job.seq, job.prepared)):    # died between messages: its sentinel tells
+                self._last_error = "could not hand the request to the engine: its worker is gone"
                 return
-
-    def _send_cancel(self, job: _Job) -> None:
-        """Tell the engine to end this running request at its next step (its neighbours run on)."""
-        job.cancelled_at = time.monotonic()
-        try:
-            if self._req_conn is not None:
-                self._req_conn.send(("cancel", job.seq))
-        except (OSError, ValueError):            # the worker is gone: its sentinel tells the rest
-            pass
-
-    def _oldest_cancel(self) -> float | None:
-        """When the oldest cancel the engine has not yet acted on was sent (None: there is none)."""
-        times = [j.cancelled_at for j in self._running.values() if j.cancelled_at is not None]
-        return min(times) if times else None
-
-    def _counts(self) -> dict[str, Any]:
-        """Health's view of the requests: running (in the engine's batch) and waiting (queued beyond it)."""
-        return {"running": len(self._running), "waiting": len(self._waiting), "queue": len(self._waiting),
-                "max_batch": self.max_batch, "running_ids": [j.sub.request_id for j in self._running.values()]}
-

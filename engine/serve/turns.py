@@ -3,15 +3,14 @@ ingress of engine replicas (ReplicaPool), which keeps them and ships each turn's
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from engine.runtime.conversation import ConversationError, ConversationStore, TurnRecorder
 from engine.runtime.events import Error
 from engine.runtime.request import Request, RequestError
-from engine.serve.client import Submission
+from engine.serve.client import EngineClient, Submission
 
 
-def submit_turn(server: Any, store: ConversationStore, request: Request, conversation: str | None = None,
+def submit_turn(server: EngineClient, store: ConversationStore, request: Request, conversation: str | None = None,
                 branch_from_turn: int | None = None) -> Submission:
     """Submit a conversation's next turn to `server` (its `submit(request, recorder)` and `cancel`):
     `request` is the new instruction (with its own reference images, if any) and gets the conversation's
@@ -29,9 +28,7 @@ def submit_turn(server: Any, store: ConversationStore, request: Request, convers
         parent = None if conversation is None else (conversation, branch_from_turn)
         conv = store.create(turns, parent) if made else store.get(conversation)
     except (ConversationError, RequestError) as e:
-        sub = Submission(request, server.cancel)
-        sub._push(Error("invalid", str(e), e.field))
-        return sub
+        return Submission.refused(request, Error("invalid", str(e), e.field), server.cancel)
     sub = server.submit(dataclasses.replace(request, history=turns),
                         lambda req, prepared: TurnRecorder(store, conv.id, req, prepared.bot_task))
     if sub.ended and made:             # refused: the conversation it would have started is not kept

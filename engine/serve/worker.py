@@ -13,18 +13,19 @@ import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, assert_never
 
 from engine.parallel.plan import get_plan
 from engine.serve.engine_config import EngineConfig
+from engine.serve.messages import (AdapterChange, Cancel, End, EventOut, Failed, FromWorker, Loading, RankFailed,
+                                   Ready, Run, Stats, Stop, ToWorker)
 from engine.runtime.scheduler import StepNews
 
 
 class Inbox:
-    """Rank 0's end of the request pipe: ("run", seq, prepared), ("cancel", seq), ("adapter", "load", name,
-    folder) / ("adapter", "unload", name, None), or None (stop). A
-    thread of its own reads it as messages come, so the server never waits on a busy engine; the engine
-    takes what has arrived at each step boundary."""
+    """Rank 0's end of the request pipe (engine/serve/messages.py: `ToWorker`). A thread of its own reads it
+    as messages come, so the server never waits on a busy engine; the engine takes what has arrived at each
+    step boundary."""
 
     def __init__(self, conn: Connection):
         self._conn, self._q = conn, queue.SimpleQueue()
@@ -33,26 +34,39 @@ class Inbox:
     def _read(self) -> None:
         while True:
             try:
-                msg = self._conn.recv()
+                msg: ToWorker = self._conn.recv()
             except (EOFError, OSError):              # the server is gone
-                msg = None
+                msg = Stop()
             self._q.put(msg)
-            if msg is None:
+            if isinstance(msg, Stop):
                 return
 
     def news(self, wait: bool) -> StepNews | None:
-        """What arrived since the last step (waiting for something when `wait`); None: stop."""
+        """What arrived since the last step (waiting for something when `wait`); None: stop. A request
+        cancelled in the same batch it arrived in never joins."""
         msgs = [self._q.get()] if wait else []
         while True:
             try:
                 msgs.append(self._q.get_nowait())
             except queue.Empty:
                 break
-        if any(m is None for m in msgs):
-            return None
-        cancel = frozenset(m[1] for m in msgs if m[0] == "cancel")
-        join = tuple((m[1], m[2]) for m in msgs if m[0] == "run" and m[1] not in cancel)
-        return StepNews(join, cancel, tuple(m[1:] for m in msgs if m[0] == "adapter"))
+        runs: list[Run] = []
+        cancel: set[int] = set()
+        adapters: list[tuple[str, str, str | None]] = []
+        for msg in msgs:
+            match msg:
+                case Run():
+                    runs.append(msg)
+                case Cancel(seq):
+                    cancel.add(seq)
+                case AdapterChange(op, name, folder):
+                    adapters.append((op, name, folder))
+                case Stop():
+                    return None
+                case _:
+                    assert_never(msg)
+        join = tuple((r.seq, r.prepared) for r in runs if r.seq not in cancel)
+        return StepNews(join, frozenset(cancel), tuple(adapters))
 
 
 def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Connection | None,
@@ -60,14 +74,14 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
     """Entry point of one engine worker process: rank `rank` of the engine `config` describes (its
     ranks meet at `init_method`). Rank 0 owns the request pipe and reports events; the other ranks
     follow it through a gloo control group and use their own `events` pipe only to say that a request
-    failed on them. Load failures are reported by rank 0 as ("failed", text); a follower that fails to
-    start prints why and exits, which the server sees. After each step in which requests ended, rank 0
-    reports every rank's `rank_stats` (weights read, resident pointers unchanged, memory), then
-    ("end", seq) for each.
+    failed on them (engine/serve/messages.py). Load failures are reported by rank 0 as `Failed`; a follower
+    that fails to start prints why and exits, which the server sees. After each step in which requests
+    ended, rank 0 reports every rank's `rank_stats` (weights read, resident pointers unchanged, memory) as
+    `Stats`, then `End` for each.
 
     A request that fails on a rank of a multi-rank plan leaves the collectives of the ranks out of step
-    (the others wait in one the failed rank will never enter), so that rank reports
-    ("rank_failed", seq, rank, message) and exits: the server ends the request with that message and
+    (the others wait in one the failed rank will never enter), so that rank reports `RankFailed` and
+    exits: the server ends the request with that message and
     restarts the engine."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C belongs to the UI process, which closes us
     import torch
@@ -84,14 +98,14 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
     from engine.runtime.scheduler import Scheduler
     from engine.runtime.warmup import warm_up
 
-    def send(msg: tuple) -> None:
+    def send(msg: FromWorker) -> None:
         if events is not None and rank == 0:
             events.send(msg)
 
     def progress(done: int, total: int, what: str, label: str = "loading weights") -> None:
         if config.verbose:
             print_progress(done, total, what, label)
-        send(("loading", done, total, what if label == "loading weights" else f"{label}: {what}"))
+        send(Loading(done, total, what if label == "loading weights" else f"{label}: {what}"))
 
     control = None
     try:
@@ -128,7 +142,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
             dist.barrier(group=control)              # "ready" means every rank holds its shard
     except Exception as e:  # noqa: BLE001 - any load failure is reported, the server decides
         if rank == 0:
-            send(("failed", f"{type(e).__name__}: {e}"))
+            send(Failed(f"{type(e).__name__}: {e}"))
             return
         print(f"engine rank {rank} failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -150,8 +164,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
         return everyone
 
     stats = rank_stats()
-    send(("ready", {"load_s": round(lm.load_s, 2), "device": str(dev), "dtype": str(lm.model.dtype),
-                    "plan": p.name, "moe_kernels": moe_kernels, "ranks": stats, "warmup": None if warmed is None else warmed.summary()}))
+    send(Ready({"load_s": round(lm.load_s, 2), "device": str(dev), "dtype": str(lm.model.dtype), "plan": p.name,
+                "moe_kernels": moe_kernels, "ranks": stats, "warmup": None if warmed is None else warmed.summary()}))
 
     inbox = Inbox(requests) if rank == 0 else None
     flag = torch.zeros(1, dtype=torch.long)        # 0: nothing new, 1: news follows, 2: stop
@@ -178,17 +192,17 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
         failed = None
         try:
             for seq, ev in done:
-                send(("event", seq, ev))
+                send(EventOut(seq, ev))
                 if isinstance(ev, ErrorEvent) and ev.kind == "engine":
                     failed = (seq, ev.message)
             if failed is not None and p.world > 1:
                 if events is not None:
-                    events.send(("rank_failed", failed[0], rank, failed[1]))
+                    events.send(RankFailed(failed[0], rank, failed[1]))
                 return                 # out of step with the other ranks: the server restarts the engine
             if ended:
-                send(("stats", rank_stats()))
+                send(Stats(rank_stats()))
                 for seq in ended:
-                    send(("end", seq))
+                    send(End(seq))
         except (BrokenPipeError, EOFError, OSError):
             return
     shutdown()
