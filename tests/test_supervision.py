@@ -3,6 +3,8 @@
 engine server on the tiny checkpoint, with real SIGKILLs and SIGSTOPs."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import signal
@@ -175,6 +177,76 @@ def test_a_stopped_worker_is_restarted_and_the_client_told(server):
         resume.cancel()
         _signal(pid, signal.SIGCONT)
     assert pid not in server.health()["worker_pids"]
+    assert isinstance(final(list(server.stream(fast_request()))), Done)
+
+
+@contextlib.contextmanager
+def _api(server):
+    """The /v1 API and /health on `server`, served by uvicorn in a thread (its event loop, as app.py runs it)."""
+    import uvicorn
+    from engine.serve.openai_api import api_app, bind
+    sock = bind("127.0.0.1", 0)
+    web = uvicorn.Server(uvicorn.Config(api_app(server), log_level="warning"))
+    thread = threading.Thread(target=web.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: web.started, 30)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        web.should_exit = True
+        thread.join(10)
+
+
+def _noise_png(side: int) -> bytes:
+    import numpy as np
+    from PIL import Image as PILImage
+    out = io.BytesIO()
+    PILImage.fromarray(np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_a_stopped_idle_worker_freezes_nothing(server):
+    """Issue 44's freeze: the idle worker is SIGSTOPped, then an edit with a 512x512 reference arrives (its
+    prepared request, ~1.5 MB, cannot fit the pipe of a worker that reads nothing). /health keeps answering
+    within a second, from the server's own state, and says "stalled" once the request has waited the stall
+    limit unread; the request fails then with a message saying so; after SIGCONT the engine is serving."""
+    import httpx
+    with _api(server) as url:
+        wait_for(lambda: server.health()["state"] == "ready", 30)
+        pid = server.health()["worker_pids"][0]
+        os.kill(pid, signal.SIGSTOP)
+        answer: dict = {}
+
+        def edit() -> None:
+            t0 = time.monotonic()
+            answer["r"] = httpx.post(f"{url}/v1/images/edits", timeout=120,
+                                     files={"image": ("ref.png", _noise_png(512), "image/png")},
+                                     data={"prompt": "make it blue", "num_inference_steps": "2", "size": "256x256"})
+            answer["s"] = time.monotonic() - t0
+
+        states, slowest = [], 0.0
+        try:
+            client = threading.Thread(target=edit, daemon=True)
+            client.start()
+            t0 = time.monotonic()
+            while "stalled" not in states and time.monotonic() - t0 < 60:
+                asked = time.monotonic()
+                states.append(httpx.get(f"{url}/health", timeout=1.0).json()["state"])    # 1 s, or the test fails
+                slowest = max(slowest, time.monotonic() - asked)
+                time.sleep(0.1)
+            client.join(30)
+        finally:
+            _signal(pid, signal.SIGCONT)
+        print(f"freeze: /health answered in at most {slowest * 1000:.0f} ms; the edit failed after "
+              f"{answer.get('s', float('nan')):.1f} s; states seen {sorted(set(states))}")
+        assert "stalled" in states and slowest < 1.0, states
+        r = answer["r"]
+        message = r.json()["error"]["message"]
+        assert r.status_code == 503 and "has not read the request" in message and "restarting" in message, message
+        assert answer["s"] < STEP_TIMEOUT_S + 5, answer["s"]        # the stall limit, plus the pump's round
+        assert server.wait_ready(RECOVERY_BOUND_S), server.health()
+        assert pid not in server.health()["worker_pids"]
+        assert httpx.get(f"{url}/health", timeout=1.0).json()["state"] == "ready"
     assert isinstance(final(list(server.stream(fast_request()))), Done)
 
 

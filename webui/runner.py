@@ -100,9 +100,9 @@ def waiting_status(health: dict[str, Any], ahead: int | None = None, recent: Rec
     The estimate assumes the runs ahead take what the last finished ones took, one after another (an
     upper bound when the engine batches them), and says so."""
     state = health.get("state")
-    if state in ("loading", "restarting"):
+    if state in ("loading", "restarting", "stalled"):
         what = f" ({health['loading']})" if health.get("loading") else ""
-        verb = "restarting" if state == "restarting" else "loading the model"
+        verb = {"restarting": "restarting", "stalled": "restarting after a stall"}.get(state, "loading the model")
         return f"Waiting for the engine: {verb}{what}…"
     if ahead is None:
         return "Starting…"

@@ -153,7 +153,7 @@ def health_line(health: dict[str, Any]) -> str:
         line += f" · loading {e(str(health['loading']))}"
     if health.get("running") or health.get("queue"):
         line += f" · {running_count(health)} running, {health.get('queue', 0)} waiting"
-    if state in ("failed", "restarting", "loading") and health.get("last_error"):
+    if state in ("failed", "restarting", "stalled", "loading") and health.get("last_error"):
         line += f"<br>⚠️ {e(str(health['last_error']))}"
     if state == "failed":
         line += ' <button class="engine-reload" type="button">Load the model again</button>'
@@ -256,7 +256,7 @@ class Studio:
         """Things worth knowing that do not stop the run (shown as warnings)."""
         out = []
         state = self.client.health().get("state")
-        if state in ("loading", "restarting"):
+        if state in ("loading", "restarting", "stalled"):
             out.append("The engine is still loading the model; your request starts as soon as it is ready.")
         if not self.info.distil and isinstance(settings.guidance, (int, float)) and settings.guidance <= 1.0:
             out.append("Guidance ≤ 1 turns classifier-free guidance off: the image follows the prompt less.")

@@ -153,9 +153,10 @@ class OpenAIApi:
     def _check_ready(self) -> None:
         h = self.server.health()
         state = h.get("state")
-        if state in ("loading", "restarting"):
+        if state in ("loading", "restarting", "stalled"):
             what = f" ({h['loading']})" if h.get("loading") else ""
-            raise ApiError(503, f"the engine is {state} the model{what}; try again in a moment", None,
+            doing = "restarting after a stall (it made no progress)" if state == "stalled" else f"{state} the model"
+            raise ApiError(503, f"the engine is {doing}{what}; try again in a moment", None,
                            "engine_loading", retry_after=5)
         if state in ("failed", "closed"):
             raise ApiError(503, f"the engine is not running: {h.get('last_error') or state}", None,

@@ -385,7 +385,7 @@ class ReplicaPool(EngineClient):
             closing = self._closing
         up = [r for r in reps if r["state"] in ("ready", "busy")]
         state = ("closed" if closing else "ready" if any(r["state"] == "ready" for r in up) else "busy" if up
-                 else "restarting" if any(r["state"] == "restarting" for r in reps)
+                 else "restarting" if any(r["state"] in ("restarting", "stalled") for r in reps)
                  else "failed" if reps and all(r["state"] == "failed" for r in reps) else "loading")
         failed = [r for r in reps if r.get("last_error")]
         waiting = sum(r.get("waiting") or 0 for r in reps)

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable, Iterator, assert_never
 
@@ -86,7 +86,8 @@ class EngineServer(EngineClient):
         self._restarts = Restarts()
         self._watch = StallWatch(step_timeout)
         self._ctx = mp.get_context("spawn")
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()        # the queue and the state: held for bookkeeping only, never while waiting
+        self._adapter_lock = threading.Lock()  # one adapter load or unload at a time
         self._waiting: collections.deque[_Job] = collections.deque()
         self._running: dict[int, _Job] = {}               # seq -> job handed to the engine, not yet ended
         self._jobs: dict[str, _Job] = {}
@@ -190,10 +191,11 @@ class EngineServer(EngineClient):
             return None
 
     def health(self) -> dict[str, Any]:
-        """The engine's state (loading, ready, busy, restarting, failed, closed), the queue, the last error
-        (for failed: why the model cannot load), `attempt` (the start attempt while restarting or
-        loading after a crash), `restart_in_s` (the wait before the next start) and `stall_limit_s`
-        (how long the running request may go without a token or step)."""
+        """The engine's state (loading, ready, busy, restarting; stalled: restarting because its work made no
+        progress within the stall limit; failed, closed), the queue, the last error (for failed: why the
+        model cannot load), `attempt` (the start attempt while restarting or loading after a crash),
+        `restart_in_s` (the wait before the next start) and `stall_limit_s` (how long the running request
+        may go without a token or step). From the server's own state: it never waits on a worker."""
         with self._lock:
             now = time.monotonic()
             spawn_at = self._restarts.spawn_at
@@ -210,7 +212,7 @@ class EngineServer(EngineClient):
                 "loading": self._loading,
                 "last_error": self._last_error,
                 "restarts": self._restarts.total,
-                "attempt": self._restarts.attempt if self._state in ("loading", "restarting") else 0,
+                "attempt": self._restarts.attempt if self._state in ("loading", "restarting", "stalled") else 0,
                 "restart_in_s": round(max(0.0, spawn_at - now), 1) if spawn_at is not None else None,
                 "stall_limit_s": self._watch.limit() if self._running else None,
                 "load_s": self._worker_info.get("load_s"),
@@ -291,17 +293,19 @@ class EngineServer(EngineClient):
     def load_adapter(self, name: str, folder: str | Path) -> None:
         """Serve another LoRA adapter from now on (every rank loads it before its next step). ValueError
         when it cannot be: no free slot, a name in use, or a folder that is not a servable adapter."""
-        with self._lock:
-            self._refuse_if_merged()
-            folder = check_load(self.info, self.config.loras, self.config.lora_slots, self.config.max_lora_rank,
-                                name, folder, self.config.lora_mlp)
-            # a restarted engine loads the current set; the running one is told
-            self.config = dataclasses.replace(self.config, loras=self.config.loras + ((name, folder),))
-            self._send(AdapterChange("load", name, folder))
+        with self._adapter_lock:          # one change at a time: the adapter is read outside the server's lock
+            with self._lock:
+                self._refuse_if_merged()
+                config = self.config
+            folder = check_load(self.info, config.loras, config.lora_slots, config.max_lora_rank, name, folder,
+                                config.lora_mlp)
+            with self._lock:              # a restarted engine loads the current set; the running one is told
+                self.config = dataclasses.replace(self.config, loras=self.config.loras + ((name, folder),))
+                self._send(AdapterChange("load", name, folder))
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving a LoRA adapter; refused (ValueError) while a queued or running request uses it."""
-        with self._lock:
+        with self._adapter_lock, self._lock:
             if name in self.adapters():
                 self._refuse_if_merged()
             users = [j.sub.request_id for j in (*self._waiting, *self._running.values())
@@ -326,7 +330,7 @@ class EngineServer(EngineClient):
     # ------------------------------------------------------------------ the workers
     def _spawn(self) -> Workers:
         """Start every rank's worker process (called without the lock held, but for the first start)."""
-        return Workers.spawn(self._ctx, self.config)
+        return Workers.spawn(self._ctx, self.config, self._kick)
 
     def _install(self, workers: Workers) -> None:
         """Make `workers` the running engine (with the lock held, or before the pump starts)."""
@@ -361,30 +365,44 @@ class EngineServer(EngineClient):
 
     # ------------------------------------------------------------------ the pump thread
     def _pump_loop(self) -> None:
+        """Wake at a message, a death, a kick or a deadline; take the workers' messages; act under the lock,
+        which is never held while anything waits on a worker (health() answers whatever the worker does)."""
         while True:
             with self._lock:
                 if self._closing:
                     return
                 workers = self._workers
                 timeout = self._next_wake(time.monotonic())
-            watched = [self._wake_r] + ([] if workers is None else [*(p.sentinel for p in workers.procs),
-                                                                    *workers.inbound()])
-            wait(watched, timeout)             # a message, a dead worker, a kick or the timeout
+            sentinels = [] if workers is None else [p.sentinel for p in workers.procs]
+            wait([self._wake_r, *sentinels], timeout)
             while self._wake_r.poll():
                 self._wake_r.recv_bytes()
+            messages = [] if workers is None else self._take_messages(workers)
             with self._lock:
                 if self._closing:
                     return
-                # a rank's failure first: its peers' errors (a collective broken by its exit) come after it
-                if workers is not None and workers is self._workers:
-                    for conn in workers.inbound():
-                        self._drain(conn)
+                for msg in messages:
+                    if workers is not self._workers:       # restarted meanwhile: the rest is the old start's
+                        break
+                    self._on_message(msg)
                 self._supervise(time.monotonic())
                 self._dispatch()
-                start = self._workers is None and self._state in ("loading", "restarting") and \
+                start = self._workers is None and self._state in ("loading", "restarting", "stalled") and \
                     self._restarts.due(time.monotonic())
             if not self._replace_workers(start):
                 return
+
+    def _take_messages(self, workers: Workers) -> list[FromWorker]:
+        """The workers' messages since the last round (lock not held), a rank's failure first: its peers' errors
+        (a collective broken by its exit) come after it. Rank 0 failing in a collective is often the echo of
+        another rank's death: such an error waits briefly for that death to show (its broken pipe can reach
+        rank 0 before the dying process reads as dead), so that the death names the cause."""
+        messages = workers.inbox.take()
+        if self.world_size > 1 and any(isinstance(m, EventOut) and isinstance(m.event, Error)
+                                       and m.event.kind == "engine" for m in messages):
+            workers.dead_within(DEATH_GRACE_S)
+            messages += workers.inbox.take()
+        return sorted(messages, key=lambda m: not isinstance(m, RankFailed))
 
     def _replace_workers(self, start: bool) -> bool:
         """The slow part, without the lock: reap the old workers, start the new ones (False: closing)."""
@@ -410,8 +428,12 @@ class EngineServer(EngineClient):
         times = [now + 0.5, self._restarts.spawn_at]
         if (stuck := self._oldest_cancel()) is not None:
             times.append(stuck + self.cancel_grace_s)
-        times.append(self._watch.deadline())
+        times.append(self._watch.deadline(self._sending_since()))
         return max(0.0, min(t for t in times if t is not None) - now)
+
+    def _sending_since(self) -> float | None:
+        """Since when rank 0 has left the server's message in its pipe unread (None: it is not)."""
+        return None if self._workers is None else self._workers.outbox.sending_since
 
     def _supervise(self, now: float) -> None:
         """Deaths, stalls and ignored cancels end in a restart (lock held)."""
@@ -421,20 +443,13 @@ class EngineServer(EngineClient):
             self._on_death(dead[0])
         elif (stuck := self._oldest_cancel()) is not None and now - stuck > self.cancel_grace_s:
             self._restart(f"the engine did not stop within {self.cancel_grace_s:.0f} s of a cancel")
-        elif (stalled := self._watch.overdue(now)) is not None:
-            self._restart(stalled)
+        elif (stalled := self._watch.overdue(now, self._sending_since())) is not None:
+            self._restart(stalled, stalled=True)
 
     def _oldest_cancel(self) -> float | None:
         """When the oldest cancel the engine has not yet acted on was sent (None: there is none)."""
         times = [j.cancelled_at for j in self._running.values() if j.cancelled_at is not None]
         return min(times) if times else None
-
-    def _drain(self, conn: Connection) -> None:
-        try:
-            while not conn.closed and conn.poll():
-                self._on_message(conn.recv())
-        except (EOFError, OSError):
-            pass            # the worker is gone: its sentinel tells the rest
 
     # ------------------------------------------------------------------ the workers' messages (lock held)
     def _on_message(self, msg: FromWorker) -> None:
@@ -469,9 +484,7 @@ class EngineServer(EngineClient):
         else:
             self._watch.progress(time.monotonic())
         if isinstance(ev, Error) and ev.kind == "engine" and self.world_size > 1 and self._workers is not None:
-            # rank 0 failing in a collective is often the echo of another rank's death: name the cause
-            # (the broken pipe can reach rank 0 before the dying process reads as dead: wait briefly)
-            if dead := self._workers.dead_within(DEATH_GRACE_S):
+            if dead := self._workers.dead():        # the echo of another rank's death (_take_messages): name it
                 self._on_death(dead[0])
                 return
         if job.recorder is not None:
@@ -491,14 +504,15 @@ class EngineServer(EngineClient):
     def _on_death(self, proc: Any) -> None:
         assert self._workers is not None
         why = self._workers.describe_death(proc)
-        if self._state in ("loading", "restarting"):
+        if self._state in ("loading", "restarting", "stalled"):
             self._restart(f"{why} while loading the model", while_loading=True)
         else:
             self._restart(why)
 
-    def _restart(self, why: str, while_loading: bool = False) -> None:
+    def _restart(self, why: str, while_loading: bool = False, stalled: bool = False) -> None:
         """Fail the in-flight requests, take the workers out of service and schedule the next start (or
-        give up: `Restarts`). Nothing here waits on a process."""
+        give up: `Restarts`). Nothing here waits on a process. After a stall the state is "stalled" until
+        the new start is ready (or fails in turn), else "restarting"."""
         self._last_error = why
         running, self._running = list(self._running.values()), {}
         self._watch.stop()
@@ -511,7 +525,7 @@ class EngineServer(EngineClient):
         if decision.failed is not None:
             self._fail(decision.failed)
             return
-        self._state, self._loading = "restarting", None
+        self._state, self._loading = "stalled" if stalled else "restarting", None
         wait = f" in {decision.delay_s:g} s" if decision.delay_s else ""
         print(f"engine server: {why}; restarting the engine{wait} (attempt {decision.attempt})",
               file=sys.stderr, flush=True)

@@ -129,15 +129,31 @@ class StallWatch:
             return FIRST_REQUEST_S
         return max(STALL_FLOOR_S, STALL_FACTOR * self.figure)
 
-    def deadline(self) -> float | None:
+    def send_limit(self) -> float | None:
+        """Seconds a message to the engine may wait unread in its pipe. Its worker reads the pipe in a thread
+        of its own whatever the engine is doing, so a message left there longer means the process is not
+        running (stopped, swapped out, hung outside Python): the floor, or the limit if it is lower."""
         limit = self.limit()
-        return None if self._last is None or limit is None else self._last + limit
+        return None if limit is None else min(limit, STALL_FLOOR_S)
 
-    def overdue(self, now: float) -> str | None:
+    def deadline(self, sending_since: float | None = None) -> float | None:
+        """When the running work is overdue: no event for the limit, or (`sending_since`: when the message
+        the engine has not read yet was sent) a message unread for `send_limit`."""
+        limit, send_limit = self.limit(), self.send_limit()
+        times = [] if self._last is None or limit is None else [self._last + limit]
+        if sending_since is not None and send_limit is not None:
+            times.append(sending_since + send_limit)
+        return min(times, default=None)
+
+    def overdue(self, now: float, sending_since: float | None = None) -> str | None:
         """Why the running work counts as stalled (for the client's message), or None."""
-        deadline = self.deadline()
+        deadline = self.deadline(sending_since)
         if deadline is None or now < deadline:
             return None
+        unread = None if sending_since is None else (f"it has not read the request sent {now - sending_since:.0f} s "
+                                                     "ago: its process is not running, stopped or hung outside Python")
+        if self._last is None or now < self._last + (self.limit() or 0):      # overdue by the unread request
+            return f"the engine made no progress ({unread}; the limit for a request unread is {self.send_limit():g} s)"
         limit = self.limit()
         if self.step_timeout:
             basis = f"the limit set by --step-timeout is {limit:g} s"
@@ -145,4 +161,4 @@ class StallWatch:
             basis = f"the limit for the first request after the engine starts is {limit:g} s"
         else:
             basis = f"its slowest token or step of late took {self.figure:.2f} s; the limit is {limit:.0f} s"
-        return f"the engine made no progress for {now - self._last:.0f} s ({basis})"
+        return f"the engine made no progress for {now - self._last:.0f} s ({basis}{'; ' + unread if unread else ''})"
