@@ -63,8 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "page then asks for a login too: any user name, this key as the password")
     ap.add_argument("--step-timeout", type=float, default=None,
                     help="seconds a running request may go without a token or step before the engine is "
-                         "restarted and the request failed (default: automatic, 20x the engine's slowest recent "
-                         "token or step, at least 10 s, 120 s for the first request after a start; 0: never)")
+                         "restarted and the request failed (default: automatic, 20x the pace of the engine's "
+                         "slowest recent request, between 10 and 120 s, 120 s for the first request after a start; "
+                         "0: never)")
     ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
     ap.add_argument("--max-upload-mb", type=float, default=20.0,
                     help="largest reference image file the API accepts, in MB (default 20)")

@@ -17,8 +17,8 @@ import pytest
 from engine.runtime.events import Done, Error, Ratio, Step
 from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
-from engine.serve.supervisor import (BACKOFF_S, FIRST_REQUEST_S, LOAD_DEATHS_LIMIT, STABLE_S, STALL_FACTOR,
-                                     STALL_FLOOR_S, Restarts, StallWatch)
+from engine.serve.supervisor import (BACKOFF_S, LOAD_DEATHS_LIMIT, STABLE_S, STALL_CEILING_S, STALL_FACTOR,
+                                     STALL_FLOOR_S, STALL_GROWTH, Restarts, StallWatch)
 
 from studio_fixtures import READY_TIMEOUT_S, fast_request, final, start_server, wait_for
 
@@ -65,30 +65,66 @@ def test_restarts_give_up_only_when_loading_keeps_dying():
         assert r.crashed(300.0 + i, while_loading=False, why="SIGKILL").failed is None
 
 
+def _request(w: StallWatch, t: float, gaps: list[float]) -> float:
+    """One request on the watch from time `t`: an event after each gap, then done; returns its end."""
+    w.start(t)
+    for gap in gaps:
+        t += gap
+        w.progress(t)
+    w.completed(t)
+    w.stop()
+    return t
+
+
 def test_stall_limit_follows_the_engines_own_figure():
     w = StallWatch()
-    assert w.limit() == FIRST_REQUEST_S and w.deadline() is None         # idle: nothing to watch
-    w.start(0.0)
-    for t in (0.3, 0.5, 2.0, 2.1):                                     # longest gap 1.5 s
-        w.progress(t)
-    w.completed(2.2)
-    w.stop()
-    assert w.figure == pytest.approx(1.5)
-    assert w.limit() == pytest.approx(max(STALL_FLOOR_S, STALL_FACTOR * 1.5))
-    w.start(10.0)
-    w.progress(10.1)
-    assert w.overdue(10.1 + w.limit() - 0.01) is None
-    why = w.overdue(10.1 + w.limit() + 0.01)
-    assert why is not None and "no progress" in why and "1.50 s" in why
+    assert w.limit() == STALL_CEILING_S and w.deadline() is None      # idle: nothing to watch
+    t = _request(w, 0.0, [30.0, 0.2, 0.1])      # the first request's one-off cost (a compile) does not count
+    assert w.figure == pytest.approx(0.2) and w.limit() == STALL_FLOOR_S
+    t = _request(w, t, [0.3, 0.5, 0.4])         # its pace: the second-longest gap
+    assert w.figure == pytest.approx(0.4) and w.limit() == STALL_FLOOR_S
+    t = _request(w, t, [0.7, 0.8, 0.7])         # slower requests raise it
+    assert w.figure == pytest.approx(0.7) and w.limit() == pytest.approx(STALL_FACTOR * 0.7)
+    w.start(t)
+    w.progress(t + 0.1)
+    assert w.overdue(t + 0.1 + w.limit() - 0.01) is None
+    why = w.overdue(t + 0.1 + w.limit() + 0.01)
+    assert why is not None and "no progress" in why and "0.70 s" in why
     w.stop()
     assert w.overdue(1e9) is None
-    w.new_engine()                                                     # a restart: its first request may compile
+    w.new_engine()                              # a restart: its first request may compile
     w.start(0.0)
-    assert w.limit() == FIRST_REQUEST_S
-    fast = StallWatch()                                                # a fast engine still gets the floor
-    fast.start(0.0)
-    fast.completed(0.01)
-    assert fast.limit() == STALL_FLOOR_S
+    assert w.limit() == STALL_CEILING_S
+
+
+def test_the_limit_never_exceeds_its_ceiling_after_missed_stalls():
+    """Issue 44: a 45 s stop under a limit of 100 s completed normally and raised the limit to 901.8 s. A stall
+    the watch missed is one long gap, which never enters the figure; several in one request raise it at most
+    STALL_GROWTH times; the limit stays within [floor, ceiling] however many are missed."""
+    w = StallWatch()
+    t = _request(w, 0.0, [0.3, 0.3])
+    assert w.limit() == STALL_FLOOR_S
+    t = _request(w, t, [0.2, 45.0, 0.3])         # a 45 s stop the watch missed
+    assert w.figure == pytest.approx(0.3) and w.limit() == STALL_FLOOR_S
+    for _ in range(3 * 8):                       # two stalls just under the limit in every request
+        before = w.limit()
+        t = _request(w, t, [0.2, before - 0.1, before - 0.1])
+        assert STALL_FLOOR_S <= w.limit() <= min(STALL_CEILING_S, STALL_GROWTH * before), (before, w.limit())
+    assert w.limit() == STALL_CEILING_S
+    w.start(t)
+    assert w.overdue(t + STALL_CEILING_S + 0.01) is not None
+
+
+def test_an_unread_request_is_a_stall_at_the_floor():
+    """The worker reads its pipe in a thread of its own: a request left unread means the process is not
+    running, whatever the limit for its events (the first request's ceiling included)."""
+    w = StallWatch()
+    w.start(0.0)
+    assert w.limit() == STALL_CEILING_S and w.deadline(0.1) == pytest.approx(0.1 + STALL_FLOOR_S)
+    assert w.overdue(STALL_FLOOR_S, 0.1) is None
+    why = w.overdue(STALL_FLOOR_S + 0.2, 0.1)
+    assert why is not None and "has not read the request" in why
+    assert StallWatch(step_timeout=3).send_limit() == 3 and StallWatch(step_timeout=0).send_limit() is None
 
 
 def test_step_timeout_overrides_and_zero_turns_the_watch_off():
@@ -168,8 +204,10 @@ def test_a_stopped_worker_is_restarted_and_the_client_told(server):
         assert busy["state"] == "busy" and busy["stall_limit_s"] == STEP_TIMEOUT_S
         ev = final(list(sub))
         told = time.monotonic() - t0
+        stalled = server.health()                               # the new engine loads for seconds
         assert isinstance(ev, Error) and ev.kind == "engine", ev
         assert "no progress" in ev.message and "--step-timeout" in ev.message and "restarting" in ev.message
+        assert stalled["state"] == "stalled" and "no progress" in stalled["last_error"], stalled
         assert told < 20.0, told                                    # caught by the watchdog, not by SIGCONT
         assert server.wait_ready(RECOVERY_BOUND_S), server.health()
         print(f"SIGSTOP: client told {told:.1f} s after the stop; ready after {time.monotonic() - t0:.1f} s")

@@ -11,9 +11,13 @@ tested without an engine and survives changes to how requests are dispatched.
   `reset()` is the way back from failed without restarting the process (the page's and the API's
   reload).
 - `StallWatch`: while the engine has work, some event (a token, a step, an image) must arrive within a
-  limit: `--step-timeout` when given, else STALL_FACTOR times the engine's own running figure (the
-  longest gap between events of its recent completed requests), never under STALL_FLOOR_S. The first
-  request of each engine start gets FIRST_REQUEST_S, since it may capture graphs or compile kernels.
+  limit: `--step-timeout` when given, else STALL_FACTOR times the engine's own running figure, never
+  under STALL_FLOOR_S nor over STALL_CEILING_S. The first request of each engine start gets the ceiling,
+  since it may capture graphs or compile kernels. The figure is the slowest recent request's pace: each
+  completed request adds its second-longest gap between events, so one long gap (a one-off cost: the
+  first request's compile, a capture; or a stall the watch missed, shorter than the limit) never enters
+  it, and at most STALL_GROWTH times the figure before it, so a few missed stalls in a row cannot teach
+  the watch to wait minutes. A request the engine has not read from its pipe counts too (`send_limit`).
   A SIGSTOPped worker, a deadlocked collective or a hung kernel all look the same from here: silence.
 """
 from __future__ import annotations
@@ -24,9 +28,10 @@ from dataclasses import dataclass
 BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)   # wait before start attempt 1, 2, 3, ... (then 30 s)
 STABLE_S = 60.0            # ready this long: the next crash counts as a first attempt again
 LOAD_DEATHS_LIMIT = 5      # deaths in a row while loading, never ready in between: the model cannot load
-STALL_FLOOR_S = 10.0       # the automatic stall limit is never below this
-STALL_FACTOR = 20.0        # ... and otherwise this many times the longest gap of recent requests
-FIRST_REQUEST_S = 120.0    # the limit for the first request after each start (graph capture, compiles)
+STALL_FLOOR_S = 10.0       # the automatic stall limit is never below this,
+STALL_CEILING_S = 120.0    # nor above this, the first request's after each start (graph captures, compiles)
+STALL_FACTOR = 20.0        # between them: this many times the longest gap of recent requests
+STALL_GROWTH = 2.0         # a request's gap counts at most this many times the figure before it
 FIGURE_REQUESTS = 8        # the running figure is the longest gap over this many recent requests
 
 
@@ -85,7 +90,8 @@ class Restarts:
 class StallWatch:
     """Whether the engine's running work still makes progress. `start` when it gets work, `progress` at
     every event, `completed` when a request finished normally (its longest gap joins the running
-    figure), `stop` when it holds no work; `overdue` says why it must be restarted, or None."""
+    figure), `stop` when it holds no work; `overdue` says why it must be restarted, or None. With several
+    requests running, a request's gap is the longest between any two events since the last completion."""
 
     def __init__(self, step_timeout: float | None = None):
         if step_timeout is not None and step_timeout < 0:
@@ -93,32 +99,35 @@ class StallWatch:
         self.step_timeout = step_timeout
         self._gaps: collections.deque[float] = collections.deque(maxlen=FIGURE_REQUESTS)
         self._last: float | None = None      # time of the last event of the running work (None: idle)
-        self._longest = 0.0                   # longest gap of the running request so far
+        self._longest = [0.0, 0.0]            # the two longest gaps since the last completion, longest first
         self._first = True                    # no request completed since the engine (re)started
 
     def new_engine(self) -> None:
-        """A fresh engine start: its first request may compile and capture, so it gets FIRST_REQUEST_S."""
+        """A fresh engine start: its first request may compile and capture, so it gets the ceiling."""
         self._first, self._last = True, None
 
     def start(self, now: float) -> None:
-        self._last, self._longest = now, 0.0
+        self._last, self._longest = now, [0.0, 0.0]
 
     def progress(self, now: float) -> None:
         if self._last is not None:
-            self._longest = max(self._longest, now - self._last)
+            self._longest = sorted([*self._longest, now - self._last], reverse=True)[:2]
             self._last = now
 
     def completed(self, now: float) -> None:
+        """A request ended with its result: its pace, the second-longest gap, joins the figure (at most
+        STALL_GROWTH times the figure before it)."""
         self.progress(now)
-        self._gaps.append(self._longest)
-        self._first = False
+        pace = self._longest[1]
+        self._gaps.append(pace if self.figure is None else min(pace, STALL_GROWTH * self.figure))
+        self._first, self._longest = False, [0.0, 0.0]
 
     def stop(self) -> None:
         self._last = None
 
     @property
     def figure(self) -> float | None:
-        """The engine's running figure: the longest gap between events of its recent requests (s)."""
+        """The engine's running figure: the slowest pace of its recent requests (s)."""
         return max(self._gaps) if self._gaps else None
 
     def limit(self) -> float | None:
@@ -126,8 +135,8 @@ class StallWatch:
         if self.step_timeout is not None:
             return self.step_timeout or None
         if self._first or self.figure is None:
-            return FIRST_REQUEST_S
-        return max(STALL_FLOOR_S, STALL_FACTOR * self.figure)
+            return STALL_CEILING_S
+        return min(STALL_CEILING_S, max(STALL_FLOOR_S, STALL_FACTOR * self.figure))
 
     def send_limit(self) -> float | None:
         """Seconds a message to the engine may wait unread in its pipe. Its worker reads the pipe in a thread
