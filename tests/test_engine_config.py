@@ -27,9 +27,17 @@ def test_both_command_lines_make_the_same_config_from_the_same_flags():
     assert studio == one_shot
     assert (studio.max_batch, studio.cuda_graph, studio.warmup, studio.sp_kind) == (
         3, False, ("1024x1024", "768x1280"), "kv_gather")
-    untouched = {f.name for f in fields(EngineConfig)} - {"model", "verbose"} - {
-        f.name for f in fields(EngineConfig) if getattr(studio, f.name) != f.default}
-    assert untouched == {"world_size", "quantize", "loras", "lora_merged"}, untouched   # the flags above set the rest
+
+
+def test_every_option_is_a_flag_of_both_command_lines(capsys):
+    flags = [f.metadata["flag"] or "--" + f.name.replace("_", "-") for f in fields(EngineConfig)
+             if f.metadata.get("flag") is not None]
+    assert len(flags) == len(fields(EngineConfig)) - 1                   # all but verbose
+    for parse in (app.parse_args, lambda argv: engine_cli().parse_args(["text", *argv])):
+        with pytest.raises(SystemExit):
+            parse(["--help"])
+        shown = capsys.readouterr().out
+        assert [f for f in flags if f not in shown] == []
 
 
 def test_each_command_line_keeps_its_own_batch_default():
