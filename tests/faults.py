@@ -1,5 +1,5 @@
 """Fault injection for the engine's multi-rank tests, without a hook in the engine: a test replaces
-`engine.serve.server.worker_main` with `faulty_worker`, which the spawned workers import from here (a
+`engine.serve.workers.worker_main` with `faulty_worker`, which the spawned workers import from here (a
 spawned child gets the parent's sys.path). The fault fires once per marker file: after the restart the
 workers run clean."""
 from __future__ import annotations

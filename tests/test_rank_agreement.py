@@ -9,7 +9,7 @@ import time
 import numpy as np
 from PIL import Image as PILImage
 
-import engine.serve.server as server_module
+import engine.serve.workers as workers_module
 from engine.runtime.events import Error, Image, Started, Text
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
@@ -41,7 +41,7 @@ def test_a_request_without_a_seed_gives_the_tp1_image_of_the_reported_seed(tiny,
 def test_a_failure_on_rank_1_ends_the_request_with_its_message_and_the_next_one_runs(tiny_dir, tmp_path,
                                                                                     monkeypatch):
     monkeypatch.setenv(FAULT_ENV, f"1:1:{tmp_path / 'fired'}")
-    monkeypatch.setattr(server_module, "worker_main", faulty_worker)
+    monkeypatch.setattr(workers_module, "worker_main", faulty_worker)     # what Workers.spawn starts
     with EngineServer(EngineConfig(tiny_dir, plan="hybrid4", preview_every=0)) as server:
         assert server.wait_ready(READY_TIMEOUT_S), server.health()
         t0 = time.monotonic()
