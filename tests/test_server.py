@@ -6,6 +6,7 @@ import io
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,23 @@ def test_requests_run_together_up_to_max_batch(tiny_dir):
         wait_for(lambda: server.health()["state"] == "ready", 60)
         assert isinstance(final(list(server.stream(fast_request()))), Done)
 
+
+
+
+def test_a_run_cancelled_in_the_batch_it_reaches_the_worker_is_reported_dropped():
+    """A run and its cancel that reach the worker in one batch (it was busy with a step): the run never
+    joins the scheduler, and the inbox hands its seq to the worker loop, which reports it cancelled and
+    ended. Before, it was dropped silently: the server waited the cancel's 60 s grace for its end, then
+    restarted the engine, failing every running request (the soak bench saw it)."""
+    import multiprocessing as mp
+
+    from engine.serve.messages import Cancel, Run
+    from engine.serve.worker import Inbox
+    server_end, worker_end = mp.Pipe()
+    inbox = Inbox(worker_end)
+    for msg in (Run(1, "prepared 1"), Run(2, "prepared 2"), Cancel(2)):
+        server_end.send(msg)
+    wait_for(lambda: inbox._q.qsize() == 3, 5)
+    news = inbox.news(wait=False)
+    assert news.join == ((1, "prepared 1"),) and news.cancel == {2}
+    assert inbox.dropped == [2]

@@ -29,6 +29,7 @@ class Inbox:
 
     def __init__(self, conn: Connection):
         self._conn, self._q = conn, queue.SimpleQueue()
+        self.dropped: list[int] = []      # runs cancelled in the batch they arrived in: ended by the worker loop
         threading.Thread(target=self._read, name="engine-inbox", daemon=True).start()
 
     def _read(self) -> None:
@@ -43,7 +44,8 @@ class Inbox:
 
     def news(self, wait: bool) -> StepNews | None:
         """What arrived since the last step (waiting for something when `wait`); None: stop. A request
-        cancelled in the same batch it arrived in never joins."""
+        cancelled in the same batch it arrived in never joins: it goes to `dropped`, which the worker loop
+        reports as cancelled and ended (the scheduler never sees it, and the server waits for its end)."""
         msgs = [self._q.get()] if wait else []
         while True:
             try:
@@ -66,6 +68,7 @@ class Inbox:
                 case _:
                     assert_never(msg)
         join = tuple((r.seq, r.prepared) for r in runs if r.seq not in cancel)
+        self.dropped += [r.seq for r in runs if r.seq in cancel]
         return StepNews(join, frozenset(cancel), tuple(adapters))
 
 
@@ -189,6 +192,10 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
     while (news := agreed_news(wait=not scheduler.busy)) is not None:
         scheduler.step(news)
         done, ended = scheduler.drain()
+        if inbox is not None and inbox.dropped:
+            done += [(seq, ErrorEvent("cancelled", "stopped by the user")) for seq in inbox.dropped]
+            ended += inbox.dropped
+            inbox.dropped = []
         failed = None
         try:
             for seq, ev in done:
