@@ -6,7 +6,6 @@ import io
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
