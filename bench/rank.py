@@ -17,7 +17,7 @@ from engine.model.packed import PackFormat, QuantPack
 from engine.parallel.fake import FakeComm
 from engine.parallel.layout import PhaseView
 from engine.parallel.plan import ParallelPlan
-from engine.runtime.denoise import DenoiseRunner, step_keys
+from engine.runtime.denoise import DenoiseLayout, DenoiseRunner, step_keys
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import cache_heads
 from engine.runtime.sequence import GenImageSpan, Sequence
@@ -133,8 +133,9 @@ def denoise_runner(model: HunyuanImage3, plan: ParallelPlan, seq: Sequence, pref
     cache = cache or denoise_cache(model, plan, seq, branches)
     starts = [prefix if b == 0 else 0 for b in branches]
     ids = torch.full((2, len(seq)), 5, device=dev)
-    return DenoiseRunner(model, seq, [], ids, cache.heads(heads.denoise), view, branches, starts, scratch,
-                         FakeComm(2 if plan.replica_mode == "cfg" else 1), use_graph=graph, graphs=graphs)
+    layout = DenoiseLayout(view, branches, starts, scratch, FakeComm(2 if plan.replica_mode == "cfg" else 1))
+    return DenoiseRunner(model, seq, [], ids, cache.heads(heads.denoise), layout,
+                         (graphs if graphs is not None else Graphs()) if graph else None)
 
 
 def latent(model: HunyuanImage3, side: int) -> torch.Tensor:

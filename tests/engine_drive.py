@@ -1,7 +1,6 @@
-"""Driving the engine's pieces in tests: a request's text phase on its own, outside the scheduler (each
-`Decode` need answered with the plain forward of that one row over its cache up to the token: the sliced
-attention of the CPU, no static buffers, no batch; the reference the batched decode step is compared
-with), and requests run together through the scheduler as the worker runs them."""
+"""Driving the engine's pieces in tests: the backbone over a plain sequence, a request's text phase on its
+own outside the scheduler (each `Decode` need answered by the test), and requests run together through
+the scheduler as the worker runs them."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +11,6 @@ import torch
 from engine.runtime.needs import Decode
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, prepare
-from engine.runtime.sampling import choose
 from engine.runtime.scheduler import Scheduler, StepNews
 
 
@@ -34,15 +32,11 @@ def backbone_rows(lm, tokens: bool = False) -> Iterator[list]:
         del lm.model.backbone
 
 
-def plain_decode(model, pos: torch.Tensor, blocks: torch.Tensor, cache, view, vocab: int) -> Callable[[Decode], int]:
-    def answer(need: Decode) -> int:
-        x = model.transformer.embed(torch.tensor([[need.token]], device=pos.device))
-        index = torch.tensor([need.index], device=pos.device)
-        h = model.backbone(x, index, pos, blocks, cache, need.index + 1, view, masked=False)
-        logits = model.transformer.logits(h[:, -1], view)[0]
-        logits[vocab:] = float("-inf")
-        return int(choose(logits, need.params, need.generator, need.allowed))
-    return answer
+def run_backbone(model, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor, cache,
+                 kv_len: int, view, masked: bool = True) -> torch.Tensor:
+    """The backbone over embeddings x of the tokens at sequence indices `index` of a sequence (its
+    positions `pos` and blocks), attending to keys [0, kv_len) of `cache`."""
+    return model.backbone(x, model.attn_batch(index, pos, blocks, kv_len, view, masked), cache, view)
 
 
 def drive(program: Generator, answer: Callable[[Decode], int]) -> tuple[list, object]:

@@ -18,7 +18,7 @@ from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.runtime.sequence import image_phase_sequence
 
-from engine_drive import backbone_rows
+from engine_drive import backbone_rows, run_backbone
 
 
 def run(pipe, **kw):
@@ -101,12 +101,12 @@ def test_prefix_cached_step_equals_full_sequence_step(tiny):
         cache = KVCache.allocate(2, 1, 8, L, 8, torch.float32, "cpu")
         full1 = torch.cat([embed_range(model, seq, ids, [], 0, span.meta_start),
                            tail_embeddings(model, x1, t1, None, None)], 1)
-        model.backbone(full1, torch.arange(L), T["pos"], T["blocks"], cache, L, view)
+        run_backbone(model, full1, torch.arange(L), T["pos"], T["blocks"], cache, L, view)
         tail2 = tail_embeddings(model, x2, t2, None, None)
-        cached = model.backbone(tail2, torch.arange(span.meta_start, L), T["pos"], T["blocks"], cache, L, view)
+        cached = run_backbone(model, tail2, torch.arange(span.meta_start, L), T["pos"], T["blocks"], cache, L, view)
         full2 = torch.cat([embed_range(model, seq, ids, [], 0, span.meta_start), tail2], 1)
         fresh = KVCache.allocate(2, 1, 8, L, 8, torch.float32, "cpu")
-        recomputed = model.backbone(full2, torch.arange(L), T["pos"], T["blocks"], fresh, L, view)
+        recomputed = run_backbone(model, full2, torch.arange(L), T["pos"], T["blocks"], fresh, L, view)
         v_cached = velocity(model, cached[:, -16:], t2, span)
         v_full = velocity(model, recomputed[:, -16:], t2, span)
     assert (v_cached - v_full).abs().max().item() <= 1e-5

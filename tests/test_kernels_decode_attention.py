@@ -101,6 +101,7 @@ def test_static_decode_step_through_the_op_equals_sliced(tiny, monkeypatch):
     from engine.runtime.decode_step import DecodeStep
     from engine.runtime.graphs import Graphs
     from engine.runtime.sequence import text_phase_sequence
+    from engine_drive import run_backbone
     model, tok, c = tiny.model, tiny.tok, tiny.cfg
     seq = text_phase_sequence(tok, "", "a small green triangle", [], "think", 256)
     L = len(seq)
@@ -120,11 +121,12 @@ def test_static_decode_step_through_the_op_equals_sliced(tiny, monkeypatch):
     words = tok.encode(" red circle")
     with torch.no_grad():
         for kv in (cache, sliced_cache):
-            model.backbone(model.transformer.embed(T["ids"][None]), torch.arange(L), T["pos"], T["blocks"], kv, L, view)
+            run_backbone(model, model.transformer.embed(T["ids"][None]), torch.arange(L), T["pos"], T["blocks"], kv, L,
+                         view)
         for s, t in enumerate(words):
             x = model.transformer.embed(torch.tensor([[t]]))
-            h = model.backbone(x, torch.tensor([L + s]), T["pos"], T["blocks"], sliced_cache, L + s + 1, view,
-                               masked=False)
+            h = run_backbone(model, x, torch.tensor([L + s]), T["pos"], T["blocks"], sliced_cache, L + s + 1, view,
+                             masked=False)
             sliced = model.transformer.logits(h[:, -1], view)[0]
             monkeypatch.setattr(kernels, "call", recording)
             static = step([(0, t, L + s)])[0]

@@ -17,7 +17,8 @@ import hunyuan_kernels as kernels
 import hunyuan_kernels.quant as kq
 from engine.model.loader import load
 from engine.model.packed import dense, read_rows
-from engine.model.weights import FormatMismatchWarning, backbone_linears, plan_checkpoint
+from engine.model.weights import FormatMismatchWarning, plan_checkpoint
+from engine.spec.shapes import backbone_linears
 from engine.parallel.layout import ShardLayout
 from engine.spec.checkpoint import Checkpoint, CheckpointError
 from engine.spec.config import CheckpointConfig

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.model.packed import dense
 from engine.model.transformer import Transformer
-from engine.model.weights import SKIPPED_PREFIXES, backbone_linears, plan_checkpoint
+from engine.model.weights import SKIPPED_PREFIXES, plan_checkpoint
+from engine.spec.shapes import backbone_linears
 from engine.parallel.plan import PRESETS, get_plan
 from engine.runtime.events import Error, Image, Text
 from engine.runtime.pipeline import Pipeline

@@ -15,7 +15,8 @@ import hunyuan_kernels as kernels
 from engine.model.loader import keeps_quantized, load
 from engine.model.packed import QuantPack, linear, micro_cols, micro_rows
 from engine.model.transformer import Transformer
-from engine.model.weights import SKIPPED_PREFIXES, backbone_linears, plan_checkpoint, resident_packs
+from engine.model.weights import SKIPPED_PREFIXES, plan_checkpoint, resident_packs
+from engine.spec.shapes import backbone_linears
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.runtime.events import Error, Image, Text
 from engine.runtime.pipeline import Pipeline

@@ -15,7 +15,8 @@ import torch
 
 from engine.model.loader import load
 from engine.model.packed import dense
-from engine.model.weights import FormatMismatchWarning, backbone_linears, plan_checkpoint
+from engine.model.weights import FormatMismatchWarning, plan_checkpoint
+from engine.spec.shapes import backbone_linears
 from engine.spec.checkpoint import Checkpoint
 from engine.spec.config import CheckpointConfig
 from engine.spec.qtensors import read_tensors

@@ -10,11 +10,11 @@ from engine.runtime.events import Done, Text
 from engine.parallel.layout import PhaseView
 from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
-from engine.runtime.sampling import SamplingParams
+from engine.runtime.sampling import SamplingParams, choose
 from engine.runtime.sequence import SequenceBuilder, text_phase_sequence
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 
-from engine_drive import drive, plain_decode
+from engine_drive import drive, run_backbone
 
 
 def _cache(lm, n):
@@ -31,18 +31,20 @@ def test_cached_decode_equals_full_recompute(tiny):
     cache = _cache(tiny, L + steps)
     view = PhaseView()
     with torch.no_grad():
-        h = model.backbone(model.transformer.embed(T["ids"][None]), torch.arange(L), T["pos"], T["blocks"], cache, L, view)
+        h = run_backbone(model, model.transformer.embed(T["ids"][None]), torch.arange(L), T["pos"], T["blocks"], cache,
+                         L, view)
         cached = [model.transformer.logits(h[:, -1], view)[0]]
         for s in range(steps):
             ids.append(int(cached[-1].argmax()))
             x = model.transformer.embed(torch.tensor([[ids[-1]]]))
-            h = model.backbone(x, torch.tensor([L + s]), T["pos"], T["blocks"], cache, L + s + 1, view, masked=False)
+            h = run_backbone(model, x, torch.tensor([L + s]), T["pos"], T["blocks"], cache, L + s + 1, view,
+                             masked=False)
             cached.append(model.transformer.logits(h[:, -1], view)[0])
         for s in range(steps + 1):
             n = L + s
             fresh = _cache(tiny, n)
-            h = model.backbone(model.transformer.embed(torch.tensor([ids[:n]])), torch.arange(n), T["pos"], T["blocks"],
-                               fresh, n, view)
+            h = run_backbone(model, model.transformer.embed(torch.tensor([ids[:n]])), torch.arange(n), T["pos"],
+                             T["blocks"], fresh, n, view)
             full = model.transformer.logits(h[:, -1], view)[0]
             assert (full - cached[s]).abs().max().item() <= 1e-5, s
 
@@ -64,51 +66,46 @@ def test_greedy_is_deterministic_and_seeded_sampling_reproduces(tiny):
     assert a == b and a != c
 
 
-class ScriptedModel:
-    """Stands in for the model: call k returns logits script[k] ({token: logit}, others 0) — a scripted
-    logits source for the stage machine."""
+class ScriptedRow:
+    """Stands in for a request's AR row: forward k (the prefill, a decode step, a forward of fed tokens)
+    returns logits script[k] ({token: logit}, others 0) — a scripted logits source for the stage machine;
+    `fed` records every id fed after the prompt."""
+    slot = 0
 
-    device = torch.device("cpu")
-
-    def __init__(self, script, vocab):
-        self.script, self.vocab, self.calls = list(script), vocab, 0
+    def __init__(self, script, vocab, length):
+        self.script, self.vocab, self.length, self.calls = list(script), vocab, length, 0
         self.fed: list[int] = []
-        outer = self
 
-        class T:
-            def embed(self, ids):
-                outer.fed += ids[0].tolist()
-                return torch.zeros(1, ids.shape[1], 4)
+    def _logits(self):
+        logits = torch.zeros(self.vocab)
+        step = self.script[self.calls] if self.calls < len(self.script) else {}
+        for t, v in (step.items() if isinstance(step, dict) else [(step, 10.0)]):
+            logits[t] = v
+        self.calls += 1
+        return logits
 
-            def logits(self, h, view):
-                logits = torch.zeros(1, outer.vocab)
-                step = outer.script[outer.calls] if outer.calls < len(outer.script) else {}
-                for t, v in (step.items() if isinstance(step, dict) else [(step, 10.0)]):
-                    logits[0, t] = v
-                outer.calls += 1
-                return logits
+    def prefill(self, embeds):
+        return self._logits()
 
-        self.transformer = T()
+    def feed(self, ids, start):
+        self.fed += list(ids)
+        return self._logits()
 
-    def backbone(self, x, index, pos, blocks, cache, kv_len, view, masked=True, kv_len_dev=None, lora=None):
-        return torch.zeros(1, x.shape[1], 4)
+    def decode(self, need, vocab):
+        """A Decode need answered as the engine's decode step does (the padded vocabulary masked)."""
+        self.fed.append(need.token)
+        logits = self._logits()
+        logits[vocab:] = float("-inf")
+        return int(choose(logits, need.params, need.generator, need.allowed))
 
 
 def _run_plan(tiny, script, task, need_ratio, max_new=40):
     tok = tiny.tok
-    sp = tok.special
-    plan = StagePlan.for_task(task, need_ratio, sp)
-    fake = ScriptedModel(script, tiny.cfg.vocab_size)
+    plan = StagePlan.for_task(task, need_ratio, tok.special)
     L = 5
-    pos = torch.arange(L + max_new + 8).unsqueeze(1).repeat(1, 2)
-    blocks = torch.full((L + max_new + 8,), -1)
-    cache, view = _cache(tiny, L + max_new + 8), PhaseView()
-
-    def prefill(emb, pos, blocks):
-        return fake.transformer.logits(fake.backbone(emb, torch.arange(L), pos, blocks, cache, L, view)[:, -1], view)[0]
-    _, res = drive(generate_text(fake, tok, torch.zeros(1, L, 4), pos, blocks, cache, plan,
-                                 SamplingParams(greedy=True), None, max_new, view, prefill),
-                   plain_decode(fake, pos, blocks, cache, view, tok.vocab_size))
+    fake = ScriptedRow(script, tiny.cfg.vocab_size, L + max_new + 8)
+    _, res = drive(generate_text(tok, fake, torch.zeros(1, L, 4), plan, SamplingParams(greedy=True), None, max_new),
+                   lambda need: fake.decode(need, tok.vocab_size))
     return res, fake
 
 
@@ -204,15 +201,15 @@ def test_batched_decode_rows_equal_the_plain_forward_of_each_row(tiny):
             emb = model.transformer.embed(T[s]["ids"][None])   # image slots embedded as their ids: any values do
             alone[s] = _cache(tiny, n)
             for cache in (alone[s], slots.rows(slice(s, s + 1))):
-                model.backbone(emb, torch.arange(L), T[s]["pos"], T[s]["blocks"], cache, L, view)
+                run_backbone(model, emb, torch.arange(L), T[s]["pos"], T[s]["blocks"], cache, L, view)
         for k, t in enumerate(words):
             rows = [(s, t + s, len(q) + k) for s, q in seqs.items()]       # each row its own token and index
             batched = step(rows)
             assert batched.shape[0] == 4 and step.bucket([0, 1, 3]) == 4
             for s, token, index in rows:
                 x = model.transformer.embed(torch.tensor([[token]]))
-                h = model.backbone(x, torch.tensor([index]), T[s]["pos"], T[s]["blocks"], alone[s], index + 1, view,
-                                   masked=False)
+                h = run_backbone(model, x, torch.tensor([index]), T[s]["pos"], T[s]["blocks"], alone[s], index + 1,
+                                 view, masked=False)
                 plain = model.transformer.logits(h[:, -1], view)[0]
                 assert (batched[s] - plain).abs().max().item() <= 1e-5, (s, k)
     assert step.forwards == len(words)
@@ -260,7 +257,8 @@ def test_padded_prefill_equals_plain(tiny):
             logits = [prefill(emb, T["pos"], blocks)]
             for s, t in enumerate(tok.encode(" blue circle")):
                 x = model.transformer.embed(torch.tensor([[t]]))
-                h = model.backbone(x, torch.tensor([L + s]), T["pos"], blocks, cache, L + s + 1, view, masked=False)
+                h = run_backbone(model, x, torch.tensor([L + s]), T["pos"], blocks, cache, L + s + 1, view,
+                                 masked=False)
                 logits.append(model.transformer.logits(h[:, -1], view)[0])
             runs.append((torch.stack(logits), cache))
     (plain, c0), (pad, c1) = runs

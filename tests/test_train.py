@@ -216,7 +216,7 @@ def test_training_forward_is_the_inference_forward(monkeypatch):
     embeddings. A TI2I sample with two references, on the trained embedded model (a random model's
     image tokens barely depend on the text, so it would not catch a different prefix)."""
     import engine.runtime.pipeline as P
-    from engine.runtime.denoise import flow_sigmas
+    from engine.runtime.denoise import StepInputs, flow_sigmas
     from engine.runtime.text_phase import TextResult
     from train.train import TrainSequence, _uint8, collate, gen_velocity, sequence_hidden
     lm = load(EMBEDDED, "cpu", torch.float32)
@@ -248,7 +248,7 @@ def test_training_forward_is_the_inference_forward(monkeypatch):
 
     class FirstStepAtTheTrainingInputs(P.FlowSampler):     # step 0's velocity at the inputs above, kept
         def inputs(self, i):
-            return (x, t, r * 1000.0, guid) if i == 0 else super().inputs(i)
+            return StepInputs(x, t, r * 1000.0, guid) if i == 0 else super().inputs(i)
 
         def update(self, i, v):
             got.setdefault("v", v.clone())

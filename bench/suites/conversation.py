@@ -172,7 +172,8 @@ def real_shapes(args: argparse.Namespace, out: Output, plan: dict) -> list[dict]
 
         def prefill(start: int):
             index = torch.arange(start, L, device=dev)
-            h = model.backbone(model.transformer.embed(ids[:, start:]), index, T["pos"], T["blocks"], cache, L, view)
+            h = model.backbone(model.transformer.embed(ids[:, start:]),
+                               model.attn_batch(index, T["pos"], T["blocks"], L, view), cache, view)
             return model.transformer.logits(h[:, -1], view)
 
         with torch.no_grad():

@@ -34,7 +34,7 @@ from engine.model.packed import PackFormat
 from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.graphs import Graphs
-from engine.runtime.denoise import DenoiseRunner, denoise
+from engine.runtime.denoise import DenoiseRunner, StepInputs, denoise
 from engine.runtime.prefill_step import PrefillStep
 from engine.spec.config import ModelConfig
 
@@ -140,7 +140,7 @@ class Request:
         x, t = rank.latent(self.model, self.s.side), torch.full((1,), 500.0, device=dev)
         g = torch.full((1,), 2500.0, device=dev) if self.distil else None
         rr = torch.full((1,), 400.0, device=dev) if self.distil and self.model.timestep_r_emb is not None else None
-        return lambda: r.velocity(1, x, t, rr, g)
+        return lambda: r.velocity(1, StepInputs(x, t, rr, g))
 
     def step_ms(self, graph: bool, steps: int = 3) -> float:
         return time_ms(self.step_fn(graph), "wall", n=steps)

@@ -46,7 +46,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     index = torch.arange(PREFILL, device="cuda")
 
     def prefill():
-        h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, PREFILL, view)
+        batch = model.attn_batch(index, pos, blocks, PREFILL, view)
+        h = model.backbone(model.transformer.embed(ids), batch, cache, view)
         return model.transformer.logits(h[:, -1], view)
 
     rows = []

@@ -29,6 +29,7 @@ from engine.model.hunyuan import HunyuanImage3
 from engine.parallel.layout import PhaseView
 from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.decode_step import DecodeStep
+from engine.runtime.denoise import StepInputs
 from engine.runtime.graphs import Graphs
 from engine.runtime.prefill_step import GRAIN, PrefillStep
 
@@ -97,9 +98,10 @@ def dit(model: HunyuanImage3, plan: ParallelPlan, prefix: int, steps: int, side:
     runner = rank.denoise_runner(model, plan, rank.image_sequence(prefix, side), prefix, branches, graph)
     prefill_ms = time_ms(runner.prefill, "wall", n=1, warmup=1)
     x, t = rank.latent(model, side), torch.full((1,), 500.0, device=model.device)
-    step_ms = time_ms(lambda: runner.velocity(1, x, t, None, None), "wall", n=steps)
+    step_ms = time_ms(lambda: runner.velocity(1, StepInputs(x, t)), "wall", n=steps)
     return {"uncond_prefill_ms": prefill_ms, "step_ms": step_ms, "rows": len(branches),
-            "local_tokens": -(-(1 + side * side) // plan.sp), "step_graph": runner.key in runner.graphs}
+            "local_tokens": -(-(1 + side * side) // plan.sp),
+            "step_graph": runner.graphs is not None and runner.graph_key in runner.graphs}
 
 
 def profile_stages(model: HunyuanImage3, plan: ParallelPlan, view: PhaseView, workload: tuple, side: int,
@@ -112,12 +114,12 @@ def profile_stages(model: HunyuanImage3, plan: ParallelPlan, view: PhaseView, wo
     cache = KVCache.allocate(cfg.num_layers, 1, kvr, prefill + 8, cfg.head_dim, model.dtype, dev)
     ids = torch.randint(0, min(VOCAB, cfg.vocab_size), (1, prefill), device=dev)
     index = torch.arange(prefill, device=dev)
-    for line in kernel_table(lambda: model.backbone(model.transformer.embed(ids), index, pos, blocks, cache,
-                                                    prefill, view), f"{plan.name} AR prefill of {prefill} tokens"):
+    for line in kernel_table(lambda: model.backbone(model.transformer.embed(ids), model.attn_batch(
+            index, pos, blocks, prefill, view), cache, view), f"{plan.name} AR prefill of {prefill} tokens"):
         out.say(line)
     runner = rank.denoise_runner(model, plan, rank.image_sequence(prefill + cot, side), prefill + cot, [0, 1], False)
     x, t = rank.latent(model, side), torch.full((1,), 500.0, device=dev)
-    for line in kernel_table(lambda: runner.velocity(1, x, t, None, None), f"{plan.name} DiT step (CFG batched)"):
+    for line in kernel_table(lambda: runner.velocity(1, StepInputs(x, t)), f"{plan.name} DiT step (CFG batched)"):
         out.say(line)
 
 

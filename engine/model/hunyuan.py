@@ -58,17 +58,18 @@ class HunyuanImage3(nn.Module):
 
     def attn_batch(self, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor, kv_len: int,
                    view: PhaseView, masked: bool = True, gathered: torch.Tensor | None = None,
-                   masked_rows: int | None = None, kv_len_dev: torch.Tensor | None = None,
-                   lora: LoraRows | None = None) -> AttnBatch:
-        """RoPE tables and mask for the tokens at sequence indices `index` [T] (see `backbone`).
-        `masked_rows`: only that many leading query rows need the mask; `kv_len_dev`: the number of valid
-        keys as a device tensor, `kv_len` then the static bound; `lora`: the rows' adapters (see AttnBatch)."""
+                   masked_rows: int | None = None, lora: LoraRows | None = None) -> AttnBatch:
+        """The attention inputs of the tokens at sequence indices `index` [T], the same for every batch row:
+        pos [>=kv_len, 2] and blocks [>=kv_len] describe the whole sequence, keys [0, kv_len) of the cache
+        are attended to. `masked=False` when every query may see every key (a decode step). Under sequence
+        parallelism `gathered` [S]: the indices of every rank's tokens. `masked_rows`: only that many
+        leading query rows need the mask; `lora`: the rows' adapters (see AttnBatch)."""
         cos, sin = rope_angles(pos.index_select(0, index), self.cfg.head_dim, self.cfg.rope_theta)
         rows = gathered if gathered is not None and view.sp_kind == "ulysses" else index
         if masked_rows is not None:
             rows = rows[:masked_rows]
         mask = sdpa_mask(attention_mask(rows, blocks, kv_len), self.dtype) if masked else None
-        return AttnBatch(index, cos, sin, kv_len, mask, gathered, masked_rows, kv_len_dev, lora=lora)
+        return AttnBatch(index, cos, sin, kv_len, mask, gathered, masked_rows, lora=lora)
 
     def row_batch(self, index: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, kv_len: int,
                   kv_len_dev: torch.Tensor, lora: LoraRows | None = None) -> AttnBatch:
@@ -82,23 +83,12 @@ class HunyuanImage3(nn.Module):
         cos, sin = rope_angles(pos[rows[:, None], index].view(B * T, 2), D, self.cfg.rope_theta)
         return AttnBatch(index, cos.view(B, T, D), sin.view(B, T, D), kv_len, None, kv_len_dev=kv_len_dev, lora=lora)
 
-    def backbone(self, x: torch.Tensor, index: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor,
-                 cache: KVCache, kv_len: int, view: PhaseView, masked: bool = True,
-                 gathered: torch.Tensor | None = None, batch: AttnBatch | None = None,
-                 kv_len_dev: torch.Tensor | None = None, layers: range | None = None,
-                 lora: LoraRows | None = None) -> torch.Tensor:
-        """Run the layers on embeddings x [B, T, H] of the tokens at sequence indices `index` [T].
-
-        pos [>=kv_len, 2] and blocks [>=kv_len] describe the whole sequence; keys [0, kv_len) of the cache
-        are attended to. `masked=False` when every query may see every key (a decode step). Under sequence
-        parallelism x holds this rank's tokens and `gathered` [S] the indices of every rank's tokens.
-        A `batch` prepared once by `attn_batch` (the same tokens at every denoise step) skips rebuilding it.
-        `kv_len_dev` (a device tensor [1], with masked=False): the number of valid keys, read on the device
-        (a CUDA-graph decode step); kv_len is then the cache's static bound. `layers`: only these layers
-        (x is then the residual stream entering the first; default all). `lora`: the rows' LoRA adapters.
-        """
-        batch = batch or self.attn_batch(index, pos, blocks, kv_len, view, masked, gathered, kv_len_dev=kv_len_dev,
-                                         lora=lora)
+    def backbone(self, x: torch.Tensor, batch: AttnBatch, cache: KVCache, view: PhaseView,
+                 layers: range | None = None) -> torch.Tensor:
+        """The one way into the layers: embeddings x [B, T, H] of the tokens `batch` describes (built by
+        `attn_batch` or `row_batch`), their K/V written into `cache`, under the phase `view` -> the hidden
+        states [B, T, H] (no final norm). Under sequence parallelism x holds this rank's tokens. `layers`:
+        only these layers (x is then the residual stream entering the first; default all)."""
         return self.transformer(x, batch, cache, view, layers)
 
     def vae_autocast(self) -> contextlib.AbstractContextManager:

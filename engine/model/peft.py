@@ -32,6 +32,7 @@ from engine.model.packed import shard_block
 from engine.parallel.layout import ShardLayout
 from engine.spec import names
 from engine.spec.config import ModelConfig
+from engine.spec.shapes import backbone_linears
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."                     # PeftModel's wrapping of the trained model
@@ -127,7 +128,6 @@ def read_peft(folder: str | Path, model: ModelConfig, layout: ShardLayout = Shar
               targets: tuple[str, ...] = TARGETS) -> PeftAdapter:
     """Read and check the adapter in `folder` for `model`, keeping the slices a rank of `layout` holds (the
     whole adapter by default) of the linears named `targets`; AdapterError names what is wrong."""
-    from engine.model.weights import backbone_linears     # the one table of the linears' shapes
     folder = Path(folder)
     where = f"LoRA adapter {folder}"
     if not (folder / CONFIG).is_file():

@@ -94,6 +94,6 @@ class DecodeStep:
         token, index, length = self._slots[0, :b].view(b, 1), self._slots[1, :b].view(b, 1), self._slots[2, :b]
         lora = None if self.adapters is None else self.adapters.rows(slice(0, b))
         batch = m.row_batch(index, self.pos, self._rows[:b], cache.max_len, length, lora)
-        h = m.transformer(m.transformer.embed(token), batch, cache, self.view)
+        h = m.backbone(m.transformer.embed(token), batch, cache, self.view)
         return m.transformer.logits(h[:, -1], self.view)
 

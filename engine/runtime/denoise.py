@@ -73,15 +73,34 @@ def step_key(span: GenImageSpan, images: int, branches: list[int]) -> tuple:
 
 
 @dataclass
-class StepBuffers:
-    """The static inputs of one step key's graph, owned with it (engine/runtime/graphs.py): the latent,
-    the times, and the step's attention tables (RoPE, the meta rows' mask, the keys of the request's own
-    prefix, the token indices). Each request of the key writes its own values into them; the shapes are
-    the key's."""
+class StepInputs:
+    """What a denoise step varies: the latents x [images, C, h, w], the time t [1] (t*1000 units), Distil's
+    r and g [1] (None without them). A request's own (`FlowSampler.inputs`), or the static copy a step
+    graph reads (`StepBuffers`, engine/runtime/denoise_batch.py `BatchBuffers`)."""
     x: torch.Tensor
     t: torch.Tensor
-    r: torch.Tensor | None
-    g: torch.Tensor | None
+    r: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.x, self.t, self.r, self.g
+
+    def clone(self) -> "StepInputs":
+        return StepInputs(*(None if v is None else v.clone() for v in self.tensors()))
+
+    def copy_(self, src: "StepInputs") -> None:
+        for dst, v in zip(self.tensors(), src.tensors()):
+            if dst is not None:
+                dst.copy_(v)
+
+
+@dataclass
+class StepBuffers:
+    """The static inputs of one step key's graph, owned with it (engine/runtime/graphs.py): the step's
+    inputs, and the step's attention tables (RoPE, the meta rows' mask, the keys of the request's own
+    prefix, the token indices). Each request of the key writes its own values into them; the shapes are
+    the key's."""
+    inputs: StepInputs
     batch: AttnBatch
 
     def fill_batch(self, new: AttnBatch) -> None:
@@ -99,40 +118,57 @@ class StepBuffers:
                 dst.copy_(src)
 
 
-class DenoiseRunner:
-    """Runs the backbone for the denoise phase on one rank of any plan.
+@dataclass(frozen=True)
+class DenoiseLayout:
+    """Where one request's denoise rows are on this rank and how its step runs over them.
 
-    branches: the CFG branches this rank computes, as rows of `ids` (0 = cond, 1 = uncond): both
-      (batched CFG), the one of its replica (CFG-parallel, gathered over `branch_comm`), or [0].
+    view: the denoise phase's view (TP x SP: under SP each forward's tokens are split over `view.sp`).
+    branches: the CFG branches this rank computes, as rows of the runner's `ids` (0 = cond, 1 = uncond):
+      both (batched CFG), the one of its replica (CFG-parallel, gathered over `branch_comm`), or [0].
+    starts: each branch's first position not in its cache (the cond branch continues the AR cache).
+    scratch: the cache slot that SP padding tokens write and no real query reads (past the step's keys).
     images: how many images share the request's reasoning; each branch has one cache row per image
       (rows are branch-major: branch j, image k is row j * images + k).
-    `prefill()` computes, once, each branch's uncached prefix up to the image's meta tokens (`starts`:
-    the cond branch continues the AR cache, the uncond branch starts at 0) for one image row and copies
-    its K/V to the branch's other image rows: the prefix never attends to the image, so every image of
-    a branch shares it. Each step then runs only the meta + image tokens of every row (their K/V at
-    `tail_index` in the cache, so that the step's shapes are its key's), as one batch or
-    one branch after the other (`serial`). Under SP each call's tokens are split over `view.sp`; padding
-    tokens write a scratch cache slot (`scratch`) that no real query reads.
+    serial: one forward per branch (less activation memory) instead of one batch.
+    storage: names the KV storage its rows are views of (a step graph replays on the storage it was
+      captured on: it joins the step's graph key).
+    """
+    view: PhaseView
+    branches: list[int]
+    starts: list[int]
+    scratch: int
+    branch_comm: Comm = Comm()
+    images: int = 1
+    serial: bool = False
+    storage: tuple = ()
+
+
+class DenoiseRunner:
+    """Runs the backbone for the denoise phase of one request on one rank of any plan, over its rows as
+    `layout` lays them out (DenoiseLayout).
+
+    `prefill()` computes, once, each branch's uncached prefix up to the image's meta tokens (from the
+    branch's `starts`) for one image row and copies its K/V to the branch's other image rows: the prefix
+    never attends to the image, so every image of a branch shares it. Each step then runs only the meta +
+    image tokens of every row (their K/V at `tail_index` in the cache, so that the step's shapes are its
+    key's), as one batch or one branch after the other (`serial`).
     step_cache: the request's policy (engine/runtime/step_cache.py), asked before each step whether the
       backbone runs in full or its output is forecast; default: every step in full.
     """
 
     def __init__(self, model: HunyuanImage3, seq: Sequence, refs: list, ids: torch.Tensor, cache: KVCache,
-                 view: PhaseView, branches: list[int], starts: list[int], scratch: int, branch_comm: Comm,
-                 serial: bool = False, images: int = 1, use_graph: bool = False, graphs: Graphs | None = None,
-                 key: tuple = (), step_cache: StepCache | None = None, lora: LoraRows | None = None,
-                 prefill_lora: LoraRows | None = None):
-        """`key`: what else the step's graph depends on, appended to its step key (the KV storage the
-        rows are views of: a graph replays on the storage it was captured on). `lora`: the request's
-        LoRA adapter in its steps, one row for all its rows (the pool's static buffer: the graphs read
-        it); `prefill_lora`: the same for its prefix (default `lora`: the request's rows where it joined)."""
-        self.model, self.seq, self.refs, self.ids, self.cache, self.view = model, seq, refs, ids, cache, view
-        self.branches, self.starts, self.scratch, self.branch_comm = branches, starts, scratch, branch_comm
-        self.serial = serial      # one forward per branch (less activation memory) instead of one batch
-        self.images = images
-        if scratch < step_keys(seq.gen_image):
-            raise ValueError(f"the scratch slot {scratch} lies among the step's {step_keys(seq.gen_image)} keys")
-        T = seq.tensors(model.device, length=scratch + 1)
+                 layout: DenoiseLayout, graphs: Graphs | None = None, step_cache: StepCache | None = None,
+                 lora: tuple[LoraRows | None, LoraRows | None] = (None, None)):
+        """ids [branches, L]: the sequence's ids per CFG branch (row 1: the uncond branch's); refs: its
+        images' encodings. `graphs`: the engine's graph owner, where each step runs as its step key's graph
+        when it can be captured (None: eagerly). `lora`: the request's LoRA adapter rows (the pool's static
+        buffers: the graphs read them) of its prefix (the request's rows where it joined) and of its steps
+        (one row for all its rows)."""
+        self.model, self.seq, self.refs, self.ids, self.cache = model, seq, refs, ids, cache
+        self.layout, self.view, self.images = layout, layout.view, layout.images
+        if layout.scratch < step_keys(seq.gen_image):
+            raise ValueError(f"the scratch slot {layout.scratch} lies among the step's {step_keys(seq.gen_image)} keys")
+        T = seq.tensors(model.device, length=layout.scratch + 1)
         self.pos, self.blocks = T["pos"], T["blocks"]
         self.span = seq.gen_image
         self._batches: dict[tuple[int, int], tuple] = {}   # (start, stop) -> (chunk, n, AttnBatch)
@@ -141,14 +177,13 @@ class DenoiseRunner:
         # every step runs the same kernels on the same shapes: on CUDA in bf16 (and groups a graph can hold)
         # the step is one graph (no launch gaps), captured once per step key for the engine's life and
         # replayed by every later request of that key over the key's static buffers (`StepBuffers`)
-        self.graphs = graphs if graphs is not None else Graphs()
-        self.use_graph = (use_graph and not serial and self.graphs.capturable(model)
-                          and graph_safe(view.tp, view.sp, branch_comm))
-        self.key = step_key(seq.gen_image, images, branches) + key
+        self.graphs = graphs
+        self.use_graph = (graphs is not None and not layout.serial and graphs.capturable(model)
+                          and graph_safe(layout.view.tp, layout.view.sp, layout.branch_comm))
+        self.key = step_key(seq.gen_image, layout.images, layout.branches) + layout.storage
         self._static: StepBuffers | None = None
         self.step_cache = step_cache if step_cache is not None else StepCache(0)
-        self.lora = lora
-        self.prefill_lora = lora if prefill_lora is None else prefill_lora
+        self.prefill_lora, self.lora = lora
 
     @property
     def graph_key(self) -> tuple:
@@ -165,7 +200,7 @@ class DenoiseRunner:
             gathered, chunk = None, n
             if sp.size > 1:    # split over SP ranks; padding tokens write the scratch slot
                 chunk = -(-n // sp.size)
-                pad = torch.full((chunk * sp.size - n,), self.scratch, device=dev)
+                pad = torch.full((chunk * sp.size - n,), self.layout.scratch, device=dev)
                 gathered = torch.cat([index, pad])
                 index = gathered[sp.rank * chunk:(sp.rank + 1) * chunk]
             batch = self.model.attn_batch(index, self.pos, self.blocks, stop, self.view, gathered=gathered,
@@ -220,8 +255,7 @@ class DenoiseRunner:
         if sp.size > 1:
             x = torch.cat([x, x.new_zeros(x.shape[0], chunk * sp.size - n, x.shape[2])], dim=1)
             x = x[:, sp.rank * chunk:(sp.rank + 1) * chunk]
-        h = self.model.backbone(x, batch.index, self.pos, self.blocks, self.cache.rows(rows), batch.kv_len,
-                                self.view, batch=batch, layers=layers)
+        h = self.model.backbone(x, batch, self.cache.rows(rows), self.view, layers)
         if sp.size > 1:
             h = sp.all_gather(h, dim=1)[:, :n]
         return h
@@ -232,8 +266,8 @@ class DenoiseRunner:
     def prefill(self) -> None:
         """Each branch's uncached prefix [start, meta), once, shared by the branch's image rows."""
         meta = self.span.meta_start
-        for j, b in enumerate(self.branches):
-            start, row = self.starts[j], j * self.images
+        for j, b in enumerate(self.layout.branches):
+            start, row = self.layout.starts[j], j * self.images
             if start < meta:
                 x = embed_range(self.model, self.seq, self.ids[b:b + 1], self.refs, start, meta)
                 self._run(x, self._layout(start, meta, x.device), slice(row, row + 1))
@@ -241,77 +275,69 @@ class DenoiseRunner:
                 for t in (*self.cache.k, *self.cache.v):
                     t[row + 1:row + self.images, :, :meta] = t[row:row + 1, :, :meta]
 
-    def velocity(self, i: int, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
-                 g: torch.Tensor | None) -> torch.Tensor:
-        """x [images, C, h, w] -> v [branches_total * images, C, h, w] (fp32, branch-major), identical
-        on all ranks. `prefill()` must have run. The result may be the graph's output buffer: use it
-        before the next step. Step i runs the backbone or, where the step cache says so, forecasts its
-        output from cached features (eagerly: a few elementwise ops) and runs only the final layer."""
+    def velocity(self, i: int, inputs: StepInputs) -> torch.Tensor:
+        """Step i at `inputs` (x [images, C, h, w]) -> v [branches_total * images, C, h, w] (fp32,
+        branch-major), identical on all ranks. `prefill()` must have run. The result may be the graph's
+        output buffer: use it before the next step. Step i runs the backbone or, where the step cache says
+        so, forecasts its output from cached features (eagerly: a few elementwise ops) and runs only the
+        final layer."""
         cache = self.step_cache
         if not cache.full(i):
-            return self._head(cache.forecast(i), t)
+            return self._head(cache.forecast(i), inputs.t)
         if not self.use_graph or not cache.graphable:
-            v, hidden = self._velocity(x, t, r, g, i)
+            v, hidden = self._velocity(inputs, i)
         else:
             if self._static is None:
-                self._static = self._take_buffers(x, t, r, g)
+                self._static = self._take_buffers(inputs)
             s = self._static
-            for buf, val in ((s.x, x), (s.t, t), (s.r, r), (s.g, g)):
-                if buf is not None:
-                    buf.copy_(val)
-            v, hidden = self.graphs.replay(self.graph_key, lambda: self._velocity(s.x, s.t, s.r, s.g), warmup=2)
+            s.inputs.copy_(inputs)
+            v, hidden = self.graphs.replay(self.graph_key, lambda: self._velocity(s.inputs), warmup=2)
         cache.record(i, hidden)
         return v
 
-    def _take_buffers(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
-                      g: torch.Tensor | None) -> StepBuffers:
+    def _take_buffers(self, inputs: StepInputs) -> StepBuffers:
         """The step key's buffers, this request's step layout copied into them (the first request of the
         key makes them from its own). Once per request, before its first step."""
-        chunk, n, mine = self.step_layout(x.device)
-        s = self.graphs.buffers(self.graph_key, lambda: StepBuffers(
-            *(None if v is None else v.clone() for v in (x, t, r, g)), mine))
+        chunk, n, mine = self.step_layout(inputs.x.device)
+        s = self.graphs.buffers(self.graph_key, lambda: StepBuffers(inputs.clone(), mine))
         if s.batch is not mine:
             s.fill_batch(mine)
         self._shared = chunk, n, s.batch
         return s
 
-    def _velocity(self, x: torch.Tensor, t: torch.Tensor, r: torch.Tensor | None,
-                  g: torch.Tensor | None, i: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def _velocity(self, inputs: StepInputs, i: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(v, the backbone's output for the step's tokens [rows, meta + h*w, H]) at step i."""
-        model = self.model
-        n, nb = self.images, len(self.branches)
+        n, nb = self.images, len(self.layout.branches)
+        x, t, r, g = inputs.tensors()
         # the branches differ only in their prefix: the meta + image embeddings (the patch embedding's
         # 4096-channel convolutions among them) are computed once per image and shared by every branch
-        tail = tail_embeddings(model, x, t.expand(n), None if r is None else r.expand(n),
+        tail = tail_embeddings(self.model, x, t.expand(n), None if r is None else r.expand(n),
                                None if g is None else g.expand(n)).repeat(nb, 1, 1)
-        hidden = self.step_cache.backbone(i, tail, self._forward, self.branch_comm)
+        hidden = self.step_cache.backbone(i, tail, self._forward, self.layout.branch_comm)
         return self._head(hidden, t), hidden
 
     def _forward(self, x: torch.Tensor, layers: range | None = None) -> torch.Tensor:
         """The step's tokens of every row through `layers` (default all): one batch, or branch by branch."""
         layout = self._shared or self.step_layout(x.device)      # a graph's step reads its key's tables
-        if not self.serial:
+        if not self.layout.serial:
             return self._run(x, layout, slice(None), layers)
         return torch.cat([self._run(x[self._rows(j)], layout, self._rows(j), layers)
-                          for j in range(len(self.branches))])
+                          for j in range(len(self.layout.branches))])
 
     def _head(self, hidden: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The backbone's output [rows, meta + h*w, H] -> v of every branch (gathered over `branch_comm`)."""
         span = self.span
         v = velocity(self.model, hidden[:, -span.h * span.w:], t.expand(hidden.shape[0]), span)
-        return self.branch_comm.all_gather(v, dim=0)
+        return self.layout.branch_comm.all_gather(v, dim=0)
 
 
 @dataclass
 class StepInput:
-    """What one request's denoise step i needs from the backbone: its runner and its inputs (x [images, C,
-    h, w], the time t [1], Distil's r and g [1] or None); answered with v [rows, C, h, w] (fp32)."""
+    """What one request's denoise step i needs from the backbone: its runner and its inputs; answered with
+    v [rows, C, h, w] (fp32)."""
     runner: DenoiseRunner
     i: int
-    x: torch.Tensor
-    t: torch.Tensor
-    r: torch.Tensor | None
-    g: torch.Tensor | None
+    inputs: StepInputs
 
 
 class FlowSampler:
@@ -327,9 +353,9 @@ class FlowSampler:
         self.g = torch.tensor([1000.0 * guidance], device=dev).to(torch.bfloat16).float() if distil else None
         self.use_r, self.cfg, self.guidance = use_r, cfg, guidance
 
-    def inputs(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(x, t, r, g) of step i."""
-        return self.x, self.ts[i:i + 1], self.ts[i + 1:i + 2] if self.use_r else None, self.g
+    def inputs(self, i: int) -> StepInputs:
+        """The inputs of step i."""
+        return StepInputs(self.x, self.ts[i:i + 1], self.ts[i + 1:i + 2] if self.use_r else None, self.g)
 
     def update(self, i: int, v: torch.Tensor) -> torch.Tensor:
         """Step i with the velocity v: x moves on; returns the clean-image estimate x0."""
@@ -351,5 +377,5 @@ def denoise(runner: DenoiseRunner, noise: torch.Tensor, steps: int, shift: float
     for i in range(steps):
         if cancelled():
             return
-        x0 = sampler.update(i, runner.velocity(i, *sampler.inputs(i)))
+        x0 = sampler.update(i, runner.velocity(i, sampler.inputs(i)))
         yield i, sampler.x, x0

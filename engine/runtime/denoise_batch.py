@@ -34,7 +34,7 @@ from engine.model.attention import AttnBatch, KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.model.lora import LoraRows, lora_key
 from engine.parallel.layout import PhaseView
-from engine.runtime.denoise import StepInput, tail_embeddings, velocity
+from engine.runtime.denoise import StepInput, StepInputs, tail_embeddings, velocity
 from engine.runtime.graphs import Graphs
 from engine.runtime.kv_pool import KVPool
 from engine.runtime.needs import DenoiseTurn
@@ -45,14 +45,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class BatchBuffers:
-    """The static inputs of a batched step graph (key, members): every member's latent, times and step
-    tables side by side; `rows` [N] maps each cache row to its image in x (a request's branches share
-    its image embeddings). `members`: the batch's membership (`DenoiseBatch.members_version`) whose step
-    tables are in `batch`."""
-    x: torch.Tensor
-    t: torch.Tensor
-    r: torch.Tensor | None
-    g: torch.Tensor | None
+    """The static inputs of a batched step graph (key, members): every member's latents and times
+    (`inputs`, members side by side) and step tables; `rows` [N] maps each cache row to its image in x (a
+    request's branches share its image embeddings). `members`: the batch's membership
+    (`DenoiseBatch.members_version`) whose step tables are in `batch`."""
+    inputs: StepInputs
     rows: torch.Tensor
     batch: AttnBatch
     members: int = -1
@@ -111,7 +108,7 @@ class DenoiseBatch:
         self.member_steps += len(jobs)
         if len(jobs) == 1:
             j = jobs[0]
-            return [j.runner.velocity(j.i, j.x, j.t, j.r, j.g)]
+            return [j.runner.velocity(j.i, j.inputs)]
         lead, rows = jobs[0].runner, self.rows
         mode, lora = self.pool.denoise_lora(len(jobs) * rows)     # the members' adapters: a graph per mode
         key = (*lead.key, ("batch", len(jobs)), *lora_key(mode))   # the solo key's graphs and this one go together
@@ -122,10 +119,9 @@ class DenoiseBatch:
         span, model = lead.span, self.model
 
         def forward() -> torch.Tensor:
-            tail = tail_embeddings(model, buf.x, buf.t, buf.r, buf.g).index_select(0, buf.rows)
-            hidden = model.backbone(tail, buf.batch.index, None, None, cache, buf.batch.kv_len, self.view,
-                                    batch=buf.batch)
-            return velocity(model, hidden[:, -span.h * span.w:], buf.t.index_select(0, buf.rows), span)
+            tail = tail_embeddings(model, *buf.inputs.tensors()).index_select(0, buf.rows)
+            hidden = model.backbone(tail, buf.batch, cache, self.view)
+            return velocity(model, hidden[:, -span.h * span.w:], buf.inputs.t.index_select(0, buf.rows), span)
         v = self.graphs.replay(key, forward, warmup=2) if lead.use_graph else forward()
         return [v[k * rows:(k + 1) * rows] for k in range(len(jobs))]
 
@@ -139,22 +135,22 @@ class DenoiseBatch:
             if v is None:         # cos/sin [T, D] -> [N, T, D]; masks [1, 1, q, K] -> [N, 1, q, K]
                 return None
             return v.new_zeros((m * rows, *(v.shape[1:] if v.dim() == 4 else v.shape)))
-        j = jobs[0]
+        j = jobs[0].inputs
         x = j.x.new_zeros((m * n, *j.x.shape[1:]))
         ts = [None if v is None else v.new_zeros(m * n) for v in (j.t, j.r, j.g)]
         img = torch.arange(m * n, device=x.device).view(m, 1, n)
         row_image = img.expand(m, rows // n, n).reshape(-1)      # row k*rows + b*n + i -> image k*n + i
         batch = AttnBatch(b.index, per_row(b.cos), per_row(b.sin), b.kv_len, per_row(b.mask), b.gathered,
                           b.masked_rows, key_mask=per_row(b.key_mask), lora=lora)
-        return BatchBuffers(x, *ts, row_image, batch)
+        return BatchBuffers(StepInputs(x, *ts), row_image, batch)
 
     def _fill(self, buf: BatchBuffers, jobs: list[StepInput]) -> None:
         """This turn's latents and times, and, when the members changed since these buffers last served,
         the members' step tables (their RoPE positions and masks)."""
         n, rows = jobs[0].runner.images, self.rows
         for k, j in enumerate(jobs):
-            buf.x[k * n:(k + 1) * n].copy_(j.x)
-            for dst, src in ((buf.t, j.t), (buf.r, j.r), (buf.g, j.g)):
+            buf.inputs.x[k * n:(k + 1) * n].copy_(j.inputs.x)
+            for dst, src in zip(buf.inputs.tensors()[1:], j.inputs.tensors()[1:]):
                 if dst is not None:
                     dst[k * n:(k + 1) * n].copy_(src.expand(n))
         if buf.members == self.members_version:

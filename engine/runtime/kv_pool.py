@@ -24,6 +24,8 @@ phase writes the positions it then attends to.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.model.attention import KVCache
@@ -39,6 +41,51 @@ GRAIN = 1024            # positions are allocated in multiples of this (fewer re
 
 def _grains(length: int, limit: int) -> int:
     return max(length, min(-(-length // GRAIN) * GRAIN, limit))
+
+
+@dataclass
+class ARRow:
+    """A request's AR slot as its text phase uses it (engine/runtime/text_phase.py): the slot's cache row
+    (its AR heads), the request's positions and blocks [n, 2], [n], its LoRA adapter rows, and the two
+    forwards a text phase runs on its own (the batched decode steps are the pool's): the prompt's prefill
+    and a few tokens fed together (forced ones). `cached`: the leading positions whose K/V the row already
+    holds (a conversation's prefix, engine/runtime/prefix_cache.py), which the prefill skips."""
+    pool: "KVPool"
+    slot: int
+    pos: torch.Tensor
+    blocks: torch.Tensor
+    cached: int = 0
+
+    @property
+    def cache(self) -> KVCache:
+        return self.pool.slot_cache(self.slot).heads(self.pool.ar_heads)
+
+    @property
+    def length(self) -> int:
+        """Positions the request may write: its position table's, within the slot's."""
+        return min(self.cache.max_len, self.pos.shape[0])
+
+    def prefill(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The prompt's forward (embeds [1, L, H] at sequence indices [0, L)), past the cached prefix ->
+        the fp32 logits [vocab] of its last token."""
+        if not self.cached:
+            return self.pool.prefill_into(self.slot, embeds, self.pos, self.blocks)
+        return self.feed_embeds(embeds[:, self.cached:], self.cached)
+
+    def feed(self, ids: list[int], start: int) -> torch.Tensor:
+        """The forward of tokens `ids` at sequence indices [start, start + len(ids)) -> the fp32 logits
+        [vocab] of the last."""
+        m = self.pool.model
+        return self.feed_embeds(m.transformer.embed(torch.tensor([ids], device=m.device)), start)
+
+    def feed_embeds(self, embeds: torch.Tensor, start: int) -> torch.Tensor:
+        """The plain forward (no graph) of embeds [1, T, H] at sequence indices [start, start + T) on the
+        slot's own row, whose K/V [0, start) are there -> the fp32 logits [vocab] of the last token."""
+        m, view = self.pool.model, self.pool.view
+        stop = start + embeds.shape[1]
+        batch = m.attn_batch(torch.arange(start, stop, device=embeds.device), self.pos, self.blocks, stop, view,
+                             lora=self.pool.slot_lora(self.slot))
+        return m.transformer.logits(m.backbone(embeds, batch, self.cache, view)[:, -1], view)[0]
 
 
 class KVPool:
@@ -100,18 +147,18 @@ class KVPool:
         """The slot's AR cache row (every allocated head), [1, heads, L, D]."""
         return self.ar.rows(slice(slot, slot + 1))
 
-    def set_adapter(self, slot: int, adapter: int, strength: float) -> None:
-        """The LoRA adapter (table slot, 0: none) and strength of the request in AR slot `slot`."""
-        if self.ar_adapters is not None:
-            self.ar_adapters.set(slot, adapter, strength)
-
     def slot_lora(self, slot: int) -> LoraRows | None:
         """The adapter rows of a forward on the slot's cache row alone (None: no adapter)."""
         return None if self.ar_adapters is None else self.ar_adapters.row(slot)
 
-    def set_positions(self, slot: int, pos: torch.Tensor) -> None:
-        """The request's positions [n, 2] (n <= ar_length) for the decode steps of its slot."""
+    def row(self, slot: int, pos: torch.Tensor, blocks: torch.Tensor, adapter: int = 0, strength: float = 1.0
+            ) -> ARRow:
+        """Slot `slot` for a request of positions pos [n, 2] and blocks [n] (n <= ar_length), with its LoRA
+        adapter (table slot, 0: none) and strength: set for the decode steps of its slot, and its handle."""
         self.pos[slot, :pos.shape[0]].copy_(pos)
+        if self.ar_adapters is not None:
+            self.ar_adapters.set(slot, adapter, strength)
+        return ARRow(self, slot, pos, blocks)
 
     def prefill_into(self, slot: int, embeds: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """The prompt's forward (embeds [1, L, H]) on the staging row, its K/V then copied to the slot;
@@ -123,16 +170,6 @@ class KVPool:
         for buf in (*self.ar.k, *self.ar.v):
             buf[slot, heads, :L] = buf[staging, heads, :L]
         return logits
-
-    def prefill_from(self, slot: int, embeds: torch.Tensor, start: int, pos: torch.Tensor, blocks: torch.Tensor
-                     ) -> torch.Tensor:
-        """The forward of a prompt's suffix (embeds [1, L - start, H] at sequence indices [start, L)) on
-        the slot's own row, whose K/V [0, start) is already there (engine/runtime/prefix_cache.py): the
-        plain forward, no graph; returns the fp32 logits [vocab] of its last token."""
-        L, m = start + embeds.shape[1], self.model
-        h = m.backbone(embeds, torch.arange(start, L, device=embeds.device), pos, blocks,
-                       self.slot_cache(slot).heads(self.ar_heads), L, self.view, lora=self.slot_lora(slot))
-        return m.transformer.logits(h[:, -1], self.view)[0]
 
     def _allocate_ar(self, length: int) -> None:
         m, cfg = self.model, self.model.cfg

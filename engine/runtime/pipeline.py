@@ -30,7 +30,7 @@ from engine.parallel.groups import RankGroups
 from engine.parallel.layout import Comm
 from engine.runtime.agreement import Agreement
 from engine.runtime.conditioning import EncodingCache, embed_range, encode_sequence_images
-from engine.runtime.denoise import DenoiseRunner, FlowSampler, StepInput, step_key, step_keys
+from engine.runtime.denoise import DenoiseLayout, DenoiseRunner, FlowSampler, StepInput, step_key, step_keys
 from engine.runtime.denoise_batch import DenoiseBatch
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
 from engine.runtime.graphs import Graphs
@@ -230,8 +230,7 @@ class Pipeline:
                 ar_len = len(ar_seq) + max_new + 8            # the prompt, the CoT and its forced tokens
                 slot = yield ARSlot(ar_len)
                 T = ar_seq.tensors(dev, length=ar_len)        # positions for every position it may write
-                pool.set_positions(slot, T["pos"])
-                pool.set_adapter(slot, adapter, p.lora_scale)
+                row = pool.row(slot, T["pos"], T["blocks"], adapter, p.lora_scale)
                 emb = embed_range(model, ar_seq, T["ids"][None], refs, 0, len(ar_seq))
                 ar_key = prefix_key(ar_seq.ids, [c.vae.start for c in ar_seq.cond_images], [r.identity for r in refs],
                                     ar_seq.blocks, (p.lora, p.lora_scale))
@@ -244,16 +243,11 @@ class Pipeline:
                     # shapes on its own (each rank's entry shares at least that many tokens)
                     found = torch.tensor([cached], dtype=torch.long, device=dev)
                     cached = int(rt.world.all_gather(found, 0).min())
-
-                def prefill(e: torch.Tensor, pos: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-                    if not cached:
-                        return pool.prefill_into(slot, e, pos, blocks)
-                    self.prefix.restore(entry, cached, pool.slot_cache(slot).heads(heads.ar))
-                    return pool.prefill_from(slot, e[:, cached:], cached, pos, blocks)
-                text_res = yield from generate_text(
-                    model, tok, emb, T["pos"], T["blocks"], pool.slot_cache(slot).heads(heads.ar), plan, p.sampling,
-                    text_gen, max_new, rt.ar, prefill=prefill, agree=self.agree.token, slot=slot,
-                    lora=pool.slot_lora(slot))
+                if cached:
+                    self.prefix.restore(entry, cached, row.cache)
+                    row.cached = cached
+                text_res = yield from generate_text(tok, row, emb, plan, p.sampling, text_gen, max_new,
+                                                    self.agree.token)
                 timings.ar_prompt_tokens, timings.ar_cached_tokens = len(ar_seq), cached
                 timings.ar_prefill_ms = text_res.prefill_ms
                 timings.ar_tokens = text_res.sampled
@@ -264,8 +258,7 @@ class Pipeline:
                 if text_res.ratio_token is not None:
                     ratio_index = sp.ratio.index(text_res.ratio_token)
                 if self.prefix.enabled:
-                    self._keep_prefix(p, system, ar_seq, ar_key, history, layouts, cot_text,
-                                      text_res, pool.slot_cache(slot).heads(heads.ar))
+                    self._keep_prefix(p, system, ar_seq, ar_key, history, layouts, cot_text, text_res, row.cache)
             full_text = tok.decode(text_res.tokens) if text_res.tokens else ""
             if text_only:
                 if need_ratio and ratio_index is not None:
@@ -314,10 +307,10 @@ class Pipeline:
                 ids = torch.cat([ids, torch.tensor(seq.uncond_ids(sp.cfg), device=dev)[None]])
             starts = [min(prefix, seq.gen_image.meta_start) if b == 0 else 0 for b in branches]
             prefill_lora, step_lora = pool.set_denoise_adapter(first, rows, adapter, p.lora_scale)
-            runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), rt.denoise, branches, starts,
-                                   scratch, branch_comm, serial=self.cfg_serial, images=n_img,
-                                   use_graph=self.cuda_graph, graphs=self.graphs, key=pool.denoise_key,
-                                   step_cache=step_cache, lora=step_lora, prefill_lora=prefill_lora)
+            layout = DenoiseLayout(rt.denoise, branches, starts, scratch, branch_comm, n_img, self.cfg_serial,
+                                   pool.denoise_key)
+            runner = DenoiseRunner(model, seq, refs, ids, cache.heads(heads.denoise), layout,
+                                   self.graphs if self.cuda_graph else None, step_cache, (prefill_lora, step_lora))
             self._keep_denoise_graph(runner.key)
             # image k's noise: seed + k (image 0 continues the stream that drew the reference posteriors)
             latent_ch = int(cfg.vae["latent_channels"])
@@ -337,7 +330,7 @@ class Pipeline:
             sampler = FlowSampler(noise, p.steps, lm.gen.flow_shift, p.guidance, cfg_on, cfg.cfg_distilled,
                                   cfg.cfg_distilled and model.timestep_r_emb is not None)
             for i in range(p.steps):      # each step's velocity: the scheduler's denoise turn (one batched forward)
-                x0 = sampler.update(i, (yield DenoiseTurn(turn, i, job=StepInput(runner, i, *sampler.inputs(i)))))
+                x0 = sampler.update(i, (yield DenoiseTurn(turn, i, job=StepInput(runner, i, sampler.inputs(i)))))
                 png = None
                 if rt.is_leader and self.preview_every and (i + 1) % self.preview_every == 0 and i + 1 < p.steps and \
                         spent <= self.preview_share * (time.perf_counter() - t0 - spent):

@@ -63,8 +63,8 @@ class PrefillStep:
         b = self.bucket(L)
         if b is None:
             m = self.model
-            h = m.backbone(embeds, torch.arange(L, device=embeds.device), pos, blocks, self.cache, L, self.view,
-                           lora=self._lora())
+            batch = m.attn_batch(torch.arange(L, device=embeds.device), pos, blocks, L, self.view, lora=self._lora())
+            h = m.backbone(embeds, batch, self.cache, self.view)
             return m.transformer.logits(h[:, -1], self.view)[0]
         self.emb[:, :L].copy_(embeds)
         self.emb[:, L:b].zero_()
@@ -103,6 +103,6 @@ class PrefillStep:
     def _forward(self, b: int) -> torch.Tensor:
         """The bucket's forward over the static buffers (what a graph captures)."""
         m = self.model
-        h = m.backbone(self.emb[:, :b], self.index[:b], self.pos, self.blocks, self.cache, b, self.view,
-                       lora=self._lora())
+        batch = m.attn_batch(self.index[:b], self.pos, self.blocks, b, self.view, lora=self._lora())
+        h = m.backbone(self.emb[:, :b], batch, self.cache, self.view)
         return m.transformer.logits(h.index_select(1, self.last)[:, 0], self.view)[0]

@@ -18,11 +18,8 @@ from typing import Callable, Generator
 
 import torch
 
-from engine.model.attention import KVCache
-from engine.model.hunyuan import HunyuanImage3
-from engine.model.lora import LoraRows
-from engine.parallel.layout import PhaseView
 from engine.runtime.events import Text
+from engine.runtime.kv_pool import ARRow
 from engine.runtime.needs import Decode
 from engine.runtime.sampling import SamplingParams, choose
 from engine.spec.tokenizer import SpecialIds, TextStream, Tokenizer
@@ -96,52 +93,41 @@ class SectionTracker:
         return Text(delta, self.section) if delta else None
 
 
-def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Tensor, pos: torch.Tensor,
-                  blocks: torch.Tensor, cache: KVCache, plan: StagePlan, params: SamplingParams,
-                  generator: torch.Generator | None, max_new_tokens: int, view: PhaseView,
-                  prefill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                  agree: Callable[[torch.Tensor], int] = int, slot: int = 0,
-                  lora: LoraRows | None = None) -> Generator[Text | Decode, int, TextResult]:
+def generate_text(tok: Tokenizer, row: ARRow, prompt_embeds: torch.Tensor, plan: StagePlan, params: SamplingParams,
+                  generator: torch.Generator | None, max_new_tokens: int,
+                  agree: Callable[[torch.Tensor], int] = int) -> Generator[Text | Decode, int, TextResult]:
     """The AR phase of one request: yields Text events as tokens are produced and a `Decode` need for
     every decode step (the engine batches the decode steps of its requests and answers with the next
-    token); returns the TextResult.
-
-    prompt_embeds [1, L, H] are the embedded prompt (images already instantiated); pos/blocks describe
-    the prompt plus room for max_new_tokens generated tokens; `cache` (the request's AR row, slot `slot`
-    of the KV pool) holds at least that many positions. `prefill(embeds, pos, blocks)` runs the prompt's forward into `cache` and
-    returns its last logits. The choices made here (the first token, and after a forward of forced
-    tokens) go through `agree(token)`: every rank continues with rank 0's token (the one host read).
-    `lora`: the slot's LoRA adapter rows, for the forwards run here (forced tokens).
-    """
-    dev = prompt_embeds.device
+    token); returns the TextResult. prompt_embeds [1, L, H]: the embedded prompt (images instantiated);
+    `row`: the request's AR slot (its positions, room for max_new_tokens more, the prefill and the
+    forwards of forced tokens). The choices made here (the first token, and after a forward of forced
+    tokens) go through `agree(token)`: every rank continues with rank 0's token (the one host read)."""
     L = prompt_embeds.shape[1]
-    if L + max_new_tokens > cache.max_len or L + max_new_tokens > pos.shape[0]:
+    if L + max_new_tokens > row.length:
         raise ValueError(f"the prompt ({L} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"sequence budget ({min(cache.max_len, pos.shape[0])})")
-    vocab = tok.vocab_size
+                         f"sequence budget ({row.length})")
+    vocab, sp = tok.vocab_size, tok.special
     res = TextResult()
     tracker = SectionTracker(tok, {"think": "think", "recaption": "recaption"}.get(plan.first_task, "answer"))
-    allowed_ratio = torch.tensor(tok.special.ratio, device=dev)
+    allowed_ratio = torch.tensor(sp.ratio, device=prompt_embeds.device)
     done_transitions: set[int] = set()
 
     def choose_here(logits: torch.Tensor, restrict: torch.Tensor | None) -> int:
         logits[vocab:] = float("-inf")  # the embedding is padded past the tokenizer's vocabulary
         return agree(choose(logits, params, generator, restrict))
 
-    def restriction(last: int | None) -> torch.Tensor | None:
+    def restriction(last: int | None) -> torch.Tensor | None:      # after the trigger: a ratio token, greedily
         return allowed_ratio if plan.ratio_trigger is not None and last == plan.ratio_trigger else None
 
     t0 = time.perf_counter()
     # the one-step ratio pass starts right after `<img_size_B>` (the end of its prompt)
-    token = choose_here(prefill(prompt_embeds, pos, blocks),
-                        restriction(plan.ratio_trigger if plan.first_task == "img_ratio" else None))
-    fed, t_first = L, None
+    token = choose_here(row.prefill(prompt_embeds), restriction(plan.ratio_trigger if plan.first_task == "img_ratio"
+                                                                else None))
+    fed, t_first = L, time.perf_counter()
+    res.prefill_ms = (t_first - t0) * 1e3
     while True:
         res.sampled += 1
         t_last = time.perf_counter()
-        if t_first is None:
-            t_first = t_last
-            res.prefill_ms = (t_first - t0) * 1e3
         new = [token]
         if token in plan.transitions and token not in done_transitions:
             done_transitions.add(token)
@@ -150,35 +136,31 @@ def generate_text(model: HunyuanImage3, tok: Tokenizer, prompt_embeds: torch.Ten
             res.tokens.append(t)
             if (ev := tracker.push(t)) is not None:
                 yield ev
-        if token in plan.stops:
-            res.ratio_token = token if token in tok.special.ratio else None
-            break
-        if len(res.tokens) >= max_new_tokens:
+        if token in plan.stops or len(res.tokens) >= max_new_tokens:
+            res.ratio_token = token if token in plan.stops and token in sp.ratio else None
             break
         restrict = restriction(new[-1])
         if len(new) == 1:
-            token = yield Decode(slot, token, fed, params, generator, restrict)
+            token = yield Decode(row.slot, token, fed, params, generator, restrict)
         else:  # a token and the tokens it forces: one causal forward of this request alone
-            ids = torch.tensor([new], device=dev)
-            index = torch.arange(fed, fed + len(new), device=dev)
-            h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(new), view,
-                               lora=lora)
-            token = choose_here(model.transformer.logits(h[:, -1], view)[0], restrict)
+            token = choose_here(row.feed(new, fed), restrict)
         fed += len(new)
     res.decode_ms = (t_last - t_first) * 1e3
     if plan.ratio_trigger is not None and res.ratio_token is None:
-        # The budget ran out before the model chose a size: close with the forced ratio stage
-        # (`<answer> <boi> <img_size>` then a greedy ratio token) so the request still gets an image.
-        sp = tok.special
-        unfed = res.tokens[fed - L:]
-        forced = [] if unfed[-1:] == [plan.ratio_trigger] else [sp.answer, sp.boi, sp.size]
-        res.tokens += forced
-        feed = unfed + forced
-        ids = torch.tensor([feed], device=dev)
-        index = torch.arange(fed, fed + len(feed), device=dev)
-        h = model.backbone(model.transformer.embed(ids), index, pos, blocks, cache, fed + len(feed), view, lora=lora)
-        fed += len(feed)
-        res.ratio_token = agree(choose(model.transformer.logits(h[:, -1], view)[0], params, None, allowed_ratio))
+        fed, logits = _close_with_ratio(row, res, fed - L, fed, plan.ratio_trigger, sp)
+        res.ratio_token = agree(choose(logits, params, None, allowed_ratio))
         res.tokens.append(res.ratio_token)
     res.fed = fed
     return res
+
+
+def _close_with_ratio(row: ARRow, res: TextResult, fed_tokens: int, fed: int, trigger: int,
+                      sp: SpecialIds) -> tuple[int, torch.Tensor]:
+    """The budget ran out before the model chose a size: close with the forced ratio stage (`<answer> <boi>
+    <img_size>` then a greedy ratio token) so the request still gets an image. The generated tokens not fed
+    yet (past the first `fed_tokens`) and the forced ones go in one forward -> (positions fed, its logits)."""
+    unfed = res.tokens[fed_tokens:]
+    forced = [] if unfed[-1:] == [trigger] else [sp.answer, sp.boi, sp.size]
+    res.tokens += forced
+    feed = unfed + forced
+    return fed + len(feed), row.feed(feed, fed)
