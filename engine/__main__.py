@@ -3,6 +3,7 @@ is a development tool's job: `python -m tools.tiny OUT_DIR`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     lora = config.loras[0][0] if config.loras else None
+    if config.lora_merged:          # merged at the request's strength (--lora-scale, else --lora-merged-scale)
+        args.lora_scale = config.lora_merged_scale if args.lora_scale is None else args.lora_scale
+        config = dataclasses.replace(config, lora_merged_scale=args.lora_scale)
     req = _request(args, lora)
     out = Path(args.out) if args.cmd == "generate" else None
     if config.world_size > 1:
@@ -139,32 +143,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_here(config: EngineConfig, req, out: Path | None) -> int:
-    """One rank: the request run in this process."""
-    from engine.model.loader import load, parse_dtype, print_progress
-    from engine.model.peft import ALL_TARGETS, read_peft
-    from engine.runtime.pipeline import Pipeline
+    """One rank: the request run in this process, on the engine a worker would build (Engine.from_config)."""
+    from engine.model.loader import print_progress
+    from engine.model.peft import AdapterError
+    from engine.runtime.engine import Engine
     try:
-        lm = load(config.model, config.device, parse_dtype(config.dtype, config.device), progress=print_progress,
-                  quantize=config.quantize)
+        engine = Engine.from_config(config, progress=print_progress)
+    except AdapterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
         print(f"error: cannot load {config.model}: {e}", file=sys.stderr)
         return 2
-    from engine.model.kernel_layouts import lay_out_experts
-    lora_mlp = False
-    try:
-        for lora, folder in config.loras:
-            adapter = read_peft(folder, lm.cfg, targets=ALL_TARGETS)
-            if config.lora_merged:
-                from engine.model.lora_merge import merge_adapter
-                merge_adapter(lm.model, adapter, req.lora_scale, lora)
-            else:
-                lm.model.enable_lora(1, adapter.rank, mlp=bool(adapter.adapts_mlp)).install(lora, adapter)
-                lora_mlp = bool(adapter.adapts_mlp)
-        lay_out_experts(lm.model, config.moe_kernels, lora_mlp=lora_mlp)     # after any merge
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return _print_events(Pipeline(lm, cfg_serial=config.cfg_serial, cuda_graph=config.cuda_graph).run(req), out)
+    return _print_events(engine.run(req), out)
 
 
 if __name__ == "__main__":

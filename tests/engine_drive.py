@@ -8,8 +8,10 @@ from typing import Callable, Generator, Iterator
 
 import torch
 
+from engine.runtime.engine import Engine
+from engine.runtime.graphs import Graphs
 from engine.runtime.needs import Decode
-from engine.runtime.pipeline import Pipeline
+from engine.runtime.options import EngineOptions
 from engine.runtime.request import Request, prepare
 from engine.runtime.scheduler import Scheduler, StepNews
 
@@ -54,19 +56,24 @@ def drive(program: Generator, answer: Callable[[Decode], int]) -> tuple[list, ob
             reply = None
 
 
-def run_together(lm, requests: list[dict], cancel_at: dict[int, int] | None = None, pipeline: Pipeline | None = None,
+def make_engine(lm, graphs: Graphs | None = None, **options) -> Engine:
+    """An engine of the loaded model on one rank, with these EngineOptions (`graphs`: its graph owner)."""
+    return Engine(lm, options=EngineOptions(**options), graphs=graphs)
+
+
+def run_together(lm, requests: list[dict], cancel_at: dict[int, int] | None = None, engine: Engine | None = None,
                  on_start: Callable[[Scheduler], None] = lambda s: None) -> tuple[dict[int, list], Scheduler]:
-    """The requests joined at the first engine step (seq = their index), the steps run until every one
-    ended; `cancel_at` {seq: engine step before which it is cancelled}. Returns (events per seq, the
-    scheduler)."""
-    pipe = pipeline or Pipeline(lm, preview_every=0, slots=len(requests))
-    scheduler = Scheduler(pipe)
+    """The requests joined at the first engine step (seq = their index), the engine's steps run until every
+    one ended, as the worker runs them (on a fresh scheduler); `cancel_at` {seq: engine step before which it
+    is cancelled}. Returns (events per seq, the scheduler)."""
+    engine = engine or make_engine(lm, preview_every=0, max_batch=len(requests))
+    scheduler = engine.scheduler = engine.new_scheduler()
     on_start(scheduler)
-    news = StepNews(join=tuple((i, prepare(Request(**kw), lm.gen, lm.buckets, pipe.adapters()))
+    news = StepNews(join=tuple((i, prepare(Request(**kw), lm.gen, lm.buckets, engine.adapters()))
                                   for i, kw in enumerate(requests)))
     events: dict[int, list] = {i: [] for i in range(len(requests))}
     while True:
-        scheduler.step(news)
+        engine.step(news)
         done, _ = scheduler.drain()
         for seq, ev in done:
             events[seq].append(ev)

@@ -32,8 +32,8 @@ def fail_request(monkeypatch, prompt: str, when, message: str) -> None:
     """Make the phase program of the request with this prompt raise ValueError(message) at the first
     event it yields for which `when(event)` holds: thrown into the program where it stands, so its
     `finally` runs and the exception leaves it as a real failure would. Other requests run untouched."""
-    from engine.runtime.pipeline import Pipeline
-    orig = Pipeline.program
+    from engine.runtime.engine import Engine
+    orig = Engine.program
 
     def program(self, p):
         gen = orig(self, p)
@@ -48,4 +48,4 @@ def fail_request(monkeypatch, prompt: str, when, message: str) -> None:
             if when(item):
                 gen.throw(ValueError(message))
             answer = yield item
-    monkeypatch.setattr(Pipeline, "program", program)
+    monkeypatch.setattr(Engine, "program", program)

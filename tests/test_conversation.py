@@ -13,10 +13,10 @@ from PIL import Image as PILImage
 from engine.runtime.conversation import ConversationError, ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error, Image, Timings
 from engine.runtime.history import MAX_IMAGES, HistoryError, Turn, past_turn_layouts, reasoning_of, select
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, RequestError, prepare
 from engine.runtime.sequence import CondImageLayout, image_phase_sequence
 
+from engine_drive import make_engine
 from studio_fixtures import engine_server, start_server  # noqa: F401 (fixture)
 
 openai = pytest.importorskip("openai")
@@ -114,7 +114,7 @@ def _image(events) -> bytes:
 
 
 def test_last_image_policy_is_the_plain_edit_of_the_last_image(tiny):
-    pipe = Pipeline(tiny, preview_every=0)
+    pipe = make_engine(tiny, preview_every=0)
     first = _image(pipe.run(Request(prompt="a red square", **FAST)))
     history = (Turn("a red square", (), "", first),)
     chained = _image(pipe.run(Request(prompt="make it blue", history=history, history_policy="last_image", **FAST)))

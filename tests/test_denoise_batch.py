@@ -11,9 +11,8 @@ from PIL import Image as PILImage
 
 from engine.runtime.denoise import DenoiseRunner, TAIL_GRAIN
 from engine.runtime.events import Done, Error, Image, Step
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
-from engine_drive import backbone_rows, run_together
+from engine_drive import backbone_rows, make_engine, run_together
 from faults import fail_request
 from test_scheduler import EagerGraphs
 
@@ -36,7 +35,7 @@ def alone(lm, kw: dict) -> np.ndarray:
     """The image the request gives on its own engine (cached: several tests compare with it)."""
     key = tuple(sorted(kw.items()))
     if key not in _alone:
-        _alone[key] = image(list(Pipeline(lm, preview_every=0).run(Request(**kw))))
+        _alone[key] = image(list(make_engine(lm, preview_every=0).run(Request(**kw))))
     return _alone[key]
 
 
@@ -52,7 +51,7 @@ def test_prompt_lengths_share_one_step_key(tiny, monkeypatch):
     prefill = DenoiseRunner.prefill
     monkeypatch.setattr(DenoiseRunner, "prefill", lambda self: (starts.append(self.span.meta_start), prefill(self))[1])
     graphs = EagerGraphs()
-    pipe = Pipeline(tiny, preview_every=0, graphs=graphs)
+    pipe = make_engine(tiny, preview_every=0, graphs=graphs)
     for kw in SAME[:2]:
         assert psnr(image(list(pipe.run(Request(**kw)))), alone(tiny, kw)) >= 40, kw
     assert len(set(starts)) == 2 and len({s // TAIL_GRAIN for s in starts}) == 1, starts    # (solo runs too)
@@ -63,9 +62,9 @@ def test_prompt_lengths_share_one_step_key(tiny, monkeypatch):
 def test_requests_of_one_bucket_share_each_step_forward(tiny):
     """Three requests (steps 2, 3, 2; other guidance, other prompts), max_denoise_batch 3: one forward of
     all six rows per step while all three denoise, then the one left alone; each gives its solo image."""
-    pipe = Pipeline(tiny, preview_every=0, slots=3, max_denoise_batch=3)
+    pipe = make_engine(tiny, preview_every=0, max_batch=3, max_denoise_batch=3)
     with backbone_rows(tiny, tokens=True) as calls:
-        events, scheduler = run_together(tiny, SAME, pipeline=pipe)
+        events, scheduler = run_together(tiny, SAME, engine=pipe)
     for i, kw in enumerate(SAME):
         assert psnr(image(events[i]), alone(tiny, kw)) >= 40, i
     steps = [rows for rows, tokens in calls if tokens == TAIL]
@@ -78,9 +77,9 @@ def test_other_buckets_run_apart(tiny):
     forwards, then the other two theirs; no forward mixes buckets."""
     wide = [dict(kw, size="256x512") for kw in SAME[:2]]
     reqs = [SAME[0], SAME[2], *wide]
-    pipe = Pipeline(tiny, preview_every=0, slots=4, max_denoise_batch=4)
+    pipe = make_engine(tiny, preview_every=0, max_batch=4, max_denoise_batch=4)
     with backbone_rows(tiny, tokens=True) as calls:
-        events, _ = run_together(tiny, reqs, pipeline=pipe)
+        events, _ = run_together(tiny, reqs, engine=pipe)
     for i, kw in enumerate(reqs):
         assert psnr(image(events[i]), alone(tiny, kw)) >= 40, i
     steps = [c for c in calls if c[0] > 1]           # (a request's prefill is one row)
@@ -93,9 +92,9 @@ def test_a_cancel_and_a_failure_end_only_their_own_request(tiny, monkeypatch):
     second; the others (1 moved down into the rows the others left) give their solo images."""
     reqs = [dict(SAME[1], seed=61), SAME[1], dict(SAME[1], prompt="a yellow moon"), SAME[2]]
     fail_request(monkeypatch, "a yellow moon", lambda e: isinstance(e, Step) and e.i == 2, "injected")
-    pipe = Pipeline(tiny, preview_every=0, slots=4, max_denoise_batch=4)
+    pipe = make_engine(tiny, preview_every=0, max_batch=4, max_denoise_batch=4)
     with backbone_rows(tiny, tokens=True) as calls:
-        events, scheduler = run_together(tiny, reqs, cancel_at={0: 1}, pipeline=pipe)
+        events, scheduler = run_together(tiny, reqs, cancel_at={0: 1}, engine=pipe)
     assert isinstance(events[0][-1], Error) and events[0][-1].kind == "cancelled"
     assert [e.i for e in events[0] if isinstance(e, Step)] == [1]
     assert isinstance(events[2][-1], Error) and events[2][-1].kind == "engine" and "injected" in events[2][-1].message
@@ -112,7 +111,7 @@ def test_the_server_runs_with_max_denoise_batch(tiny_dir, tiny):
     from engine.serve.server import EngineServer
     with EngineServer(EngineConfig(tiny_dir, max_batch=2, max_denoise_batch=2, preview_every=0)) as server:
         assert server.wait_ready(300), server.health()
-        assert server.config.pipeline_options()["max_denoise_batch"] == 2
+        assert server.config.max_denoise_batch == 2
         subs = [server.submit(Request(**kw)) for kw in SAME[:2]]
         for kw, sub in zip(SAME[:2], subs):
             assert psnr(image(list(sub)), alone(tiny, kw)) >= 40, kw
@@ -123,9 +122,9 @@ def test_a_member_that_takes_the_place_of_another_gets_its_own_tables(tiny):
     the second moves down and the third joins, and the 2-request buffers serve another pair: the members' step
     tables (positions, masks) are written again for them (they are written only when the members change)."""
     reqs = [SAME[0], SAME[1], dict(SAME[2], prompt="a green star above a small blue house")]
-    pipe = Pipeline(tiny, preview_every=0, slots=3, max_denoise_batch=2)
+    pipe = make_engine(tiny, preview_every=0, max_batch=3, max_denoise_batch=2)
     with backbone_rows(tiny, tokens=True) as calls:
-        events, _ = run_together(tiny, reqs, pipeline=pipe)
+        events, _ = run_together(tiny, reqs, engine=pipe)
     assert [rows for rows, tokens in calls if tokens == TAIL] == [4, 4, 4, 2], calls
     for i, kw in enumerate(reqs):
         assert psnr(image(events[i]), alone(tiny, kw)) >= 40, i

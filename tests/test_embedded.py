@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EMBEDDED_MODEL
+from engine_drive import make_engine
 from train.evaluate import evaluate
 
 MODEL = EMBEDDED_MODEL
@@ -36,12 +37,11 @@ def test_studio_edit_examples_do_what_they_say(tmp_path):
 
     from engine.runtime.events import Image
     from engine.model.loader import load
-    from engine.runtime.pipeline import Pipeline
     from engine.runtime.request import Request
     from train.detect import detect
     from webui.examples import reference_examples
 
-    pipe = Pipeline(load(MODEL), preview_every=0)
+    pipe = make_engine(load(MODEL), preview_every=0)
     (circle, recolor), (square, move) = reference_examples(tmp_path, small=True)
     found = {}
     for name, path, prompt in (("recolor", circle, recolor), ("move", square, move)):

@@ -13,10 +13,10 @@ from engine.runtime.events import Done, Error, Image, Text
 from engine.model.loader import load
 from engine.model.moe import MoE
 from engine.parallel.layout import PhaseView
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
+from engine_drive import make_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -37,16 +37,16 @@ def psnr(a, b):
 
 @pytest.fixture(scope="module")
 def cuda_fp32(tiny_dir):
-    return outcome(list(Pipeline(load(tiny_dir, "cuda", torch.float32), preview_every=0).run(Request(**REQ))))
+    return outcome(list(make_engine(load(tiny_dir, "cuda", torch.float32), preview_every=0).run(Request(**REQ))))
 
 
 def test_cuda_fp32_text_equals_cpu(tiny, cuda_fp32):
-    cpu = outcome(list(Pipeline(tiny, preview_every=0).run(Request(**REQ))))
+    cpu = outcome(list(make_engine(tiny, preview_every=0).run(Request(**REQ))))
     assert cuda_fp32[0] == cpu[0]
 
 
 def test_bf16_close_to_fp32(tiny_dir, cuda_fp32):
-    bf = outcome(list(Pipeline(load(tiny_dir, "cuda", torch.bfloat16), preview_every=0).run(Request(**REQ))))
+    bf = outcome(list(make_engine(load(tiny_dir, "cuda", torch.bfloat16), preview_every=0).run(Request(**REQ))))
     print(f"bf16 vs fp32 PSNR {psnr(bf[1], cuda_fp32[1]):.1f} dB, same text: {bf[0] == cuda_fp32[0]}")
     assert psnr(bf[1], cuda_fp32[1]) >= 20
 
@@ -91,7 +91,7 @@ def test_plans_on_cuda_equal_world1(tiny_dir, cuda_fp32, plan, sp):
 
 def _run_text(lm, graph: bool, **kw):
     """A real request (reasoning + image) with graphs on or off; returns (text, png, captures by key, timings)."""
-    pipe = Pipeline(lm, preview_every=0, cuda_graph=graph)
+    pipe = make_engine(lm, preview_every=0, cuda_graph=graph)
     ev = list(pipe.run(Request(**kw)))
     errors = [e for e in ev if isinstance(e, Error)]
     assert not errors, errors
@@ -138,7 +138,7 @@ def test_decode_graph_captured_once_for_many_requests(tiny_dir):
     ones (which fit the pool), and a request on the reused pool gives a fresh pipeline's bytes. One
     capture per key, never two."""
     lm = load(tiny_dir, "cuda", torch.bfloat16)
-    p = Pipeline(lm, preview_every=0)
+    p = make_engine(lm, preview_every=0)
     first = dict(prompt="three blue triangles on white", bot_task="think_recaption", max_new_tokens=40, steps=3,
                  seed=2)
     second = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=32, steps=3, seed=9)
@@ -147,7 +147,7 @@ def test_decode_graph_captured_once_for_many_requests(tiny_dir):
     got = outcome(list(p.run(Request(**second))))
     assert {k for k in p.graphs.captures if k[0] != "denoise"} == ar_keys          # nothing new for the AR
     assert set(p.graphs.captures.values()) == {1}, p.graphs.captures
-    fresh = outcome(list(Pipeline(lm, preview_every=0).run(Request(**second))))
+    fresh = outcome(list(make_engine(lm, preview_every=0).run(Request(**second))))
     assert got[0] == fresh[0] and np.array_equal(got[1], fresh[1])
     assert p.pool.allocations == 2                   # the AR slots and the denoise rows, once each
 
@@ -166,13 +166,13 @@ def test_batched_decode_equals_per_row_decode(tiny_dir, rows):
     reqs = [dict(prompt=f"{GREEDY_TEXT[i % 4]} number {i}", bot_task="think", max_new_tokens=24, text_only=True,
                  greedy=True, seed=i) for i in range(rows)]
     events, scheduler = run_together(lm, reqs)
-    alone = Pipeline(lm, preview_every=0)
+    alone = make_engine(lm, preview_every=0)
     for i, kw in enumerate(reqs):
         want = list(alone.run(Request(**kw)))
         assert isinstance(events[i][-1], Done) and events[i][-1].cot_text == want[-1].cot_text, i
-    decode = {k: n for k, n in scheduler.pipeline.graphs.captures.items() if k[0] == "decode"}
+    decode = {k: n for k, n in scheduler.pool.graphs.captures.items() if k[0] == "decode"}
     assert decode and set(decode.values()) == {1}
-    assert max(k[1] for k in decode) == scheduler.pipeline.pool.decode.bucket([rows - 1])
+    assert max(k[1] for k in decode) == scheduler.pool.decode.bucket([rows - 1])
 
 
 def test_graph_keys_captured_once_across_many_requests(tiny_dir):
@@ -183,12 +183,12 @@ def test_graph_keys_captured_once_across_many_requests(tiny_dir):
     own noise, and gives the image a fresh engine gives it."""
     from engine_drive import run_together
     lm = load(tiny_dir, "cuda", torch.bfloat16)
-    pipe = Pipeline(lm, preview_every=0, slots=4)
+    pipe = make_engine(lm, preview_every=0, max_batch=4)
     keys, images = [], []
     for wave in range(3):
         reqs = [dict(prompt=f"{GREEDY_TEXT[i]} in a wave", bot_task="think", max_new_tokens=16 + 4 * i, greedy=True,
                      steps=2, seed=10 * wave + i, size="256x256" if i % 2 else "512x256") for i in range(4)]
-        events, _ = run_together(lm, reqs, pipeline=pipe)
+        events, _ = run_together(lm, reqs, engine=pipe)
         assert all(isinstance(e[-1], Done) for e in events.values()), [e[-1] for e in events.values()]
         keys.append(set(pipe.graphs.captures))
         images.append([outcome(events[i])[1] for i in range(4)])
@@ -196,7 +196,7 @@ def test_graph_keys_captured_once_across_many_requests(tiny_dir):
     assert all(pipe.graphs.captures[k] == 1 for k in keys[0]), pipe.graphs.captures
     denoise = sorted(k for k in keys[0] if k[0] == "denoise" and k in pipe.graphs)
     assert 2 <= len(denoise) <= 4, denoise             # two buckets; the CoT lengths may differ per prompt
-    fresh = Pipeline(lm, preview_every=0)
+    fresh = make_engine(lm, preview_every=0)
     for i in (0, 3):                                    # a replayed step gives what a fresh capture gives
         kw = dict(prompt=f"{GREEDY_TEXT[i]} in a wave", bot_task="think", max_new_tokens=16 + 4 * i, greedy=True,
                   steps=2, seed=20 + i, size="256x256" if i % 2 else "512x256")
@@ -217,14 +217,14 @@ def test_denoise_batch_graphs_on_cuda(tiny_dir):
     alone the three prompt lengths share ONE denoise step graph (the key does not depend on the length)."""
     from engine_drive import run_together
     lm = load(tiny_dir, "cuda", torch.bfloat16)
-    pipe = Pipeline(lm, preview_every=0, slots=3, max_denoise_batch=3)
-    first, _ = run_together(lm, DENOISE_BATCH, pipeline=pipe)
+    pipe = make_engine(lm, preview_every=0, max_batch=3, max_denoise_batch=3)
+    first, _ = run_together(lm, DENOISE_BATCH, engine=pipe)
     captured = dict(pipe.graphs.captures)
-    again, _ = run_together(lm, DENOISE_BATCH, pipeline=pipe)
+    again, _ = run_together(lm, DENOISE_BATCH, engine=pipe)
     assert dict(pipe.graphs.captures) == captured and set(captured.values()) == {1}, pipe.graphs.captures
     batched = sorted(k[-1] for k in captured if k[0] == "denoise")
     assert batched == [("batch", 2), ("batch", 3)], captured
-    solo = Pipeline(lm, preview_every=0)
+    solo = make_engine(lm, preview_every=0)
     for i, kw in enumerate(DENOISE_BATCH):
         a, b, c = outcome(first[i])[1], outcome(again[i])[1], outcome(list(solo.run(Request(**kw))))[1]
         assert np.array_equal(a, b), i
@@ -268,7 +268,7 @@ def test_conversation_turns_on_cuda(tiny_dir):
     the last image, byte for byte; under `full` (the earlier turn whole: a longer prompt, 2 images) it runs
     and differs."""
     from engine.runtime.history import Turn, reasoning_of
-    pipe = Pipeline(load(tiny_dir, "cuda", torch.bfloat16), preview_every=0)
+    pipe = make_engine(load(tiny_dir, "cuda", torch.bfloat16), preview_every=0)
     kw = dict(bot_task="think_recaption", max_new_tokens=8, steps=3, seed=3, greedy=True, size="256x256")
     ev = list(pipe.run(Request(prompt="a red circle", **kw)))
     first = outcome(ev)
@@ -290,7 +290,7 @@ def test_warmup_captures_what_default_requests_need(tiny_dir):
     from engine.runtime.prefill_step import GRAIN, GRAPH_MAX
     from engine.runtime.warmup import warm_up
     lm = load(tiny_dir, "cuda", torch.bfloat16)
-    pipe = Pipeline(lm, preview_every=0, slots=4)
+    pipe = make_engine(lm, preview_every=0, max_batch=4)
     w = warm_up(pipe)
     captured = dict(pipe.graphs.captures)
     assert w.graphs == len(captured) and set(captured.values()) == {1}, captured
@@ -300,10 +300,10 @@ def test_warmup_captures_what_default_requests_need(tiny_dir):
     reqs = [dict(prompt=f"{GREEDY_TEXT[i]} after a warm-up" + " with boats" * (60 * i), bot_task=task,
                  max_new_tokens=16 + 4 * i, greedy=True, steps=2, seed=40 + i, size="256x256")
             for i, task in enumerate(("think", "image", "recaption", "think_recaption"))]
-    events, _ = run_together(lm, reqs, pipeline=pipe)
+    events, _ = run_together(lm, reqs, engine=pipe)
     assert all(isinstance(e[-1], Done) for e in events.values()), [e[-1] for e in events.values()]
     assert dict(pipe.graphs.captures) == captured, set(pipe.graphs.captures) - set(captured)
-    fresh = Pipeline(lm, preview_every=0)
+    fresh = make_engine(lm, preview_every=0)
     for i in (0, 3):
         assert psnr(outcome(list(fresh.run(Request(**reqs[i]))))[1], outcome(events[i])[1]) >= 40, i
     print(f"warm-up: {w.seconds:.1f} s, {w.graphs} graphs")

@@ -14,11 +14,10 @@ from engine.runtime.conditioning import embed_range
 from engine.runtime.denoise import flow_sigmas, tail_embeddings, velocity
 from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text
 from engine.parallel.layout import PhaseView
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.runtime.sequence import image_phase_sequence
 
-from engine_drive import backbone_rows, run_backbone
+from engine_drive import backbone_rows, make_engine, run_backbone
 
 
 def run(pipe, **kw):
@@ -42,7 +41,7 @@ def refs(n):
 
 
 def test_t2i_stream_order_and_size(tiny):
-    ev = run(Pipeline(tiny), prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=4)
+    ev = run(make_engine(tiny), prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=4)
     kinds = [type(e) for e in ev]
     assert kinds[0] is Started and kinds[-1] is Done
     assert kinds.index(Ratio) < kinds.index(Step) < kinds.index(Image)
@@ -57,13 +56,13 @@ def test_t2i_stream_order_and_size(tiny):
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_ti2i_with_references(tiny, n):
-    ev = run(Pipeline(tiny, preview_every=0), prompt="put them together", images=refs(n), bot_task="image",
+    ev = run(make_engine(tiny, preview_every=0), prompt="put them together", images=refs(n), bot_task="image",
              size="192x256", steps=2, seed=1)
     assert image_of(ev).size == (256, 192)
 
 
 def test_same_seed_same_image_and_other_seed_differs(tiny):
-    pipe = Pipeline(tiny, preview_every=0)
+    pipe = make_engine(tiny, preview_every=0)
     kw = dict(prompt="a blue star", images=refs(1), bot_task="think", max_new_tokens=6, steps=2)
     a = image_of(run(pipe, seed=7, **kw)).tobytes()
     b = image_of(run(pipe, seed=7, **kw)).tobytes()
@@ -78,7 +77,7 @@ def test_distil_schedule_values():
 
 
 def test_distil_runs_one_forward_per_step(tiny_distil):
-    pipe = Pipeline(tiny_distil, preview_every=0)
+    pipe = make_engine(tiny_distil, preview_every=0)
     with backbone_rows(tiny_distil) as calls:
         ev = run(pipe, prompt="a cat", bot_task="image", size="256x256", steps=3, seed=0)
     assert image_of(ev).size == (256, 256)
@@ -115,8 +114,8 @@ def test_prefix_cached_step_equals_full_sequence_step(tiny):
 def test_kv_handoff_equals_recompute(tiny):
     kw = dict(prompt="a red circle on the left", images=refs(1), bot_task="think_recaption", max_new_tokens=10,
               steps=2, seed=3, greedy=True)
-    a = run(Pipeline(tiny, preview_every=0, kv_handoff=True), **kw)
-    b = run(Pipeline(tiny, preview_every=0, kv_handoff=False), **kw)
+    a = run(make_engine(tiny, preview_every=0, kv_handoff=True), **kw)
+    b = run(make_engine(tiny, preview_every=0, kv_handoff=False), **kw)
     assert [e for e in a if isinstance(e, Text)] == [e for e in b if isinstance(e, Text)]
     assert a[-1].timings.kv_reused_tokens > 256 and b[-1].timings.kv_reused_tokens == 0   # past the image
     ia = np.asarray(image_of(a), dtype=np.float32)
@@ -138,7 +137,7 @@ def test_bad_input_is_refused_before_compute(tiny, kw, msg):
     calls = []
     tiny.model.backbone = lambda *a, **k: calls.append(1)
     try:
-        ev = run(Pipeline(tiny), **kw)
+        ev = run(make_engine(tiny), **kw)
     finally:
         del tiny.model.backbone
     assert len(ev) == 1 and isinstance(ev[0], Error) and ev[0].kind == "invalid"
@@ -148,16 +147,16 @@ def test_bad_input_is_refused_before_compute(tiny, kw, msg):
 def test_zero_size_and_missing_file_references(tiny, tmp_path):
     empty = tmp_path / "empty.png"
     empty.write_bytes(b"")
-    ev = run(Pipeline(tiny), prompt="x", images=[str(empty)])
+    ev = run(make_engine(tiny), prompt="x", images=[str(empty)])
     assert isinstance(ev[0], Error) and "reference image 1" in ev[0].message
-    ev = run(Pipeline(tiny), prompt="x", images=[str(tmp_path / "nope.png")])
+    ev = run(make_engine(tiny), prompt="x", images=[str(tmp_path / "nope.png")])
     assert isinstance(ev[0], Error) and "not found" in ev[0].message
 
 
 def test_serial_cfg_equals_batched(tiny):
     kw = dict(prompt="a red circle", images=refs(1), bot_task="think", max_new_tokens=6, steps=2, seed=5, greedy=True)
-    a = np.asarray(image_of(run(Pipeline(tiny, preview_every=0), **kw)), dtype=np.float32)
-    b = np.asarray(image_of(run(Pipeline(tiny, preview_every=0, cfg_serial=True), **kw)), dtype=np.float32)
+    a = np.asarray(image_of(run(make_engine(tiny, preview_every=0), **kw)), dtype=np.float32)
+    b = np.asarray(image_of(run(make_engine(tiny, preview_every=0, cfg_serial=True), **kw)), dtype=np.float32)
     assert np.abs(a - b).max() <= 1.0
 
 
@@ -165,29 +164,30 @@ def test_cache_grows_when_the_image_stage_needs_more_room(tiny):
     """If the image-stage sequence outgrows the cache allocated before the AR phase (re-tokenized CoT
     longer than the sampled ids), the cache grows and keeps the AR prefix: same image as with room."""
     kw = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=3, greedy=True)
-    roomy = Pipeline(tiny, preview_every=0)
-    tight = Pipeline(tiny, preview_every=0)
-    tight.max_image_tokens = 1          # the budget then cannot hold the generated image
+    roomy = make_engine(tiny, preview_every=0)
+    tight = make_engine(tiny, preview_every=0)
+    tight.ctx.max_image_tokens = 1      # the budget then cannot hold the generated image
     a, b = run(roomy, **kw), run(tight, **kw)
     assert b[-1].timings.kv_reused_tokens == a[-1].timings.kv_reused_tokens > 0
     assert np.abs(np.asarray(image_of(a), dtype=np.float32) - np.asarray(image_of(b), dtype=np.float32)).max() <= 1.0
 
 
-def test_previews_keep_to_their_share_of_the_denoise_time(tiny):
+def test_previews_keep_to_their_share_of_the_denoise_time(tiny, monkeypatch):
     import time
 
-    def slow_preview(x0):          # a preview as costly as a CPU VAE decode
+    import engine.runtime.program as program
+
+    def slow_preview(ctx, x0):     # a preview as costly as a CPU VAE decode
         time.sleep(0.05)
         return b"png"
 
+    monkeypatch.setattr(program, "_preview", slow_preview)
     kw = dict(prompt="a red circle", bot_task="image", steps=12, seed=3)
-    every = Pipeline(tiny, preview_share=1e9)
-    every._preview = slow_preview
+    every = make_engine(tiny, preview_share=1e9)
     ev = run(every, **kw)
     assert [e.preview is not None for e in ev if isinstance(e, Step)] == [True] * 11 + [False]  # the image follows
 
-    thrifty = Pipeline(tiny)
-    thrifty._preview = slow_preview
+    thrifty = make_engine(tiny)
     ev = run(thrifty, **kw)
     shown = sum(e.preview is not None for e in ev if isinstance(e, Step))
     compute_s = next(e for e in ev if isinstance(e, Done)).timings.dit_ms_per_step * 12 / 1e3
@@ -204,7 +204,7 @@ def test_n_images_share_one_reasoning_pass_and_one_batched_denoise(fixture, guid
     """n=2: one AR phase, each denoise step one forward for both images (and both CFG branches), two
     images with seeds s and s+1; image 0 is the n=1 image of the same seed (same CoT, same noise)."""
     lm = request.getfixturevalue(fixture)
-    pipe = Pipeline(lm, preview_every=0)
+    pipe = make_engine(lm, preview_every=0)
     kw = dict(prompt="a red circle", bot_task="think", max_new_tokens=12, size="256x256", steps=3, seed=7,
               guidance=guidance)
     calls, phases = [], []
@@ -214,7 +214,7 @@ def test_n_images_share_one_reasoning_pass_and_one_batched_denoise(fixture, guid
         calls.append((phases[-1] if phases else "?", x.shape[0]))
         return orig(x, *a, **k)
 
-    pipe.on_phase = phases.append
+    pipe.ctx.on_phase = phases.append
     lm.model.backbone = counting
     try:
         two = run(pipe, n=2, **kw)
@@ -238,7 +238,7 @@ def test_n_images_share_one_reasoning_pass_and_one_batched_denoise(fixture, guid
 
 
 def test_n_out_of_range_is_refused(tiny):
-    ev = run(Pipeline(tiny), prompt="a cat", n=5)
+    ev = run(make_engine(tiny), prompt="a cat", n=5)
     assert isinstance(ev[-1], Error) and ev[-1].kind == "invalid" and "n (images per request)" in ev[-1].message
 
 
@@ -249,12 +249,12 @@ def test_mask_free_steps_equal_the_masked_steps(fixture, request, monkeypatch):
     from engine.runtime.denoise import DenoiseRunner
     lm = request.getfixturevalue(fixture)
     kw = dict(prompt="a blue star", bot_task="image", size="256x256", steps=3, seed=2)
-    fast = image_of(run(Pipeline(lm, preview_every=0), **kw))
+    fast = image_of(run(make_engine(lm, preview_every=0), **kw))
     seen = []
     orig = DenoiseRunner._masked_rows
     # the same run with every range on its dense mask (what the fast path would have used is recorded)
     monkeypatch.setattr(DenoiseRunner, "_masked_rows", lambda self, *a: seen.append(orig(self, *a)))
-    dense = image_of(run(Pipeline(lm, preview_every=0), **kw))
+    dense = image_of(run(make_engine(lm, preview_every=0), **kw))
     assert seen[-1] == (3 if lm.cfg.cfg_distilled else 1)      # the steps' range: only the meta rows masked
     a, b = np.asarray(fast, dtype=np.float64), np.asarray(dense, dtype=np.float64)
     mse = np.mean((a - b) ** 2)

@@ -1,48 +1,49 @@
-"""The pipeline's KV pool: one allocation of AR slots and one of denoise rows, one AR prefill step and one
+"""The engine's KV pool: one allocation of AR slots and one of denoise rows, one AR prefill step and one
 batched AR decode step (on CUDA: their captured graphs) serve every request that fits, and a request on a
-reused pool gives what it gives on a fresh pipeline."""
+reused pool gives what it gives on a fresh engine."""
 from __future__ import annotations
 
+from engine.runtime.engine import Engine
 from engine.runtime.events import Error, Image, Text
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
+from engine_drive import make_engine
 
 A = dict(prompt="three small blue triangles across the top, with a long description to take many positions",
          bot_task="think_recaption", max_new_tokens=24, steps=3, seed=7)
 B = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=16, steps=3, seed=3)
 
 
-def _run(p: Pipeline, kw: dict):
+def _run(p: Engine, kw: dict):
     ev = list(p.run(Request(**kw)))
     assert not [e for e in ev if isinstance(e, Error)], ev
     return "".join(e.delta for e in ev if isinstance(e, Text)), next(e for e in ev if isinstance(e, Image)).png
 
 
 def test_a_reused_pool_gives_a_fresh_pipelines_result(tiny):
-    reused = Pipeline(tiny, preview_every=0)
+    reused = make_engine(tiny, preview_every=0)
     _run(reused, A)
     pool = reused.pool
     steps = (pool.decode, pool.prefill)
     got = _run(reused, B)                       # B runs over what A left in the caches
-    assert got == _run(Pipeline(tiny, preview_every=0), B)
+    assert got == _run(make_engine(tiny, preview_every=0), B)
     assert pool is reused.pool and pool.allocations == 2          # the AR slots and the denoise rows, once
     assert (pool.decode, pool.prefill) == steps                   # the same prefill and decode steps (graphs)
     assert pool.free == [0]                                       # the slot went back
 
 
 def test_the_pool_grows_for_a_longer_request(tiny):
-    p = Pipeline(tiny, preview_every=0)
+    p = make_engine(tiny, preview_every=0)
     _run(p, B)
     length, allocations = p.pool.ar_length, p.pool.allocations
     longer = dict(B, max_new_tokens=length)      # more positions than the AR slots hold
     out = _run(p, longer)
     assert p.pool.ar_length > length and p.pool.allocations > allocations
-    assert out == _run(Pipeline(tiny, preview_every=0), longer)
+    assert out == _run(make_engine(tiny, preview_every=0), longer)
 
 
 def test_a_longer_request_waits_until_every_slot_is_free(tiny):
     """The AR storage grows only while nobody holds a slot (its rows are other requests' caches)."""
-    pool = Pipeline(tiny, preview_every=0, slots=2).pool
+    pool = make_engine(tiny, preview_every=0, max_batch=2).pool
     a = pool.take_slot(100)
     length = pool.ar_length
     assert a == 0 and pool.take_slot(length) == 1

@@ -101,7 +101,7 @@ def test_the_check_sees_a_wrong_way_import(tmp_path):
     worker (pytest -n) would meet it, or lose it between listing and reading it."""
     assert ROOT / "engine" / "spec" / "__init__.py" in _run_time()
     bad = tmp_path / "_wrong_way_probe.py"
-    bad.write_text("from engine.runtime.pipeline import Pipeline\nfrom ..serve import server\n")
+    bad.write_text("from engine.runtime.engine import Engine\nfrom ..serve import server\n")
     found = [v for v in _violations({bad: "engine.spec._wrong_way_probe"}) if "_wrong_way_probe" in v]
     assert len(found) == 2 and "may not import engine.runtime" in found[0] and "engine.serve" in found[1]
 
@@ -143,9 +143,10 @@ def _kernel_modules() -> set[str]:
     return {_module_name(p) for p in _files("hunyuan_kernels")}
 
 
-def _kernel_imports(path: Path, modules: set[str], name: str | None = None) -> set[str]:
-    """The kernels modules `path` (module `name`, default: its place in the tree) imports (anywhere in it,
-    function bodies too), `from pkg import mod` resolved to the module."""
+def _module_imports(path: Path, modules: set[str], name: str | None = None) -> set[str]:
+    """The modules of `modules` that `path` (module `name`, default: its place in the tree) imports
+    (anywhere in it: function bodies and `if TYPE_CHECKING:` blocks too), `from pkg import mod` resolved
+    to the module."""
     out = set()
     tree = ast.parse(path.read_text(), str(path))
     name = name or _module_name(path)
@@ -172,7 +173,7 @@ def _kernel_level(module: str) -> int:
 
 def _kernel_graph() -> dict[str, set[str]]:
     modules = _kernel_modules()
-    return {_module_name(p): _kernel_imports(p, modules) for p in _files("hunyuan_kernels")}
+    return {_module_name(p): _module_imports(p, modules) for p in _files("hunyuan_kernels")}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -209,7 +210,7 @@ def test_the_kernel_check_sees_a_circle_and_a_back_arrow(tmp_path):
     assert "hunyuan_kernels.quant.formats" in _kernel_graph()["hunyuan_kernels.quant.moe"]
     probe = tmp_path / "_back_arrow_probe.py"    # outside the tree: test_the_check_sees_a_wrong_way_import
     probe.write_text("from ..quant import formats\n")
-    assert "hunyuan_kernels.quant.formats" in _kernel_imports(probe, _kernel_modules(),
+    assert "hunyuan_kernels.quant.formats" in _module_imports(probe, _kernel_modules(),
                                                               "hunyuan_kernels.moe._back_arrow_probe")
 
 

@@ -20,11 +20,10 @@ from engine.model.loader import load
 from engine.model.lora import load_adapter
 from engine.model.peft import ALL_TARGETS, AdapterError, read_peft
 from engine.runtime.events import Error, Image, Text
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, RequestError, prepare
 from engine.spec import names
 from engine.spec.config import ModelConfig
-from engine_drive import backbone_rows, run_together
+from engine_drive import backbone_rows, make_engine, run_together
 from tools.tiny_lora import make_adapter, random_adapter
 
 REQUEST = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=3, greedy=True)
@@ -93,7 +92,7 @@ def differs(a: tuple[str, np.ndarray], b: tuple[str, np.ndarray]) -> bool:
 
 
 def alone(lm, **kw) -> tuple[str, np.ndarray]:
-    return outcome(list(Pipeline(lm, preview_every=0).run(Request(**(REQUEST | kw)))))
+    return outcome(list(make_engine(lm, preview_every=0).run(Request(**(REQUEST | kw)))))
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +145,7 @@ def test_different_adapters_in_one_batch_each_equal_their_solo_run(served):
     other; each gives its solo run's greedy text and image."""
     kws = [REQUEST, REQUEST | dict(lora="plain"), REQUEST | dict(lora="patterned", lora_scale=0.5)]
     events, scheduler = run_together(served, kws)
-    assert scheduler.pipeline.pool.decode.forwards < sum(kw["max_new_tokens"] for kw in kws)    # they shared steps
+    assert scheduler.pool.decode.forwards < sum(kw["max_new_tokens"] for kw in kws)    # they shared steps
     for i, kw in enumerate(kws):
         want, got = alone(served, **kw), outcome(events[i])
         assert got[0] == want[0], i
@@ -162,7 +161,7 @@ def test_adapters_share_denoise_batches_and_each_equal_their_solo_run(served):
     one = REQUEST | dict(size="256x256", steps=3)          # one bucket: the batch may take all three
     kws = [one | dict(lora="plain", steps=2), one, one | dict(lora="patterned", lora_scale=0.5)]
     with backbone_rows(served, tokens=True) as calls:
-        events, scheduler = run_together(served, kws, pipeline=Pipeline(served, preview_every=0, slots=3,
+        events, scheduler = run_together(served, kws, engine=make_engine(served, preview_every=0, max_batch=3,
                                                                         max_denoise_batch=3))
     steps = [rows for rows, tokens in calls if tokens == TAIL]
     assert steps == [6, 6, 4], calls                       # all three together, then the two left
@@ -180,10 +179,10 @@ def test_mlp_adapter_shares_batches_and_each_request_equals_its_solo_run(served)
     solo run's."""
     one = REQUEST | dict(size="256x256", steps=2)
     kws = [one | dict(lora="mlp"), one, one | dict(lora="plain", lora_scale=0.5)]
-    pipe = Pipeline(served, preview_every=0, slots=3, max_denoise_batch=3)
+    pipe = make_engine(served, preview_every=0, max_batch=3, max_denoise_batch=3)
     with backbone_rows(served, tokens=True) as calls:
-        events, scheduler = run_together(served, kws, pipeline=pipe)
-    assert scheduler.pipeline.pool.decode.forwards < sum(kw["max_new_tokens"] for kw in kws)    # shared decode steps
+        events, scheduler = run_together(served, kws, engine=pipe)
+    assert scheduler.pool.decode.forwards < sum(kw["max_new_tokens"] for kw in kws)    # shared decode steps
     assert [rows for rows, tokens in calls if tokens == TAIL] == [6, 6], calls                # and denoise steps
     got = [outcome(events[i]) for i in range(3)]
     for i, kw in enumerate(kws):
@@ -199,11 +198,11 @@ def test_step_graphs_are_kept_per_lora_mode(served):
     different adapters: each request gives its solo run (no graphs)."""
     from test_scheduler import EagerGraphs
     graphs = EagerGraphs()
-    pipe = Pipeline(served, preview_every=0, slots=2, max_denoise_batch=2, graphs=graphs)
+    pipe = make_engine(served, preview_every=0, max_batch=2, max_denoise_batch=2, graphs=graphs)
     one = REQUEST | dict(size="256x256", steps=2)
     kws = [one, one | dict(lora="plain"), one | dict(lora="patterned", lora_scale=0.5)]
     got = [outcome(list(pipe.run(Request(**kw)))) for kw in kws[:2]]
-    events, _ = run_together(served, [kws[0], kws[2]], pipeline=pipe)
+    events, _ = run_together(served, [kws[0], kws[2]], engine=pipe)
     got += [outcome(events[0]), outcome(events[1])]
     for kw, image in zip([*kws[:2], kws[0], kws[2]], got):
         want = alone(served, **kw)
@@ -283,9 +282,9 @@ def test_merged_adapter_equals_the_unmerged_one(served, tiny_dir, adapters):
     merge_adapter(lm.model, read_peft(adapters["patterned"], lm.cfg), 0.5, name="patterned")
     got, want = alone(lm, lora="patterned", lora_scale=0.5), alone(served, lora="patterned", lora_scale=0.5)
     assert got[0] == want[0] and psnr(got[1], want[1]) >= 40
-    assert lm.model.lora is None and Pipeline(lm, preview_every=0).adapters() == ["patterned"]
+    assert lm.model.lora is None and make_engine(lm, preview_every=0).adapters() == ["patterned"]
     for kw, field in ((dict(), "lora"), (dict(lora="patterned"), "lora_scale")):
-        events = list(Pipeline(lm, preview_every=0).run(Request(**(REQUEST | kw))))
+        events = list(make_engine(lm, preview_every=0).run(Request(**(REQUEST | kw))))
         assert [(e.kind, e.param) for e in events if isinstance(e, Error)] == [("invalid", field)], kw
     with pytest.raises(ValueError, match="merged into the weights: no adapter tables"):
         lm.model.enable_lora(1, 8)
@@ -374,7 +373,7 @@ def test_server_serves_a_merged_adapter(served, tiny_dir, adapters):
 
 # ----------------------------------------------------------------------------- what is refused
 def test_request_names_a_loaded_adapter(served):
-    adapters = Pipeline(served, preview_every=0).adapters()
+    adapters = make_engine(served, preview_every=0).adapters()
     assert sorted(adapters) == ["mlp", "patterned", "plain"]
     with pytest.raises(RequestError, match="unknown LoRA adapter 'nope'; the loaded ones are mlp, patterned, plain") as e:
         prepare(Request("a cat", lora="nope", seed=1), served.gen, served.buckets, adapters)
@@ -544,10 +543,10 @@ def test_cuda_graph_steps_serve_adapters_per_row(tiny_dir):
         tables.install(name, adapter)
     one = REQUEST | dict(size="256x256")     # one bucket: one denoise batch
     kws = [one, one | dict(lora="plain"), one | dict(lora="patterned", lora_scale=0.5)]
-    pipe = Pipeline(lm, preview_every=0, slots=len(kws), max_denoise_batch=len(kws))
-    assert pipe.cuda_graph
+    pipe = make_engine(lm, preview_every=0, max_batch=len(kws), max_denoise_batch=len(kws))
+    assert pipe.ctx.cuda_graph
     solo = [outcome(list(pipe.run(Request(**kw)))) for kw in kws]
-    events, scheduler = run_together(lm, kws, pipeline=pipe)
+    events, scheduler = run_together(lm, kws, engine=pipe)
     for i in range(len(kws)):
         got = outcome(events[i])
         assert got[0] == solo[i][0] and psnr(got[1], solo[i][1]) >= 35, i
@@ -576,9 +575,9 @@ def test_cuda_graph_steps_serve_an_mlp_adapter_per_row(tiny_dir):
     tables.install("mlp", random_adapter(lm.cfg, 8, seed=3, mlp=True))
     one = REQUEST | dict(size="256x256")
     kws = [one, one | dict(lora="mlp"), one | dict(lora="plain", lora_scale=0.5)]
-    pipe = Pipeline(lm, preview_every=0, slots=len(kws), max_denoise_batch=len(kws))
+    pipe = make_engine(lm, preview_every=0, max_batch=len(kws), max_denoise_batch=len(kws))
     solo = [outcome(list(pipe.run(Request(**kw)))) for kw in kws]
-    events, scheduler = run_together(lm, kws, pipeline=pipe)
+    events, scheduler = run_together(lm, kws, engine=pipe)
     for i in range(len(kws)):
         got = outcome(events[i])
         assert got[0] == solo[i][0] and psnr(got[1], solo[i][1]) >= 35, i

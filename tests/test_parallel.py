@@ -12,11 +12,11 @@ from PIL import Image as PILImage
 from engine.spec.checkpoint import Checkpoint
 from engine.spec.config import ModelConfig
 from engine.runtime.events import Error, Image, Text
-from engine.runtime.pipeline import Pipeline
 from engine.parallel.plan import PRESETS, ParallelPlan, PlanError, get_plan
 from engine.runtime.request import Request
 from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
+from engine_drive import make_engine
 
 
 def test_hybrid4_rank_maps():
@@ -84,7 +84,7 @@ def _outcome(events):
 
 @pytest.fixture(scope="module")
 def world1(tiny):
-    pipe = Pipeline(tiny, preview_every=0)
+    pipe = make_engine(tiny, preview_every=0)
     return [_outcome(list(pipe.run(Request(**kw)))) for kw in REQUESTS]
 
 

@@ -14,11 +14,11 @@ from engine.model.attention import KVCache
 from engine.runtime.events import Done, Error, Image, Text
 from engine.runtime.history import Turn, reasoning_of
 from engine.runtime.lru import ByteLRU
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.prefix_cache import PrefixCache, prefix_key
 from engine.runtime.request import Request
 from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
+from engine_drive import make_engine
 
 
 def png(color, size=(96, 128)) -> bytes:
@@ -140,7 +140,7 @@ def _psnr(a: bytes, b: bytes) -> float:
 
 @pytest.fixture(scope="module")
 def cached_run(tiny):
-    pipe = Pipeline(tiny, preview_every=0)
+    pipe = make_engine(tiny, preview_every=0)
     return pipe, _requests(lambda req: _outcome(list(pipe.run(req))))
 
 
@@ -154,7 +154,7 @@ def test_a_cache_hit_gives_what_the_cache_off_gives(tiny, cached_run):
     # history images are encoded once: turn 2 finds turn 1's reference (recorded as turn 1 drew it) and
     # encodes turn 1's image; turn 3 finds both and encodes turn 2's image
     assert (pipe.encodings.hits, pipe.encodings.misses) == (1 + 2, 1 + 1)
-    off = Pipeline(tiny, preview_every=0, prefix_cache_bytes=0)
+    off = make_engine(tiny, preview_every=0, prefix_cache_bytes=0)
     for k, (req, text, image, done) in enumerate(turns):
         text0, image0, done0 = _outcome(list(off.run(req)))
         assert done0.timings.ar_cached_tokens == 0
@@ -171,7 +171,7 @@ def test_an_engine_under_a_tiny_bound_keeps_what_fits(tiny, cached_run):
     n1, n2 = (turns[k][3].timings.ar_cached_tokens for k in (1, 2))   # turn 1's and turn 2's kept prefixes
     cfg = tiny.cfg
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4          # fp32, one rank: every head
-    pipe = Pipeline(tiny, preview_every=0, prefix_cache_bytes=per_token * (n1 + n2) // 2)
+    pipe = make_engine(tiny, preview_every=0, prefix_cache_bytes=per_token * (n1 + n2) // 2)
     cached = [_outcome(list(pipe.run(req)))[2].timings.ar_cached_tokens for req, *_ in turns]
     # turn 2's prefix is over the bound alone: it is not kept, and turn 1's stays for turn 3
     assert cached == [0, n1, n1] and len(pipe.prefix.lru) == 1
@@ -197,7 +197,7 @@ def test_a_cache_hit_on_cuda(tiny_dir, which):
     from engine import EMBEDDED_MODEL
     from engine.model.loader import load
     lm = load(tiny_dir if which == "tiny" else EMBEDDED_MODEL, "cuda", torch.bfloat16)
-    on, off = Pipeline(lm, preview_every=0), Pipeline(lm, preview_every=0, prefix_cache_bytes=0)
+    on, off = make_engine(lm, preview_every=0), make_engine(lm, preview_every=0, prefix_cache_bytes=0)
     turns = _requests(lambda req: _outcome(list(on.run(req))))
     for k, (req, text, image, done) in enumerate(turns):
         text0, image0, done0 = _outcome(list(off.run(req)))

@@ -20,7 +20,6 @@ from engine.model.weights import SKIPPED_PREFIXES, plan_checkpoint
 from engine.spec.shapes import backbone_linears
 from engine.parallel.plan import PRESETS, get_plan
 from engine.runtime.events import Error, Image, Text
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
@@ -32,6 +31,7 @@ from engine.spec.qtensors import read_tensors
 from tools import quant_fixtures as qf
 from tools.tiny import make_tiny
 from tools.tiny_quant import QUANT_FORMATS
+from engine_drive import make_engine
 
 LAYOUTS = sorted({p.layout(r) for p in PRESETS.values() for r in range(p.world)},
                  key=lambda l: (l.storage_size, l.micros, l.storage_rank))
@@ -136,7 +136,7 @@ def _outcome(events):
 def test_tool_made_mxfp4_runs_on_hybrid4_like_tp1(tmp_path):
     folder = qf.build("autoround-mxfp4", tmp_path / "mxfp4")
     req = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=2, seed=3, greedy=True)
-    text0, img0 = _outcome(list(Pipeline(load(folder), preview_every=0).run(Request(**req))))
+    text0, img0 = _outcome(list(make_engine(load(folder), preview_every=0).run(Request(**req))))
     with EngineServer(EngineConfig(folder, plan="hybrid4", preview_every=0)) as server:
         assert server.wait_ready(300), server.health()
         text1, img1 = _outcome(list(server.stream(Request(**req))))

@@ -19,13 +19,13 @@ from engine.model.weights import SKIPPED_PREFIXES, plan_checkpoint, resident_pac
 from engine.spec.shapes import backbone_linears
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.runtime.events import Error, Image, Text
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.spec import names
 from engine.spec.checkpoint import Checkpoint, CheckpointError
 from engine.spec.config import CheckpointConfig
 from tools.tiny import make_tiny
 from tools.tiny_quant import QUANT_FORMATS
+from engine_drive import make_engine
 
 PACKS = ("self_attn.qkv", "self_attn.o_proj", "mlp.w1", "mlp.w2", "mlp.shared_w1", "mlp.shared_w2")
 # the kernel format of the experts and of the dense linears each writer format leaves
@@ -45,7 +45,7 @@ def folders(tmp_path_factory):
 
 
 def _outcome(lm, text_only=False):
-    events = list(Pipeline(lm, preview_every=0).run(Request(**REQ, text_only=text_only)))
+    events = list(make_engine(lm, preview_every=0).run(Request(**REQ, text_only=text_only)))
     assert not [e for e in events if isinstance(e, Error)], [e for e in events if isinstance(e, Error)]
     text = "".join(e.delta for e in events if isinstance(e, Text))
     if text_only:

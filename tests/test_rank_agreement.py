@@ -11,12 +11,12 @@ from PIL import Image as PILImage
 
 import engine.serve.workers as workers_module
 from engine.runtime.events import Error, Image, Started, Text
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
 from faults import FAULT_ENV, faulty_worker
 from studio_fixtures import READY_TIMEOUT_S
+from engine_drive import make_engine
 
 REQ = dict(prompt="a red circle on gray", bot_task="think", max_new_tokens=10, size="256x256", steps=3)
 
@@ -32,7 +32,7 @@ def test_a_request_without_a_seed_gives_the_tp1_image_of_the_reported_seed(tiny,
     started = next(e for e in events if isinstance(e, Started))
     image = next(e for e in events if isinstance(e, Image))
     assert image.seed == started.seed
-    ref = list(Pipeline(tiny, preview_every=0).run(Request(seed=started.seed, **REQ)))
+    ref = list(make_engine(tiny, preview_every=0).run(Request(seed=started.seed, **REQ)))
     assert "".join(e.delta for e in events if isinstance(e, Text)) == "".join(e.delta for e in ref if isinstance(e, Text))
     mse = np.mean((_pixels(image) - _pixels(next(e for e in ref if isinstance(e, Image)))) ** 2)
     assert mse == 0 or 10 * np.log10(255 ** 2 / mse) >= 40

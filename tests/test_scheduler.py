@@ -13,10 +13,9 @@ import hunyuan_kernels as kernels
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.events import Done, Error, Image, Step, Text
 from engine.runtime.graphs import Graphs
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, prepare
 from engine.runtime.scheduler import Scheduler, StepNews
-from engine_drive import run_together
+from engine_drive import make_engine, run_together
 from faults import fail_request
 
 MIXED = [dict(prompt="a red circle", bot_task="think", size="256x256", max_new_tokens=10, steps=2, seed=11),
@@ -39,7 +38,7 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def alone(lm, kw: dict) -> tuple:
-    return outcome(list(Pipeline(lm, preview_every=0).run(Request(**kw))))
+    return outcome(list(make_engine(lm, preview_every=0).run(Request(**kw))))
 
 
 class Recorder:
@@ -74,7 +73,7 @@ def test_four_requests_together_give_what_each_gives_alone(tiny):
         assert got[0] == want[0] and (got[0] or kw["bot_task"] == "image"), (i, got[0], want[0])
         assert len(got[1]) == len(want[1]) == 1 and psnr(got[1][0], want[1][0]) >= 40, i
     assert scheduler.steps < sum(len(e) for e in events.values())     # fewer steps than one after the other
-    assert scheduler.pipeline.pool.free == [0, 1, 2, 3]               # every AR slot went back
+    assert scheduler.pool.free == [0, 1, 2, 3]               # every AR slot went back
 
 
 def test_one_decode_forward_per_step_and_a_cancel_ends_one_request(tiny, monkeypatch):
@@ -100,7 +99,7 @@ def test_one_decode_forward_per_step_and_a_cancel_ends_one_request(tiny, monkeyp
     for i in (0, 1, 3):
         got = outcome(events[i])
         assert not got[2] and got[0] == alone(tiny, TEXT[i])[0], i
-    assert scheduler.pipeline.pool.free == [0, 1, 2, 3]
+    assert scheduler.pool.free == [0, 1, 2, 3]
 
 
 def test_one_sampling_call_per_decode_step(tiny, monkeypatch):
@@ -144,7 +143,7 @@ def test_a_failure_ends_only_its_own_request(tiny, monkeypatch):
     for i in (0, 3):
         got = outcome(events[i])
         assert not got[2] and got[0] == alone(tiny, reqs[i])[0], i
-    pool = scheduler.pipeline.pool
+    pool = scheduler.pool
     assert pool.free == [0, 1, 2, 3] and not scheduler.busy
     scheduler.step(StepNews(join=((9, prepare(Request(**TEXT[2]), tiny.gen, tiny.buckets)),)))
     while scheduler.busy:
@@ -159,8 +158,8 @@ def test_policy_gives_the_denoising_request_a_turn_every_k_decode_steps(tiny, mo
                  greedy=True),
             dict(prompt="a yellow moon", bot_task="image", size="256x256", steps=6, seed=14)]
     turns: list[int] = []
-    pipe = Pipeline(tiny, preview_every=0, slots=2)
-    scheduler = Scheduler(pipe, decode_steps_per_denoise=3)
+    pipe = make_engine(tiny, preview_every=0, max_batch=2)
+    scheduler = pipe.new_scheduler(3)
     news = StepNews(join=tuple((i, prepare(Request(**kw), tiny.gen, tiny.buckets)) for i, kw in enumerate(reqs)))
     while scheduler.busy or news.join:
         before = scheduler.counts().get("decode", 0)
@@ -175,7 +174,7 @@ def test_policy_gives_the_denoising_request_a_turn_every_k_decode_steps(tiny, mo
 @pytest.mark.parametrize("k", [0])
 def test_a_policy_of_zero_is_refused(tiny, k):
     with pytest.raises(ValueError, match="decode_steps_per_denoise"):
-        Scheduler(Pipeline(tiny, preview_every=0), decode_steps_per_denoise=k)
+        make_engine(tiny, preview_every=0).new_scheduler(k)
 
 
 class EagerGraphs(Graphs):
@@ -210,7 +209,7 @@ def test_denoise_step_graph_captured_once_per_step_key(tiny):
     latent, times and tables, giving the image it gives alone; another bucket is its own key; the keys
     outlive their requests. With CFG both branches are the key's rows."""
     graphs = EagerGraphs()
-    pipe = Pipeline(tiny, preview_every=0, graphs=graphs)
+    pipe = make_engine(tiny, preview_every=0, graphs=graphs)
     other = dict(SAME_LAYOUT[0], size="256x512", seed=33)
     for n, kw in enumerate([*SAME_LAYOUT, other, SAME_LAYOUT[0]]):
         got = outcome(list(pipe.run(Request(**kw))))
@@ -227,10 +226,10 @@ def test_an_engine_refusal_names_its_field(tiny):
     """A request refused once the engine tokenizes it says which Request field is at fault (the API
     and the page put it on their own field without reading the message)."""
     long = " ".join(f"word{i} x{i % 97}" for i in range(800))[:7999]       # within the character limit
-    err = list(Pipeline(tiny, preview_every=0).run(Request(prompt=long, bot_task="image", size="256x256")))[-1]
+    err = list(make_engine(tiny, preview_every=0).run(Request(prompt=long, bot_task="image", size="256x256")))[-1]
     assert isinstance(err, Error) and err.kind == "invalid" and "positions" in err.message, err
     assert err.param == "prompt"
-    err = list(Pipeline(tiny, preview_every=0).run(Request(prompt="x", steps=0)))[-1]
+    err = list(make_engine(tiny, preview_every=0).run(Request(prompt="x", steps=0)))[-1]
     assert isinstance(err, Error) and err.param == "steps", err
 
 

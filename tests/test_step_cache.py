@@ -14,14 +14,13 @@ from PIL import Image as PILImage
 
 from engine.__main__ import main as cli_main
 from engine.runtime.events import Done, Error, Image
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request, RequestError, prepare
 from engine.runtime.step_cache import BlockCacheParams, TaylorCache, TaylorCacheParams, taylor_schedule
 from engine.serve.info import ModelInfo
 from engine.serve.openai_errors import ApiError
 from engine.serve.openai_params import parse_generation, refusal
 
-from engine_drive import backbone_rows
+from engine_drive import backbone_rows, make_engine
 
 P = TaylorCacheParams
 
@@ -134,7 +133,7 @@ def image_of(events):
 
 def counted_run(lm, **kw):
     """(events, batch rows of every backbone forward) for one request."""
-    return counted_run_with(Pipeline(lm, preview_every=0), lm, **kw)
+    return counted_run_with(make_engine(lm, preview_every=0), lm, **kw)
 
 
 REQ = dict(prompt="a red circle", bot_task="image", size="256x256", seed=3, steps=7, guidance=4.0)
@@ -173,7 +172,7 @@ def test_multi_rank_cached_run_equals_world1_cached_run(tiny_dir, tiny, plan, sp
     from engine.serve.server import EngineServer
     kw = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=5, seed=3, greedy=True,
               taylor_cache=P(taylor_cache_interval=2))
-    ref = list(Pipeline(tiny, preview_every=0).run(Request(**kw)))
+    ref = list(make_engine(tiny, preview_every=0).run(Request(**kw)))
     with EngineServer(EngineConfig(tiny_dir, plan=plan, sp_kind=sp, preview_every=0)) as server:
         assert server.wait_ready(300), server.health()
         ev = list(server.stream(Request(**kw)))
@@ -217,7 +216,7 @@ def test_multi_rank_block_cache_takes_one_decision(tiny_dir, tiny, plan, sp):
     from engine.serve.server import EngineServer
     kw = dict(prompt="a red circle", bot_task="think_recaption", max_new_tokens=8, steps=6, seed=3, greedy=True,
               block_cache=B(block_cache_threshold=1.0, block_cache_warmup_steps=1, block_cache_max_skips=1))
-    ref = list(Pipeline(tiny, preview_every=0).run(Request(**kw)))
+    ref = list(make_engine(tiny, preview_every=0).run(Request(**kw)))
     with EngineServer(EngineConfig(tiny_dir, plan=plan, sp_kind=sp, preview_every=0)) as server:
         assert server.wait_ready(300), server.health()
         ev = list(server.stream(Request(**kw)))
@@ -309,13 +308,13 @@ def test_cuda_graph_cached_run_equals_eager_cached_run(tiny_dir, which):
               taylor_cache=P(taylor_cache_interval=3, taylor_cache_enable_tailing_enhance=True))
     out = {}
     for graph in (False, True):
-        pipe = Pipeline(lm, preview_every=0, cuda_graph=graph)
+        pipe = make_engine(lm, preview_every=0, cuda_graph=graph)
         ev, calls = counted_run_with(pipe, lm, **kw)
         out[graph] = (image_of(ev), ev[-1].timings, dict(pipe.graphs.captures), calls)
     assert out[True][0].tobytes() == out[False][0].tobytes()
     assert out[True][1].dit_full_steps == out[False][1].dit_full_steps == 5      # 0, 3, 6, 9, 11
     assert [k[0] for k in out[True][2]] == ["denoise"] and set(out[True][2].values()) == {1}
-    plain = image_of(counted_run_with(Pipeline(lm, preview_every=0), lm, **{**kw, "taylor_cache": None})[0])
+    plain = image_of(counted_run_with(make_engine(lm, preview_every=0), lm, **{**kw, "taylor_cache": None})[0])
     print(f"{which}: cached vs uncached PSNR {psnr(out[True][0], plain):.1f} dB")
 
 
@@ -329,11 +328,11 @@ def test_cuda_block_cache_runs_eagerly_and_skips():
     from engine.model.loader import load
     lm = load(EMBEDDED_MODEL, "cuda", torch.bfloat16)
     kw = dict(prompt="two red circles and a blue star", bot_task="image", size="256x256", seed=11, steps=50)
-    pipe = Pipeline(lm, preview_every=0)
+    pipe = make_engine(lm, preview_every=0)
     plain = image_of(counted_run_with(pipe, lm, **kw)[0])
     never, _ = counted_run_with(pipe, lm, **kw, block_cache=B(block_cache_max_skips=0))
     for threshold in (0.08, 1.0):
-        pipe = Pipeline(lm, preview_every=0)
+        pipe = make_engine(lm, preview_every=0)
         ev, _ = counted_run_with(pipe, lm, **kw, block_cache=B(block_cache_threshold=threshold))
         print(f"block cache at {threshold}: {ev[-1].timings.dit_full_steps}/50 in full, PSNR "
               f"{psnr(image_of(ev), plain):.1f} dB vs no cache")

@@ -8,13 +8,12 @@ import torch
 from engine.model.attention import KVCache, attention_mask
 from engine.runtime.events import Done, Text
 from engine.parallel.layout import PhaseView
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.runtime.sampling import SamplingParams, choose
 from engine.runtime.sequence import SequenceBuilder, text_phase_sequence
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 
-from engine_drive import drive, run_backbone
+from engine_drive import drive, make_engine, run_backbone
 
 
 def _cache(lm, n):
@@ -60,7 +59,7 @@ def _text(pipe, **kw):
 
 
 def test_greedy_is_deterministic_and_seeded_sampling_reproduces(tiny):
-    pipe = Pipeline(tiny)
+    pipe = make_engine(tiny)
     assert _text(pipe, greedy=True, seed=1) == _text(pipe, greedy=True, seed=2)
     a, b, c = _text(pipe, seed=5), _text(pipe, seed=5), _text(pipe, seed=6)
     assert a == b and a != c

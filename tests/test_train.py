@@ -13,7 +13,6 @@ from engine.runtime.events import Image, Ratio
 from engine.model.loader import load
 from engine.model.hunyuan import HunyuanImage3
 from engine.spec.config import ModelConfig
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.runtime.sequence import text_phase_sequence
 from engine.spec.tokenizer import OFFICIAL_SPECIAL_TOKENS
@@ -21,6 +20,7 @@ from train.dataset import FORMATS, GROUP_TASKS, edit_chain, is_heldout, make_sam
 from train.detect import detect
 from train.evaluate import check_edit, check_t2i, parse_recaption, well_formed
 from train.tokenizer import build_tokenizer, padded_vocab, save_and_load
+from engine_drive import make_engine
 
 EMBEDDED = EMBEDDED_MODEL
 
@@ -179,7 +179,7 @@ def test_toy_train_step_lowers_the_loss_and_writes_a_loadable_model(tokenizers, 
         torch.testing.assert_close(p, ref[n].to(torch.bfloat16).to(p.dtype) if p.dtype != ref[n].dtype
                                    else ref[n], atol=1e-2, rtol=1e-2)
     s = make_sample(0, "test", group=1)
-    events = list(Pipeline(lm, preview_every=0).run(Request(prompt=s.prompt, images=[s.refs[0].render()], seed=1,
+    events = list(make_engine(lm, preview_every=0).run(Request(prompt=s.prompt, images=[s.refs[0].render()], seed=1,
                                                            steps=2, max_new_tokens=6)))
     assert any(isinstance(e, Ratio) for e in events)
     img = [e for e in events if isinstance(e, Image)]
@@ -215,7 +215,7 @@ def test_training_forward_is_the_inference_forward(monkeypatch):
     forced, the same x_t): same sequence, system prompt, positions, mask, reference-image and timestep
     embeddings. A TI2I sample with two references, on the trained embedded model (a random model's
     image tokens barely depend on the text, so it would not catch a different prefix)."""
-    import engine.runtime.pipeline as P
+    import engine.runtime.program as P
     from engine.runtime.denoise import StepInputs, flow_sigmas
     from engine.runtime.text_phase import TextResult
     from train.train import TrainSequence, _uint8, collate, gen_velocity, sequence_hidden
@@ -256,7 +256,7 @@ def test_training_forward_is_the_inference_forward(monkeypatch):
 
     monkeypatch.setattr(P, "generate_text", forced_text)
     monkeypatch.setattr(P, "FlowSampler", FirstStepAtTheTrainingInputs)
-    list(Pipeline(lm, preview_every=0, kv_handoff=False).run(
+    list(make_engine(lm, preview_every=0, kv_handoff=False).run(
         Request(prompt=s.prompt, images=[sc.render() for sc in s.refs], seed=1, steps=4)))
     assert got["v"].shape == v_train.shape
     torch.testing.assert_close(got["v"], v_train, atol=1e-4, rtol=1e-4)

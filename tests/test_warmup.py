@@ -14,11 +14,11 @@ from app import parse_args
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.denoise import TAIL_GRAIN
 from engine.runtime.events import Done, Error, Image, Text
-from engine.runtime.pipeline import Pipeline
 from engine.runtime.request import Request
 from engine.runtime.warmup import TAIL_MAX, WarmupError, warm_up
 from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
+from engine_drive import make_engine
 
 REQUESTS = [dict(prompt="a red circle on a white table", bot_task="think", max_new_tokens=24, steps=2, seed=5,
                  size="256x256"),
@@ -37,7 +37,7 @@ def result(events) -> tuple[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def warmed(tiny):
-    pipe = Pipeline(tiny, preview_every=0, slots=4)
+    pipe = make_engine(tiny, preview_every=0, max_batch=4)
     return pipe, warm_up(pipe)
 
 
@@ -46,7 +46,7 @@ def test_the_warm_up_runs_every_decode_bucket_and_each_tail_grain_longest_first(
     grains = list(range(TAIL_MAX, 0, -TAIL_GRAIN))        # the tiny model's 4096 positions hold them all
     assert w.parts == ("decode 1", "decode 2", "decode 4", *(f"denoise 256x256 {g}" for g in grains), "sampling"), w.parts
     # the tails the pipeline itself computed for the warm-up's requests (its denoise step keys)
-    tails = [k[3] for k in pipe._denoise_keys]             # the sampling part's key is the shortest grain's
+    tails = [k[3] for k in pipe.graphs.recent]             # the sampling part's key is the shortest grain's
     assert tails == grains, tails
     assert w.graphs == 0                                   # the CPU captures none
 
@@ -57,7 +57,7 @@ def test_default_requests_after_it_grow_no_storage_and_give_what_a_cold_engine_g
     what a pipeline that never warmed up gives."""
     pipe, _ = warmed
     made = pipe.pool.allocations
-    cold = Pipeline(tiny, preview_every=0, slots=4)
+    cold = make_engine(tiny, preview_every=0, max_batch=4)
     for kw in REQUESTS:
         text, img = result(list(pipe.run(Request(**kw))))
         text0, img0 = result(list(cold.run(Request(**kw))))
@@ -71,7 +71,7 @@ def test_a_failed_part_is_named(tiny, monkeypatch):
         raise RuntimeError("no memory for the step")
     monkeypatch.setattr(DecodeStep, "_forward", boom)
     with pytest.raises(WarmupError, match=r"warm-up of decode 1 failed: RuntimeError: no memory for the step"):
-        warm_up(Pipeline(tiny, preview_every=0, slots=2))
+        warm_up(make_engine(tiny, preview_every=0, max_batch=2))
 
 
 def test_the_flag_takes_sizes():

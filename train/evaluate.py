@@ -6,7 +6,7 @@ mode the studio offers.
 
 For each reasoning mode (off = bot_task `image`: no reasoning, the model only picks the size; think;
 think + recaption) and each held-out sample (the dataset's test split: scene specifications never seen
-in training; the same samples and seeds in every mode) the engine's `Pipeline` runs the request (size
+in training; the same samples and seeds in every mode) the engine (`Engine.run`) runs the request (size
 auto, the generation config's steps) and the detector reads the image. The studio's example prompts
 and example edits run too, each with K seeds:
 
@@ -44,7 +44,8 @@ from PIL import Image as PILImage
 from engine.runtime.events import Done, Error, Image, Ratio
 from engine.runtime.history import POLICIES, Turn, reasoning_of
 from engine.model.loader import load
-from engine.runtime.pipeline import Pipeline
+from engine.runtime.engine import Engine
+from engine.runtime.options import EngineOptions
 from engine.runtime.request import Request
 from engine.runtime.step_cache import named_setting
 
@@ -170,7 +171,7 @@ def check_edit(task: str, check: dict, det: SceneDetection) -> tuple[bool, bool]
     return ok, kept
 
 
-def run_one(pipe: Pipeline, sample, seed: int, bot_task: str | None = None, images: list | None = None,
+def run_one(pipe: Engine, sample, seed: int, bot_task: str | None = None, images: list | None = None,
             fields: dict | None = None, history: tuple = (), policy: str | None = None) -> dict:
     """One request; `fields`: more Request fields (steps, the step cache), the same for every sample;
     `history`, `policy`: a conversation's earlier turns and its history policy."""
@@ -200,7 +201,7 @@ class _Prompt:
     refs: tuple = ()
 
 
-def evaluate_examples(pipe: Pipeline, bot_task: str | None, seeds: int, log=print, fields: dict | None = None) -> dict:
+def evaluate_examples(pipe: Engine, bot_task: str | None, seeds: int, log=print, fields: dict | None = None) -> dict:
     """The studio's examples for the embedded model, each run with seeds 0..seeds-1: the attribute
     accuracy of the T2I examples (and each prompt's share of fully correct images), the share of edits
     that make their change (and each edit's)."""
@@ -246,7 +247,7 @@ def evaluate_examples(pipe: Pipeline, bot_task: str | None, seeds: int, log=prin
     return out
 
 
-def evaluate_chains(pipe: Pipeline, n: int, seed: int, bot_task: str, log=print) -> dict:
+def evaluate_chains(pipe: Engine, n: int, seed: int, bot_task: str, log=print) -> dict:
     """Chained edits (issue 29 item 5): `n` chains of CHAIN_TURNS edits (dataset.edit_chain), turn 1 on
     the reference scene, each later turn a conversation's next turn under each history policy (the model
     sees what the policy shows of the earlier turns: history.py), and, as the yardstick, the same edit
@@ -296,7 +297,7 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
     if threads:
         torch.set_num_threads(threads)
     lm = load(model, device, dtype, quantize=quantize, resident=resident)
-    pipe = Pipeline(lm, preview_every=0)
+    pipe = Engine(lm, options=EngineOptions(preview_every=0))
     tok, sp = lm.tok, lm.tok.special
     mode = bot_task or lm.gen.bot_task
     n_edit = n if n_edit is None else n_edit

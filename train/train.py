@@ -856,10 +856,11 @@ def preview(folder: Path, out: Path, n: int, device: str) -> None:
     """A strip of generated test-split images (T2I then TI2I) through the inference pipeline."""
     from engine.runtime.events import Image as ImageEv
     from engine.model.loader import load
-    from engine.runtime.pipeline import Pipeline
+    from engine.runtime.engine import Engine
+    from engine.runtime.options import EngineOptions
     from engine.runtime.request import Request
     lm = load(folder, device)
-    pipe = Pipeline(lm, preview_every=0)
+    pipe = Engine(lm, options=EngineOptions(preview_every=0))
     tiles = []
     for i in range(n):
         s = make_sample(i, "test", group=i % 4)

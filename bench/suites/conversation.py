@@ -55,21 +55,24 @@ def embedded(args: argparse.Namespace, out: Output) -> tuple[list[dict], dict]:
     import time
 
     from engine import EMBEDDED_MODEL
-    from engine.model.loader import load
+    from engine.runtime.engine import Engine
     from engine.runtime.events import Done, Error, Image
     from engine.runtime.history import POLICIES, Turn, reasoning_of
-    from engine.runtime.pipeline import Pipeline
+    from engine.runtime.options import EngineOptions
     from engine.runtime.request import Request
+    from engine.serve.engine_config import EngineConfig
     from engine.serve.info import ModelInfo
     from engine.serve.usage import InputCounter
     dev = "cpu" if args.dry else "cuda"
     folder = Path(args.model or EMBEDDED_MODEL)
-    lm = load(folder, dev, torch.bfloat16 if dev == "cuda" else None)
-    pipes = {"off": Pipeline(lm, preview_every=0, prefix_cache_bytes=0), "on": Pipeline(lm, preview_every=0)}
+    on = Engine.from_config(EngineConfig(model=str(folder), device=dev, dtype=None, plan="tp1", world_size=1,
+                                         sp_kind="ulysses", preview_every=0))
+    lm = on.loaded
+    pipes = {"off": Engine(lm, options=EngineOptions(preview_every=0, prefix_cache_bytes=0)), "on": on}
     counter = InputCounter(ModelInfo.from_folder(folder))
     repeat = 1 if args.dry else args.repeat
 
-    def once(pipe: Pipeline, req: Request) -> tuple[Done, bytes]:
+    def once(pipe: Engine, req: Request) -> tuple[Done, bytes]:
         t0 = time.perf_counter()
         ev = list(pipe.run(req))
         errs = [e for e in ev if isinstance(e, Error)]

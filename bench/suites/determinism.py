@@ -10,7 +10,7 @@ differed from one another from step 9 on, eager or graph, while the embedded mod
 ops PyTorch itself calls non-deterministic on the way (`torch.use_deterministic_algorithms(True,
 warn_only=True)`: their warnings, one run).
 
-Each run: a fresh Pipeline over the same loaded weights (graphs off unless --graphs: a replayed graph runs no
+Each run: a fresh Engine over the same loaded weights (graphs off unless --graphs: a replayed graph runs no
 module hooks), the request `a green square on black`, 256x256, --steps, seed 5, reasoning off (or on with
 --ar, 24 greedy tokens). Forward hooks on every module below the model record, per call in call order, the
 module's name and a fingerprint of its first tensor output (fp64 sum and sum of squares, shape); a run
@@ -28,7 +28,8 @@ import torch
 
 from engine.model.loader import load
 from engine.runtime.events import Error, Image
-from engine.runtime.pipeline import Pipeline
+from engine.runtime.engine import Engine
+from engine.runtime.options import EngineOptions
 from engine.runtime.request import Request
 
 from ..report import Col, Output
@@ -81,7 +82,7 @@ def first_difference(a: list, b: list) -> tuple[int, tuple | None, tuple | None]
 def run_once(lm, req: Request, graphs: bool) -> tuple[list, bytes]:
     probe = Fingerprints(lm.model)
     try:
-        events = list(Pipeline(lm, preview_every=0, cuda_graph=graphs).run(req))
+        events = list(Engine(lm, options=EngineOptions(preview_every=0, cuda_graph=graphs)).run(req))
     finally:
         probe.close()
     errors = [e for e in events if isinstance(e, Error)]

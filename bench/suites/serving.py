@@ -52,9 +52,10 @@ from engine.parallel.groups import RankGroups
 from engine.parallel.layout import PhaseView
 from engine.parallel.plan import get_plan
 from engine.runtime.events import Done, Error, Image
-from engine.runtime.pipeline import Pipeline
+from engine.runtime.engine import Engine
+from engine.runtime.options import EngineOptions
 from engine.runtime.request import Request, prepare
-from engine.runtime.scheduler import Scheduler, StepNews
+from engine.runtime.scheduler import StepNews
 from engine.runtime.warmup import warm_up
 from engine.runtime.sequence import text_phase_sequence
 from engine.spec.buckets import build_buckets
@@ -115,7 +116,7 @@ def checkpoint_folder(folder: Path, dry: bool, distil: bool) -> Path:
 
 
 def engine(build: str, folder: Path, dev: str) -> tuple[LoadedModel, RankGroups]:
-    """The build's rank-0 model with random weights and that rank's groups (FakeComm), for Pipelines."""
+    """The build's rank-0 model with random weights and that rank's groups (FakeComm), for its engines."""
     plan_name, distil, experts, dense, _ = SERVED[build]
     cc = CheckpointConfig.load(folder)
     buckets = build_buckets(cc.model.image_base_size)
@@ -157,7 +158,7 @@ def step_kind(last: dict[str, int]) -> str:
     return " + ".join(parts) or "idle"
 
 
-def serve(pipe: Pipeline, make: Callable[[int], Request], clients: int, per_client: int, max_batch: int,
+def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client: int, max_batch: int,
           rate: float | None, seed: int = 0, profile: bool = False) -> dict:
     """Requests through the scheduler as the worker and the server's dispatch run them. `rate` None:
     closed loop (N clients at once); else Poisson arrivals at `rate` requests/s. Returns the figures.
@@ -172,19 +173,19 @@ def serve(pipe: Pipeline, make: Callable[[int], Request], clients: int, per_clie
         for _ in range(total):
             arrivals.append(t)
             t += rng.expovariate(rate)
-    scheduler = Scheduler(pipe)
+    scheduler = pipe.scheduler = pipe.new_scheduler()     # the worker's loop: the engine's steps
     captured = sum(pipe.graphs.captures.values())
     waiting: collections.deque = collections.deque()
     arrived: dict[int, float] = {}                        # seq -> arrival (seconds from the start)
     latency: dict[int, float] = {}
     images, errors, sent, next_seq = 0, [], 0, 0
     spent: dict[str, list] = {}                           # step kind -> [steps, seconds] (profile)
-    cuda = torch.cuda.is_available() and pipe.lm.model.device.type == "cuda"
+    cuda = torch.cuda.is_available() and pipe.loaded.model.device.type == "cuda"
     t0 = time.perf_counter()
     while len(latency) < total:                           # every request ends: with its image or an error
         now = time.perf_counter() - t0
         while sent < len(arrivals) and arrivals[sent] <= now and (rate is None or len(arrived) - len(latency) < clients):
-            waiting.append((next_seq, prepare(make(next_seq), pipe.lm.gen, pipe.lm.buckets)))   # once, as it enters
+            waiting.append((next_seq, prepare(make(next_seq), pipe.loaded.gen, pipe.loaded.buckets)))   # once, as it enters
             arrived[next_seq] = arrivals[sent]       # latency counts its wait to get in
             sent, next_seq = sent + 1, next_seq + 1
         join = []
@@ -194,7 +195,7 @@ def serve(pipe: Pipeline, make: Callable[[int], Request], clients: int, per_clie
             time.sleep(max(0.0, min(arrivals[sent] - now, 0.05)) if sent < len(arrivals) else 0.0)
             continue
         t_step = time.perf_counter()
-        scheduler.step(StepNews(join=tuple(join)))
+        pipe.step(StepNews(join=tuple(join)))
         if profile:
             if cuda:
                 torch.cuda.synchronize()
@@ -244,7 +245,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
             out.data["moe_kernels"] = lay_out_experts(lm.model, args.moe_kernels)
             out.say(f"{build}: quantized experts on {out.data['moe_kernels']}")
             for batch in [int(d) for d in args.max_denoise_batch.split(",")]:
-                pipe = Pipeline(lm, groups, preview_every=0, slots=args.max_batch, max_denoise_batch=batch)
+                pipe = Engine(lm, groups, EngineOptions(max_batch=args.max_batch, max_denoise_batch=batch,
+                                                        preview_every=0))
                 ok = serve_all(pipe, args, build, batch, steps, cot, clients, per_client, rows, out) and ok
                 del pipe
                 gc.collect()                       # its KV pool and graphs go before the next one's
@@ -265,18 +267,18 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     return ok
 
 
-def serve_all(pipe: Pipeline, args: argparse.Namespace, build: str, batch: int, steps: int, cot: int,
+def serve_all(pipe: Engine, args: argparse.Namespace, build: str, batch: int, steps: int, cot: int,
               clients: list[int], per_client: int, rows: list, out: Output) -> bool:
     """The first request, then closed and Poisson runs at each client count, into `rows`; whether every
     request gave its image."""
     ok = True
     size = "256x256" if args.dry else "1024x1024"
-    prompt = prompt_of(pipe.lm, 40 if args.dry else PREFILL)
+    prompt = prompt_of(pipe.loaded, 40 if args.dry else PREFILL)
 
     def make(seq: int) -> Request:
         return Request(prompt=prompt, bot_task="think_recaption", size=size, steps=steps,
                        max_new_tokens=cot, seed=1000 + seq, greedy=args.greedy)
-    out.data.setdefault("prefill_tokens", {})[build] = prefill_tokens(pipe.lm, make(0))
+    out.data.setdefault("prefill_tokens", {})[build] = prefill_tokens(pipe.loaded, make(0))
     if args.warmup:
         w = warm_up(pipe, (size,))
         out.data.setdefault("warmup", {})[f"{build}/{batch}"] = w.summary()

@@ -12,7 +12,7 @@ the image, only of the time; and the block cache skips where the features barely
 weights do not show: its rows say what its probe and its skips cost, the quality part how often it skips.
 
 --quality (default on): the embedded model (assets/model: the only trained weights here) end to end
-through the engine's Pipeline (T2I prompts with reasoning, fixed seeds), at its default steps and at 50
+through the engine (T2I prompts with reasoning, fixed seeds), at its default steps and at 50
 steps: per setting, PSNR and SSIM of each image against the same request without a cache, the steps run
 in full, the DiT wall time per image.
 
@@ -150,13 +150,14 @@ def quality(args: argparse.Namespace, out: Output, names: list[str]) -> list[dic
     from PIL import Image as PILImage
 
     from engine import EMBEDDED_MODEL
-    from engine.model.loader import load
+    from engine.runtime.engine import Engine
     from engine.runtime.events import Done, Image
-    from engine.runtime.pipeline import Pipeline
     from engine.runtime.request import Request
+    from engine.serve.engine_config import EngineConfig
     dev = args.quality_device or ("cpu" if args.dry else "cuda")
-    lm = load(Path(args.model or EMBEDDED_MODEL), dev, torch.bfloat16 if dev == "cuda" else None)   # as served
-    pipe = Pipeline(lm, preview_every=0)
+    pipe = Engine.from_config(EngineConfig(model=str(args.model or EMBEDDED_MODEL), device=dev, dtype=None, plan="tp1",
+                                           world_size=1, sp_kind="ulysses", preview_every=0))     # as served
+    lm = pipe.loaded
     samples = PROMPTS[:1] if args.dry else (PROMPTS * 8)[:args.samples]
     rows = []
     for steps in [4] if args.dry else sorted({lm.gen.diff_infer_steps, 50}):

@@ -125,6 +125,20 @@ def plan_checkpoint(cfg: ModelConfig, ckpt: Checkpoint, layout: ShardLayout = Sh
         expected |= ts.specs(n, k)
         if f.quantized:
             formats[layer] = ts
+    mismatches += _check_high_precision(shapes, linears, by_layer, scheme)
+    for m in mismatches[:8]:
+        warnings.warn(m, FormatMismatchWarning, stacklevel=3)
+    if len(mismatches) > 8:
+        warnings.warn(f"... and {len(mismatches) - 8} more layers whose tensors are not in the format "
+                      "quantization_config declares", FormatMismatchWarning, stacklevel=3)
+    return expected, formats
+
+
+def _check_high_precision(shapes: dict[str, tuple[int, ...]], linears: dict, by_layer: dict,
+                          scheme: QuantScheme) -> list[str]:
+    """Every tensor other than the backbone linears must be stored in high precision (CheckpointError
+    naming the first that is not); returns the layers quantization_config declares quantized anyway."""
+    mismatches = []
     for name, shape in shapes.items():
         layer = name.rpartition(".")[0]
         if layer in linears or not name.endswith(".weight"):
@@ -149,12 +163,7 @@ def plan_checkpoint(cfg: ModelConfig, ckpt: Checkpoint, layout: ShardLayout = Sh
             if declared.quantized:
                 mismatches.append(f"{layer}: quantization_config says {declared.value}, its tensors are "
                                   "high precision; loading it as it is stored")
-    for m in mismatches[:8]:
-        warnings.warn(m, FormatMismatchWarning, stacklevel=3)
-    if len(mismatches) > 8:
-        warnings.warn(f"... and {len(mismatches) - 8} more layers whose tensors are not in the format "
-                      "quantization_config declares", FormatMismatchWarning, stacklevel=3)
-    return expected, formats
+    return mismatches
 
 
 def resident_packs(cfg: ModelConfig, formats: dict[str, TensorSet], quantize: str | None = None

@@ -1,7 +1,7 @@
 """What every rank of a plan must decide the same way, decided by rank 0 and broadcast.
 
 The sampled tokens (one small broadcast per decode step, every row of the batch at once, which is also
-the step's one host read) and, for a request run on its own (`Pipeline.run`), the cancel decision; so
+the step's one host read) and, for a request run on its own (`Engine.run`), the cancel decision; so
 every rank feeds the same tokens and stops at the same step. Which requests join or leave the engine's
 batch is agreed by the worker (engine/serve/worker.py) at each step boundary.
 """

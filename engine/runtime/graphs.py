@@ -37,6 +37,7 @@ class Graphs:
         self.captures: collections.Counter = collections.Counter()   # key -> how often it was captured (tests)
         self._pool = None
         self._buffers: dict[Hashable, Any] = {}
+        self._recent: collections.OrderedDict[tuple, None] = collections.OrderedDict()   # least recent first
 
     def capturable(self, model: Any) -> bool:
         """Whether this model's steps can be captured: on CUDA in bf16. In fp32/fp16 the `moe` op runs its
@@ -91,3 +92,17 @@ class Graphs:
         for key in [k for k in {**self._buffers, **self._entries} if not keep(k)]:
             self._entries.pop(key, None)
             self._buffers.pop(key, None)
+
+    @property
+    def recent(self) -> list[tuple]:
+        """The keys given to `keep_recent` whose graphs are kept, least recently used first."""
+        return list(self._recent)
+
+    def keep_recent(self, key: tuple, n: int) -> None:
+        """`key` was used now: of the keys given here, the `n` most recently used keep their graphs and
+        buffers, with every key that extends one (a step key's batched keys); an older one's are dropped."""
+        self._recent[key] = None
+        self._recent.move_to_end(key)
+        while len(self._recent) > n:
+            old, _ = self._recent.popitem(last=False)
+            self.drop(lambda k: k[:len(old)] != old)

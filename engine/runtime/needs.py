@@ -1,6 +1,6 @@
 """What a request's phase program asks of the scheduler.
 
-A request's phases run as a generator (engine/runtime/pipeline.py, `Pipeline.program`): it runs its own
+A request's phases run as a generator (engine/runtime/program.py): it runs its own
 forwards inline (reference encoding, prefill, forced tokens, the hand-off, each denoise step, the VAE)
 and yields events for its client, and one of these whenever it needs something shared with the other
 requests. The scheduler (engine/runtime/scheduler.py) answers through `send`, when it is the request's

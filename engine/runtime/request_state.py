@@ -1,6 +1,6 @@
 """A request admitted to the engine: its prepared request, its running phase program, what it waits for.
 
-The program (engine/runtime/pipeline.py, `Pipeline.program`) is a generator whose frame holds the rest
+The program (engine/runtime/program.py) is a chain of generators whose frames hold the rest
 of the request's state: its sequences, its RNG generators (text and noise, seeded from the request),
 its AR slot and denoise rows of the KV pool. Closing it (a cancel) runs its `finally`, which gives them
 back.
@@ -10,15 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Generator
 
+from engine.runtime.events import Event
 from engine.runtime.needs import ARSlot, Decode, DenoiseTurn, Need
 from engine.runtime.request import Prepared
+
+Program = Generator["Event | Need", Any, None]     # a request's phase program: its events and needs
 
 
 @dataclass
 class RequestState:
     seq: int                                  # the engine's number for it (never reused)
     prepared: Prepared
-    program: Generator[Any, Any, None]
+    program: Program
     need: Need | None = None                  # what its program waits for; None once it ended
     denoising: bool = False                   # it holds the denoise rows
     cancelled: bool = False

@@ -1,10 +1,13 @@
 """The engine's scheduler: the requests admitted to the engine, advanced together one step at a time.
 
-Each admitted request is a RequestState whose phase program (engine/runtime/pipeline.py) runs its own
-forwards and yields a need (engine/runtime/needs.py) where it shares the engine. One engine step:
+Each admitted request is a RequestState whose phase program (engine/runtime/program.py, made by the
+factory the scheduler is given) runs its own forwards and yields a need (engine/runtime/needs.py) where
+it shares the engine. The scheduler is given what it shares out (the KV pool's AR slots and its decode
+step, the denoise batch, the ranks' agreement) and imports nothing above itself. One engine step:
 1. The step's news, the same on every rank (rank 0 decides, engine/serve/worker.py broadcasts):
    cancelled requests end at once (their program is closed where it waits, which gives its AR slot and
-   denoise rows back) with Error('cancelled'); new requests join and run until their first need.
+   denoise rows back) with Error('cancelled'); new requests join and run until their first need. (The
+   news' adapter changes are the engine's, applied before: engine/runtime/engine.py `Engine.step`.)
 2. AR slots go to the requests that wait for one, first come first served (a request that does not fit
    yet keeps the ones behind it waiting: no overtaking). A request given its slot prefills inline.
 3. One batched decode forward for every request in its decode stage (engine/runtime/decode_step.py);
@@ -35,18 +38,18 @@ import collections
 import sys
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
+from engine.runtime.agreement import Agreement
+from engine.runtime.denoise_batch import DenoiseBatch
 from engine.runtime.events import Error, Event
+from engine.runtime.kv_pool import KVPool
 from engine.runtime.needs import ARSlot, Decode, DenoiseTurn
 from engine.runtime.request import Prepared
-from engine.runtime.request_state import RequestState
+from engine.runtime.request_state import Program, RequestState
 from engine.runtime.sampling import choose_rows
-
-if TYPE_CHECKING:
-    from engine.runtime.pipeline import Pipeline
 
 DECODE_STEPS_PER_DENOISE = 8
 NEEDS = (ARSlot, Decode, DenoiseTurn)
@@ -55,19 +58,24 @@ NEEDS = (ARSlot, Decode, DenoiseTurn)
 @dataclass(frozen=True)
 class StepNews:
     """What changes at a step boundary, the same on every rank: requests that join (seq, prepared), in
-    order, the seqs of requests to cancel, and LoRA adapters to load or unload first ((op, name, folder),
-    `Pipeline.change_adapter`)."""
+    order, the seqs of requests to cancel, and LoRA adapters to load or unload first ((op, name, folder):
+    the engine's, `Engine.change_adapter`; the scheduler takes the joins and cancels)."""
     join: tuple[tuple[int, Prepared], ...] = ()
     cancel: frozenset[int] = field(default_factory=frozenset)
     adapters: tuple[tuple[str, str, str | None], ...] = ()
 
 
 class Scheduler:
-    def __init__(self, pipeline: "Pipeline", decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE):
+    def __init__(self, programs: Callable[[Prepared], Program], pool: KVPool, denoising: DenoiseBatch,
+                 agree: Agreement, vocab: int, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE):
+        """`programs(prepared)`: a joining request's phase program; `pool`: the KV pool whose AR slots and
+        batched decode step it shares out; `denoising`: the requests holding denoise rows (one batch per
+        scheduler: it owns their order); `agree`: the ranks' agreement on each decode step's tokens;
+        `vocab`: the tokenizer's (the embedding is padded past it)."""
         if decode_steps_per_denoise < 1:
             raise ValueError(f"decode_steps_per_denoise must be >= 1 (got {decode_steps_per_denoise})")
-        self.pipeline, self.k = pipeline, decode_steps_per_denoise
-        self.denoising = pipeline.denoise_batch()             # the requests holding denoise rows
+        self.programs, self.pool, self.denoising, self.agree = programs, pool, denoising, agree
+        self.k = decode_steps_per_denoise
         self.requests: dict[int, RequestState] = {}          # admission order
         self.steps = 0                                       # engine steps run
         self._since_denoise = 0                              # decode steps since the last denoise turn
@@ -82,7 +90,7 @@ class Scheduler:
         # latest step's own counts (bench serving --profile times the steps by what they held)
         self.totals: collections.Counter = collections.Counter()
         self.last: dict[str, int] = {}
-        self._vocab = pipeline.lm.tok.vocab_size
+        self._vocab = vocab
 
     @property
     def busy(self) -> bool:
@@ -103,13 +111,11 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def step(self, news: StepNews = StepNews()) -> None:
         with torch.no_grad():
-            for change in news.adapters:
-                self.pipeline.change_adapter(*change)
             for seq in sorted(news.cancel):
                 if seq in self.requests:
                     self._cancel(self.requests[seq])
             for seq, prepared in news.join:
-                state = self.requests[seq] = RequestState(seq, prepared, self.pipeline.program(prepared))
+                state = self.requests[seq] = RequestState(seq, prepared, self.programs(prepared))
                 self._advance(state, None)
             slots = self._grant_slots()
             decoded = self._decode()
@@ -125,7 +131,7 @@ class Scheduler:
 
     def _grant_slots(self) -> int:
         """AR slots to the requests waiting for one, in order -> how many were granted."""
-        pool, granted = self.pipeline.pool, 0
+        pool, granted = self.pool, 0
         for state in [s for s in self.requests.values() if isinstance(s.need, ARSlot)]:
             slot = pool.take_slot(state.need.length)
             if slot is None:
@@ -141,12 +147,12 @@ class Scheduler:
             return 0
 
         def forward() -> list[int]:
-            logits = self.pipeline.pool.decode([(s.need.slot, s.need.token, s.need.index) for s in rows])
+            logits = self.pool.decode([(s.need.slot, s.need.token, s.need.index) for s in rows])
             logits[:, self._vocab:] = float("-inf")      # the embedding is padded past the tokenizer's vocabulary
             needs = [s.need for s in rows]
             tokens = choose_rows(logits, [n.slot for n in needs], [n.params for n in needs],
                                  [n.generator for n in needs], [n.allowed for n in needs])
-            return self.pipeline.agree.tokens(tokens)    # the step's one host read
+            return self.agree.tokens(tokens)             # the step's one host read
         self._shared(rows, forward)
         return len(rows)
 

@@ -26,17 +26,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from engine.runtime.denoise import TAIL_GRAIN, tail_index
+from engine.runtime.engine import Engine
 from engine.runtime.events import Error
 from engine.runtime.prefill_step import GRAPH_MAX
+from engine.runtime.program import DENOISE_GRAPHS
 from engine.runtime.request import Request, prepare
 from engine.runtime.sequence import GenImageSpan, image_phase_sequence
 from engine.spec.buckets import nearest_bucket, parse_size
-
-if TYPE_CHECKING:
-    from engine.runtime.pipeline import Pipeline
 
 TAIL_MAX = 3072          # prompt + reasoning tokens warmed (a 1251-token T2I prompt + 750 CoT tokens: 2001)
 FILLER = "a b c d e f g h i j k l m n o p q r s t u v w x y z"   # the warm-up prompts' words (short: few characters a token)
@@ -56,31 +55,31 @@ class Warmup:
         return {"seconds": round(self.seconds, 2), "graphs": self.graphs, "parts": len(self.parts)}
 
 
-def default_size(pipeline: "Pipeline") -> str:
+def default_size(engine: Engine) -> str:
     """The square bucket, as a request's `size` ("HxW")."""
-    b = nearest_bucket(pipeline.lm.buckets, 1, 1)
+    b = nearest_bucket(engine.loaded.buckets, 1, 1)
     return f"{b.height}x{b.width}"
 
 
-def warm_up(pipeline: "Pipeline", sizes: tuple[str, ...] = ("default",), tail_max: int = TAIL_MAX,
+def warm_up(engine: Engine, sizes: tuple[str, ...] = ("default",), tail_max: int = TAIL_MAX,
             progress: Callable[[int, int, str], None] = lambda done, total, what: None) -> Warmup:
-    """Run the warm-up (module doc) on `pipeline`, before it serves anything; `progress(done, total, what)`
+    """Run the warm-up (module doc) on `engine`, before it serves anything; `progress(done, total, what)`
     after each part. Raises WarmupError naming the part that failed (a failed capture names its key)."""
     t0 = time.perf_counter()
-    graphs = pipeline.graphs
+    graphs = engine.graphs
     captured = sum(graphs.captures.values())
-    requests = denoise_requests(pipeline, sizes, tail_max)
-    pool = pipeline.pool
-    pool.reserve_ar(min(GRAPH_MAX + pipeline.lm.gen.max_new_tokens + 8, pool.limit - 1))
+    requests = denoise_requests(engine, sizes, tail_max)
+    pool = engine.pool
+    pool.reserve_ar(min(GRAPH_MAX + engine.loaded.gen.max_new_tokens + 8, pool.limit - 1))
     parts: list[tuple[str, Callable[[], None]]] = []
     for b in pool.decode.buckets:
         parts.append((f"decode {b}", lambda b=b: pool.decode.warm(b)))
     for b in pool.prefill.buckets():
         parts.append((f"prefill {b}", lambda b=b: pool.prefill.warm(b)))
     for what, req in requests:
-        parts.append((what, lambda req=req: _run(pipeline, req)))
+        parts.append((what, lambda req=req: _run(engine, req)))
     if requests:       # a sampled reasoning request: the sampler's kernels compile here, not in a user's first request
-        parts.append(("sampling", lambda: _run(pipeline, sampled_request(requests[-1][1].size))))
+        parts.append(("sampling", lambda: _run(engine, sampled_request(requests[-1][1].size))))
     done: list[str] = []
     for i, (what, run) in enumerate(parts):
         try:
@@ -89,20 +88,19 @@ def warm_up(pipeline: "Pipeline", sizes: tuple[str, ...] = ("default",), tail_ma
             raise WarmupError(f"warm-up of {what} failed: {type(e).__name__}: {e}") from e
         done.append(what)
         progress(i + 1, len(parts), what)
-    pipeline.prefix.clear()              # nothing for a next turn is kept from a warm-up request
+    engine.prefix.clear()              # nothing for a next turn is kept from a warm-up request
     return Warmup(time.perf_counter() - t0, sum(graphs.captures.values()) - captured, tuple(done))
 
 
-def denoise_requests(pipeline: "Pipeline", sizes: tuple[str, ...], tail_max: int) -> list[tuple[str, Request]]:
+def denoise_requests(engine: Engine, sizes: tuple[str, ...], tail_max: int) -> list[tuple[str, Request]]:
     """One request per (size, tail grain up to `tail_max`), longest first: reasoning off, one step, a prompt
     whose length puts the image's tokens at that grain. Grains a request of that size cannot reach (the
     model's positions) are left out. Raises ValueError for a size the checkpoint does not take, or when
     the keys would not all stay (the engine keeps DENOISE_GRAPHS denoise step keys)."""
-    from engine.runtime.pipeline import DENOISE_GRAPHS
-    lm = pipeline.lm
+    lm = engine.loaded
     cfg, f = lm.cfg, lm.cfg.vae_downsample_factor
     out: list[tuple[str, Request]] = []
-    for size in (default_size(pipeline) if s == "default" else s for s in sizes):
+    for size in (default_size(engine) if s == "default" else s for s in sizes):
         bucket = parse_size(size, lm.buckets)
         if bucket is None:
             raise ValueError(f"a warm-up size names a size (HxW), not {size!r}")
@@ -157,11 +155,11 @@ def _prompt_reaching(start_of: Callable[[str], int], target: int) -> str | None:
     return text(n)
 
 
-def _run(pipeline: "Pipeline", req: Request) -> None:
+def _run(engine: Engine, req: Request) -> None:
     """One warm-up request alone, to its end; its events are dropped (an error raises)."""
     # checked with a short prompt: a warm-up prompt may have more characters than a user's (MAX_PROMPT_CHARS);
     # its tokens are what it is for (a user's prompt + reasoning reach them)
-    p = prepare(dataclasses.replace(req, prompt="a"), pipeline.lm.gen, pipeline.lm.buckets)
-    for ev in pipeline.run_prepared(dataclasses.replace(p, req=req)):
+    p = prepare(dataclasses.replace(req, prompt="a"), engine.loaded.gen, engine.loaded.buckets)
+    for ev in engine.run_prepared(dataclasses.replace(p, req=req)):
         if isinstance(ev, Error):
             raise RuntimeError(ev.message)

@@ -103,6 +103,9 @@ class EngineConfig:
     lora_merged: bool = option(False, "fold the one --lora adapter into the weights at load: every request uses "
                                       "it, with no per-step cost (float weights only; no adapters loaded at run "
                                       "time; engine/model/lora_merge.py)", action="store_true")
+    lora_merged_scale: float = option(1.0, "the strength --lora-merged folds its adapter in at: every request names "
+                                           "the adapter at this lora_scale (python -m engine: its --lora-scale)",
+                                      type=float, metavar="S")
     lora_mlp: bool = option(False, "adapter slots for adapters of the MLPs too (gate_and_up_proj / down_proj: the "
                                    "shared MLP and every expert), loaded at run time; on by itself when a --lora "
                                    "adapter adapts them. Each slot (and one of zeros) costs 1.7 GB per GPU under "
@@ -158,12 +161,6 @@ class EngineConfig:
     def lora_slots(self) -> int:
         """Adapter slots the engine allocates (0: none, the base model's forwards unchanged; merged: none)."""
         return 0 if self.lora_merged else max(self.max_loras, len(self.loras))
-
-    def pipeline_options(self) -> dict:
-        """What every rank's Pipeline takes from it (besides the model and its groups)."""
-        return {"preview_every": self.preview_every, "slots": self.max_batch, "cfg_serial": self.cfg_serial,
-                "cuda_graph": self.cuda_graph, "max_denoise_batch": self.max_denoise_batch,
-                "prefix_cache_bytes": self.prefix_cache_mb << 20, "encoding_cache_bytes": self.encoding_cache_mb << 20}
 
     # ------------------------------------------------------------------ the command line
     @classmethod

@@ -320,7 +320,7 @@ class EngineServer(EngineClient):
 
     def _merged(self) -> tuple[str, float] | None:
         """The adapter folded into the weights and its strength (--lora-merged), or None."""
-        return (self.config.loras[0][0], 1.0) if self.config.lora_merged else None
+        return (self.config.loras[0][0], self.config.lora_merged_scale) if self.config.lora_merged else None
 
     def _refuse_if_merged(self) -> None:
         if self.config.lora_merged:

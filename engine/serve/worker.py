@@ -90,15 +90,10 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
     import torch
     import torch.distributed as dist
 
-    from engine.model.kernel_layouts import lay_out_experts
-    from engine.model.loader import load, parse_dtype, print_progress
-    from engine.model.lora import load_adapter
-    from engine.model.lora_merge import merge_adapter
-    from engine.model.peft import ALL_TARGETS, read_peft
+    from engine.model.loader import print_progress
     from engine.parallel.groups import RankGroups, rank_device, resident_pointers, set_threads_for_world, shutdown
+    from engine.runtime.engine import Engine
     from engine.runtime.events import Error as ErrorEvent
-    from engine.runtime.pipeline import Pipeline
-    from engine.runtime.scheduler import Scheduler
     from engine.runtime.warmup import warm_up
 
     def send(msg: FromWorker) -> None:
@@ -120,17 +115,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
         rt = RankGroups.init(p, rank, dev, init_method)
         if p.world > 1:
             control = dist.new_group(list(range(p.world)), backend="gloo")
-        lm = load(config.model, dev, parse_dtype(config.dtype, dev), rt.layout,
-                  progress=progress if rank == 0 else None, quantize=config.quantize)
-        p.check_model(lm.cfg)
-        if config.lora_merged:         # the one adapter, this rank's slices, folded into its weights
-            (name, folder), = config.loras
-            merge_adapter(lm.model, read_peft(folder, lm.cfg, rt.layout, ALL_TARGETS), name=name)
-        if config.lora_slots:          # before the pipeline: its forwards bind to the adapter tables
-            tables = lm.model.enable_lora(config.lora_slots, config.max_lora_rank, config.lora_mlp)
-            for name, folder in config.loras:
-                load_adapter(tables, name, folder)
-        moe_kernels = lay_out_experts(lm.model, config.moe_kernels, config.lora_mlp)   # after any merge
+        engine = Engine.from_config(config, rt, progress=progress if rank == 0 else None)
+        lm, moe_kernels = engine.loaded, engine.moe_kernels
         pointers = resident_pointers(lm.model)
         moved: list[str] = []          # phases at whose start a resident weight had moved (never, by design)
 
@@ -138,8 +124,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
             if resident_pointers(lm.model) != pointers:
                 moved.append(phase)
 
-        pipeline = Pipeline(lm, rt, on_phase=check, **config.pipeline_options())
-        warmed = warm_up(pipeline, config.warmup, progress=(lambda d, n, what: progress(d, n, what, "warm-up"))
+        engine.ctx.on_phase = check
+        warmed = warm_up(engine, config.warmup, progress=(lambda d, n, what: progress(d, n, what, "warm-up"))
                          if rank == 0 else (lambda *a: None)) if config.warmup else None
         if control is not None:
             dist.barrier(group=control)              # "ready" means every rank holds its shard
@@ -188,9 +174,9 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
         dist.broadcast_object_list(box, src=0, group=control)
         return box[0]
 
-    scheduler = Scheduler(pipeline)
+    scheduler = engine.scheduler
     while (news := agreed_news(wait=not scheduler.busy)) is not None:
-        scheduler.step(news)
+        engine.step(news)
         done, ended = scheduler.drain()
         if inbox is not None and inbox.dropped:
             done += [(seq, ErrorEvent("cancelled", "stopped by the user")) for seq in inbox.dropped]

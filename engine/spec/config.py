@@ -16,6 +16,29 @@ class ConfigError(ValueError):
     """A config file is missing, unreadable, or describes a model this engine cannot run."""
 
 
+def _refuse_unsupported(d: dict[str, Any]) -> None:
+    """ConfigError naming a config.json setting the engine does not implement."""
+    if d.get("rope_type", "2d") != "2d":
+        raise ConfigError(f"config.json: rope_type {d.get('rope_type')!r} is not supported (only '2d')")
+    for flag in ("use_mla", "use_cla"):
+        if d.get(flag):
+            raise ConfigError(f"config.json: `{flag}` is not supported")
+    # `moe_drop_tokens` is ignored: the engine never drops tokens (grouped-GEMM semantics)
+    if int(d.get("moe_layer_num_skipped", 0)) != 0:
+        raise ConfigError("config.json: dense (non-MoE) layers are not supported (moe_layer_num_skipped != 0)")
+    cond_image_type = d.get("cond_image_type", "vae_vit")
+    if cond_image_type != "vae_vit":
+        raise ConfigError(f"config.json: cond_image_type {cond_image_type!r} is not supported (only 'vae_vit')")
+    attn_type = d.get("cond_token_attn_type", "full")
+    if attn_type not in ("joint_full", "full", "full_causal", "causal"):
+        raise ConfigError(f"config.json: unknown cond_token_attn_type {attn_type!r}")
+    if d.get("img_proj_type", "unet") != "unet":
+        raise ConfigError(f"config.json: img_proj_type {d.get('img_proj_type')!r} is not supported (only 'unet')")
+    for sub in ("vae", "vit", "vit_processor", "vit_aligner"):
+        if not isinstance(d.get(sub), dict):
+            raise ConfigError(f"config.json: the `{sub}` section is missing")
+
+
 def _per_layer(value: Any, n_layers: int, name: str) -> tuple[int, ...]:
     if isinstance(value, (list, tuple)):
         if len(value) != n_layers:
@@ -94,25 +117,8 @@ class ModelConfig:
             raise ConfigError(f"config.json: {heads} attention heads are not a multiple of {kv_heads} KV heads")
         if head_dim % 4:
             raise ConfigError(f"config.json: head_dim {head_dim} must be divisible by 4 for the 2D RoPE")
-        if d.get("rope_type", "2d") != "2d":
-            raise ConfigError(f"config.json: rope_type {d.get('rope_type')!r} is not supported (only '2d')")
-        for flag in ("use_mla", "use_cla"):
-            if d.get(flag):
-                raise ConfigError(f"config.json: `{flag}` is not supported")
-        # `moe_drop_tokens` is ignored: the engine never drops tokens (grouped-GEMM semantics)
-        if int(d.get("moe_layer_num_skipped", 0)) != 0:
-            raise ConfigError("config.json: dense (non-MoE) layers are not supported (moe_layer_num_skipped != 0)")
-        cond_image_type = d.get("cond_image_type", "vae_vit")
-        if cond_image_type != "vae_vit":
-            raise ConfigError(f"config.json: cond_image_type {cond_image_type!r} is not supported (only 'vae_vit')")
-        attn_type = d.get("cond_token_attn_type", "full")
-        if attn_type not in ("joint_full", "full", "full_causal", "causal"):
-            raise ConfigError(f"config.json: unknown cond_token_attn_type {attn_type!r}")
-        if d.get("img_proj_type", "unet") != "unet":
-            raise ConfigError(f"config.json: img_proj_type {d.get('img_proj_type')!r} is not supported (only 'unet')")
-        for sub in ("vae", "vit", "vit_processor", "vit_aligner"):
-            if not isinstance(d.get(sub), dict):
-                raise ConfigError(f"config.json: the `{sub}` section is missing")
+        _refuse_unsupported(d)
+        cond_image_type, attn_type = d.get("cond_image_type", "vae_vit"), d.get("cond_token_attn_type", "full")
         down = d.get("vae_downsample_factor", [16, 16])
         return cls(
             vocab_size=int(need("vocab_size")),
