@@ -69,7 +69,7 @@ def run_together(lm, requests: list[dict], cancel_at: dict[int, int] | None = No
     engine = engine or make_engine(lm, preview_every=0, max_batch=len(requests))
     scheduler = engine.scheduler = engine.new_scheduler()
     on_start(scheduler)
-    news = StepNews(join=tuple((i, prepare(Request(**kw), lm.gen, lm.buckets, engine.adapters()))
+    news = StepNews(join=tuple((i, prepare(Request(**kw), lm, engine.adapters()))
                                   for i, kw in enumerate(requests)))
     events: dict[int, list] = {i: [] for i in range(len(requests))}
     while True:

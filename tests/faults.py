@@ -37,7 +37,7 @@ def fail_request(monkeypatch, prompt: str, when, message: str) -> None:
 
     def program(self, p):
         gen = orig(self, p)
-        if p.req.prompt != prompt:
+        if p.prompt != prompt:
             return (yield from gen)
         answer = None
         while True:

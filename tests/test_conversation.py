@@ -7,14 +7,16 @@ from __future__ import annotations
 import base64
 import io
 
+import numpy as np
 import pytest
 from PIL import Image as PILImage
 
-from engine.runtime.conversation import ConversationError, ConversationStore, TurnRecorder
+from engine.serve.conversation import ConversationError, ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error, Image, Timings
-from engine.runtime.history import MAX_IMAGES, HistoryError, Turn, past_turn_layouts, reasoning_of, select
+from engine.runtime.history import MAX_IMAGES, HistoryError, Turn, reasoning_of, select
 from engine.runtime.request import Request, RequestError, prepare
-from engine.runtime.sequence import CondImageLayout, image_phase_sequence
+from engine.runtime.sequence import image_phase_sequence, user_turn
+from engine.spec.buckets import nearest_bucket
 
 from engine_drive import make_engine
 from studio_fixtures import engine_server, start_server  # noqa: F401 (fixture)
@@ -39,26 +41,30 @@ def test_full_keeps_the_latest_whole_turns_within_three_images():
     turns = (Turn("a red square", (RED,), "", GREEN), Turn("make it blue", (), "", BLUE), Turn("smaller", (), "", GREY))
     kept, carried = select(turns, 0, "full")
     # turn 1 (its reference and its image) would make 4 images: the oldest turn is left out whole
-    assert [t.prompt for t in kept] == ["make it blue", "smaller"] and carried == []
-    assert sum(len(t.all_images) for t in kept) <= MAX_IMAGES
+    assert [turns[i].prompt for i in kept] == ["make it blue", "smaller"] and carried is None
+    assert sum(turns[i].image_count for i in kept) <= MAX_IMAGES
     kept, _ = select(turns, 1, "full")          # one reference of its own: room for 2 earlier images
-    assert [t.prompt for t in kept] == ["make it blue", "smaller"]
+    assert [turns[i].prompt for i in kept] == ["make it blue", "smaller"]
     kept, _ = select(turns, 2, "full")
-    assert [t.prompt for t in kept] == ["smaller"]
+    assert [turns[i].prompt for i in kept] == ["smaller"]
     # no earlier turn fits beside 3 references... and the last image does not fit either
     with pytest.raises(HistoryError) as e:
         select(turns, 3, "full")
     assert e.value.where == "images"
 
 
-def test_last_image_carries_the_models_last_image_as_the_first_reference():
+def test_last_image_carries_the_models_last_image_as_the_first_reference(tiny):
     turns = (Turn("a red square", (RED,), "<think>x</think>", GREEN), Turn("no image came", (), "", None))
     kept, carried = select(turns, 1, "last_image")
-    assert kept == [] and len(carried) == 1 and carried[0].getpixel((0, 0)) == (40, 200, 60)
+    assert kept == [] and turns[carried].image is GREEN
     # full: a turn whose user references take the room of the image being edited is not kept
     turns = (Turn("three refs", (RED, BLUE, GREY), "", GREEN),)
     kept, carried = select(turns, 0, "full")
-    assert kept == [] and carried[0].getpixel((0, 0)) == (40, 200, 60)
+    assert kept == [] and turns[carried].image is GREEN
+    # prepared, the carried image is this turn's first reference, read as the model consumes it
+    p = prepare(Request(prompt="blue", images=[BLUE], history=turns, seed=1), tiny)
+    green, blue = (np.asarray(i.vae)[0, 0].tolist() for i in p.images)
+    assert green == [40, 200, 60] and blue == [30, 60, 220] and p.history == []
 
 
 @pytest.mark.parametrize("history, policy, field", [
@@ -70,7 +76,7 @@ def test_last_image_carries_the_models_last_image_as_the_first_reference():
 ])
 def test_bad_history_is_refused_naming_the_turn_and_field(tiny, history, policy, field):
     with pytest.raises(RequestError) as e:
-        prepare(Request(prompt="y", history=history, history_policy=policy), tiny.gen, tiny.buckets)
+        prepare(Request(prompt="y", history=history, history_policy=policy), tiny)
     assert e.value.field == field, str(e.value)
 
 
@@ -85,13 +91,16 @@ def test_reasoning_is_what_the_image_phase_read():
 # ------------------------------------------------------------------------------------------ the sequence
 def test_a_turn_with_history_in_the_official_layout(tiny):
     tok, cfg = tiny.tok, tiny.cfg
-    ref, made = CondImageLayout((2, 2), 16, (2, 2), 4), CondImageLayout((2, 3), 16, (2, 3), 6)
     prepared = prepare(Request(prompt="now blue", seed=1, history_policy="full", history=(
-        Turn("a red square", (RED,), "<think>hm</think><recaption>red</recaption>", GREEN),)), tiny.gen, tiny.buckets)
-    history, current = past_turn_layouts(prepared.history, [ref, made])
-    assert current == [] and history[0].images == (ref,) and history[0].image == made
-    seq = image_phase_sequence(tok, "", "now blue", [], "<recaption>blue</recaption>", 2, 2, 16, False,
-                               cfg.cond_token_attn_type, history)
+        Turn("a red square", (RED,), "<think>hm</think><recaption>red</recaption>", GREEN),)), tiny)
+    history = tuple(t.layout for t in prepared.history)
+    ref, made = prepared.history[0].images[0].layout, prepared.history[0].image.layout
+    # both images 96x128 (width x height): laid out at their bucket's latent grid, read once in `prepare`
+    b, f = nearest_bucket(tiny.buckets, 128, 96), cfg.vae_downsample_factor[0]
+    assert ref == made and ref.vae_hw == (b.height // f, b.width // f) and ref.ratio_index == b.index
+    assert prepared.images == [] and history[0].images == (ref,) and history[0].image == made
+    seq = image_phase_sequence(user_turn(tok, "", "now blue", [], history, cfg.cond_token_attn_type),
+                               "<recaption>blue</recaption>", 2, 2, 16, False)
     img = tok.special.img
     text = tok.decode([t for t in seq.ids if t != img])
     # the earlier turn whole (user: its image, its instruction; assistant: its reasoning, its image), then

@@ -15,7 +15,6 @@ MAX_PARAMS = 9
 
 # "path:qualified name" -> why it stays long (lines) or wide (parameters)
 SERVE = "engine/serve: house-serve branch"     # the serve layer's refactor (issue 40 steps 2-3) is there
-STEP5 = "issue 40 step 5 (the request prepared once, the user turn tokenized once): the next commit"
 MODULE = ("a module's shapes, one argument each as its tests build it standalone (one MoE or attention layer "
           "at the shapes of a kernel case, not a config's layer)")
 LONG_FUNCTIONS = {
@@ -23,13 +22,11 @@ LONG_FUNCTIONS = {
     "engine/serve/replicas.py:ReplicaPool.__init__": SERVE,
     "engine/serve/server.py:EngineServer.__init__": SERVE,
     "engine/serve/worker.py:worker_main": SERVE,
-    "engine/runtime/request.py:prepare": STEP5,
 }
 WIDE_SIGNATURES = {
     "engine/serve/server.py:EngineServer.__init__": SERVE,
     "engine/model/attention.py:Attention.__init__": MODULE,
     "engine/model/moe.py:MoE.__init__": MODULE,
-    "engine/runtime/sequence.py:image_phase_sequence": STEP5,
 }
 
 

@@ -14,8 +14,8 @@ from engine.runtime.conditioning import embed_range
 from engine.runtime.denoise import flow_sigmas, tail_embeddings, velocity
 from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text
 from engine.parallel.layout import PhaseView
-from engine.runtime.request import Request
-from engine.runtime.sequence import image_phase_sequence
+from engine.runtime.request import Request, prepare
+from engine.runtime.sequence import image_phase_sequence, user_turn
 
 from engine_drive import backbone_rows, make_engine, run_backbone
 
@@ -86,8 +86,8 @@ def test_distil_runs_one_forward_per_step(tiny_distil):
 
 def test_prefix_cached_step_equals_full_sequence_step(tiny):
     model, tok, view = tiny.model, tiny.tok, PhaseView()
-    seq = image_phase_sequence(tok, "be brief", "a green square", [], "<think>plan</think><recaption>x</recaption>",
-                               4, 4, 16, distil=False)
+    seq = image_phase_sequence(user_turn(tok, "be brief", "a green square", []),
+                               "<think>plan</think><recaption>x</recaption>", 4, 4, 16, distil=False)
     span = seq.gen_image
     T = seq.tensors()
     ids = T["ids"][None]
@@ -259,3 +259,24 @@ def test_mask_free_steps_equal_the_masked_steps(fixture, request, monkeypatch):
     a, b = np.asarray(fast, dtype=np.float64), np.asarray(dense, dtype=np.float64)
     mse = np.mean((a - b) ** 2)
     assert mse == 0 or 10 * np.log10(255 ** 2 / mse) >= 50
+
+
+def test_the_prompt_is_tokenized_once_and_the_input_counted_where_it_is(tiny, monkeypatch):
+    """The user turn is tokenized once, as the request starts: both phases' sequences and the next turn's
+    view of it (the prefix cache's) continue it, and its count is the usage's input (`Started`); only the
+    reasoning is read again (the image phase's template needs it). A reasoning request with a reference."""
+    prompt, calls = "a small red circle on the left", []
+    encode = type(tiny.tok).encode
+    monkeypatch.setattr(type(tiny.tok), "encode", lambda self, text: (calls.append(text), encode(self, text))[1])
+    ref = PILImage.new("RGB", (96, 64), (20, 200, 40))
+    ev = run(make_engine(tiny, preview_every=0), prompt=prompt, images=[ref], bot_task="think_recaption",
+             max_new_tokens=12, size="256x256", steps=2, seed=3)
+    assert isinstance(ev[-1], Done) and sum(prompt in text for text in calls) == 1, calls
+    started = ev[0]
+    assert isinstance(started, Started) and started.input_image_tokens > 0
+    monkeypatch.undo()
+    p = prepare(Request(prompt=prompt, images=[ref], bot_task="think_recaption", seed=3), tiny)
+    system = tiny.prompts.resolve(p.preset, p.bot_task, None)
+    turn = user_turn(tiny.tok, system, prompt, [i.layout for i in p.images], (), tiny.cfg.cond_token_attn_type).seq
+    assert (started.input_text_tokens, started.input_image_tokens) == (len(turn) - turn.image_tokens,
+                                                                       turn.image_tokens)

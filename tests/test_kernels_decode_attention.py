@@ -100,10 +100,10 @@ def test_static_decode_step_through_the_op_equals_sliced(tiny, monkeypatch):
     from engine.parallel.layout import PhaseView
     from engine.runtime.decode_step import DecodeStep
     from engine.runtime.graphs import Graphs
-    from engine.runtime.sequence import text_phase_sequence
+    from engine.runtime.sequence import text_phase_sequence, user_turn
     from engine_drive import run_backbone
     model, tok, c = tiny.model, tiny.tok, tiny.cfg
-    seq = text_phase_sequence(tok, "", "a small green triangle", [], "think", 256)
+    seq = text_phase_sequence(user_turn(tok, "", "a small green triangle", []), "think", 256)
     L = len(seq)
     T = seq.tensors(length=L + 16)
     cache = KVCache.allocate(c.num_layers, 1, c.num_kv_heads, L + 17, c.head_dim, model.dtype, "cpu")

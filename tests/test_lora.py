@@ -376,10 +376,10 @@ def test_request_names_a_loaded_adapter(served):
     adapters = make_engine(served, preview_every=0).adapters()
     assert sorted(adapters) == ["mlp", "patterned", "plain"]
     with pytest.raises(RequestError, match="unknown LoRA adapter 'nope'; the loaded ones are mlp, patterned, plain") as e:
-        prepare(Request("a cat", lora="nope", seed=1), served.gen, served.buckets, adapters)
+        prepare(Request("a cat", lora="nope", seed=1), served, adapters)
     assert e.value.field == "lora"
     with pytest.raises(RequestError, match=r"the LoRA strength \(lora_scale\) must be a number in \(0, 4\]") as e:
-        prepare(Request("a cat", lora="plain", lora_scale=0, seed=1), served.gen, served.buckets, adapters)
+        prepare(Request("a cat", lora="plain", lora_scale=0, seed=1), served, adapters)
     assert e.value.field == "lora_scale"
 
 

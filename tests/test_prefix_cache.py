@@ -90,21 +90,21 @@ def test_eviction_under_a_tiny_byte_bound():
 
 def test_history_images_come_from_the_encoding_cache_else_from_their_content(tiny):
     from engine.runtime.conditioning import EncodingCache, encode_references, encode_sequence_images
-    from engine.runtime.images import open_image
-    img, m, b = open_image(RED, "red"), tiny.model, tiny.buckets
+    from engine.runtime.images import ImageReader
+    img, m = ImageReader(tiny.cfg, tiny.buckets).read(RED, "red"), tiny.model
 
     def gen(seed: int) -> torch.Generator:
         return torch.Generator().manual_seed(seed)
     cache = EncodingCache(1 << 30)
-    (own,) = encode_sequence_images(m, [], [img], b, gen(1), False, cache)
+    (own,) = encode_sequence_images(m, [], [img], gen(1), cache)
     # a turn's own reference: drawn from the request's generator, as a single request always was
-    assert torch.equal(own.vae_tokens, encode_references(m, [img], b, gen(1))[0].vae_tokens)
+    assert torch.equal(own.vae_tokens, encode_references(m, [img], gen(1))[0].vae_tokens)
     # the next turn shows it as history: the very encoding turn 1 saw, whatever the next turn's seed
-    (seen,) = encode_sequence_images(m, [img], [], b, gen(2), False, cache)
+    (seen,) = encode_sequence_images(m, [img], [], gen(2), cache)
     assert seen is own and cache.hits == 1
     # not in the cache: noise seeded from the content, not from the request
-    a = encode_sequence_images(m, [img], [], b, gen(1), False, EncodingCache(0))[0]
-    c = encode_sequence_images(m, [img], [], b, gen(2), False, EncodingCache(0))[0]
+    a = encode_sequence_images(m, [img], [], gen(1), EncodingCache(0))[0]
+    c = encode_sequence_images(m, [img], [], gen(2), EncodingCache(0))[0]
     assert torch.equal(a.vae_tokens, c.vae_tokens) and a.identity == c.identity != own.identity
     assert not torch.equal(a.vae_tokens, own.vae_tokens)
 

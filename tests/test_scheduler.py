@@ -145,7 +145,7 @@ def test_a_failure_ends_only_its_own_request(tiny, monkeypatch):
         assert not got[2] and got[0] == alone(tiny, reqs[i])[0], i
     pool = scheduler.pool
     assert pool.free == [0, 1, 2, 3] and not scheduler.busy
-    scheduler.step(StepNews(join=((9, prepare(Request(**TEXT[2]), tiny.gen, tiny.buckets)),)))
+    scheduler.step(StepNews(join=((9, prepare(Request(**TEXT[2]), tiny)),)))
     while scheduler.busy:
         scheduler.step()
     done, ended = scheduler.drain()
@@ -160,7 +160,7 @@ def test_policy_gives_the_denoising_request_a_turn_every_k_decode_steps(tiny, mo
     turns: list[int] = []
     pipe = make_engine(tiny, preview_every=0, max_batch=2)
     scheduler = pipe.new_scheduler(3)
-    news = StepNews(join=tuple((i, prepare(Request(**kw), tiny.gen, tiny.buckets)) for i, kw in enumerate(reqs)))
+    news = StepNews(join=tuple((i, prepare(Request(**kw), tiny)) for i, kw in enumerate(reqs)))
     while scheduler.busy or news.join:
         before = scheduler.counts().get("decode", 0)
         scheduler.step(news)

@@ -232,7 +232,7 @@ def test_multi_rank_block_cache_takes_one_decision(tiny_dir, tiny, plan, sp):
 def test_bad_settings_are_refused_naming_the_field(tiny, field, value):
     req = Request(prompt="x", taylor_cache=P(**{field: value}), seed=1)
     with pytest.raises(RequestError) as e:
-        prepare(req, tiny.gen, tiny.buckets)
+        prepare(req, tiny)
     assert e.value.field == field and field in str(e.value)
 
 
@@ -240,10 +240,10 @@ def test_bad_settings_are_refused_naming_the_field(tiny, field, value):
                                          ("block_cache_first_blocks", 0), ("block_cache_max_skips", 1.5)])
 def test_bad_block_cache_settings_are_refused_naming_the_field(tiny, field, value):
     with pytest.raises(RequestError) as e:
-        prepare(Request(prompt="x", block_cache=B(**{field: value}), seed=1), tiny.gen, tiny.buckets)
+        prepare(Request(prompt="x", block_cache=B(**{field: value}), seed=1), tiny)
     assert e.value.field == field and field in str(e.value)
     with pytest.raises(RequestError, match="choose one step cache"):
-        prepare(Request(prompt="x", block_cache=B(), taylor_cache=P(), seed=1), tiny.gen, tiny.buckets)
+        prepare(Request(prompt="x", block_cache=B(), taylor_cache=P(), seed=1), tiny)
 
 
 def test_cli_takes_the_official_options(tiny_dir, tmp_path, capsys):
@@ -278,7 +278,7 @@ def test_v1_fields(tiny_dir, tiny):
     params = parse_generation({"prompt": "x", "seed": 1, "use_taylor_cache": True, "taylor_cache_interval": 0},
                               info.name)
     with pytest.raises(RequestError) as re_:
-        prepare(params.request, tiny.gen, tiny.buckets)
+        prepare(params.request, tiny)
     err = refusal(Error("invalid", str(re_.value), re_.value.field), params, info)
     assert (err.status, err.param) == (400, "taylor_cache_interval")
     req = parse_generation({"prompt": "x", "use_block_cache": "true", "block_cache_threshold": "0.1"}, info.name).request

@@ -10,7 +10,7 @@ from engine.runtime.events import Done, Text
 from engine.parallel.layout import PhaseView
 from engine.runtime.request import Request
 from engine.runtime.sampling import SamplingParams, choose
-from engine.runtime.sequence import SequenceBuilder, text_phase_sequence
+from engine.runtime.sequence import SequenceBuilder, text_phase_sequence, user_turn
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 
 from engine_drive import drive, make_engine, run_backbone
@@ -23,7 +23,7 @@ def _cache(lm, n):
 
 def test_cached_decode_equals_full_recompute(tiny):
     model, tok = tiny.model, tiny.tok
-    seq = text_phase_sequence(tok, "", "a big red star on the left", [], "think", 256)
+    seq = text_phase_sequence(user_turn(tok, "", "a big red star on the left", []), "think", 256)
     L, steps = len(seq), 6
     T = seq.tensors(length=L + steps)
     ids = T["ids"].tolist()
@@ -183,9 +183,9 @@ def test_batched_decode_rows_equal_the_plain_forward_of_each_row(tiny):
     model, tok, c = tiny.model, tiny.tok, tiny.cfg
     view = PhaseView()
     image = CondImageLayout((4, 6), 0, (2, 3), 6)           # a reference image: 2D positions, a full block
-    seqs = {0: text_phase_sequence(tok, "", "a small green triangle", [], "think", 256),
-            1: text_phase_sequence(tok, "", "two red circles over a long blue line", [image], "think", 256),
-            3: text_phase_sequence(tok, "", "a star", [], "recaption", 256)}
+    seqs = {0: text_phase_sequence(user_turn(tok, "", "a small green triangle", []), "think", 256),
+            1: text_phase_sequence(user_turn(tok, "", "two red circles over a long blue line", [image]), "think", 256),
+            3: text_phase_sequence(user_turn(tok, "", "a star", []), "recaption", 256)}
     n = max(len(q) for q in seqs.values()) + 9
     slots = KVCache.allocate(c.num_layers, 4, c.num_kv_heads, n, c.head_dim, model.dtype, "cpu")
     pos = torch.zeros(4, n, 2, dtype=torch.long)
@@ -237,7 +237,7 @@ def test_padded_prefill_equals_plain(tiny):
     full-attention block (the padding is made causal)."""
     from engine.runtime.prefill_step import GRAIN, PrefillStep
     model, tok = tiny.model, tiny.tok
-    seq = text_phase_sequence(tok, "", "a small green triangle above a red square", [], "think", 256)
+    seq = text_phase_sequence(user_turn(tok, "", "a small green triangle above a red square", []), "think", 256)
     L = len(seq)
     T = seq.tensors(length=L + GRAIN + 8)
     blocks = T["blocks"].clone()

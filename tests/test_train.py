@@ -14,7 +14,7 @@ from engine.model.loader import load
 from engine.model.hunyuan import HunyuanImage3
 from engine.spec.config import ModelConfig
 from engine.runtime.request import Request
-from engine.runtime.sequence import text_phase_sequence
+from engine.runtime.sequence import text_phase_sequence, user_turn
 from engine.spec.tokenizer import OFFICIAL_SPECIAL_TOKENS
 from train.dataset import FORMATS, GROUP_TASKS, edit_chain, is_heldout, make_sample, system_text
 from train.detect import detect
@@ -109,7 +109,7 @@ def test_training_sequence_is_the_inference_sequence(tokenizers):
         ts = TrainSequence(tok, cfg, s)
         # the AR prompt the pipeline builds, then the CoT ids it would generate, are the sequence's head
         layouts = [c for c in _layouts(ts, s)]
-        ar = text_phase_sequence(tok, system_text(s.system), s.prompt, layouts, "think", cfg.image_base_size)
+        ar = text_phase_sequence(user_turn(tok, system_text(s.system), s.prompt, layouts), "think", cfg.image_base_size)
         assert ts.ids[:len(ar)] == ar.ids and ts.targets[0] == len(ar)
         gen = ts.ids[len(ar):ts.span.meta_start]
         assert well_formed(gen, sp) and gen[-1] == sp.ratio[s.bucket.index]

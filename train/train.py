@@ -81,7 +81,7 @@ from engine.model.weights import vit_head_shapes
 from engine.parallel.layout import PhaseView
 from engine.spec import names
 from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ
-from engine.runtime.sequence import CondImageLayout, image_phase_sequence, text_phase_sequence
+from engine.runtime.sequence import CondImageLayout, image_phase_sequence, text_phase_sequence, user_turn
 from engine.spec.tokenizer import Tokenizer
 from engine.model.vit import vit_preprocess
 
@@ -117,10 +117,9 @@ class TrainSequence:
                                            v.pixel_values.shape[0]))
         system = system_text(sample.system)
         b = sample.bucket
-        seq = image_phase_sequence(tok, system, sample.prompt, layouts, sample.cot_text(), b.height // factor,
-                                   b.width // factor, b.index, True, cfg.cond_token_attn_type)
-        prefix = text_phase_sequence(tok, system, sample.prompt, layouts, "auto", cfg.image_base_size,
-                                     cfg.cond_token_attn_type)
+        turn = user_turn(tok, system, sample.prompt, layouts, (), cfg.cond_token_attn_type)
+        seq = image_phase_sequence(turn, sample.cot_text(), b.height // factor, b.width // factor, b.index, True)
+        prefix = text_phase_sequence(turn, "auto", cfg.image_base_size)
         span = seq.gen_image
         # the AR prompt ends with the bot prefix (<think> / <recaption>) or with <img_size> (no CoT)
         first = len(prefix) + 1 if sample.bot_task != "image" else span.meta_start - 1

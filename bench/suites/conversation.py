@@ -5,9 +5,9 @@
 
 1. The embedded model (bf16 on CUDA, as served): turn 1 edits a reference image; turns 2 and 3 continue
    the conversation under each policy (engine/runtime/history.py), with the prefix cache
-   (engine/runtime/prefix_cache.py) off and on. Per turn: the input tokens of its sequence
-   (engine/serve/usage.py), the tokens taken from the cache, the AR prefill and the denoise prefill ms
-   (the engine's Timings), the request's wall time; medians of --repeat runs of the whole conversation
+   (engine/runtime/prefix_cache.py) off and on. Per turn: the input tokens of its sequence (as the engine
+   counts them: engine/serve/usage.py), the tokens taken from the cache, the AR prefill and the denoise
+   prefill ms (the engine's Timings), the request's wall time; medians of --repeat runs of the whole conversation
    after a warm-up, each run from an empty cache (the requests are fixed by a first run).
 2. Real shapes: rank 0 of hybrid4 (random bf16 weights, collectives no-ops) prefills each turn's
    sequence at a 1024x1024 reference, laid out by the engine's sequence builder (the embedded model's
@@ -56,23 +56,21 @@ def embedded(args: argparse.Namespace, out: Output) -> tuple[list[dict], dict]:
 
     from engine import EMBEDDED_MODEL
     from engine.runtime.engine import Engine
-    from engine.runtime.events import Done, Error, Image
+    from engine.runtime.events import Done, Error, Image, Started
     from engine.runtime.history import POLICIES, Turn, reasoning_of
     from engine.runtime.options import EngineOptions
     from engine.runtime.request import Request
     from engine.serve.engine_config import EngineConfig
-    from engine.serve.info import ModelInfo
-    from engine.serve.usage import InputCounter
+    from engine.serve.usage import InputTokens
     dev = "cpu" if args.dry else "cuda"
     folder = Path(args.model or EMBEDDED_MODEL)
     on = Engine.from_config(EngineConfig(model=str(folder), device=dev, dtype=None, plan="tp1", world_size=1,
                                          sp_kind="ulysses", preview_every=0))
     lm = on.loaded
     pipes = {"off": Engine(lm, options=EngineOptions(preview_every=0, prefix_cache_bytes=0)), "on": on}
-    counter = InputCounter(ModelInfo.from_folder(folder))
     repeat = 1 if args.dry else args.repeat
 
-    def once(pipe: Engine, req: Request) -> tuple[Done, bytes]:
+    def once(pipe: Engine, req: Request) -> tuple[Done, bytes, InputTokens]:
         t0 = time.perf_counter()
         ev = list(pipe.run(req))
         errs = [e for e in ev if isinstance(e, Error)]
@@ -80,7 +78,8 @@ def embedded(args: argparse.Namespace, out: Output) -> tuple[list[dict], dict]:
             raise RuntimeError(f"{req.prompt!r}: {errs[0].message}")
         done = next(e for e in ev if isinstance(e, Done))
         done.timings.total_s = time.perf_counter() - t0
-        return done, next(e for e in ev if isinstance(e, Image)).png
+        inputs = InputTokens.of(next(e for e in ev if isinstance(e, Started)))     # as the engine counted them
+        return done, next(e for e in ev if isinstance(e, Image)).png, inputs
 
     ref = _reference()
     common = dict(seed=1, steps=4 if args.dry else None, max_new_tokens=16 if args.dry else None)
@@ -91,13 +90,13 @@ def embedded(args: argparse.Namespace, out: Output) -> tuple[list[dict], dict]:
     # the requests of each policy's conversation, fixed by one run (each turn's history: what the turns
     # before it gave), then timed with the cache off and on
     plan: dict = {("-", 1): first}
-    done, png = once(pipes["on"], first)
+    done, png, _ = once(pipes["on"], first)
     base = Turn(PROMPTS[0], (ref,), reasoning_of(bot_task, done.cot_text), png)
     for policy in POLICIES:
         history = (base,)
         for k, prompt in enumerate(PROMPTS[1:], start=2):
             req = plan[(policy, k)] = Request(prompt=prompt, history=history, history_policy=policy, **common)
-            done, png = once(pipes["on"], req)
+            done, png, _ = once(pipes["on"], req)
             history += (Turn(prompt, (), reasoning_of(bot_task, done.cot_text), png),)
     rows = []
     for policy in POLICIES:
@@ -107,10 +106,10 @@ def embedded(args: argparse.Namespace, out: Output) -> tuple[list[dict], dict]:
             for _ in range(repeat):
                 pipe.prefix.clear()
                 pipe.encodings.lru.clear()
-                runs.append([once(pipe, req)[0] for req in reqs])
+                runs.append([once(pipe, req) for req in reqs])
             for k, req in enumerate(reqs, start=1):
-                med = lambda f: statistics.median(f(r[k - 1].timings) for r in runs)     # noqa: E731
-                tokens = counter.count(req)
+                med = lambda f: statistics.median(f(r[k - 1][0].timings) for r in runs)     # noqa: E731
+                tokens = runs[0][k - 1][2]
                 rows.append(dict(policy=policy, cache=cache, turn=k, input_tokens=tokens.total,
                                  image_tokens=tokens.image, cached_tokens=int(med(lambda t: t.ar_cached_tokens)),
                                  ar_prefill_ms=med(lambda t: t.ar_prefill_ms),
@@ -132,7 +131,7 @@ def real_shapes(args: argparse.Namespace, out: Output, plan: dict) -> list[dict]
     from engine.parallel.plan import get_plan
     from engine.runtime.history import select
     from engine.runtime.handoff import reusable_prefix
-    from engine.runtime.sequence import CondImageLayout, PastTurnLayout, SequenceBuilder, user_turn
+    from engine.runtime.sequence import CondImageLayout, PastTurnLayout, user_turn
     from engine.serve.info import ModelInfo
     from engine.spec.prompts import SystemPrompts
     from engine.spec.tokenizer import Tokenizer
@@ -151,20 +150,21 @@ def real_shapes(args: argparse.Namespace, out: Output, plan: dict) -> list[dict]
     rows = []
 
     def layout(req):
-        seen, carried = select(req.history, len(req.images), req.history_policy)
+        shown, carried = select(req.history, len(req.images), req.history_policy)
+        seen = [req.history[i] for i in shown]
         past = [PastTurnLayout(t.prompt, tuple(image for _ in t.images), t.reasoning,
                                None if t.image is None else image) for t in seen]
-        return past, [image] * (len(carried) + len(req.images))
+        return past, [image] * ((carried is not None) + len(req.images))
 
     for (policy, k), req in plan.items():
         past, own = layout(req)
-        seq = user_turn(SequenceBuilder(tok, cfg.cond_token_attn_type), system, req.prompt, own,
-                        past).text("Assistant: <think>").build()
+        seq = user_turn(tok, system, req.prompt, own, past, cfg.cond_token_attn_type).text("Assistant: <think>").build()
         cached = 0
         if past:     # a turn that shows earlier turns reads the cache: what the previous turn's sequence
             # shares with it through the previous turn's reasoning (prefix_cache.py)
             before = plan[(policy, k - 1) if k > 2 else ("-", 1)]
-            b = user_turn(SequenceBuilder(tok, cfg.cond_token_attn_type), system, before.prompt, *layout(before)[::-1])
+            before_past, before_own = layout(before)
+            b = user_turn(tok, system, before.prompt, before_own, before_past, cfg.cond_token_attn_type)
             b.text("Assistant: ")
             prev = (b.assistant_text(req.history[-1].reasoning) if req.history[-1].reasoning else b).build()
             cached = min(reusable_prefix(seq.ids, prev.ids, len(prev)), len(seq) - 1)

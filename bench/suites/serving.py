@@ -57,7 +57,7 @@ from engine.runtime.options import EngineOptions
 from engine.runtime.request import Request, prepare
 from engine.runtime.scheduler import StepNews
 from engine.runtime.warmup import warm_up
-from engine.runtime.sequence import text_phase_sequence
+from engine.runtime.sequence import text_phase_sequence, user_turn
 from engine.spec.buckets import build_buckets
 from engine.spec.config import CheckpointConfig
 from engine.spec.prompts import SystemPrompts
@@ -135,10 +135,10 @@ def engine(build: str, folder: Path, dev: str) -> tuple[LoadedModel, RankGroups]
 
 def prefill_tokens(lm: LoadedModel, req: Request) -> int:
     """The AR prefill length of `req` (its system prompt, template and prompt)."""
-    p = prepare(req, lm.gen, lm.buckets)
-    system = lm.prompts.resolve(p.preset, p.bot_task, req.custom_system_prompt)
-    return len(text_phase_sequence(lm.tok, system, req.prompt, [], "think", lm.cfg.image_base_size,
-                                   lm.cfg.cond_token_attn_type))
+    p = prepare(req, lm)
+    system = lm.prompts.resolve(p.preset, p.bot_task, p.custom_system_prompt)
+    turn = user_turn(lm.tok, system, p.prompt, [], (), lm.cfg.cond_token_attn_type)
+    return len(text_phase_sequence(turn, "think", lm.cfg.image_base_size))
 
 
 def prompt_of(lm: LoadedModel, tokens: int) -> str:
@@ -185,7 +185,7 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
     while len(latency) < total:                           # every request ends: with its image or an error
         now = time.perf_counter() - t0
         while sent < len(arrivals) and arrivals[sent] <= now and (rate is None or len(arrived) - len(latency) < clients):
-            waiting.append((next_seq, prepare(make(next_seq), pipe.loaded.gen, pipe.loaded.buckets)))   # once, as it enters
+            waiting.append((next_seq, prepare(make(next_seq), pipe.loaded)))   # once, as it enters
             arrived[next_seq] = arrivals[sent]       # latency counts its wait to get in
             sent, next_seq = sent + 1, next_seq + 1
         join = []

@@ -25,6 +25,8 @@ __all__ = [
     "VitInput",
     "naflex_target_size",
     "vit_preprocess",
+    "vit_resize",
+    "vit_patches",
     "Siglip2VisionModel",
     "VisionAligner",
 ]
@@ -86,12 +88,19 @@ def vit_preprocess(image: Image.Image, proc_cfg: dict) -> VitInput:
     """NaFlex preprocessing of one image; ``proc_cfg`` is config.json's ``vit_processor``.
 
     Steps, in the reference's order: aspect-preserving resize so that the patch grid fits in
-    ``max_num_patches``; rescale+normalize; split into patches flattened channels-last
-    (p, p, C); zero-pad the sequence to ``max_num_patches`` with a mask.
+    ``max_num_patches`` (``vit_resize``); rescale+normalize; split into patches flattened channels-last
+    (p, p, C); zero-pad the sequence to ``max_num_patches`` with a mask (``vit_patches``).
 
     The official loader (``transformers.image_utils.load_image``) applies the EXIF orientation and
     converts to RGB before this; we convert to RGB here too, EXIF handling is the caller's job.
     """
+    return vit_patches(vit_resize(image, proc_cfg), proc_cfg)
+
+
+def vit_resize(image: Image.Image, proc_cfg: dict) -> Tensor:
+    """The image as the NaFlex preprocessing resizes it (the first step of ``vit_preprocess``): [C, h, w]
+    uint8, RGB, h and w multiples of the patch size (with ``do_resize``). What the ViT consumes of an
+    image of any size: a request keeps this, not the image it was given."""
     if proc_cfg.get("resample", 2) != 2:
         raise NotImplementedError(f"only bilinear resampling (2) is supported, got {proc_cfg.get('resample')}")
     p = int(proc_cfg["patch_size"])
@@ -99,10 +108,16 @@ def vit_preprocess(image: Image.Image, proc_cfg: dict) -> VitInput:
     if image.mode != "RGB":
         image = image.convert("RGB")
     img = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)  # [C, H, W] uint8
-
     if proc_cfg.get("do_resize", True):
         img = _resize_uint8(img, naflex_target_size(img.shape[1], img.shape[2], p, max_patches))
+    return img.contiguous()
 
+
+def vit_patches(img: Tensor, proc_cfg: dict) -> VitInput:
+    """The resized image [C, h, w] uint8 (``vit_resize``) rescaled, normalized and cut into the padded
+    sequence of flattened patches (the rest of ``vit_preprocess``)."""
+    p = int(proc_cfg["patch_size"])
+    max_patches = int(proc_cfg["max_num_patches"])
     do_rescale, do_norm = proc_cfg.get("do_rescale", True), proc_cfg.get("do_normalize", True)
     rescale = float(proc_cfg.get("rescale_factor", 1 / 255))
     x = img.to(torch.float32)

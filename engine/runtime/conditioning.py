@@ -23,14 +23,12 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-from PIL import Image
 
 from engine.model.hunyuan import HunyuanImage3
-from engine.model.vit import vit_preprocess
-from engine.runtime.images import fit_to_bucket, reference_bucket, to_tensor
+from engine.model.vit import vit_patches
+from engine.runtime.images import ModelImage, to_tensor
 from engine.runtime.lru import ByteLRU
 from engine.runtime.sequence import CondImageLayout, Sequence
-from engine.spec.buckets import Bucket
 
 
 @dataclass
@@ -43,14 +41,6 @@ class EncodedImage:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.vae_tokens, self.vit_tokens))
-
-
-def content_digest(img: Image.Image, stretch: bool) -> str:
-    """Names an image as the encoder reads it: its decoded pixels (mode, size, bytes) and the stretch
-    option (with the size, they fix its bucket and fit)."""
-    h = hashlib.sha256(f"{img.mode} {img.size} {stretch}".encode())
-    h.update(img.tobytes())
-    return h.hexdigest()[:32]
 
 
 class EncodingCache:
@@ -71,53 +61,45 @@ class EncodingCache:
 
 
 @torch.no_grad()
-def _encode(model: HunyuanImage3, img: Image.Image, buckets: tuple[Bucket, ...], generator: torch.Generator | None,
-            stretch: bool, identity: str = "") -> EncodedImage:
-    cfg, dev, dt = model.cfg, model.device, model.dtype
-    factor = cfg.vae_downsample_factor[0]
+def _encode(model: HunyuanImage3, img: ModelImage, generator: torch.Generator | None,
+            identity: str = "") -> EncodedImage:
+    dev, dt = model.device, model.dtype
     t_emb = model.time_embed(torch.zeros(1, device=dev))
-    bucket = reference_bucket(buckets, img)
-    pixels = to_tensor(fit_to_bucket(img, bucket, stretch)).unsqueeze(0).to(dev)
+    pixels = to_tensor(img.vae).unsqueeze(0).to(dev)
     with model.vae_autocast():
         latent = model.vae.encode_latent(pixels, generator)                  # [1, C, h, w]
     vae_tokens = model.patch_embed(latent.to(dt), t_emb)[0]
-    vit = vit_preprocess(img, cfg.vit_processor)
+    vit = vit_patches(img.vit, model.cfg.vit_processor)
     feats = model.vision_model(vit.pixel_values[None].to(dev), vit.pixel_attention_mask[None].to(dev),
                                [vit.spatial_shapes])
     vit_tokens = model.vision_aligner(feats)[0].to(dt)
-    layout = CondImageLayout((bucket.height // factor, bucket.width // factor), bucket.index,
-                             vit.spatial_shapes, vit.pixel_values.shape[0])
-    return EncodedImage(layout, vae_tokens, vit_tokens, identity)
+    return EncodedImage(img.layout, vae_tokens, vit_tokens, identity)
 
 
-def encode_references(model: HunyuanImage3, images: list[Image.Image], buckets: tuple[Bucket, ...],
-                      generator: torch.Generator | None, stretch: bool = False) -> list[EncodedImage]:
+def encode_references(model: HunyuanImage3, images: list[ModelImage],
+                      generator: torch.Generator | None) -> list[EncodedImage]:
     """A request's own references, their VAE noise drawn from `generator` in image order."""
-    return [_encode(model, img, buckets, generator, stretch) for img in images]
+    return [_encode(model, img, generator) for img in images]
 
 
-def encode_sequence_images(model: HunyuanImage3, history: list[Image.Image], images: list[Image.Image],
-                           buckets: tuple[Bucket, ...], generator: torch.Generator, stretch: bool,
-                           cache: EncodingCache) -> list[EncodedImage]:
+def encode_sequence_images(model: HunyuanImage3, history: list[ModelImage], images: list[ModelImage],
+                           generator: torch.Generator, cache: EncodingCache) -> list[EncodedImage]:
     """Every image of a turn's sequence in its order: the earlier turns' (`history`, from the cache or
     content-seeded), then this turn's own references (`images`, from `generator`, recorded in the
     cache). See the module docstring."""
     own, drawn = [], [f"seed {generator.initial_seed()}"]
     for img in images:
-        digest = content_digest(img, stretch)
-        drawn.append(digest)           # the k-th draw of the stream depends on the images drawn before it
-        enc = _encode(model, img, buckets, generator, stretch, "drawn " + hashlib.sha256(" ".join(drawn).encode())
-                      .hexdigest()[:32])
-        cache.record(digest, enc)
+        drawn.append(img.digest)       # the k-th draw of the stream depends on the images drawn before it
+        enc = _encode(model, img, generator, "drawn " + hashlib.sha256(" ".join(drawn).encode()).hexdigest()[:32])
+        cache.record(img.digest, enc)
         own.append(enc)
     past = []
     for img in history:
-        digest = content_digest(img, stretch)
-        enc = cache.get(digest)
+        enc = cache.get(img.digest)
         if enc is None:
-            gen = torch.Generator(model.device).manual_seed(int(digest[:15], 16))
-            enc = _encode(model, img, buckets, gen, stretch, "content " + digest)
-            cache.record(digest, enc)
+            gen = torch.Generator(model.device).manual_seed(int(img.digest[:15], 16))
+            enc = _encode(model, img, gen, "content " + img.digest)
+            cache.record(img.digest, enc)
         past.append(enc)
     return past + own
 

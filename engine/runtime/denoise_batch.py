@@ -21,7 +21,7 @@ ends only it; a failure of the shared forward fails every request in it, as the 
 Not batched, each alone in its batch: a request with a step cache (its policy decides per step whether
 the backbone runs at all, and the block cache decides on the host from its own residuals: no shared
 forward can follow two policies), and the plans whose step is not one plain forward over local rows
-(sequence parallel, CFG-parallel, CFG branches run one after the other): `DenoiseTurn.alone`.
+(sequence parallel, CFG-parallel, CFG branches run one after the other): `DenoiseRows.alone`.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from engine.parallel.layout import PhaseView
 from engine.runtime.denoise import StepInput, StepInputs, tail_embeddings, velocity
 from engine.runtime.graphs import Graphs
 from engine.runtime.kv_pool import KVPool
-from engine.runtime.needs import DenoiseTurn
+from engine.runtime.needs import DenoiseRows, DenoiseStep
 
 if TYPE_CHECKING:
     from engine.runtime.request_state import RequestState
@@ -71,9 +71,9 @@ class DenoiseBatch:
 
     # ------------------------------------------------------------------ who holds rows
     def join(self, state: "RequestState") -> int | None:
-        """The first row of `state` (waiting with an admission DenoiseTurn) in the batch, or None: it is of
-        another key, alone, the batch is full, or its rows do not fit the storage while others hold it."""
-        need: DenoiseTurn = state.need
+        """The first row of `state` (waiting for its DenoiseRows) in the batch, or None: it is of another
+        key, alone, the batch is full, or its rows do not fit the storage while others hold it."""
+        need: DenoiseRows = state.need
         if self.members:
             first = len(self.members) * self.rows
             if (len(self.members) >= self.limit or self.alone or need.alone or need.key != self.key
@@ -93,7 +93,7 @@ class DenoiseBatch:
         self.members.pop(k)
         self.members_version += 1
         for j in range(k, len(self.members)):
-            job = self.members[j].need.job if isinstance(self.members[j].need, DenoiseTurn) else None
+            job = self.members[j].need.job if isinstance(self.members[j].need, DenoiseStep) else None
             if job is None:      # joined this turn and not yet advanced to its rows: nothing to move
                 continue
             runner = job.runner

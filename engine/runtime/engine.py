@@ -144,7 +144,7 @@ class Engine:
         """One request on its own (the CLI, tests, tools): validated here, then the engine's steps with
         this one request in them; `cancelled()` is polled between steps (rank 0's answer is every rank's)."""
         try:
-            p = prepare(self._agreed_seed(req), self.loaded.gen, self.loaded.buckets, self.adapters(), self.merged())
+            p = prepare(self._agreed_seed(req), self.loaded, self.adapters(), self.merged())
         except (RequestError, PromptError, ValueError) as e:
             yield Error("invalid", str(e), getattr(e, "field", None))
             return

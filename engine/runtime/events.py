@@ -8,12 +8,16 @@ from typing import Union
 
 @dataclass
 class Started:
+    """The request runs. Its input as the model reads it, the user turn (system prompt, earlier turns, this
+    turn's prompt and reference images), counted in tokens: text (markers included) and images' tokens."""
     request_id: str
     bot_task: str
     size: str                 # "auto" or "HxW"
     steps: int
     guidance: float
     seed: int = 0             # the request's seed (drawn where it entered the engine when none was given)
+    input_text_tokens: int = 0
+    input_image_tokens: int = 0
 
 
 @dataclass

@@ -32,27 +32,27 @@ The policies (POLICIES; DEFAULT_POLICY is used when a request names none):
   (oldest first). Where not even the last turn fits (it had references of its own), "last_image" applies.
 - "last_image": no earlier turn; the last image the model made is this turn's first reference image,
   before the user's own (what "edit this result" did before conversations existed).
-"last_image" is the default: it edits far better in the chained-edit measurement (issue 29 item 5,
-docs/conversations.md: 40 chains of 3 edits on the embedded model, turn 2 87.5% vs 35.0% with "full", turn 3
-87.5% vs 25.0%); the official model is not trained for multi-turn editing either (its roadmap's open item).
+"last_image" is the default: it edits far better in the chained-edit measurement (docs/conversations.md:
+chains of 3 edits on the embedded model); the official model is not trained for multi-turn editing either
+(its roadmap's open item).
 "full" stays for clients that want the whole conversation in the sequence (and it is what the prefix cache
 saves on: "last_image" carries a new image each turn).
 
-The images of earlier turns are encoded once: they come from the engine's encoding cache, as the turn
-that showed them first encoded them, else with VAE noise seeded from their content (conditioning.py);
-and a turn that keeps the earlier turns as the previous one laid them out takes their K/V from the
-prefix cache (prefix_cache.py) up to the end of the previous turn's reasoning.
+The images of earlier turns are decoded only when the policy shows them (the others' headers are checked),
+each once, into what the model consumes (engine/runtime/images.py ModelImage, under the request's budget
+of decoded pixels); they are encoded once: they come from the engine's encoding cache, as the turn that
+showed them first encoded them, else with VAE noise seeded from their content (conditioning.py); and a
+turn that keeps the earlier turns as the previous one laid them out takes their K/V from the prefix cache
+(prefix_cache.py) up to the end of the previous turn's reasoning.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from PIL import Image
-
-from engine.runtime.images import ImageError, open_image
+from engine.runtime.images import ImageError, ModelImage, check_image
+from engine.runtime.sequence import PastTurnLayout
 from engine.spec.prompts import COT_TASKS
-from engine.runtime.sequence import CondImageLayout, PastTurnLayout
 
 MAX_IMAGES = 3                       # images in one sequence, the model's limit (request.MAX_IMAGES)
 POLICIES = ("full", "last_image")
@@ -77,27 +77,37 @@ class Turn:
     reasoning: str = ""              # the model's reasoning as it wrote it (tags kept), or plain text, or ''
     image: Any = None                # the image the model made (None: the turn made none)
 
+    @property
+    def image_count(self) -> int:
+        return len(self.images) + (self.image is not None)
+
 
 @dataclass
 class SeenTurn:
-    """An earlier turn as the new turn's sequence shows it: images opened, nothing left to refuse."""
+    """An earlier turn as the new turn's sequence shows it: its images read, nothing left to refuse."""
     prompt: str
-    images: list[Image.Image] = field(default_factory=list)
+    images: list[ModelImage] = field(default_factory=list)
     reasoning: str = ""
-    image: Image.Image | None = None
+    image: ModelImage | None = None
 
     @property
-    def all_images(self) -> list[Image.Image]:
+    def all_images(self) -> list[ModelImage]:
         """In sequence order: the user's references, then the model's image."""
         return self.images + ([self.image] if self.image is not None else [])
 
+    @property
+    def layout(self) -> PastTurnLayout:
+        return PastTurnLayout(self.prompt, tuple(i.layout for i in self.images), self.reasoning,
+                              None if self.image is None else self.image.layout)
 
-def _open(turns: tuple, max_prompt_chars: int) -> list[SeenTurn]:
+
+def _check(turns: tuple, max_prompt_chars: int) -> None:
+    """Every turn well formed: its texts within their limits, its images readable by their headers (none
+    decoded here: `read` decodes those the policy shows)."""
     if not isinstance(turns, (list, tuple)):
         raise HistoryError(f"history must be a list of turns (got {type(turns).__name__})")
     if len(turns) > MAX_TURNS:
         raise HistoryError(f"{len(turns)} earlier turns given; at most {MAX_TURNS} are kept")
-    out = []
     for i, t in enumerate(turns):
         where = f"history[{i}]"
         if not isinstance(t, Turn):
@@ -112,60 +122,62 @@ def _open(turns: tuple, max_prompt_chars: int) -> list[SeenTurn]:
         if len(t.images) > MAX_IMAGES:
             raise HistoryError(f"{where} has {len(t.images)} reference images; at most {MAX_IMAGES}", f"{where}.images")
         try:
-            images = [open_image(src, f"{where} reference image {k + 1}") for k, src in enumerate(t.images)]
+            for k, src in enumerate(t.images):
+                check_image(src, f"{where} reference image {k + 1}")
         except ImageError as e:
             raise HistoryError(str(e), f"{where}.images") from None
         try:
-            image = None if t.image is None else open_image(t.image, f"{where}'s image")
+            if t.image is not None:
+                check_image(t.image, f"{where}'s image")
         except ImageError as e:
             raise HistoryError(str(e), f"{where}.image") from None
-        out.append(SeenTurn(t.prompt, images, t.reasoning, image))
-    return out
 
 
 def select(turns: tuple, current_images: int, policy: str | None,
-           max_prompt_chars: int = 8000) -> tuple[list[SeenTurn], list[Image.Image]]:
-    """The earlier turns the new turn's sequence shows, and the images carried into its own user message
-    (placed before its references), by `policy` (None: DEFAULT_POLICY). Raises HistoryError."""
+           max_prompt_chars: int = 8000) -> tuple[list[int], int | None]:
+    """What the new turn's sequence shows of the earlier `turns` (each checked first), by `policy` (None:
+    DEFAULT_POLICY): the indexes of the turns it shows whole, and the index of the turn whose image is
+    carried into its own user message (placed before its references), or None. Raises HistoryError."""
     policy = policy or DEFAULT_POLICY
     if policy not in POLICIES:
         raise HistoryError(f"unknown history policy {policy!r}; choose one of {', '.join(POLICIES)}",
                            "history_policy")
-    seen = _open(turns, max_prompt_chars)
-    if not seen:
-        return [], []
-    last = next((t.image for t in reversed(seen) if t.image is not None), None)
+    _check(turns, max_prompt_chars)
+    last = next((i for i in range(len(turns) - 1, -1, -1) if turns[i].image is not None), None)
     if policy == "full":
-        kept, room = [], MAX_IMAGES - current_images
-        for t in reversed(seen):
-            room -= len(t.all_images)
-            if room < 0:
-                break
-            kept.insert(0, t)
+        first, room = len(turns), MAX_IMAGES - current_images
+        while first > 0 and room - turns[first - 1].image_count >= 0:
+            first -= 1
+            room -= turns[first].image_count
         # the model's last image is the thing being edited: a history without it is not kept
-        if kept and (last is None or any(t.image is last for t in kept)):
-            return kept, []
+        if first < len(turns) and (last is None or last >= first):
+            return list(range(first, len(turns))), None
     if last is None:
-        return [], []
+        return [], None
     if current_images + 1 > MAX_IMAGES:
         raise HistoryError(f"this turn has {current_images} reference images and the last image the model "
                            f"made is one more; at most {MAX_IMAGES} images fit in one turn", "images")
-    return [], [last]
+    return [], last
 
 
-def past_turn_layouts(history: list[SeenTurn], layouts: list[CondImageLayout]
-                      ) -> tuple[tuple[PastTurnLayout, ...], list[CondImageLayout]]:
-    """The layouts of every sequence image (Prepared.sequence_images' order) split into the earlier
-    turns' and this turn's."""
-    past, k = [], 0
-    for t in history:
-        images = tuple(layouts[k:k + len(t.images)])
-        k += len(t.images)
-        image = None
-        if t.image is not None:
-            image, k = layouts[k], k + 1
-        past.append(PastTurnLayout(t.prompt, images, t.reasoning, image))
-    return tuple(past), layouts[k:]
+def read(turns: tuple, shown: list[int], carried: int | None, read_image: Callable[[Any, str], ModelImage]
+         ) -> tuple[list[SeenTurn], list[ModelImage]]:
+    """The turns `select` chose, their images read (`read_image(src, what)`, each decoded once), and the
+    image it carries; HistoryError names the image that cannot be read."""
+    def image(src: Any, what: str, where: str) -> ModelImage:
+        try:
+            return read_image(src, what)
+        except ImageError as e:
+            raise HistoryError(str(e), where) from None
+    seen = []
+    for i in shown:
+        t, where = turns[i], f"history[{i}]"
+        refs = [image(src, f"{where} reference image {k + 1}", f"{where}.images") for k, src in enumerate(t.images)]
+        made = None if t.image is None else image(t.image, f"{where}'s image", f"{where}.image")
+        seen.append(SeenTurn(t.prompt, refs, t.reasoning, made))
+    if carried is None:
+        return seen, []
+    return seen, [image(turns[carried].image, f"history[{carried}]'s image", f"history[{carried}].image")]
 
 
 def reasoning_of(bot_task: str, generated: str) -> str:

@@ -1,25 +1,34 @@
-"""Reference-image input and image output: open, bucket-fit, tensors, PNG."""
+"""Input images and image output: open (once: a request keeps what the model consumes of each image, not
+the image), bucket-fit, tensors, PNG."""
 from __future__ import annotations
 
+import hashlib
 import io
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from engine.model.vit import vit_resize
+from engine.runtime.sequence import CondImageLayout
 from engine.spec.buckets import Bucket, nearest_bucket
+from engine.spec.config import ModelConfig
 
-MAX_PIXELS = 64_000_000   # refuse decompression bombs before decoding
+MAX_PIXELS = 64_000_000   # one image: refuse decompression bombs before decoding
+# all the images one request decodes together (its references and the earlier turns' images the history
+# policy shows: at most MAX_IMAGES, history.py), checked before each is decoded: three 4096x4096 fit
+MAX_REQUEST_PIXELS = 64_000_000
 
 
 class ImageError(ValueError):
     pass
 
 
-def open_image(src: "str | Path | bytes | Image.Image", what: str = "image") -> Image.Image:
-    """An RGB PIL image from a path, bytes or PIL image; unreadable or empty input is refused clearly."""
+def _header(src: "str | Path | bytes | Image.Image", what: str) -> Image.Image:
+    """The image behind `src`, opened lazily (its header read, its pixels not decoded), its size checked."""
     try:
         if isinstance(src, Image.Image):
             img = src
@@ -27,16 +36,32 @@ def open_image(src: "str | Path | bytes | Image.Image", what: str = "image") -> 
             img = Image.open(io.BytesIO(src))
         else:
             img = Image.open(Path(src))
-        if img.width <= 0 or img.height <= 0:
-            raise ImageError(f"{what} has zero size")
-        if img.width * img.height > MAX_PIXELS:
-            raise ImageError(f"{what} is too large ({img.width}x{img.height}); the limit is {MAX_PIXELS} pixels")
-        img.load()
-        img = ImageOps.exif_transpose(img)   # camera orientation, as the official loader applies it
-    except ImageError:
-        raise
     except FileNotFoundError:
         raise ImageError(f"{what}: file {src} not found") from None
+    except Image.DecompressionBombError:
+        raise ImageError(f"{what} is too large (it declares more pixels than PIL opens); the limit is "
+                         f"{MAX_PIXELS} pixels") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise ImageError(f"{what} cannot be read as an image ({e})") from None
+    if img.width <= 0 or img.height <= 0:
+        raise ImageError(f"{what} has zero size")
+    if img.width * img.height > MAX_PIXELS:
+        raise ImageError(f"{what} is too large ({img.width}x{img.height}); the limit is {MAX_PIXELS} pixels")
+    return img
+
+
+def check_image(src: "str | Path | bytes | Image.Image", what: str = "image") -> None:
+    """Refuse what `open_image` would refuse by its header (not an image, no size, too many pixels),
+    without decoding it: the images of earlier turns a request does not show are checked, never decoded."""
+    _header(src, what)
+
+
+def open_image(src: "str | Path | bytes | Image.Image", what: str = "image") -> Image.Image:
+    """An RGB PIL image from a path, bytes or PIL image; unreadable or empty input is refused clearly."""
+    img = _header(src, what)
+    try:
+        img.load()
+        img = ImageOps.exif_transpose(img)   # camera orientation, as the official loader applies it
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         raise ImageError(f"{what} cannot be read as an image ({e})") from None
     if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
@@ -44,6 +69,59 @@ def open_image(src: "str | Path | bytes | Image.Image", what: str = "image") -> 
         bg.paste(img.convert("RGBA"), mask=img.convert("RGBA").split()[-1])
         return bg
     return img.convert("RGB")
+
+
+@dataclass(frozen=True)
+class ModelImage:
+    """An input image as the model consumes it, read once where its request enters (`ImageReader`): its
+    pixels fitted to its resolution bucket (the VAE's input), its pixels as the ViT's NaFlex resize makes
+    them, its layout in the sequence, the digest of its decoded pixels (it names the image to the engine's
+    encoding cache, engine/runtime/conditioning.py) and its size as given (EXIF orientation applied; the
+    `stretch` output takes its aspect). The decoded image itself is not kept: a 4096x4096 upload costs its
+    48 MiB only while it is read."""
+    vae: Image.Image               # RGB, the bucket's size (fitted: centre-cropped, or stretched)
+    vit: torch.Tensor              # [3, h, w] uint8, h x w the ViT's patch grid times the patch size
+    layout: CondImageLayout
+    digest: str
+    size: tuple[int, int]          # (width, height)
+
+
+class ImageReader:
+    """Reads a request's images into ModelImages for one checkpoint: its buckets, its VAE's downsampling,
+    its ViT's preprocessing, and the request's `stretch` (how an image fits its bucket). Counts the pixels
+    it decodes: a request's images together may decode to at most `budget` pixels, checked on each
+    image's header before it is decoded."""
+
+    def __init__(self, cfg: ModelConfig, buckets: tuple[Bucket, ...], stretch: bool = False,
+                 budget: int = MAX_REQUEST_PIXELS):
+        self.cfg, self.buckets, self.stretch, self.budget = cfg, buckets, stretch, budget
+        self.decoded = 0                   # pixels decoded so far
+
+    def read(self, src: "str | Path | bytes | Image.Image", what: str = "image") -> ModelImage:
+        """The image `src` as the model consumes it; ImageError naming `what` if it cannot be read, or if
+        it would take the request past its budget of decoded pixels."""
+        w, h = _header(src, what).size
+        if self.decoded + w * h > self.budget:
+            raise ImageError(f"{what} ({w}x{h} = {w * h} pixels) would take this request's images past "
+                             f"{self.budget} decoded pixels together ({self.decoded} before it): send smaller "
+                             "images, or fewer")
+        img = open_image(src, what)
+        self.decoded += w * h
+        bucket = reference_bucket(self.buckets, img)
+        vit = vit_resize(img, self.cfg.vit_processor)
+        p, f = int(self.cfg.vit_processor["patch_size"]), self.cfg.vae_downsample_factor[0]
+        layout = CondImageLayout((bucket.height // f, bucket.width // f), bucket.index,
+                                 (vit.shape[1] // p, vit.shape[2] // p), int(self.cfg.vit_processor["max_num_patches"]))
+        return ModelImage(fit_to_bucket(img, bucket, self.stretch), vit, layout, content_digest(img, self.stretch),
+                          img.size)
+
+
+def content_digest(img: Image.Image, stretch: bool) -> str:
+    """Names an image as the encoder reads it: its decoded pixels (mode, size, bytes) and the stretch
+    option (with the size, they fix its bucket and fit)."""
+    h = hashlib.sha256(f"{img.mode} {img.size} {stretch}".encode())
+    h.update(img.tobytes())
+    return h.hexdigest()[:32]
 
 
 def fit_to_bucket(img: Image.Image, bucket: Bucket, stretch: bool = False) -> Image.Image:
@@ -82,16 +160,16 @@ def png_bytes(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def align_to_reference(out: Image.Image, refs: list[Image.Image], buckets: tuple[Bucket, ...],
+def align_to_reference(out: Image.Image, refs: list[tuple[int, int]], buckets: tuple[Bucket, ...],
                        base_size: int) -> Image.Image:
     """The official `infer_align_image_size` post-step: resize the output to the aspect of the first
-    reference image in the same bucket (keeping about base_size^2 pixels), when they differ noticeably."""
+    reference image (refs: their (width, height)) in the same bucket (keeping about base_size^2 pixels),
+    when they differ noticeably."""
     out_bucket = reference_bucket(buckets, out)
-    for ref in refs:
-        if reference_bucket(buckets, ref).index == out_bucket.index:
-            if abs(ref.height / ref.width - out_bucket.ratio) >= 0.01:
-                scale = math.sqrt(base_size ** 2 / (ref.width * ref.height))
-                return out.resize((round(ref.width * scale), round(ref.height * scale)),
-                                  resample=Image.Resampling.LANCZOS)
+    for width, height in refs:
+        if nearest_bucket(buckets, height, width).index == out_bucket.index:
+            if abs(height / width - out_bucket.ratio) >= 0.01:
+                scale = math.sqrt(base_size ** 2 / (width * height))
+                return out.resize((round(width * scale), round(height * scale)), resample=Image.Resampling.LANCZOS)
             break
     return out

@@ -9,10 +9,11 @@ turn: that is where requests are batched and interleaved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
 
 import torch
 
+from engine.runtime.denoise import StepInput
 from engine.runtime.sampling import SamplingParams
 
 
@@ -36,20 +37,25 @@ class Decode:
 
 
 @dataclass(frozen=True)
-class DenoiseTurn:
-    """A denoise turn. The first (`job` None): denoise rows of the KV pool, `rows` rows of `length`
-    positions, answered with the first of them once the request joins the denoise batch (engine/runtime/
-    denoise_batch.py: requests of one step key at a time; `alone`: it never shares a forward). Each later
-    one: step `step` with the inputs `job` (engine/runtime/denoise.py StepInput), answered with its
-    velocity, computed in one forward with the batch's other requests. `key`: the request's denoise step
-    key (engine/runtime/denoise.py `step_key`: bucket, token layout, rows); the scheduler also counts the
-    requests of one key waiting while others step (`Scheduler.denoise_company`)."""
-    key: tuple = ()
-    step: int = 0
-    rows: int = 0
-    length: int = 0
+class DenoiseRows:
+    """Denoise rows of the KV pool: `rows` rows of `length` positions, answered with the first of them
+    once the request joins the denoise batch (engine/runtime/denoise_batch.py: requests of one step key at
+    a time; `alone`: it never shares a forward). `key`: the request's denoise step key (engine/runtime/
+    denoise.py `step_key`: bucket, token layout, rows); the scheduler also counts the requests of one key
+    waiting while others step (`Scheduler.denoise_company`)."""
+    key: tuple
+    rows: int
+    length: int
     alone: bool = False
-    job: Any = None
 
 
-Need = Union[ARSlot, Decode, DenoiseTurn]
+@dataclass(frozen=True)
+class DenoiseStep:
+    """Denoise step `step` of a request holding its rows, with the inputs `job`; answered with its
+    velocity, computed in one forward with the denoise batch's other requests (`key`: its step key)."""
+    key: tuple
+    step: int
+    job: StepInput
+
+
+Need = Union[ARSlot, Decode, DenoiseRows, DenoiseStep]

@@ -32,16 +32,16 @@ from engine.runtime.denoise import DenoiseLayout, DenoiseRunner, FlowSampler, St
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import CacheHeads, gather_sibling_heads, reusable_prefix
-from engine.runtime.history import past_turn_layouts, reasoning_of
+from engine.runtime.history import reasoning_of
 from engine.runtime.images import align_to_reference, png_bytes, to_pil
 from engine.runtime.kv_pool import ARRow, KVPool
-from engine.runtime.needs import ARSlot, DenoiseTurn, Need
+from engine.runtime.needs import ARSlot, DenoiseRows, DenoiseStep, Need
 from engine.runtime.options import EngineOptions
 from engine.runtime.prefix_cache import PrefixCache, PrefixKey, prefix_key
 from engine.runtime.request import Prepared, RequestError
 from engine.runtime.request_state import Program
-from engine.runtime.sequence import (CondImageLayout, PastTurnLayout, Sequence, SequenceBuilder,
-                                     image_phase_sequence, text_phase_sequence, user_turn)
+from engine.runtime.sequence import (Sequence, SequenceBuilder, image_phase_sequence, next_turn_view,
+                                     text_phase_sequence, user_turn)
 from engine.runtime.step_cache import StepCache, make_step_cache
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 from engine.spec.buckets import Bucket, nearest_bucket
@@ -80,15 +80,20 @@ class Context:
 def program(ctx: Context, p: Prepared) -> Program:
     """The phases of the prepared request `p`: its events, and the needs the scheduler answers."""
     t_start = time.perf_counter()
+    lm = ctx.loaded
     try:
-        system = ctx.loaded.prompts.resolve(p.preset, p.bot_task, p.req.custom_system_prompt)
+        system = lm.prompts.resolve(p.preset, p.bot_task, p.custom_system_prompt)
     except (PromptError, ValueError) as e:       # the preset's text is not in this checkpoint
         yield Error("invalid", str(e), "system_prompt")
         return
-    yield Started(p.req.request_id, p.bot_task, "auto" if p.bucket is None else str(p.bucket), p.steps,
-                  p.guidance, p.seed)
+    # the user turn, tokenized once: both phases' sequences continue it (engine/runtime/sequence.py), and
+    # it is the request's input (the usage a client is told)
+    turn = user_turn(lm.tok, system, p.prompt, [i.layout for i in p.images], tuple(t.layout for t in p.history),
+                     lm.cfg.cond_token_attn_type)
+    yield Started(p.request_id, p.bot_task, "auto" if p.bucket is None else str(p.bucket), p.steps, p.guidance,
+                  p.seed, len(turn.seq) - turn.seq.image_tokens, turn.seq.image_tokens)
     try:
-        yield from _phases(ctx, _Run.begin(ctx, p, system, t_start))
+        yield from _phases(ctx, _Run.begin(ctx, p, turn, t_start))
     except RequestError as e:   # found once the prompt is tokenized, on every rank alike, before any compute
         yield Error("invalid", str(e), e.field)
 
@@ -98,11 +103,9 @@ class _Run:
     """What the phases of one request share, fixed before the first of them runs; `slot`: its AR slot of
     the KV pool while it holds one (from the text phase to the hand-off)."""
     p: Prepared
-    system: str
+    turn: SequenceBuilder                      # its user turn (each phase's sequence continues a fork of it)
     t_start: float
     refs: list[EncodedImage]                   # every image of the sequence, encoded, in sequence order
-    history: tuple[PastTurnLayout, ...]        # the earlier turns the sequence shows
-    layouts: list[CondImageLayout]             # this turn's references
     adapter: int                               # the LoRA table slot of its adapter (0: none)
     image_gen: torch.Generator                 # reference VAE samples, then the noise
     text_gen: torch.Generator                  # CoT sampling (its own stream)
@@ -110,21 +113,18 @@ class _Run:
     slot: int | None = None
 
     @classmethod
-    def begin(cls, ctx: Context, p: Prepared, system: str, t_start: float) -> "_Run":
+    def begin(cls, ctx: Context, p: Prepared, turn: SequenceBuilder, t_start: float) -> "_Run":
         dev = ctx.loaded.model.device
         image_gen = torch.Generator(dev).manual_seed(p.seed)
         # every image of the sequence, earlier turns' first (engine/runtime/history.py), in sequence order;
         # the earlier turns' from the encoding cache (conditioning.py says why)
         past = p.sequence_images[:len(p.sequence_images) - len(p.images)]
-        refs = encode_sequence_images(ctx.loaded.model, past, p.images, ctx.loaded.buckets, image_gen, p.req.stretch,
-                                      ctx.encodings)
-        history, layouts = past_turn_layouts(p.history, [r.layout for r in refs])
-        return cls(p, system, t_start, refs, history, layouts, _adapter_slot(ctx, p), image_gen,
-                   torch.Generator(dev).manual_seed(p.seed))
+        refs = encode_sequence_images(ctx.loaded.model, past, p.images, image_gen, ctx.encodings)
+        return cls(p, turn, t_start, refs, _adapter_slot(ctx, p), image_gen, torch.Generator(dev).manual_seed(p.seed))
 
     @property
     def text_only(self) -> bool:
-        return self.p.bot_task == "auto" or self.p.req.text_only
+        return self.p.bot_task == "auto" or self.p.text_only
 
 
 @dataclass
@@ -165,8 +165,7 @@ def _text_phase(ctx: Context, run: _Run) -> Generator["Event | Need", Any, _Text
     prefill (past a conversation's cached prefix) and the decode steps."""
     p, lm, cfg = run.p, ctx.loaded, ctx.loaded.cfg
     plan = StagePlan.for_task(p.bot_task, p.bucket is None, lm.tok.special)
-    seq = text_phase_sequence(lm.tok, run.system, p.req.prompt, run.layouts, plan.first_task, cfg.image_base_size,
-                              cfg.cond_token_attn_type, run.history)
+    seq = text_phase_sequence(run.turn, plan.first_task, cfg.image_base_size)
     if len(seq) + 16 + ctx.max_image_tokens > cfg.max_position_embeddings:
         raise RequestError(f"the prompt and reference images take {len(seq)} tokens, too many for the "
                            f"model's {cfg.max_position_embeddings} positions",
@@ -219,9 +218,8 @@ def _restore_prefix(ctx: Context, run: _Run, key: PrefixKey, row: ARRow) -> int:
 def _keep_prefix(ctx: Context, run: _Run, text: _Text, key: PrefixKey, cache: KVCache) -> None:
     """Keep the AR cache's K/V up to where the next turn's layout of this one leaves the sequence that
     ran (prefix_cache.py): that layout is built here as the next turn would build it."""
-    cfg, tok, res = ctx.loaded.cfg, ctx.loaded.tok, text.result
-    this = PastTurnLayout(run.p.req.prompt, tuple(run.layouts), text.cot_text or "", None)
-    nxt = user_turn(SequenceBuilder(tok, cfg.cond_token_attn_type), run.system, "", [], run.history + (this,)).build()
+    res = text.result
+    nxt = next_turn_view(run.turn, text.cot_text or "")
     ran = text.seq.ids + res.tokens
     n = reusable_prefix(nxt.ids, ran, res.fed)
     blocks = text.seq.blocks + [-1] * len(res.tokens)
@@ -245,9 +243,8 @@ def _image_phase(ctx: Context, run: _Run, text: _Text, bucket: Bucket) -> Genera
     slot, then the steps -> the final latents [n, C, h, w]."""
     p, lm, cfg = run.p, ctx.loaded, ctx.loaded.cfg
     f = cfg.vae_downsample_factor
-    seq = image_phase_sequence(lm.tok, run.system, p.req.prompt, run.layouts, text.cot_text, bucket.height // f[0],
-                               bucket.width // f[1], bucket.index, cfg.cfg_distilled, cfg.cond_token_attn_type,
-                               run.history)
+    seq = image_phase_sequence(run.turn, text.cot_text, bucket.height // f[0], bucket.width // f[1], bucket.index,
+                               cfg.cfg_distilled)
     prefix = 0
     if text.ran and ctx.options.kv_handoff:
         prefix = reusable_prefix(seq.ids, text.seq.ids + text.result.tokens, text.result.fed)
@@ -262,7 +259,7 @@ def _image_phase(ctx: Context, run: _Run, text: _Text, bucket: Bucket) -> Genera
     alone = (type(step_cache) is not StepCache or ctx.options.cfg_serial
              or ctx.groups.denoise.sp.size > 1 or branch_comm.size > 1)
     rows = len(branches) * p.images_out
-    first = yield DenoiseTurn(key, 0, rows, scratch + 1, alone)     # these rows are its own until it ends
+    first = yield DenoiseRows(key, rows, scratch + 1, alone)     # these rows are its own until it ends
     cache = ctx.pool.take_denoise(rows, scratch + 1, first)       # (the storage may grow: its key is known now)
     starts = [min(prefix, seq.gen_image.meta_start) if b == 0 else 0 for b in branches]
     layout = DenoiseLayout(ctx.groups.denoise, branches, starts, scratch, branch_comm, p.images_out,
@@ -325,7 +322,7 @@ def _steps(ctx: Context, run: _Run, runner: DenoiseRunner, key: tuple, cfg_on: b
                           cfg.cfg_distilled and model.timestep_r_emb is not None)
     every, share = ctx.options.preview_every, ctx.options.preview_share
     for i in range(p.steps):
-        x0 = sampler.update(i, (yield DenoiseTurn(key, i, job=StepInput(runner, i, sampler.inputs(i)))))
+        x0 = sampler.update(i, (yield DenoiseStep(key, i, StepInput(runner, i, sampler.inputs(i)))))
         png = None
         if ctx.groups.is_leader and every and (i + 1) % every == 0 and i + 1 < p.steps and \
                 spent <= share * (time.perf_counter() - t0 - spent):
@@ -346,8 +343,8 @@ def _images(ctx: Context, run: _Run, x: torch.Tensor, full_text: str) -> Generat
     t0 = time.perf_counter()
     for k in range(p.images_out):
         img = to_pil(lm.model.decode_image(x[k:k + 1])[0])
-        if p.req.stretch and p.images:
-            img = align_to_reference(img, p.images, lm.buckets, lm.cfg.image_base_size)
+        if p.stretch and p.images:
+            img = align_to_reference(img, [i.size for i in p.images], lm.buckets, lm.cfg.image_base_size)
         yield Image(png_bytes(img), img.width, img.height, p.seed + k, k)
     run.timings.vae_ms = (time.perf_counter() - t0) * 1e3 / p.images_out
     run.timings.total_s = time.perf_counter() - run.t_start

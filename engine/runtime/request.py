@@ -7,17 +7,16 @@ import random
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Collection
+from typing import Collection, Protocol
 
-from PIL import Image
-
-from engine.runtime.history import MAX_IMAGES, HistoryError, SeenTurn, Turn, select
+from engine.runtime import history as turns
+from engine.runtime.history import MAX_IMAGES, HistoryError, SeenTurn, Turn
 from engine.runtime.history import MAX_TURNS as MAX_TURNS   # a request's limit too: front ends read it here
-from engine.runtime.images import ImageError, open_image
+from engine.runtime.images import ImageError, ImageReader, ModelImage
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
 from engine.spec.buckets import Bucket, SizeError, parse_size
-from engine.spec.config import GenerationConfig
+from engine.spec.config import GenerationConfig, ModelConfig
 from engine.spec.prompts import BOT_TASKS, PRESETS
 
 # The limits of a request: one definition, used by the engine, the CLI, the studio's controls and API,
@@ -87,18 +86,24 @@ class Request:
 
 @dataclass
 class Prepared:
-    """A validated request with every default resolved."""
-    req: Request
-    images: list[Image.Image]                      # this turn's references (the policy's carried image first)
+    """A request as the engine runs it: every field checked, every default resolved, its images read
+    once into what the model consumes of them (their layouts in the sequence included). The one account
+    of the request from here on: nothing is read again from the Request it came from."""
+    request_id: str
+    prompt: str
+    images: list[ModelImage]                       # this turn's references (the policy's carried image first)
     bot_task: str
     bucket: Bucket | None                          # None: the model chooses (size auto)
     steps: int
     guidance: float
     seed: int
     preset: str
+    custom_system_prompt: str | None
     max_new_tokens: int
     sampling: SamplingParams
     images_out: int                                # n: how many images the request makes
+    stretch: bool = False                          # references fitted by stretching (the outputs take their aspect)
+    text_only: bool = False                        # it stops after the text phase
     taylor_cache: TaylorCacheParams | None = None
     block_cache: BlockCacheParams | None = None
     lora: str | None = None                        # the adapter's name (validated: loaded)
@@ -106,10 +111,17 @@ class Prepared:
     history: list[SeenTurn] = field(default_factory=list)   # the earlier turns the sequence shows
 
     @property
-    def sequence_images(self) -> list[Image.Image]:
+    def sequence_images(self) -> list[ModelImage]:
         """Every image of the sequence in its order: the earlier turns' (each: references, then the
         model's image), then this turn's references."""
         return [img for t in self.history for img in t.all_images] + self.images
+
+
+class Checkpoint(Protocol):
+    """What `prepare` reads of the served checkpoint (engine/serve/info.py ModelInfo, or a loaded model)."""
+    cfg: ModelConfig
+    gen: GenerationConfig
+    buckets: tuple[Bucket, ...]
 
 
 def with_seed(req: Request) -> Request:
@@ -148,27 +160,18 @@ def _in_range(value: object, lo: float, hi: float, integer: bool) -> bool:
     return lo <= value <= hi
 
 
-def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], adapters: Collection[str] = (),
+def prepare(req: Request, ckpt: Checkpoint, adapters: Collection[str] = (),
             merged: tuple[str, float] | None = None) -> Prepared:
-    """Check every field of `req` (its seed fixed: `with_seed`) against the limits above and resolve its
-    defaults; `adapters`: the names of the LoRA adapters loaded; `merged`: (name, strength) of the adapter
-    folded into the weights (engine/model/lora_merge.py), the only one such an engine serves. Raises
-    RequestError naming the field and what it accepts."""
+    """Check every field of `req` (its seed fixed: `with_seed`) against the limits above, resolve its
+    defaults for the checkpoint `ckpt` and read its images (this turn's references, the earlier turns' the
+    history policy shows); `adapters`: the names of the LoRA adapters loaded; `merged`: (name, strength) of
+    the adapter folded into the weights (engine/model/lora_merge.py), the only one such an engine serves.
+    Raises RequestError naming the field and what it accepts."""
+    gen = ckpt.gen
     prompt = _text(req.prompt, "prompt", "the prompt", MAX_PROMPT_CHARS) or ""
     if not prompt.strip():
         raise RequestError("the prompt is empty: describe the image you want", "prompt")
-    images = list(req.images or [])
-    if len(images) > MAX_IMAGES:
-        raise RequestError(f"{len(images)} reference images given; at most {MAX_IMAGES} are supported", "images")
-    try:
-        pil = [open_image(src, f"reference image {i + 1}") for i, src in enumerate(images)]
-    except ImageError as e:
-        raise RequestError(_OBJECT_REPR.sub("", str(e)), "images") from None
-    try:
-        history, carried = select(req.history, len(pil), req.history_policy, MAX_PROMPT_CHARS)
-    except HistoryError as e:
-        raise RequestError(_OBJECT_REPR.sub("", str(e)), e.where) from None
-    pil = carried + pil
+    images, history = _read_images(req, ckpt)
     bot_task = req.bot_task or gen.bot_task
     if bot_task not in BOT_TASKS:
         raise RequestError(f"unknown reasoning mode (bot_task) {bot_task!r}; choose one of {', '.join(BOT_TASKS)}",
@@ -177,26 +180,63 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], ad
         raise RequestError(f"size must be a string: 'auto', 'HxW', 'W:H' or '<img_ratio_k>' (got {req.size!r})",
                            "size")
     try:
-        bucket = parse_size(req.size or "auto", buckets)
+        bucket = parse_size(req.size or "auto", ckpt.buckets)
     except SizeError as e:
         raise RequestError(str(e), "size") from None
-    steps = gen.diff_infer_steps if req.steps is None else req.steps
-    if not _in_range(steps, *STEPS_RANGE, integer=True):
-        raise RequestError(f"steps must be an integer from {STEPS_RANGE[0]} to {STEPS_RANGE[1]} (got {steps!r})",
-                           "steps")
-    guidance = gen.diff_guidance_scale if req.guidance is None else req.guidance
-    if not _in_range(guidance, *GUIDANCE_RANGE, integer=False):
-        raise RequestError(f"guidance must be a number from {GUIDANCE_RANGE[0]:g} to {GUIDANCE_RANGE[1]:g} "
-                           f"(got {guidance!r})", "guidance")
+    steps = _ranged("steps", gen.diff_infer_steps if req.steps is None else req.steps, STEPS_RANGE, True)
+    guidance = _ranged("guidance", gen.diff_guidance_scale if req.guidance is None else req.guidance,
+                       GUIDANCE_RANGE, False)
     preset = req.system_prompt or gen.use_system_prompt
     if preset not in PRESETS:
         raise RequestError(f"unknown system prompt preset {preset!r}; choose one of {', '.join(PRESETS)}",
                            "system_prompt")
-    _text(req.custom_system_prompt, "custom_system_prompt", "the custom system prompt", MAX_SYSTEM_PROMPT_CHARS)
-    max_new = gen.max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
-    if not _in_range(max_new, *MAX_NEW_TOKENS_RANGE, integer=True):
-        raise RequestError(f"max_new_tokens must be an integer from {MAX_NEW_TOKENS_RANGE[0]} to "
-                           f"{MAX_NEW_TOKENS_RANGE[1]} (got {max_new!r})", "max_new_tokens")
+    custom = _text(req.custom_system_prompt, "custom_system_prompt", "the custom system prompt",
+                   MAX_SYSTEM_PROMPT_CHARS)
+    max_new = _ranged("max_new_tokens", gen.max_new_tokens if req.max_new_tokens is None else req.max_new_tokens,
+                      MAX_NEW_TOKENS_RANGE, True)
+    sampling = _sampling(req, gen)
+    if not _in_range(req.seed, *SEED_RANGE, integer=True):
+        raise RequestError(f"seed must be a whole number from {SEED_RANGE[0]} to {SEED_RANGE[1]} "
+                           f"(got {req.seed!r})", "seed")
+    if not _in_range(req.n, *N_RANGE, integer=True):
+        raise RequestError(f"n (images per request) must be an integer in [{N_RANGE[0]}, {N_RANGE[1]}] (got {req.n!r})",
+                           "n")
+    _check_step_caches(req)
+    _check_lora(req, adapters, merged)
+    return Prepared(req.request_id, prompt, images, bot_task, bucket, int(steps), float(guidance), req.seed, preset,
+                    custom, int(max_new), sampling, req.n, bool(req.stretch), bool(req.text_only), req.taylor_cache,
+                    req.block_cache, req.lora, float(req.lora_scale), history)
+
+
+def _ranged(name: str, value: object, bounds: tuple, integer: bool) -> object:
+    """`value` if it is a number (an integer with `integer`) within `bounds`, else RequestError naming `name`."""
+    if not _in_range(value, *bounds, integer=integer):
+        what = "an integer" if integer else "a number"
+        lo, hi = (f"{b}" if integer else f"{b:g}" for b in bounds)
+        raise RequestError(f"{name} must be {what} from {lo} to {hi} (got {value!r})", name)
+    return value
+
+
+def _read_images(req: Request, ckpt: Checkpoint) -> tuple[list[ModelImage], list[SeenTurn]]:
+    """This turn's references and the earlier turns the history policy shows, each image read once (one
+    budget of decoded pixels for all of them): (the references, the carried image first; the turns)."""
+    images = list(req.images or [])
+    if len(images) > MAX_IMAGES:
+        raise RequestError(f"{len(images)} reference images given; at most {MAX_IMAGES} are supported", "images")
+    reader = ImageReader(ckpt.cfg, ckpt.buckets, bool(req.stretch))
+    try:
+        refs = [reader.read(src, f"reference image {i + 1}") for i, src in enumerate(images)]
+    except ImageError as e:
+        raise RequestError(_OBJECT_REPR.sub("", str(e)), "images") from None
+    try:
+        shown, carried = turns.select(req.history, len(refs), req.history_policy, MAX_PROMPT_CHARS)
+        history, carried_image = turns.read(req.history, shown, carried, reader.read)
+    except HistoryError as e:
+        raise RequestError(_OBJECT_REPR.sub("", str(e)), e.where) from None
+    return carried_image + refs, history
+
+
+def _sampling(req: Request, gen: GenerationConfig) -> SamplingParams:
     sampling = SamplingParams(
         temperature=gen.temperature if req.temperature is None else req.temperature,
         top_k=gen.top_k if req.top_k is None else req.top_k,
@@ -208,13 +248,10 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], ad
                                       ("top_k", sampling.top_k, lambda v: v >= 0, ">= 0 (0: off)")):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise RequestError(f"{name} must be {rule} (got {value!r})", name)
-    s = req.seed
-    if not _in_range(s, *SEED_RANGE, integer=True):
-        raise RequestError(f"seed must be a whole number from {SEED_RANGE[0]} to {SEED_RANGE[1]} "
-                           f"(got {s!r})", "seed")
-    if not _in_range(req.n, *N_RANGE, integer=True):
-        raise RequestError(f"n (images per request) must be an integer in [{N_RANGE[0]}, {N_RANGE[1]}] (got {req.n!r})",
-                           "n")
+    return sampling
+
+
+def _check_step_caches(req: Request) -> None:
     for name, kind in (("taylor_cache", TaylorCacheParams), ("block_cache", BlockCacheParams)):
         value = getattr(req, name)
         if value is not None:
@@ -224,9 +261,6 @@ def prepare(req: Request, gen: GenerationConfig, buckets: tuple[Bucket, ...], ad
                 raise RequestError(bad[1], bad[0])
     if req.taylor_cache is not None and req.block_cache is not None:
         raise RequestError("choose one step cache: the Taylor cache or the block cache, not both", "block_cache")
-    _check_lora(req, adapters, merged)
-    return Prepared(req, pil, bot_task, bucket, int(steps), float(guidance), s, preset, int(max_new), sampling,
-                    req.n, req.taylor_cache, req.block_cache, req.lora, float(req.lora_scale), history)
 
 
 def _check_lora(req: Request, adapters: Collection[str], merged: tuple[str, float] | None) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Generator
 
 from engine.runtime.events import Event
-from engine.runtime.needs import ARSlot, Decode, DenoiseTurn, Need
+from engine.runtime.needs import ARSlot, Decode, DenoiseRows, DenoiseStep, Need
 from engine.runtime.request import Prepared
 
 Program = Generator["Event | Need", Any, None]     # a request's phase program: its events and needs
@@ -23,7 +23,6 @@ class RequestState:
     prepared: Prepared
     program: Program
     need: Need | None = None                  # what its program waits for; None once it ended
-    denoising: bool = False                   # it holds the denoise rows
     cancelled: bool = False
 
     @property
@@ -34,6 +33,8 @@ class RequestState:
             return "prefill"
         if isinstance(self.need, Decode):
             return "decode"
-        if isinstance(self.need, DenoiseTurn):
-            return "denoise" if self.denoising else "handoff"
+        if isinstance(self.need, DenoiseRows):
+            return "handoff"
+        if isinstance(self.need, DenoiseStep):
+            return "denoise"
         return "done"

@@ -23,10 +23,10 @@ step, the denoise batch, the ranks' agreement) and imports nothing above itself.
 
 The step policy (`decode_steps_per_denoise`, K): decode steps come first, being cheap and batched; the
 denoising request gets a turn in every step where nothing decodes, and otherwise after every K decode
-steps, so neither starves. K trades the two: on one H200 a decode step costs ~4.5-13 ms (1-16 rows) and
-a denoise step ~265 ms, so at K = 8 the decoding requests keep ~25 tokens/s (a readable stream) while an
-image denoises, and the denoising request runs ~15% slower than alone; on the CPU the ratio is similar.
-K counts steps, not seconds: every rank makes the same decision without a clock.
+steps, so neither starves. K trades the two: a denoise step costs tens of decode steps, so at K = 8 the
+decoding requests keep a readable stream while an image denoises and the denoising request runs somewhat
+slower than alone (the H200's figures: docs/benchmarks.md, serving). K counts steps, not seconds: every
+rank makes the same decision without a clock.
 
 A request's exception fails that request only (Error('engine'); its program's `finally` frees its
 share). A failure of the shared decode forward fails the requests in it. On a multi-rank plan a failed
@@ -46,13 +46,13 @@ from engine.runtime.agreement import Agreement
 from engine.runtime.denoise_batch import DenoiseBatch
 from engine.runtime.events import Error, Event
 from engine.runtime.kv_pool import KVPool
-from engine.runtime.needs import ARSlot, Decode, DenoiseTurn
+from engine.runtime.needs import ARSlot, Decode, DenoiseRows, DenoiseStep
 from engine.runtime.request import Prepared
 from engine.runtime.request_state import Program, RequestState
 from engine.runtime.sampling import choose_rows
 
 DECODE_STEPS_PER_DENOISE = 8
-NEEDS = (ARSlot, Decode, DenoiseTurn)
+NEEDS = (ARSlot, Decode, DenoiseRows, DenoiseStep)
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,8 @@ class Scheduler:
         self._events: list[tuple[int, Event]] = []
         self._ended: list[int] = []
         # at each denoise turn, how many other requests waited for a step of the same step key: with them
-        # (same key, any step) / (same key and step) one forward could have served them all (denoise
-        # batching across requests, issue 31 item 3: measured here before it is built)
+        # (same key, any step) / (same key and step) one forward could have served them all (the room a
+        # larger denoise batch would have: bench serving's `same-key company`)
         self.denoise_company: collections.Counter = collections.Counter()
         # what each step did, counted without a device read: decode steps and the rows they carried (the
         # mean decode batch), denoise forwards, AR slots granted (each prefilled inline); `last` is the
@@ -171,11 +171,10 @@ class Scheduler:
     def _denoise_turn(self) -> int:
         """The denoise batch's joins and its one forward -> the requests it stepped (0: none)."""
         batch = self.denoising
-        for state in [s for s in self.requests.values() if isinstance(s.need, DenoiseTurn) and not s.denoising]:
+        for state in [s for s in self.requests.values() if isinstance(s.need, DenoiseRows)]:
             first = batch.join(state)
             if first is None:
                 break                    # first come first served: the ones behind it wait too
-            state.denoising = True
             self._advance(state, first)  # its hand-off and prefill; it then asks for its first step
         members = list(batch.members)
         if not members:
@@ -185,12 +184,11 @@ class Scheduler:
         return len(members)
 
     def _count_company(self, holder: RequestState) -> None:
-        turn = holder.need
-        same = [s.need for s in self.requests.values()
-                if not s.denoising and isinstance(s.need, DenoiseTurn) and s.need.key == turn.key]
+        step: DenoiseStep = holder.need
+        same = [s.need for s in self.requests.values() if isinstance(s.need, DenoiseRows) and s.need.key == step.key]
         self.denoise_company["turns"] += 1
         self.denoise_company["same_key"] += len(same)
-        self.denoise_company["same_step"] += sum(n.step == turn.step for n in same)
+        self.denoise_company["same_step"] += len(same) if step.step == 0 else 0   # a waiting one is before its step 0
 
     # ------------------------------------------------------------------ one request
     def _advance(self, state: RequestState, answer: Any) -> None:
@@ -222,6 +220,6 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - a failing clean-up must not take the engine down
             traceback.print_exc(file=sys.stderr)
         self.denoising.leave(state)      # the batch's later requests move down into its rows
-        state.need, state.denoising = None, False
+        state.need = None
         del self.requests[state.seq]
         self._ended.append(state.seq)

@@ -73,6 +73,11 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @property
+    def image_tokens(self) -> int:
+        """The tokens its conditioning images take (each one's VAE grid and ViT slots; not their markers)."""
+        return sum((s.vae.stop - s.vae.start) + (s.vit.stop - s.vit.start) for s in self.cond_images)
+
     def uncond_ids(self, cfg_id: int) -> list[int]:
         return [cfg_id if u else t for t, u in zip(self.ids, self.uncondable)]
 
@@ -94,6 +99,15 @@ class SequenceBuilder:
         self.tok, self.sp, self.cond_attn = tok, tok.special, cond_attn
         self.seq = Sequence()
         self._next_block = 0
+
+    def fork(self) -> "SequenceBuilder":
+        """A builder that continues from where this one is, on its own copy of the sequence so far."""
+        b = SequenceBuilder(self.tok, self.cond_attn)
+        q = self.seq
+        b.seq = Sequence(list(q.ids), list(q.uncondable), list(q.pos), list(q.blocks), list(q.cond_images),
+                         q.gen_image)
+        b._next_block = self._next_block
+        return b
 
     def _tokens(self, ids: list[int], uncond: bool = False, block: int = -1) -> None:
         n0 = len(self.seq.ids)
@@ -185,46 +199,59 @@ class SequenceBuilder:
 BOT_PREFIX = {"auto": ROLE_BOT, "image": "", "think": ROLE_BOT + "<think>", "recaption": ROLE_BOT + "<recaption>"}
 
 
-def user_turn(b: SequenceBuilder, system: str, prompt: str, cond_images: list[CondImageLayout],
-              history: "tuple[PastTurnLayout, ...] | list[PastTurnLayout]" = ()) -> SequenceBuilder:
-    """`<bos> [system \\n\\n] [earlier turns] User: [images] prompt \\n\\n` — common to both phases. An
-    earlier turn is `User: [images] prompt \\n\\nAssistant: [reasoning] [image] \\n\\n`
+def user_turn(tok: Tokenizer, system: str, prompt: str, cond_images: list[CondImageLayout],
+              history: "tuple[PastTurnLayout, ...] | list[PastTurnLayout]" = (),
+              cond_attn: str = "joint_full") -> SequenceBuilder:
+    """`<bos> [system \\n\\n] [earlier turns] User: [images] prompt \\n\\n`: a request's user turn, tokenized
+    once and common to both phases (`text_phase_sequence`, `image_phase_sequence` continue a fork of it).
+    An earlier turn is `User: [images] prompt \\n\\nAssistant: [reasoning] [image] \\n\\n`
     (engine/runtime/history.py says why)."""
+    b = SequenceBuilder(tok, cond_attn)
     b.token(b.sp.bos)
     if system:
         b.text(system).text(SEP)
     for turn in history:
-        b.text(ROLE_USER)
-        for img in turn.images:
-            b.cond_image(img)
-        b.text(turn.prompt, uncond=True).text(SEP).text(ROLE_BOT)
-        if turn.reasoning:
-            b.assistant_text(turn.reasoning)
-        if turn.image is not None:
-            b.cond_image(turn.image)
-        b.text(SEP)
+        _assistant_message(_user_message(b, turn.images, turn.prompt), turn.reasoning, turn.image)
+    return _user_message(b, cond_images, prompt)
+
+
+def _user_message(b: SequenceBuilder, images: "tuple[CondImageLayout, ...] | list[CondImageLayout]",
+                  prompt: str) -> SequenceBuilder:
     b.text(ROLE_USER)
-    for img in cond_images:
+    for img in images:
         b.cond_image(img)
     return b.text(prompt, uncond=True).text(SEP)
 
 
-def text_phase_sequence(tok: Tokenizer, system: str, prompt: str, cond_images: list[CondImageLayout],
-                        first_task: str, image_base_size: int, cond_attn: str = "joint_full",
-                        history: tuple[PastTurnLayout, ...] = ()) -> Sequence:
+def _assistant_message(b: SequenceBuilder, reasoning: str, image: CondImageLayout | None) -> SequenceBuilder:
+    b.text(ROLE_BOT)
+    if reasoning:
+        b.assistant_text(reasoning)
+    if image is not None:
+        b.cond_image(image)
+    return b.text(SEP)
+
+
+def text_phase_sequence(turn: SequenceBuilder, first_task: str, image_base_size: int) -> Sequence:
     """The AR (gen_text) prompt: the user turn then the bot prefix of the first task
     (`think`, `recaption`, `auto`, `image`, or `img_ratio` for the one-step ratio pass)."""
-    b = user_turn(SequenceBuilder(tok, cond_attn), system, prompt, cond_images, history)
+    b = turn.fork()
     if first_task == "img_ratio":
         return b.text(f"{ROLE_BOT}<answer><boi><img_size_{image_base_size}>").build()
     return b.text(BOT_PREFIX[first_task]).build()
 
 
-def image_phase_sequence(tok: Tokenizer, system: str, prompt: str, cond_images: list[CondImageLayout],
-                         cot_text: str | None, h: int, w: int, ratio_index: int, distil: bool,
-                         cond_attn: str = "joint_full", history: tuple[PastTurnLayout, ...] = ()) -> Sequence:
+def image_phase_sequence(turn: SequenceBuilder, cot_text: str | None, h: int, w: int, ratio_index: int,
+                         distil: bool) -> Sequence:
     """The denoising sequence: user turn, `Assistant: ` [CoT] `<answer>` image `</answer>\\n\\n` (no eos)."""
-    b = user_turn(SequenceBuilder(tok, cond_attn), system, prompt, cond_images, history).text(ROLE_BOT)
+    b = turn.fork().text(ROLE_BOT)
     if cot_text:
         b.cot(cot_text)
     return b.text("<answer>").gen_image(h, w, ratio_index, distil).text("</answer>").text(SEP).build()
+
+
+def next_turn_view(turn: SequenceBuilder, reasoning: str) -> Sequence:
+    """This turn as the next turn of its conversation lays it out (an earlier turn: its user message, then
+    its reasoning; the image it is making is not there yet), up to the next turn's own user message: where
+    the next turn's sequence can take this one's K/V from (engine/runtime/prefix_cache.py)."""
+    return _user_message(_assistant_message(turn.fork(), reasoning, None), [], "").build()

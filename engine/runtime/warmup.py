@@ -1,7 +1,7 @@
 """Warm-up at start (`--warmup`): the CUDA graphs a default request needs, captured before the engine says
-ready, so that the first users do not wait for them (measured 2026-12-02 on one H200, MXFP4 Distil: the
-first request of a fresh engine took 44.2 s against 6.6 s for one without a capture: its graphs'
-captures, engine/runtime/graphs.py, and the kernels' first-use compiles, which the warm-up also pays).
+ready, so that the first users do not wait for them: the first request of a fresh engine pays its graphs'
+captures (engine/runtime/graphs.py) and the kernels' first-use compiles, which the warm-up pays instead
+(several times a request's own time on the H200: docs/benchmarks.md, serving).
 
 What it captures, on this engine's storages (a graph replays on the storage it was captured on, so the
 storages are first made as long as a default request makes them: engine/runtime/kv_pool.py):
@@ -34,7 +34,7 @@ from engine.runtime.events import Error
 from engine.runtime.prefill_step import GRAPH_MAX
 from engine.runtime.program import DENOISE_GRAPHS
 from engine.runtime.request import Request, prepare
-from engine.runtime.sequence import GenImageSpan, image_phase_sequence
+from engine.runtime.sequence import GenImageSpan, image_phase_sequence, user_turn
 from engine.spec.buckets import nearest_bucket, parse_size
 
 TAIL_MAX = 3072          # prompt + reasoning tokens warmed (a 1251-token T2I prompt + 750 CoT tokens: 2001)
@@ -105,12 +105,12 @@ def denoise_requests(engine: Engine, sizes: tuple[str, ...], tail_max: int) -> l
         if bucket is None:
             raise ValueError(f"a warm-up size names a size (HxW), not {size!r}")
         h, w = bucket.height // f[0], bucket.width // f[1]
-        base = prepare(Request(prompt="a", bot_task="image", size=size, steps=1, seed=0), lm.gen, lm.buckets)
+        base = prepare(Request(prompt="a", bot_task="image", size=size, steps=1, seed=0), lm)
         system = lm.prompts.resolve(base.preset, base.bot_task, None)
 
         def span(prompt: str) -> GenImageSpan:
-            return image_phase_sequence(lm.tok, system, prompt, [], None, h, w, bucket.index, cfg.cfg_distilled,
-                                        cfg.cond_token_attn_type).gen_image
+            turn = user_turn(lm.tok, system, prompt, [], (), cfg.cond_token_attn_type)
+            return image_phase_sequence(turn, None, h, w, bucket.index, cfg.cfg_distilled).gen_image
 
         room = cfg.max_position_embeddings - h * w - 64        # the image's tokens and its markers after it
         for grain in range(min(tail_max, room) // TAIL_GRAIN * TAIL_GRAIN, 0, -TAIL_GRAIN):
@@ -128,9 +128,8 @@ def denoise_requests(engine: Engine, sizes: tuple[str, ...], tail_max: int) -> l
 def sampled_request(size: str) -> Request:
     """A short think_recaption request that samples its tokens with the checkpoint's defaults (temperature,
     top-k, top-p) and picks its ratio token: the decode's sampling paths, which the denoise parts (reasoning
-    off) never run. On the H200 (2026-12-03, MXFP4 Distil) the first request after a warm-up without it took
-    12.4 s against 6.5 s for the next ones, with no graph captured: first-use compiles. Its denoise key is
-    the shortest grain's, already warmed."""
+    off) never run: without it the first request after a warm-up pays their first-use compiles, with no
+    graph captured (docs/benchmarks.md, serving). Its denoise key is the shortest grain's, already warmed."""
     return Request(prompt="a", bot_task="think_recaption", max_new_tokens=8, size=size, steps=1, seed=0)
 
 
@@ -159,7 +158,7 @@ def _run(engine: Engine, req: Request) -> None:
     """One warm-up request alone, to its end; its events are dropped (an error raises)."""
     # checked with a short prompt: a warm-up prompt may have more characters than a user's (MAX_PROMPT_CHARS);
     # its tokens are what it is for (a user's prompt + reasoning reach them)
-    p = prepare(dataclasses.replace(req, prompt="a"), engine.loaded.gen, engine.loaded.buckets)
-    for ev in engine.run_prepared(dataclasses.replace(p, req=req)):
+    p = prepare(dataclasses.replace(req, prompt="a"), engine.loaded)
+    for ev in engine.run_prepared(dataclasses.replace(p, prompt=req.prompt)):
         if isinstance(ev, Error):
             raise RuntimeError(ev.message)

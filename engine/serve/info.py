@@ -39,7 +39,7 @@ class ModelInfo:
         """The request (its seed fixed: `with_seed`) checked and its defaults resolved, as the engine runs
         it (`adapters`: the LoRA adapters it serves, `merged`: the one merged into its weights); RequestError
         otherwise (one implementation: `request.prepare`)."""
-        return prepare(req, self.gen, self.buckets, adapters, merged)
+        return prepare(req, self, adapters, merged)
 
     def validate(self, req: Request, adapters: Collection[str] = (), merged: tuple[str, float] | None = None) -> None:
         """Raise RequestError exactly as the engine would (a form's check before it submits)."""

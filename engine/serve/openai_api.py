@@ -55,7 +55,6 @@ from engine.serve.openai_form import Form, FormReader
 from engine.serve.openai_params import (ApiError, ImageParams, UploadLimits, check_upload, parse_chat, parse_edit,
                                         parse_generation, parse_int, refusal, size_list)
 from engine.serve.origin import foreign_origin
-from engine.serve.usage import InputCounter, InputTokens
 
 DEFAULT_PORT = 7860          # as Gradio: the first free port from here when none is given
 PORT_TRIES = 100
@@ -100,7 +99,6 @@ class OpenAIApi:
         self.server, self.info = server, server.info
         self.config = config or ApiConfig()
         self.created = int(time.time())
-        self.inputs = InputCounter(self.info)
         image_bytes = self.config.limits.max_bytes
         self.generation_limit, self.edit_limit = generation_limit(), edit_limit(image_bytes)
         self.chat_limit = chat_limit(image_bytes)
@@ -262,19 +260,10 @@ class OpenAIApi:
 
     async def _images(self, request: HttpRequest, params: ImageParams, kind: str) -> Response:
         sub = await self._submit(params)
-        inputs = await self._count(sub)
         if params.stream:
-            return self._stream(request, sub, image_stream(sub, params, self.info, kind, inputs))
+            return self._stream(request, sub, image_stream(sub, params, self.info, kind))
         out = await self._run(request, sub)
-        return JSONResponse(await images_response(out, params, self.info, inputs))
-
-    async def _count(self, sub: Submission) -> InputTokens:
-        """The request's input tokens (for usage), in a thread; the request is cancelled if that fails."""
-        try:
-            return await asyncio.to_thread(self.inputs.count, sub.request)
-        except BaseException:
-            sub.cancel()
-            raise
+        return JSONResponse(await images_response(out, params, self.info))
 
     async def chat(self, request: HttpRequest) -> Response:
         with self.held.hold() as hold:          # the body's bytes, until its images are decoded
@@ -282,11 +271,10 @@ class OpenAIApi:
             # in a thread: the images' base64 is decoded and their headers read
             params = await asyncio.to_thread(parse_chat, body, self.config.limits, self.info.name, self._adapters())
         sub = await self._submit(params)
-        inputs = await self._count(sub)
         if params.stream:
-            return self._stream(request, sub, chat_stream(sub, params, self.info, inputs))
+            return self._stream(request, sub, chat_stream(sub, params, self.info))
         out = await self._run(request, sub)
-        return JSONResponse(await chat_response(out, params, self.info, inputs))
+        return JSONResponse(await chat_response(out, params, self.info))
 
     def _adapters(self) -> list[str]:
         """The LoRA adapters served (a server without adapter support has none)."""

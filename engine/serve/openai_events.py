@@ -54,10 +54,12 @@ class Outcome:
     error: Error | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     bot_task: str = ""
+    inputs: InputTokens = field(default_factory=lambda: InputTokens(0, 0))   # as the engine counted them
 
     def add(self, ev: Event) -> None:
         if isinstance(ev, Started):
             self.bot_task = ev.bot_task
+            self.inputs = InputTokens.of(ev)
         elif isinstance(ev, Text):
             self.sections[ev.section] = self.sections.get(ev.section, "") + ev.delta
         elif isinstance(ev, Ratio):
@@ -95,10 +97,11 @@ class Outcome:
     def ordered(self) -> list[tuple[int, Image]]:
         return sorted(self.images.items())
 
-    def usage(self, info: ModelInfo, inputs: InputTokens) -> dict[str, Any]:
-        """OpenAI's image usage: the input (the user turn, engine.serve.usage; of it, `cached_tokens` not
-        prefilled again, engine/runtime/prefix_cache.py), and the output the engine made: the text it
-        wrote and the image tokens it denoised."""
+    def usage(self, info: ModelInfo) -> dict[str, Any]:
+        """OpenAI's image usage: the input (the user turn, as the engine counted it: engine.serve.usage; of
+        it, `cached_tokens` not prefilled again, engine/runtime/prefix_cache.py), and the output the engine
+        made: the text it wrote and the image tokens it denoised."""
+        inputs = self.inputs
         f = info.cfg.vae_downsample_factor
         image_tokens = sum((im.height // f[0]) * (im.width // f[1]) for im in self.images.values())
         text_tokens = self.done.timings.ar_tokens if self.done else 0
@@ -149,7 +152,7 @@ def _data_url(data: bytes, fmt: str) -> str:
     return f"data:{MIME[fmt]};base64,{base64.b64encode(data).decode()}"
 
 
-async def images_response(out: Outcome, p: ImageParams, info: ModelInfo, inputs: InputTokens) -> dict[str, Any]:
+async def images_response(out: Outcome, p: ImageParams, info: ModelInfo) -> dict[str, Any]:
     """The body of a finished /v1/images/generations or /v1/images/edits request (OpenAI's ImagesResponse
     plus the engine's extensions)."""
     ims = out.ordered()
@@ -162,7 +165,7 @@ async def images_response(out: Outcome, p: ImageParams, info: ModelInfo, inputs:
             item["b64_json"] = base64.b64encode(blob).decode()
         data.append(item)
     return {"created": out.created, "data": data, "background": "opaque", "output_format": p.output_format,
-            "quality": p.quality, "size": out.size, "usage": out.usage(info, inputs), **out.extensions(),
+            "quality": p.quality, "size": out.size, "usage": out.usage(info), **out.extensions(),
             **_conversation(p)}
 
 
@@ -171,12 +174,12 @@ def _conversation(p: ImageParams) -> dict[str, Any]:
     return {"conversation_id": p.conversation_id} if p.conversation_id else {}
 
 
-async def chat_response(out: Outcome, p: ImageParams, info: ModelInfo, inputs: InputTokens) -> dict[str, Any]:
+async def chat_response(out: Outcome, p: ImageParams, info: ModelInfo) -> dict[str, Any]:
     """The body of a finished /v1/chat/completions request: the images as data-URL parts of the message."""
     ims = out.ordered()
     parts = [{"type": "image_url", "image_url": {"url": _data_url(b, p.output_format)}}
              for b in await _encoded(ims, p)]
-    u = out.usage(info, inputs)
+    u = out.usage(info)
     return {"id": f"chatcmpl-{p.request.request_id}", "object": "chat.completion", "created": out.created,
             "model": info.name,
             "choices": [{"index": 0, "finish_reason": "stop",
@@ -236,8 +239,7 @@ def _error_frame(err: Error) -> bytes:
     return sse(e.body(), "error")
 
 
-async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: str,
-                       inputs: InputTokens) -> AsyncIterator[bytes]:
+async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: str) -> AsyncIterator[bytes]:
     """SSE frames of a streamed generation (`kind` 'image_generation') or edit ('image_edit')."""
     out, picker, partials = Outcome(), PreviewPicker(p.partial_images), 0
 
@@ -260,7 +262,7 @@ async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: s
                 partials += 1
             elif isinstance(ev, Done):
                 ims = out.ordered()
-                usage, ext = out.usage(info, inputs), out.extensions()
+                usage, ext = out.usage(info), out.extensions()
                 for (index, im), blob in zip(ims, await _encoded(ims, p)):
                     yield sse({"type": f"{kind}.completed", "b64_json": base64.b64encode(blob).decode(),
                                **common(), "usage": usage, "index": index, "seed": im.seed,
@@ -275,7 +277,7 @@ async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: s
             sub.cancel()
 
 
-async def chat_stream(sub: Submission, p: ImageParams, info: ModelInfo, inputs: InputTokens) -> AsyncIterator[bytes]:
+async def chat_stream(sub: Submission, p: ImageParams, info: ModelInfo) -> AsyncIterator[bytes]:
     """SSE `chat.completion.chunk`s: the role, the reasoning as `reasoning_content` deltas, then one chunk
     whose content holds the image parts (as in the non-streamed message), then the usage if asked."""
     out = Outcome()
@@ -304,7 +306,7 @@ async def chat_stream(sub: Submission, p: ImageParams, info: ModelInfo, inputs: 
                             **{k: v for k, v in out.extensions().items() if k != "reasoning"})
                 if p.include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk", "created": out.created,
-                               "model": info.name, "choices": [], "usage": _chat_usage(out.usage(info, inputs))})
+                               "model": info.name, "choices": [], "usage": _chat_usage(out.usage(info))})
                 yield DONE_FRAME
             elif isinstance(ev, Error):
                 yield _error_frame(ev)

@@ -42,7 +42,7 @@ IMAGE_OUTPUT_FIELDS = frozenset({"model", "n", "size", "quality", "response_form
                                  "output_format", "partial_images", "stream", "stream_reasoning"})
 
 GENERATION_FIELDS = frozenset({"prompt"}) | IMAGE_OUTPUT_FIELDS | ENGINE_FIELDS | REFUSED_FIELDS | IGNORED_FIELDS
-# Conversations (engine/runtime/conversation.py): an edit continues one by id, or branches from its turn k;
+# Conversations (engine/serve/conversation.py): an edit continues one by id, or branches from its turn k;
 # what the model sees of the earlier turns is the history policy (chat too: its history is the messages).
 CONVERSATION_FIELDS = frozenset({"conversation_id", "branch_from_turn", "history_policy"})
 EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]"} | CONVERSATION_FIELDS

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.runtime.conversation import ConversationStore, TurnRecorder
+from engine.serve.conversation import ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error
 from engine.runtime.request import Prepared, Request
 from engine.serve.adapters import Loras, check_load, check_unload

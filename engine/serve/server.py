@@ -34,7 +34,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable, Iterator, assert_never
 
-from engine.runtime.conversation import ConversationStore, TurnRecorder
+from engine.serve.conversation import ConversationStore, TurnRecorder
 from engine.runtime.events import Done, Error, Event
 from engine.runtime.request import Prepared, Request
 from engine.serve.adapters import check_load, check_unload
@@ -100,7 +100,7 @@ class EngineServer(EngineClient):
         self._workers: Workers | None = None               # the running start of the engine
         self._doomed: list[Workers] = []                   # detached under the lock, killed outside it
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
-        self.conversations = ConversationStore()           # multi-turn editing (engine/runtime/conversation.py)
+        self.conversations = ConversationStore()           # multi-turn editing (engine/serve/conversation.py)
         self._install(self._spawn())
         self._pump = threading.Thread(target=self._pump_loop, name="engine-server-pump", daemon=True)
         self._pump.start()

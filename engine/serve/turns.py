@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.runtime.conversation import ConversationError, ConversationStore, TurnRecorder
+from engine.serve.conversation import ConversationError, ConversationStore, TurnRecorder
 from engine.runtime.events import Error
 from engine.runtime.request import Request, RequestError
 from engine.serve.client import EngineClient, Submission
