@@ -30,6 +30,7 @@ SUITES = {
     "step-cache": "the step cache's settings: denoise time per image at the real shapes, image PSNR/SSIM vs no cache",
     "determinism": "the same request run several times: the first module whose output differs between runs",
     "conversation": "a 3-turn edit conversation per history policy: each turn's tokens and prefill ms (embedded, real shapes)",
+    "history-memory": "a chat body of 8 turns x 4 history images of 4096x4096, prepared N times: the server's RSS",
 }
 
 
