@@ -14,7 +14,7 @@
    tokenizer and system prompt, the reasoning part 1 wrote, every image at the real config's 1024x1024
    grid: 64x64 VAE tokens + 1024 ViT slots): the whole prompt (cache off), and the suffix after what the
    turn shares with the previous turn's sequence through its reasoning (cache on: that K/V copied in,
-   the rest prefilled by the plain forward, as KVPool.prefill_from). ms are CUDA-event medians.
+   the rest prefilled by the plain forward, as ARRow.prefill does). ms are CUDA-event medians.
 """
 from __future__ import annotations
 
