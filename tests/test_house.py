@@ -18,13 +18,9 @@ SERVE = "engine/serve: house-serve branch"     # the serve layer's refactor (iss
 MODULE = ("a module's shapes, one argument each as its tests build it standalone (one MoE or attention layer "
           "at the shapes of a kernel case, not a config's layer)")
 LONG_FUNCTIONS = {
-    "engine/__main__.py:main": "the CLI: house-serve branch (EngineConfig.add_arguments / from_args)",
-    "engine/serve/replicas.py:ReplicaPool.__init__": SERVE,
-    "engine/serve/server.py:EngineServer.__init__": SERVE,
     "engine/serve/worker.py:worker_main": SERVE,
 }
 WIDE_SIGNATURES = {
-    "engine/serve/server.py:EngineServer.__init__": SERVE,
     "engine/model/attention.py:Attention.__init__": MODULE,
     "engine/model/moe.py:MoE.__init__": MODULE,
 }

@@ -13,7 +13,7 @@ from engine.runtime.events import Done, Error, Event
 from engine.runtime.request import Prepared, Request
 
 if TYPE_CHECKING:
-    from engine.runtime.conversation import ConversationStore, TurnRecorder
+    from engine.serve.conversation import ConversationStore, TurnRecorder
     from engine.serve.info import ModelInfo
 
 
