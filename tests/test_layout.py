@@ -1,4 +1,4 @@
-"""The package's imports run one way (DESIGN §1): serve -> runtime -> model -> parallel -> spec;
+"""The package's imports run one way (docs/design.md, Layers): serve -> runtime -> model -> parallel -> spec;
 `hunyuan_kernels` imports nothing of `engine`; the web UI uses only the serving client, events and
 requests; nothing at run time (`engine/`, `hunyuan_kernels/`, `webui/`, `app.py`; the command line
 included) imports the development tools, the trainer, the tests or the benchmarks. Imports needed only

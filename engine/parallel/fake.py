@@ -1,4 +1,4 @@
-"""One GPU standing in for one rank of a bigger plan (DESIGN §4): a group whose collectives keep the
+"""One GPU standing in for one rank of a bigger plan (docs/design.md, Tests): a group whose collectives keep the
 shapes of the real ones and move nothing, so rank r's exact work runs at the real shapes and its compute
 can be timed alone. Used by the benchmarks (`bench/`); the engine never builds one."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The step cache: a per-request policy inside the denoise loop that says, step by step, whether the
-backbone runs in full or its output is forecast from cached features (DESIGN §2.9): the official
+backbone runs in full or its output is forecast from cached features (docs/design.md, Step cache): the official
 Taylor cache (below) or an adaptive first-block cache (`BlockCache`).
 
 The official Taylor cache (HunyuanImage-3.0's `use_taylor_cache`, read from its modeling code and

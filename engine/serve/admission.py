@@ -1,6 +1,6 @@
-"""Where a request enters the engine (DESIGN §2.8: a request is validated once where it enters): its seed
-drawn, its fields checked and defaults resolved against the checkpoint and the LoRA adapters served, its
-reference images read into bytes. `EngineServer.submit` and `ReplicaPool.submit` both admit through here;
+"""Where a request enters the engine (docs/design.md, Serving runtime: a request is validated once where it
+enters): its seed drawn, its fields checked and defaults resolved against the checkpoint and the LoRA
+adapters served, its reference images read into bytes. `EngineServer.submit` and `ReplicaPool.submit` both admit through here;
 a replica runs what its ingress admitted (`EngineServer.submit_admitted`) without checking it again."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Engine replicas on Ray Serve: several copies of the engine behind one page and one /v1 (DESIGN §2.11).
+"""Engine replicas on Ray Serve: several copies of the engine behind one page and one /v1 (docs/design.md, Adapters, conversations, replicas).
 
     pool = ReplicaPool(EngineConfig(model, device="cuda", max_batch=8), ReplicaOptions(replicas=2, gpus_per_replica=4))
     sub = pool.submit(Request(prompt="a red fox"))      # EngineServer's client API, unchanged
