@@ -19,6 +19,7 @@ from engine.parallel.plan import get_plan
 from engine.serve.engine_config import EngineConfig
 from engine.serve.messages import (AdapterChange, Cancel, End, EventOut, Failed, FromWorker, Loading, RankFailed,
                                    Ready, Run, Stats, Stop, ToWorker)
+from engine.runtime.events import Error as ErrorEvent
 from engine.runtime.scheduler import StepNews
 
 
@@ -84,118 +85,153 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Con
 
     A request that fails on a rank of a multi-rank plan leaves the collectives of the ranks out of step
     (the others wait in one the failed rank will never enter), so that rank reports `RankFailed` and
-    exits: the server ends the request with that message and
-    restarts the engine."""
+    exits: the server ends the request with that message and restarts the engine."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C belongs to the UI process, which closes us
-    import torch
-    import torch.distributed as dist
-
-    from engine.model.loader import print_progress
-    from engine.parallel.groups import RankGroups, rank_device, resident_pointers, set_threads_for_world, shutdown
-    from engine.runtime.engine import Engine
-    from engine.runtime.events import Error as ErrorEvent
-    from engine.runtime.warmup import warm_up
-
-    def send(msg: FromWorker) -> None:
-        if events is not None and rank == 0:
-            events.send(msg)
-
-    def progress(done: int, total: int, what: str, label: str = "loading weights") -> None:
-        if config.verbose:
-            print_progress(done, total, what, label)
-        send(Loading(done, total, what if label == "loading weights" else f"{label}: {what}"))
-
-    control = None
+    worker = WorkerRank(rank, config, events)
     try:
-        p = get_plan(config.plan, config.world_size, config.sp_kind)
+        worker.load(init_method)
+    except Exception as e:  # noqa: BLE001 - any load failure is reported, the server decides
+        if rank == 0:
+            worker.send(Failed(f"{type(e).__name__}: {e}"))
+            return
+        print(f"engine rank {rank} failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    worker.ready()
+    worker.serve(Inbox(requests) if rank == 0 else None)
+
+
+class WorkerRank:
+    """One rank's engine inside its worker process: loaded (and warmed up) once, then stepped over the news
+    rank 0 receives and broadcasts on the control group."""
+
+    def __init__(self, rank: int, config: EngineConfig, events: Connection | None):
+        self.rank, self.config, self.events = rank, config, events
+        self.control: Any = None                 # the ranks' gloo group for the news (None: one rank)
+        self.moved: list[str] = []               # phases at whose start a resident weight had moved (never)
+
+    def send(self, msg: FromWorker) -> None:
+        if self.events is not None and self.rank == 0:
+            self.events.send(msg)
+
+    def progress(self, done: int, total: int, what: str, label: str = "loading weights") -> None:
+        from engine.model.loader import print_progress
+        if self.config.verbose:
+            print_progress(done, total, what, label)
+        self.send(Loading(done, total, what if label == "loading weights" else f"{label}: {what}"))
+
+    def load(self, init_method: str) -> None:
+        """Join the ranks, build the engine on this rank's shard, warm it up; every rank holds its shard
+        when this returns."""
+        import torch
+        import torch.distributed as dist
+
+        from engine.parallel.groups import RankGroups, rank_device, resident_pointers, set_threads_for_world
+        from engine.runtime.engine import Engine
+        from engine.runtime.warmup import warm_up
+        config, rank = self.config, self.rank
+        self.plan = p = get_plan(config.plan, config.world_size, config.sp_kind)
         set_threads_for_world(p.world)
-        dev = rank_device(config.device, rank, p.world)
+        self.dev = dev = rank_device(config.device, rank, p.world)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         rt = RankGroups.init(p, rank, dev, init_method)
         if p.world > 1:
-            control = dist.new_group(list(range(p.world)), backend="gloo")
-        engine = Engine.from_config(config, rt, progress=progress if rank == 0 else None)
-        lm, moe_kernels = engine.loaded, engine.moe_kernels
-        pointers = resident_pointers(lm.model)
-        moved: list[str] = []          # phases at whose start a resident weight had moved (never, by design)
+            self.control = dist.new_group(list(range(p.world)), backend="gloo")
+            self.flag = torch.zeros(1, dtype=torch.long)     # the news flag, broadcast at every step
+        self.engine = Engine.from_config(config, rt, progress=self.progress if rank == 0 else None)
+        model = self.engine.loaded.model
+        self.pointers = resident_pointers(model)
 
         def check(phase: str) -> None:
-            if resident_pointers(lm.model) != pointers:
-                moved.append(phase)
+            if resident_pointers(model) != self.pointers:
+                self.moved.append(phase)
 
-        engine.ctx.on_phase = check
-        warmed = warm_up(engine, config.warmup, progress=(lambda d, n, what: progress(d, n, what, "warm-up"))
-                         if rank == 0 else (lambda *a: None)) if config.warmup else None
-        if control is not None:
-            dist.barrier(group=control)              # "ready" means every rank holds its shard
-    except Exception as e:  # noqa: BLE001 - any load failure is reported, the server decides
-        if rank == 0:
-            send(Failed(f"{type(e).__name__}: {e}"))
-            return
-        print(f"engine rank {rank} failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    if config.verbose and rank == 0:
-        print(f"\nengine: model loaded in {lm.load_s:.1f} s on {dev} (plan {p.name})", file=sys.stderr, flush=True)
-        if warmed is not None:
-            print(f"engine: warmed up in {warmed.seconds:.1f} s ({warmed.graphs} CUDA graphs captured)",
+        self.engine.ctx.on_phase = check
+        self.warmed = warm_up(self.engine, config.warmup,
+                              progress=(lambda d, n, what: self.progress(d, n, what, "warm-up"))
+                              if rank == 0 else (lambda *a: None)) if config.warmup else None
+        if self.control is not None:
+            dist.barrier(group=self.control)     # "ready" means every rank holds its shard
+
+    def ready(self) -> None:
+        lm, warmed = self.engine.loaded, self.warmed
+        if self.config.verbose and self.rank == 0:
+            print(f"\nengine: model loaded in {lm.load_s:.1f} s on {self.dev} (plan {self.plan.name})",
                   file=sys.stderr, flush=True)
-    def rank_stats() -> list[dict]:
-        mine = {"rank": rank, "device": str(dev), "backend": dist.get_backend() if dist.is_initialized() else "none",
-                "bytes_read": lm.bytes_read,
-                "pointers_unchanged": not moved and resident_pointers(lm.model) == pointers,
+            if warmed is not None:
+                print(f"engine: warmed up in {warmed.seconds:.1f} s ({warmed.graphs} CUDA graphs captured)",
+                      file=sys.stderr, flush=True)
+        self.send(Ready({"load_s": round(lm.load_s, 2), "device": str(self.dev), "dtype": str(lm.model.dtype),
+                         "plan": self.plan.name, "moe_kernels": self.engine.moe_kernels, "ranks": self.rank_stats(),
+                         "warmup": None if warmed is None else warmed.summary()}))
+
+    def rank_stats(self) -> list[dict]:
+        """Every rank's weights read, resident pointers unchanged and memory (gathered on the control group)."""
+        import torch
+        import torch.distributed as dist
+
+        from engine.parallel.groups import resident_pointers
+        lm, dev = self.engine.loaded, self.dev
+        mine = {"rank": self.rank, "device": str(dev),
+                "backend": dist.get_backend() if dist.is_initialized() else "none", "bytes_read": lm.bytes_read,
+                "pointers_unchanged": not self.moved and resident_pointers(lm.model) == self.pointers,
                 "resident_bytes": sum(t.numel() * t.element_size() for t in lm.model.parameters()),
                 "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0}
         everyone: list[Any] = [mine]
-        if control is not None:
-            everyone = [None] * p.world
-            dist.all_gather_object(everyone, mine, group=control)
+        if self.control is not None:
+            everyone = [None] * self.plan.world
+            dist.all_gather_object(everyone, mine, group=self.control)
         return everyone
 
-    stats = rank_stats()
-    send(Ready({"load_s": round(lm.load_s, 2), "device": str(dev), "dtype": str(lm.model.dtype), "plan": p.name,
-                "moe_kernels": moe_kernels, "ranks": stats, "warmup": None if warmed is None else warmed.summary()}))
-
-    inbox = Inbox(requests) if rank == 0 else None
-    flag = torch.zeros(1, dtype=torch.long)        # 0: nothing new, 1: news follows, 2: stop
-
-    def agreed_news(wait: bool) -> StepNews | None:
+    def agreed_news(self, inbox: Inbox | None, wait: bool) -> StepNews | None:
         """Rank 0's news at this step boundary, on every rank (a small broadcast when nothing changed)."""
-        news = inbox.news(wait) if rank == 0 else None
-        if control is None:
+        import torch.distributed as dist
+        news = inbox.news(wait) if inbox is not None else None
+        if self.control is None:
             return news
+        flag = self.flag                         # 0: nothing new, 1: news follows, 2: stop
         flag[0] = 2 if news is None else int(bool(news.join or news.cancel or news.adapters))
-        dist.broadcast(flag, 0, group=control)
+        dist.broadcast(flag, 0, group=self.control)
         if flag[0] == 2:
             return None
         if flag[0] == 0:
             return StepNews()
         box: list[Any] = [news]
-        dist.broadcast_object_list(box, src=0, group=control)
+        dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
-    scheduler = engine.scheduler
-    while (news := agreed_news(wait=not scheduler.busy)) is not None:
-        engine.step(news)
-        done, ended = scheduler.drain()
-        if inbox is not None and inbox.dropped:
-            done += [(seq, ErrorEvent("cancelled", "stopped by the user")) for seq in inbox.dropped]
-            ended += inbox.dropped
-            inbox.dropped = []
+    def serve(self, inbox: Inbox | None) -> None:
+        """Step the engine over the news until rank 0 says stop (or its pipes are gone)."""
+        from engine.parallel.groups import shutdown
+        scheduler = self.engine.scheduler
+        while (news := self.agreed_news(inbox, wait=not scheduler.busy)) is not None:
+            self.engine.step(news)
+            done, ended = scheduler.drain()
+            if inbox is not None and inbox.dropped:
+                done += [(seq, ErrorEvent("cancelled", "stopped by the user")) for seq in inbox.dropped]
+                ended += inbox.dropped
+                inbox.dropped = []
+            try:
+                if not self.report(done, ended):
+                    return             # out of step with the other ranks: the server restarts the engine
+            except (BrokenPipeError, EOFError, OSError):
+                return
+        shutdown()
+
+    def report(self, done: list[tuple[int, Any]], ended: list[int]) -> bool:
+        """Send the step's events, then `Stats` and `End` for the requests that ended. False: a request failed
+        on this rank of a multi-rank plan (reported as `RankFailed`), so this rank must leave."""
         failed = None
-        try:
-            for seq, ev in done:
-                send(EventOut(seq, ev))
-                if isinstance(ev, ErrorEvent) and ev.kind == "engine":
-                    failed = (seq, ev.message)
-            if failed is not None and p.world > 1:
-                if events is not None:
-                    events.send(RankFailed(failed[0], rank, failed[1]))
-                return                 # out of step with the other ranks: the server restarts the engine
-            if ended:
-                send(Stats(rank_stats()))
-                for seq in ended:
-                    send(End(seq))
-        except (BrokenPipeError, EOFError, OSError):
-            return
-    shutdown()
+        for seq, ev in done:
+            self.send(EventOut(seq, ev))
+            if isinstance(ev, ErrorEvent) and ev.kind == "engine":
+                failed = (seq, ev.message)
+        if failed is not None and self.plan.world > 1:
+            if self.events is not None:
+                self.events.send(RankFailed(failed[0], self.rank, failed[1]))
+            return False
+        if ended:
+            self.send(Stats(self.rank_stats()))
+            for seq in ended:
+                self.send(End(seq))
+        return True
