@@ -1,12 +1,15 @@
 """humming-kernels as the `moe_quant` op's `humming` variant (hunyuan_kernels/quant/humming.py): a pack laid
-out for it at load runs only there (the reference and our variants refuse it by name), and (marked gpu, on
-the H200 with the `humming` extra installed) the variant against the reference on plain packs: W4A16 and
-W4A8, one and two micros, decode and denoise sizes, the same bits a second time, a token alone the same
-bits as in a batch, inside a CUDA graph."""
+out for it at load runs only there (the reference and our variants refuse it by name); the route lists of
+its indexed GEMMs (`align`: its PyTorch definition against humming's own construction, the Triton kernel
+against that definition under the interpreter); and (marked gpu, on the H200 with the `humming` extra
+installed) the variant against the reference on plain packs: W4A16 and W4A8, one and two micros, decode
+and denoise sizes, the same bits a second time, a token alone the same bits as in a batch, inside a CUDA
+graph."""
 from __future__ import annotations
 
 import pytest
 import torch
+from kernel_support import interpreted, run_interpreter_suite
 
 import hunyuan_kernels as kernels
 import hunyuan_kernels.quant as kq
@@ -57,6 +60,73 @@ def test_clamped_share_counts_blocks_more_than_11_binades_below_their_experts_la
     s[1, 0, 0] = 125                        # expert 1: within 11
     share = humming.clamped_share(kq.QWeight("mxfp4", w.codes, s))
     assert share == pytest.approx((s[0].numel() - 1) / s.numel())
+
+
+# ------------------------------------------------------------------- the indexed GEMM's route lists
+
+def humming_lists(ids: torch.Tensor, experts: int, block: int) -> tuple[list[int], list[int], int]:
+    """The route lists as humming's own tests build them (testing/data.py:119-139 in the 0.1.19 wheel), in
+    plain Python: expert by expert, the flat indices of its routes ascending, padded with N*k to whole
+    tiles; each tile's expert; the padded length."""
+    flat = ids.reshape(-1).tolist()
+    sorted_ids, expert_ids = [], []
+    for e in range(experts):
+        mine = [i for i, v in enumerate(flat) if v == e]
+        tiles = -(-len(mine) // block)
+        sorted_ids += mine + [len(flat)] * (tiles * block - len(mine))
+        expert_ids += [e] * tiles
+    return sorted_ids, expert_ids, len(sorted_ids)
+
+
+def routings() -> list[tuple[torch.Tensor, int, int]]:
+    """(ids [N, k], experts, block): random top-k choices at decode sizes, the real shapes' (64 experts,
+    top-8, 16 rows), routes crowding a few experts (several tiles each), one token, blocks of 8 and 16."""
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for n, k, e, block in [(1, 8, 64, 8), (16, 8, 64, 8), (7, 4, 16, 8), (16, 4, 16, 16), (3, 1, 8, 8), (13, 2, 8, 16)]:
+        cases.append((torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).int(), e, block))
+    cases.append((torch.arange(4).repeat(16, 1).int(), 16, 8))             # 16 routes to each of 4 experts
+    cases.append((torch.tensor([[5, 0, 3]] * 9, dtype=torch.int32), 8, 8))  # 9 a expert: a full tile and one more
+    return cases
+
+
+@pytest.mark.parametrize("case", range(len(routings())))
+def test_align_reference_lists_the_routes_as_humming_builds_them(case):
+    ids, experts, block = routings()[case]
+    sorted_ids, expert_ids, padded = humming.align_reference(ids, experts, block)
+    want_sorted, want_experts, want_padded = humming_lists(ids, experts, block)
+    slots, tiles = humming.align_sizes(ids.numel(), experts, block)
+    assert sorted_ids.dtype == expert_ids.dtype == padded.dtype == torch.int32
+    assert sorted_ids.shape == (slots,) and expert_ids.shape == (tiles,) and padded.shape == (1,)
+    assert padded.item() == want_padded <= slots and padded.item() % block == 0
+    assert sorted_ids[:want_padded].tolist() == want_sorted
+    assert expert_ids[:want_padded // block].tolist() == want_experts
+    # past the end: pad ids (never read, never written) and an expert in range (its tiles never run)
+    assert (sorted_ids[want_padded:] == ids.numel()).all() and (expert_ids[want_padded // block:] == experts - 1).all()
+
+
+def test_align_sizes_hold_the_worst_routing():
+    """Every route on its own expert, each a tile of one route and block-1 pads: the bound is reached."""
+    ids = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    for block in (8, 16):
+        slots, tiles = humming.align_sizes(12, 16, block)
+        assert slots == 12 * block == tiles * block
+        assert humming.align_reference(ids, 16, block)[2].item() == slots
+
+
+def test_triton_interpreter_suite():
+    """The `test_interp_*` tests below run in a child pytest with TRITON_INTERPRET=1."""
+    run_interpreter_suite(__file__)
+
+
+@pytest.mark.parametrize("case", range(len(routings())))
+def test_interp_align_kernel_equals_its_reference(case):
+    interpreted()
+    ids, experts, block = routings()[case]
+    got = humming.align(ids, experts, block)
+    want = humming.align_reference(ids, experts, block)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), (g, w)
 
 
 # ------------------------------------------------------------------------------------------------- GPU

@@ -34,7 +34,10 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from .._triton import next_pow2
 from ..moe import triton_kernels as tk
 from ..moe.cuda import permute
 from ..registry import backend
@@ -52,6 +55,8 @@ SWIGLU = "a * (b / (1.0f + __expf(-b)))"
 # grouped-contiguous over the experts' rows, every shape (a batch-invariant schedule: a row's sums do not
 # depend on the other rows in the call)
 COMPUTE = {"gemm_type": "grouped_contiguous", "use_batch_invariant": True}
+# The most rows of a call that humming's indexed GEMMs will take (`align` lists their routes)
+INDEXED_MAX_ROWS = 16
 
 
 @functools.cache
@@ -156,6 +161,82 @@ def clamped_share(w: QWeight, micros: int | None = None) -> float:
     flat = s.flatten(-2)         # [..., E, N * K/32]: one expert's blocks
     top = flat.amax(-1, keepdim=True)
     return (flat < top - 11).float().mean().item()
+
+
+# ------------------------------------------------------------------------ the indexed GEMM's route lists
+
+def align_sizes(rows: int, experts: int, block: int) -> tuple[int, int]:
+    """(slots, tiles) of `align`'s lists for `rows` routes: each expert's routes padded to whole M tiles of
+    `block` rows take at most rows + min(experts, rows) * (block - 1) slots (sizes from the row count only,
+    so the lists are fixed buffers inside a CUDA graph)."""
+    slots = -(-(rows + min(experts, rows) * (block - 1)) // block) * block
+    return slots, slots // block
+
+
+def align_reference(ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `align` computes, in PyTorch (any device, no host read). ids [N, k]: each route's expert ->
+    sorted_ids [slots] int32: expert by expert, each expert's routes `t * k + j` ascending, padded to a
+    whole number of `block`-row tiles with the pad id N*k (which also fills the slots past the end);
+    expert_ids [tiles] int32: each tile's expert (tiles past the end: the last expert, never run);
+    num_tokens_padded [1] int32: the slots in use, a multiple of `block`."""
+    flat = ids.reshape(-1).long()
+    rows = flat.numel()
+    slots, tiles = align_sizes(rows, experts, block)
+    hot = (flat[:, None] == torch.arange(experts, device=ids.device)).long()        # [routes, experts]
+    padded = (hot.sum(0) + block - 1) // block * block
+    ends = padded.cumsum(0)
+    rank = ((hot.cumsum(0) - hot) * hot).sum(1)                     # the routes to its expert before it
+    sorted_ids = torch.full((slots,), rows, dtype=torch.int32, device=ids.device)
+    sorted_ids[(ends - padded)[flat] + rank] = torch.arange(rows, dtype=torch.int32, device=ids.device)
+    tile_start = torch.arange(tiles, device=ids.device) * block
+    expert_ids = (ends[None, :] <= tile_start[:, None]).sum(1).clamp(max=experts - 1).int()
+    return sorted_ids, expert_ids, ends[-1:].int()
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, experts_ptr, padded_ptr, ROWS, SLOTS, TILES, E: tl.constexpr,
+                  E_PAD: tl.constexpr, R_PAD: tl.constexpr, M: tl.constexpr, CHUNK: tl.constexpr):
+    # one program holds every route of the call (a decode step's: at most INDEXED_MAX_ROWS * k); each output
+    # element has one writer, as a slot finds its route (not a route its slot: no scatter, no barrier)
+    ri = tl.arange(0, R_PAD)
+    re = tl.arange(0, E_PAD)
+    mr = ri < ROWS
+    me = re < E
+    e = tl.load(ids_ptr + ri, mask=mr, other=-1)
+    hit = (e[:, None] == re[None, :]) & mr[:, None]
+    hot = hit.to(tl.int32)
+    padded = (tl.sum(hot, axis=0) + M - 1) // M * M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    rank = tl.sum(tl.where(hit, tl.cumsum(hot, axis=0) - hot, 0), axis=1)     # the routes to its expert before it
+    tl.store(padded_ptr, tl.sum(padded, axis=0))
+    for p0 in range(0, SLOTS, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        e_p = tl.sum(((ends[None, :] <= p[:, None]) & me[None, :]).to(tl.int32), axis=1)      # the slot's expert
+        at = p - tl.sum(tl.where(re[None, :] == e_p[:, None], starts[None, :], 0), axis=1)    # its place there
+        want = (e[None, :] == e_p[:, None]) & (rank[None, :] == at[:, None])
+        src = tl.max(tl.where(want, ri[None, :], -1), axis=1)
+        tl.store(sorted_ptr + p, tl.where(src >= 0, src, ROWS), mask=p < SLOTS)
+    for b0 in range(0, TILES, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        e_b = tl.sum(((ends[None, :] <= (b * M)[:, None]) & me[None, :]).to(tl.int32), axis=1)
+        tl.store(experts_ptr + b, tl.minimum(e_b, E - 1), mask=b < TILES)
+
+
+def align(ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_reference` in one Triton program: ids [N, k] int32 -> (sorted_ids, expert_ids,
+    num_tokens_padded), humming's indexed GEMM's route lists for M tiles of `block` rows. No host read,
+    buffers sized from N*k: a node of a CUDA graph."""
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        raise ValueError(f"align: ids must be contiguous int32 (got {ids.dtype}, strides {ids.stride()})")
+    rows = ids.numel()
+    slots, tiles = align_sizes(rows, experts, block)
+    sorted_ids = _empty(slots, dtype=torch.int32, device=ids.device)
+    expert_ids = _empty(tiles, dtype=torch.int32, device=ids.device)
+    padded = _empty(1, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](ids, sorted_ids, expert_ids, padded, rows, slots, tiles, E=experts, E_PAD=next_pow2(experts),
+                        R_PAD=max(2, next_pow2(rows)), M=block, CHUNK=32, num_warps=4)
+    return sorted_ids, expert_ids, padded
 
 
 # ------------------------------------------------------------------------------------------- the variant
