@@ -1,11 +1,15 @@
 """humming-kernels as the `moe_quant` op's `humming` variant (hunyuan_kernels/quant/humming.py): a pack laid
 out for it at load runs only there (the reference and our variants refuse it by name); the route lists of
 its indexed GEMMs (`align`: its PyTorch definition against humming's own construction, the Triton kernel
-against that definition under the interpreter); and (marked gpu, on the H200 with the `humming` extra
-installed) the variant against the reference on plain packs: W4A16 and W4A8, one and two micros, decode
-and denoise sizes, the same bits a second time, a token alone the same bits as in a batch, inside a CUDA
-graph."""
+against that definition under the interpreter), the kernel interval of a row count, the path of a row
+count; under the interpreter, the whole variant with humming's GEMMs replaced by the contract humming.py
+reads from them (the indexed path gives the grouped path's bits); and (marked gpu, on the H200 with the
+`humming` extra installed) the variant against the reference on plain packs: W4A16 and W4A8, one and two
+micros, decode and denoise sizes, the indexed path at 1..16 rows, the same bits a second time, a token
+alone the same bits as in a batch, the same bits on both sides of INDEXED_MAX_ROWS, inside a CUDA graph."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -129,6 +133,120 @@ def test_interp_align_kernel_equals_its_reference(case):
         assert g.dtype == w.dtype and torch.equal(g, w), (g, w)
 
 
+def test_block_rows_finds_the_launchers_interval():
+    """lo < rows <= hi, as humming's launcher picks the kernel (launcher.cpp:31-46); hi <= 0 is no bound;
+    rows outside every interval are refused naming the prepared range."""
+    blocks = ((0, 104, 8), (104, 208, 16), (208, 312, 24))
+    assert [humming.block_rows(blocks, r) for r in (1, 104, 105, 208, 209, 312)] == [8, 8, 16, 16, 24, 24]
+    assert humming.block_rows(((0, 8, 8), (8, 0, 16)), 10 ** 6) == 16
+    with pytest.raises(ValueError, match="prepared for 1..312 routed rows, not 313"):
+        humming.block_rows(blocks, 313)
+
+
+def test_config_of_reads_each_intervals_m_tile():
+    intervals = [[0, 400, {"block_shape": [8, 256, 64], "num_stages": 4}], [400, 832, {"block_shape": [16, 256, 64]}]]
+    config = humming.Config.of("layer", intervals)
+    assert config.blocks == ((0, 400, 8), (400, 832, 16)) and json.loads(config.indexed) == intervals
+
+
+def test_rows_path_takes_the_indexed_gemms_up_to_the_threshold():
+    assert [humming.rows_path(n) for n in (1, humming.INDEXED_MAX_ROWS, humming.INDEXED_MAX_ROWS + 1, 4096)] == [
+        "indexed", "indexed", "grouped", "grouped"]
+
+
+# ----------------------------------------- the variant's wiring on humming's GEMM contract (interpreter)
+
+def contract_gemm(layer, inputs, weight, outputs, compute_config, expert_layout=None, sorted_ids=None,
+                  expert_ids=None, num_tokens_padded=None, top_k=1, tuning_config=None, **unused):
+    """humming_forward as humming.py's docstring reads its GEMMs, in PyTorch, weight [E, N, K] dequantized
+    (fp64 sums, each row on its own, cast to the output's dtype). grouped-contiguous: rows
+    [layout[e], layout[e+1]) by expert e. indexed: the M tile of the kernel the launcher would pick for
+    shape_m * top_k routed rows (from the tuning config passed, not from `align`'s caller), then tile b:
+    routes sorted_ids[b*M:(b+1)*M] below shape_m * top_k, input row id // top_k, output row id, expert
+    expert_ids[b]; ceil(num_tokens_padded / M) tiles. Rows no tile writes keep what `outputs` held."""
+    gemm = json.loads(compute_config)["gemm_type"]
+    CONTRACT_CALLS.append(gemm)
+    assert gemm == "grouped_contiguous" or json.loads(tuning_config) == TILES[layer]      # this layer's kernels
+    a, w = inputs.double(), weight.double()
+    if gemm == "grouped_contiguous":
+        ends = expert_layout.tolist()
+        for e in range(len(ends) - 1):
+            outputs[ends[e]:ends[e + 1]] = (a[ends[e]:ends[e + 1]] @ w[e].T).to(outputs.dtype)
+        return outputs
+    assert gemm == "indexed" and sorted_ids.dtype == expert_ids.dtype == num_tokens_padded.dtype == torch.int32
+    routes = inputs.shape[0] * top_k
+    assert outputs.shape[0] == routes
+    block = next(cfg["block_shape"][0] for lo, hi, cfg in json.loads(tuning_config) if lo < routes <= hi)
+    for b in range(-(-int(num_tokens_padded.item()) // block)):
+        ids = sorted_ids[b * block:(b + 1) * block].long()
+        ids = ids[ids < routes]
+        outputs[ids] = (a[ids // top_k] @ w[int(expert_ids[b])].T).to(outputs.dtype)
+    return outputs
+
+
+CONTRACT_CALLS: list[str] = []
+TILES = {"up": [[0, 40, {"block_shape": [8, 256, 64]}], [40, 400, {"block_shape": [16, 256, 64]}]],
+         "down": [[0, 24, {"block_shape": [16, 256, 64]}], [24, 400, {"block_shape": [8, 256, 128]}]]}
+
+
+@pytest.fixture
+def on_the_contract(monkeypatch):
+    """The variant's humming calls on `contract_gemm` (W4A16: no input kernel of humming's runs)."""
+    import types
+    fake = types.SimpleNamespace(forward=types.SimpleNamespace(humming_forward=contract_gemm))
+    monkeypatch.setattr(humming, "lib", lambda: fake)
+    CONTRACT_CALLS.clear()
+    return CONTRACT_CALLS
+
+
+def contract_packs(t: dict, micros: int) -> dict:
+    """t's expert packs as `contract_gemm` reads them: each micro's matrices dequantized, laid out "humming"
+    (W4A16) with kernels (TILES) whose M tiles differ between the GEMMs at some row counts; the layer
+    config is the GEMM's name."""
+    w1, w2 = t["w1"], t["w2"]
+    inter = w2.shape[-1] // micros
+    up = w1.dequantize(torch.float32)
+    down = torch.stack([w2.cols(m * inter, (m + 1) * inter).dequantize(torch.float32) for m in range(micros)])
+
+    def pack(dense: torch.Tensor, gemm: str) -> kq.QWeight:
+        lay = KernelLayout("humming", tuple(dense.shape), "bf16", humming.Config.of(gemm, TILES[gemm]))
+        return kq.QWeight("mxfp4", dense, torch.zeros(micros), None, False, lay)
+    return dict(t, w1=pack(up, "up"), w2=pack(down, "down"))
+
+
+@pytest.mark.parametrize("n,micros,ms,mc", [(1, 1, 0, 1), (5, 2, 1, 1), (9, 2, 0, 2), (16, 1, 0, 1)])
+def test_interp_indexed_path_equals_the_grouped_one_on_humming_s_contract(on_the_contract, n, micros, ms, mc):
+    """The whole variant (routing, `align`, both GEMMs, SwiGLU, the MXFP8 shared MLP, finalize) with humming's
+    GEMMs as the contract reads them: the indexed path gives the grouped path's bits (every route's row
+    found, in the finalize's order, with the same routing weights), both near the op's reference. Top-4:
+    at 9 rows (36 routes) both GEMMs' M tiles are 8 (one set of lists), at 1, 5 and 16 rows they differ."""
+    interpreted()
+    from hunyuan_kernels.scratch import poisoned
+    t = make_qmoe(n, "mxfp4", "mxfp8", micros=micros, seed=n)
+    with kernels.allowed():
+        want = kernels.call("moe_quant", *qargs(t, ms, mc, topk=4))
+    args = qargs(contract_packs(t, micros), ms, mc, topk=4)
+    with poisoned():                        # a route's row left unwritten would be NaN
+        indexed = humming.moe_quant_humming(*args, path="indexed")
+        grouped = humming.moe_quant_humming(*args, path="grouped")
+    assert on_the_contract == ["indexed"] * 2 * mc + ["grouped_contiguous"] * 2 * mc
+    assert torch.equal(indexed, grouped)
+    err = ((indexed.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 1e-2, err
+
+
+def test_interp_the_variant_takes_the_indexed_path_up_to_the_threshold(on_the_contract):
+    interpreted()
+    top = humming.INDEXED_MAX_ROWS
+    t = make_qmoe(top + 1, "mxfp4", "mxfp8", shared_inter=0, micros=1, seed=2)
+    args = qargs(contract_packs(t, 1), 0, 1, topk=2)
+    humming.moe_quant_humming(args[0][:top], *args[1:])
+    humming.moe_quant_humming(*args)
+    assert on_the_contract == ["indexed", "indexed", "grouped_contiguous", "grouped_contiguous"]
+    with pytest.raises(ValueError, match=f"path 'indexed' for {top + 1} rows"):
+        humming.moe_quant_humming(*args, path="indexed")
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 gpu = pytest.mark.gpu
 
@@ -163,23 +281,82 @@ def test_gpu_humming_matches_the_reference(act, n, micros, ms, mc):
             assert torch.equal(alone[0], got[i]), i
 
 
+def small_moe(n: int, micros: int = 2, seed: int = 0) -> dict:
+    return make_qmoe(n, "mxfp4", "mxfp8", hidden=512, experts=16, inter=256, shared_inter=256, micros=micros,
+                     device="cuda", seed=seed)
+
+
 @gpu
-def test_gpu_humming_in_a_cuda_graph():
-    t = make_qmoe(8, "mxfp4", "mxfp8", hidden=512, experts=16, inter=256, shared_inter=256, micros=1,
-                  device="cuda", seed=3)
-    lt = laid(t, "bf16", 1)
-    eager = kernels.call("moe_quant", *qargs(lt, 0, 1, topk=4))
+@pytest.mark.parametrize("act", ["bf16", "fp8"])
+def test_gpu_indexed_path_matches_the_reference_at_1_to_16_rows(act):
+    """The indexed path (forced, whatever INDEXED_MAX_ROWS is) at every row count 1..16, two micros summed:
+    near the reference, every output written (scratch poisoned), the same bits again, and each row the same
+    bits as in the 16-row batch (batch invariance within the path)."""
+    from hunyuan_kernels.scratch import poisoned
+    t = small_moe(16, seed=7)
+    args = qargs(laid(t, act, 2), 0, 2, topk=4)
+    full = humming.moe_quant_humming(*args, path="indexed")
+    for n in range(1, 17):
+        with kernels.allowed():
+            want = kernels.call("moe_quant", t["x"][:n], *qargs(t, 0, 2, topk=4)[1:])
+        with poisoned():
+            got = humming.moe_quant_humming(args[0][:n], *args[1:], path="indexed")
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err < (5e-2 if act == "fp8" else 1e-2), (n, err)
+        assert torch.equal(got, humming.moe_quant_humming(args[0][:n], *args[1:], path="indexed")), n
+        assert torch.equal(got, full[:n]), n
+
+
+@gpu
+@pytest.mark.parametrize("act", ["bf16", "fp8"])
+@pytest.mark.parametrize("micros,ms,mc", [(1, 0, 1), (2, 0, 2)])
+def test_gpu_paths_give_the_same_bits_across_the_threshold(act, micros, ms, mc):
+    """A request's rows do not change where its batch crosses INDEXED_MAX_ROWS: INDEXED_MAX_ROWS rows (the
+    indexed path) give the bits of the same rows among INDEXED_MAX_ROWS + 1 (the grouped path); and at 1
+    and INDEXED_MAX_ROWS rows both paths, forced, give the same bits."""
+    top = humming.INDEXED_MAX_ROWS
+    lt = laid(small_moe(top + 1, micros, seed=11), act, micros)
+    args = qargs(lt, ms, mc, topk=4)
+    above = kernels.call("moe_quant", *args)
+    at = kernels.call("moe_quant", args[0][:top], *args[1:])
+    assert torch.equal(at, above[:top])
+    for n in (1, top):
+        indexed = humming.moe_quant_humming(args[0][:n], *args[1:], path="indexed")
+        assert torch.equal(indexed, humming.moe_quant_humming(args[0][:n], *args[1:], path="grouped")), n
+
+
+def captured(args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    """The op on `args` captured in a CUDA graph (warmed up on a side stream first): (graph, its x, its out)."""
+    x = args[0].clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        kernels.call("moe_quant", *qargs(lt, 0, 1, topk=4))
+        kernels.call("moe_quant", x, *args[1:])
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = kernels.call("moe_quant", *qargs(lt, 0, 1, topk=4))
+        out = kernels.call("moe_quant", x, *args[1:])
+    return g, x, out
+
+
+@gpu
+@pytest.mark.parametrize("act,n", [("bf16", 1), ("bf16", humming.INDEXED_MAX_ROWS), ("fp8", 1),
+                                   ("fp8", humming.INDEXED_MAX_ROWS), ("bf16", humming.INDEXED_MAX_ROWS + 1)])
+def test_gpu_humming_in_a_cuda_graph(act, n):
+    """Both paths (up to INDEXED_MAX_ROWS rows indexed, one more grouped) replay as they ran eagerly, and a
+    replay on new tokens routes them anew (the route lists are made inside the graph, no host read)."""
+    t = small_moe(n, micros=1, seed=3)
+    args = qargs(laid(t, act, 1), 0, 1, topk=4)
+    eager = kernels.call("moe_quant", *args)
+    g, x, out = captured(args)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+    fresh = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(9), device="cuda").to(x.dtype)
+    x.copy_(fresh)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, kernels.call("moe_quant", fresh, *args[1:]))
 
 
 # ------------------------------------------------------------------------------- the engine's choice

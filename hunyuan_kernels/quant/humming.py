@@ -13,23 +13,41 @@ others, which are rounded toward zero).
 
     lay_out(w, activations)          a plain [micros, E, N, K] gate/up pack or [E, N, micros * I] down pack
                                      -> the same weight laid out for humming ("bf16": W4A16, "fp8": W4A8)
-    moe_quant "humming" variant      routing and permutation as the `grouped` variant (moe/cuda.py), then per
-                                     active micro: GEMM1 (grouped-contiguous over the experts' rows),
-                                     SwiGLU (W4A8: fused with the per-row FP8 quantization in humming's
-                                     input kernel), GEMM2 over that micro's columns of the down pack; the
-                                     micros' partials summed in fp32; the shared MLP on the other variants'
-                                     linears; one weighted finalize.
+    moe_quant "humming" variant      one of two paths by the row count (`rows_path`), then per active micro:
+                                     GEMM1, SwiGLU (W4A8: fused with the per-row FP8 quantization in
+                                     humming's input kernel), GEMM2 over that micro's columns of the down
+                                     pack; the micros' partials summed in fp32; the shared MLP on the other
+                                     variants' linears; one weighted finalize:
+      grouped (rows > INDEXED_MAX_ROWS)   routing and permutation as the `grouped` variant (moe/cuda.py), the
+                                     GEMMs grouped-contiguous over the experts' rows of the permuted copy;
+      indexed (a decode step's rows)      the same routing, then `align` (one tiny kernel) lists each expert's
+                                     routes in blocks of the GEMM's M tile, and humming's INDEXED GEMMs
+                                     gather their input rows themselves and write one row per (token,
+                                     choice): no permutation, no copy of x, no inverse map in the finalize.
+
+The indexed GEMM's contract, as read from the 0.1.19 wheel (file:line there): for M tile block b (its rows
+`BLOCK_SHAPE_M` of the kernel the launcher picks for `shape_m * top_k` routed rows, launcher.cpp:31-46,
+141-146) the kernel multiplies by expert `expert_ids[b]` (scheduler.cuh:395) the rows `sorted_ids[b*M ..
+b*M+M)` (int32, read 4 at a time: scheduler.cuh:398-404), each a route `token * top_k + choice`: it reads
+input row `id / top_k` (scheduler.cuh:417; a row >= shape_m is not loaded, loader_a.cuh:138-143) and writes
+output row `id` of C [shape_m * top_k, N] (gmem_writer.cuh:85, 159-161; ids >= shape_m * top_k are not
+written): so a pad id of `shape_m * top_k` is skipped on both sides (humming's own test data pads so,
+testing/data.py:119-139). It runs ceil(num_tokens_padded[0] / M) tiles (scheduler.cuh:157-159). The epilogue
+has no routing weights and no sum over the choices (context.cuh:6-25), so the finalize stays ours. GEMM2 takes
+GEMM1's (token, choice) rows with top_k = 1 and the same lists where its M tile is the same.
 
 The API relied on is humming-kernels 0.1.19's (read from its wheel): `humming.schema.Mxfp4WeightSchema`,
 `HummingInputSchema`, `humming.transform.prepare_layer_config / prepare_fp16_e8m0_scale /
-transform_humming_tensors`, `humming.forward.humming_forward / may_process_input` and
-`humming.kernel.humming.HummingKernel.prepare_kernels`; other versions are not offered.
+transform_humming_tensors`, `humming.tune.get_heuristics_config`, `humming.forward.humming_forward /
+may_process_input` and `humming.kernel.humming.HummingKernel.prepare_kernels`; other versions are not offered.
 """
 from __future__ import annotations
 
 import functools
 import importlib.metadata
 import importlib.util
+import json
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -52,11 +70,19 @@ ACTIVATIONS = ("bf16", "fp8")
 # x1 * silu(x2) on rows [x1 ; x2] (the official SwiGLU, moe/reference.swiglu_halves), as humming's input
 # kernel's binary activation: a the first half, b the second
 SWIGLU = "a * (b / (1.0f + __expf(-b)))"
-# grouped-contiguous over the experts' rows, every shape (a batch-invariant schedule: a row's sums do not
-# depend on the other rows in the call)
-COMPUTE = {"gemm_type": "grouped_contiguous", "use_batch_invariant": True}
-# The most rows of a call that humming's indexed GEMMs will take (`align` lists their routes)
+# Both GEMM types on humming's batch-invariant schedule: on SM90 one K tile of 1024 bits of activation for
+# every row count (64 bf16 / 128 FP8 values), no stream-K split (sm90_policies.py:1002-1011 in the wheel), so
+# a row's sums are one CTA's, in K order, whatever the other rows of the call (its tokens are the narrow
+# side of the MMA; humming's own tests assert the same bits across row counts, testing/runner.py:600-650).
+# grouped-contiguous over the experts' rows of a permuted copy: every shape
+COMPUTE = json.dumps({"gemm_type": "grouped_contiguous", "use_batch_invariant": True})
+# indexed: the GEMM gathers each route's row itself (a decode step's rows)
+COMPUTE_INDEXED = json.dumps({"gemm_type": "indexed", "use_batch_invariant": True})
+# The most rows the indexed path takes (more take the grouped path): 16 awaits measurement (`python -m bench
+# humming --ns 1,2,4,8,16`, which times both paths at each N); at 1 row the grouped path cost 137 us a layer
+# (W4A16) against our Triton decode's 101, humming's two GEMMs ~77 of it (docs/benchmarks.md, humming).
 INDEXED_MAX_ROWS = 16
+PATHS = ("indexed", "grouped")
 
 
 @functools.cache
@@ -85,7 +111,22 @@ def lib() -> ModuleType:
     import humming.kernel.humming
     import humming.schema
     import humming.transform
+    import humming.tune
     return humming
+
+
+@dataclass(frozen=True, eq=False)
+class Config:
+    """A laid-out pack's `KernelLayout.config`: humming's layer config, and its indexed GEMM's tuning for
+    the routed rows of up to INDEXED_MAX_ROWS tokens (`indexed_tuning`)."""
+    layer: object                                   # humming.config.LayerConfig
+    indexed: str                                    # tuning config, JSON [[lo, hi, kernel config], ...]
+    blocks: tuple[tuple[int, int, int], ...]        # (lo, hi, M tile rows) of each of its intervals
+
+    @classmethod
+    def of(cls, layer, intervals: list) -> "Config":
+        """From the indexed kernels' [[lo, hi, kernel config], ...] (routed rows lo < r <= hi)."""
+        return cls(layer, json.dumps(intervals), tuple((lo, hi, cfg["block_shape"][0]) for lo, hi, cfg in intervals))
 
 
 def fits_pack(w: QWeight, activations: str = "bf16") -> str | None:
@@ -120,14 +161,31 @@ def _transform(codes: torch.Tensor, scales: torch.Tensor, activations: str):
                "weight_scale": scales.clone(memory_format=torch.contiguous_format).view(torch.float8_e8m0fnu)}
     config, tensors = h.transform.prepare_fp16_e8m0_scale(config, tensors)
     out = h.transform.transform_humming_tensors(config, tensors)
-    h.kernel.humming.HummingKernel.prepare_kernels(config.to_str(), _compute(), None, codes.device)   # JIT, once
+    h.kernel.humming.HummingKernel.prepare_kernels(config.to_str(), COMPUTE, None, codes.device)  # JIT, once
     return config, out["weight"], out["weight_scale"], out.get("weight_scale_2")
 
 
-@functools.cache
-def _compute() -> str:
-    import json
-    return json.dumps(COMPUTE)
+def indexed_tuning(layer, experts: int, device: torch.device) -> Config:
+    """The indexed GEMM's kernels for `layer` (humming's LayerConfig), chosen by humming's own heuristics as
+    its forward would choose them (`_resolve_configs` -> `get_heuristics_config`), kept for the routed rows
+    a call of the indexed path can have (INDEXED_MAX_ROWS tokens, each routed to at most `experts`: the
+    top-k is not known at load), and compiled now. Passing this list as the GEMM's tuning config makes the
+    kernel's M tile the one `align` packs for (`block_rows`)."""
+    h = lib()
+    found = h.tune.get_heuristics_config(layer, None, device=device, **json.loads(COMPUTE_INDEXED))
+    config = Config.of(layer, [iv for iv in found if iv[0] < INDEXED_MAX_ROWS * experts])
+    h.kernel.humming.HummingKernel.prepare_kernels(layer.to_str(), COMPUTE_INDEXED, config.indexed, device)
+    return config
+
+
+def block_rows(blocks: tuple[tuple[int, int, int], ...], rows: int) -> int:
+    """The M tile of the indexed kernel humming's launcher runs for `rows` routed rows: the interval
+    lo < rows <= hi (hi <= 0: no bound), as launcher.cpp:31-46 finds it."""
+    for lo, hi, block in blocks:
+        if lo < rows and (hi <= 0 or rows <= hi):
+            return block
+    raise ValueError(f"humming's indexed kernels were prepared for {blocks[0][0] + 1}..{blocks[-1][1]} routed rows, "
+                     f"not {rows}")
 
 
 def lay_out(w: QWeight, activations: str = "bf16", micros: int | None = None) -> QWeight:
@@ -145,7 +203,7 @@ def lay_out(w: QWeight, activations: str = "bf16", micros: int | None = None) ->
         inter = w.shape[-1] // micros
         stacks = [(c.codes, c.scales) for c in (w.cols(m * inter, (m + 1) * inter) for m in range(micros))]
     parts = [_transform(c, s, activations) for c, s in stacks]
-    config = parts[0][0]
+    config = indexed_tuning(parts[0][0], stacks[0][0].shape[0], w.codes.device)
     logical = tuple(w.shape) if micros is None else (micros, *w.shape[:-1], w.shape[-1] // micros)
     scale2 = torch.stack([p[3] for p in parts]) if parts[0][3] is not None else None
     layout = KernelLayout(NAME, logical, activations, config, scale2)
@@ -254,20 +312,26 @@ def humming_fits(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, *args,
             and lay1.activations == lay2.activations)
 
 
-def _gemm(inputs: torch.Tensor, w: QWeight, m: int, offsets: torch.Tensor, out: torch.Tensor,
-          input_scale: torch.Tensor | None = None) -> torch.Tensor:
+def rows_path(n: int) -> str:
+    """The path a call of `n` rows takes: "indexed" up to INDEXED_MAX_ROWS, else "grouped"."""
+    return "indexed" if n <= INDEXED_MAX_ROWS else "grouped"
+
+
+def _gemm(inputs: torch.Tensor, w: QWeight, m: int, out: torch.Tensor, input_scale: torch.Tensor | None,
+          routing: dict) -> torch.Tensor:
+    """Micro m's GEMM of a laid-out pack; `routing`: its GEMM type's arguments (`_grouped`, `_routes`)."""
     lay = w.layout
     return lib().forward.humming_forward(
-        lay.config, inputs=inputs, weight=w.codes[m], weight_scale=w.scales[m],
+        lay.config.layer, inputs=inputs, weight=w.codes[m], weight_scale=w.scales[m],
         weight_scale_2=lay.scale2[m] if lay.scale2 is not None else None, outputs=out, input_scale=input_scale,
-        expert_layout=offsets, locks=_locks(inputs.device), compute_config=COMPUTE)
+        locks=_locks(inputs.device), **routing)
 
 
 def _act(h: torch.Tensor, w2: QWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The SwiGLU of GEMM1's rows: bf16 (W4A16), or fused with their per-row FP8 quantization (W4A8)."""
     if w2.layout.activations == "bf16":
         return tk.swiglu(h), None
-    q, _, scale = lib().forward.may_process_input(w2.layout.config, h, activation_type="binary_split",
+    q, _, scale = lib().forward.may_process_input(w2.layout.config.layer, h, activation_type="binary_split",
                                                   activation_impl=SWIGLU)
     return q, scale
 
@@ -276,20 +340,76 @@ def _rows(xs: torch.Tensor, w1: QWeight) -> tuple[torch.Tensor, torch.Tensor | N
     """GEMM1's input rows, quantized once per row for W4A8 (every micro reads them)."""
     if w1.layout.activations == "bf16":
         return xs, None
-    q, _, scale = lib().forward.may_process_input(w1.layout.config, xs)
+    q, _, scale = lib().forward.may_process_input(w1.layout.config.layer, xs)
     return q, scale
+
+
+def _experts(rows_in: torch.Tensor, w1: QWeight, w2: QWeight, micro_start: int, micro_count: int, routes: int,
+             up: dict, down: dict) -> torch.Tensor:
+    """Every active micro's GEMM1, SwiGLU and GEMM2 for `routes` routes -> [routes, H] (one micro: x.dtype;
+    more: their partials summed in fp32). `up` / `down`: the two GEMMs' routing arguments."""
+    rows, row_scale = _rows(rows_in, w1)
+    inter2, hidden = w1.layout.shape[-2], w2.layout.shape[-2]
+    dev = rows_in.device
+    y = None
+    for m in range(micro_start, micro_start + micro_count):
+        h = _gemm(rows, w1, m, _empty(routes, inter2, dtype=rows_in.dtype, device=dev), row_scale, up)
+        act, act_scale = _act(h, w2)
+        part = _gemm(act, w2, m, _empty(routes, hidden, dtype=rows_in.dtype, device=dev), act_scale, down)
+        y = part if y is None else y.float() + part.float()
+    return y
+
+
+def _grouped(x, gate, w1: QWeight, w2: QWeight, micro_start: int, micro_count: int, topk: int, norm_topk: bool):
+    """Routing and permutation as the `grouped` variant (moe/cuda.py `permute`), then the grouped-contiguous
+    GEMMs over the permuted copy of the rows -> (weights, [N*k, H] in expert order, each route's row there)."""
+    w, inv, xs, offs = permute(x, gate, topk, norm_topk)
+    # expert_layout [E + 1]: each expert's first row, then the end
+    routing = dict(expert_layout=F.pad(offs, (1, 0)).long(), compute_config=COMPUTE)
+    return w, _experts(xs, w1, w2, micro_start, micro_count, xs.shape[0], routing, routing), inv
+
+
+def _routes(ids: torch.Tensor, lay: KernelLayout, top_k: int) -> dict:
+    """An indexed GEMM's routing arguments: `align`'s lists for the M tile of its kernel at these routes."""
+    config: Config = lay.config
+    block = block_rows(config.blocks, ids.numel())
+    sorted_ids, expert_ids, padded = align(ids, lay.shape[-3], block)
+    return dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_tokens_padded=padded, top_k=top_k,
+                compute_config=COMPUTE_INDEXED, tuning_config=config.indexed)
+
+
+def _indexed(x, gate, w1: QWeight, w2: QWeight, micro_start: int, micro_count: int, topk: int, norm_topk: bool):
+    """The grouped path's routing (router_select with its plan, whose counts go unused: the same weights bit
+    for bit, so a row's output does not change where its batch crosses INDEXED_MAX_ROWS), `align`'s route
+    lists, then the indexed GEMMs: GEMM1 gathers the rows of x itself (row t*k+j of its output: token t's
+    j-th choice), GEMM2 reads those rows as they are (top_k 1) -> (weights, [N*k, H] in route order, None)."""
+    w, ids, _ = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=True)
+    routes = ids.numel()
+    up = _routes(ids, w1.layout, topk)
+    down_config: Config = w2.layout.config
+    if block_rows(w1.layout.config.blocks, routes) == block_rows(down_config.blocks, routes):     # the same lists
+        down = dict(up, top_k=1, tuning_config=down_config.indexed)
+    else:
+        down = _routes(ids, w2.layout, 1)
+    return w, _experts(x, w1, w2, micro_start, micro_count, routes, up, down), None
 
 
 @backend("moe_quant", NAME, dtypes=(torch.bfloat16,), available=available, fits=humming_fits)
 def moe_quant_humming(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start: int, micro_count: int,
-                      topk: int, norm_topk: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The `humming` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given).
-    The shared MLP of a decode step's rows (quantized, at most the GEMV decode's rows) runs on the decode
-    GEMVs on a side stream, as the `decode` variant runs it (batch invariant, hidden under the routing);
-    otherwise on the quantized linears (`moe_cuda._shared`)."""
+                      topk: int, norm_topk: bool, out: torch.Tensor | None = None,
+                      path: str | None = None) -> torch.Tensor:
+    """The `humming` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given):
+    the indexed path up to INDEXED_MAX_ROWS rows, else the grouped one (`rows_path`); `path` ("indexed" /
+    "grouped") forces one (bench humming times both; the engine never passes it). The shared MLP of a
+    decode step's rows (quantized, at most the GEMV decode's rows) runs on the decode GEMVs on a side
+    stream, as the `decode` variant runs it (batch invariant, hidden under the routing); otherwise on the
+    quantized linears (`moe_cuda._shared`)."""
     from .moe_cuda import GEMV_MAX_TOKENS, _shared, shared_fork
     x = x.contiguous()
-    n, hidden = x.shape
+    n = x.shape[0]
+    path = path or rows_path(n)
+    if path not in PATHS or (path == "indexed" and n > INDEXED_MAX_ROWS):
+        raise ValueError(f"humming: path {path!r} for {n} rows (indexed: 1..{INDEXED_MAX_ROWS} rows, grouped: any)")
     if out is None:
         out = torch.empty_like(x)
     if n == 0:
@@ -299,16 +419,8 @@ def moe_quant_humming(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, m
         shared, join = shared_fork(x, shared_w1, shared_w2, micro_start, micro_count, topk)
     elif shared_w1 is not None:
         shared = _shared(x, shared_w1, shared_w2, micro_start, micro_count)
-    w, inv, xs, offs = permute(x, gate, topk, norm_topk)
-    offsets = F.pad(offs, (1, 0)).long()            # [E + 1]: each expert's first row, then the end
-    rows, row_scale = _rows(xs, w1)
-    inter2 = w1.layout.shape[-2]
-    y = None
-    for m in range(micro_start, micro_start + micro_count):
-        h = _gemm(rows, w1, m, offsets, _empty(xs.shape[0], inter2, dtype=x.dtype, device=x.device), row_scale)
-        act, act_scale = _act(h, w2)
-        part = _gemm(act, w2, m, offsets, _empty(xs.shape[0], hidden, dtype=x.dtype, device=x.device), act_scale)
-        y = part if y is None else y.float() + part.float()      # the micros' partials summed in fp32
+    experts = _indexed if path == "indexed" else _grouped
+    w, y, inv = experts(x, gate, w1, w2, micro_start, micro_count, topk, norm_topk)
     if join is not None:
         join()
     return tk.finalize(y, inv, w, shared, out)
