@@ -1,20 +1,25 @@
 """The MXFP4 MoE layer on humming-kernels (the `moe_quant` op's `humming` variant, packs laid out at load) beside
 our own variants, at the real tp1 shapes, for a decode step's rows and a denoise step's.
 
-    python -m bench humming [--ns 1,8,16] [--denoise 4096] [--layers 8] [--activations bf16,fp8]
+    python -m bench humming [--ns 1,2,4,8,16] [--denoise 4096] [--layers 8] [--activations bf16,fp8]
 
 Each layer: H 4096, E 64, top-8, I 3072, the shared MLP in MXFP8 (the MXFP4 build's), random weights and
-router, its own random tokens. Rows per N and variant:
-  ours          the registry's choice on plain packs (decode / batched / grouped: `ran`)
-  humming-bf16  W4A16 (the codes converted to bf16 in registers, bf16 MMA)
-  humming-fp8   W4A8 (activations quantized per row to FP8 E4M3, the E8M0 scales folded per expert)
-Decode sizes: `--layers` distinct layers captured in ONE CUDA graph (beyond L2, as a step is), the floor the
-bytes of the experts the tokens touch, the shared MLP and the router at 4.3 TB/s. Denoise size: 2 layers in
-a graph, the floor the FLOPs at the bf16 (W4A16) or FP8 (W4A8) dense peak measured on the device (790 /
-1580 TFLOP/s). Every variant is first checked on layer 0 against the op's reference (relative L2 error;
-W4A8's includes the FP8 rounding of the activations), for the same bits on a second run, and at decode
-sizes for batch invariance (a token alone gives the same bits). Also: the time to lay out one layer's packs
-(and to compile the kernels, the first time) and the share of scale blocks W4A8's fold rounds.
+router, random tokens (the decode sizes share one set of layers, N taking the first N tokens). Rows per N:
+  ours                  the registry's choice on plain packs (decode / batched / grouped: `ran`)
+  humming-bf16          W4A16 (the codes converted to bf16 in registers, bf16 MMA)
+  humming-fp8           W4A8 (activations quantized per row to FP8 E4M3, the E8M0 scales folded per expert)
+each humming row once per path at N <= humming.INDEXED_MAX_ROWS ("grouped": routing, permutation, grouped-
+contiguous GEMMs; "indexed": the GEMMs gather the routes' rows themselves; `ran` says which one the variant
+takes there by itself), the grouped path alone above. Decode sizes: `--layers` distinct layers captured in
+ONE CUDA graph (beyond L2, as a step is), the floor the bytes of the experts the tokens touch, the shared MLP
+and the router at 4.3 TB/s. Denoise size: 2 layers in a graph, the floor the FLOPs at the bf16 (W4A16) or FP8
+(W4A8) dense peak measured on the device (790 / 1580 TFLOP/s). Every row is first checked on layer 0 against
+the op's reference (relative L2 error; W4A8's includes the FP8 rounding of the activations), for the same
+bits on a second run, and at decode sizes for batch invariance (a token alone gives the same bits); where
+both paths run, whether they give the same bits (`= grouped`: the threshold then changes no result). Then
+the us/layer of every path side by side per N, and per activation the row counts where the indexed path is
+the faster (what INDEXED_MAX_ROWS is set from). Also: the time to lay out one layer's packs (and to compile
+the kernels, the first time) and the share of scale blocks W4A8's fold rounds.
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ PEAK_FLOPS = {"bf16": 790e12, "fp8": 1580e12}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--ns", default="1,8,16", help="decode row counts (default 1,8,16)")
+    ap.add_argument("--ns", default="1,2,4,8,16", help="decode row counts (default 1,2,4,8,16)")
     ap.add_argument("--denoise", type=int, default=4096, help="the denoise size's tokens (default 4096; 0: none)")
     ap.add_argument("--layers", type=int, default=8, help="distinct layers in the decode graph (default 8)")
     ap.add_argument("--activations", default="bf16,fp8", help="humming's activations to run (default bf16,fp8)")
@@ -76,43 +81,92 @@ def floor_ms(layers: list[dict], n: int, act: str) -> float:
     return total / PEAK_BW * 1e3
 
 
-def check(name: str, args: tuple, want: torch.Tensor, decode: bool) -> Check:
+class Variant:
+    """One row's way to run the layer: the registry's choice, or the humming variant on a forced path."""
+
+    def __init__(self, name: str, layers: list[dict], path: str | None = None):
+        self.name, self.layers, self.path = name, layers, path
+        self.activations = name.split("-")[-1] if name.startswith("humming") else "bf16"
+
+    def __call__(self, args: tuple) -> torch.Tensor:
+        if self.path is None:
+            return kernels.call("moe_quant", *args)
+        return humming.moe_quant_humming(*args, path=self.path)
+
+    def ran(self, n: int) -> str:
+        if self.path is None:
+            return kernels.chosen("moe_quant")
+        return self.path + (" (its choice)" if humming.rows_path(n) == self.path else "")
+
+
+def lay_out_all(layers: list[dict], acts: list[str], out: Output) -> dict[str, list[dict]]:
+    laid = {}
+    for act in acts:
+        t1 = time.time()
+        laid[act] = [laid_out(lay, act) for lay in layers]
+        out.say(f"{len(layers)} layers laid out for humming-{act} in {time.time() - t1:.1f} s")
+    return laid
+
+
+def variants(layers: list[dict], laid: dict[str, list[dict]], n: int) -> list[Variant]:
+    """ours, then per activation the humming variant on both paths (N <= INDEXED_MAX_ROWS) or its choice."""
+    paths = humming.PATHS if n <= humming.INDEXED_MAX_ROWS else (None,)
+    return [Variant("ours", layers)] + [Variant(f"humming-{act}", lays, path) for act, lays in laid.items()
+                                         for path in paths]
+
+
+def check(v: Variant, args: tuple, want: torch.Tensor, decode: bool) -> Check:
     with poisoned():
-        got = kernels.call("moe_quant", *args)
-    again = kernels.call("moe_quant", *args)
-    res = compare(got, want, 5e-2 if name.endswith("fp8") else 1e-2, again)
+        got = v(args)
+    again = v(args)
+    res = compare(got, want, 5e-2 if v.activations == "fp8" else 1e-2, again)
     if decode and args[0].shape[0] > 1:
-        same = all(torch.equal(got[t], kernels.call("moe_quant", args[0][t:t + 1], *args[1:])[0])
-                   for t in range(0, args[0].shape[0], 3))
+        same = all(torch.equal(got[t], v((args[0][t:t + 1], *args[1:]))[0]) for t in range(0, args[0].shape[0], 3))
         res = Check(res.err, res.ok and same)
     return res
 
 
-def rows_for(n: int, nlayers: int, acts: list[str], out: Output, rows: list) -> bool:
-    t0 = time.time()
-    layers = [layer(100 * i + 7, n) for i in range(nlayers)]
+def same_bits(v: Variant, args: tuple) -> str | None:
+    """Where `v` is the indexed path: "yes" when the grouped path gives the same bits on these args."""
+    if v.path != "indexed":
+        return None
+    return "yes" if torch.equal(v(args), humming.moe_quant_humming(*args, path="grouped")) else "NO"
+
+
+def rows_for(layers: list[dict], n: int, vs: list[Variant], rows: list, out: Output) -> bool:
+    """Check and time every variant at N (the first n tokens of `layers`' own)."""
     ok = True
     with kernels.allowed():
         want = kernels.call("moe_quant", *args_of(layers[0], n))      # the reference (plain packs)
-    variants = [("ours", layers)]
-    for act in acts:
-        t1 = time.time()
-        variants.append((f"humming-{act}", [laid_out(lay, act) for lay in layers]))
-        out.say(f"N={n}: {nlayers} layers laid out for humming-{act} in {time.time() - t1:.1f} s")
-    out.say(f"N={n}: layers made in {time.time() - t0:.0f} s")
-    for name, lays in variants:
-        res = check(name, args_of(lays[0], n), want, decode=n <= 64)
-        ran = kernels.chosen("moe_quant")
+    for v in vs:
+        res = check(v, args_of(v.layers[0], n), want, decode=n <= 64)
+        ran = v.ran(n)
         ok &= res.ok
-        calls = [(lambda a=args_of(lay, n): kernels.call("moe_quant", *a)) for lay in lays]
+        agree = same_bits(v, args_of(v.layers[0], n))
+        calls = [(lambda a=args_of(lay, n): v(a)) for lay in v.layers]
         ms = time_ms(lambda: [c() for c in calls], "graph")
-        f = floor_ms(layers, n, name.split("-")[-1])
-        rows.append(dict(n=n, variant=name, ran=ran, ms=ms, us_layer=ms / nlayers * 1e3, floor_ms=f,
-                         of_floor=ms / f, err=str(res)))
-        out.say(f"  N={n} {name} ({ran}): {ms:.3f} ms, {ms / nlayers * 1e3:.1f} us a layer, {ms / f:.2f}x floor, {res}")
-    del layers, variants
-    torch.cuda.empty_cache()
+        f = floor_ms(layers, n, v.activations)
+        rows.append(dict(n=n, variant=v.name, path=v.path or "-", ran=ran, ms=ms, us_layer=ms / len(layers) * 1e3,
+                         floor_ms=f, of_floor=ms / f, err=str(res), same=agree))
+        out.say(f"  N={n} {v.name} ({ran}): {ms:.3f} ms, {ms / len(layers) * 1e3:.1f} us a layer, {ms / f:.2f}x floor, "
+                f"{res}" + (f", = grouped: {agree}" if agree else ""))
     return ok
+
+
+def side_by_side(rows: list[dict], acts: list[str]) -> tuple[list[dict], dict]:
+    """us/layer per N: ours and each humming path in one row; per activation the N where indexed wins."""
+    table, wins = [], {act: [] for act in acts}
+    for n in sorted({r["n"] for r in rows}):
+        mine = {(r["variant"], r["path"]): r["us_layer"] for r in rows if r["n"] == n}
+        line = dict(n=n, ours=mine.get(("ours", "-")))
+        for act in acts:
+            g = mine.get((f"humming-{act}", "grouped"), mine.get((f"humming-{act}", "-")))
+            i = mine.get((f"humming-{act}", "indexed"))
+            line[f"{act}_grouped"], line[f"{act}_indexed"] = g, i
+            if i is not None and g is not None and i < g:
+                wins[act].append(n)
+        table.append(line)
+    return table, wins
 
 
 def run(args: argparse.Namespace, out: Output) -> bool:
@@ -132,14 +186,29 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     del probe, lay
     rows: list[dict] = []
     ok = True
-    for n in [int(v) for v in args.ns.split(",") if v]:
-        ok &= rows_for(n, args.layers, acts, out, rows)
-    if args.denoise:
-        ok &= rows_for(args.denoise, 2, acts, out, rows)
+    ns = [int(v) for v in args.ns.split(",") if v]
+    sizes = [(ns, args.layers)] if ns else []
+    sizes += [([args.denoise], 2)] if args.denoise else []
+    for group, nlayers in sizes:
+        t1 = time.time()
+        layers = [layer(100 * i + 7, max(group)) for i in range(nlayers)]
+        out.say(f"{nlayers} layers of {max(group)} tokens made in {time.time() - t1:.0f} s")
+        laid = lay_out_all(layers, acts, out)
+        for n in group:
+            ok &= rows_for(layers, n, variants(layers, laid, n), rows, out)
+        del layers, laid
+        torch.cuda.empty_cache()
     out.data["rows"] = rows
     out.table(rows, [Col("N", "n"), Col("variant", "variant"), Col("ran", "ran"), Col("ms/graph", "ms", ".3f"),
                      Col("us/layer", "us_layer", ".1f"), Col("floor ms", "floor_ms", ".3f"),
-                     Col("x floor", "of_floor", ".2f"), Col("check", "err")],
+                     Col("x floor", "of_floor", ".2f"), Col("check", "err"), Col("= grouped", "same")],
               title="the MXFP4 MoE layer (tp1, real shapes): ours vs humming-kernels")
+    table, wins = side_by_side(rows, acts)
+    out.data["paths"], out.data["indexed_faster_at"] = table, wins
+    out.table(table, [Col("N", "n"), Col("ours", "ours", ".1f")]
+              + [Col(f"{act} {p}", f"{act}_{p}", ".1f") for act in acts for p in ("grouped", "indexed")],
+              title=f"us per layer by path (indexed is the variant's own up to {humming.INDEXED_MAX_ROWS} rows)")
+    for act in acts:
+        out.say(f"humming-{act}: the indexed path is the faster at N = {wins[act] or 'none measured'}")
     out.say(f"checks: {'all passed' if ok else 'FAILED'}")
     return ok
