@@ -300,7 +300,12 @@ def align(ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tensor, to
 # ------------------------------------------------------------------------------------------- the variant
 
 def _locks(device: torch.device) -> torch.Tensor:
-    return _LOCKS.setdefault(device, torch.zeros(2048, dtype=torch.int32, device=device))
+    """humming's stream-K locks (its batch-invariant schedules split no K, so they stay zero): made once per
+    device, not per call (a zeros tensor a call would be a fill kernel per GEMM, a node in each graph)."""
+    locks = _LOCKS.get(device)
+    if locks is None:
+        locks = _LOCKS[device] = torch.zeros(2048, dtype=torch.int32, device=device)
+    return locks
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
