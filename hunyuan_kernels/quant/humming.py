@@ -78,10 +78,13 @@ SWIGLU = "a * (b / (1.0f + __expf(-b)))"
 COMPUTE = json.dumps({"gemm_type": "grouped_contiguous", "use_batch_invariant": True})
 # indexed: the GEMM gathers each route's row itself (a decode step's rows)
 COMPUTE_INDEXED = json.dumps({"gemm_type": "indexed", "use_batch_invariant": True})
-# The most rows the indexed path takes (more take the grouped path): 16 awaits measurement (`python -m bench
-# humming --ns 1,2,4,8,16`, which times both paths at each N); at 1 row the grouped path cost 137 us a layer
-# (W4A16) against our Triton decode's 101, humming's two GEMMs ~77 of it (docs/benchmarks.md, humming).
+# The most rows the indexed path is prepared for (its kernels compiled at layout; `path="indexed"` up to it).
 INDEXED_MAX_ROWS = 16
+# The rows up to which a call takes the indexed path by itself: 0 (never) until `python -m bench humming --ns
+# 1,2,4,8,16` has timed both paths on the H200 and the GPU tests have held there (the indexed kernels have not
+# run on a GPU yet); at 1 row the grouped path cost 137 us a layer (W4A16) against our Triton decode's 101,
+# humming's two GEMMs ~77 of it (docs/benchmarks.md, humming).
+INDEXED_ROWS = 0
 PATHS = ("indexed", "grouped")
 
 
@@ -318,8 +321,9 @@ def humming_fits(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, *args,
 
 
 def rows_path(n: int) -> str:
-    """The path a call of `n` rows takes: "indexed" up to INDEXED_MAX_ROWS, else "grouped"."""
-    return "indexed" if n <= INDEXED_MAX_ROWS else "grouped"
+    """The path a call of `n` rows takes: "indexed" up to INDEXED_ROWS (at most INDEXED_MAX_ROWS), else
+    "grouped"."""
+    return "indexed" if n <= min(INDEXED_ROWS, INDEXED_MAX_ROWS) else "grouped"
 
 
 def _gemm(inputs: torch.Tensor, w: QWeight, m: int, out: torch.Tensor, input_scale: torch.Tensor | None,
