@@ -62,12 +62,12 @@ def make_engine(lm, graphs: Graphs | None = None, **options) -> Engine:
 
 
 def run_together(lm, requests: list[dict], cancel_at: dict[int, int] | None = None, engine: Engine | None = None,
-                 on_start: Callable[[Scheduler], None] = lambda s: None) -> tuple[dict[int, list], Scheduler]:
+                 on_start: Callable[[Scheduler], None] = lambda s: None, **policy) -> tuple[dict[int, list], Scheduler]:
     """The requests joined at the first engine step (seq = their index), the engine's steps run until every
-    one ended, as the worker runs them (on a fresh scheduler); `cancel_at` {seq: engine step before which it
-    is cancelled}. Returns (events per seq, the scheduler)."""
+    one ended, as the worker runs them (on a fresh scheduler, `Engine.new_scheduler(**policy)`); `cancel_at`
+    {seq: engine step before which it is cancelled}. Returns (events per seq, the scheduler)."""
     engine = engine or make_engine(lm, preview_every=0, max_batch=len(requests))
-    scheduler = engine.scheduler = engine.new_scheduler()
+    scheduler = engine.scheduler = engine.new_scheduler(**policy)
     on_start(scheduler)
     news = StepNews(join=tuple((i, prepare(Request(**kw), lm, engine.adapters()))
                                   for i, kw in enumerate(requests)))

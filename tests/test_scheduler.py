@@ -244,11 +244,11 @@ def test_the_scheduler_counts_denoise_turns_that_could_share_a_forward(tiny):
 
 
 def test_a_cancel_ends_a_denoising_request_at_its_next_step(tiny):
-    """Request 0 holds the denoise rows (3 steps; one step per engine step, nothing decodes); cancelled
-    before engine step 1, it ends after its first step; request 1, waiting for the rows, then runs and
-    gives the image it gives alone."""
+    """Request 0 holds the denoise rows (3 steps; nothing decodes: its hand-off in engine step 0, then one
+    step per engine step); cancelled before engine step 2, it ends after its first step; request 1, waiting
+    for the rows, then runs and gives the image it gives alone."""
     reqs = [dict(SAME_LAYOUT[1], seed=41), SAME_LAYOUT[0]]
-    events, scheduler = run_together(tiny, reqs, cancel_at={0: 1})
+    events, scheduler = run_together(tiny, reqs, cancel_at={0: 2})
     cancelled = events[0]
     assert isinstance(cancelled[-1], Error) and cancelled[-1].kind == "cancelled"
     assert [e.i for e in cancelled if isinstance(e, Step)] == [1] and not any(isinstance(e, Image) for e in cancelled)

@@ -65,11 +65,20 @@ def step_keys(span: GenImageSpan) -> int:
     return tail_index(span) + span.stop - span.meta_start
 
 
-def step_key(span: GenImageSpan, images: int, branches: list[int]) -> tuple:
+def step_key(span: GenImageSpan, images: int, branches: list[int], tail: int | None = None) -> tuple:
     """What a denoise step's graph depends on besides the plan (one per engine): its shapes, i.e. the
-    image's latent size, where its tokens sit in the cache (`tail_index`: the prompt + CoT length only by
-    TAIL_GRAIN steps), its rows (images x the CFG branches this rank computes)."""
-    return "denoise", span.h, span.w, tail_index(span), images, tuple(branches)
+    image's latent size, where its tokens sit in the cache (`tail`, default `tail_index`: the prompt + CoT
+    length only by TAIL_GRAIN steps), its rows (images x the CFG branches this rank computes)."""
+    return "denoise", span.h, span.w, tail_index(span) if tail is None else tail, images, tuple(branches)
+
+
+def step_class(span: GenImageSpan, images: int, branches: list[int]) -> tuple:
+    """What requests whose steps share one forward agree on: the step key without its tail. Their prefixes
+    may end anywhere: the batch puts every member's step tokens at the largest tail among them (a member's
+    tail may move up, step to step: each step writes the K/V of its own tokens before it attends, and its
+    key mask hides the gap after its prefix), engine/runtime/denoise_batch.py."""
+    key = step_key(span, images, branches, 0)
+    return key[:3] + key[4:]
 
 
 @dataclass
@@ -172,7 +181,8 @@ class DenoiseRunner:
         self.pos, self.blocks = T["pos"], T["blocks"]
         self.span = seq.gen_image
         self._batches: dict[tuple[int, int], tuple] = {}   # (start, stop) -> (chunk, n, AttnBatch)
-        self._step: tuple[int, int, AttnBatch] | None = None   # the step's layout in the cache: its own
+        self.tail = tail_index(seq.gen_image)                  # where its step's tokens sit when it runs alone
+        self._step: dict[int, tuple[int, int, AttnBatch]] = {}   # the step's layout in the cache, by tail
         self._shared: tuple[int, int, AttnBatch] | None = None  # ... and as copied into its key's graph buffers
         # every step runs the same kernels on the same shapes: on CUDA in bf16 (and groups a graph can hold)
         # the step is one graph (no launch gaps), captured once per step key for the engine's life and
@@ -180,7 +190,7 @@ class DenoiseRunner:
         self.graphs = graphs
         self.use_graph = (graphs is not None and not layout.serial and graphs.capturable(model)
                           and graph_safe(layout.view.tp, layout.view.sp, layout.branch_comm))
-        self.key = step_key(seq.gen_image, layout.images, layout.branches) + layout.storage
+        self.key = self.key_at(self.tail)
         self._static: StepBuffers | None = None
         self.step_cache = step_cache if step_cache is not None else StepCache(0)
         self.prefill_lora, self.lora = lora
@@ -190,6 +200,10 @@ class DenoiseRunner:
         """The key of its step's graph (and buffers) when it runs alone: the step key, and whether the step
         adds an adapter (one for all its rows) or runs the base weights."""
         return self.key + lora_key("off" if self.lora is None else "one+mlp" if self.lora.mlp else "one")
+
+    def key_at(self, tail: int) -> tuple:
+        """Its step key with its step's tokens at cache index `tail` (its own, or a denoise batch's)."""
+        return step_key(self.span, self.layout.images, self.layout.branches, tail) + self.layout.storage
 
     def _layout(self, start: int, stop: int, dev: torch.device) -> tuple[int, int, object]:
         """This rank's share of tokens [start, stop): (chunk, n, AttnBatch), built once per range."""
@@ -208,16 +222,20 @@ class DenoiseRunner:
             self._batches[(start, stop)] = (chunk, n, batch)
         return self._batches[(start, stop)]
 
-    def step_layout(self, dev: torch.device) -> tuple[int, int, AttnBatch]:
-        """The step's tokens [meta_start, stop) moved to their cache place (`tail_index`): their
-        sequence-space layout with the cache indices shifted, the meta rows' mask and the key mask over
-        the step's `step_keys` (the request's prefix and its own step tokens visible, the gap hidden).
-        Built once per request, on the host's side of the step; a step graph reads a copy (`StepBuffers`)."""
-        if self._step is None:
+    def step_layout(self, dev: torch.device, at: int | None = None) -> tuple[int, int, AttnBatch]:
+        """The step's tokens [meta_start, stop) moved to their cache place, `at` (default its own tail,
+        `tail_index`; a denoise batch's may be later): their sequence-space layout with the cache indices
+        shifted, the meta rows' mask and the key mask over the step's keys (the request's prefix and its
+        own step tokens visible, the gap hidden). Built once per request and tail, on the host's side of
+        the step; a step graph reads a copy (`StepBuffers`, the batch's `BatchBuffers`)."""
+        at = self.tail if at is None else at
+        if at < self.tail:
+            raise ValueError(f"a denoise step's tokens at {at}, inside the request's prefix (its tail {self.tail})")
+        if at not in self._step:
             span = self.span
-            start, stop, at = span.meta_start, span.stop, tail_index(span)
+            start, stop = span.meta_start, span.stop
             chunk, n, seq = self._layout(start, stop, dev)
-            K = step_keys(span)
+            K = at + stop - start
 
             def moved(i: torch.Tensor | None) -> torch.Tensor | None:     # SP padding keeps its scratch slot
                 return None if i is None else torch.where(i < stop, i + (at - start), i)
@@ -229,10 +247,10 @@ class DenoiseRunner:
             keys = torch.arange(K, device=dev)
             own = (keys < start) | (keys >= at)
             dt = self.model.dtype
-            self._step = chunk, n, AttnBatch(moved(seq.index), seq.cos, seq.sin, K, sdpa_mask(mask[None, None], dt),
-                                             moved(seq.gathered), seq.masked_rows,
-                                             key_mask=sdpa_mask(own.view(1, 1, 1, K), dt), lora=self.lora)
-        return self._step
+            self._step[at] = chunk, n, AttnBatch(moved(seq.index), seq.cos, seq.sin, K, sdpa_mask(mask[None, None], dt),
+                                                 moved(seq.gathered), seq.masked_rows,
+                                                 key_mask=sdpa_mask(own.view(1, 1, 1, K), dt), lora=self.lora)
+        return self._step[at]
 
     def _masked_rows(self, start: int, stop: int, chunk: int) -> int | None:
         """For the step's tokens [meta_start, stop): how many of this rank's leading query rows are meta

@@ -1,16 +1,18 @@
 """Denoise steps batched across requests: the requests holding denoise rows, and the one forward that
 serves all of them.
 
-A denoise batch is the requests in their denoise phase, of one step key at a time (same resolution
-bucket, token layout in the cache, rows per request; engine/runtime/denoise.py `step_key`), at most
-`limit` of them. Their rows sit side by side in the KV pool's denoise storage from row 0, in the order
+A denoise batch is the requests in their denoise phase, of one step class at a time (same resolution
+bucket and rows per request, whatever their prompt + CoT lengths; engine/runtime/denoise.py `step_class`),
+at most `limit` of them. Their rows sit side by side in the KV pool's denoise storage from row 0, in the order
 they joined (request k: rows [k * rows, (k + 1) * rows), its CFG branches and images branch-major as a
 request alone has them). When one ends, the ones after it move down (a copy of their cache rows on the
 device), so the batch's rows stay [0, members * rows) and one step graph per (key, members) serves it.
 
 Each turn, one forward computes every member's step: each its own latent, its own time (members may be
 at different steps, even of different step counts), its own prefix (its cache rows, its RoPE positions,
-its key mask: the rows of one request never see another's keys, AttnBatch.key_mask), its own LoRA adapter
+its key mask: the rows of one request never see another's keys, AttnBatch.key_mask; a prefix of any
+length: every member's step tokens sit at the largest tail among them, `tail_index`, and its key mask hides
+the gap after its own prefix, so one graph per (tail bucket, members) serves the batch), its own LoRA adapter
 (or none: each denoise row has its request's, engine/runtime/kv_pool.py `set_denoise_adapter`), then each
 request's rows are sliced back out. Only the latents and times are written each turn; the members' step
 tables (positions, masks) are written into the batch's buffers when the members change (a join, a
@@ -71,19 +73,24 @@ class DenoiseBatch:
 
     # ------------------------------------------------------------------ who holds rows
     def join(self, state: "RequestState") -> int | None:
-        """The first row of `state` (waiting for its DenoiseRows) in the batch, or None: it is of another
-        key, alone, the batch is full, or its rows do not fit the storage while others hold it."""
+        """The first row of `state` (waiting for its DenoiseRows) in the batch, or None: `fits` says no."""
         need: DenoiseRows = state.need
-        if self.members:
-            first = len(self.members) * self.rows
-            if (len(self.members) >= self.limit or self.alone or need.alone or need.key != self.key
-                    or not self.pool.denoise_fits(first + need.rows, need.length)):
-                return None
-        else:
-            first, self.key, self.rows, self.alone = 0, need.key, need.rows, need.alone
+        if not self.fits(need):
+            return None
+        if not self.members:
+            self.key, self.rows, self.alone = need.key, need.rows, need.alone
+        first = len(self.members) * self.rows
         self.members.append(state)
         self.members_version += 1
         return first
+
+    def fits(self, need: DenoiseRows) -> bool:
+        """Whether a request asking for `need` may join now: the batch is empty, or it is of the batch's step
+        class, neither runs alone, the batch is not full and its rows fit the storage while others hold it."""
+        if not self.members:
+            return True
+        return not (len(self.members) >= self.limit or self.alone or need.alone or need.key != self.key
+                    or not self.pool.denoise_fits((len(self.members) + 1) * self.rows, need.length))
 
     def leave(self, state: "RequestState") -> None:
         """`state` ended: the members after it move down by its rows (their runners follow)."""
@@ -110,10 +117,12 @@ class DenoiseBatch:
             j = jobs[0]
             return [j.runner.velocity(j.i, j.inputs)]
         lead, rows = jobs[0].runner, self.rows
+        tail = max(j.runner.tail for j in jobs)                    # every member's step tokens there
         mode, lora = self.pool.denoise_lora(len(jobs) * rows)     # the members' adapters: a graph per mode
-        key = (*lead.key, ("batch", len(jobs)), *lora_key(mode))   # the solo key's graphs and this one go together
-        buf = self.graphs.buffers(key, lambda: self._buffers(jobs, lora))
-        self._fill(buf, jobs)
+        # the solo key of its tail and this one go together (engine/runtime/graphs.py `keep_recent`)
+        key = (*lead.key_at(tail), ("batch", len(jobs)), *lora_key(mode))
+        buf = self.graphs.buffers(key, lambda: self._buffers(jobs, lora, tail))
+        self._fill(buf, jobs, tail)
         cache = KVCache([t[:len(jobs) * rows] for t in self.pool.denoise.k],
                         [t[:len(jobs) * rows] for t in self.pool.denoise.v]).heads(self.heads)
         span, model = lead.span, self.model
@@ -125,11 +134,11 @@ class DenoiseBatch:
         v = self.graphs.replay(key, forward, warmup=2) if lead.use_graph else forward()
         return [v[k * rows:(k + 1) * rows] for k in range(len(jobs))]
 
-    def _buffers(self, jobs: list[StepInput], lora: LoraRows | None) -> BatchBuffers:
+    def _buffers(self, jobs: list[StepInput], lora: LoraRows | None, tail: int) -> BatchBuffers:
         """A batched key's buffers, shaped from its first members (outside any capture)."""
         lead = jobs[0].runner
         m, n, rows = len(jobs), lead.images, self.rows
-        _, _, b = lead.step_layout(self.model.device)
+        _, _, b = lead.step_layout(self.model.device, tail)
 
         def per_row(v: torch.Tensor | None) -> torch.Tensor | None:
             if v is None:         # cos/sin [T, D] -> [N, T, D]; masks [1, 1, q, K] -> [N, 1, q, K]
@@ -144,7 +153,7 @@ class DenoiseBatch:
                           b.masked_rows, key_mask=per_row(b.key_mask), lora=lora)
         return BatchBuffers(StepInputs(x, *ts), row_image, batch)
 
-    def _fill(self, buf: BatchBuffers, jobs: list[StepInput]) -> None:
+    def _fill(self, buf: BatchBuffers, jobs: list[StepInput], tail: int) -> None:
         """This turn's latents and times, and, when the members changed since these buffers last served,
         the members' step tables (their RoPE positions and masks)."""
         n, rows = jobs[0].runner.images, self.rows
@@ -157,7 +166,7 @@ class DenoiseBatch:
             return
         buf.members = self.members_version
         for k, j in enumerate(jobs):
-            _, _, b = j.runner.step_layout(self.model.device)
+            _, _, b = j.runner.step_layout(self.model.device, tail)
             for name in ("cos", "sin", "mask", "key_mask"):
                 dst = getattr(buf.batch, name)
                 dst[k * rows:(k + 1) * rows].copy_(getattr(b, name).expand(rows, *dst.shape[1:]))

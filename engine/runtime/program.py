@@ -3,7 +3,9 @@
 
 The program is a generator (`program`): it runs its own forwards inline and yields its events, and
 yields a need (engine/runtime/needs.py) wherever it shares the engine with other requests: an AR slot of
-the KV pool, each decode step (batched with every other request's), each denoise turn. The scheduler
+the KV pool, each decode step (batched with every other request's), its denoise rows (its hand-off and
+image-prefix prefill then run in that turn of its own), each denoise step (batched with the denoise
+batch's), and a turn of its own for its VAE decode. The scheduler
 (engine/runtime/scheduler.py) answers them. Each phase is a generator of its own, joined by `yield
 from`, which owns its locals and returns what the next one needs. Every rank of a plan runs the same
 programs on its part of the model; rank 0's decisions (sampled tokens, which requests run) are agreed by
@@ -28,14 +30,14 @@ from engine.parallel.groups import RankGroups
 from engine.parallel.layout import Comm
 from engine.runtime.agreement import Agreement
 from engine.runtime.conditioning import EncodedImage, EncodingCache, embed_range, encode_sequence_images
-from engine.runtime.denoise import DenoiseLayout, DenoiseRunner, FlowSampler, StepInput, step_key, step_keys
+from engine.runtime.denoise import DenoiseLayout, DenoiseRunner, FlowSampler, StepInput, step_class, step_keys
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import CacheHeads, gather_sibling_heads, reusable_prefix
 from engine.runtime.history import reasoning_of
 from engine.runtime.images import align_to_reference, png_bytes, to_pil
 from engine.runtime.kv_pool import ARRow, KVPool
-from engine.runtime.needs import ARSlot, DenoiseRows, DenoiseStep, Need
+from engine.runtime.needs import ARSlot, DenoiseRows, DenoiseStep, ImageDecode, Need
 from engine.runtime.options import EngineOptions
 from engine.runtime.prefix_cache import PrefixCache, PrefixKey, prefix_key
 from engine.runtime.request import Prepared, RequestError
@@ -153,6 +155,7 @@ def _phases(ctx: Context, run: _Run) -> Program:
         bucket = _bucket(ctx, run.p, text)
         yield Ratio(bucket.height, bucket.width, bucket.index)
         x = yield from _image_phase(ctx, run, text, bucket)
+        yield ImageDecode(run.p.images_out)      # a turn of its own (every rank asks: they decide alike)
         if ctx.groups.is_leader:      # one rank decodes and emits the image
             yield from _images(ctx, run, x, full_text)
     finally:           # ended, failed or cancelled (closed where it waited): its share of the engine goes back
@@ -253,7 +256,7 @@ def _image_phase(ctx: Context, run: _Run, text: _Text, bucket: Bucket) -> Genera
     scratch = max(text.budget, step_keys(seq.gen_image))   # SP padding writes here; nothing reads it
     cfg_on = not cfg.cfg_distilled and p.guidance > 1.0
     branches, branch_comm = _branches(ctx, cfg_on)
-    key = step_key(seq.gen_image, p.images_out, branches)
+    key = step_class(seq.gen_image, p.images_out, branches)
     step_cache = make_step_cache(p.taylor_cache, p.steps, p.block_cache, cfg.num_layers)
     # a step cache, or a step that is not one plain forward over local rows, runs alone (denoise_batch.py)
     alone = (type(step_cache) is not StepCache or ctx.options.cfg_serial

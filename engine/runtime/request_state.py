@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Generator
 
 from engine.runtime.events import Event
-from engine.runtime.needs import ARSlot, Decode, DenoiseRows, DenoiseStep, Need
+from engine.runtime.needs import ARSlot, Decode, DenoiseRows, DenoiseStep, ImageDecode, Need
 from engine.runtime.request import Prepared
 
 Program = Generator["Event | Need", Any, None]     # a request's phase program: its events and needs
@@ -23,12 +23,13 @@ class RequestState:
     prepared: Prepared
     program: Program
     need: Need | None = None                  # what its program waits for; None once it ended
+    asked: int = 0                            # when it asked for `need` (the scheduler's count of needs)
     cancelled: bool = False
 
     @property
     def stage(self) -> str:
-        """prefill (waiting for an AR slot), decode, handoff (AR done, waiting for the denoise rows),
-        denoise, or done. The VAE decode runs inline at the end of its last denoise turn."""
+        """prefill (waiting for an AR slot), decode, handoff (AR done, waiting for the denoise rows and
+        its hand-off), denoise, vae (waiting for its VAE decode), or done."""
         if isinstance(self.need, ARSlot):
             return "prefill"
         if isinstance(self.need, Decode):
@@ -37,4 +38,6 @@ class RequestState:
             return "handoff"
         if isinstance(self.need, DenoiseStep):
             return "denoise"
+        if isinstance(self.need, ImageDecode):
+            return "vae"
         return "done"

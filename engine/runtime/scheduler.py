@@ -14,19 +14,24 @@ step, the denoise batch, the ranks' agreement) and imports nothing above itself.
    each row is sampled with its own request's parameters and generator (one `sample_rows` call for the
    step's rows), and every row's token is read at once (the step's one host read, agreed by all ranks);
    each program continues with its token.
-4. The denoise turn: the denoise batch (engine/runtime/denoise_batch.py) holds up to
-   `max_denoise_batch` requests of one step key; waiting requests join it in admission order (one of
-   another key keeps the ones behind it waiting: no overtaking), and one forward runs a step of every
-   member (its step graph replayed: captured once per step key and batch size for the engine's life).
-   Each turn counts the requests that wait for a step of the same key (`denoise_company`): the room a
-   larger batch would have.
+4. A turn of heavy work, ONE of:
+   - the denoise batch's forward: the denoise batch (engine/runtime/denoise_batch.py) holds up to
+     `max_denoise_batch` requests of one step class (bucket and rows, whatever their prompt + CoT
+     lengths), and one forward runs a step of every member (its step graph replayed: captured once per
+     tail bucket and batch size for the engine's life). Each counts the requests that wait for rows of
+     the same class (`denoise_company`): the room a larger batch would have;
+   - a request's own work, first asked first served: joining the denoise batch (its hand-off from its
+     AR slot and its image prefix's prefill; the first request waiting for rows goes first and, if it
+     cannot join yet, the ones behind it wait too: no overtaking), or its VAE decode (`ImageDecode`;
+     it has left the batch). Own work never rides inside a denoise turn that others wait on.
+   When both wait, they alternate (own work after a denoise forward, a denoise forward after own work).
 
-The step policy (`decode_steps_per_denoise`, K): decode steps come first, being cheap and batched; the
-denoising request gets a turn in every step where nothing decodes, and otherwise after every K decode
-steps, so neither starves. K trades the two: a denoise step costs tens of decode steps, so at K = 8 the
-decoding requests keep a readable stream while an image denoises and the denoising request runs somewhat
-slower than alone (the H200's figures: docs/benchmarks.md, serving). K counts steps, not seconds: every
-rank makes the same decision without a clock.
+The step policy (`decode_steps_per_denoise`, K): decode steps come first, being cheap and batched; a turn
+of heavy work runs in every step where nothing decodes, and otherwise after every K decode steps, so
+neither starves. K trades the two: a denoise step costs tens of decode steps, so at K = 8 the decoding
+requests keep a readable stream while an image denoises and the denoising request runs somewhat slower
+than alone (the H200's figures: docs/benchmarks.md, serving). K counts steps, not seconds, and the turns
+are chosen from the requests' needs and counts only: every rank makes the same decision without a clock.
 
 A request's exception fails that request only (Error('engine'); its program's `finally` frees its
 share). A failure of the shared decode forward fails the requests in it. On a multi-rank plan a failed
@@ -46,13 +51,13 @@ from engine.runtime.agreement import Agreement
 from engine.runtime.denoise_batch import DenoiseBatch
 from engine.runtime.events import Error, Event
 from engine.runtime.kv_pool import KVPool
-from engine.runtime.needs import ARSlot, Decode, DenoiseRows, DenoiseStep
+from engine.runtime.needs import ARSlot, Decode, DenoiseRows, DenoiseStep, ImageDecode
 from engine.runtime.request import Prepared
 from engine.runtime.request_state import Program, RequestState
 from engine.runtime.sampling import choose_rows
 
 DECODE_STEPS_PER_DENOISE = 8
-NEEDS = (ARSlot, Decode, DenoiseRows, DenoiseStep)
+NEEDS = (ARSlot, Decode, DenoiseRows, DenoiseStep, ImageDecode)
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,9 @@ class Scheduler:
         self.k = decode_steps_per_denoise
         self.requests: dict[int, RequestState] = {}          # admission order
         self.steps = 0                                       # engine steps run
-        self._since_denoise = 0                              # decode steps since the last denoise turn
+        self._since_turn = 0                                 # decode steps since the last heavy turn
+        self._last_turn = ""                                 # what it ran: "denoise" or "own"
+        self._asked = 0                                      # needs asked so far (first asked first served)
         self._events: list[tuple[int, Event]] = []
         self._ended: list[int] = []
         # at each denoise turn, how many other requests waited for a step of the same step key: with them
@@ -86,8 +93,9 @@ class Scheduler:
         # larger denoise batch would have: bench serving's `same-key company`)
         self.denoise_company: collections.Counter = collections.Counter()
         # what each step did, counted without a device read: decode steps and the rows they carried (the
-        # mean decode batch), denoise forwards, AR slots granted (each prefilled inline); `last` is the
-        # latest step's own counts (bench serving --profile times the steps by what they held)
+        # mean decode batch), denoise forwards, AR slots granted (each prefilled inline), hand-offs (a join
+        # of the denoise batch with its image prefix's prefill) and VAE decodes; `last` is the latest step's
+        # own counts (bench serving --profile times the steps by what they held)
         self.totals: collections.Counter = collections.Counter()
         self.last: dict[str, int] = {}
         self._vocab = vocab
@@ -119,15 +127,17 @@ class Scheduler:
                 self._advance(state, None)
             slots = self._grant_slots()
             decoded = self._decode()
-            denoised = 0
-            self._since_denoise += bool(decoded)
-            if not decoded or self._since_denoise >= self.k:
-                denoised = self._denoise_turn()
-                if denoised:
-                    self._since_denoise = 0
+            turn: dict[str, int] = {}
+            self._since_turn += bool(decoded)
+            if not decoded or self._since_turn >= self.k:
+                turn = self._turn()
+                if turn:
+                    self._since_turn = 0
         self.steps += 1
-        self.last = {"joined": len(news.join), "slots": slots, "decode_rows": decoded, "denoise_rows": denoised}
-        self.totals.update(self.last, decode_steps=int(decoded > 0), denoise_forwards=int(denoised > 0))
+        self.last = {"joined": len(news.join), "slots": slots, "decode_rows": decoded, "denoise_rows": 0,
+                     "handoffs": 0, "image_decodes": 0} | turn
+        self.totals.update(self.last, decode_steps=int(decoded > 0),
+                           denoise_forwards=int(self.last["denoise_rows"] > 0))
 
     def _grant_slots(self) -> int:
         """AR slots to the requests waiting for one, in order -> how many were granted."""
@@ -168,17 +178,39 @@ class Scheduler:
         for s, answer in zip(states, answers):
             self._advance(s, answer)
 
-    def _denoise_turn(self) -> int:
-        """The denoise batch's joins and its one forward -> the requests it stepped (0: none)."""
+    def _turn(self) -> dict[str, int]:
+        """The step's heavy turn (module doc, 4.) -> what it ran, as `last` counts it ({}: nothing)."""
+        own = self._next_own()
+        if own is not None and (self._last_turn == "denoise" or not self.denoising.members):
+            self._last_turn = "own"
+            return self._own_turn(own)
+        if self.denoising.members:
+            self._last_turn = "denoise"
+            return {"denoise_rows": self._denoise_forward()}
+        return {}
+
+    def _next_own(self) -> RequestState | None:
+        """The request whose own work goes next: the first asked of those waiting for their VAE decode and
+        the first waiting for denoise rows, if that one can join the batch now; None: none can."""
+        waiting = sorted((s for s in self.requests.values() if isinstance(s.need, (DenoiseRows, ImageDecode))),
+                         key=lambda s: s.asked)
+        rows = next((s for s in waiting if isinstance(s.need, DenoiseRows)), None)
+        return next((s for s in waiting if isinstance(s.need, ImageDecode)
+                     or (s is rows and self.denoising.fits(s.need))), None)
+
+    def _own_turn(self, state: RequestState) -> dict[str, int]:
+        """`state`'s own work in a turn of its own: its join of the denoise batch (then its hand-off and
+        image prefix's prefill, until it asks for its first step) or its VAE decode (to its end)."""
+        if isinstance(state.need, DenoiseRows):
+            self._advance(state, self.denoising.join(state))
+            return {"handoffs": 1}
+        self._advance(state, None)
+        return {"image_decodes": 1}
+
+    def _denoise_forward(self) -> int:
+        """The denoise batch's one forward -> the requests it stepped."""
         batch = self.denoising
-        for state in [s for s in self.requests.values() if isinstance(s.need, DenoiseRows)]:
-            first = batch.join(state)
-            if first is None:
-                break                    # first come first served: the ones behind it wait too
-            self._advance(state, first)  # its hand-off and prefill; it then asks for its first step
         members = list(batch.members)
-        if not members:
-            return 0
         self._count_company(members[0])
         self._shared(members, lambda: batch.velocities([s.need.job for s in members]))
         return len(members)
@@ -198,7 +230,10 @@ class Scheduler:
             while not isinstance(item, NEEDS):
                 self._events.append((state.seq, item))
                 item = next(state.program)
-            state.need = item
+            state.need, state.asked = item, self._asked
+            self._asked += 1
+            if not isinstance(item, DenoiseStep):
+                self.denoising.leave(state)          # its denoise is done (no-op if it holds no rows)
         except StopIteration:
             self._end(state)
         except Exception as e:  # noqa: BLE001 - a failure of this request, reported on its stream
