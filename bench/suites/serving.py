@@ -3,6 +3,7 @@ at the real shapes with random weights on one GPU, with 1, 4 and 16 concurrent c
 
     python -m bench serving [--builds mxfp4-distil,hybrid4] [--clients 1,4,16] [--per-client 2]
                             [--cot 750] [--max-batch 8] [--max-denoise-batch 1,2,4] [--profile] [--greedy]
+                            [--rates sweep|R1,R2,...] [--arrival-process poisson|constant] [--requests 16]
                             [--warmup] [--dry]
 
 Builds: `mxfp4-distil` (7a) is the MXFP4-mixed Instruct-Distil as one-gpu builds it, tp1, 8 steps, no CFG;
@@ -19,17 +20,28 @@ dispatch), the rest waiting in line. Two arrival patterns per client count N:
   poisson  N x --per-client requests arriving at exponential gaps, at 0.9x the images/s the closed run
            with N clients reached (a load the engine can hold), at most N in the engine or waiting
 Latency is arrival to the last event (the image); images/min counts finished images over the run's wall
-time. --max-denoise-batch: the runs are repeated for each value (one engine each over the same weights):
+time. --clients "" runs neither (e.g. only the open loop).
+
+Open loop (--rates, as vLLM's serving benchmark): --requests requests arriving at a fixed rate (requests/min;
+Poisson gaps or constant ones, --arrival-process, seeded) whatever is in flight, the engine taking them while
+fewer than --max-batch run. First one request alone (its latency L, no graph captured); then each rate's run,
+and whether the engine held it: every request gave its image and p90 <= 2 L. `--rates sweep` tries
+SWEEP x 60 / L requests/min (60 / L: what one request at a time serves), lowest first, stopping at the
+first it does not hold; the highest held is the figure.
+
+--max-denoise-batch: the runs are repeated for each value (one engine each over the same weights):
 up to that many requests of one bucket share each denoise forward (engine/runtime/denoise_batch.py);
-`requests/forward` is how many they were on average, `same-key company` how many other requests of the
-same denoise step key waited outside the batch at each denoise turn (the room a larger one would have).
+`requests/forward` is how many they were on average, `same-class company` how many other requests of the
+same denoise step class (bucket and rows, engine/runtime/denoise.py `step_class`) waited outside the batch
+at each denoise forward (the room a larger one would have).
 A first request (not timed; as many at once as the denoise batch takes) captures the graphs of the
 common keys (with --warmup the engine's warm-up runs before it, and the first request's captures say what
 it missed); `captures` counts the graphs
 captured during the timed runs (denoise step keys are per bucket, rows and TAIL_GRAIN of prompt + CoT
-length; a batch of n requests is its own key; --greedy gives every request the same CoT).
+length; a batch of n requests is its own key, at its members' largest tail; --greedy gives every request
+the same CoT).
 --dry: the tiny config on the CPU (fp32), 2 clients, 2 steps, 4 CoT tokens, Poisson arrivals 10x faster
-(no idle waits): the driver and the checks only.
+(no idle waits): the driver and the checks only (--rates as given: on the CPU, figures of the CPU).
 """
 from __future__ import annotations
 
@@ -74,6 +86,7 @@ SERVED = {
     "hybrid4": ("hybrid4", False, None, None, 50),
 }
 PREFILL = 1251              # the real T2I prefill (system prompt + prompt), tokens
+SWEEP = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # open-loop rates tried by `--rates sweep`, x what one at a time serves
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -91,6 +104,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="warm the engine up first (--warmup: engine/runtime/warmup.py, at the requests' size): its "
                          "time and graphs, then the first request's latency and captures")
     ap.add_argument("--greedy", action="store_true", help="greedy CoT: every request the same token layout")
+    ap.add_argument("--rates", default="",
+                    help="open-loop arrival rates, requests/min (comma-separated), or 'sweep' (module doc); '': none")
+    ap.add_argument("--arrival-process", default="poisson", choices=("poisson", "constant"),
+                    help="open-loop gaps: exponential (seeded) or constant")
+    ap.add_argument("--requests", type=int, default=16, help="requests in each open-loop run")
     ap.add_argument("--moe-kernels", default="triton",
                     help="the quantized experts' kernels (engine/model/kernel_layouts.py: triton, humming, humming-fp8)")
 
@@ -158,21 +176,30 @@ def step_kind(last: dict[str, int]) -> str:
     return " + ".join(parts) or "idle"
 
 
+def arrival_times(n: int, rate: float, process: str, seed: int) -> list[float]:
+    """`n` arrival times (seconds from the start) at `rate` requests/s: exponential gaps (Poisson, seeded)
+    or constant ones."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate) if process == "poisson" else 1 / rate
+    return out
+
+
 def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client: int, max_batch: int,
-          rate: float | None, seed: int = 0, profile: bool = False) -> dict:
+          rate: float | None, seed: int = 0, profile: bool = False, open_loop: bool = False,
+          process: str = "poisson") -> dict:
     """Requests through the scheduler as the worker and the server's dispatch run them. `rate` None:
-    closed loop (N clients at once); else Poisson arrivals at `rate` requests/s. Returns the figures.
+    closed loop (N clients at once); else arrivals at `rate` requests/s (`process`: poisson or constant gaps),
+    at most N in the engine or waiting, or with `open_loop` whatever is in flight (clients x per_client
+    requests in all). Returns the figures.
     `profile`: the device is synchronized after every step (a denoise forward is otherwise only waited for
     by the next step's token read) and each step's wall time is summed under `step_kind`."""
-    rng = random.Random(seed)
     total = clients * per_client
     if rate is None:
         arrivals = [0.0] * clients                         # the first request of every client; more follow ends
     else:
-        t, arrivals = 0.0, []
-        for _ in range(total):
-            arrivals.append(t)
-            t += rng.expovariate(rate)
+        arrivals = arrival_times(total, rate, process, seed)
     scheduler = pipe.scheduler = pipe.new_scheduler()     # the worker's loop: the engine's steps
     captured = sum(pipe.graphs.captures.values())
     waiting: collections.deque = collections.deque()
@@ -184,7 +211,8 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
     t0 = time.perf_counter()
     while len(latency) < total:                           # every request ends: with its image or an error
         now = time.perf_counter() - t0
-        while sent < len(arrivals) and arrivals[sent] <= now and (rate is None or len(arrived) - len(latency) < clients):
+        while sent < len(arrivals) and arrivals[sent] <= now and (rate is None or open_loop
+                                                                   or len(arrived) - len(latency) < clients):
             waiting.append((next_seq, prepare(make(next_seq), pipe.loaded)))   # once, as it enters
             arrived[next_seq] = arrivals[sent]       # latency counts its wait to get in
             sent, next_seq = sent + 1, next_seq + 1
@@ -229,7 +257,7 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
 
 def run(args: argparse.Namespace, out: Output) -> bool:
     dev = "cpu" if args.dry else "cuda"
-    clients = [int(c) for c in args.clients.split(",")] if not args.dry else [2]
+    clients = [int(c) for c in args.clients.split(",") if c] if not args.dry else [2] if args.clients else []
     per_client = args.per_client if not args.dry else 1
     cot = 4 if args.dry else args.cot
     rows, ok = [], True
@@ -255,13 +283,14 @@ def run(args: argparse.Namespace, out: Output) -> bool:
             del lm
     out.data.update(rows=rows, max_batch=args.max_batch, per_client=per_client, greedy=args.greedy)
     out.table(rows, [Col("build", "build"), Col("denoise batch", "max_denoise_batch"), Col("arrivals", "mode"),
-                     Col("clients", "clients"),
+                     Col("clients", "clients"), Col("rate /min", "rate_per_min", ".2f"),
                      Col("images/min", "images_per_min", ".2f"), Col("p50 s", "p50_s", ".2f"),
                      Col("p90 s", "p90_s", ".2f"), Col("wall s", "wall_s", ".1f"),
                      Col("captures", "captures"), Col("steps", "engine_steps"),
                      Col("decode rows", "decode_rows", ".2f"),
                      Col("requests/forward", "requests_per_forward", ".2f"),
-                     Col("same-key company", "denoise_company", ".2f")],
+                     Col("same-class company", "denoise_company", ".2f"),
+                     Col("p90 / alone", "p90_over_alone", ".2f"), Col("held", "held")],
               f"Serving through the scheduler, max-batch {args.max_batch}, {per_client} request(s) per client, "
               f"think_recaption {cot} CoT tokens" + (" (greedy)" if args.greedy else ""))
     return ok
@@ -296,7 +325,7 @@ def serve_all(pipe: Engine, args: argparse.Namespace, build: str, batch: int, st
             if mode == "poisson":
                 row["rate_per_s"] = rate
             rows.append(row)
-            ok = ok and not r["errors"] and r["images"] == r["requests"]
+            ok = ok and complete(r)
             out.say(f"{build} denoise batch {batch} {mode} x{n}: {r['images_per_min']:.2f} images/min, "
                     f"p50 {r['p50_s']:.2f} s, p90 {r['p90_s']:.2f} s, {r['requests_per_forward']:.2f} requests a "
                     f"denoise forward, {r['decode_rows']:.2f} rows a decode step, {r['captures']} graphs captured" +
@@ -307,4 +336,44 @@ def serve_all(pipe: Engine, args: argparse.Namespace, build: str, batch: int, st
                         f"{r['wall_s'] - stepped:.1f} s between them (arrivals, prepare, the driver)")
                 for kind, (count, sec) in sorted(r["profile"].items(), key=lambda kv: -kv[1][1]):
                     out.say(f"    {kind:<32} {count:>6} steps {sec:8.2f} s {1000 * sec / count:9.2f} ms a step")
+    if args.rates:
+        ok = open_loop(pipe, make, args, build, batch, steps, cot, rows, out) and ok
+    return ok
+
+
+def complete(r: dict) -> bool:
+    """Whether every request of a run gave its image."""
+    return not r["errors"] and r["images"] == r["requests"]
+
+
+def open_loop(pipe: Engine, make: Callable[[int], Request], args: argparse.Namespace, build: str, batch: int,
+              steps: int, cot: int, rows: list, out: Output) -> bool:
+    """One request alone (its latency L), then the open-loop runs at each of --rates (module doc), into
+    `rows`; the highest rate held (p90 <= 2 L) into the output's data. Whether every request gave its image."""
+    alone = serve(pipe, make, 1, 1, args.max_batch, None)
+    limit = 2 * alone["p50_s"]
+    sweep = args.rates == "sweep"
+    rates = [f * 60 / alone["p50_s"] for f in SWEEP] if sweep else [float(r) for r in args.rates.split(",")]
+    out.say(f"{build}, denoise batch {batch}: one request alone {alone['p50_s']:.2f} s ({alone['captures']} graphs "
+            f"captured); open loop ({args.arrival_process}, {args.requests} requests a rate), held: p90 <= {limit:.2f} s")
+    ok, held = complete(alone), None
+    for k, rate in enumerate(rates):
+        r = serve(pipe, make, args.requests, 1, args.max_batch, rate / 60, seed=100 + k, profile=args.profile,
+                  open_loop=True, process=args.arrival_process)
+        r["held"] = complete(r) and r["p90_s"] <= limit
+        rows.append({"build": build, "max_denoise_batch": batch, "mode": f"open {args.arrival_process}",
+                     "clients": None, "steps": steps, "cot": cot, "rate_per_min": rate, "alone_s": alone["p50_s"],
+                     "p90_over_alone": r["p90_s"] / alone["p50_s"]} | r)
+        ok = ok and complete(r)
+        out.say(f"{build} denoise batch {batch} open {rate:.2f}/min: {r['images_per_min']:.2f} images/min, "
+                f"p50 {r['p50_s']:.2f} s, p90 {r['p90_s']:.2f} s ({r['p90_s'] / alone['p50_s']:.2f}x alone), "
+                f"{'held' if r['held'] else 'not held'}, {r['captures']} graphs captured")
+        if r["held"]:
+            held = rate if held is None else max(held, rate)
+        elif sweep:
+            break                        # a higher rate holds less
+    out.data.setdefault("open_loop", {})[f"{build}/{batch}"] = {"alone_s": alone["p50_s"], "held_per_min": held,
+                                                                 "process": args.arrival_process}
+    out.say(f"{build}, denoise batch {batch}: highest open-loop rate held "
+            + (f"{held:.2f} requests/min" if held is not None else "none of those tried"))
     return ok
