@@ -212,7 +212,8 @@ DENOISE_BATCH = [dict(prompt="a red circle", bot_task="image", size="256x256", s
 
 def test_denoise_batch_graphs_on_cuda(tiny_dir):
     """bf16, graphs on: three requests of one bucket (prompts of three lengths) at max_denoise_batch 3 run
-    their steps as one graph for three requests, then one for two; a second wave captures nothing and
+    their steps as graphs for one request (the first, before the others joined in turns of their own), two
+    and three requests; a second wave captures nothing and
     gives the same bytes; each image is close to its solo image (batched GEMMs may round differently), and
     alone the three prompt lengths share ONE denoise step graph (the key does not depend on the length)."""
     from engine_drive import run_together
@@ -222,8 +223,9 @@ def test_denoise_batch_graphs_on_cuda(tiny_dir):
     captured = dict(pipe.graphs.captures)
     again, _ = run_together(lm, DENOISE_BATCH, engine=pipe)
     assert dict(pipe.graphs.captures) == captured and set(captured.values()) == {1}, pipe.graphs.captures
-    batched = sorted(k[-1] for k in captured if k[0] == "denoise")
-    assert batched == [("batch", 2), ("batch", 3)], captured
+    denoise = [k for k in captured if k[0] == "denoise"]
+    assert sorted(k[-1] for k in denoise if k[-1][0] == "batch") == [("batch", 2), ("batch", 3)], captured
+    assert len(denoise) == 3, captured
     solo = make_engine(lm, preview_every=0)
     for i, kw in enumerate(DENOISE_BATCH):
         a, b, c = outcome(first[i])[1], outcome(again[i])[1], outcome(list(solo.run(Request(**kw))))[1]
@@ -231,6 +233,28 @@ def test_denoise_batch_graphs_on_cuda(tiny_dir):
         print(f"request {i}: batched vs alone PSNR {psnr(a, c):.1f} dB")
         assert psnr(a, c) >= 30, i
     assert len([k for k in solo.graphs.captures if k[0] == "denoise"]) == 1, solo.graphs.captures
+
+
+def test_step_policies_on_cuda_give_the_same_images(tiny_dir):
+    """bf16, graphs on, max_denoise_batch 2, K = 2: the overlap policy (the image phase on a second stream, its
+    graphs in a pool of their own, engine/runtime/lanes.py) gives the same tokens and the same image bytes as
+    interleave (the same kernels on the same inputs, in the same order on each lane), and waves the same
+    tokens and images close to them (other batches)."""
+    from engine_drive import run_together
+    from test_scheduler import MIXED
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    runs = {}
+    for policy in ("interleave", "overlap", "waves"):
+        pipe = make_engine(lm, preview_every=0, max_batch=4, max_denoise_batch=2)
+        events, scheduler = run_together(lm, MIXED, engine=pipe, policy=policy, decode_steps_per_denoise=2)
+        assert (scheduler.lanes.side is not None) == (policy == "overlap")
+        runs[policy] = [outcome(events[i]) for i in range(len(MIXED))]
+    for i in range(len(MIXED)):
+        base = runs["interleave"][i]
+        assert runs["overlap"][i][0] == runs["waves"][i][0] == base[0], i
+        assert np.array_equal(runs["overlap"][i][1], base[1]), i
+        print(f"request {i}: waves vs interleave PSNR {psnr(runs['waves'][i][1], base[1]):.1f} dB")
+        assert psnr(runs["waves"][i][1], base[1]) >= 30, i
 
 
 def test_prefill_graph_replays_equal_eager_per_bucket(tiny_dir):

@@ -4,7 +4,7 @@ at the real shapes with random weights on one GPU, with 1, 4 and 16 concurrent c
     python -m bench serving [--builds mxfp4-distil,hybrid4] [--clients 1,4,16] [--per-client 2]
                             [--cot 750] [--max-batch 8] [--max-denoise-batch 1,2,4] [--profile] [--greedy]
                             [--rates sweep|R1,R2,...] [--arrival-process poisson|constant] [--requests 16]
-                            [--warmup] [--dry]
+                            [--policy interleave:8,waves,overlap:8] [--warmup] [--dry]
 
 Builds: `mxfp4-distil` (7a) is the MXFP4-mixed Instruct-Distil as one-gpu builds it, tp1, 8 steps, no CFG;
 `hybrid4` (7b) is rank 0 of hybrid4 (AR TP4, denoise TP2 x SP2) in bf16, the BF16 Instruct, 50 steps,
@@ -28,6 +28,11 @@ fewer than --max-batch run. First one request alone (its latency L, no graph cap
 and whether the engine held it: every request gave its image and p90 <= 2 L. `--rates sweep` tries
 SWEEP x 60 / L requests/min (60 / L: what one request at a time serves), lowest first, stopping at the
 first it does not hold; the highest held is the figure.
+
+--policy: the scheduler's step policies (engine/runtime/scheduler.py: interleave[:K], waves, overlap[:K]),
+the runs repeated for each on the same engine; `tokens/s` is the decode rate the reasoning requests saw
+(their sampled tokens over their decode phase's wall time, while others denoised beside them: the mean
+and the slowest request's).
 
 --max-denoise-batch: the runs are repeated for each value (one engine each over the same weights):
 up to that many requests of one bucket share each denoise forward (engine/runtime/denoise_batch.py);
@@ -67,7 +72,7 @@ from engine.runtime.events import Done, Error, Image
 from engine.runtime.engine import Engine
 from engine.runtime.options import EngineOptions
 from engine.runtime.request import Request, prepare
-from engine.runtime.scheduler import StepNews
+from engine.runtime.scheduler import DECODE_STEPS_PER_DENOISE, StepNews
 from engine.runtime.warmup import warm_up
 from engine.runtime.sequence import text_phase_sequence, user_turn
 from engine.spec.buckets import build_buckets
@@ -109,6 +114,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--arrival-process", default="poisson", choices=("poisson", "constant"),
                     help="open-loop gaps: exponential (seeded) or constant")
     ap.add_argument("--requests", type=int, default=16, help="requests in each open-loop run")
+    ap.add_argument("--policy", default="interleave",
+                    help="step policies, each run in turn: interleave[:K], waves, overlap[:K] (K: decode steps per "
+                         f"turn of heavy work, default {DECODE_STEPS_PER_DENOISE})")
     ap.add_argument("--moe-kernels", default="triton",
                     help="the quantized experts' kernels (engine/model/kernel_layouts.py: triton, humming, humming-fp8)")
 
@@ -188,11 +196,11 @@ def arrival_times(n: int, rate: float, process: str, seed: int) -> list[float]:
 
 def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client: int, max_batch: int,
           rate: float | None, seed: int = 0, profile: bool = False, open_loop: bool = False,
-          process: str = "poisson") -> dict:
+          process: str = "poisson", policy: str = "interleave") -> dict:
     """Requests through the scheduler as the worker and the server's dispatch run them. `rate` None:
     closed loop (N clients at once); else arrivals at `rate` requests/s (`process`: poisson or constant gaps),
     at most N in the engine or waiting, or with `open_loop` whatever is in flight (clients x per_client
-    requests in all). Returns the figures.
+    requests in all), through a scheduler of step `policy` ("name[:K]"). Returns the figures.
     `profile`: the device is synchronized after every step (a denoise forward is otherwise only waited for
     by the next step's token read) and each step's wall time is summed under `step_kind`."""
     total = clients * per_client
@@ -200,12 +208,14 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
         arrivals = [0.0] * clients                         # the first request of every client; more follow ends
     else:
         arrivals = arrival_times(total, rate, process, seed)
-    scheduler = pipe.scheduler = pipe.new_scheduler()     # the worker's loop: the engine's steps
+    name, _, k = policy.partition(":")
+    scheduler = pipe.scheduler = pipe.new_scheduler(int(k or DECODE_STEPS_PER_DENOISE), name)   # the worker's loop
     captured = sum(pipe.graphs.captures.values())
     waiting: collections.deque = collections.deque()
     arrived: dict[int, float] = {}                        # seq -> arrival (seconds from the start)
     latency: dict[int, float] = {}
     images, errors, sent, next_seq = 0, [], 0, 0
+    token_rates: list[float] = []                         # tokens/s each reasoning request's decode phase saw
     spent: dict[str, list] = {}                           # step kind -> [steps, seconds] (profile)
     cuda = torch.cuda.is_available() and pipe.loaded.model.device.type == "cuda"
     t0 = time.perf_counter()
@@ -237,6 +247,8 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
                 images += 1
             elif isinstance(ev, Error):
                 errors.append(f"request {seq}: {ev.kind}: {ev.message}")
+            elif isinstance(ev, Done) and ev.timings.ar_ms_per_token > 0:
+                token_rates.append(1000 / ev.timings.ar_ms_per_token)
         for seq in ended:
             latency.setdefault(seq, end - arrived[seq])
             if rate is None and len(arrivals) < total:    # this client's next request, now
@@ -251,6 +263,8 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
             "images_per_min": 60 * images / wall, "p50_s": pick(0.5), "p90_s": pick(0.9), "mean_s": sum(lat) / max(1, len(lat)),
             "engine_steps": scheduler.steps, "captures": sum(pipe.graphs.captures.values()) - captured,
             "requests_per_forward": scheduler.denoising.member_steps / max(1, scheduler.denoising.forwards),
+            "tokens_per_s": sum(token_rates) / len(token_rates) if token_rates else float("nan"),
+            "tokens_per_s_min": min(token_rates, default=float("nan")), "policy": policy,
             # per denoise turn, the other requests waiting for a step of the same key (denoise batching's room)
             "denoise_company": scheduler.denoise_company["same_key"] / max(1, scheduler.denoise_company["turns"])}
 
@@ -282,13 +296,15 @@ def run(args: argparse.Namespace, out: Output) -> bool:
                     torch.cuda.empty_cache()
             del lm
     out.data.update(rows=rows, max_batch=args.max_batch, per_client=per_client, greedy=args.greedy)
-    out.table(rows, [Col("build", "build"), Col("denoise batch", "max_denoise_batch"), Col("arrivals", "mode"),
+    out.table(rows, [Col("build", "build"), Col("denoise batch", "max_denoise_batch"), Col("policy", "policy"),
+                     Col("arrivals", "mode"),
                      Col("clients", "clients"), Col("rate /min", "rate_per_min", ".2f"),
                      Col("images/min", "images_per_min", ".2f"), Col("p50 s", "p50_s", ".2f"),
                      Col("p90 s", "p90_s", ".2f"), Col("wall s", "wall_s", ".1f"),
                      Col("captures", "captures"), Col("steps", "engine_steps"),
                      Col("decode rows", "decode_rows", ".2f"),
                      Col("requests/forward", "requests_per_forward", ".2f"),
+                     Col("tokens/s", "tokens_per_s", ".1f"), Col("slowest tokens/s", "tokens_per_s_min", ".1f"),
                      Col("same-class company", "denoise_company", ".2f"),
                      Col("p90 / alone", "p90_over_alone", ".2f"), Col("held", "held")],
               f"Serving through the scheduler, max-batch {args.max_batch}, {per_client} request(s) per client, "
@@ -315,10 +331,20 @@ def serve_all(pipe: Engine, args: argparse.Namespace, build: str, batch: int, st
     first = serve(pipe, make, batch, 1, args.max_batch, None, seed=1)     # a full denoise batch's keys too
     out.say(f"{build}, denoise batch {batch}: first {batch} request(s) (capture their graphs) {first['mean_s']:.2f} s, "
             f"{first['captures']} graphs")
+    for policy in args.policy.split(","):
+        ok = serve_policy(pipe, make, args, policy, build, batch, steps, cot, clients, per_client, rows, out) and ok
+    return ok
+
+
+def serve_policy(pipe: Engine, make: Callable[[int], Request], args: argparse.Namespace, policy: str, build: str,
+                 batch: int, steps: int, cot: int, clients: list[int], per_client: int, rows: list,
+                 out: Output) -> bool:
+    """The closed and Poisson runs at each client count and the open-loop runs, with step `policy`."""
+    ok = True
     for n in clients:
-        closed = serve(pipe, make, n, per_client, args.max_batch, None, profile=args.profile)
+        closed = serve(pipe, make, n, per_client, args.max_batch, None, profile=args.profile, policy=policy)
         rate = (10 if args.dry else 0.9) * closed["images_per_min"] / 60      # dry: no idle waits
-        poisson = serve(pipe, make, n, per_client, args.max_batch, rate, seed=n, profile=args.profile)
+        poisson = serve(pipe, make, n, per_client, args.max_batch, rate, seed=n, profile=args.profile, policy=policy)
         for mode, r in (("closed", closed), ("poisson", poisson)):
             row = {"build": build, "max_denoise_batch": batch, "mode": mode, "clients": n, "steps": steps,
                    "cot": cot} | r
@@ -326,9 +352,10 @@ def serve_all(pipe: Engine, args: argparse.Namespace, build: str, batch: int, st
                 row["rate_per_s"] = rate
             rows.append(row)
             ok = ok and complete(r)
-            out.say(f"{build} denoise batch {batch} {mode} x{n}: {r['images_per_min']:.2f} images/min, "
+            out.say(f"{build} denoise batch {batch} {policy} {mode} x{n}: {r['images_per_min']:.2f} images/min, "
                     f"p50 {r['p50_s']:.2f} s, p90 {r['p90_s']:.2f} s, {r['requests_per_forward']:.2f} requests a "
-                    f"denoise forward, {r['decode_rows']:.2f} rows a decode step, {r['captures']} graphs captured" +
+                    f"denoise forward, {r['decode_rows']:.2f} rows a decode step, {r['tokens_per_s']:.1f} tokens/s "
+                    f"(slowest {r['tokens_per_s_min']:.1f}), {r['captures']} graphs captured" +
                     (f", errors: {r['errors'][:2]}" if r["errors"] else ""))
             if r["profile"]:
                 stepped = sum(sec for _, sec in r["profile"].values())
@@ -337,7 +364,7 @@ def serve_all(pipe: Engine, args: argparse.Namespace, build: str, batch: int, st
                 for kind, (count, sec) in sorted(r["profile"].items(), key=lambda kv: -kv[1][1]):
                     out.say(f"    {kind:<32} {count:>6} steps {sec:8.2f} s {1000 * sec / count:9.2f} ms a step")
     if args.rates:
-        ok = open_loop(pipe, make, args, build, batch, steps, cot, rows, out) and ok
+        ok = open_loop(pipe, make, args, policy, build, batch, steps, cot, rows, out) and ok
     return ok
 
 
@@ -346,34 +373,35 @@ def complete(r: dict) -> bool:
     return not r["errors"] and r["images"] == r["requests"]
 
 
-def open_loop(pipe: Engine, make: Callable[[int], Request], args: argparse.Namespace, build: str, batch: int,
-              steps: int, cot: int, rows: list, out: Output) -> bool:
+def open_loop(pipe: Engine, make: Callable[[int], Request], args: argparse.Namespace, policy: str, build: str,
+              batch: int, steps: int, cot: int, rows: list, out: Output) -> bool:
     """One request alone (its latency L), then the open-loop runs at each of --rates (module doc), into
     `rows`; the highest rate held (p90 <= 2 L) into the output's data. Whether every request gave its image."""
-    alone = serve(pipe, make, 1, 1, args.max_batch, None)
+    alone = serve(pipe, make, 1, 1, args.max_batch, None, policy=policy)
     limit = 2 * alone["p50_s"]
     sweep = args.rates == "sweep"
     rates = [f * 60 / alone["p50_s"] for f in SWEEP] if sweep else [float(r) for r in args.rates.split(",")]
-    out.say(f"{build}, denoise batch {batch}: one request alone {alone['p50_s']:.2f} s ({alone['captures']} graphs "
-            f"captured); open loop ({args.arrival_process}, {args.requests} requests a rate), held: p90 <= {limit:.2f} s")
+    out.say(f"{build}, denoise batch {batch}, {policy}: one request alone {alone['p50_s']:.2f} s "
+            f"({alone['captures']} graphs captured); open loop ({args.arrival_process}, {args.requests} requests a "
+            f"rate), held: p90 <= {limit:.2f} s")
     ok, held = complete(alone), None
     for k, rate in enumerate(rates):
         r = serve(pipe, make, args.requests, 1, args.max_batch, rate / 60, seed=100 + k, profile=args.profile,
-                  open_loop=True, process=args.arrival_process)
+                  open_loop=True, process=args.arrival_process, policy=policy)
         r["held"] = complete(r) and r["p90_s"] <= limit
         rows.append({"build": build, "max_denoise_batch": batch, "mode": f"open {args.arrival_process}",
                      "clients": None, "steps": steps, "cot": cot, "rate_per_min": rate, "alone_s": alone["p50_s"],
                      "p90_over_alone": r["p90_s"] / alone["p50_s"]} | r)
         ok = ok and complete(r)
-        out.say(f"{build} denoise batch {batch} open {rate:.2f}/min: {r['images_per_min']:.2f} images/min, "
+        out.say(f"{build} denoise batch {batch} {policy} open {rate:.2f}/min: {r['images_per_min']:.2f} images/min, "
                 f"p50 {r['p50_s']:.2f} s, p90 {r['p90_s']:.2f} s ({r['p90_s'] / alone['p50_s']:.2f}x alone), "
                 f"{'held' if r['held'] else 'not held'}, {r['captures']} graphs captured")
         if r["held"]:
             held = rate if held is None else max(held, rate)
         elif sweep:
             break                        # a higher rate holds less
-    out.data.setdefault("open_loop", {})[f"{build}/{batch}"] = {"alone_s": alone["p50_s"], "held_per_min": held,
-                                                                 "process": args.arrival_process}
-    out.say(f"{build}, denoise batch {batch}: highest open-loop rate held "
+    out.data.setdefault("open_loop", {})[f"{build}/{batch}/{policy}"] = {
+        "alone_s": alone["p50_s"], "held_per_min": held, "process": args.arrival_process}
+    out.say(f"{build}, denoise batch {batch}, {policy}: highest open-loop rate held "
             + (f"{held:.2f} requests/min" if held is not None else "none of those tried"))
     return ok

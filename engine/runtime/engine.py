@@ -118,14 +118,15 @@ class Engine:
         engine.moe_kernels = moe_kernels
         return engine
 
-    def new_scheduler(self, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE) -> Scheduler:
+    def new_scheduler(self, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE,
+                      policy: str = "interleave") -> Scheduler:
         """A scheduler over this engine's shared resources (one at a time holds requests: it owns their
-        order in the KV pool and the denoise batch)."""
+        order in the KV pool and the denoise batch), with its step policy (engine/runtime/scheduler.py)."""
         ctx = self.ctx
         denoising = DenoiseBatch(self.loaded.model, ctx.pool, ctx.heads.denoise, self.groups.denoise, ctx.graphs,
                                  self.options.max_denoise_batch)
         return Scheduler(self.program, ctx.pool, denoising, ctx.agree, self.loaded.tok.vocab_size,
-                         decode_steps_per_denoise)
+                         decode_steps_per_denoise, policy)
 
     def program(self, p: Prepared) -> Program:
         """The phase program of the prepared request `p` (engine/runtime/program.py)."""

@@ -3,9 +3,12 @@
 A key names what a graph runs: `(phase, bucket, rows, ...)`, e.g. ("decode", 4, 8, storage) for the
 batched AR decode step at the 4-row bucket of an 8-slot KV storage, ("prefill", 256, storage) for a
 prompt-length bucket. The first `replay(key, forward)` warms `forward` up on a side stream, captures it
-and keeps (graph, output); every later call with that key only replays. All graphs share one memory
-pool: the engine runs them one after the other on one stream, and each output is read before the next
-replay (a graph's output tensor stays alive with its entry, so no later capture takes its memory).
+and keeps (graph, output); every later call with that key only replays. The graphs of one lane share a
+memory pool: a lane runs them one after the other on one stream, and each output is read before the next
+replay (a graph's output tensor stays alive with its entry, so no later capture takes its memory). The
+denoise steps' graphs are a lane of their own (`lane`): the overlap step policy replays them on a second
+stream beside the AR steps' (engine/runtime/lanes.py), where a shared pool would let one overwrite the
+other's intermediates.
 
 A graph replays the kernels it recorded on the tensors it recorded: whatever a step varies (its
 inputs, per-request tables) lives in static buffers that the caller fills before each replay. The
@@ -31,11 +34,16 @@ class GraphCaptureError(RuntimeError):
     """A CUDA graph could not be captured; the message names its key."""
 
 
+def lane(key: Hashable) -> str:
+    """The lane whose memory pool a key's graph takes: "image" for the denoise steps, "ar" for the rest."""
+    return "image" if isinstance(key, tuple) and key[:1] == ("denoise",) else "ar"
+
+
 class Graphs:
     def __init__(self) -> None:
         self._entries: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.captures: collections.Counter = collections.Counter()   # key -> how often it was captured (tests)
-        self._pool = None
+        self._pools: dict[str, Any] = {}                              # lane -> its graphs' memory pool
         self._buffers: dict[Hashable, Any] = {}
         self._recent: collections.OrderedDict[tuple, None] = collections.OrderedDict()   # least recent first
 
@@ -73,10 +81,10 @@ class Graphs:
                 for _ in range(warmup):
                     forward()
             torch.cuda.current_stream().wait_stream(stream)
-            if self._pool is None and shared:
-                self._pool = torch.cuda.graph_pool_handle()
+            if shared and lane(key) not in self._pools:
+                self._pools[lane(key)] = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool if shared else None):
+            with torch.cuda.graph(graph, pool=self._pools[lane(key)] if shared else None):
                 out = forward()
         except Exception as e:  # noqa: BLE001 - whatever failed, the key says which graph
             raise GraphCaptureError(f"CUDA-graph capture of {key} failed: {type(e).__name__}: {e}") from e

@@ -26,12 +26,21 @@ step, the denoise batch, the ranks' agreement) and imports nothing above itself.
      it has left the batch). Own work never rides inside a denoise turn that others wait on.
    When both wait, they alternate (own work after a denoise forward, a denoise forward after own work).
 
-The step policy (`decode_steps_per_denoise`, K): decode steps come first, being cheap and batched; a turn
-of heavy work runs in every step where nothing decodes, and otherwise after every K decode steps, so
-neither starves. K trades the two: a denoise step costs tens of decode steps, so at K = 8 the decoding
-requests keep a readable stream while an image denoises and the denoising request runs somewhat slower
-than alone (the H200's figures: docs/benchmarks.md, serving). K counts steps, not seconds, and the turns
-are chosen from the requests' needs and counts only: every rank makes the same decision without a clock.
+The step policy (`policy`, with `decode_steps_per_denoise`, K), each giving every request what it gives
+alone (only the order of the work changes):
+- interleave: decode steps come first, being cheap and batched; a turn of heavy work runs in every step
+  where nothing decodes, and otherwise after every K decode steps, so neither starves. K trades the two: a
+  denoise step costs tens of decode steps, so at K = 8 the decoding requests keep a readable stream while
+  an image denoises and the denoising request runs somewhat slower than alone (the H200's figures:
+  docs/benchmarks.md, serving).
+- waves: the admitted requests' CoTs are decoded together at full width, then their images: no AR slot is
+  granted while a request is in its image phase (waiting for rows, denoising, waiting for its VAE), and a
+  turn of heavy work runs only when nothing decodes.
+- overlap: interleave's order, with the image phase's work on a second CUDA stream (engine/runtime/lanes.py)
+  so that the decode steps run beside a denoise step instead of after it (on the CPU: one lane, the same
+  code, the same results).
+K counts steps, not seconds, and the turns are chosen from the requests' needs and counts only: every rank
+makes the same decision without a clock.
 
 A request's exception fails that request only (Error('engine'); its program's `finally` frees its
 share). A failure of the shared decode forward fails the requests in it. On a multi-rank plan a failed
@@ -51,12 +60,14 @@ from engine.runtime.agreement import Agreement
 from engine.runtime.denoise_batch import DenoiseBatch
 from engine.runtime.events import Error, Event
 from engine.runtime.kv_pool import KVPool
+from engine.runtime.lanes import Lanes
 from engine.runtime.needs import ARSlot, Decode, DenoiseRows, DenoiseStep, ImageDecode
 from engine.runtime.request import Prepared
 from engine.runtime.request_state import Program, RequestState
 from engine.runtime.sampling import choose_rows
 
 DECODE_STEPS_PER_DENOISE = 8
+POLICIES = ("interleave", "waves", "overlap")
 NEEDS = (ARSlot, Decode, DenoiseRows, DenoiseStep, ImageDecode)
 
 
@@ -72,15 +83,19 @@ class StepNews:
 
 class Scheduler:
     def __init__(self, programs: Callable[[Prepared], Program], pool: KVPool, denoising: DenoiseBatch,
-                 agree: Agreement, vocab: int, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE):
+                 agree: Agreement, vocab: int, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE,
+                 policy: str = "interleave"):
         """`programs(prepared)`: a joining request's phase program; `pool`: the KV pool whose AR slots and
         batched decode step it shares out; `denoising`: the requests holding denoise rows (one batch per
         scheduler: it owns their order); `agree`: the ranks' agreement on each decode step's tokens;
-        `vocab`: the tokenizer's (the embedding is padded past it)."""
+        `vocab`: the tokenizer's (the embedding is padded past it); `policy`: the step policy (module doc)."""
         if decode_steps_per_denoise < 1:
             raise ValueError(f"decode_steps_per_denoise must be >= 1 (got {decode_steps_per_denoise})")
+        if policy not in POLICIES:
+            raise ValueError(f"the step policy is one of {', '.join(POLICIES)} (got {policy!r})")
         self.programs, self.pool, self.denoising, self.agree = programs, pool, denoising, agree
-        self.k = decode_steps_per_denoise
+        self.k, self.policy = decode_steps_per_denoise, policy
+        self.lanes = Lanes(pool.model.device if policy == "overlap" else None)
         self.requests: dict[int, RequestState] = {}          # admission order
         self.steps = 0                                       # engine steps run
         self._since_turn = 0                                 # decode steps since the last heavy turn
@@ -119,17 +134,19 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def step(self, news: StepNews = StepNews()) -> None:
         with torch.no_grad():
+            if news.cancel:
+                self.lanes.merge()       # a cancel's clean-up may move or free rows the image lane works on
             for seq in sorted(news.cancel):
                 if seq in self.requests:
                     self._cancel(self.requests[seq])
             for seq, prepared in news.join:
                 state = self.requests[seq] = RequestState(seq, prepared, self.programs(prepared))
                 self._advance(state, None)
-            slots = self._grant_slots()
+            slots = 0 if self._image_wave() else self._grant_slots()
             decoded = self._decode()
             turn: dict[str, int] = {}
             self._since_turn += bool(decoded)
-            if not decoded or self._since_turn >= self.k:
+            if not decoded or (self.policy != "waves" and self._since_turn >= self.k):
                 turn = self._turn()
                 if turn:
                     self._since_turn = 0
@@ -138,6 +155,11 @@ class Scheduler:
                      "handoffs": 0, "image_decodes": 0} | turn
         self.totals.update(self.last, decode_steps=int(decoded > 0),
                            denoise_forwards=int(self.last["denoise_rows"] > 0))
+
+    def _image_wave(self) -> bool:
+        """Waves: whether a request is in its image phase (no AR slot is granted until they are all done)."""
+        return self.policy == "waves" and any(isinstance(s.need, (DenoiseRows, DenoiseStep, ImageDecode))
+                                              for s in self.requests.values())
 
     def _grant_slots(self) -> int:
         """AR slots to the requests waiting for one, in order -> how many were granted."""
@@ -183,10 +205,14 @@ class Scheduler:
         own = self._next_own()
         if own is not None and (self._last_turn == "denoise" or not self.denoising.members):
             self._last_turn = "own"
-            return self._own_turn(own)
+            with self.lanes.image():
+                ran = self._own_turn(own)
+            self.lanes.merge()           # its AR slot went back (a hand-off), or it ended (its VAE decode)
+            return ran
         if self.denoising.members:
             self._last_turn = "denoise"
-            return {"denoise_rows": self._denoise_forward()}
+            with self.lanes.image():
+                return {"denoise_rows": self._denoise_forward()}
         return {}
 
     def _next_own(self) -> RequestState | None:
