@@ -4,7 +4,8 @@ at the real shapes with random weights on one GPU, with 1, 4 and 16 concurrent c
     python -m bench serving [--builds mxfp4-distil,hybrid4] [--clients 1,4,16] [--per-client 2]
                             [--cot 750] [--max-batch 8] [--max-denoise-batch 1,2,4] [--profile] [--greedy]
                             [--rates sweep|R1,R2,...] [--arrival-process poisson|constant] [--requests 16]
-                            [--policy interleave:8,waves,overlap:8] [--warmup] [--dry]
+                            [--policy interleave:8,waves,overlap:8] [--arrivals closed,poisson]
+                            [--warmup] [--dry]
 
 Builds: `mxfp4-distil` (7a) is the MXFP4-mixed Instruct-Distil as one-gpu builds it, tp1, 8 steps, no CFG;
 `hybrid4` (7b) is rank 0 of hybrid4 (AR TP4, denoise TP2 x SP2) in bf16, the BF16 Instruct, 50 steps,
@@ -20,7 +21,7 @@ dispatch), the rest waiting in line. Two arrival patterns per client count N:
   poisson  N x --per-client requests arriving at exponential gaps, at 0.9x the images/s the closed run
            with N clients reached (a load the engine can hold), at most N in the engine or waiting
 Latency is arrival to the last event (the image); images/min counts finished images over the run's wall
-time. --clients "" runs neither (e.g. only the open loop).
+time. --arrivals picks which of the two run; --clients "" runs neither (e.g. only the open loop).
 
 Open loop (--rates, as vLLM's serving benchmark): --requests requests arriving at a fixed rate (requests/min;
 Poisson gaps or constant ones, --arrival-process, seeded) whatever is in flight, the engine taking them while
@@ -30,7 +31,9 @@ SWEEP x 60 / L requests/min (60 / L: what one request at a time serves), lowest 
 first it does not hold; the highest held is the figure.
 
 --policy: the scheduler's step policies (engine/runtime/scheduler.py: interleave[:K], waves, overlap[:K]),
-the runs repeated for each on the same engine; `tokens/s` is the decode rate the reasoning requests saw
+the runs repeated for each on the same engine (default '': `Engine.new_scheduler()` as the server makes it,
+which is also all an older engine has: this file copied into an older tree A/Bs its scheduler, as
+docs/benchmarks.md's serving runs do); `tokens/s` is the decode rate the reasoning requests saw
 (their sampled tokens over their decode phase's wall time, while others denoised beside them: the mean
 and the slowest request's).
 
@@ -114,9 +117,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--arrival-process", default="poisson", choices=("poisson", "constant"),
                     help="open-loop gaps: exponential (seeded) or constant")
     ap.add_argument("--requests", type=int, default=16, help="requests in each open-loop run")
-    ap.add_argument("--policy", default="interleave",
+    ap.add_argument("--policy", default="",
                     help="step policies, each run in turn: interleave[:K], waves, overlap[:K] (K: decode steps per "
-                         f"turn of heavy work, default {DECODE_STEPS_PER_DENOISE})")
+                         f"turn of heavy work, default {DECODE_STEPS_PER_DENOISE}); '': the engine's default scheduler")
+    ap.add_argument("--arrivals", default="closed,poisson",
+                    help="the runs at each client count: closed and/or poisson (module doc)")
     ap.add_argument("--moe-kernels", default="triton",
                     help="the quantized experts' kernels (engine/model/kernel_layouts.py: triton, humming, humming-fp8)")
 
@@ -196,11 +201,12 @@ def arrival_times(n: int, rate: float, process: str, seed: int) -> list[float]:
 
 def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client: int, max_batch: int,
           rate: float | None, seed: int = 0, profile: bool = False, open_loop: bool = False,
-          process: str = "poisson", policy: str = "interleave") -> dict:
+          process: str = "poisson", policy: str = "") -> dict:
     """Requests through the scheduler as the worker and the server's dispatch run them. `rate` None:
     closed loop (N clients at once); else arrivals at `rate` requests/s (`process`: poisson or constant gaps),
     at most N in the engine or waiting, or with `open_loop` whatever is in flight (clients x per_client
-    requests in all), through a scheduler of step `policy` ("name[:K]"). Returns the figures.
+    requests in all), through a scheduler of step `policy` ("name[:K]"; "": the engine's default). Returns the
+    figures.
     `profile`: the device is synchronized after every step (a denoise forward is otherwise only waited for
     by the next step's token read) and each step's wall time is summed under `step_kind`."""
     total = clients * per_client
@@ -209,7 +215,8 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
     else:
         arrivals = arrival_times(total, rate, process, seed)
     name, _, k = policy.partition(":")
-    scheduler = pipe.scheduler = pipe.new_scheduler(int(k or DECODE_STEPS_PER_DENOISE), name)   # the worker's loop
+    scheduler = pipe.scheduler = (pipe.new_scheduler(int(k or DECODE_STEPS_PER_DENOISE), name) if policy
+                                  else pipe.new_scheduler())       # the worker's loop: the engine's steps
     captured = sum(pipe.graphs.captures.values())
     waiting: collections.deque = collections.deque()
     arrived: dict[int, float] = {}                        # seq -> arrival (seconds from the start)
@@ -264,7 +271,7 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
             "engine_steps": scheduler.steps, "captures": sum(pipe.graphs.captures.values()) - captured,
             "requests_per_forward": scheduler.denoising.member_steps / max(1, scheduler.denoising.forwards),
             "tokens_per_s": sum(token_rates) / len(token_rates) if token_rates else float("nan"),
-            "tokens_per_s_min": min(token_rates, default=float("nan")), "policy": policy,
+            "tokens_per_s_min": min(token_rates, default=float("nan")), "policy": policy or "default",
             # per denoise turn, the other requests waiting for a step of the same key (denoise batching's room)
             "denoise_company": scheduler.denoise_company["same_key"] / max(1, scheduler.denoise_company["turns"])}
 
@@ -331,7 +338,7 @@ def serve_all(pipe: Engine, args: argparse.Namespace, build: str, batch: int, st
     first = serve(pipe, make, batch, 1, args.max_batch, None, seed=1)     # a full denoise batch's keys too
     out.say(f"{build}, denoise batch {batch}: first {batch} request(s) (capture their graphs) {first['mean_s']:.2f} s, "
             f"{first['captures']} graphs")
-    for policy in args.policy.split(","):
+    for policy in args.policy.split(",") if args.policy else [""]:
         ok = serve_policy(pipe, make, args, policy, build, batch, steps, cot, clients, per_client, rows, out) and ok
     return ok
 
@@ -342,10 +349,14 @@ def serve_policy(pipe: Engine, make: Callable[[int], Request], args: argparse.Na
     """The closed and Poisson runs at each client count and the open-loop runs, with step `policy`."""
     ok = True
     for n in clients:
-        closed = serve(pipe, make, n, per_client, args.max_batch, None, profile=args.profile, policy=policy)
-        rate = (10 if args.dry else 0.9) * closed["images_per_min"] / 60      # dry: no idle waits
-        poisson = serve(pipe, make, n, per_client, args.max_batch, rate, seed=n, profile=args.profile, policy=policy)
-        for mode, r in (("closed", closed), ("poisson", poisson)):
+        runs = {"closed": serve(pipe, make, n, per_client, args.max_batch, None, profile=args.profile, policy=policy)}
+        rate = (10 if args.dry else 0.9) * runs["closed"]["images_per_min"] / 60      # dry: no idle waits
+        if "poisson" in args.arrivals:
+            runs["poisson"] = serve(pipe, make, n, per_client, args.max_batch, rate, seed=n, profile=args.profile,
+                                    policy=policy)
+        if "closed" not in args.arrivals:
+            del runs["closed"]
+        for mode, r in runs.items():
             row = {"build": build, "max_denoise_batch": batch, "mode": mode, "clients": n, "steps": steps,
                    "cot": cot} | r
             if mode == "poisson":

@@ -137,6 +137,8 @@ class Engine:
         """One engine step: the adapter changes of `news` first (between steps, on every rank alike), then
         the scheduler's step over the requests admitted (`news`' joins and cancels)."""
         with torch.no_grad():
+            if news.adapters:
+                self.scheduler.lanes.merge()     # the image lane's forwards read the adapter tables
             for change in news.adapters:
                 self.change_adapter(*change)
         self.scheduler.step(news)
