@@ -183,9 +183,11 @@ def prompt_of(lm: LoadedModel, tokens: int) -> str:
 
 # ---------------------------------------------------------------------------------------- the driver
 def step_kind(last: dict[str, int]) -> str:
-    """What an engine step held, as the profile groups steps: 'slots 1 + decode 8 + denoise 1'."""
+    """What an engine step held, as the profile groups steps: 'slots 1 + decode 8 + denoise 1' (or its turn of
+    own work: 'handoff 1', 'vae 1')."""
     parts = [f"{name} {last[key]}" for name, key in (("slots", "slots"), ("decode", "decode_rows"),
-                                                     ("denoise", "denoise_rows")) if last.get(key)]
+                                                     ("denoise", "denoise_rows"), ("handoff", "handoffs"),
+                                                     ("vae", "image_decodes")) if last.get(key)]
     return " + ".join(parts) or "idle"
 
 

@@ -103,9 +103,9 @@ class Scheduler:
         self._asked = 0                                      # needs asked so far (first asked first served)
         self._events: list[tuple[int, Event]] = []
         self._ended: list[int] = []
-        # at each denoise turn, how many other requests waited for a step of the same step key: with them
-        # (same key, any step) / (same key and step) one forward could have served them all (the room a
-        # larger denoise batch would have: bench serving's `same-key company`)
+        # at each denoise forward, how many other requests waited for rows of the same step class: with them
+        # (same class, any step) / (same class and step) one forward could have served them all (the room a
+        # larger denoise batch would have: bench serving's `same-class company`)
         self.denoise_company: collections.Counter = collections.Counter()
         # what each step did, counted without a device read: decode steps and the rows they carried (the
         # mean decode batch), denoise forwards, AR slots granted (each prefilled inline), hand-offs (a join
@@ -251,6 +251,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one request
     def _advance(self, state: RequestState, answer: Any) -> None:
         """Run the request's program until its next need (collecting its events), its end or its failure."""
+        denoising = isinstance(state.need, DenoiseStep)
         try:
             item = state.program.send(answer)
             while not isinstance(item, NEEDS):
@@ -258,8 +259,8 @@ class Scheduler:
                 item = next(state.program)
             state.need, state.asked = item, self._asked
             self._asked += 1
-            if not isinstance(item, DenoiseStep):
-                self.denoising.leave(state)          # its denoise is done (no-op if it holds no rows)
+            if denoising and not isinstance(item, DenoiseStep):
+                self.denoising.leave(state)          # its denoise is done: its rows go to the batch's others
         except StopIteration:
             self._end(state)
         except Exception as e:  # noqa: BLE001 - a failure of this request, reported on its stream
