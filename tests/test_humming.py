@@ -149,17 +149,14 @@ def test_config_of_reads_each_intervals_m_tile():
     assert config.blocks == ((0, 400, 8), (400, 832, 16)) and json.loads(config.indexed) == intervals
 
 
-@pytest.fixture
-def indexed_threshold(monkeypatch):
-    """The indexed path taken by itself up to INDEXED_MAX_ROWS rows (its default threshold is 0 until measured)."""
-    monkeypatch.setattr(humming, "INDEXED_ROWS", humming.INDEXED_MAX_ROWS)
+TOP = humming.INDEXED_MAX_ROWS         # packs laid out to take the indexed path by themselves up to here
 
 
-def test_rows_path_takes_the_indexed_gemms_up_to_the_threshold(monkeypatch):
+def test_rows_path_takes_the_indexed_gemms_up_to_the_threshold():
     assert {humming.rows_path(n) for n in (1, 16, 4096)} == {"grouped"}, "indexed: not by itself until measured"
-    monkeypatch.setattr(humming, "INDEXED_ROWS", humming.INDEXED_MAX_ROWS)
-    assert [humming.rows_path(n) for n in (1, humming.INDEXED_MAX_ROWS, humming.INDEXED_MAX_ROWS + 1, 4096)] == [
-        "indexed", "indexed", "grouped", "grouped"]
+    assert [humming.rows_path(n, TOP) for n in (1, TOP, TOP + 1, 4096)] == ["indexed", "indexed", "grouped", "grouped"]
+    with pytest.raises(ValueError, match="indexed_rows 17: between 0 and 16"):
+        humming.Config.of("layer", [], TOP + 1)
 
 
 # ----------------------------------------- the variant's wiring on humming's GEMM contract (interpreter)
@@ -217,7 +214,7 @@ def contract_packs(t: dict, micros: int) -> dict:
     down = torch.stack([w2.cols(m * inter, (m + 1) * inter).dequantize(torch.float32) for m in range(micros)])
 
     def pack(dense: torch.Tensor, gemm: str) -> kq.QWeight:
-        lay = KernelLayout("humming", tuple(dense.shape), "bf16", humming.Config.of(gemm, TILES[gemm]))
+        lay = KernelLayout("humming", tuple(dense.shape), "bf16", humming.Config.of(gemm, TILES[gemm], TOP))
         return kq.QWeight("mxfp4", dense, torch.zeros(micros), None, False, lay)
     return dict(t, w1=pack(up, "up"), w2=pack(down, "down"))
 
@@ -243,7 +240,7 @@ def test_interp_indexed_path_equals_the_grouped_one_on_humming_s_contract(on_the
     assert err < 1e-2, err
 
 
-def test_interp_the_variant_takes_the_indexed_path_up_to_the_threshold(on_the_contract, indexed_threshold):
+def test_interp_the_variant_takes_the_indexed_path_up_to_the_threshold(on_the_contract):
     interpreted()
     top = humming.INDEXED_MAX_ROWS
     t = make_qmoe(top + 1, "mxfp4", "mxfp8", shared_inter=0, micros=1, seed=2)
@@ -260,7 +257,8 @@ gpu = pytest.mark.gpu
 
 
 def laid(t: dict, act: str, micros: int) -> dict:
-    return dict(t, w1=humming.lay_out(t["w1"], act), w2=humming.lay_out(t["w2"], act, micros=micros))
+    return dict(t, w1=humming.lay_out(t["w1"], act, indexed_rows=TOP),
+                w2=humming.lay_out(t["w2"], act, micros=micros, indexed_rows=TOP))
 
 
 @gpu
@@ -318,7 +316,7 @@ def test_gpu_indexed_path_matches_the_reference_at_1_to_16_rows(act):
 @gpu
 @pytest.mark.parametrize("act", ["bf16", "fp8"])
 @pytest.mark.parametrize("micros,ms,mc", [(1, 0, 1), (2, 0, 2)])
-def test_gpu_paths_give_the_same_bits_across_the_threshold(act, micros, ms, mc, indexed_threshold):
+def test_gpu_paths_give_the_same_bits_across_the_threshold(act, micros, ms, mc):
     """A request's rows do not change where its batch crosses INDEXED_MAX_ROWS: INDEXED_MAX_ROWS rows (the
     indexed path) give the bits of the same rows among INDEXED_MAX_ROWS + 1 (the grouped path); and at 1
     and INDEXED_MAX_ROWS rows both paths, forced, give the same bits."""
@@ -350,7 +348,7 @@ def captured(args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Ten
 @gpu
 @pytest.mark.parametrize("act,n", [("bf16", 1), ("bf16", humming.INDEXED_MAX_ROWS), ("fp8", 1),
                                    ("fp8", humming.INDEXED_MAX_ROWS), ("bf16", humming.INDEXED_MAX_ROWS + 1)])
-def test_gpu_humming_in_a_cuda_graph(act, n, indexed_threshold):
+def test_gpu_humming_in_a_cuda_graph(act, n):
     """Both paths (up to INDEXED_MAX_ROWS rows indexed, one more grouped) replay as they ran eagerly, and a
     replay on new tokens routes them anew (the route lists are made inside the graph, no host read)."""
     t = small_moe(n, micros=1, seed=3)

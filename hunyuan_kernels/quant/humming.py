@@ -120,16 +120,21 @@ def lib() -> ModuleType:
 
 @dataclass(frozen=True, eq=False)
 class Config:
-    """A laid-out pack's `KernelLayout.config`: humming's layer config, and its indexed GEMM's tuning for
-    the routed rows of up to INDEXED_MAX_ROWS tokens (`indexed_tuning`)."""
+    """A laid-out pack's `KernelLayout.config`: humming's layer config, its indexed GEMM's tuning for the
+    routed rows of up to INDEXED_MAX_ROWS tokens (`indexed_tuning`), and the rows up to which a call takes
+    the indexed path by itself (`rows_path`; chosen at layout, like the rest of the pack's kernel)."""
     layer: object                                   # humming.config.LayerConfig
     indexed: str                                    # tuning config, JSON [[lo, hi, kernel config], ...]
     blocks: tuple[tuple[int, int, int], ...]        # (lo, hi, M tile rows) of each of its intervals
+    indexed_rows: int = INDEXED_ROWS
 
     @classmethod
-    def of(cls, layer, intervals: list) -> "Config":
+    def of(cls, layer, intervals: list, indexed_rows: int = INDEXED_ROWS) -> "Config":
         """From the indexed kernels' [[lo, hi, kernel config], ...] (routed rows lo < r <= hi)."""
-        return cls(layer, json.dumps(intervals), tuple((lo, hi, cfg["block_shape"][0]) for lo, hi, cfg in intervals))
+        if not 0 <= indexed_rows <= INDEXED_MAX_ROWS:
+            raise ValueError(f"indexed_rows {indexed_rows}: between 0 and {INDEXED_MAX_ROWS}")
+        return cls(layer, json.dumps(intervals), tuple((lo, hi, cfg["block_shape"][0]) for lo, hi, cfg in intervals),
+                   indexed_rows)
 
 
 def fits_pack(w: QWeight, activations: str = "bf16") -> str | None:
@@ -168,7 +173,7 @@ def _transform(codes: torch.Tensor, scales: torch.Tensor, activations: str):
     return config, out["weight"], out["weight_scale"], out.get("weight_scale_2")
 
 
-def indexed_tuning(layer, experts: int, device: torch.device) -> Config:
+def indexed_tuning(layer, experts: int, device: torch.device, indexed_rows: int = INDEXED_ROWS) -> Config:
     """The indexed GEMM's kernels for `layer` (humming's LayerConfig), chosen by humming's own heuristics as
     its forward would choose them (`_resolve_configs` -> `get_heuristics_config`), kept for the routed rows
     a call of the indexed path can have (INDEXED_MAX_ROWS tokens, each routed to at most `experts`: the
@@ -176,7 +181,7 @@ def indexed_tuning(layer, experts: int, device: torch.device) -> Config:
     kernel's M tile the one `align` packs for (`block_rows`)."""
     h = lib()
     found = h.tune.get_heuristics_config(layer, None, device=device, **json.loads(COMPUTE_INDEXED))
-    config = Config.of(layer, [iv for iv in found if iv[0] < INDEXED_MAX_ROWS * experts])
+    config = Config.of(layer, [iv for iv in found if iv[0] < INDEXED_MAX_ROWS * experts], indexed_rows)
     h.kernel.humming.HummingKernel.prepare_kernels(layer.to_str(), COMPUTE_INDEXED, config.indexed, device)
     return config
 
@@ -191,10 +196,12 @@ def block_rows(blocks: tuple[tuple[int, int, int], ...], rows: int) -> int:
                      f"not {rows}")
 
 
-def lay_out(w: QWeight, activations: str = "bf16", micros: int | None = None) -> QWeight:
+def lay_out(w: QWeight, activations: str = "bf16", micros: int | None = None,
+            indexed_rows: int = INDEXED_ROWS) -> QWeight:
     """A plain MXFP4 expert pack laid out for humming: a gate/up pack [micros, E, N, K] (each micro a stack
     of E matrices), or, with `micros`, a down pack [E, H, micros * I] (each micro's column block laid out
-    as its own stack [E, H, I]). Refuses (ValueError naming why) a pack it cannot take."""
+    as its own stack [E, H, I]). `indexed_rows`: the rows up to which its calls take the indexed path.
+    Refuses (ValueError naming why) a pack it cannot take."""
     if w.layout is not None:
         raise ValueError(f"this pack is already laid out for {w.layout.kernel}")
     why = fits_pack(w, activations)
@@ -206,7 +213,7 @@ def lay_out(w: QWeight, activations: str = "bf16", micros: int | None = None) ->
         inter = w.shape[-1] // micros
         stacks = [(c.codes, c.scales) for c in (w.cols(m * inter, (m + 1) * inter) for m in range(micros))]
     parts = [_transform(c, s, activations) for c, s in stacks]
-    config = indexed_tuning(parts[0][0], stacks[0][0].shape[0], w.codes.device)
+    config = indexed_tuning(parts[0][0], stacks[0][0].shape[0], w.codes.device, indexed_rows)
     logical = tuple(w.shape) if micros is None else (micros, *w.shape[:-1], w.shape[-1] // micros)
     scale2 = torch.stack([p[3] for p in parts]) if parts[0][3] is not None else None
     layout = KernelLayout(NAME, logical, activations, config, scale2)
@@ -320,10 +327,10 @@ def humming_fits(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, *args,
             and lay1.activations == lay2.activations)
 
 
-def rows_path(n: int) -> str:
-    """The path a call of `n` rows takes: "indexed" up to INDEXED_ROWS (at most INDEXED_MAX_ROWS), else
-    "grouped"."""
-    return "indexed" if n <= min(INDEXED_ROWS, INDEXED_MAX_ROWS) else "grouped"
+def rows_path(n: int, indexed_rows: int = INDEXED_ROWS) -> str:
+    """The path a call of `n` rows takes: "indexed" up to `indexed_rows` (the pack's, at most
+    INDEXED_MAX_ROWS), else "grouped"."""
+    return "indexed" if n <= min(indexed_rows, INDEXED_MAX_ROWS) else "grouped"
 
 
 def _gemm(inputs: torch.Tensor, w: QWeight, m: int, out: torch.Tensor, input_scale: torch.Tensor | None,
@@ -416,7 +423,7 @@ def moe_quant_humming(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, m
     from .moe_cuda import GEMV_MAX_TOKENS, _shared, shared_fork
     x = x.contiguous()
     n = x.shape[0]
-    path = path or rows_path(n)
+    path = path or rows_path(n, w1.layout.config.indexed_rows)
     if path not in PATHS or (path == "indexed" and n > INDEXED_MAX_ROWS):
         raise ValueError(f"humming: path {path!r} for {n} rows (indexed: 1..{INDEXED_MAX_ROWS} rows, grouped: any)")
     if out is None:
