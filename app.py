@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no calls home; works offline
     signal.signal(signal.SIGTERM, _interrupt)    # `docker stop`, systemd, Spaces: shut down like Ctrl-C
-    from engine.spec.config import ConfigError
+    from engine.checkpoint.config import ConfigError
 
     try:
         notice = None if args.model else default_model()[1]       # FileNotFoundError: a broken checkout

@@ -21,7 +21,7 @@ from engine.runtime.denoise import DenoiseLayout, DenoiseRunner, step_keys
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import cache_heads
 from engine.runtime.sequence import GenImageSpan, Sequence
-from engine.spec.config import ModelConfig
+from engine.checkpoint.config import ModelConfig
 
 CONFIG = Path(__file__).with_name("instruct_config.json")
 STD = 0.02                  # the float weights' std; quantized packs' scales are set to the same level

@@ -1,8 +1,8 @@
 """HunyuanImage-3.0 inference engine, in five layers whose imports run one way:
 
-    serve -> runtime -> model -> parallel -> spec        (hunyuan_kernels/ beside them, importing none)
+    serve -> runtime -> model -> parallel -> checkpoint        (hunyuan_kernels/ beside them, importing none)
 
-spec: what the checkpoint says; parallel: who holds what; model: the modules and their weights;
+checkpoint: what the checkpoint says; parallel: who holds what; model: the modules and their weights;
 runtime: one request on one rank, phase by phase; serve: worker processes, server and client.
 This root package holds constants only."""
 from pathlib import Path

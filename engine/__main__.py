@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.runtime.events import Done, Error, Image, Ratio, Step, Text
 from engine.serve.engine_config import EngineConfig
-from engine.spec.prompts import BOT_TASKS
+from engine.checkpoint.prompts import BOT_TASKS
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.spec.checkpoint import Checkpoint, CheckpointError
+from engine.checkpoint.shards import Checkpoint, CheckpointError
 from engine.model.loader import load
 from engine.model.weights import checkpoint_shapes
 
@@ -79,7 +79,7 @@ def test_validation_happens_before_any_read(tiny_dir, tmp_path):
     cfg["moe_topk"] += [2]; cfg["moe_intermediate_size"] += [32]; cfg["num_shared_expert"] += [1]
     (folder / "config.json").write_text(json.dumps(cfg))
     ck = Checkpoint(folder)
-    from engine.spec.config import ModelConfig
+    from engine.checkpoint.config import ModelConfig
     with pytest.raises(CheckpointError, match="model.layers.2"):
         ck.validate(checkpoint_shapes(ModelConfig.from_dict(cfg)))
     assert ck.bytes_read == 0

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from engine.spec.buckets import SizeError, build_buckets, parse_size
-from engine.spec.config import CheckpointConfig, ConfigError, GenerationConfig, ModelConfig
+from engine.checkpoint.buckets import SizeError, build_buckets, parse_size
+from engine.checkpoint.config import CheckpointConfig, ConfigError, GenerationConfig, ModelConfig
 
 from conftest import BASE_CONFIG as BASE
 

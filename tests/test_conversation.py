@@ -16,7 +16,7 @@ from engine.runtime.events import Done, Error, Image, Timings
 from engine.runtime.history import MAX_IMAGES, HistoryError, Turn, reasoning_of, select
 from engine.runtime.request import Request, RequestError, prepare
 from engine.runtime.sequence import image_phase_sequence, user_turn
-from engine.spec.buckets import nearest_bucket
+from engine.checkpoint.buckets import nearest_bucket
 
 from engine_drive import make_engine
 from studio_fixtures import engine_server, start_server  # noqa: F401 (fixture)

@@ -77,7 +77,7 @@ def test_reasoning_forms_of_each_mode():
     """What each mode writes, on the embedded model's tokenizer: off is the ratio token alone, think
     closes its text and goes to the image, think + recaption adds the recaption."""
     from engine.serve.info import ModelInfo
-    from engine.spec.tokenizer import Tokenizer
+    from engine.checkpoint.tokenizer import Tokenizer
     from train.evaluate import well_formed
 
     info = ModelInfo.from_folder(MODEL)

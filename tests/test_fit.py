@@ -10,8 +10,8 @@ import pytest
 from conftest import MANIFEST
 from engine.parallel.fit import GIB, choose_plan, estimate
 from engine.parallel.plan import PRESETS, PlanError
-from engine.spec.checkpoint import Checkpoint, TensorInfo
-from engine.spec.config import CheckpointConfig, GenerationConfig, ModelConfig
+from engine.checkpoint.shards import Checkpoint, TensorInfo
+from engine.checkpoint.config import CheckpointConfig, GenerationConfig, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -54,15 +54,15 @@ def test_engine_imports_have_no_circle():
 
 def test_the_circle_check_sees_a_deferred_and_a_type_only_import(tmp_path):
     """A circle closed only by an import inside a function, or under `if TYPE_CHECKING:`, is found (a test
-    that cannot fail is a defect): probes outside the tree read as modules of engine.spec import a
-    module that (through others) imports engine.spec.config, which the probe then stands in for."""
+    that cannot fail is a defect): probes outside the tree read as modules of engine.checkpoint import a
+    module that (through others) imports engine.checkpoint.config, which the probe then stands in for."""
     deferred = tmp_path / "deferred.py"
     deferred.write_text("def f():\n    from engine.model.hunyuan import HunyuanImage3\n")
     typed = tmp_path / "typed.py"
     typed.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.model import hunyuan\n")
     for probe in (deferred, typed):
-        graph = _engine_graph({probe: "engine.spec.config"})      # the probe replaces config.py
-        found = [g for g in _circles(graph) if {"engine.model.hunyuan", "engine.spec.config"} <= g]
+        graph = _engine_graph({probe: "engine.checkpoint.config"})      # the probe replaces config.py
+        found = [g for g in _circles(graph) if {"engine.model.hunyuan", "engine.checkpoint.config"} <= g]
         assert found, probe.read_text()
 
 

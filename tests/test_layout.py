@@ -1,4 +1,4 @@
-"""The package's imports run one way (docs/design.md, Layers): serve -> runtime -> model -> parallel -> spec;
+"""The package's imports run one way (docs/design.md, Layers): serve -> runtime -> model -> parallel -> checkpoint;
 `hunyuan_kernels` imports nothing of `engine`; the web UI uses only the serving client, events and
 requests; nothing at run time (`engine/`, `hunyuan_kernels/`, `webui/`, `app.py`; the command line
 included) imports the development tools, the trainer, the tests or the benchmarks. Imports needed only
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["spec", "parallel", "model", "runtime", "serve"]          # each may import only those before it
+LAYERS = ["checkpoint", "parallel", "model", "runtime", "serve"]          # each may import only those before it
 WEBUI_MAY_IMPORT = {"engine", "engine.serve.client", "engine.serve.server", "engine.serve.info",
                     "engine.runtime.events", "engine.runtime.request",
                     # the studio checks a reference on upload by /v1's own rules and loader (issue 29): one
@@ -97,12 +97,12 @@ def test_imports_run_one_way():
 
 def test_the_check_sees_a_wrong_way_import(tmp_path):
     """The walker must catch an import against the arrows (a test that cannot fail is a defect). The probe
-    lies outside the tree, read as a module of engine.spec: in the tree, the tests that walk it on another
+    lies outside the tree, read as a module of engine.checkpoint: in the tree, the tests that walk it on another
     worker (pytest -n) would meet it, or lose it between listing and reading it."""
-    assert ROOT / "engine" / "spec" / "__init__.py" in _run_time()
+    assert ROOT / "engine" / "checkpoint" / "__init__.py" in _run_time()
     bad = tmp_path / "_wrong_way_probe.py"
     bad.write_text("from engine.runtime.engine import Engine\nfrom ..serve import server\n")
-    found = [v for v in _violations({bad: "engine.spec._wrong_way_probe"}) if "_wrong_way_probe" in v]
+    found = [v for v in _violations({bad: "engine.checkpoint._wrong_way_probe"}) if "_wrong_way_probe" in v]
     assert len(found) == 2 and "may not import engine.runtime" in found[0] and "engine.serve" in found[1]
 
 
@@ -118,7 +118,7 @@ def test_the_check_sees_a_tool_imported_at_run_time(module, tmp_path):
         "2 imports tools.tiny (a development tool at run time)", "3 imports train.train (a development tool at run time)"]
 
 
-@pytest.mark.parametrize("package", ["engine.spec", "engine.parallel", "engine.model", "engine.runtime",
+@pytest.mark.parametrize("package", ["engine.checkpoint", "engine.parallel", "engine.model", "engine.runtime",
                                      "engine.serve", "hunyuan_kernels", "tools"])
 def test_each_sub_package_says_what_lives_there(package):
     doc = ast.get_docstring(ast.parse((ROOT / package.replace(".", "/") / "__init__.py").read_text()))

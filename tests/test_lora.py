@@ -21,8 +21,8 @@ from engine.model.lora import load_adapter
 from engine.model.peft import ALL_TARGETS, AdapterError, read_peft
 from engine.runtime.events import Error, Image, Text
 from engine.runtime.request import Request, RequestError, prepare
-from engine.spec import names
-from engine.spec.config import ModelConfig
+from engine.checkpoint import names
+from engine.checkpoint.config import ModelConfig
 from engine_drive import backbone_rows, make_engine, run_together
 from tools.tiny_lora import make_adapter, random_adapter
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.spec.config import ModelConfig
+from engine.checkpoint.config import ModelConfig
 from engine.model.weights import SKIPPED_PREFIXES, checkpoint_shapes, vit_head_shapes
 
 from conftest import BASE_CONFIG, MANIFEST

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image as PILImage
 
-from engine.spec.checkpoint import Checkpoint
-from engine.spec.config import ModelConfig
+from engine.checkpoint.shards import Checkpoint
+from engine.checkpoint.config import ModelConfig
 from engine.runtime.events import Error, Image, Text
 from engine.parallel.plan import PRESETS, ParallelPlan, PlanError, get_plan
 from engine.runtime.request import Request

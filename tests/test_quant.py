@@ -18,11 +18,11 @@ import hunyuan_kernels.quant as kq
 from engine.model.loader import load
 from engine.model.packed import dense, read_rows
 from engine.model.weights import FormatMismatchWarning, plan_checkpoint
-from engine.spec.shapes import backbone_linears
+from engine.checkpoint.shapes import backbone_linears
 from engine.parallel.layout import ShardLayout
-from engine.spec.checkpoint import Checkpoint, CheckpointError
-from engine.spec.config import CheckpointConfig
-from engine.spec.quant import QuantScheme, WeightFormat
+from engine.checkpoint.shards import Checkpoint, CheckpointError
+from engine.checkpoint.config import CheckpointConfig
+from engine.checkpoint.quant import QuantScheme, WeightFormat
 from tools.tiny import make_tiny
 from tools.tiny_quant import QUANT_FORMATS, quantize_mx, quantize_nvfp4
 

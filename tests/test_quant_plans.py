@@ -17,17 +17,17 @@ from safetensors.torch import load_file, save_file
 from engine.model.packed import dense
 from engine.model.transformer import Transformer
 from engine.model.weights import SKIPPED_PREFIXES, plan_checkpoint
-from engine.spec.shapes import backbone_linears
+from engine.checkpoint.shapes import backbone_linears
 from engine.parallel.plan import PRESETS, get_plan
 from engine.runtime.events import Error, Image, Text
 from engine.runtime.request import Request
 from engine.serve.engine_config import EngineConfig
 from engine.serve.server import EngineServer
 from engine.model.loader import load
-from engine.spec import names
-from engine.spec.checkpoint import Checkpoint
-from engine.spec.config import CheckpointConfig
-from engine.spec.qtensors import read_tensors
+from engine.checkpoint import names
+from engine.checkpoint.shards import Checkpoint
+from engine.checkpoint.config import CheckpointConfig
+from engine.checkpoint.qtensors import read_tensors
 from tools import quant_fixtures as qf
 from tools.tiny import make_tiny
 from tools.tiny_quant import QUANT_FORMATS

@@ -16,13 +16,13 @@ from engine.model.loader import keeps_quantized, load
 from engine.model.packed import QuantPack, linear, micro_cols, micro_rows
 from engine.model.transformer import Transformer
 from engine.model.weights import SKIPPED_PREFIXES, plan_checkpoint, resident_packs
-from engine.spec.shapes import backbone_linears
+from engine.checkpoint.shapes import backbone_linears
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.runtime.events import Error, Image, Text
 from engine.runtime.request import Request
-from engine.spec import names
-from engine.spec.checkpoint import Checkpoint, CheckpointError
-from engine.spec.config import CheckpointConfig
+from engine.checkpoint import names
+from engine.checkpoint.shards import Checkpoint, CheckpointError
+from engine.checkpoint.config import CheckpointConfig
 from tools.tiny import make_tiny
 from tools.tiny_quant import QUANT_FORMATS
 from engine_drive import make_engine

@@ -16,11 +16,11 @@ import torch
 from engine.model.loader import load
 from engine.model.packed import dense
 from engine.model.weights import FormatMismatchWarning, plan_checkpoint
-from engine.spec.shapes import backbone_linears
-from engine.spec.checkpoint import Checkpoint
-from engine.spec.config import CheckpointConfig
-from engine.spec.qtensors import read_tensors
-from engine.spec.quant import WeightFormat
+from engine.checkpoint.shapes import backbone_linears
+from engine.checkpoint.shards import Checkpoint
+from engine.checkpoint.config import CheckpointConfig
+from engine.checkpoint.qtensors import read_tensors
+from engine.checkpoint.quant import WeightFormat
 from tools import quant_fixtures as qf
 from tools.tiny import make_tiny
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image as PILImage
 
-from engine.spec.buckets import parse_size
+from engine.checkpoint.buckets import parse_size
 from engine.runtime.events import Done, Error, Text, Timings
 from engine.runtime.events import Image as ImageEvent
 from engine.serve.info import ModelInfo

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from engine.spec.prompts import PromptError, SystemPrompts
-from engine.spec.tokenizer import OFFICIAL_SPECIAL_TOKENS, TextStream, Tokenizer, TokenizerError
+from engine.checkpoint.prompts import PromptError, SystemPrompts
+from engine.checkpoint.tokenizer import OFFICIAL_SPECIAL_TOKENS, TextStream, Tokenizer, TokenizerError
 
 
 def test_every_official_special_token_resolves(tiny):

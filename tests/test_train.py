@@ -12,10 +12,10 @@ from engine import EMBEDDED_MODEL
 from engine.runtime.events import Image, Ratio
 from engine.model.loader import load
 from engine.model.hunyuan import HunyuanImage3
-from engine.spec.config import ModelConfig
+from engine.checkpoint.config import ModelConfig
 from engine.runtime.request import Request
 from engine.runtime.sequence import text_phase_sequence, user_turn
-from engine.spec.tokenizer import OFFICIAL_SPECIAL_TOKENS
+from engine.checkpoint.tokenizer import OFFICIAL_SPECIAL_TOKENS
 from train.dataset import FORMATS, GROUP_TASKS, edit_chain, is_heldout, make_sample, system_text
 from train.detect import detect
 from train.evaluate import check_edit, check_t2i, parse_recaption, well_formed

@@ -21,9 +21,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.model.weights import checkpoint_shapes, vit_head_shapes
-from engine.spec import names
-from engine.spec.config import ModelConfig
-from engine.spec.tokenizer import OFFICIAL_SPECIAL_TOKENS
+from engine.checkpoint import names
+from engine.checkpoint.config import ModelConfig
+from engine.checkpoint.tokenizer import OFFICIAL_SPECIAL_TOKENS
 
 TINY_LAYERS = 2
 

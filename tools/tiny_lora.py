@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.spec.config import CheckpointConfig, ModelConfig
+from engine.checkpoint.config import CheckpointConfig, ModelConfig
 
 if TYPE_CHECKING:
     from engine.model.peft import PeftAdapter
@@ -73,7 +73,7 @@ def random_adapter(cfg: ModelConfig, r: int, seed: int = 0, scale: float = 2.0, 
     expert's gate_and_up_proj and down_proj) as the reader returns one (in memory, no peft needed: the GPU test
     and the benchmark), A ~ N(0, 1/in), B ~ N(0, 0.05^2)."""
     from engine.model.peft import ALL_TARGETS, TARGETS, LoraWeights, PeftAdapter
-    from engine.spec.shapes import backbone_linears
+    from engine.checkpoint.shapes import backbone_linears
     g = torch.Generator().manual_seed(seed)
     layers = {}
     for layer, (n, k, _) in backbone_linears(cfg).items():

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.spec import names
-from engine.spec.config import ModelConfig
-from engine.spec.shapes import backbone_linears
+from engine.checkpoint import names
+from engine.checkpoint.config import ModelConfig
+from engine.checkpoint.shapes import backbone_linears
 from hunyuan_kernels.quant import E2M1_VALUES, FP8_MAX, pack_fp4, quantize_fp8_rows
 
 QUANT_FORMATS = ("mxfp8", "mxfp4", "mxfp8-ct", "mxfp4-ct", "nvfp4-ct", "fp8-modelopt", "fp8-channel-modelopt",

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.spec import names
-from engine.spec.config import ModelConfig
+from engine.checkpoint import names
+from engine.checkpoint.config import ModelConfig
 from engine.model.weights import checkpoint_shapes, vit_head_shapes
 from tools.tiny import _dtype_for, tiny_config, write_checkpoint
 

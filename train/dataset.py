@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from PIL import Image, ImageDraw
 
-from engine.spec.buckets import Bucket, build_buckets
+from engine.checkpoint.buckets import Bucket, build_buckets
 
 BASE_SIZE = 256
 BUCKETS: tuple[Bucket, ...] = build_buckets(BASE_SIZE)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.spec.tokenizer import Tokenizer
+from engine.checkpoint.tokenizer import Tokenizer
 from tools.tiny import train_bpe
 
 from .dataset import BASE_SIZE, BUCKETS, corpus

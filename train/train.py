@@ -72,17 +72,17 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch.utils.data import DataLoader, Dataset
 
 from engine.model.attention import AttnBatch, KVCache, attention_mask
-from engine.spec.config import ModelConfig
+from engine.checkpoint.config import ModelConfig
 from engine.runtime.denoise import flow_sigmas
 from engine.runtime.images import to_pil
 from engine.model.layers import rope_angles
 from engine.model.hunyuan import HunyuanImage3
 from engine.model.weights import vit_head_shapes
 from engine.parallel.layout import PhaseView
-from engine.spec import names
-from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ
+from engine.checkpoint import names
+from engine.checkpoint.names import DOWN_PROJ, GATE_AND_UP_PROJ
 from engine.runtime.sequence import CondImageLayout, image_phase_sequence, text_phase_sequence, user_turn
-from engine.spec.tokenizer import Tokenizer
+from engine.checkpoint.tokenizer import Tokenizer
 from engine.model.vit import vit_preprocess
 
 from .config import SCHEDULE_STEPS, model_config, write_folder

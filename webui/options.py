@@ -11,8 +11,8 @@ from engine.runtime.request import Request, RequestError, random_seed
 from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams, named_setting
 
 if TYPE_CHECKING:      # the model's data types, as the server's ModelInfo carries them
-    from engine.spec.buckets import Bucket
-    from engine.spec.config import GenerationConfig
+    from engine.checkpoint.buckets import Bucket
+    from engine.checkpoint.config import GenerationConfig
 
 # (label, bot_task). The official tasks `recaption` and `auto` stay reachable through the engine CLI;
 # the studio offers the three that make sense for a person choosing how much the model should reason.

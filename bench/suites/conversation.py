@@ -133,8 +133,8 @@ def real_shapes(args: argparse.Namespace, out: Output, plan: dict) -> list[dict]
     from engine.runtime.handoff import reusable_prefix
     from engine.runtime.sequence import CondImageLayout, PastTurnLayout, user_turn
     from engine.serve.info import ModelInfo
-    from engine.spec.prompts import SystemPrompts
-    from engine.spec.tokenizer import Tokenizer
+    from engine.checkpoint.prompts import SystemPrompts
+    from engine.checkpoint.tokenizer import Tokenizer
     dev = "cpu" if args.dry else "cuda"
     cfg = rank.config(dry=args.dry)
     info = ModelInfo.from_folder(Path(args.model or EMBEDDED_MODEL))

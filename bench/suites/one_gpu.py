@@ -36,7 +36,7 @@ from engine.runtime.decode_step import DecodeStep
 from engine.runtime.graphs import Graphs
 from engine.runtime.denoise import DenoiseRunner, StepInputs, denoise
 from engine.runtime.prefill_step import PrefillStep
-from engine.spec.config import ModelConfig
+from engine.checkpoint.config import ModelConfig
 
 from .. import rank
 from ..profiling import kernel_table

@@ -78,10 +78,10 @@ from engine.runtime.request import Request, prepare
 from engine.runtime.scheduler import DECODE_STEPS_PER_DENOISE, StepNews
 from engine.runtime.warmup import warm_up
 from engine.runtime.sequence import text_phase_sequence, user_turn
-from engine.spec.buckets import build_buckets
-from engine.spec.config import CheckpointConfig
-from engine.spec.prompts import SystemPrompts
-from engine.spec.tokenizer import Tokenizer
+from engine.checkpoint.buckets import build_buckets
+from engine.checkpoint.config import CheckpointConfig
+from engine.checkpoint.prompts import SystemPrompts
+from engine.checkpoint.tokenizer import Tokenizer
 
 from .. import rank
 from ..report import Col, Output

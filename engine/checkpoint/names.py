@@ -3,8 +3,8 @@ linears, the image-side module prefixes, and which resident pack each backbone l
 role of nano-vllm's `packed_modules_mapping`). Every other module asks here instead of spelling a name.
 
 A *layer* is a linear's name without its tensor suffix (`model.layers.0.self_attn.qkv_proj`, as in
-engine/spec/quant.py): stored in high precision its tensor is `{layer}.weight`, quantized it is a tensor set
-(`.weight_packed`, `.weight_scale`, ...: engine/spec/qtensors.py). A *pack* is one resident parameter of a
+engine/checkpoint/quant.py): stored in high precision its tensor is `{layer}.weight`, quantized it is a tensor set
+(`.weight_packed`, `.weight_scale`, ...: engine/checkpoint/qtensors.py). A *pack* is one resident parameter of a
 decoder layer (engine/model/packed.py), named after what it holds: qkv, o_proj and each shared-MLP linear
 are their own pack; all experts of a layer share one pack per linear (`model.layers.0.mlp.experts.down_proj`).
 """

@@ -25,8 +25,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from engine.spec.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError, TensorInfo, TensorSpec
-from engine.spec.quant import WeightFormat
+from engine.checkpoint.shards import FLOAT_DTYPES, Checkpoint, CheckpointError, TensorInfo, TensorSpec
+from engine.checkpoint.quant import WeightFormat
 
 ACTIVATION_SCALES = ("input_scale", "input_global_scale")
 SCALAR = ((), (1,))

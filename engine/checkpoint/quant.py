@@ -2,7 +2,7 @@
 
 A *layer* is a linear's name without its tensor suffix (`model.layers.0.self_attn.qkv_proj`). The
 config only *declares* a format; the tensors' own names, dtypes and shapes decide it
-(engine/spec/qtensors.py), and where the two disagree the tensors win and the loader warns naming the
+(engine/checkpoint/qtensors.py), and where the two disagree the tensors win and the loader warns naming the
 layer. Three producers are read, as their tools write them (research/quant_formats.md §2-§5):
 
 - auto-round (`quant_method` "auto-round"): `bits` / `group_size` / `data_type` defaults, the

@@ -4,9 +4,9 @@ checkpoints and adapters. From the config and the names alone, so every module o
 without importing another."""
 from __future__ import annotations
 
-from engine.spec import names
-from engine.spec.config import ModelConfig
-from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ
+from engine.checkpoint import names
+from engine.checkpoint.config import ModelConfig
+from engine.checkpoint.names import DOWN_PROJ, GATE_AND_UP_PROJ
 
 
 def backbone_linears(cfg: ModelConfig) -> dict[str, tuple[int, int, str | None]]:

@@ -79,7 +79,7 @@ class Checkpoint:
             if name not in self.tensors:
                 raise CheckpointError(f"tensor {name!r} is listed in the index under {file} but that shard lacks it")
         self._handles: dict[str, object] = {}
-        # layer -> its stored tensor set (engine/spec/qtensors.py), filled by the load plan; a layer not
+        # layer -> its stored tensor set (engine/checkpoint/qtensors.py), filled by the load plan; a layer not
         # listed is a plain float `layer.weight`
         self.formats: dict[str, object] = {}
         # layers the load quantizes itself as they are read (`--quantize fp8`: FP8 per output channel)

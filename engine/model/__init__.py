@@ -2,5 +2,5 @@
 whole model as one rank keeps it resident, and its weight loading: each module that owns a packed
 tensor-parallel parameter reads its own slice through `packed`, the one definition of the layout.
 
-May import `engine.parallel`, `engine.spec` and `hunyuan_kernels`; never the runtime or the server.
+May import `engine.parallel`, `engine.checkpoint` and `hunyuan_kernels`; never the runtime or the server.
 """

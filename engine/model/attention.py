@@ -21,8 +21,8 @@ from engine.model.layers import RMSNorm
 from engine.model.packed import (PackFormat, linear, micro_cols, micro_rows, packed_param, read_cols, read_rows,
                                  store)
 from engine.parallel.layout import PhaseView, ShardLayout
-from engine.spec.checkpoint import Checkpoint
-from engine.spec.names import LayerNames
+from engine.checkpoint.shards import Checkpoint
+from engine.checkpoint.names import LayerNames
 
 if TYPE_CHECKING:
     from engine.model.lora import LoraRows

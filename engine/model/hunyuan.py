@@ -1,6 +1,6 @@
 """The whole HunyuanImage-3.0 model as one rank keeps it resident: the backbone (tensor-parallel,
 packed micro-major) and the replicated image-side modules, which keep the official parameter names so
-that their checkpoint names are their `state_dict` keys under a prefix (engine/spec/names.py); each one is
+that their checkpoint names are their `state_dict` keys under a prefix (engine/checkpoint/names.py); each one is
 the model's attribute of that name (`model.vae`, `model.patch_embed`, ...)."""
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from engine.model.transformer import Resident, Transformer
 from engine.model.vae import AutoencoderKLConv3D
 from engine.model.vit import Siglip2VisionModel, VisionAligner
 from engine.parallel.layout import PhaseView, ShardLayout
-from engine.spec import names
-from engine.spec.config import ModelConfig
+from engine.checkpoint import names
+from engine.checkpoint.config import ModelConfig
 
 
 class HunyuanImage3(nn.Module):

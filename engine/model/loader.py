@@ -11,11 +11,11 @@ import torch
 from engine.model.hunyuan import HunyuanImage3
 from engine.model.weights import Progress, load_weights, plan_checkpoint, resident_packs
 from engine.parallel.layout import ShardLayout
-from engine.spec.buckets import Bucket, build_buckets
-from engine.spec.checkpoint import Checkpoint
-from engine.spec.config import CheckpointConfig, GenerationConfig, ModelConfig
-from engine.spec.prompts import SystemPrompts
-from engine.spec.tokenizer import Tokenizer
+from engine.checkpoint.buckets import Bucket, build_buckets
+from engine.checkpoint.shards import Checkpoint
+from engine.checkpoint.config import CheckpointConfig, GenerationConfig, ModelConfig
+from engine.checkpoint.prompts import SystemPrompts
+from engine.checkpoint.tokenizer import Tokenizer
 
 
 @dataclass

@@ -44,9 +44,9 @@ from hunyuan_kernels.quant.moe_lora import MoeLora
 
 from engine.model.peft import ALL_TARGETS, TARGETS, AdapterError, LoraWeights, PeftAdapter, read_peft, sliced
 from engine.parallel.layout import PhaseView, ShardLayout
-from engine.spec import names
-from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ
-from engine.spec.config import ModelConfig
+from engine.checkpoint import names
+from engine.checkpoint.names import DOWN_PROJ, GATE_AND_UP_PROJ
+from engine.checkpoint.config import ModelConfig
 
 
 @dataclass(frozen=True)

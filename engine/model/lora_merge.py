@@ -23,8 +23,8 @@ import torch
 from engine.model.packed import QuantPack
 from engine.model.peft import AdapterError, PeftAdapter, sliced
 from engine.parallel.layout import ShardLayout
-from engine.spec import names
-from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ
+from engine.checkpoint import names
+from engine.checkpoint.names import DOWN_PROJ, GATE_AND_UP_PROJ
 
 
 def _targets(model):

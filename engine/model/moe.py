@@ -31,8 +31,8 @@ import hunyuan_kernels as kernels
 from engine.model.packed import (PackFormat, QuantPack, check_micro_cols, packed_param, read_cols, read_gate_up, store,
                                  value)
 from engine.parallel.layout import PhaseView, ShardLayout
-from engine.spec.checkpoint import Checkpoint
-from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ, LayerNames
+from engine.checkpoint.shards import Checkpoint
+from engine.checkpoint.names import DOWN_PROJ, GATE_AND_UP_PROJ, LayerNames
 
 if TYPE_CHECKING:
     from engine.model.lora import LoraRows

@@ -14,7 +14,7 @@ so SwiGLU stays local to the micro. The modules that own packed parameters read 
 through these helpers.
 
 A read returns the layer's stored tensor set (`QuantTensors`: codes, scales, global scale, in the
-checkpoint's format, engine/spec/qtensors.py) with the same packed shape semantics: its codes and
+checkpoint's format, engine/checkpoint/qtensors.py) with the same packed shape semantics: its codes and
 per-row scales are laid out as above, scalar scales are shared. A column (K) split must keep whole
 scale blocks in every micro (`check_col_split`, run by the load plan before anything is read). `dense`
 turns a read into the compute dtype by exact dequantization (the CPU reference path). A layer the load
@@ -40,9 +40,9 @@ import hunyuan_kernels as kernels
 from hunyuan_kernels.quant import PER_BYTE, SCALE_BLOCK, QWeight, qlinear
 from hunyuan_kernels.quant.formats import KernelLayout
 from engine.parallel.layout import PhaseView, ShardLayout
-from engine.spec.checkpoint import Checkpoint, CheckpointError
-from engine.spec.qtensors import QuantTensors, TensorSet, read_tensors
-from engine.spec.quant import WeightFormat
+from engine.checkpoint.shards import Checkpoint, CheckpointError
+from engine.checkpoint.qtensors import QuantTensors, TensorSet, read_tensors
+from engine.checkpoint.quant import WeightFormat
 
 
 def shard_block(n: int, layout: ShardLayout) -> slice:

@@ -30,9 +30,9 @@ from safetensors import safe_open
 
 from engine.model.packed import shard_block
 from engine.parallel.layout import ShardLayout
-from engine.spec import names
-from engine.spec.config import ModelConfig
-from engine.spec.shapes import backbone_linears
+from engine.checkpoint import names
+from engine.checkpoint.config import ModelConfig
+from engine.checkpoint.shapes import backbone_linears
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."                     # PeftModel's wrapping of the trained model

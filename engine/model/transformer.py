@@ -15,10 +15,10 @@ from engine.model.layers import RMSNorm
 from engine.model.moe import MoE
 from engine.model.packed import PackFormat, dense, micro_rows, read_rows
 from engine.parallel.layout import PhaseView, ShardLayout
-from engine.spec import names
-from engine.spec.checkpoint import Checkpoint
-from engine.spec.config import ModelConfig
-from engine.spec.names import DOWN_PROJ, GATE_AND_UP_PROJ, LayerNames
+from engine.checkpoint import names
+from engine.checkpoint.shards import Checkpoint
+from engine.checkpoint.config import ModelConfig
+from engine.checkpoint.names import DOWN_PROJ, GATE_AND_UP_PROJ, LayerNames
 
 
 Resident = Mapping[str, PackFormat]   # pack name -> the format it stays quantized in (engine/model/weights.py)

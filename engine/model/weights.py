@@ -4,7 +4,7 @@ straight into the resident buffers (each module reads its own packed slices: eng
 Validation runs before any tensor is read, so a mismatched folder never half-loads.
 
 Quantized checkpoints: the backbone linears (qkv, o_proj, shared MLP, experts) may be stored in any
-format of engine/spec/quant.py; each one's tensor set is found from the tensors themselves, compared with
+format of engine/checkpoint/quant.py; each one's tensor set is found from the tensors themselves, compared with
 what `quantization_config` declares (the tensors win, with a warning naming the layer), checked
 against the plan's K splits, and validated with everything else before the first read. Everything
 else (router, embeddings, heads, norms, image-side modules) must be stored in high precision.
@@ -20,13 +20,13 @@ import torch
 from engine.model.hunyuan import HunyuanImage3, image_side_modules
 from engine.model.packed import PackFormat, check_col_split
 from engine.parallel.layout import ShardLayout
-from engine.spec import names
-from engine.spec.checkpoint import FLOAT_DTYPES, Checkpoint, CheckpointError, TensorSpec
-from engine.spec.config import ModelConfig
-from engine.spec.names import SKIPPED_PREFIXES
-from engine.spec.qtensors import TensorSet, detect, group_by_layer
-from engine.spec.quant import QuantScheme, UnsupportedFormat, WeightFormat
-from engine.spec.shapes import backbone_linears
+from engine.checkpoint import names
+from engine.checkpoint.shards import FLOAT_DTYPES, Checkpoint, CheckpointError, TensorSpec
+from engine.checkpoint.config import ModelConfig
+from engine.checkpoint.names import SKIPPED_PREFIXES
+from engine.checkpoint.qtensors import TensorSet, detect, group_by_layer
+from engine.checkpoint.quant import QuantScheme, UnsupportedFormat, WeightFormat
+from engine.checkpoint.shapes import backbone_linears
 
 Progress = Callable[[int, int, str], None]
 

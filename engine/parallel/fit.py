@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.parallel.plan import DEFAULT_FOR_WORLD, PRESETS, ParallelPlan, PlanError
-from engine.spec import names
-from engine.spec.checkpoint import Checkpoint
-from engine.spec.config import CheckpointConfig
+from engine.checkpoint import names
+from engine.checkpoint.shards import Checkpoint
+from engine.checkpoint.config import CheckpointConfig
 
 GIB = 2 ** 30
 WORKING_BYTES = 16 * GIB

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.parallel.layout import ShardLayout
-from engine.spec.config import ModelConfig
+from engine.checkpoint.config import ModelConfig
 
 
 class PlanError(ValueError):

@@ -4,5 +4,5 @@ KV hand-off, the denoise phase, the decisions all ranks agree on; the phase prog
 order, readable top to bottom (program.py), the scheduler that batches the programs' needs
 (scheduler.py) and the engine that owns what they share (engine.py).
 
-May import `engine.model`, `engine.parallel`, `engine.spec` and `hunyuan_kernels`; never the server.
+May import `engine.model`, `engine.parallel`, `engine.checkpoint` and `hunyuan_kernels`; never the server.
 """

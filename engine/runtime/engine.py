@@ -38,7 +38,7 @@ from engine.runtime.program import Context, program
 from engine.runtime.request import Prepared, Request, RequestError, prepare, with_seed
 from engine.runtime.request_state import Program
 from engine.runtime.scheduler import DECODE_STEPS_PER_DENOISE, Scheduler, StepNews
-from engine.spec.prompts import PromptError
+from engine.checkpoint.prompts import PromptError
 
 Progress = Callable[[int, int, str], None]
 

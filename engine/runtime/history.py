@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 from engine.runtime.images import ImageError, ModelImage, check_image
 from engine.runtime.sequence import PastTurnLayout
-from engine.spec.prompts import COT_TASKS
+from engine.checkpoint.prompts import COT_TASKS
 
 MAX_IMAGES = 3                       # images in one sequence, the model's limit (request.MAX_IMAGES)
 POLICIES = ("full", "last_image")

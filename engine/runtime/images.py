@@ -14,8 +14,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from engine.model.vit import vit_resize
 from engine.runtime.sequence import CondImageLayout
-from engine.spec.buckets import Bucket, nearest_bucket
-from engine.spec.config import ModelConfig
+from engine.checkpoint.buckets import Bucket, nearest_bucket
+from engine.checkpoint.config import ModelConfig
 
 MAX_PIXELS = 64_000_000   # one image: refuse decompression bombs before decoding
 # all the images one request decodes together (its references and the earlier turns' images the history

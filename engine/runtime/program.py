@@ -46,8 +46,8 @@ from engine.runtime.sequence import (Sequence, SequenceBuilder, image_phase_sequ
                                      text_phase_sequence, user_turn)
 from engine.runtime.step_cache import StepCache, make_step_cache
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
-from engine.spec.buckets import Bucket, nearest_bucket
-from engine.spec.prompts import COT_TASKS, PromptError
+from engine.checkpoint.buckets import Bucket, nearest_bucket
+from engine.checkpoint.prompts import COT_TASKS, PromptError
 
 DENOISE_GRAPHS = 8      # denoise step keys whose graphs are kept (least recently used dropped first)
 

@@ -15,9 +15,9 @@ from engine.runtime.history import MAX_TURNS as MAX_TURNS   # a request's limit 
 from engine.runtime.images import ImageError, ImageReader, ModelImage
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
-from engine.spec.buckets import Bucket, SizeError, parse_size
-from engine.spec.config import GenerationConfig, ModelConfig
-from engine.spec.prompts import BOT_TASKS, PRESETS
+from engine.checkpoint.buckets import Bucket, SizeError, parse_size
+from engine.checkpoint.config import GenerationConfig, ModelConfig
+from engine.checkpoint.prompts import BOT_TASKS, PRESETS
 
 # The limits of a request: one definition, used by the engine, the CLI, the studio's controls and API,
 # and any other front end (they all validate through `prepare`).

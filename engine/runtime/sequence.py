@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.spec.tokenizer import Tokenizer
+from engine.checkpoint.tokenizer import Tokenizer
 
 ROLE_USER, ROLE_BOT, SEP = "User: ", "Assistant: ", "\n\n"
 

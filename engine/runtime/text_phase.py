@@ -22,7 +22,7 @@ from engine.runtime.events import Text
 from engine.runtime.kv_pool import ARRow
 from engine.runtime.needs import Decode
 from engine.runtime.sampling import SamplingParams, choose
-from engine.spec.tokenizer import SpecialIds, TextStream, Tokenizer
+from engine.checkpoint.tokenizer import SpecialIds, TextStream, Tokenizer
 
 
 @dataclass(frozen=True)

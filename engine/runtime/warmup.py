@@ -35,7 +35,7 @@ from engine.runtime.prefill_step import GRAPH_MAX
 from engine.runtime.program import DENOISE_GRAPHS
 from engine.runtime.request import Request, prepare
 from engine.runtime.sequence import GenImageSpan, image_phase_sequence, user_turn
-from engine.spec.buckets import nearest_bucket, parse_size
+from engine.checkpoint.buckets import nearest_bucket, parse_size
 
 TAIL_MAX = 3072          # prompt + reasoning tokens warmed (a 1251-token T2I prompt + 750 CoT tokens: 2001)
 FILLER = "a b c d e f g h i j k l m n o p q r s t u v w x y z"   # the warm-up prompts' words (short: few characters a token)

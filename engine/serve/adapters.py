@@ -14,7 +14,7 @@ def needs_mlp(loras: Loras, merged: bool = False) -> bool:
     """Whether adapter tables must hold the MLPs for these adapters loaded at start (one of them adapts the
     MLPs; read from the files' headers). A merged adapter needs no tables."""
     from engine.model.peft import adapted_modules
-    from engine.spec.names import MLP_LINEARS
+    from engine.checkpoint.names import MLP_LINEARS
     return not merged and any(m.endswith(MLP_LINEARS) for _, folder in loras for m in adapted_modules(folder))
 
 

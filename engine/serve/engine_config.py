@@ -220,7 +220,7 @@ class EngineConfig:
         tables when one of them adapts the MLPs."""
         from engine.parallel.plan import get_plan
         from engine.serve.adapters import check_adapter, needs_mlp
-        from engine.spec.buckets import parse_size
+        from engine.checkpoint.buckets import parse_size
         get_plan(self.plan, self.world_size, self.sp_kind).check_model(info.cfg)
         for size in self.warmup:
             if size != "default" and parse_size(size, info.buckets) is None:

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Collection
 
 from engine.runtime.request import Prepared, Request, prepare, with_seed
-from engine.spec.buckets import Bucket, build_buckets
-from engine.spec.config import CheckpointConfig, GenerationConfig, ModelConfig
-from engine.spec.prompts import PRESETS, SystemPrompts
+from engine.checkpoint.buckets import Bucket, build_buckets
+from engine.checkpoint.config import CheckpointConfig, GenerationConfig, ModelConfig
+from engine.checkpoint.prompts import PRESETS, SystemPrompts
 
 
 @dataclass(frozen=True)

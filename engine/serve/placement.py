@@ -57,8 +57,8 @@ def fitting_plan(model: str | Path, dtype: str | None, quantize: str | None, ver
     checkpoint's headers (engine/parallel/fit.py), with `cache_bytes` per rank for the conversation caches;
     PlanError saying what each plan needs when none does; None when the GPUs cannot be read."""
     from engine.parallel.fit import choose_plan
-    from engine.spec.checkpoint import Checkpoint
-    from engine.spec.config import CheckpointConfig
+    from engine.checkpoint.shards import Checkpoint
+    from engine.checkpoint.config import CheckpointConfig
     sizes = gpu_memory()
     if not sizes:
         return None
