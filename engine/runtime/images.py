@@ -137,7 +137,7 @@ def give_back_freed_heap() -> None:
     heap of the thread that decodes (the server reads images in worker threads, each with an arena of its
     own), and freed there below live allocations they stay resident: the server kept ~80 MiB after one
     request with a 4096x4096 history image, for as long as it ran. malloc_trim gives back every arena's free
-    pages (a few ms)."""
+    pages: ~30 ms for a 4096x4096 image on a loaded 2-core machine, beside ~0.5 s to decode it."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
