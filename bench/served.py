@@ -105,6 +105,14 @@ class ServedApp:
         """File descriptors the server process holds (sockets, pipes to the engine, uploads)."""
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
+    def threads(self) -> int:
+        """Threads of the server process (its event loop, the pumps to the engine, the routes' pool)."""
+        return len(os.listdir(f"/proc/{self.proc.pid}/task"))
+
+    def children(self) -> int:
+        """Processes below the server: its engine workers and multiprocessing's helpers."""
+        return len(self._tree()) - 1
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

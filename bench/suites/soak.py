@@ -11,9 +11,10 @@ them disconnects at a random point (a client timeout, or a stream closed mid-way
 Faults, one every --fault-every seconds, in turn: SIGKILL the engine worker; SIGSTOP it for --stop-s
 seconds, then SIGCONT, with an edit (a 512x512 reference) sent to it half a second into the stop (`stop_edit`: the
 freeze of issue 44, item 1); a burst of 6 streams that all disconnect after 0.3 s; an 80 MB chat body of 40 M
-zeros in an unknown field; an 80 MB chat body of 20 000 numbers of 4000 digits in `metadata`.
-Probes: /health every 0.5 s (its latency; a probe waits up to 10 s), the RSS of the server and of each
-engine worker and the server's open files every 10 s.
+zeros in an unknown field; an 80 MB chat body of 20 000 numbers of 4000 digits in `metadata`; a 2.4 MB chat
+body of 8 earlier turns x 4 PNGs of 4096x4096 (bench/suites/history_memory.py: a legal request, answered).
+Probes: /health every 0.5 s (its latency; a probe waits up to 10 s); every 10 s the RSS of the server and
+of each engine worker, the server's open files and threads, and the processes below it.
 
 Each request ends as: `image`; `left` (the client disconnected on purpose); `refused` (429 queue full or
 503 loading, with Retry-After); `4xx` (a valid request refused: a defect); `error` (an OpenAI-shaped error
@@ -21,7 +22,9 @@ that says what happened: the worker was killed or restarted, a step stalled); `l
 image or an error, a stream that ended without either, a connection closed without an answer); `hung` (no
 answer within --patience s).
 The checks: none lost, none hung; after the load the engine idle and ready; the server's RSS at the end
-within 10% of its level after the warm-up, its open files within 16; the large bodies refused with a 4xx.
+within 10% of its level after the warm-up, its open files within 16, its threads within 8 (the routes'
+pool grows to min(32, cores + 4) threads as it needs them), as many processes below it as after the
+warm-up (every killed worker replaced, none left behind); the 80 MB bodies refused with a 4xx.
 /health's latency is reported (a worker stopped while a request is sent to it froze every route up to
 issue 44's fix; the probes during each stop say whether it still does).
 """
@@ -46,14 +49,16 @@ import httpx
 
 from ..report import Col, Output
 from ..served import ServedApp
+from .history_memory import history_body
 
 DRY = False
 CUDA = False                   # runs on the CPU as it is
 KINDS = ("generate", "stream", "edit", "chat", "chat_history")
-FAULTS = ("kill", "stop", "disconnects", "zeros", "metadata")
+FAULTS = ("kill", "stop", "disconnects", "zeros", "metadata", "history")
 READY_TIMEOUT_S = 300
 RSS_GROWTH = 0.10              # the server's RSS at the end over its level after the warm-up
 FD_GROWTH = 16
+THREAD_GROWTH = 8
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -142,12 +147,27 @@ def send(kind: str, url: str, rng: random.Random, i: int, leave_after: float | N
                             {"role": "user", "content": f"make it blue {i}"}]
             r = c.post(url + "/v1/chat/completions", json={"messages": messages, "modalities": ["image"],
                                                            "extra_body": {"height": 256, "width": 256, **extra}})
-            return _answer(r, lambda b: b["choices"][0]["message"]["content"][0]["image_url"]["url"]
-                           .startswith("data:image/"))
+            return _answer(r, _chat_image)
     except httpx.TimeoutException:
         return ("left", "") if leave_after is not None else ("hung", f"no answer in {patience:.0f} s")
     except httpx.HTTPError as e:
         return "lost", f"{type(e).__name__}: {e}"
+
+
+def post_chat(url: str, body: bytes, patience: float) -> tuple[str, str]:
+    """A chat request sent as the bytes `body`; (result, detail), as `send` gives them."""
+    try:
+        r = httpx.post(url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"},
+                       timeout=httpx.Timeout(patience, connect=10))
+        return _answer(r, _chat_image)
+    except httpx.TimeoutException:
+        return "hung", f"no answer in {patience:.0f} s"
+    except httpx.HTTPError as e:
+        return "lost", f"{type(e).__name__}: {e}"
+
+
+def _chat_image(body: dict) -> bool:
+    return body["choices"][0]["message"]["content"][0]["image_url"]["url"].startswith("data:image/")
 
 
 def _stream(c: httpx.Client, url: str, body: dict, leave_after: float | None) -> tuple[str, str]:
@@ -177,7 +197,7 @@ class Soak:
     t0: float = field(default_factory=time.monotonic)
     outcomes: list[Outcome] = field(default_factory=list)
     probes: list[tuple[float, float, int]] = field(default_factory=list)     # (t, latency s, status)
-    samples: list[dict] = field(default_factory=list)                       # RSS and fds over time
+    samples: list[dict] = field(default_factory=list)                       # RSS, fds, threads over time
     faults: list[dict] = field(default_factory=list)
     stops: list[tuple[float, float]] = field(default_factory=list)          # SIGSTOP windows
     restarts: list[tuple[float, str]] = field(default_factory=list)         # (t, why), as /health said
@@ -232,7 +252,8 @@ class Soak:
             rss = self.app.rss_by_process()
             self.samples.append(dict(t=self.now(), server=rss.get("server", 0),
                                      workers={k: v for k, v in rss.items() if k.startswith("worker")},
-                                     fds=self.app.open_files()))
+                                     fds=self.app.open_files(), threads=self.app.threads(),
+                                     children=self.app.children()))
         except OSError:
             pass
 
@@ -276,6 +297,15 @@ class Soak:
             for t in threads:
                 t.join()
             row["detail"] = "6 streams left after 0.3 s"
+        elif kind == "history":
+            before = self.app.rss_by_process().get("server", 0)
+            start = self.now()
+            result = post_chat(self.app.url, bodies[kind], self.args.patience)
+            self.record("history_body", start, result)
+            after = self.app.rss_by_process().get("server", 0)
+            row["detail"] = (f"{len(bodies[kind]) / 1e6:.1f} MB body, 32 history images of 4096x4096: {result[0]} "
+                             f"{result[1][:60]} in {self.now() - start:.1f} s; server RSS {before / 2**20:.0f} -> "
+                             f"{after / 2**20:.0f} MiB")
         else:
             t = time.monotonic()
             try:
@@ -303,10 +333,11 @@ class Soak:
         return float("inf")
 
 
-def large_bodies() -> dict[str, bytes]:
+def large_bodies(model_name: str) -> dict[str, bytes]:
     head = b'{"messages": [{"role": "user", "content": "a red circle"}], '
     return {"zeros": head + b'"junk": [' + b"0," * (40_000_000 - 1) + b"0]}",
-            "metadata": head + b'"metadata": [' + b",".join([b"9" * 4000] * 20_000) + b"]}"}
+            "metadata": head + b'"metadata": [' + b",".join([b"9" * 4000] * 20_000) + b"]}",
+            "history": history_body(model_name)}
 
 
 def warm_up(soak: Soak, images: dict[str, bytes]) -> None:
@@ -323,7 +354,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "app.log"
     app = ServedApp("--model", str(model), "--api-only", "--max-queue", "8", *shlex.split(args.app_args), log=log)
     images = {"ref": png((512, 512), 1), "made": png((256, 256), 2)}
-    bodies = large_bodies()
+    from engine.serve.info import ModelInfo
+    bodies = large_bodies(ModelInfo.from_folder(model).name)
     try:
         ready_s = app.wait_ready(READY_TIMEOUT_S)
         out.say(f"app.py ready in {ready_s:.1f} s ({model}); its log: {log}")
@@ -332,7 +364,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         app.wait_idle(60)
         soak.sample()
         baseline = soak.samples.pop()
-        out.say(f"warm: server RSS {baseline['server'] / 2**20:.0f} MiB, {baseline['fds']} open files")
+        out.say(f"warm: server RSS {baseline['server'] / 2**20:.0f} MiB, {baseline['fds']} open files, "
+                f"{baseline['threads']} threads, {baseline['children']} processes below it")
         soak.t0 = time.monotonic()
         threads = [threading.Thread(target=soak.monitor, daemon=True)] + \
             [threading.Thread(target=soak.client, args=(n, images), daemon=True) for n in range(args.clients)]
@@ -364,7 +397,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
 def report(out: Output, args: argparse.Namespace, soak: Soak, baseline: dict, final: dict, health: dict,
            idle_s: float) -> bool:
     rows = []
-    for kind in KINDS + ("burst", "stop_edit"):
+    for kind in KINDS + ("burst", "stop_edit", "history_body"):
         got = [o for o in soak.outcomes if o.kind == kind]
         if not got:
             continue
@@ -408,9 +441,10 @@ def report(out: Output, args: argparse.Namespace, soak: Soak, baseline: dict, fi
         minutes.append(soak.samples[-1])
     mem = [dict(t=s["t"], server=s["server"] / 2**20, workers=" ".join(f"{k.split()[1]}:{v / 2**20:.0f}"
                                                                       for k, v in s["workers"].items()),
-                fds=s["fds"]) for s in minutes]
+                fds=s["fds"], threads=s["threads"], children=s["children"]) for s in minutes]
     out.table(mem, [Col("t s", "t", ".0f"), Col("server MiB", "server", ".0f"), Col("workers (pid:MiB)", "workers"),
-                    Col("server fds", "fds")], "memory (every minute, and at the end after idle)")
+                    Col("server fds", "fds"), Col("server threads", "threads"), Col("processes below", "children")],
+              "memory, files, threads, processes (every minute, and at the end after idle)")
     growth = (final["server"] - baseline["server"]) / baseline["server"]
     large = [f for f in soak.faults if f["fault"] in ("zeros", "metadata")]
     checks = {"none lost": not any(o.result == "lost" for o in soak.outcomes),
@@ -419,16 +453,18 @@ def report(out: Output, args: argparse.Namespace, soak: Soak, baseline: dict, fi
               "ready and idle at the end": health.get("state") == "ready" and not health.get("running"),
               f"server RSS within {RSS_GROWTH:.0%} of the warm level": growth <= RSS_GROWTH,
               f"server open files within {FD_GROWTH}": final["fds"] <= baseline["fds"] + FD_GROWTH,
-              "large bodies refused with a 4xx": all(400 <= f.get("status", 0) < 500 for f in large)}
+              f"server threads within {THREAD_GROWTH}": final["threads"] <= baseline["threads"] + THREAD_GROWTH,
+              "no process left behind": final["children"] == baseline["children"],
+              "80 MB bodies refused with a 4xx": all(400 <= f.get("status", 0) < 500 for f in large)}
     out.say(f"server RSS {baseline['server'] / 2**20:.0f} MiB after the warm-up, {final['server'] / 2**20:.0f} MiB "
-            f"at the end ({growth:+.1%}); open files {baseline['fds']} -> {final['fds']}; idle {idle_s:.1f} s "
-            f"after the load stopped; restarts {health.get('restarts')}")
+            f"at the end ({growth:+.1%}); open files {baseline['fds']} -> {final['fds']}; threads "
+            f"{baseline['threads']} -> {final['threads']}; processes below it {baseline['children']} -> "
+            f"{final['children']}; idle {idle_s:.1f} s after the load stopped; restarts {health.get('restarts')}")
     for name, ok in checks.items():
         out.say(f"check: {name}: {'ok' if ok else 'FAILED'}")
     out.data.update(minutes=args.minutes, clients=args.clients, fault_every=args.fault_every, stop_s=args.stop_s,
                     requests=rows, faults=soak.faults, restarts=soak.restarts, checks=checks, rss_growth=growth,
                     health=dict(probes=len(lat), max_s=lat[-1] if lat else None, over_1s_in_stop=stalls_stop,
                                 over_1s_elsewhere=stalls_else),
-                    memory=[dict(t=s["t"], server=s["server"], workers=s["workers"], fds=s["fds"])
-                            for s in soak.samples])
+                    memory=soak.samples)
     return all(checks.values())
