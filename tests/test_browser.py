@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image as PILImage
 
-from studio_fixtures import engine_server, studio, wait_for  # noqa: F401
+from studio_fixtures import ScriptedClient, engine_server, studio, wait_for  # noqa: F401
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 if CHROMIUM is None:
@@ -73,6 +73,8 @@ COUNT_DONE = """
 }
 """
 LINE = "#engine-health .engine-line"
+# Gradio's red "Error" pill over the Status box (its status tracker without `hide`, which makes it transparent)
+PILL = "#status [data-testid=status-tracker]:not(.hide) .error"
 
 
 def wait_wired(page) -> None:
@@ -583,4 +585,84 @@ def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studi
     expect(page.locator("#refs img")).to_have_count(1, timeout=10_000)
     expect(page.locator(".turn")).to_have_count(0)
     page.screenshot(path=str(tmp_path / "thread-from-history.png"))
+    page.close()
+
+
+def scripted_run(request):
+    """The events of a scripted engine (a run takes no time): the prompt "busy" is refused as by a full queue,
+    "crash" fails mid-run as when the engine process dies; anything else makes a small image."""
+    import io
+    from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text, Timings
+    if request.prompt == "busy":
+        return [Error("busy", "the queue is full (8 waiting); try again in a moment")]
+    start = [Started(request.request_id, request.bot_task or "image", "auto", 2, 5.0, request.seed or 0),
+             Text("thinking", "think"), Ratio(192, 256, 3), Step(1, 2)]
+    if request.prompt == "crash":
+        return start + [Error("engine", "the engine process stopped unexpectedly (SIGKILL); restarting")]
+    buf = io.BytesIO()
+    PILImage.new("RGB", (256, 192), (40, 90, 200)).save(buf, format="PNG")
+    return start + [Step(2, 2), Image(buf.getvalue(), 256, 192, request.seed or 0),
+                    Done(Timings(dit_steps=2, dit_ms_per_step=5, total_s=0.1))]
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_dir, tmp_path_factory):
+    """(url, client) of a studio on a scripted engine (`scripted_run`): the page's own logic, fast."""
+    from engine.serve.info import ModelInfo
+    from webui.studio import build_studio, launch
+    client = ScriptedClient(scripted_run)
+    demo = build_studio(client, ModelInfo.from_folder(tiny_dir), out_dir=tmp_path_factory.mktemp("out"),
+                        examples_dir=tmp_path_factory.mktemp("ex"))
+    _, url, _ = launch(demo, host="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    yield url, client
+    demo.close()
+
+
+def test_every_refusal_and_failure_gives_the_buttons_back_and_keeps_its_reason(browser, scripted, tmp_path):
+    """Issue 43 items 1 and 2: after an empty prompt, an 8001-character one, seed -5, a 4th reference, a full
+    queue and an engine crash, Generate is live and Stop greyed out again (they stayed locked until Stop was
+    pressed), and the Status box says what failed, with no "Error" pill over it (the reason was only in a
+    toast that went away)."""
+    url, client = scripted
+    expect = sync_api.expect
+    page = open_page(browser, url, viewport={"width": 1440, "height": 900})
+    status = page.locator("#status textarea")
+
+    def after(run: str, stop: str, reason: str, submitted: bool) -> None:
+        before = len(client.submitted)
+        page.locator(run).click()
+        expect(status).to_have_value(re.compile(reason, re.I), timeout=20_000)
+        expect(page.locator(run)).to_be_enabled(timeout=10_000)
+        expect(page.locator(stop)).to_be_disabled(timeout=10_000)
+        expect(page.locator(PILL)).to_have_count(0)
+        assert len(client.submitted) == before + submitted, reason
+
+    prompt = page.locator("#prompt textarea")
+    prompt.fill("")
+    after("#run", "#stop", "^Request refused: the prompt is empty", False)
+    prompt.fill("x" * 8001)
+    after("#run", "#stop", "^Request refused: .*too long \\(8001 characters; the limit is 8000\\)", False)
+    prompt.fill("a red circle")
+    page.locator("#random-seed input").uncheck()
+    page.locator("#seed input").fill("-5")
+    page.locator("#seed input").press("Enter")
+    after("#run", "#stop", "^Request refused: seed must be a whole number from 0", False)
+    page.locator("#seed input").fill("1")
+    page.locator("#seed input").press("Enter")
+    prompt.fill("busy")
+    after("#run", "#stop", "^Not queued: the queue is full", True)
+    prompt.fill("crash")
+    after("#run", "#stop", "^Generation failed: the engine process stopped", True)
+    prompt.fill("a blue square")
+    after("#run", "#stop", "^Done in", True)                         # and a run after them all works
+
+    page.get_by_role("tab", name="Edit with reference images").click()
+    refs = []
+    for i in range(4):
+        refs.append(tmp_path / f"ref{i}.png")
+        PILImage.new("RGB", (64, 48), (60 * i, 90, 30)).save(refs[-1])
+    page.locator("#refs input[type=file]").first.set_input_files([str(r) for r in refs])
+    expect(page.locator("#refs img")).to_have_count(4, timeout=20_000)
+    page.locator("#ti2i-prompt textarea").fill("make it red")
+    after("#ti2i-run", "#ti2i-stop", "^Request refused: .*at most 3", False)
     page.close()

@@ -18,7 +18,8 @@ from engine.runtime.events import Image as ImageEvent
 from engine.serve.info import ModelInfo
 from engine import EMBEDDED_MODEL
 from engine.runtime.request import MAX_PROMPT_CHARS, SEED_RANGE, STEPS_RANGE, RequestError
-from studio_fixtures import (engine_server, launch_studio, settings, start_server, studio, wait_for)  # noqa: F401
+from studio_fixtures import (ScriptedClient, engine_server, launch_studio, settings, start_server, studio,  # noqa: F401
+                             wait_for)
 from webui.options import Settings, aspect_label, build_request, control_of, size_choices
 from webui.runner import CotLog, timings_text
 
@@ -395,41 +396,6 @@ def test_the_queue_line_counts_the_others_and_estimates_from_measured_runs():
     assert "loading the model" in waiting_status({"state": "loading"}, 0)
     assert done_status(7.25, 3.0) == "Done in 7.2 s, 3.0 s of it waiting to start"
     assert done_status(2.0, 0.0) == "Done in 2.0 s"
-
-
-class ScriptedSubmission:
-    """A submission that plays a list of engine events (what the engine server's submission gives)."""
-
-    def __init__(self, events):
-        self.events, self.ended = list(events), False
-
-    async def aget(self, timeout=None):
-        return self.get()
-
-    def get(self, timeout=None):
-        if not self.events:
-            return None
-        ev = self.events.pop(0)
-        self.ended = isinstance(ev, (Done, Error))
-        return ev
-
-
-class ScriptedClient:
-    def __init__(self, events):
-        self.events, self.cancelled = events, []
-
-    def submit(self, request):
-        return ScriptedSubmission(self.events)
-
-    def cancel(self, request_id):
-        self.cancelled.append(request_id)
-        return True
-
-    def health(self):
-        return {"state": "ready"}
-
-    def reload(self):
-        return False
 
 
 def _png(size=(8, 6)) -> bytes:

@@ -243,14 +243,30 @@ class Studio:
         picker, slider = self.picker_fields()
         return gr.update(**picker), gr.update(**slider)
 
+    def problems(self, names: tuple[str, ...], values: tuple) -> dict[str, str]:
+        """`validation` of an event's input values, named by `names` (the event's inputs, in order)."""
+        by_name = dict(zip(names, values))
+        settings = Settings(**{n: by_name[n] for n in Settings.NAMES if n in by_name})
+        return self.validation(by_name["prompt"], by_name.get("images"), settings, names, by_name.get("thread"))
+
     def validator(self, names: tuple[str, ...]) -> Callable[..., list[dict]]:
         def validate(*values: Any) -> list[dict]:
-            by_name = dict(zip(names, values))
-            settings = Settings(**{n: by_name[n] for n in Settings.NAMES if n in by_name})
-            problems = self.validation(by_name["prompt"], by_name.get("images"), settings, names,
-                                       by_name.get("thread"))
+            problems = self.problems(names, values)
             return [gr.validate(n not in problems, problems.get(n, "")) for n in names]
         return validate
+
+    def checker(self, names: tuple[str, ...]) -> Callable[..., tuple]:
+        """The page's Generate, before its run: (Generate, Generate, Stop, Stop, status). A valid request
+        locks the buttons (the run's end unlocks them); a refused one leaves them as they are and says why
+        in the Status box, which keeps it (the run's validator, which then refuses it, puts each message on
+        its field; Gradio runs nothing after a refusal, so a lock taken before it was never released)."""
+        def check(*values: Any) -> tuple:
+            problems = self.problems(names, values)
+            if problems:
+                reasons = " ".join(m if m.endswith(".") else m + "." for m in problems.values())
+                return (*[gr.skip()] * 4, f"{FAILURE_PREFIX['invalid']}: {reasons}")
+            return (*busy_buttons(True), "Starting…")
+        return check
 
     def advice(self, settings: Settings) -> list[str]:
         """Things worth knowing that do not stop the run (shown as warnings)."""
@@ -463,7 +479,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                         with thread_slot:
                             thread_panel(thread, refs, ti2i_prompt, studio.conversations)
             with gr.Column(scale=6, min_width=320, elem_id="col-run"):
-                status = gr.Textbox(label="Status", interactive=False, elem_id="status")
+                status = gr.Textbox(label="Status", interactive=False, max_lines=4, elem_id="status")
                 # the reasoning above the canvas: both in view during a run (1440x900, and a phone)
                 cot = gr.Textbox(label="Reasoning (streamed)", lines=4, max_lines=6, interactive=False,
                                  autoscroll=True, elem_id="cot")
@@ -545,20 +561,26 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
         # No concurrency limit here: every accepted request goes straight to the engine server, whose
         # queue orders the page's and the API's requests together and refuses past its max_queue.
         # While a run is on: Generate greyed out (a second click did nothing and said nothing), Stop
-        # red and live; after it (done, stopped, failed or refused), the other way round. The lock comes
-        # first in the click's chain, so it lands before the run's first update.
+        # red and live; after it (done, stopped, failed or refused), the other way round. The check comes
+        # first in the click's chain: it locks the buttons of a valid request before the run's first
+        # update, and leaves them alone for a refused one. Gradio 6.31's page runs a `.then` only after a
+        # run that succeeded (an error runs the `.failure`s alone, a refusal by the validator nothing), so
+        # the unlock follows both ends. No progress overlay: the Status box says what happens, and after a
+        # failure keeps the reason (the overlay's red "Error" pill covered it).
         runs, stops = [t2i_run, ti2i_run], [t2i_stop, ti2i_stop]
-        lock = dict(fn=lambda: busy_buttons(True), inputs=None, outputs=[*runs, *stops], queue=False,
-                    api_visibility="private", show_progress="hidden")
-        unlock = {**lock, "fn": lambda: busy_buttons(False)}
-        common = dict(concurrency_limit=None, show_progress="full", show_progress_on=[status])
-        t2i_ev = t2i_run.click(**lock).then(t2i, [t2i_prompt, *settings], outputs, api_name="t2i",
-                                            validator=studio.validator(t2i_names), **common)
-        ti2i_ev = ti2i_run.click(**lock).then(ti2i, [ti2i_prompt, refs, *settings, thread], [*outputs, turn_made],
-                                              api_name="ti2i", validator=studio.validator(ti2i_names), **common)
+        private = dict(queue=False, api_visibility="private", show_progress="hidden")
+        unlock = dict(fn=lambda: busy_buttons(False), inputs=None, outputs=[*runs, *stops], **private)
+        common = dict(concurrency_limit=None, show_progress="hidden")
+        t2i_inputs, ti2i_inputs = [t2i_prompt, *settings], [ti2i_prompt, refs, *settings, thread]
+        t2i_ev = t2i_run.click(studio.checker(t2i_names), t2i_inputs, [*runs, *stops, status], **private) \
+            .then(t2i, t2i_inputs, outputs, api_name="t2i", validator=studio.validator(t2i_names), **common)
+        ti2i_ev = ti2i_run.click(studio.checker(ti2i_names), ti2i_inputs, [*runs, *stops, status], **private) \
+            .then(ti2i, ti2i_inputs, [*outputs, turn_made], api_name="ti2i", validator=studio.validator(ti2i_names),
+                  **common)
         for button, ev in ((t2i_run, t2i_ev), (ti2i_run, ti2i_ev)):
             button.click(None, None, None, js=SHOW_RUN_JS, queue=False, api_visibility="private")
             ev.then(**unlock)
+            ev.failure(**unlock)
 
         def stopped(current: str) -> Any:
             # a cancelled job yields nothing more, so the status is set here (unless nothing was running)
