@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image as PILImage
 
-from studio_fixtures import ScriptedClient, engine_server, studio, wait_for  # noqa: F401
+from studio_fixtures import ScriptedClient, fast_request, start_server, studio, wait_for  # noqa: F401
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 if CHROMIUM is None:
@@ -140,6 +140,15 @@ def generate(page, prompt: str, steps: int, run: str = "#run") -> None:
     else:
         page.locator(run).click()
     wait_done(page, before)
+
+
+@pytest.fixture(scope="module")
+def engine_server(tiny_dir):
+    """The engine the `studio` fixture serves, running two requests at once as `python app.py` runs several
+    (a request's reasoning goes on while another's image is denoised)."""
+    server = start_server(tiny_dir, max_batch=2)
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="module")
@@ -665,4 +674,32 @@ def test_every_refusal_and_failure_gives_the_buttons_back_and_keeps_its_reason(b
     expect(page.locator("#refs img")).to_have_count(4, timeout=20_000)
     page.locator("#ti2i-prompt textarea").fill("make it red")
     after("#ti2i-run", "#ti2i-stop", "^Request refused: .*at most 3", False)
+    page.close()
+
+
+def test_a_request_behind_another_image_says_it_waits_and_counts_the_wait(browser, studio, engine_server):
+    """Issue 43 item 3: a request whose size is fixed while another image is denoised says it waits for the
+    image ahead, counting the seconds (it said "denoising..." with no step counter), and its Done line counts
+    that wait as such (it said "0.3 s of it waiting to start" after a 20 s wait)."""
+    from engine.runtime.events import Step
+    url, _, _ = studio
+    expect = sync_api.expect
+    wait_for(lambda: engine_server.health()["state"] == "ready", 60)
+    page = open_page(browser, url)
+    page.evaluate(RECORD_STATUS)
+    ahead = engine_server.submit(fast_request("the image ahead", bot_task="image", steps=120))
+    try:
+        while not isinstance(ahead.get(timeout=60), Step):      # it is denoising
+            assert not ahead.ended, "the request ahead ended before a step"
+        runs = page.evaluate("window.__done")
+        status = run_without_reasoning(page, "a green star", 2)
+        expect(status).to_have_value(re.compile(r"waiting for the image ahead \(\d+ s\)"), timeout=60_000)
+    finally:
+        ahead.cancel()
+    wait_done(page, runs)
+    done = page.locator("#status textarea").input_value()
+    waited = re.search(r"(\d+\.\d) s waiting for the image ahead", done)
+    assert waited and float(waited.group(1)) >= 1.0, done
+    seen = page.evaluate("window.__statuses")
+    assert any(s.startswith("step ") for s in seen), seen
     page.close()

@@ -383,7 +383,7 @@ def test_timings_are_plain_text():
 def test_the_queue_line_counts_the_others_and_estimates_from_measured_runs():
     """A request in line is told how many wait ahead of it (never itself), how many run, and, once the
     studio has finished runs, a wait estimated from their measured durations; "Done in" counts the wait."""
-    from webui.runner import RecentRuns, done_status, waiting_status
+    from webui.runner import RecentRuns, RunClock, done_status, waiting_status
     busy = {"state": "busy", "running": 1, "queue": 1}       # the engine's counts include this request
     assert waiting_status(busy, 0) == "Next in line (1 running)…"
     recent = RecentRuns(keep=2)
@@ -394,8 +394,12 @@ def test_the_queue_line_counts_the_others_and_estimates_from_measured_runs():
         "In line: 2 ahead of you (1 running) · about 12 s to start (recent runs took 4.0 s each)…"
     assert waiting_status(busy, None) == "Starting…"          # not in the line: being admitted
     assert "loading the model" in waiting_status({"state": "loading"}, 0)
-    assert done_status(7.25, 3.0) == "Done in 7.2 s, 3.0 s of it waiting to start"
-    assert done_status(2.0, 0.0) == "Done in 2.0 s"
+    clock = RunClock(100.0, started=103.0, sized=104.5, image_wait_s=20.0)
+    assert done_status(clock, 127.25) == \
+        "Done in 27.2 s: 3.0 s waiting for a slot, 1.5 s reasoning, 20.0 s waiting for the image ahead, 2.8 s denoising"
+    assert done_status(RunClock(0.0, started=0.01, sized=0.02, reasons=False), 2.0) == "Done in 2.0 s"
+    assert done_status(RunClock(0.0, started=0.01, sized=0.5, reasons=False), 2.0) == \
+        "Done in 2.0 s: 0.5 s reading the prompt, 1.5 s denoising"
 
 
 def _png(size=(8, 6)) -> bytes:

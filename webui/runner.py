@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable
 
 from PIL import Image as PILImage
 
-from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text
+from engine.runtime.events import Denoising, Done, Error, Image, Ratio, Started, Step, Text
 from engine.runtime.request import Request
 from engine.serve.client import EngineClient     # the engine's one client API (tests pass stand-ins)
 
@@ -159,10 +159,40 @@ def prune(out_dir: Path, max_age_s: float = 3600.0) -> None:
             pass
 
 
-def done_status(total_s: float, waited_s: float) -> str:
-    """The user's time, submit to image: the wait in line is part of it (the engine's own total, in the
-    timings, starts when the request does)."""
-    return f"Done in {total_s:.1f} s" + (f", {waited_s:.1f} s of it waiting to start" if waited_s >= 0.05 else "")
+@dataclass
+class RunClock:
+    """When each part of a run began, on the studio's clock (the user's time, from Generate), and the wait
+    for the images ahead as the engine measured it. Each second of the run is counted in one part."""
+    submitted: float
+    started: float | None = None       # the engine took it: it has a slot (Started)
+    sized: float | None = None         # its reasoning, or the size choice, is done (Ratio)
+    denoising: float | None = None     # its denoising began (Denoising)
+    image_wait_s: float = 0.0          # of sized..denoising, waiting for the images ahead (Denoising.waited_ms)
+    reasons: bool = True               # the text phase reasons (think, recaption), or only reads the prompt
+
+    def parts(self, end: float) -> list[tuple[str, float]]:
+        """(what, seconds) from submit to `end`: in line, reasoning, the images ahead, denoising."""
+        started = self.started if self.started is not None else end
+        sized = self.sized if self.sized is not None else started
+        return [("waiting for a slot", started - self.submitted),
+                ("reasoning" if self.reasons else "reading the prompt", sized - started),
+                ("waiting for the image ahead", self.image_wait_s),
+                ("denoising", end - sized - self.image_wait_s)]
+
+
+def done_status(clock: RunClock, end: float) -> str:
+    """The user's time, Generate to image, and what it went on (the engine's own total, in the timings,
+    starts when the request has its slot)."""
+    parts = [f"{s:.1f} s {what}" for what, s in clock.parts(end) if s >= 0.05]
+    return f"Done in {end - clock.submitted:.1f} s" + (": " + ", ".join(parts) if len(parts) > 1 else "")
+
+
+def waiting_for_image(size: tuple[int, int] | None, since: float, now: float) -> str:
+    """The status of a request whose reasoning is done while another image is being denoised."""
+    what = f"Size {size[0]} × {size[1]} — " if size else ""
+    if now - since < HEARTBEAT_S:
+        return what + "denoising starts…"
+    return what + f"waiting for the image ahead ({now - since:.0f} s)…"
 
 
 async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentRuns | None = None,
@@ -173,11 +203,10 @@ async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentR
     `submit`: how to submit (a conversation's turn: `submit_turn` with its arguments); `client.submit`
     when None."""
     prune(out_dir)
-    submitted = time.monotonic()
-    started_at: float | None = None
+    clock = RunClock(time.monotonic())
     # it validates, so decodes the references: off the loop
     sub = await asyncio.to_thread(submit or client.submit, req)
-    cot, image, started = CotLog(), None, False
+    cot, image = CotLog(), None
     image_path: str | None = None
     size: tuple[int, int] | None = None            # (width, height) of the image, once chosen
     preview: PILImage.Image | None = None          # the newest step preview
@@ -186,9 +215,14 @@ async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentR
         while True:
             ev = await sub.aget(timeout=HEARTBEAT_S)
             if ev is None:
-                position = getattr(client, "position", None)      # EngineServer's; a stand-in may lack it
-                ahead = None if started or position is None else position(req.request_id)
-                yield Update(status=None if started else waiting_status(client.health(), ahead, recent))
+                if clock.started is None:
+                    position = getattr(client, "position", None)      # EngineServer's; a stand-in may lack it
+                    ahead = None if position is None else position(req.request_id)
+                    yield Update(status=waiting_status(client.health(), ahead, recent))
+                elif clock.sized is not None and clock.denoising is None:
+                    yield Update(status=waiting_for_image(size, clock.sized, time.monotonic()))
+                else:
+                    yield Update()
                 continue
             batch = [ev]
             while not isinstance(batch[-1], (Done, Error)) and (nxt := sub.get(timeout=0)) is not None:
@@ -196,15 +230,18 @@ async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentR
             update = Update()
             for ev in batch:
                 if isinstance(ev, Started):
-                    started, started_at = True, time.monotonic()
-                    update.status = "Thinking…" if ev.bot_task != "image" else "Choosing the size…"
+                    clock.started, clock.reasons = time.monotonic(), ev.bot_task != "image"
+                    update.status = "Thinking…" if clock.reasons else "Reading the prompt…"
                 elif isinstance(ev, Text):
                     cot.add(ev)
                     update.cot = cot.text
                     update.status = f"Writing… {cot.chars} characters"
                 elif isinstance(ev, Ratio):
-                    size = (ev.width, ev.height)
-                    update.status = f"Size {ev.width} × {ev.height} — denoising…"
+                    size, clock.sized = (ev.width, ev.height), time.monotonic()
+                    update.status = waiting_for_image(size, clock.sized, clock.sized)
+                elif isinstance(ev, Denoising):
+                    clock.denoising, clock.image_wait_s = time.monotonic(), ev.waited_ms / 1e3
+                    update.status = f"Denoising {ev.steps} steps…"
                 elif isinstance(ev, Step):
                     update.status = f"step {ev.i}/{ev.n}"
                     if ev.preview is not None:
@@ -216,11 +253,10 @@ async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentR
                 elif isinstance(ev, Done):
                     if update.changed:
                         yield update
-                    total = time.monotonic() - submitted
+                    end = time.monotonic()
                     if recent is not None:
-                        recent.add(total)
-                    waited = (started_at if started_at is not None else submitted) - submitted
-                    yield Update(final=True, status=done_status(total, waited), image=image_path, cot=cot.text,
+                        recent.add(end - clock.submitted)
+                    yield Update(final=True, status=done_status(clock, end), image=image_path, cot=cot.text,
                                  timings=timings_text(ev, image), seed=None if image is None else image.seed,
                                  conversation=getattr(sub, "conversation_id", None))
                     return

@@ -36,6 +36,15 @@ class Ratio:
 
 
 @dataclass
+class Denoising:
+    """The request's denoising begins: its turn came. One image is denoised at a time (unless its bucket
+    batches, engine/runtime/denoise_batch.py), so a request whose reasoning is done may first wait for
+    the images ahead of it: `waited_ms` (the engine's clock, from asking for the turn to getting it)."""
+    steps: int
+    waited_ms: float = 0.0
+
+
+@dataclass
 class Step:
     """Denoising step i of n finished; `preview` is a small PNG (bytes) of the current estimate, or None."""
     i: int
@@ -109,4 +118,4 @@ class Done:
     cot_text: str = ""
 
 
-Event = Union[Started, Text, Ratio, Step, Image, Error, Done]
+Event = Union[Started, Text, Ratio, Denoising, Step, Image, Error, Done]
