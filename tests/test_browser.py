@@ -631,7 +631,8 @@ def test_every_refusal_and_failure_gives_the_buttons_back_and_keeps_its_reason(b
     """Issue 43 items 1 and 2: after an empty prompt, an 8001-character one, seed -5, a 4th reference, a full
     queue and an engine crash, Generate is live and Stop greyed out again (they stayed locked until Stop was
     pressed), and the Status box says what failed, with no "Error" pill over it (the reason was only in a
-    toast that went away)."""
+    toast that went away). Item 4: seed -5 is set to 0 in the box, as the field says, and runs with 0 (the
+    box kept -5 and Generate was refused)."""
     url, client = scripted
     expect = sync_api.expect
     page = open_page(browser, url, viewport={"width": 1440, "height": 900})
@@ -653,11 +654,12 @@ def test_every_refusal_and_failure_gives_the_buttons_back_and_keeps_its_reason(b
     after("#run", "#stop", "^Request refused: .*too long \\(8001 characters; the limit is 8000\\)", False)
     prompt.fill("a red circle")
     page.locator("#random-seed input").uncheck()
-    page.locator("#seed input").fill("-5")
+    page.locator("#seed input").fill("-5")                  # the box takes 0, as it says (item 4)
     page.locator("#seed input").press("Enter")
-    after("#run", "#stop", "^Request refused: seed must be a whole number from 0", False)
-    page.locator("#seed input").fill("1")
-    page.locator("#seed input").press("Enter")
+    expect(page.locator("#seed input")).to_have_value("0", timeout=5_000)
+    expect(page.locator("#seed .range-note")).to_contain_text("-5 is out of range, so 0 is used")
+    after("#run", "#stop", "^Done in", True)
+    assert client.submitted[-1].seed == 0
     prompt.fill("busy")
     after("#run", "#stop", "^Not queued: the queue is full", True)
     prompt.fill("crash")

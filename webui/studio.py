@@ -103,14 +103,18 @@ RESTORE_PROMPTS_JS = """
 # A number typed outside a slider's range: Gradio's slider quietly sets it to the nearest bound (steps 0
 # ran as 1, guidance 99 as 30), before any validator sees it. The page says so on the field, naming the
 # range, until a value inside it is typed. Capture phase: the typed value, before the slider rewrites it.
+# The seed box is a number box, which keeps what was typed: once the value is entered (change), the page
+# sets it to the bound the note names, as a slider does (it said "so 0 is used", kept -5, and Generate was
+# then refused). Its own input event (not trusted: a script's) leaves the note in place.
 RANGE_JS = """
 () => {
   if (window.__studioRanges) return;
   window.__studioRanges = true;
   const FIELDS = {steps: 'Steps', guidance: 'Guidance', 'max-new-tokens': 'Max new tokens', seed: 'Seed'};
+  const SET_BY_PAGE = {seed: true};
   const check = (ev) => {
     const box = ev.target;
-    if (!box || box.type !== 'number' || !box.closest) return;
+    if (!ev.isTrusted || !box || box.type !== 'number' || !box.closest) return;
     const field = box.closest(Object.keys(FIELDS).map((id) => '#' + id).join(','));
     if (!field) return;
     let note = field.querySelector('.range-note');
@@ -125,6 +129,10 @@ RANGE_JS = """
     }
     const used = Number.isFinite(v) ? (v < lo ? lo : hi) : lo;
     note.textContent = `${FIELDS[field.id]} must be from ${lo} to ${hi}: ${raw} is out of range, so ${used} is used.`;
+    if (SET_BY_PAGE[field.id] && ev.type === 'change') {
+      box.value = String(used);
+      box.dispatchEvent(new Event('input', {bubbles: true}));
+    }
   };
   document.addEventListener('input', check, true);
   document.addEventListener('change', check, true);
