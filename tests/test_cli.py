@@ -49,6 +49,24 @@ def test_bad_input_is_refused_with_a_message(tmp_path, tiny_dir):
     assert p.returncode == 2 and "does not exist" in p.stderr
 
 
+def test_bad_values_are_refused_before_the_model_loads(tmp_path, tiny_dir):
+    """Issue 43 item 5: --steps 0, --size 5x5x5 and a missing --image are refused naming the flag, before any
+    weight is read: on a folder with the checkpoint's small files and no weight shards, the refusal comes
+    (loading first failed on the missing shards, or on a real checkpoint took a whole 80B load to say it)."""
+    small = tmp_path / "no-weights"
+    small.mkdir()
+    for f in tiny_dir.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (small / f.name).write_bytes(f.read_bytes())
+    base = ("generate", "--model", str(small), "--prompt", "a red circle", "--out", str(tmp_path / "x.png"))
+    for extra, words in ((("--steps", "0"), "error: --steps: steps must be an integer from 1 to 200 (got 0)"),
+                         (("--size", "5x5x5"), "error: --size: size '5x5x5' is not understood"),
+                         (("--image", str(tmp_path / "in.png")), "error: --image: reference image 1: file")):
+        p = run(*base, *extra, check=False)
+        assert p.returncode == 2 and words in p.stderr, p.stderr[-1000:]
+        assert "cannot load" not in p.stderr and "loading" not in p.stderr.lower(), p.stderr[-1000:]
+
+
 @pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), reason="no embedded model in assets/")
 def test_generate_defaults_to_the_embedded_model_and_says_width_first(tmp_path):
     png = tmp_path / "out.png"
