@@ -337,10 +337,11 @@ def test_cot_log_titles_sections_and_timings_text():
     t = Timings(ar_prefill_ms=10, ar_tokens=8, ar_ms_per_token=2.5, dit_steps=2, dit_ms_per_step=100,
                 vae_ms=50, total_s=1.23)
     text = timings_text(Done(t), ImageEvent(b"", 256, 192, 7))
-    assert "2.5 ms/token x 8 sampled tokens" in text and "100 ms/step" in text and "1.23 s" in text and "seed 7" in text
+    assert text == ("reasoning 8 tokens at 2.5 ms/token (prompt read in 10 ms) · denoising 2 steps at 100 ms/step · "
+                    "image decoded in 50 ms · engine total 1.23 s · 256 × 192, seed 7")
     off = timings_text(Done(Timings(ar_prefill_ms=12, ar_tokens=1, dit_steps=2, dit_ms_per_step=100, total_s=1)),
                        None)         # reasoning off: only the size token is sampled
-    assert "ms/token" not in off and "prefill 12 ms (1 token)" in off
+    assert "ms/token" not in off and "prompt read and size chosen in 12 ms" in off
 
 
 def test_advice_warns_without_stopping(engine_server, tmp_path):
@@ -377,7 +378,11 @@ def test_timings_are_plain_text():
     t = Timings(ar_prefill_ms=10, ar_tokens=8, ar_ms_per_token=2.5, dit_steps=2, dit_ms_per_step=100,
                 vae_ms=50, total_s=1.23)
     text = timings_text(Done(t), ImageEvent(b"", 256, 192, 7))
-    assert "*" not in text and text.startswith("AR 2.5 ms/token")
+    assert "*" not in text and text.startswith("reasoning 8 tokens at 2.5 ms/token")
+    # plain words (issue 43 item 6): no phase names nor the forced tokens ("AR ... + 4 forced (prefill 72 ms)")
+    line = Timings(ar_prefill_ms=72, ar_tokens=30, ar_forced=4, ar_ms_per_token=7.3, dit_steps=8,
+                   dit_ms_per_step=42, vae_ms=35, total_s=1.3).summary()
+    assert not any(w in line for w in ("AR", "DiT", "VAE", "forced", "prefill")), line
 
 
 def test_the_queue_line_counts_the_others_and_estimates_from_measured_runs():

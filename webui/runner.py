@@ -129,9 +129,8 @@ def preview_image(png: bytes, size: tuple[int, int] | None = None) -> PILImage.I
 
 
 def timings_text(done: Done, image: Image | None) -> str:
-    """The measured figures as plain text (API clients get it as it is: no markup), with the engine's
-    own labels: ms/token over the sampled tokens, and with
-    reasoning off only the prefill, since the size is the one token chosen)."""
+    """The measured figures as plain text (API clients get it as it is: no markup), and the image's size
+    and seed."""
     parts = done.timings.parts()
     if image is not None:
         parts.append(f"{image.width} × {image.height}, seed {image.seed}")
