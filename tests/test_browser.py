@@ -610,18 +610,21 @@ def scripted_run(request):
         return start + [Error("engine", "the engine process stopped unexpectedly (SIGKILL); restarting")]
     buf = io.BytesIO()
     PILImage.new("RGB", (256, 192), (40, 90, 200)).save(buf, format="PNG")
-    return start + [Step(2, 2), Image(buf.getvalue(), 256, 192, request.seed or 0),
-                    Done(Timings(dit_steps=2, dit_ms_per_step=5, total_s=0.1))]
+    return start + [Step(2, 2), Image(buf.getvalue(), 256, 192, request.seed or 0),     # the timings of a real run
+                    Done(Timings(ar_prefill_ms=17, ar_tokens=40, ar_ms_per_token=10.2, dit_steps=16,
+                                 dit_ms_per_step=76, vae_ms=478, total_s=2.4))]
 
 
 @pytest.fixture(scope="module")
 def scripted(tiny_dir, tmp_path_factory):
-    """(url, client) of a studio on a scripted engine (`scripted_run`): the page's own logic, fast."""
+    """(url, client) of a studio on a scripted engine (`scripted_run`): the page's own logic, fast; with the
+    embedded model's notice at the top, as `python app.py` shows it."""
+    from app import EMBEDDED_NOTICE
     from engine.serve.info import ModelInfo
     from webui.studio import build_studio, launch
     client = ScriptedClient(scripted_run)
-    demo = build_studio(client, ModelInfo.from_folder(tiny_dir), out_dir=tmp_path_factory.mktemp("out"),
-                        examples_dir=tmp_path_factory.mktemp("ex"))
+    demo = build_studio(client, ModelInfo.from_folder(tiny_dir), notice=EMBEDDED_NOTICE,
+                        out_dir=tmp_path_factory.mktemp("out"), examples_dir=tmp_path_factory.mktemp("ex"))
     _, url, _ = launch(demo, host="127.0.0.1", prevent_thread_lock=True, quiet=True)
     yield url, client
     demo.close()
@@ -704,4 +707,36 @@ def test_a_request_behind_another_image_says_it_waits_and_counts_the_wait(browse
     assert waited and float(waited.group(1)) >= 1.0, done
     seen = page.evaluate("window.__statuses")
     assert any(s.startswith("step ") for s in seen), seen
+    page.close()
+
+
+def in_view(page, selector: str) -> bool:
+    """Whether the element lies wholly inside the viewport as the page is scrolled now."""
+    return page.evaluate("""(sel) => { const r = document.querySelector(sel).getBoundingClientRect();
+        return r.width > 0 && r.top >= 0 && r.left >= 0 && r.bottom <= innerHeight && r.right <= innerWidth; }""",
+                         selector)
+
+
+@pytest.mark.parametrize("width,height", [(1440, 900), (390, 844)])
+def test_a_finished_image_its_download_and_the_timings_are_in_view(browser, scripted, width, height):
+    """Issue 43 item 7, on the page `python app.py` serves (the embedded model's notice on top): at 1440x900 the
+    finished image, Download PNG, Edit this result and the timings were below the fold; on a 390x844 phone
+    the example edits' table was cut at the right and the footer had no API link."""
+    url, _ = scripted
+    page = open_page(browser, url, viewport={"width": width, "height": height})
+    page.locator("#prompt textarea").fill("a red circle")
+    runs = page.evaluate("window.__done")
+    page.locator("#run").click()
+    wait_done(page, runs, timeout=30)
+    page.wait_for_function("() => (document.querySelector('#result img') || {}).naturalWidth > 0")
+    page.wait_for_timeout(800)                              # a phone's smooth scroll to the run
+    for selector in ("#result img", "#download", "#edit-result", "#timings"):
+        assert in_view(page, selector), (selector, page.locator(selector).bounding_box())
+    if width < 640:
+        sync_api.expect(page.locator("footer .show-api")).to_be_visible()
+        page.get_by_role("tab", name="Edit with reference images").click()
+        table = page.locator("#edit-examples table")
+        sync_api.expect(table).to_be_visible()
+        assert page.evaluate("""() => { const t = document.querySelector('#edit-examples table');
+            return t.scrollWidth <= t.parentElement.clientWidth + 1; }""")
     page.close()

@@ -1,12 +1,12 @@
 """The studio page: Gradio Blocks wired to the engine server.
 
-Layout: three columns that the page arranges by width. On a wide screen the prompt (two tabs: T2I, and
-TI2I, each with Generate/Stop and examples) sits above the shared settings on
-the left, and the run fills the right: a status line, the streamed reasoning, the canvas (the step
-preview is drawn in it while denoising, then the final image replaces it; it gives up height so that the
-reasoning and it share one screen), Download / Edit this result, the timings and the page's history (a
-click opens an item on the canvas). On a phone they stack prompt, run, settings, and Generate scrolls to
-the run. The TI2I tab is a thread (webui/thread.py, drawn by thread_view.py): each finished edit stays
+Layout: three columns that the page arranges by width. On a wide screen the heading and the prompt (two
+tabs: T2I, and TI2I, each with Generate/Stop and examples) sit above the shared settings on the left, and
+the run fills the right from the top of the page: a status line, the streamed reasoning, the canvas (the
+step preview is drawn in it while denoising, then the final image replaces it; it gives up height so that
+the reasoning, the image, Download / Edit this result and the timings share one 1440x900 screen), then the
+page's history (a click opens an item on the canvas). On a phone they stack prompt, run, settings, and
+Generate scrolls to the run, which fits a 390x844 screen. The TI2I tab is a thread (webui/thread.py, drawn by thread_view.py): each finished edit stays
 there as a turn and the next instruction continues the engine conversation (the first turn takes 1-3
 reference images, later ones may add some); Undo, Branch from here, Start over.
 
@@ -453,13 +453,15 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
     preset_default = gen.use_system_prompt if gen.use_system_prompt in info.presets else info.presets[0]
 
     with gr.Blocks(title=TITLE, delete_cache=(3600, 3600)) as demo:
-        gr.Markdown(f"# {TITLE}")
-        if notice:
-            gr.Markdown(notice, elem_id="notice")
-        # filled by the page's poller as it loads (a value here would be the state at start-up)
-        gr.HTML('<span class="engine-line">Engine …</span>', elem_id="engine-health")
         with gr.Row(equal_height=False, elem_id="layout"):
             with gr.Column(scale=5, min_width=320, elem_id="col-prompt"):
+                # the heading in the left column: on a wide screen the run column starts at the top of the
+                # page, so a finished image, its Download and the timings fit a 1440x900 screen
+                gr.Markdown(f"# {TITLE}", elem_id="title")
+                if notice:
+                    gr.Markdown(notice, elem_id="notice")
+                # filled by the page's poller as it loads (a value here would be the state at start-up)
+                gr.HTML('<span class="engine-line">Engine …</span>', elem_id="engine-health")
                 with gr.Tabs() as tabs:
                     with gr.Tab("Text to image", id="t2i"):
                         t2i_prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt",
@@ -483,7 +485,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                                                  elem_classes="generate")
                             ti2i_stop = gr.Button("Stop", variant="secondary", interactive=False, elem_id="ti2i-stop")
                         gr.Examples([[[str(p)], prompt] for p, prompt in reference_examples(ex_dir, is_small(info.buckets))],
-                                    inputs=[refs, ti2i_prompt], label="Example edits")
+                                    inputs=[refs, ti2i_prompt], label="Example edits", elem_id="edit-examples")
                         with thread_slot:
                             thread_panel(thread, refs, ti2i_prompt, studio.conversations)
             with gr.Column(scale=6, min_width=320, elem_id="col-run"):
@@ -493,7 +495,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                                  autoscroll=True, elem_id="cot")
                 image = gr.Image(label="Result", type="filepath", format="png", interactive=False,
                                  height=CANVAS_HEIGHT, elem_id="result", buttons=["fullscreen"])
-                with gr.Row():
+                with gr.Row(elem_id="result-actions"):
                     download = gr.DownloadButton("Download PNG", interactive=False, elem_id="download")
                     edit_result = gr.Button("Edit this result", interactive=False, elem_id="edit-result")
                 timings = gr.Markdown(label="Timings", elem_id="timings")
