@@ -27,8 +27,8 @@ from typing import Any, AsyncIterator, Callable, Union
 
 import gradio as gr
 
-from engine.runtime.request import (GUIDANCE_RANGE, LORA_SCALE_RANGE, MAX_NEW_TOKENS_RANGE, SEED_RANGE,
-                                    STEPS_RANGE, RequestError)
+from engine.runtime.request import (GUIDANCE_RANGE, LORA_SCALE_RANGE, MAX_IMAGES, MAX_NEW_TOKENS_RANGE,
+                                    SEED_RANGE, STEPS_RANGE, RequestError)
 from engine.serve.info import ModelInfo
 
 from .fields import lenient
@@ -398,12 +398,15 @@ class Studio:
 
     @staticmethod
     def checked_references(refs: Any) -> Any:
-        """Uploaded references, each checked at once (the /v1 limits, readable as an image): a bad one is
-        named and left out, so the gallery never holds a file that Generate would refuse."""
+        """Uploaded references, each checked at once (the /v1 limits, readable as an image) and at most
+        MAX_IMAGES of them: a bad one, or one too many, is named and left out, so the gallery never holds a
+        file that Generate would refuse (a 4th image was taken and refused only at Generate)."""
         kept, refused = [], []
         for item in refs or []:
             path = str(item[0] if isinstance(item, (tuple, list)) else item)
             msg = check_reference(path)
+            if msg is None and len(kept) == MAX_IMAGES:
+                msg = f"At most {MAX_IMAGES} reference images: {Path(path).name} was left out."
             (refused.append(msg) if msg else kept.append(item))
         for msg in refused:
             gr.Warning(msg, duration=None)
@@ -473,8 +476,10 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                     with gr.Tab("Edit with reference images", id="ti2i"):
                         thread = gr.State(Thread())     # the turns so far (webui/thread.py)
                         thread_slot = gr.Column(elem_id="thread")   # drawn below, once the boxes it sets exist
+                        # any file may be dropped ("file"): the upload handler names one that is not an image (with
+                        # "image", Gradio answered a .txt with its generic error and a red pill over the gallery)
                         refs = gr.Gallery(label="Reference images (1 to 3; later turns may add some)", type="filepath",
-                                          interactive=True, file_types=["image"], columns=3, height="auto",
+                                          interactive=True, file_types=["file"], columns=3, height="auto",
                                           object_fit="contain", allow_preview=False, elem_id="refs")
                         remove_ref = gr.Button("Remove the selected image", size="sm", interactive=False,
                                                elem_id="remove-ref")
