@@ -65,7 +65,7 @@ def request_problem(model: str, req, merged: bool) -> str | None:
         info = ModelInfo.from_folder(model)
     except (ValueError, OSError):
         return None
-    adapters = () if req.lora is None or merged else (req.lora,)
+    adapters = () if req.lora is None else (req.lora,)      # the one the command line loads
     try:
         info.validate(req, adapters, (req.lora, req.lora_scale) if merged and req.lora else None)
     except RequestError as e:
