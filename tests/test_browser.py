@@ -135,6 +135,9 @@ def generate(page, prompt: str, steps: int, run: str = "#run") -> None:
     before = page.evaluate("window.__done")
     if run == "#run-again":             # the settings as they are
         page.locator("#run").click()
+    elif run == "#run-keep":            # this prompt, the settings as they are
+        page.locator("#prompt textarea").fill(prompt)
+        page.locator("#run").click()
     elif run == "#run":
         run_without_reasoning(page, prompt, steps)
     else:
@@ -276,7 +279,8 @@ def test_history_seed_and_a_message_that_stays(browser, studio):
         generate(page, prompt, 2)
         expect(page.locator("#history img")).to_have_count(i + 1, timeout=20_000)
     imgs = page.locator("#history img")
-    assert [imgs.nth(k).get_attribute("alt") for k in range(2)] == ["a yellow star", "a green circle"]  # newest first
+    alts = [imgs.nth(k).get_attribute("alt") for k in range(2)]
+    assert alts[0].endswith("— a yellow star") and alts[1].endswith("— a green circle"), alts   # newest first
     page.wait_for_function("() => [...document.querySelectorAll('#history img')].every(i => i.naturalWidth > 0)")
     assert_whole(whole(page, "#history"))
     used = counting.submitted[-1].seed
@@ -605,7 +609,8 @@ def scripted_run(request):
     from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text, Timings
     if request.prompt == "busy":
         return [Error("busy", "the queue is full (8 waiting); try again in a moment")]
-    start = [Started(request.request_id, request.bot_task or "image", "auto", 2, 5.0, request.seed or 0),
+    start = [Started(request.request_id, request.bot_task or "image", "auto", request.steps or 2,
+                     request.guidance or 5.0, request.seed or 0),
              Text("thinking", "think"), Ratio(192, 256, 3), Step(1, 2)]
     if request.prompt == "crash":
         return start + [Error("engine", "the engine process stopped unexpectedly (SIGKILL); restarting")]
@@ -768,4 +773,61 @@ def test_a_finished_image_its_download_and_the_timings_are_in_view(browser, scri
         sync_api.expect(table).to_be_visible()
         assert page.evaluate("""() => { const t = document.querySelector('#edit-examples table');
             return t.scrollWidth <= t.parentElement.clientWidth + 1; }""")
+    page.close()
+
+
+def test_a_reload_keeps_the_history_the_thread_and_the_settings_and_tiles_say_which_run(browser, scripted,
+                                                                                        tmp_path):
+    """Issue 43 item 10: after a reload the history strip, the edit thread and every setting were gone, and
+    every history tile carried the same cut prompt. Now the browser keeps them (the images stay on the
+    server), and each tile says its reasoning mode, seed and steps."""
+    url, client = scripted
+    expect = sync_api.expect
+    page = open_page(browser, url, viewport={"width": 1440, "height": 900})
+    page.locator("#mode label", has_text="Off").click()
+    page.get_by_text("Advanced").click()
+    for field, value in (("#steps", "7"), ("#guidance", "3.5"), ("#max-new-tokens", "64")):
+        page.locator(f"{field} input[type=number]").fill(value)
+        page.locator(f"{field} input[type=number]").press("Enter")
+    page.locator("#random-seed input").uncheck()
+    for seed in ("123", "124"):
+        page.locator("#seed input").fill(seed)
+        page.locator("#seed input").press("Enter")
+        generate(page, "a red circle on the left on a white background", 7, run="#run-again" if seed == "124"
+                 else "#run-keep")
+    imgs = page.locator("#history img")
+    expect(imgs).to_have_count(2, timeout=20_000)
+    captions = [imgs.nth(k).get_attribute("alt") for k in range(2)]
+    assert captions == ["Off · seed 124 · 7 steps — a red circle on the left on a white background",
+                        "Off · seed 123 · 7 steps — a red circle on the left on a white background"], captions
+    ref = tmp_path / "ref.png"
+    PILImage.new("RGB", (96, 64), (200, 40, 40)).save(ref)
+    page.get_by_role("tab", name="Edit with reference images").click()
+    page.locator("#refs input[type=file]").first.set_input_files([str(ref)])
+    expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
+    page.locator("#ti2i-prompt textarea").fill("make it blue")
+    generate(page, "", 7, run="#ti2i-run")
+    expect(page.locator(".turn")).to_have_count(1, timeout=20_000)
+    expect(imgs).to_have_count(3, timeout=20_000)
+
+    page.reload(wait_until="load")
+    wait_wired(page)
+    page.evaluate(COUNT_DONE)
+    expect(imgs).to_have_count(3, timeout=20_000)
+    assert imgs.nth(0).get_attribute("alt").startswith("Edit · Off · seed 124 · 7 steps — make it blue")
+    assert [imgs.nth(k).get_attribute("alt") for k in (1, 2)] == captions
+    page.wait_for_function("() => [...document.querySelectorAll('#history img')].every(i => i.naturalWidth > 0)")
+    page.get_by_text("Advanced").click()
+    for field, value in (("#steps", "7"), ("#guidance", "3.5"), ("#max-new-tokens", "64")):
+        expect(page.locator(f"{field} input[type=number]")).to_have_value(value, timeout=10_000)
+    expect(page.locator("#seed input")).to_have_value("124")
+    expect(page.locator("#random-seed input")).not_to_be_checked()
+    expect(page.locator("#mode input[value=image]")).to_be_checked()
+    page.get_by_role("tab", name="Edit with reference images").click()
+    expect(page.locator(".turn")).to_have_count(1, timeout=20_000)
+    expect(page.locator("#turn-1 .turn-instruction")).to_have_text("make it blue")
+    page.get_by_role("tab", name="Text to image").click()
+    generate(page, "", 7, run="#run-again")              # the restored settings are what runs
+    r = client.submitted[-1]
+    assert (r.bot_task, r.steps, r.guidance, r.max_new_tokens, r.seed) == ("image", 7, 3.5, 64, 124), r
     page.close()

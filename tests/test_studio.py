@@ -18,8 +18,8 @@ from engine.runtime.events import Image as ImageEvent
 from engine.serve.info import ModelInfo
 from engine import EMBEDDED_MODEL
 from engine.runtime.request import MAX_PROMPT_CHARS, SEED_RANGE, STEPS_RANGE, RequestError
-from studio_fixtures import (ScriptedClient, engine_server, launch_studio, settings, start_server, studio,  # noqa: F401
-                             wait_for)
+from studio_fixtures import (ScriptedClient, engine_server, fast_request, final, launch_studio,  # noqa: F401
+                             settings, start_server, studio, wait_for)
 from webui.options import Settings, aspect_label, build_request, control_of, size_choices
 from webui.runner import CotLog, timings_text
 
@@ -201,11 +201,31 @@ def test_max_queue_holds_for_requests_arriving_together(client, engine_server):
                     j.result()
                 refused.append(str(e.value))
         assert len(refused) == 6, refused
+        assert all("(8 requests waiting)" in r for r in refused), refused
         assert engine_server.health()["queue"] == 8
     finally:
         engine_server.max_queue = None
         for j in jobs:
             cancel_patiently(j)
+    wait_for(lambda: engine_server.health()["state"] == "ready" and engine_server.health()["queue"] == 0, 60)
+
+
+def test_a_full_queue_counts_the_waiting_in_words(engine_server):
+    """Issue 43 item 10: one waiting request is "1 request waiting" (it read "1 requests waiting")."""
+    from engine.runtime.events import Error as ErrorEvent, Started
+    engine_server.max_queue = 1
+    subs = []
+    try:
+        subs.append(engine_server.submit(fast_request("running", bot_task="image", steps=100)))
+        assert isinstance(subs[0].get(timeout=60), Started)
+        subs.append(engine_server.submit(fast_request("waiting")))
+        ev = final(list(engine_server.submit(fast_request("one too many"))))
+        assert isinstance(ev, ErrorEvent) and ev.kind == "busy", ev
+        assert "the queue is full (1 request waiting)" in ev.message, ev.message
+    finally:
+        engine_server.max_queue = None
+        for sub in subs:
+            sub.cancel()
     wait_for(lambda: engine_server.health()["state"] == "ready" and engine_server.health()["queue"] == 0, 60)
 
 
@@ -373,6 +393,16 @@ def test_engine_line_shows_the_attempt_and_a_failed_engine_with_a_way_back(studi
 
 
 # ------------------------------------------------------------------ what a new user met (issue 29)
+def test_the_studio_queue_idles_without_polling_every_millisecond(tiny_dir, tmp_path):
+    """Issue 43 item 10: Gradio's queue loop polled every 1 ms while idle (3-5% of a core with nothing to do);
+    the studio's polls every 20 ms (its progress loop, unused, every 100 ms)."""
+    from webui.studio import PROGRESS_POLL_S, QUEUE_IDLE_POLL_S, build_studio
+    demo = build_studio(ScriptedClient([]), ModelInfo.from_folder(tiny_dir), out_dir=tmp_path / "out",
+                        examples_dir=tmp_path / "ex")
+    assert demo._queue.sleep_when_free == QUEUE_IDLE_POLL_S >= 0.02
+    assert demo._queue.progress_update_sleep_when_free == PROGRESS_POLL_S >= 0.1
+
+
 def test_timings_are_plain_text():
     """The API's timings string is read as it is (it used to carry Markdown's ** around each label)."""
     t = Timings(ar_prefill_ms=10, ar_tokens=8, ar_ms_per_token=2.5, dit_steps=2, dit_ms_per_step=100,
@@ -429,10 +459,10 @@ def test_the_seed_box_takes_the_seed_of_the_image_event(tiny_dir, tmp_path):
         return [o async for o in studio_.generate("a cat", None, s)]
 
     outs = asyncio.run(collect())
-    status, canvas, timings, _, result, seed = outs[-1]
-    assert status.startswith("Done in") and seed == 4242 and "seed 4242" in timings
+    status, canvas, timings, _, result, record = outs[-1]
+    assert status.startswith("Done in") and record["seed"] == 4242 and "seed 4242" in timings
     assert Path(result).read_bytes() == _png() and canvas == result
-    assert Studio.used_seed(seed) == 4242
+    assert Studio.used_seed(record) == 4242
 
 
 def test_an_engine_failure_stays_in_the_status_box(tiny_dir, tmp_path):

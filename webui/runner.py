@@ -21,6 +21,7 @@ from PIL import Image as PILImage
 from engine.runtime.events import Denoising, Done, Error, Image, Ratio, Started, Step, Text
 from engine.runtime.request import Request
 from engine.serve.client import EngineClient     # the engine's one client API (tests pass stand-ins)
+from engine.serve.results import ResultStore
 
 PREVIEW_MAX_SIDE = 256
 HEARTBEAT_S = 1.0          # yield at least this often: a closed tab is only noticed at a yield
@@ -43,7 +44,7 @@ class Update:
     image: str | None = None          # path of the final PNG, which replaces the preview
     cot: str | None = None
     timings: str | None = None
-    seed: int | None = None           # the seed of the final image (the engine's Image event says it)
+    record: dict[str, Any] | None = None   # what made the final image (run_record: its seed, the engine's)
     conversation: str | None = None   # the engine conversation the finished turn was added to (submit_turn's)
     reset: bool = False               # clear every output first (start of a run)
     final: bool = False               # the run is over: send every output
@@ -137,25 +138,12 @@ def timings_text(done: Done, image: Image | None) -> str:
     return " · ".join(parts)
 
 
-def save_png(out_dir: Path, request_id: str, image: Image) -> str:
-    """Write the PNG as the engine made it (served byte for byte: a filepath is not re-encoded)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"hunyuan-{request_id}-seed{image.seed}.png"
-    path.write_bytes(image.png)
-    return str(path)
-
-
-def prune(out_dir: Path, max_age_s: float = 3600.0) -> None:
-    """Drop old result files so a long-running studio does not fill the disk."""
-    if not out_dir.is_dir():
-        return
-    cutoff = time.time() - max_age_s
-    for p in out_dir.glob("hunyuan-*.png"):
-        try:
-            if p.stat().st_mtime < cutoff:
-                p.unlink()
-        except OSError:
-            pass
+def run_record(req: Request, started: Started | None, image: Image) -> dict[str, Any]:
+    """What made the image, as the engine ran it (Started: the defaults resolved): the history's caption."""
+    return {"prompt": req.prompt, "mode": started.bot_task if started else req.bot_task,
+            "seed": image.seed, "steps": started.steps if started else req.steps,
+            "guidance": started.guidance if started else req.guidance, "size": f"{image.width}x{image.height}",
+            "references": len(req.images)}
 
 
 @dataclass
@@ -194,18 +182,18 @@ def waiting_for_image(size: tuple[int, int] | None, since: float, now: float) ->
     return what + f"waiting for the image ahead ({now - since:.0f} s)…"
 
 
-async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentRuns | None = None,
+async def run(client: EngineClient, req: Request, results: ResultStore, recent: RecentRuns | None = None,
               submit: Callable[[Request], Any] | None = None) -> AsyncIterator[Update]:
     """Submit `req` and describe its progress. Raises EngineFailure with a user-facing message when
     the engine refuses or fails the request; a cancelled request just ends with a 'Stopped' status.
+    `results`: where the finished PNG is kept (served from there, as the engine made it).
     `recent`: the studio's record of finished runs (read for the wait estimate, this run added).
     `submit`: how to submit (a conversation's turn: `submit_turn` with its arguments); `client.submit`
     when None."""
-    prune(out_dir)
     clock = RunClock(time.monotonic())
     # it validates, so decodes the references: off the loop
     sub = await asyncio.to_thread(submit or client.submit, req)
-    cot, image = CotLog(), None
+    cot, image, started = CotLog(), None, None
     image_path: str | None = None
     size: tuple[int, int] | None = None            # (width, height) of the image, once chosen
     preview: PILImage.Image | None = None          # the newest step preview
@@ -229,7 +217,7 @@ async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentR
             update = Update()
             for ev in batch:
                 if isinstance(ev, Started):
-                    clock.started, clock.reasons = time.monotonic(), ev.bot_task != "image"
+                    started, clock.started, clock.reasons = ev, time.monotonic(), ev.bot_task != "image"
                     update.status = "Thinking…" if clock.reasons else "Reading the prompt…"
                 elif isinstance(ev, Text):
                     cot.add(ev)
@@ -247,7 +235,9 @@ async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentR
                         preview = update.preview = preview_image(ev.preview, size)
                 elif isinstance(ev, Image):
                     image = ev
-                    image_path = update.image = save_png(out_dir, req.request_id, ev)
+                    # the file is written off the loop: a PNG of a large image takes a moment
+                    rid = await asyncio.to_thread(results.add, ev.png, ev.seed)
+                    image_path = update.image = str(results.path(rid))
                     update.status = "Decoded"
                 elif isinstance(ev, Done):
                     if update.changed:
@@ -256,7 +246,8 @@ async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentR
                     if recent is not None:
                         recent.add(end - clock.submitted)
                     yield Update(final=True, status=done_status(clock, end), image=image_path, cot=cot.text,
-                                 timings=timings_text(ev, image), seed=None if image is None else image.seed,
+                                 timings=timings_text(ev, image),
+                                 record=None if image is None else run_record(req, started, image),
                                  conversation=getattr(sub, "conversation_id", None))
                     return
                 elif isinstance(ev, Error):

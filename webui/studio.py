@@ -31,7 +31,10 @@ from engine.runtime.request import (GUIDANCE_RANGE, LORA_SCALE_RANGE, MAX_IMAGES
                                     SEED_RANGE, STEPS_RANGE, RequestError)
 from engine.serve.info import ModelInfo
 
+from engine.serve.results import ResultStore
+
 from .fields import lenient
+from .keep import caption, history_strip, kept_thread, remembered, restored_thread
 from .examples import is_small, reference_examples, t2i_prompts
 from .options import (AUTO_SIZE, NO_LORA, REASONING_MODES, STEP_CACHES, Settings, build_request, control_of,
                       default_mode, preset_choices, size_choices)
@@ -43,9 +46,9 @@ from .thread_view import QUEUED, thread_panel
 
 TITLE = "HunyuanImage-3.0 Studio"
 HEALTH_EVERY_MS = 1000    # the engine line's refresh (a small POST per open page)
-HISTORY_MAX = 24          # results kept in a page's history strip
 CANVAS_HEIGHT = 512       # at most; the CSS lets it shrink so the reasoning above it stays in view
 PROMPTS_KEY = "hunyuan-studio-prompts"   # the browser storage that keeps the two prompts over a reload
+HISTORY_KEY, THREAD_KEY, SETTINGS_KEY = "hunyuan-studio-history", "hunyuan-studio-thread", "hunyuan-studio-settings"
 # What failed, said first in the message: Gradio 6.31's page ignores gr.Error's title (its toast always
 # reads "Error"), and API clients see only the message.
 FAILURE_PREFIX = {"invalid": "Request refused", "busy": "Not queued", "engine": "Generation failed"}
@@ -194,8 +197,10 @@ MERGED_INFO = "merged into the weights at start (--lora-merged): every image use
 class Studio:
     """The handlers behind the page, bound to one engine client and one model."""
 
-    def __init__(self, client: EngineClient, info: ModelInfo, out_dir: Path):
-        self.client, self.info, self.out_dir = client, info, out_dir
+    def __init__(self, client: EngineClient, info: ModelInfo, results: ResultStore | str | Path):
+        """`results`: where finished images are kept (a store, or a folder for one)."""
+        self.client, self.info = client, info
+        self.results = results if isinstance(results, ResultStore) else ResultStore(results)
         self.recent = RecentRuns()      # this studio's finished runs: the queue's wait estimate
         # the edit tab's thread is an engine conversation where the client holds them (EngineServer, ReplicaPool)
         self.conversations = callable(getattr(client, "submit_turn", None))
@@ -307,7 +312,7 @@ class Studio:
                     conversation, branch_from = thread.submit_args()
                     submit = partial(self.client.submit_turn, conversation=conversation,
                                      branch_from_turn=branch_from)
-            async for update in run(self.client, req, self.out_dir, self.recent, submit):
+            async for update in run(self.client, req, self.results, self.recent, submit):
                 yield out(update)
         except EngineFailure as e:
             message = f"{FAILURE_PREFIX.get(e.kind, 'Generation failed')}: {e}"
@@ -372,19 +377,47 @@ class Studio:
         again while the next run draws its previews on the canvas."""
         return gr.DownloadButton(value=result, interactive=bool(result)), gr.Button(interactive=bool(result))
 
-    @staticmethod
-    def remember(result: str | None, prompt: str, history: Any) -> Any:
-        """The finished image at the front of this page's history (newest first, HISTORY_MAX kept)."""
-        if not result:
-            return gr.skip()
-        caption = prompt if len(prompt) <= 60 else prompt[:59] + "…"
-        return [(result, caption), *(history or [])][:HISTORY_MAX]
+    def remember(self, result: str | None, record: dict | None, saved: Any) -> tuple:
+        """The finished image at the front of this page's history, captioned so that runs can be told apart
+        (newest first, HISTORY_MAX kept): the strip and what the browser keeps of it."""
+        rid = self.results.id_of(result)
+        if rid is None or record is None:
+            return gr.skip(), gr.skip()
+        kept = remembered(saved, rid, caption(record))
+        return history_strip(kept, self.results)[0], kept
 
     @staticmethod
-    def used_seed(seed: int | None) -> Any:
+    def used_seed(record: dict | None) -> Any:
         """The seed box shows the seed the finished image used (the engine's Image event says it; a random
         one too): untick "Random seed" to draw it again."""
-        return gr.skip() if seed is None else seed
+        return gr.skip() if record is None else record["seed"]
+
+    def applicable(self, saved: Any, current: dict[str, Any]) -> dict[str, Any]:
+        """Of stored settings (a browser's), those this page can take: a choice it offers, a value of the
+        control's kind, and what the engine accepts with the other settings as they would run (`validation`,
+        the one judge); the others are left as they are."""
+        if not isinstance(saved, dict):
+            return {}
+        merged = self.merged_adapter()
+        offered = {"mode": [v for _, v in REASONING_MODES], "size": [v for _, v in size_choices(self.info.buckets)],
+                   "system_prompt": list(self.info.presets), "step_cache": [v for _, v in STEP_CACHES],
+                   "lora": [merged] if merged is not None else [NO_LORA, *self.adapters()]}
+        kinds = {"random_seed": bool, "custom_system_prompt": str}
+        values = {n: saved[n] for n in Settings.NAMES if n in saved
+                  and (n not in offered or saved[n] in offered[n])
+                  and (n not in kinds or isinstance(saved[n], kinds[n]))
+                  and (n in kinds or not isinstance(saved[n], bool))}
+        settings = Settings(**{n: current[n] for n in Settings.NAMES if n in current} | values)
+        problems = self.validation("a prompt", None, settings, ("prompt", *Settings.NAMES))
+        return {n: v for n, v in values.items() if n not in problems}
+
+    def restore_page(self, saved_history: Any, saved_thread: Any, saved_settings: Any, *current: Any) -> tuple:
+        """A page as its browser left it: the history strip (the results still kept), the edit thread, and
+        the settings (`applicable`), after the ones the page was built with (`current`, in Settings order)."""
+        strip, kept = history_strip(saved_history, self.results)
+        values = self.applicable(saved_settings, dict(zip(Settings.NAMES, current)))
+        return (strip if strip else gr.skip(), kept, restored_thread(saved_thread, self.results),
+                *(values[n] if n in values else gr.skip() for n in Settings.NAMES))
 
     @staticmethod
     def reopen(evt: gr.SelectData) -> tuple:
@@ -432,7 +465,7 @@ class Studio:
         if u.reset:
             return (u.status or "", None, "", "", None, None)
         if u.final:
-            return (u.status or "", u.image or u.preview, u.timings or "", u.cot or "", u.image, u.seed)
+            return (u.status or "", u.image or u.preview, u.timings or "", u.cot or "", u.image, u.record)
         skip = gr.skip()
         canvas = u.image if u.image is not None else u.preview
         return (skip if u.status is None else u.status,
@@ -443,14 +476,16 @@ class Studio:
 
 
 def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = None,
-                 out_dir: str | Path | None = None, examples_dir: str | Path | None = None) -> gr.Blocks:
+                 out_dir: str | Path | None = None, examples_dir: str | Path | None = None,
+                 results: ResultStore | None = None) -> gr.Blocks:
     """The studio page for `client` (an `engine.server.EngineServer` or anything with its API) serving
     the model described by `info`. Launch it with `launch(demo, ...)`. The engine server is the one
     queue (and its `max_queue` the one limit) for this page, its API and any other front end: the page
-    hands every request to it at once."""
-    out = Path(out_dir) if out_dir else Path(tempfile.gettempdir()) / "hunyuan-studio" / "outputs"
+    hands every request to it at once. `results`: where finished images are kept (engine.serve.results; by
+    default a store in `out_dir`, or in a temporary folder that goes with the studio)."""
+    results = results if results is not None else ResultStore(out_dir)
     ex_dir = Path(examples_dir) if examples_dir else Path(tempfile.gettempdir()) / "hunyuan-studio" / "examples"
-    studio = Studio(client, info, out)
+    studio = Studio(client, info, results)
     gen = info.gen
     presets = preset_choices(info.presets)
     preset_default = gen.use_system_prompt if gen.use_system_prompt in info.presets else info.presets[0]
@@ -544,14 +579,19 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                         elem_id="lora-scale",
                         info="1: as trained; lower tones the adapter down, higher strengthens it."))
         result = gr.State(None)       # the last finished image of this page (the canvas may hold a preview)
-        result_seed = gr.State(None)  # its seed, as the engine reported it
+        result_record = gr.State(None)  # what made it (webui.runner.run_record: its seed, as the engine reported it)
         turn_made = gr.State(None)    # the edit tab's finished turn, for its thread (Studio.made)
         selected_ref = gr.State(None)  # the index of the reference image clicked last
         saved_prompts = gr.BrowserState(["", ""], storage_key=PROMPTS_KEY)
+        # what the page keeps across reloads (webui/keep.py), encrypted with a secret that lasts as long as the
+        # results it names
+        saved_history = gr.BrowserState([], storage_key=HISTORY_KEY, secret=results.secret)
+        saved_thread = gr.BrowserState({}, storage_key=THREAD_KEY, secret=results.secret)
+        saved_settings = gr.BrowserState({}, storage_key=SETTINGS_KEY, secret=results.secret)
 
         settings = [mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
                     max_new_tokens, step_cache, lora, lora_scale]
-        outputs = [status, image, timings, cot, result, result_seed]
+        outputs = [status, image, timings, cot, result, result_record]
         t2i_names = ("prompt", *Settings.NAMES)
         ti2i_names = ("prompt", "images", *Settings.NAMES, "thread")
 
@@ -609,9 +649,9 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
 
         for ev, prompt in ((t2i_ev, t2i_prompt), (ti2i_ev, ti2i_prompt)):
             # unqueued: bookkeeping after a run never waits behind (or is refused by) a full queue
-            ev.success(studio.remember, [result, prompt, history], history, queue=False, api_visibility="private",
-                       show_progress="hidden")
-            ev.success(studio.used_seed, result_seed, seed, queue=False, api_visibility="private",
+            ev.success(studio.remember, [result, result_record, saved_history], [history, saved_history], queue=False,
+                       api_visibility="private", show_progress="hidden")
+            ev.success(studio.used_seed, result_record, seed, queue=False, api_visibility="private",
                        show_progress="hidden")
         ti2i_ev.success(studio.add_turn, [thread, turn_made], [thread, refs, ti2i_prompt], **QUEUED)
         result.change(studio.result_buttons, result, [download, edit_result], queue=False,
@@ -640,6 +680,15 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
         demo.load(None, [saved_prompts, t2i_prompt, ti2i_prompt], [t2i_prompt, ti2i_prompt], js=RESTORE_PROMPTS_JS,
                   queue=False, api_visibility="private", show_progress="hidden")
 
+        # the settings, the history and the thread survive a reload (webui/keep.py); queued, so that the thread
+        # it sets is drawn (a State set by an unqueued event fires no change in Gradio 6.31)
+        gr.on([c.change for c in settings], lambda *v: dict(zip(Settings.NAMES, v)), settings, saved_settings,
+              queue=False, api_visibility="private", show_progress="hidden")
+        thread.change(lambda t: kept_thread(t, results), thread, saved_thread, queue=False,
+                      api_visibility="private", show_progress="hidden")
+        demo.load(studio.restore_page, [saved_history, saved_thread, saved_settings, *settings],
+                  [history, saved_history, thread, *settings], **QUEUED)
+
         gr.api(studio.health, api_name="health", queue=False, api_visibility="undocumented")
         gr.api(studio.reload, api_name="reload", queue=False, api_visibility="undocumented")
         # adapters loaded since the page was built (POST /v1/load_lora_adapter) appear on a reload
@@ -649,7 +698,25 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
         demo.load(None, None, None, js=RANGE_JS)
 
     demo.queue(default_concurrency_limit=1)
+    idle_gently(demo)
+    demo.studio = studio              # launch() serves the results' folder
     return demo
+
+
+# Gradio 6.31's queue loop polls every 1 ms while no event waits, and its progress loop every 10 ms: an idle
+# studio spent 3-5% of a core on them. 20 ms and 100 ms instead (the first wait is at most 20 ms more before
+# an event starts, against runs of seconds; the page sends no gr.Progress updates). `queue()` has no option
+# for them, so the instance's settings are changed here, by name: a Gradio without them fails loudly.
+QUEUE_IDLE_POLL_S = 0.02
+PROGRESS_POLL_S = 0.1
+
+
+def idle_gently(demo: gr.Blocks) -> None:
+    queue = demo._queue
+    for name, seconds in (("sleep_when_free", QUEUE_IDLE_POLL_S), ("progress_update_sleep_when_free", PROGRESS_POLL_S)):
+        if not isinstance(getattr(queue, name, None), (int, float)):
+            raise RuntimeError(f"this Gradio's queue has no {name}: update webui.studio.idle_gently")
+        setattr(queue, name, max(getattr(queue, name), seconds))
 
 
 def busy_buttons(busy: bool) -> tuple:
@@ -667,5 +734,7 @@ def launch(demo: gr.Blocks, *, host: str | None = None, port: int | None = None,
     """Launch with the studio's look. host/port None: Gradio's defaults and its GRADIO_SERVER_NAME /
     GRADIO_SERVER_PORT variables (what hosting platforms such as Spaces set). `auth`: a (user, password)
     or a check(user, password); it guards the page and its whole Gradio API (uploads, /t2i, /ti2i)."""
+    results = demo.studio.results.folder
+    kwargs["allowed_paths"] = [*kwargs.get("allowed_paths", []), str(results)]
     return demo.launch(server_name=host, server_port=port, share=share, auth=auth, theme=theme(), css=CSS,
                        footer_links=["api", "settings"], **kwargs)
