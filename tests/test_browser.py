@@ -4,6 +4,7 @@ canvas, get the final PNG; and what a new user hit (messages that stay, whole im
 buttons that only work with a result)."""
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
@@ -830,4 +831,38 @@ def test_a_reload_keeps_the_history_the_thread_and_the_settings_and_tiles_say_wh
     generate(page, "", 7, run="#run-again")              # the restored settings are what runs
     r = client.submitted[-1]
     assert (r.bot_task, r.steps, r.guidance, r.max_new_tokens, r.seed) == ("image", 7, 3.5, 64, 124), r
+    page.close()
+
+
+def test_a_png_saved_from_the_page_says_what_made_it(browser, studio):
+    """Issue 43, the evaluation workflow: the PNG Download gives carries the prompt, the reasoning, the seed,
+    steps, guidance, size, model, step cache and adapter in its text chunks (tools read `parameters`; the
+    studio's whole record is JSON under `hunyuan-studio`)."""
+    from engine.serve.image_meta import read_record
+    url, counting, _ = studio
+    page = open_page(browser, url)
+    page.locator("#prompt textarea").fill("a red circle on a white table")
+    page.locator("#mode label", has_text="Think").first.click()
+    page.locator("#random-seed input").uncheck()
+    page.locator("#seed input").fill("5")
+    page.locator("#seed input").press("Enter")
+    for field, value in (("#steps", "5"), ("#guidance", "4")):
+        page.locator(f"{field} input[type=number]").fill(value)
+        page.locator(f"{field} input[type=number]").press("Enter")
+    page.locator("#step-cache input").click()
+    page.get_by_role("option", name=re.compile("^Taylor cache")).click()
+    generate(page, "", 5, run="#run-again")
+    with page.expect_download(timeout=10_000) as got:
+        page.locator("#download").click()
+    png = Path(got.value.path()).read_bytes()
+    rec = read_record(png)
+    req = counting.submitted[-1]
+    assert (rec["prompt"], rec["seed"], rec["steps"], rec["guidance"], rec["mode"], rec["step_cache"]) == \
+        ("a red circle on a white table", 5, 5, 4.0, "think", "taylor"), rec
+    assert req.taylor_cache is not None and rec["lora"] is None and rec["model"] == studio[2].studio.info.name
+    w, h = PILImage.open(io.BytesIO(png)).size
+    assert rec["size"] == f"{w}x{h}" and rec["size_asked"] == "auto"
+    cot = page.locator("#cot textarea").input_value()
+    assert rec["reasoning"] and rec["reasoning"].split("\n")[0] in cot, (rec["reasoning"], cot)
+    assert PILImage.open(io.BytesIO(png)).info["parameters"].startswith("a red circle on a white table\nSteps: 5")
     page.close()

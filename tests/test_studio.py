@@ -2,6 +2,7 @@
 checkpoint, plus the pure helpers behind the controls."""
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image as PILImage
 
+from engine.serve.image_meta import read_record
 from engine.spec.buckets import parse_size
 from engine.runtime.events import Done, Error, Text, Timings
 from engine.runtime.events import Image as ImageEvent
@@ -461,8 +463,8 @@ def test_the_seed_box_takes_the_seed_of_the_image_event(tiny_dir, tmp_path):
     outs = asyncio.run(collect())
     status, canvas, timings, _, result, record = outs[-1]
     assert status.startswith("Done in") and record["seed"] == 4242 and "seed 4242" in timings
-    assert Path(result).read_bytes() == _png() and canvas == result
-    assert Studio.used_seed(record) == 4242
+    assert PILImage.open(result).tobytes() == PILImage.open(io.BytesIO(_png())).tobytes() and canvas == result
+    assert read_record(Path(result).read_bytes()) == record and Studio.used_seed(record) == 4242
 
 
 def test_an_engine_failure_stays_in_the_status_box(tiny_dir, tmp_path):

@@ -21,6 +21,8 @@ from PIL import Image as PILImage
 from engine.runtime.events import Denoising, Done, Error, Image, Ratio, Started, Step, Text
 from engine.runtime.request import Request
 from engine.serve.client import EngineClient     # the engine's one client API (tests pass stand-ins)
+from engine.serve.image_meta import image_record, reasoning_text, with_record
+from engine.serve.info import ModelInfo
 from engine.serve.results import ResultStore
 
 PREVIEW_MAX_SIDE = 256
@@ -44,7 +46,7 @@ class Update:
     image: str | None = None          # path of the final PNG, which replaces the preview
     cot: str | None = None
     timings: str | None = None
-    record: dict[str, Any] | None = None   # what made the final image (run_record: its seed, the engine's)
+    record: dict[str, Any] | None = None   # what made the final image (image_meta.image_record; its PNG has it)
     conversation: str | None = None   # the engine conversation the finished turn was added to (submit_turn's)
     reset: bool = False               # clear every output first (start of a run)
     final: bool = False               # the run is over: send every output
@@ -63,6 +65,7 @@ class CotLog:
     text: str = ""
     section: str | None = None
     chars: int = 0
+    sections: dict[str, str] = field(default_factory=dict)     # each section's text, as the model wrote it
 
     def add(self, ev: Text) -> None:
         if ev.section != self.section:
@@ -71,6 +74,7 @@ class CotLog:
             self.section = ev.section
         self.text += ev.delta
         self.chars += len(ev.delta)
+        self.sections[ev.section] = self.sections.get(ev.section, "") + ev.delta
 
 
 def running_count(health: dict[str, Any]) -> int:
@@ -138,14 +142,6 @@ def timings_text(done: Done, image: Image | None) -> str:
     return " · ".join(parts)
 
 
-def run_record(req: Request, started: Started | None, image: Image) -> dict[str, Any]:
-    """What made the image, as the engine ran it (Started: the defaults resolved): the history's caption."""
-    return {"prompt": req.prompt, "mode": started.bot_task if started else req.bot_task,
-            "seed": image.seed, "steps": started.steps if started else req.steps,
-            "guidance": started.guidance if started else req.guidance, "size": f"{image.width}x{image.height}",
-            "references": len(req.images)}
-
-
 @dataclass
 class RunClock:
     """When each part of a run began, on the studio's clock (the user's time, from Generate), and the wait
@@ -182,11 +178,13 @@ def waiting_for_image(size: tuple[int, int] | None, since: float, now: float) ->
     return what + f"waiting for the image ahead ({now - since:.0f} s)…"
 
 
-async def run(client: EngineClient, req: Request, results: ResultStore, recent: RecentRuns | None = None,
-              submit: Callable[[Request], Any] | None = None) -> AsyncIterator[Update]:
+async def run(client: EngineClient, req: Request, info: ModelInfo, results: ResultStore,
+              recent: RecentRuns | None = None, submit: Callable[[Request], Any] | None = None
+              ) -> AsyncIterator[Update]:
     """Submit `req` and describe its progress. Raises EngineFailure with a user-facing message when
     the engine refuses or fails the request; a cancelled request just ends with a 'Stopped' status.
-    `results`: where the finished PNG is kept (served from there, as the engine made it).
+    `info`: the served model. `results`: where the finished PNG is kept (served from there, as the engine
+    made it, with what made it in its text chunks: engine/serve/image_meta.py).
     `recent`: the studio's record of finished runs (read for the wait estimate, this run added).
     `submit`: how to submit (a conversation's turn: `submit_turn` with its arguments); `client.submit`
     when None."""
@@ -234,12 +232,16 @@ async def run(client: EngineClient, req: Request, results: ResultStore, recent: 
                     if ev.preview is not None:
                         preview = update.preview = preview_image(ev.preview, size)
                 elif isinstance(ev, Image):
-                    image = ev
-                    # the file is written off the loop: a PNG of a large image takes a moment
-                    rid = await asyncio.to_thread(results.add, ev.png, ev.seed)
-                    image_path = update.image = str(results.path(rid))
+                    image = ev               # kept at Done, with the timings in its record
                     update.status = "Decoded"
                 elif isinstance(ev, Done):
+                    record = None
+                    if image is not None:
+                        record = image_record(req, started, image, info.name, info.gen, reasoning_text(cot.sections),
+                                              ev.timings)
+                        # the file is written off the loop: a large PNG takes a moment
+                        rid = await asyncio.to_thread(results.add, with_record(image.png, record), image.seed)
+                        image_path = str(results.path(rid))
                     if update.changed:
                         yield update
                     end = time.monotonic()
@@ -247,7 +249,7 @@ async def run(client: EngineClient, req: Request, results: ResultStore, recent: 
                         recent.add(end - clock.submitted)
                     yield Update(final=True, status=done_status(clock, end), image=image_path, cot=cot.text,
                                  timings=timings_text(ev, image),
-                                 record=None if image is None else run_record(req, started, image),
+                                 record=record,
                                  conversation=getattr(sub, "conversation_id", None))
                     return
                 elif isinstance(ev, Error):

@@ -312,7 +312,7 @@ class Studio:
                     conversation, branch_from = thread.submit_args()
                     submit = partial(self.client.submit_turn, conversation=conversation,
                                      branch_from_turn=branch_from)
-            async for update in run(self.client, req, self.results, self.recent, submit):
+            async for update in run(self.client, req, self.info, self.results, self.recent, submit):
                 yield out(update)
         except EngineFailure as e:
             message = f"{FAILURE_PREFIX.get(e.kind, 'Generation failed')}: {e}"
@@ -579,7 +579,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                         elem_id="lora-scale",
                         info="1: as trained; lower tones the adapter down, higher strengthens it."))
         result = gr.State(None)       # the last finished image of this page (the canvas may hold a preview)
-        result_record = gr.State(None)  # what made it (webui.runner.run_record: its seed, as the engine reported it)
+        result_record = gr.State(None)  # what made it (engine.serve.image_meta.image_record: what its PNG carries)
         turn_made = gr.State(None)    # the edit tab's finished turn, for its thread (Studio.made)
         selected_ref = gr.State(None)  # the index of the reference image clicked last
         saved_prompts = gr.BrowserState(["", ""], storage_key=PROMPTS_KEY)
