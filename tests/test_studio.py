@@ -405,6 +405,22 @@ def test_the_studio_queue_idles_without_polling_every_millisecond(tiny_dir, tmp_
     assert demo._queue.progress_update_sleep_when_free == PROGRESS_POLL_S >= 0.1
 
 
+def test_previews_are_spaced_by_the_engines_step_time():
+    """Issue 43 item 9: the page shows the first preview, then one per PREVIEW_GAP_S of denoising: every step of
+    a slow model, every few of a fast one (a preview costs the page about the same whatever a step costs)."""
+    from engine.runtime.events import Step
+    from webui.runner import PREVIEW_GAP_S, PreviewRate
+
+    def shown(step_s: float, n: int = 16) -> list[int]:
+        rate = PreviewRate()
+        return [i for i in range(1, n) if rate.due(Step(i, n, b"png"), i * step_s)]
+    assert shown(0.3) == list(range(1, 16))                    # a real model's steps: all of them
+    every = -(-PREVIEW_GAP_S // 0.04)                           # ceil: a 40 ms step of the embedded model
+    assert shown(0.04) == list(range(1, 16, int(every))) and len(shown(0.04)) <= 4
+    assert PreviewRate().due(Step(1, 2, b"png"), None)         # the first always (a 2-step run has one)
+    assert not PreviewRate().due(Step(1, 2, None), 0.1)        # a step the engine did not preview
+
+
 def test_timings_are_plain_text():
     """The API's timings string is read as it is (it used to carry Markdown's ** around each label)."""
     t = Timings(ar_prefill_ms=10, ar_tokens=8, ar_ms_per_token=2.5, dit_steps=2, dit_ms_per_step=100,

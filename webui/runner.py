@@ -2,13 +2,15 @@
 
 `run(...)` is an async generator of `Update`s (only the fields that changed). It knows nothing about
 Gradio components, so it is tested with a plain engine, and the studio maps an `Update` onto outputs.
-Events that arrive faster than a browser can draw are merged: all pending text deltas become one
-update and only the newest step preview is sent (as Fooocus does for slow connections).
+Events that arrive faster than a browser can draw are merged: the page gets at most one update every
+UPDATE_EVERY_S with all that came since (the text so far, the newest status), and the step previews at a
+rate chosen from the engine's step time (PreviewRate), as Fooocus drops stale previews for slow connections.
 """
 from __future__ import annotations
 
 import asyncio
 import io
+import math
 import sys
 import time
 from collections import deque
@@ -27,6 +29,13 @@ from engine.serve.results import ResultStore
 
 PREVIEW_MAX_SIDE = 256
 HEARTBEAT_S = 1.0          # yield at least this often: a closed tab is only noticed at a yield
+# The page is updated at most this often: each update is a diff sent to the browser, which redraws; a
+# token every 7 ms on a CPU made 140 a second, and the browser drawing them took the CPU from the model
+# (a page run took 3x the API's time on 2 cores). Ten a second still reads as streaming.
+UPDATE_EVERY_S = 0.1
+# Previews are at least this far apart (PreviewRate): each costs the page about the same (decode, encode,
+# the browser drawing it) whatever a step costs the engine.
+PREVIEW_GAP_S = 0.25
 SECTION_TITLES = {"think": "Thinking", "recaption": "Recaption", "answer": "Answer"}
 
 
@@ -55,6 +64,32 @@ class Update:
     def changed(self) -> bool:
         return self.reset or self.final or any(v is not None for v in (self.status, self.preview, self.image,
                                                                          self.cot, self.timings))
+
+    def merge(self, newer: "Update") -> "Update":
+        """This update and a newer one as one (the newer's values win): what is held back between sends."""
+        for name in ("status", "preview", "image", "cot", "timings"):
+            if getattr(newer, name) is not None:
+                setattr(self, name, getattr(newer, name))
+        return self
+
+
+@dataclass
+class PreviewRate:
+    """Which step previews the page shows: the first, then one every `every` steps, chosen from the engine's
+    measured step time (since its denoising began): a step of PREVIEW_GAP_S or more shows its preview (a real
+    model on GPUs: every step), faster steps are spaced so that one preview comes every PREVIEW_GAP_S (the
+    embedded model on a CPU, 40 ms a step: about every 6th step)."""
+    last: int | None = None          # the step whose preview was shown last
+
+    def due(self, step: Step, denoise_s: float | None) -> bool:
+        if step.preview is None:
+            return False
+        if self.last is not None:
+            step_s = denoise_s / step.i if denoise_s else 0.0
+            if step.i - self.last < (math.ceil(PREVIEW_GAP_S / step_s) if step_s > 0 else 1):
+                return False
+        self.last = step.i
+        return True
 
 
 @dataclass
@@ -194,12 +229,20 @@ async def run(client: EngineClient, req: Request, info: ModelInfo, results: Resu
     cot, image, started = CotLog(), None, None
     image_path: str | None = None
     size: tuple[int, int] | None = None            # (width, height) of the image, once chosen
-    preview: PILImage.Image | None = None          # the newest step preview
+    preview: PILImage.Image | None = None          # the newest step preview shown
+    rate, held = PreviewRate(), Update()           # held: what waits for the next send (UPDATE_EVERY_S)
+    next_send = 0.0
     yield Update(reset=True, status="Submitted…")
     try:
         while True:
-            ev = await sub.aget(timeout=HEARTBEAT_S)
+            now = time.monotonic()
+            if held.changed and now >= next_send:
+                yield held
+                held, next_send = Update(), now + UPDATE_EVERY_S
+            ev = await sub.aget(timeout=max(0.0, next_send - now) if held.changed else HEARTBEAT_S)
             if ev is None:
+                if held.changed:
+                    continue                       # its time has come: sent at the top
                 if clock.started is None:
                     position = getattr(client, "position", None)      # EngineServer's; a stand-in may lack it
                     ahead = None if position is None else position(req.request_id)
@@ -229,7 +272,7 @@ async def run(client: EngineClient, req: Request, info: ModelInfo, results: Resu
                     update.status = f"Denoising {ev.steps} steps…"
                 elif isinstance(ev, Step):
                     update.status = f"step {ev.i}/{ev.n}"
-                    if ev.preview is not None:
+                    if rate.due(ev, None if clock.denoising is None else time.monotonic() - clock.denoising):
                         preview = update.preview = preview_image(ev.preview, size)
                 elif isinstance(ev, Image):
                     image = ev               # kept at Done, with the timings in its record
@@ -242,8 +285,8 @@ async def run(client: EngineClient, req: Request, info: ModelInfo, results: Resu
                         # the file is written off the loop: a large PNG takes a moment
                         rid = await asyncio.to_thread(results.add, with_record(image.png, record), image.seed)
                         image_path = str(results.path(rid))
-                    if update.changed:
-                        yield update
+                    if held.merge(update).changed:
+                        yield held
                     end = time.monotonic()
                     if recent is not None:
                         recent.add(end - clock.submitted)
@@ -253,14 +296,13 @@ async def run(client: EngineClient, req: Request, info: ModelInfo, results: Resu
                                  conversation=getattr(sub, "conversation_id", None))
                     return
                 elif isinstance(ev, Error):
-                    if update.changed:
-                        yield update
+                    if held.merge(update).changed:
+                        yield held
                     if ev.kind == "cancelled":
                         yield Update(final=True, status="Stopped.", preview=preview, cot=cot.text)
                         return
                     raise EngineFailure(ev.message, ev.kind, ev.param)
-            if update.changed:
-                yield update
+            held.merge(update)
     finally:
         if not sub.ended:           # Stop, a closed tab or an error in the UI: free the engine
             try:
