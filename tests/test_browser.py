@@ -4,6 +4,7 @@ canvas, get the final PNG; and what a new user hit (messages that stay, whole im
 buttons that only work with a result)."""
 from __future__ import annotations
 
+import base64
 import io
 import os
 import re
@@ -865,4 +866,84 @@ def test_a_png_saved_from_the_page_says_what_made_it(browser, studio):
     cot = page.locator("#cot textarea").input_value()
     assert rec["reasoning"] and rec["reasoning"].split("\n")[0] in cot, (rec["reasoning"], cot)
     assert PILImage.open(io.BytesIO(png)).info["parameters"].startswith("a red circle on a white table\nSteps: 5")
+    page.close()
+
+
+def drop_png(page, path: Path) -> None:
+    """Open a PNG's settings: the file given to the page's drop box."""
+    page.locator("#open-png input[type=file]").set_input_files(str(path))
+
+
+def download(page, tmp_path: Path, name: str) -> Path:
+    with page.expect_download(timeout=10_000) as got:
+        page.locator("#download").click()
+    out = tmp_path / name
+    got.value.save_as(out)
+    return out
+
+
+def pixels(path: Path) -> bytes:
+    return PILImage.open(path).convert("RGB").tobytes()
+
+
+def test_a_png_dropped_on_the_page_restores_its_settings_and_the_same_pixels(browser, studio, engine_server,
+                                                                              tmp_path):
+    """Issue 43, the evaluation workflow: a PNG saved from the page, and one from /v1, dropped on the page put back
+    the prompt and every setting (the seed fixed); Generate then makes the same pixels."""
+    from starlette.testclient import TestClient
+    from engine.serve.openai_api import api_app
+    url, counting, _ = studio
+    expect = sync_api.expect
+    page = open_page(browser, url, viewport={"width": 1440, "height": 900})
+    page.locator("#prompt textarea").fill("two blue squares on a gray background")
+    page.locator("#mode label", has_text="Think").first.click()
+    page.locator("#random-seed input").uncheck()
+    page.get_by_text("Advanced").click()
+    for field, value in (("#seed", "9"), ("#steps", "4"), ("#guidance", "4"), ("#max-new-tokens", "8")):
+        box = page.locator(f"{field} input" + ("" if field == "#seed" else "[type=number]"))
+        box.fill(value)
+        box.press("Enter")
+    generate(page, "", 4, run="#run-again")
+    made = download(page, tmp_path, "made.png")
+
+    # another prompt and other settings, then the PNG dropped on the page
+    page.locator("#prompt textarea").fill("something else")
+    page.locator("#mode label", has_text="Off").click()
+    for field, value in (("#seed", "1"), ("#steps", "2"), ("#guidance", "7")):
+        box = page.locator(f"{field} input" + ("" if field == "#seed" else "[type=number]"))
+        box.fill(value)
+        box.press("Enter")
+    page.locator("#random-seed input").check()
+    drop_png(page, made)
+    status = page.locator("#status textarea")
+    expect(status).to_have_value(re.compile(r"^Settings of made\.png restored \(seed 9\)"), timeout=20_000)
+    expect(page.locator("#prompt textarea")).to_have_value("two blue squares on a gray background")
+    for field, value in (("#steps", "4"), ("#guidance", "4"), ("#max-new-tokens", "8")):
+        expect(page.locator(f"{field} input[type=number]")).to_have_value(value)
+    expect(page.locator("#seed input")).to_have_value("9")
+    expect(page.locator("#random-seed input")).not_to_be_checked()
+    expect(page.locator("#mode input[value=think]")).to_be_checked()
+    generate(page, "", 4, run="#run-again")
+    again = download(page, tmp_path, "again.png")
+    assert pixels(again) == pixels(made)
+
+    # a PNG from /v1 on the same engine: the page makes its pixels too
+    with TestClient(api_app(engine_server)) as api:
+        r = api.post("/v1/images/generations", json={
+            "prompt": "a yellow star in the center", "size": "256x192", "seed": 21, "num_inference_steps": 3,
+            "bot_task": "think", "max_new_tokens": 8, "guidance_scale": 3.5})
+    assert r.status_code == 200, r.text
+    from_api = tmp_path / "from-api.png"
+    from_api.write_bytes(base64.b64decode(r.json()["data"][0]["b64_json"]))
+    drop_png(page, from_api)
+    expect(status).to_have_value(re.compile(r"^Settings of from-api\.png restored \(seed 21\)"), timeout=20_000)
+    expect(page.locator("#prompt textarea")).to_have_value("a yellow star in the center")
+    generate(page, "", 3, run="#run-again")
+    assert counting.submitted[-1].size == "256:192"
+    assert pixels(download(page, tmp_path, "page.png")) == pixels(from_api)
+
+    not_ours = tmp_path / "plain.png"
+    PILImage.new("RGB", (8, 8)).save(not_ours)
+    drop_png(page, not_ours)
+    expect(status).to_have_value(re.compile(r"^Not restored: plain\.png: it carries no settings"), timeout=20_000)
     page.close()

@@ -28,9 +28,10 @@ from typing import Any, AsyncIterator, Callable, Union
 import gradio as gr
 
 from engine.runtime.request import (GUIDANCE_RANGE, LORA_SCALE_RANGE, MAX_IMAGES, MAX_NEW_TOKENS_RANGE,
-                                    SEED_RANGE, STEPS_RANGE, RequestError)
+                                    MAX_PROMPT_CHARS, SEED_RANGE, STEPS_RANGE, RequestError)
 from engine.serve.info import ModelInfo
 
+from engine.serve.image_meta import NotARecord, read_record
 from engine.serve.results import ResultStore
 
 from .fields import lenient
@@ -39,6 +40,7 @@ from .examples import is_small, reference_examples, t2i_prompts
 from .options import (AUTO_SIZE, NO_LORA, REASONING_MODES, STEP_CACHES, Settings, build_request, control_of,
                       default_mode, preset_choices, size_choices)
 from .references import check_reference
+from .restore import restored
 from .runner import EngineClient, EngineFailure, RecentRuns, Update, run, running_count
 from .theme import CSS, theme
 from .thread import Thread, ThreadTurn, check_next, continued, started
@@ -429,6 +431,32 @@ class Studio:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return (path, path, *Studio.result_buttons(path))
 
+    def open_png(self, file: Any, *current: Any) -> tuple:
+        """'Open a PNG's settings': a PNG this studio or /v1 made (its record, engine/serve/image_meta.py)
+        puts its prompt and every setting back, the seed fixed, so that Generate makes the same image. Outputs:
+        (the drop box emptied, the T2I prompt, the edit instruction, the tab, the status, the settings in
+        Settings order); what cannot be restored here is said in the status."""
+        nothing = (gr.skip(),) * (4 + len(Settings.NAMES))
+        if not file:
+            return (gr.skip(), *nothing)
+        path = Path(file if isinstance(file, str) else getattr(file, "name", str(file)))
+        try:
+            record = read_record(path.read_bytes())
+        except (NotARecord, OSError) as e:
+            message = f"Not restored: {path.name}: {e}"
+            gr.Warning(message)
+            return (None, *nothing[:3], message, *nothing[4:])
+        r = restored(record, self.info.name)
+        values = self.applicable(r.settings, dict(zip(Settings.NAMES, current)))
+        left = [f"{n} {r.settings[n]!r}" for n in Settings.NAMES if n in r.settings and n not in values]
+        notes = r.notes + ([f"not offered here: {', '.join(left)}"] if left else [])
+        status = (f"Settings of {path.name} restored (seed {record.get('seed')}): Generate makes the same image."
+                  + "".join(f" Note: {n}." for n in notes))
+        prompt = r.prompt[:MAX_PROMPT_CHARS]
+        return (None, gr.skip() if r.edit else prompt, prompt if r.edit else gr.skip(),
+                gr.Tabs(selected="ti2i" if r.edit else "t2i"), status,
+                *(values[n] if n in values else gr.skip() for n in Settings.NAMES))
+
     @staticmethod
     def checked_references(refs: Any) -> Any:
         """Uploaded references, each checked at once (the /v1 limits, readable as an image) and at most
@@ -543,6 +571,9 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                                      height="auto", object_fit="contain", allow_preview=False, interactive=False,
                                      elem_id="history", buttons=["download"])
             with gr.Column(scale=5, min_width=320, elem_id="col-settings"):
+                open_file = gr.File(label="Open a PNG's settings (drop a PNG this studio or /v1 made: its prompt and "
+                                          "settings come back, and Generate makes it again)", file_types=[".png"],
+                                    file_count="single", height=90, elem_id="open-png")
                 # lenient: a bad value reaches the validator, whose message names the range (not a bare 400)
                 mode = lenient(gr.Radio(
                     REASONING_MODES, value=default_mode(gen), label="Reasoning", elem_id="mode",
@@ -688,6 +719,10 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                       api_visibility="private", show_progress="hidden")
         demo.load(studio.restore_page, [saved_history, saved_thread, saved_settings, *settings],
                   [history, saved_history, thread, *settings], **QUEUED)
+
+        # queued: its warning needs the queue's channel, and the tab it selects must be drawn
+        open_file.upload(studio.open_png, [open_file, *settings],
+                         [open_file, t2i_prompt, ti2i_prompt, tabs, status, *settings], **QUEUED)
 
         gr.api(studio.health, api_name="health", queue=False, api_visibility="undocumented")
         gr.api(studio.reload, api_name="reload", queue=False, api_visibility="undocumented")
