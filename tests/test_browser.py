@@ -313,7 +313,7 @@ def test_references_are_whole_and_a_corrupt_one_is_named_at_upload(browser, stud
     bad = tmp_path / ("not-a-picture-" + "x" * 70 + ".png")
     bad.write_bytes(b"this is not an image")
     page = open_page(browser, url)
-    page.get_by_role("tab", name="Edit with reference images").click()
+    page.get_by_role("tab", name="Edit images").click()
     page.locator("#refs input[type=file]").first.set_input_files([str(tall)])
     expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
     page.wait_for_function("() => document.querySelector('#refs img').naturalWidth > 0")
@@ -333,7 +333,7 @@ def test_references_are_whole_and_a_corrupt_one_is_named_at_upload(browser, stud
 
     page.reload(wait_until="load")
     wait_wired(page)
-    page.get_by_role("tab", name="Edit with reference images").click()
+    page.get_by_role("tab", name="Edit images").click()
     before = len(counting.submitted)
     # refused at upload (it used to enter the gallery as a blank tile and be reported after Generate)
     page.locator("#refs input[type=file]").first.set_input_files([str(bad)])
@@ -524,7 +524,7 @@ def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studi
     page.locator("#steps input[type=number]").fill("2")
     page.locator("#steps input[type=number]").press("Enter")
     page.locator("#mode label", has_text="Think").first.click()
-    page.get_by_role("tab", name="Edit with reference images").click()
+    page.get_by_role("tab", name="Edit images").click()
     page.locator("#refs input[type=file]").first.set_input_files([str(ref)])
     expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
     first_turn = len(counting.turns)
@@ -604,6 +604,12 @@ def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studi
     page.close()
 
 
+def scripted_color(request) -> tuple[int, int, int]:
+    """The scripted engine's image colour: its seed, reasoning mode and prompt, so a picture says what made it."""
+    return (request.seed or 0) % 256, {"image": 10, "think": 130, "think_recaption": 250}.get(request.bot_task, 0), \
+        sum(map(ord, request.prompt)) % 256
+
+
 def scripted_run(request):
     """The events of a scripted engine (a run takes no time): the prompt "busy" is refused as by a full queue,
     "crash" fails mid-run as when the engine process dies; anything else makes a small image."""
@@ -617,7 +623,7 @@ def scripted_run(request):
     if request.prompt == "crash":
         return start + [Error("engine", "the engine process stopped unexpectedly (SIGKILL); restarting")]
     buf = io.BytesIO()
-    PILImage.new("RGB", (256, 192), (40, 90, 200)).save(buf, format="PNG")
+    PILImage.new("RGB", (256, 192), scripted_color(request)).save(buf, format="PNG")
     return start + [Step(2, 2), Image(buf.getvalue(), 256, 192, request.seed or 0),     # the timings of a real run
                     Done(Timings(ar_prefill_ms=17, ar_tokens=40, ar_ms_per_token=10.2, dit_steps=16,
                                  dit_ms_per_step=76, vae_ms=478, total_s=2.4))]
@@ -680,7 +686,7 @@ def test_every_refusal_and_failure_gives_the_buttons_back_and_keeps_its_reason(b
     prompt.fill("a blue square")
     after("#run", "#stop", "^Done in", True)                         # and a run after them all works
 
-    page.get_by_role("tab", name="Edit with reference images").click()
+    page.get_by_role("tab", name="Edit images").click()
     refs = []
     for i in range(4):
         refs.append(tmp_path / f"ref{i}.png")
@@ -708,7 +714,7 @@ def test_a_file_that_is_not_an_image_is_named_at_upload_with_no_error_badge(brow
     image = tmp_path / "fine.png"
     PILImage.new("RGB", (64, 48), (10, 120, 200)).save(image)
     page = open_page(browser, url)
-    page.get_by_role("tab", name="Edit with reference images").click()
+    page.get_by_role("tab", name="Edit images").click()
     page.locator("#refs input[type=file]").first.set_input_files([str(notes)])
     expect(page.get_by_text("notes.txt cannot be read as an image").first).to_be_visible(timeout=20_000)
     expect(page.locator("#refs [data-testid=status-tracker]:not(.hide) .error")).to_have_count(0)
@@ -770,7 +776,7 @@ def test_a_finished_image_its_download_and_the_timings_are_in_view(browser, scri
         assert in_view(page, selector), (selector, page.locator(selector).bounding_box())
     if width < 640:
         sync_api.expect(page.locator("footer .show-api")).to_be_visible()
-        page.get_by_role("tab", name="Edit with reference images").click()
+        page.get_by_role("tab", name="Edit images").click()
         table = page.locator("#edit-examples table")
         sync_api.expect(table).to_be_visible()
         assert page.evaluate("""() => { const t = document.querySelector('#edit-examples table');
@@ -804,7 +810,7 @@ def test_a_reload_keeps_the_history_the_thread_and_the_settings_and_tiles_say_wh
                         "Off · seed 123 · 7 steps — a red circle on the left on a white background"], captions
     ref = tmp_path / "ref.png"
     PILImage.new("RGB", (96, 64), (200, 40, 40)).save(ref)
-    page.get_by_role("tab", name="Edit with reference images").click()
+    page.get_by_role("tab", name="Edit images").click()
     page.locator("#refs input[type=file]").first.set_input_files([str(ref)])
     expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
     page.locator("#ti2i-prompt textarea").fill("make it blue")
@@ -825,7 +831,7 @@ def test_a_reload_keeps_the_history_the_thread_and_the_settings_and_tiles_say_wh
     expect(page.locator("#seed input")).to_have_value("124")
     expect(page.locator("#random-seed input")).not_to_be_checked()
     expect(page.locator("#mode input[value=image]")).to_be_checked()
-    page.get_by_role("tab", name="Edit with reference images").click()
+    page.get_by_role("tab", name="Edit images").click()
     expect(page.locator(".turn")).to_have_count(1, timeout=20_000)
     expect(page.locator("#turn-1 .turn-instruction")).to_have_text("make it blue")
     page.get_by_role("tab", name="Text to image").click()
@@ -946,4 +952,59 @@ def test_a_png_dropped_on_the_page_restores_its_settings_and_the_same_pixels(bro
     PILImage.new("RGB", (8, 8)).save(not_ours)
     drop_png(page, not_ours)
     expect(status).to_have_value(re.compile(r"^Not restored: plain\.png: it carries no settings"), timeout=20_000)
+    page.close()
+
+
+def test_a_prompt_set_with_two_settings_runs_to_one_grid_and_one_archive(browser, scripted, tmp_path):
+    """Issue 43, the evaluation workflow: six prompts (some with their own seed), setting B = reasoning Off
+    beside A = Think + recaption: twelve ordinary requests through the engine's queue, a grid with each
+    prompt's A beside its B, and one archive whose table matches its images (each PNG's record and pixels
+    are the row's prompt, seed and setting)."""
+    import csv
+    import zipfile
+    from engine.serve.image_meta import read_record
+    url, client = scripted
+    expect = sync_api.expect
+    page = open_page(browser, url, viewport={"width": 1440, "height": 900})
+    page.locator("#mode label", has_text="Think + recaption").click()
+    page.locator("#random-seed input").uncheck()
+    page.locator("#seed input").fill("100")
+    page.locator("#seed input").press("Enter")
+    page.get_by_role("tab", name="Prompt set").click()
+    prompts = ["a red circle | 7", "two blue squares", "a big yellow star in the center | 42",
+               "three small green triangles at the top", "a purple diamond", "an orange circle on black"]
+    page.locator("#set-prompts textarea").fill("\n".join(prompts))
+    page.locator("#set-compare input").check()
+    page.locator("#mode-b input").click()
+    page.get_by_role("option", name="Off").click()
+    before = len(client.submitted)
+    page.locator("#set-run").click()
+    expect(page.locator("#status textarea")).to_have_value(re.compile(r"^Prompt set done: 12 images"), timeout=60_000)
+    expect(page.locator("#set-run")).to_be_enabled(timeout=10_000)
+    sent = client.submitted[before:]
+    assert len(sent) == 12
+    seeds = [7, 101, 42, 103, 104, 105]                 # their own, else the seed box's + line number - 1
+    assert sorted((r.prompt, r.seed, r.bot_task) for r in sent) == sorted(
+        (p.split(" | ")[0], s, m) for p, s in zip(prompts, seeds) for m in ("think_recaption", "image"))
+    tiles = page.locator("#set-grid img")
+    expect(tiles).to_have_count(12, timeout=20_000)
+    captions = [tiles.nth(k).get_attribute("alt") for k in range(12)]
+    assert captions[:2] == ["1 A · seed 7 — a red circle", "1 B · seed 7 — a red circle"], captions
+    assert [c.split(" · ")[0] for c in captions] == [f"{i} {s}" for i in range(1, 7) for s in "AB"]
+
+    with page.expect_download(timeout=20_000) as got:
+        page.locator("#set-download").click()
+    archive = tmp_path / "set.zip"
+    got.value.save_as(archive)
+    with zipfile.ZipFile(archive) as z:
+        rows = list(csv.DictReader(io.StringIO(z.read("settings.csv").decode())))
+        assert [(r["index"], r["setting"]) for r in rows] == [(str(i), s) for i in range(1, 7) for s in "AB"]
+        for row in rows:
+            png = z.read(row["file"])
+            rec = read_record(png)
+            assert (rec["prompt"], rec["seed"], rec["mode"]) == (row["prompt"], int(row["seed"]), row["mode"])
+            assert row["mode"] == ("think_recaption" if row["setting"] == "A" else "image")
+            req = next(r for r in sent if (r.prompt, r.seed, r.bot_task) == (row["prompt"], int(row["seed"]), row["mode"]))
+            assert PILImage.open(io.BytesIO(png)).getpixel((0, 0)) == scripted_color(req)
+            assert float(row["engine_s"]) > 0 and float(row["wall_s"]) >= 0 and row["error"] == ""
     page.close()

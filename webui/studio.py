@@ -18,17 +18,20 @@ edit (the thread is the page's).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import html
 import tempfile
+import time
 import traceback
 from functools import partial
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Union
 
 import gradio as gr
+from PIL import Image as PILImage
 
 from engine.runtime.request import (GUIDANCE_RANGE, LORA_SCALE_RANGE, MAX_IMAGES, MAX_NEW_TOKENS_RANGE,
-                                    MAX_PROMPT_CHARS, SEED_RANGE, STEPS_RANGE, RequestError)
+                                    MAX_PROMPT_CHARS, SEED_RANGE, STEPS_RANGE, RequestError, random_seed)
 from engine.serve.info import ModelInfo
 
 from engine.serve.image_meta import NotARecord, read_record
@@ -39,6 +42,7 @@ from .keep import caption, history_strip, kept_thread, remembered, restored_thre
 from .examples import is_small, reference_examples, t2i_prompts
 from .options import (AUTO_SIZE, NO_LORA, REASONING_MODES, STEP_CACHES, Settings, build_request, control_of,
                       default_mode, preset_choices, size_choices)
+from .prompt_set import MAX_SET, parse_set, run_set, seeded, write_archive
 from .references import check_reference
 from .restore import restored
 from .runner import EngineClient, EngineFailure, RecentRuns, Update, run, running_count
@@ -194,6 +198,8 @@ def _without_paths(message: str, paths: list[str]) -> str:
 
 
 MERGED_INFO = "merged into the weights at start (--lora-merged): every image uses it"
+SAME_AS_A = "same as A"                   # a choice of setting B that keeps A's
+SETTING_B = ("mode", "step_cache", "lora")   # what setting B may change (the comparisons people make)
 
 
 class Studio:
@@ -203,6 +209,7 @@ class Studio:
         """`results`: where finished images are kept (a store, or a folder for one)."""
         self.client, self.info = client, info
         self.results = results if isinstance(results, ResultStore) else ResultStore(results)
+        self.failed_tile = failed_tile(self.results.folder / "sets")   # a prompt set's grid: an image that failed
         self.recent = RecentRuns()      # this studio's finished runs: the queue's wait estimate
         # the edit tab's thread is an engine conversation where the client holds them (EngineServer, ReplicaPool)
         self.conversations = callable(getattr(client, "submit_turn", None))
@@ -264,24 +271,92 @@ class Studio:
         settings = Settings(**{n: by_name[n] for n in Settings.NAMES if n in by_name})
         return self.validation(by_name["prompt"], by_name.get("images"), settings, names, by_name.get("thread"))
 
-    def validator(self, names: tuple[str, ...]) -> Callable[..., list[dict]]:
+    def validator(self, names: tuple[str, ...], judge: Callable[..., dict[str, str]] | None = None
+                  ) -> Callable[..., list[dict]]:
+        """The event's validator: each input's message (`judge(names, values)`, `problems` by default)."""
         def validate(*values: Any) -> list[dict]:
-            problems = self.problems(names, values)
+            problems = (judge or self.problems)(names, values)
             return [gr.validate(n not in problems, problems.get(n, "")) for n in names]
         return validate
 
-    def checker(self, names: tuple[str, ...]) -> Callable[..., tuple]:
-        """The page's Generate, before its run: (Generate, Generate, Stop, Stop, status). A valid request
-        locks the buttons (the run's end unlocks them); a refused one leaves them as they are and says why
-        in the Status box, which keeps it (the run's validator, which then refuses it, puts each message on
-        its field; Gradio runs nothing after a refusal, so a lock taken before it was never released)."""
+    def checker(self, names: tuple[str, ...], judge: Callable[..., dict[str, str]] | None = None
+                ) -> Callable[..., tuple]:
+        """The page's Generate, before its run: (the Generate buttons, the Stop buttons, status). A valid
+        request locks the buttons (the run's end unlocks them); a refused one leaves them as they are and
+        says why in the Status box, which keeps it (the run's validator, which then refuses it, puts each
+        message on its field; Gradio runs nothing after a refusal, so a lock taken before it was never
+        released)."""
         def check(*values: Any) -> tuple:
-            problems = self.problems(names, values)
+            problems = (judge or self.problems)(names, values)
             if problems:
                 reasons = " ".join(m if m.endswith(".") else m + "." for m in problems.values())
-                return (*[gr.skip()] * 4, f"{FAILURE_PREFIX['invalid']}: {reasons}")
+                return (*[gr.skip()] * (2 * RUN_BUTTONS), f"{FAILURE_PREFIX['invalid']}: {reasons}")
             return (*busy_buttons(True), "Starting…")
         return check
+
+    # ---------------------------------------------------------------- a prompt set (webui/prompt_set.py)
+    @staticmethod
+    def set_settings(by_name: dict[str, Any]) -> list[tuple[str, Settings]]:
+        """("A", the page's settings), and with "Compare" ("B", the same with B's choices where they differ)."""
+        a = Settings(**{n: by_name[n] for n in Settings.NAMES})
+        if not by_name.get("compare"):
+            return [("A", a)]
+        b = {n: by_name[f"{n}_b"] for n in SETTING_B if by_name.get(f"{n}_b") not in (None, SAME_AS_A)}
+        return [("A", a), ("B", dataclasses.replace(a, **b))]
+
+    def set_problems(self, names: tuple[str, ...], values: tuple) -> dict[str, str]:
+        """What stops a prompt set, by control: the list (each line), the settings A, and B's choices."""
+        by_name = dict(zip(names, values))
+        try:
+            items = parse_set(by_name["prompt"])
+        except RequestError as e:
+            return {"prompt": str(e)[:1].upper() + str(e)[1:]}
+        problems: dict[str, str] = {}
+        for label, settings in self.set_settings(by_name):
+            for control, msg in self.validation(items[0].prompt, None, settings, ("prompt", *Settings.NAMES)).items():
+                if label == "B":
+                    control = f"{control}_b" if control in SETTING_B else control
+                    msg = f"Setting B: {msg}"
+                problems.setdefault(control if control in names else "prompt", msg)
+        return problems
+
+    async def run_prompt_set(self, names: tuple[str, ...], *values: Any) -> AsyncIterator[tuple]:
+        """The prompt set's run: (status, grid, archive) as each image comes, then the archive to download."""
+        by_name = dict(zip(names, values))
+        if self.set_problems(names, values):          # the validator refuses it: nothing to run
+            return
+        items, settings = parse_set(by_name["prompt"]), self.set_settings(by_name)
+        first = settings[0][1]
+        base = random_seed() if first.random_seed else int(first.seed or 0)
+        jobs = [(item, label, build_request(item.prompt, [], dataclasses.replace(s, seed=seed, random_seed=False)))
+                for item, seed in seeded(items, base) for label, s in settings]
+        t0, results = time.monotonic(), []
+        yield (f"Prompt set: {len(jobs)} images to make ({len(items)} prompts"
+               f"{', two settings side by side' if len(settings) > 1 else ''})…", [], gr.DownloadButton(interactive=False))
+        async for r in run_set(jobs, lambda req: run(self.client, req, self.info, self.results, self.recent)):
+            results.append(r)
+            failed = sum(x.error is not None for x in results)
+            yield (f"Prompt set: {len(results)} of {len(jobs)} images" + (f", {failed} failed" if failed else "") + "…",
+                   gr.Gallery(value=set_grid(results, self.failed_tile), columns=2 if len(settings) > 1 else 4),
+                   gr.skip())
+        archive = await asyncio.to_thread(write_archive, self.results.folder / "sets", results,
+                                          {label: describe(s) for label, s in settings})
+        failed = sum(r.error is not None for r in results)
+        yield (f"Prompt set done: {len(jobs)} images in {time.monotonic() - t0:.1f} s"
+               + (f", {failed} failed (the table says why)" if failed else ""), gr.skip(),
+               gr.DownloadButton(value=str(archive), interactive=True))
+
+    @staticmethod
+    def set_from_file(file: Any) -> Any:
+        """A prompt list uploaded (.txt, .csv, .jsonl): its text goes into the box, to be read and run."""
+        if not file:
+            return gr.skip()
+        path = Path(file if isinstance(file, str) else getattr(file, "name", str(file)))
+        try:
+            return path.read_text(encoding="utf-8")[:MAX_SET * (MAX_PROMPT_CHARS + 24)]
+        except (OSError, UnicodeDecodeError) as e:
+            gr.Warning(f"{path.name} cannot be read as text ({e})")
+            return gr.skip()
 
     def advice(self, settings: Settings) -> list[str]:
         """Things worth knowing that do not stop the run (shown as warnings)."""
@@ -536,7 +611,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                             t2i_run = gr.Button("Generate", variant="primary", elem_id="run", elem_classes="generate")
                             t2i_stop = gr.Button("Stop", variant="secondary", interactive=False, elem_id="stop")
                         gr.Examples([[p] for p in t2i_prompts(info.buckets)], inputs=[t2i_prompt], label="Example prompts")
-                    with gr.Tab("Edit with reference images", id="ti2i"):
+                    with gr.Tab("Edit images", id="ti2i"):
                         thread = gr.State(Thread())     # the turns so far (webui/thread.py)
                         thread_slot = gr.Column(elem_id="thread")   # drawn below, once the boxes it sets exist
                         # any file may be dropped ("file"): the upload handler names one that is not an image (with
@@ -556,6 +631,31 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                                     inputs=[refs, ti2i_prompt], label="Example edits", elem_id="edit-examples")
                         with thread_slot:
                             thread_panel(thread, refs, ti2i_prompt, studio.conversations)
+                    with gr.Tab("Prompt set", id="set"):
+                        set_text = gr.Textbox(
+                            label="Prompts, one a line (`prompt | seed` fixes its seed; the others take the seed "
+                                  "box's seed plus their line number)", lines=6, elem_id="set-prompts",
+                            placeholder="a red circle on the left on a white background | 7\ntwo blue squares")
+                        set_file = gr.UploadButton("Load a list (.txt, .csv with a prompt column, .jsonl)", size="sm",
+                                                   file_types=[".txt", ".csv", ".jsonl"], elem_id="set-file")
+                        compare = gr.Checkbox(False, label="Compare with a second setting (B): each prompt and seed "
+                                                           "made twice, side by side", elem_id="set-compare")
+                        with gr.Row():
+                            mode_b = gr.Dropdown([(SAME_AS_A, SAME_AS_A), *REASONING_MODES], value=SAME_AS_A,
+                                                 label="B: reasoning", elem_id="mode-b")
+                            step_cache_b = gr.Dropdown([(SAME_AS_A, SAME_AS_A), *STEP_CACHES], value=SAME_AS_A,
+                                                       label="B: step cache", elem_id="step-cache-b")
+                            lora_b = gr.Dropdown([(SAME_AS_A, SAME_AS_A), *[(n, n) for n in (NO_LORA, *studio.adapters())]],
+                                                 value=SAME_AS_A, label="B: LoRA adapter", elem_id="lora-b",
+                                                 visible=bool(studio.adapters()))
+                        with gr.Row():
+                            set_run = gr.Button("Run the set", variant="primary", elem_id="set-run", elem_classes="generate")
+                            set_stop = gr.Button("Stop", variant="secondary", interactive=False, elem_id="set-stop")
+                        set_grid_view = gr.Gallery(label="The set (each prompt's A beside its B)", columns=4,
+                                                   height="auto", object_fit="contain", interactive=False,
+                                                   elem_id="set-grid", buttons=["download"])
+                        set_download = gr.DownloadButton("Download the set (.zip: the PNGs, a table of settings and "
+                                                         "timings)", interactive=False, elem_id="set-download")
             with gr.Column(scale=6, min_width=320, elem_id="col-run"):
                 status = gr.Textbox(label="Status", interactive=False, max_lines=4, elem_id="status")
                 # the reasoning above the canvas: both in view during a run (1440x900, and a phone)
@@ -653,7 +753,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
         # run that succeeded (an error runs the `.failure`s alone, a refusal by the validator nothing), so
         # the unlock follows both ends. No progress overlay: the Status box says what happens, and after a
         # failure keeps the reason (the overlay's red "Error" pill covered it).
-        runs, stops = [t2i_run, ti2i_run], [t2i_stop, ti2i_stop]
+        runs, stops = [t2i_run, ti2i_run, set_run], [t2i_stop, ti2i_stop, set_stop]
         private = dict(queue=False, api_visibility="private", show_progress="hidden")
         unlock = dict(fn=lambda: busy_buttons(False), inputs=None, outputs=[*runs, *stops], **private)
         common = dict(concurrency_limit=None, show_progress="hidden")
@@ -665,6 +765,21 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                   **common)
         for button, ev in ((t2i_run, t2i_ev), (ti2i_run, ti2i_ev)):
             button.click(None, None, None, js=SHOW_RUN_JS, queue=False, api_visibility="private")
+
+        # a prompt set: N ordinary requests through the engine's queue (webui/prompt_set.py), the page's own
+        set_names = ("prompt", "compare", *(f"{n}_b" for n in SETTING_B), *Settings.NAMES)
+        set_inputs = [set_text, compare, mode_b, step_cache_b, lora_b, *settings]
+
+        async def prompt_set(*values):
+            async for o in studio.run_prompt_set(set_names, *values):
+                yield o
+
+        set_ev = set_run.click(studio.checker(set_names, studio.set_problems), set_inputs, [*runs, *stops, status],
+                               **private) \
+            .then(prompt_set, set_inputs, [status, set_grid_view, set_download], api_visibility="private",
+                  validator=studio.validator(set_names, studio.set_problems), **common)
+        set_file.upload(studio.set_from_file, set_file, set_text, **QUEUED)
+        for ev in (t2i_ev, ti2i_ev, set_ev):
             ev.then(**unlock)
             ev.failure(**unlock)
 
@@ -672,9 +787,9 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
             # a cancelled job yields nothing more, so the status is set here (unless nothing was running)
             return "Stopped." if current and not current.startswith(("Done", "Stopped")) else gr.skip()
 
-        for stop in (t2i_stop, ti2i_stop):
+        for stop in stops:
             # cancel first, then write the status, so no update of the cancelled run can land after it
-            stop.click(None, None, None, cancels=[t2i_ev, ti2i_ev], queue=False, api_visibility="private") \
+            stop.click(None, None, None, cancels=[t2i_ev, ti2i_ev, set_ev], queue=False, api_visibility="private") \
                 .then(stopped, status, status, queue=False, show_progress="hidden", api_visibility="private") \
                 .then(**unlock)
 
@@ -754,11 +869,38 @@ def idle_gently(demo: gr.Blocks) -> None:
         setattr(queue, name, max(getattr(queue, name), seconds))
 
 
+RUN_BUTTONS = 3        # the Generate buttons (text to image, edit, prompt set), each with its Stop
+
+
 def busy_buttons(busy: bool) -> tuple:
-    """(Generate, Generate, Stop, Stop) for a page with a run on or not."""
+    """(each Generate, each Stop) for a page with a run on or not."""
     go = gr.Button(interactive=not busy)
     stop = gr.Button(interactive=busy, variant="stop" if busy else "secondary")
-    return go, go, stop, stop
+    return (go,) * RUN_BUTTONS + (stop,) * RUN_BUTTONS
+
+
+def failed_tile(folder: Path) -> str:
+    """A plain gray tile that stands for an image a prompt set could not make (the grid keeps its pairs)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "failed.png"
+    if not path.exists():
+        PILImage.new("RGB", (64, 64), (200, 200, 200)).save(path)
+    return str(path)
+
+
+def set_grid(results: list, failed: str) -> list[tuple[str, str]]:
+    """The prompt set's grid: its images in order, each prompt's A beside its B, captioned."""
+    out = []
+    for r in sorted(results, key=lambda r: (r.item.index, r.setting)):
+        prompt = r.item.prompt if len(r.item.prompt) <= 40 else r.item.prompt[:39] + "…"
+        what = f"failed: {r.error}" if r.error else prompt
+        out.append((r.image or failed, f"{r.item.index} {r.setting} · seed {r.seed} — {what}"))
+    return out
+
+
+def describe(s: Settings) -> dict[str, Any]:
+    """A setting as the archive names it."""
+    return {n: getattr(s, n) for n in Settings.NAMES}
 
 
 Login = Union[tuple[str, str], Callable[[str, str], bool]]
