@@ -243,7 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     from engine.serve.results import ResultStore
     from webui.studio import build_studio, launch
     try:
-        demo = build_studio(server, server.info, notice=notice, results=ResultStore(args.results_dir))
+        results = ResultStore(args.results_dir)
+    except OSError as e:
+        print(f"error: --results-dir {args.results_dir}: {e.strerror or e}", file=sys.stderr)
+        server.close()
+        return 2
+    try:
+        demo = build_studio(server, server.info, notice=notice, results=results)
         api = OpenAIApi(server, api_config(args))
         _, url, share_url = launch(demo, host=args.host, port=args.port, share=args.share, auth=page_login(args),
                                    auth_message=KEY_LOGIN_MESSAGE if args.auth is None and args.api_key else None,

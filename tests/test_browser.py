@@ -1008,3 +1008,62 @@ def test_a_prompt_set_with_two_settings_runs_to_one_grid_and_one_archive(browser
             assert PILImage.open(io.BytesIO(png)).getpixel((0, 0)) == scripted_color(req)
             assert float(row["engine_s"]) > 0 and float(row["wall_s"]) >= 0 and row["error"] == ""
     page.close()
+
+
+def test_a_result_has_a_link_another_person_can_open(browser, scripted, tiny_dir, tmp_path):
+    """Issue 43, the evaluation workflow: a finished result's link opens a read-only page with its image, its
+    settings and its reasoning, and its PNG (with the record); "Open these settings in the studio" brings them
+    back on the page. Behind the page's login when it has one; an id the server does not keep is a 404."""
+    from engine.serve.image_meta import read_record
+    url, client = scripted
+    expect = sync_api.expect
+    page = open_page(browser, url)
+    expect(page.locator("#result-link .result-link.off")).to_have_count(1)     # no result yet
+    page.locator("#random-seed input").uncheck()
+    page.locator("#seed input").fill("31")
+    page.locator("#seed input").press("Enter")
+    generate(page, "a green triangle at the top", 2, run="#run-keep")
+    link = page.locator("#result-link a")
+    expect(link).to_have_attribute("href", re.compile(r"^results/[A-Za-z0-9_-]{16}$"), timeout=10_000)
+    rid = link.get_attribute("href").split("/")[1]
+
+    other = browser.new_page()                  # another person (no login needed: this page is open)
+    other.goto(url.rstrip("/") + f"/results/{rid}", wait_until="load")
+    other.wait_for_function("() => document.querySelector('#image').naturalWidth > 0")
+    table = other.locator("#settings").inner_text()
+    assert "a green triangle at the top" in table and "31" in table, table
+    assert other.locator("#reasoning").inner_text() == "thinking"
+    png = other.request.get(url.rstrip("/") + f"/results/{rid}.png")
+    assert png.ok and read_record(png.body())["seed"] == 31
+    assert other.request.get(url.rstrip("/") + "/results/AAAAAAAAAAAAAAAA").status == 404
+    other.locator("#open").click()              # the studio, with this result's settings
+    other.wait_for_url(re.compile(r"\?result="))
+    expect(other.locator("#status textarea")).to_have_value(re.compile(rf"^Settings of result {rid} restored"),
+                                                            timeout=30_000)
+    expect(other.locator("#prompt textarea")).to_have_value("a green triangle at the top")
+    expect(other.locator("#seed input")).to_have_value("31")
+    other.close()
+    page.close()
+
+    # a studio with a login: the link answers only a browser logged in to the page
+    from app import EMBEDDED_NOTICE  # noqa: F401  (the scripted page, protected)
+    from engine.serve.image_meta import with_record
+    from engine.serve.info import ModelInfo
+    from webui.studio import build_studio, launch
+    demo = build_studio(ScriptedClient(scripted_run), ModelInfo.from_folder(tiny_dir), out_dir=tmp_path / "out",
+                        examples_dir=tmp_path / "ex")
+    buf = io.BytesIO()
+    PILImage.new("RGB", (8, 8)).save(buf, format="PNG")
+    kept = demo.studio.results.add(with_record(buf.getvalue(), {"format": 1, "prompt": "secret", "seed": 1}), 1)
+    _, locked, _ = launch(demo, host="127.0.0.1", auth=("alice", "s3cret"), prevent_thread_lock=True, quiet=True)
+    try:
+        stranger = browser.new_page()
+        assert stranger.request.get(locked.rstrip("/") + f"/results/{kept}").status == 401
+        assert stranger.request.get(locked.rstrip("/") + f"/results/{kept}.png").status == 401
+        login = stranger.request.post(locked.rstrip("/") + "/login", form={"username": "alice", "password": "s3cret"})
+        assert login.ok, login.status
+        answer = stranger.request.get(locked.rstrip("/") + f"/results/{kept}")
+        assert answer.status == 200 and "secret" in answer.text()
+        stranger.close()
+    finally:
+        demo.close()

@@ -20,7 +20,9 @@ def test_the_store_keeps_the_newest_results_bounded_in_count(tmp_path):
     assert [store.path(i) is not None for i in ids] == [False, False, True, True, True] and len(store) == 3
     assert store.path(ids[4]).name == f"hunyuan-{ids[4]}-seed4.png"
     assert store.id_of(store.path(ids[3])) == ids[3]
-    assert store.id_of(tmp_path / f"hunyuan-{ids[3]}-seed3.png") is None          # another folder
+    assert store.id_of(tmp_path / "copy" / f"hunyuan-{ids[3]}-seed3.png") == ids[3]   # a copy (Gradio's) names it
+    assert store.id_of(tmp_path / f"hunyuan-{ids[0]}-seed0.png") is None          # no longer kept
+    assert store.id_of(tmp_path / "photo.png") is None
     assert store.path("../../etc/passwd") is None and store.path(ids[0]) is None
     again = ResultStore(tmp_path / "r")                                          # --results-dir: kept
     assert [again.path(i) is not None for i in ids] == [False, False, True, True, True]

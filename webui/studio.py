@@ -23,6 +23,7 @@ import html
 import tempfile
 import time
 import traceback
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Union
@@ -35,7 +36,7 @@ from engine.runtime.request import (GUIDANCE_RANGE, LORA_SCALE_RANGE, MAX_IMAGES
 from engine.serve.info import ModelInfo
 
 from engine.serve.image_meta import NotARecord, read_record
-from engine.serve.results import ResultStore
+from engine.serve.results import ResultStore, results_router
 
 from .fields import lenient
 from .keep import caption, history_strip, kept_thread, remembered, restored_thread
@@ -448,11 +449,11 @@ class Studio:
         fresh, refs = started(result)
         return refs, gr.Tabs(selected="ti2i"), fresh
 
-    @staticmethod
-    def result_buttons(result: str | None) -> tuple:
-        """Download and 'Edit this result' work on a finished image only: off until there is one, and
-        again while the next run draws its previews on the canvas."""
-        return gr.DownloadButton(value=result, interactive=bool(result)), gr.Button(interactive=bool(result))
+    def result_buttons(self, result: str | None) -> tuple:
+        """Download, 'Edit this result' and the result's link work on a finished image only: off until there
+        is one, and again while the next run draws its previews on the canvas."""
+        return (gr.DownloadButton(value=result, interactive=bool(result)), gr.Button(interactive=bool(result)),
+                result_link(self.results.id_of(result)))
 
     def remember(self, result: str | None, record: dict | None, saved: Any) -> tuple:
         """The finished image at the front of this page's history, captioned so that runs can be told apart
@@ -496,39 +497,56 @@ class Studio:
         return (strip if strip else gr.skip(), kept, restored_thread(saved_thread, self.results),
                 *(values[n] if n in values else gr.skip() for n in Settings.NAMES))
 
-    @staticmethod
-    def reopen(evt: gr.SelectData) -> tuple:
+    def reopen(self, evt: gr.SelectData) -> tuple:
         """A history item clicked: it goes back on the canvas as the page's result, and Download and
         "Edit this result" take it in the same update (a chained event could land after a click on
         Download, which then gave the previous file)."""
         path = (evt.value or {}).get("image", {}).get("path") if isinstance(evt.value, dict) else None
         if not path:
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        return (path, path, *Studio.result_buttons(path))
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        kept = self.results.path(self.results.id_of(path))    # the result itself, not Gradio's copy of it
+        path = str(kept) if kept is not None else path
+        return (path, path, *self.result_buttons(path))
 
     def open_png(self, file: Any, *current: Any) -> tuple:
         """'Open a PNG's settings': a PNG this studio or /v1 made (its record, engine/serve/image_meta.py)
         puts its prompt and every setting back, the seed fixed, so that Generate makes the same image. Outputs:
         (the drop box emptied, the T2I prompt, the edit instruction, the tab, the status, the settings in
         Settings order); what cannot be restored here is said in the status."""
-        nothing = (gr.skip(),) * (4 + len(Settings.NAMES))
         if not file:
-            return (gr.skip(), *nothing)
+            return (gr.skip(),) * (5 + len(Settings.NAMES))
         path = Path(file if isinstance(file, str) else getattr(file, "name", str(file)))
+        return (None, *self.restore_from(path, path.name, current))
+
+    def open_linked(self, rid: str | None, *current: Any) -> tuple:
+        """The page opened from a result's link ('Open these settings in the studio': `?result=<id>`): as
+        'Open a PNG's settings' with that result's PNG. Outputs as `restore_from`'s."""
+        path = self.results.path(rid) if rid else None
+        if path is None:
+            return (gr.skip(),) * 3 + ((f"Not restored: no result {rid} on this server (it keeps its last "
+                                        f"{self.results.max_count})" if rid else gr.skip()),) \
+                + (gr.skip(),) * len(Settings.NAMES)
+        return self.restore_from(path, f"result {rid}", current)
+
+    def restore_from(self, path: Path, name: str, current: tuple) -> tuple:
+        """(the T2I prompt, the edit instruction, the tab, the status, the settings in Settings order) of the
+        PNG at `path`: its record's prompt and settings where the page can take them (`applicable`), what it
+        cannot said in the status."""
+        nothing = (gr.skip(),) * 3
         try:
             record = read_record(path.read_bytes())
         except (NotARecord, OSError) as e:
-            message = f"Not restored: {path.name}: {e}"
+            message = f"Not restored: {name}: {e}"
             gr.Warning(message)
-            return (None, *nothing[:3], message, *nothing[4:])
+            return (*nothing, message, *(gr.skip(),) * len(Settings.NAMES))
         r = restored(record, self.info.name)
         values = self.applicable(r.settings, dict(zip(Settings.NAMES, current)))
         left = [f"{n} {r.settings[n]!r}" for n in Settings.NAMES if n in r.settings and n not in values]
         notes = r.notes + ([f"not offered here: {', '.join(left)}"] if left else [])
-        status = (f"Settings of {path.name} restored (seed {record.get('seed')}): Generate makes the same image."
+        status = (f"Settings of {name} restored (seed {record.get('seed')}): Generate makes the same image."
                   + "".join(f" Note: {n}." for n in notes))
         prompt = r.prompt[:MAX_PROMPT_CHARS]
-        return (None, gr.skip() if r.edit else prompt, prompt if r.edit else gr.skip(),
+        return (gr.skip() if r.edit else prompt, prompt if r.edit else gr.skip(),
                 gr.Tabs(selected="ti2i" if r.edit else "t2i"), status,
                 *(values[n] if n in values else gr.skip() for n in Settings.NAMES))
 
@@ -666,14 +684,16 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                 with gr.Row(elem_id="result-actions"):
                     download = gr.DownloadButton("Download PNG", interactive=False, elem_id="download")
                     edit_result = gr.Button("Edit this result", interactive=False, elem_id="edit-result")
+                    # a link another person can open (engine/serve/results.py), behind the page's login
+                    link = gr.HTML(result_link(None), elem_id="result-link", padding=False)
                 timings = gr.Markdown(label="Timings", elem_id="timings")
                 history = gr.Gallery(label="Results of this page (newest first; click one to open it)", columns=6,
                                      height="auto", object_fit="contain", allow_preview=False, interactive=False,
                                      elem_id="history", buttons=["download"])
             with gr.Column(scale=5, min_width=320, elem_id="col-settings"):
-                open_file = gr.File(label="Open a PNG's settings (drop a PNG this studio or /v1 made: its prompt and "
-                                          "settings come back, and Generate makes it again)", file_types=[".png"],
-                                    file_count="single", height=90, elem_id="open-png")
+                # a PNG this studio or /v1 made: its prompt and settings come back, and Generate makes it again
+                open_file = gr.File(label="Open a PNG's settings (drop a PNG of this studio or /v1)",
+                                    file_types=[".png"], file_count="single", height=120, elem_id="open-png")
                 # lenient: a bad value reaches the validator, whose message names the range (not a bare 400)
                 mode = lenient(gr.Radio(
                     REASONING_MODES, value=default_mode(gen), label="Reasoning", elem_id="mode",
@@ -800,13 +820,13 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
             ev.success(studio.used_seed, result_record, seed, queue=False, api_visibility="private",
                        show_progress="hidden")
         ti2i_ev.success(studio.add_turn, [thread, turn_made], [thread, refs, ti2i_prompt], **QUEUED)
-        result.change(studio.result_buttons, result, [download, edit_result], queue=False,
+        result.change(studio.result_buttons, result, [download, edit_result, link], queue=False,
                       api_visibility="private", show_progress="hidden")
         edit_result.click(studio.to_edit, [result, thread], [refs, tabs, thread], **QUEUED)
 
         # the buttons in the same update: `result.change` does not fire for a State set by an unqueued
         # event (Gradio 6.31), and a chained `.then` could land after a quick click on Download
-        history.select(studio.reopen, None, [image, result, download, edit_result], queue=False,
+        history.select(studio.reopen, None, [image, result, download, edit_result, link], queue=False,
                        api_visibility="private", show_progress="hidden")
         # queued: a warning needs the queue's channel to reach the page
         refs.upload(studio.checked_references, refs, refs, concurrency_limit=None, api_visibility="private",
@@ -832,8 +852,16 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
               queue=False, api_visibility="private", show_progress="hidden")
         thread.change(lambda t: kept_thread(t, results), thread, saved_thread, queue=False,
                       api_visibility="private", show_progress="hidden")
+        def linked(mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
+                   max_new_tokens, step_cache, lora, lora_scale, request: gr.Request) -> tuple:
+            # a result's "Open these settings in the studio" (?result=<id>): after the browser's own settings.
+            # (Gradio passes the request to a parameter it can see by name, so the settings are spelt out.)
+            return studio.open_linked(request.query_params.get("result") if request else None, mode, size, seed,
+                                      random_seed, steps, guidance, system_prompt, custom_system_prompt,
+                                      max_new_tokens, step_cache, lora, lora_scale)
         demo.load(studio.restore_page, [saved_history, saved_thread, saved_settings, *settings],
-                  [history, saved_history, thread, *settings], **QUEUED)
+                  [history, saved_history, thread, *settings], **QUEUED) \
+            .then(linked, settings, [t2i_prompt, ti2i_prompt, tabs, status, *settings], **QUEUED)
 
         # queued: its warning needs the queue's channel, and the tab it selects must be drawn
         open_file.upload(studio.open_png, [open_file, *settings],
@@ -879,6 +907,14 @@ def busy_buttons(busy: bool) -> tuple:
     return (go,) * RUN_BUTTONS + (stop,) * RUN_BUTTONS
 
 
+def result_link(rid: str | None) -> str:
+    """The link to a kept result's page (engine/serve/results.py; relative, so it works under a proxy's path
+    too), greyed out while there is none."""
+    if rid is None:
+        return '<span class="result-link off">Link to this result</span>'
+    return f'<a class="result-link" href="results/{rid}" target="_blank" rel="noopener">Link to this result</a>'
+
+
 def failed_tile(folder: Path) -> str:
     """A plain gray tile that stands for an image a prompt set could not make (the grid keeps its pairs)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -906,12 +942,45 @@ def describe(s: Settings) -> dict[str, Any]:
 Login = Union[tuple[str, str], Callable[[str, str], bool]]
 
 
+def logged_in(request: Any) -> bool:
+    """Whether a request to the studio's own routes (a result's link) may be answered: the page is open, or
+    it carries the page's login cookie (Gradio 6.31 keeps its tokens on its app, as its /user route reads
+    them). A Gradio without them answers no link of a protected page."""
+    app = request.app
+    if getattr(app, "auth", None) is None and getattr(app, "auth_dependency", None) is None:
+        return True
+    if getattr(app, "auth_dependency", None) is not None or not hasattr(app, "tokens"):
+        return False
+    cookie = getattr(app, "cookie_id", "")
+    token = request.cookies.get(f"access-token-{cookie}") or request.cookies.get(f"access-token-unsecure-{cookie}")
+    return app.tokens.get(token) is not None
+
+
+def with_routes(router: Any, inner: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+    """A lifespan for Gradio's app (`launch(app_kwargs={"lifespan": ...})`) that adds `router` once (Gradio may
+    start the app more than once while it looks for a port), around `inner` (the /v1 API's)."""
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        if not getattr(app.state, "studio_routes", False):
+            app.include_router(router)
+            app.state.studio_routes = True
+        if inner is None:
+            yield
+        else:
+            async with inner(app):
+                yield
+    return lifespan
+
+
 def launch(demo: gr.Blocks, *, host: str | None = None, port: int | None = None, share: bool = False,
            auth: Login | None = None, **kwargs: Any) -> tuple[Any, str, str | None]:
     """Launch with the studio's look. host/port None: Gradio's defaults and its GRADIO_SERVER_NAME /
     GRADIO_SERVER_PORT variables (what hosting platforms such as Spaces set). `auth`: a (user, password)
     or a check(user, password); it guards the page and its whole Gradio API (uploads, /t2i, /ti2i)."""
-    results = demo.studio.results.folder
-    kwargs["allowed_paths"] = [*kwargs.get("allowed_paths", []), str(results)]
+    results = demo.studio.results
+    kwargs["allowed_paths"] = [*kwargs.get("allowed_paths", []), str(results.folder)]
+    app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
+    app_kwargs["lifespan"] = with_routes(results_router(results, logged_in), app_kwargs.get("lifespan"))
+    kwargs["app_kwargs"] = app_kwargs
     return demo.launch(server_name=host, server_port=port, share=share, auth=auth, theme=theme(), css=CSS,
                        footer_links=["api", "settings"], **kwargs)

@@ -19,9 +19,19 @@ CSS = """
    reasoning above the canvas, Download and the timings below it, all on one screen, 1440x900 and a
    390x844 phone (once Generate has scrolled to the run). */
 #result { height: min(512px, max(260px, calc(100vh - 430px))) !important; }
-@media (max-width: 999px) { #result { height: max(220px, calc(100vh - 480px)) !important; } }
-#result-actions { flex-wrap: nowrap !important; }
+#result-actions { flex-wrap: nowrap !important; align-items: stretch; }
 #result-actions > * { min-width: 0 !important; }
+/* the result's link, beside Download and Edit: a plain link drawn as a quiet button */
+#download, #edit-result { flex: 1 1 0 !important; }
+#result-link { flex: 0 0 auto !important; width: auto !important; display: flex; align-items: center; }
+.result-link { display: inline-block; padding: 0 0.75em; white-space: nowrap; font-weight: 600;
+               color: var(--link-text-color, var(--color-accent)); }
+.result-link.off { opacity: 0.45; color: var(--body-text-color-subdued); }
+/* narrow screens (after the rules above, which it overrides): the canvas gives up more height, the link goes
+   under Download and Edit */
+@media (max-width: 999px) { #result { height: max(220px, calc(100vh - 500px)) !important; }
+                            #result-actions { flex-wrap: wrap !important; }
+                            #result-link { flex: 1 0 100% !important; } }
 #title h1 { margin: 0; }
 #result img { width: 100%; height: 100%; object-fit: contain; }
 #result .image-container, #result .image-frame { width: 100%; height: 100%; }
