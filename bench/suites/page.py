@@ -17,23 +17,18 @@ from __future__ import annotations
 
 import argparse
 import base64
-import io
 import json
 import os
 import shlex
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from ..report import Col, Output
-from .studio import wait_for_page
 
 DRY = False
 CUDA = False                   # runs on the CPU as it is
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "two red circles and a blue star on a black background"
 # the canvas's finished image (a file of the results, hunyuan-<id>-seed<n>.png; previews are other files)
 RESULT = "() => { const i = document.querySelector('#result img'); return i && /hunyuan-/.test(i.src) ? i.src : null; }"
@@ -111,29 +106,28 @@ def api_run(url: str, prompt: str, seed: int, steps: int, mode: str, guidance: f
 def run(args: argparse.Namespace, out: Output) -> bool:
     from playwright import sync_api
     from engine import EMBEDDED_MODEL
-    from engine.parallel.groups import free_port
+    from ..served import ServedApp
 
     chromium = shutil.which("chromium") or "/usr/bin/chromium"
     model = Path(args.model) if args.model else EMBEDDED_MODEL
     gen = json.loads((model / "generation_config.json").read_text())
     steps = args.steps or gen["diff_infer_steps"]
     same = (gen["bot_task"], gen["diff_guidance_scale"], gen["max_new_tokens"])    # the page's defaults
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    app = [sys.executable, "app.py", "--port", str(port), "--model", str(model), *shlex.split(args.app_args)]
-    env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
-    proc = subprocess.Popen(app, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args.out.mkdir(parents=True, exist_ok=True)
+    app = ServedApp("--model", str(model), *shlex.split(args.app_args), log=args.out / "page-app.log",
+                    env={"OMP_NUM_THREADS": str(args.threads)} if args.threads else None)
+    url = app.url + "/"
     rows: list[dict] = []
     try:
-        wait_for_page(url, proc, args.timeout).close()
+        app.wait_ready(args.timeout)
         out.say(f"{model}: {steps} steps, seed {args.seed}, page vs /v1 on {os.cpu_count()} CPUs")
-        idle = idle_share(proc.pid, 10)
+        idle = idle_share(app.proc.pid, 10)
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=ARGS)
             page = browser.new_page(viewport={"width": 1440, "height": 900})
             page.goto(url, wait_until="load")
             page.locator("#engine-health .engine-line[data-polled]").wait_for(timeout=60_000)
-            idle_open = idle_share(proc.pid, 10)
+            idle_open = idle_share(app.proc.pid, 10)
             out.say(f"studio process CPU while idle: {100 * idle:.1f}% of a core, {100 * idle_open:.1f}% with a page open")
             for i in range(args.pairs + 1):
                 label = "warm-up" if i == 0 else f"pair {i}"
@@ -153,8 +147,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
                     out.say(f"{label} {kind}: {rows[-1]}")
             browser.close()
     finally:
-        proc.terminate()
-        proc.wait(30)
+        app.stop()
     measured = [r for r in rows if r["pair"] != "warm-up"]
     summary = []
     for key in ("wall_s", "ms_token", "ms_step", "engine_s"):
