@@ -398,7 +398,8 @@ def test_engine_line_shows_the_attempt_and_a_failed_engine_with_a_way_back(studi
 def test_the_studio_queue_idles_without_polling_every_millisecond(tiny_dir, tmp_path):
     """Issue 43 item 10: Gradio's queue loop polled every 1 ms while idle (3-5% of a core with nothing to do);
     the studio's polls every 20 ms (its progress loop, unused, every 100 ms)."""
-    from webui.studio import PROGRESS_POLL_S, QUEUE_IDLE_POLL_S, build_studio
+    from webui.launching import PROGRESS_POLL_S, QUEUE_IDLE_POLL_S
+    from webui.studio import build_studio
     demo = build_studio(ScriptedClient([]), ModelInfo.from_folder(tiny_dir), out_dir=tmp_path / "out",
                         examples_dir=tmp_path / "ex")
     assert demo._queue.sleep_when_free == QUEUE_IDLE_POLL_S >= 0.02

@@ -23,10 +23,9 @@ import html
 import tempfile
 import time
 import traceback
-from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Union
+from typing import Any, AsyncIterator, Callable
 
 import gradio as gr
 from PIL import Image as PILImage
@@ -36,23 +35,23 @@ from engine.runtime.request import (GUIDANCE_RANGE, LORA_SCALE_RANGE, MAX_IMAGES
 from engine.serve.info import ModelInfo
 
 from engine.serve.image_meta import NotARecord, read_record
-from engine.serve.results import ResultStore, results_router
+from engine.serve.results import ResultStore
 
 from .fields import lenient
 from .keep import caption, history_strip, kept_thread, remembered, restored_thread
 from .examples import is_small, reference_examples, t2i_prompts
 from .options import (AUTO_SIZE, NO_LORA, REASONING_MODES, STEP_CACHES, Settings, build_request, control_of,
                       default_mode, preset_choices, size_choices)
+from .launching import idle_gently, launch  # noqa: F401 (launch: build_studio's page, served)
+from .page_scripts import HEALTH_JS, RANGE_JS, RESTORE_PROMPTS_JS, SHOW_RUN_JS
 from .prompt_set import MAX_SET, parse_set, run_set, seeded, write_archive
 from .references import check_reference
 from .restore import restored
 from .runner import EngineClient, EngineFailure, RecentRuns, Update, run, running_count
-from .theme import CSS, theme
 from .thread import Thread, ThreadTurn, check_next, continued, started
 from .thread_view import QUEUED, thread_panel
 
 TITLE = "HunyuanImage-3.0 Studio"
-HEALTH_EVERY_MS = 1000    # the engine line's refresh (a small POST per open page)
 CANVAS_HEIGHT = 512       # at most; the CSS lets it shrink so the reasoning above it stays in view
 PROMPTS_KEY = "hunyuan-studio-prompts"   # the browser storage that keeps the two prompts over a reload
 HISTORY_KEY, THREAD_KEY, SETTINGS_KEY = "hunyuan-studio-history", "hunyuan-studio-thread", "hunyuan-studio-settings"
@@ -62,101 +61,6 @@ FAILURE_PREFIX = {"invalid": "Request refused", "busy": "Not queued", "engine": 
 # The engine dropped the thread's conversation (its store keeps the most recently used ones).
 LOST_THREAD = ("The engine no longer holds this thread: press Start over (its images are in this page's "
                "history; open one and press Edit this result to go on from it)")
-
-# The engine line refreshes itself from the page: a timer-driven Gradio event would re-apply every
-# component's loading status on each tick, which wipes the validation message under a control (Gradio
-# 6 front end: only after the first run, so a refused Generate looked like it did nothing). A plain
-# fetch of the `health` endpoint does not touch that state.
-HEALTH_JS = """
-() => {
-  if (window.__studioHealth) return;
-  const root = ((window.gradio_config && window.gradio_config.root) || '').replace(/\\/$/, '');
-  const show = (markup, ok) => {
-    const line = document.querySelector('#engine-health .engine-line');
-    if (!line) return;
-    if (line.innerHTML !== markup) line.innerHTML = markup;
-    line.dataset.polled = ok ? 'ok' : 'failed';   // tests wait for this: the page's events are wired
-  };
-  const poll = async () => {
-    try {
-      const r = await fetch(root + '/gradio_api/run/health', {method: 'POST', credentials: 'same-origin',
-        headers: {'Content-Type': 'application/json'}, body: '{"data": []}'});
-      if (!r.ok) throw new Error(String(r.status));
-      show((await r.json()).data[0].html, true);
-    } catch (e) {
-      show('Studio server <b>not reachable</b> (retrying)', false);
-    }
-  };
-  document.addEventListener('click', async (ev) => {
-    if (!ev.target.closest || !ev.target.closest('#engine-health .engine-reload')) return;
-    ev.target.disabled = true;
-    try {
-      await fetch(root + '/gradio_api/run/reload', {method: 'POST', credentials: 'same-origin',
-        headers: {'Content-Type': 'application/json'}, body: '{"data": []}'});
-    } finally { poll(); }
-  });
-  window.__studioHealth = setInterval(poll, %d);
-  poll();
-}
-""" % HEALTH_EVERY_MS
-
-
-# The two prompts as this browser last had them (BrowserState `saved_prompts`), unless one is typed already.
-RESTORE_PROMPTS_JS = """
-(saved, t2i, ti2i) => {
-  const ok = Array.isArray(saved) && saved.length === 2;
-  return [t2i || (ok ? saved[0] : '') || '', ti2i || (ok ? saved[1] : '') || ''];
-}
-"""
-
-
-# A number typed outside a slider's range: Gradio's slider quietly sets it to the nearest bound (steps 0
-# ran as 1, guidance 99 as 30), before any validator sees it. The page says so on the field, naming the
-# range, until a value inside it is typed. Capture phase: the typed value, before the slider rewrites it.
-# The seed box is a number box, which keeps what was typed: once the value is entered (change), the page
-# sets it to the bound the note names, as a slider does (it said "so 0 is used", kept -5, and Generate was
-# then refused). Its own input event (not trusted: a script's) leaves the note in place.
-RANGE_JS = """
-() => {
-  if (window.__studioRanges) return;
-  window.__studioRanges = true;
-  const FIELDS = {steps: 'Steps', guidance: 'Guidance', 'max-new-tokens': 'Max new tokens', seed: 'Seed'};
-  const SET_BY_PAGE = {seed: true};
-  const check = (ev) => {
-    const box = ev.target;
-    if (!ev.isTrusted || !box || box.type !== 'number' || !box.closest) return;
-    const field = box.closest(Object.keys(FIELDS).map((id) => '#' + id).join(','));
-    if (!field) return;
-    let note = field.querySelector('.range-note');
-    const lo = Number(box.min), hi = Number(box.max), raw = box.value.trim(), v = Number(raw);
-    const out = raw !== '' && box.min !== '' && box.max !== '' && !(v >= lo && v <= hi);
-    if (!out) { if (note) note.remove(); return; }
-    if (!note) {
-      note = document.createElement('div');
-      note.className = 'range-note validation-error';
-      note.setAttribute('role', 'alert');
-      field.appendChild(note);
-    }
-    const used = Number.isFinite(v) ? (v < lo ? lo : hi) : lo;
-    note.textContent = `${FIELDS[field.id]} must be from ${lo} to ${hi}: ${raw} is out of range, so ${used} is used.`;
-    if (SET_BY_PAGE[field.id] && ev.type === 'change') {
-      box.value = String(used);
-      box.dispatchEvent(new Event('input', {bubbles: true}));
-    }
-  };
-  document.addEventListener('input', check, true);
-  document.addEventListener('change', check, true);
-}
-"""
-
-# On Generate: a phone shows the run column (status, reasoning, canvas) rather than the prompt just typed.
-SHOW_RUN_JS = """
-() => {
-  const run = document.querySelector('#col-run');
-  if (run && window.innerWidth < 1000) run.scrollIntoView({behavior: 'smooth', block: 'start'});
-}
-"""
-
 
 def health_line(health: dict[str, Any]) -> str:
     """The engine line (HTML): state, model, device, what is loading, the queue, the restart attempt, and
@@ -881,22 +785,6 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
     return demo
 
 
-# Gradio 6.31's queue loop polls every 1 ms while no event waits, and its progress loop every 10 ms: an idle
-# studio spent 3-5% of a core on them. 20 ms and 100 ms instead (the first wait is at most 20 ms more before
-# an event starts, against runs of seconds; the page sends no gr.Progress updates). `queue()` has no option
-# for them, so the instance's settings are changed here, by name: a Gradio without them fails loudly.
-QUEUE_IDLE_POLL_S = 0.02
-PROGRESS_POLL_S = 0.1
-
-
-def idle_gently(demo: gr.Blocks) -> None:
-    queue = demo._queue
-    for name, seconds in (("sleep_when_free", QUEUE_IDLE_POLL_S), ("progress_update_sleep_when_free", PROGRESS_POLL_S)):
-        if not isinstance(getattr(queue, name, None), (int, float)):
-            raise RuntimeError(f"this Gradio's queue has no {name}: update webui.studio.idle_gently")
-        setattr(queue, name, max(getattr(queue, name), seconds))
-
-
 RUN_BUTTONS = 3        # the Generate buttons (text to image, edit, prompt set), each with its Stop
 
 
@@ -937,50 +825,3 @@ def set_grid(results: list, failed: str) -> list[tuple[str, str]]:
 def describe(s: Settings) -> dict[str, Any]:
     """A setting as the archive names it."""
     return {n: getattr(s, n) for n in Settings.NAMES}
-
-
-Login = Union[tuple[str, str], Callable[[str, str], bool]]
-
-
-def logged_in(request: Any) -> bool:
-    """Whether a request to the studio's own routes (a result's link) may be answered: the page is open, or
-    it carries the page's login cookie (Gradio 6.31 keeps its tokens on its app, as its /user route reads
-    them). A Gradio without them answers no link of a protected page."""
-    app = request.app
-    if getattr(app, "auth", None) is None and getattr(app, "auth_dependency", None) is None:
-        return True
-    if getattr(app, "auth_dependency", None) is not None or not hasattr(app, "tokens"):
-        return False
-    cookie = getattr(app, "cookie_id", "")
-    token = request.cookies.get(f"access-token-{cookie}") or request.cookies.get(f"access-token-unsecure-{cookie}")
-    return app.tokens.get(token) is not None
-
-
-def with_routes(router: Any, inner: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
-    """A lifespan for Gradio's app (`launch(app_kwargs={"lifespan": ...})`) that adds `router` once (Gradio may
-    start the app more than once while it looks for a port), around `inner` (the /v1 API's)."""
-    @asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        if not getattr(app.state, "studio_routes", False):
-            app.include_router(router)
-            app.state.studio_routes = True
-        if inner is None:
-            yield
-        else:
-            async with inner(app):
-                yield
-    return lifespan
-
-
-def launch(demo: gr.Blocks, *, host: str | None = None, port: int | None = None, share: bool = False,
-           auth: Login | None = None, **kwargs: Any) -> tuple[Any, str, str | None]:
-    """Launch with the studio's look. host/port None: Gradio's defaults and its GRADIO_SERVER_NAME /
-    GRADIO_SERVER_PORT variables (what hosting platforms such as Spaces set). `auth`: a (user, password)
-    or a check(user, password); it guards the page and its whole Gradio API (uploads, /t2i, /ti2i)."""
-    results = demo.studio.results
-    kwargs["allowed_paths"] = [*kwargs.get("allowed_paths", []), str(results.folder)]
-    app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
-    app_kwargs["lifespan"] = with_routes(results_router(results, logged_in), app_kwargs.get("lifespan"))
-    kwargs["app_kwargs"] = app_kwargs
-    return demo.launch(server_name=host, server_port=port, share=share, auth=auth, theme=theme(), css=CSS,
-                       footer_links=["api", "settings"], **kwargs)
