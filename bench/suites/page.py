@@ -9,8 +9,10 @@ chromium (Playwright, headless, 1440x900), then runs --pairs pairs, each the pag
 seed fixed, the page's default reasoning, size auto) and the same request through
 `/v1/images/generations` (bot_task, seed, steps, guidance, size auto, max_new_tokens: the page's values),
 in alternating order. Per run: the wall time (the page: Generate to Done; /v1: the HTTP call) and the
-engine's own ms/token, ms/step and total (the page's from the PNG it saved, /v1's from its response).
-A warm-up pair comes first and is reported apart. Also the studio process's CPU while idle (10 s, no
+engine's own ms/token, ms/step and total (the page's from the PNG it saved, /v1's from its response),
+and the CPU seconds each part used during it: the engine worker, the studio process (the page's server and
+/v1 are served there) and the browser (Chromium and Playwright's driver), which say where a page run's
+extra time goes on a machine whose cores they share. A warm-up pair comes first and is reported apart. Also the studio process's CPU while idle (10 s, no
 page open, then the page open).
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ CUDA = False                   # runs on the CPU as it is
 PROMPT = "two red circles and a blue star on a black background"
 # the canvas's finished image (a file of the results, hunyuan-<id>-seed<n>.png; previews are other files)
 RESULT = "() => { const i = document.querySelector('#result img'); return i && /hunyuan-/.test(i.src) ? i.src : null; }"
+FIGURES = ("wall_s", "ms_token", "ms_step", "engine_s", "cpu_engine", "cpu_studio", "cpu_browser")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"]
 
@@ -52,6 +55,26 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_of(pids) -> float:
+    """CPU seconds of these processes so far (one that has ended counts 0)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            total += cpu_seconds(pid)
+        except (OSError, IndexError):
+            pass
+    return total
+
+
+def cpu_by_part(app) -> dict[str, float]:
+    """CPU seconds so far of the engine workers, the studio process and the browser (this process's
+    descendants outside the app: Playwright's driver and Chromium's processes)."""
+    from ..served import process_tree
+    served = set(process_tree(app.proc.pid))
+    browser = [pid for pid in process_tree(os.getpid())[1:] if pid not in served]
+    return dict(cpu_engine=cpu_of(app.worker_pids()), cpu_studio=cpu_of([app.proc.pid]), cpu_browser=cpu_of(browser))
 
 
 def idle_share(pid: int, seconds: float) -> float:
@@ -134,34 +157,38 @@ def run(args: argparse.Namespace, out: Output) -> bool:
                 order = ("page", "api") if i % 2 else ("api", "page")
                 done: dict[str, dict] = {}
                 for kind in order:
+                    before = cpu_by_part(app)
                     if kind == "page":
                         done["page"] = page_run(page, PROMPT, args.seed, steps)
                     else:
                         done["api"] = api_run(url, PROMPT, args.seed, steps, *same)
+                    after = cpu_by_part(app)
+                    done[kind].update({k: after[k] - before[k] for k in after})
                 ran = done["page"]
                 if (ran["mode"], ran["guidance"], ran["max_new_tokens"], ran["seed"]) != (*same, args.seed):
                     raise SystemExit(f"the page ran another request than /v1: {ran} vs {same}")
                 for kind in ("page", "api"):
-                    rows.append(dict(pair=label, via=kind, **{k: done[kind][k] for k in
-                                                              ("wall_s", "ms_token", "ms_step", "engine_s")}))
+                    rows.append(dict(pair=label, via=kind, **{k: done[kind][k] for k in FIGURES}))
                     out.say(f"{label} {kind}: {rows[-1]}")
             browser.close()
     finally:
         app.stop()
     measured = [r for r in rows if r["pair"] != "warm-up"]
     summary = []
-    for key in ("wall_s", "ms_token", "ms_step", "engine_s"):
+    for key in FIGURES:
         pages = [r[key] for r in measured if r["via"] == "page"]
         apis = [r[key] for r in measured if r["via"] == "api"]
         # each pair's own ratio (its two runs a few seconds apart): robust to the machine's load drifting
-        ratios = [a and b / a for a, b in zip(apis, pages)]
+        ratios = [b / a for a, b in zip(apis, pages) if a]
         summary.append(dict(figure=key, page=statistics.median(pages), api=statistics.median(apis),
-                            ratio=statistics.median(ratios), ratio_range=f"{min(ratios):.2f}-{max(ratios):.2f}"))
+                            ratio=statistics.median(ratios) if ratios else None,
+                            ratio_range=f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""))
     out.data.update(model=str(model), steps=steps, seed=args.seed, rows=rows, summary=summary,
                     idle_cpu=idle, idle_cpu_page_open=idle_open)
     out.table(rows, [Col("run", "pair"), Col("via", "via"), Col("wall s", "wall_s", ".2f"),
                      Col("ms/token", "ms_token", ".1f"), Col("ms/step", "ms_step", ".1f"),
-                     Col("engine s", "engine_s", ".2f")])
+                     Col("engine s", "engine_s", ".2f"), Col("CPU s engine", "cpu_engine", ".2f"),
+                     Col("CPU s studio", "cpu_studio", ".2f"), Col("CPU s browser", "cpu_browser", ".2f")])
     out.table(summary, [Col("median of the pairs", "figure"), Col("page", "page", ".2f"), Col("/v1", "api", ".2f"),
                         Col("page / v1, median of each pair's", "ratio", ".2f"), Col("range", "ratio_range")])
     return True
