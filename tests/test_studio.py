@@ -415,7 +415,7 @@ def test_previews_are_spaced_by_the_engines_step_time():
     def shown(step_s: float, n: int = 16) -> list[int]:
         rate = PreviewRate()
         return [i for i in range(1, n) if rate.due(Step(i, n, b"png"), i * step_s)]
-    assert shown(0.3) == list(range(1, 16))                    # a real model's steps: all of them
+    assert shown(PREVIEW_GAP_S) == list(range(1, 16))          # a slow model's steps: all of them
     every = -(-PREVIEW_GAP_S // 0.04)                           # ceil: a 40 ms step of the embedded model
     assert shown(0.04) == list(range(1, 16, int(every))) and len(shown(0.04)) <= 4
     assert PreviewRate().due(Step(1, 2, b"png"), None)         # the first always (a 2-step run has one)

@@ -31,11 +31,12 @@ PREVIEW_MAX_SIDE = 256
 HEARTBEAT_S = 1.0          # yield at least this often: a closed tab is only noticed at a yield
 # The page is updated at most this often: each update is a diff sent to the browser, which redraws; a
 # token every 7 ms on a CPU made 140 a second, and the browser drawing them took the CPU from the model
-# (a page run took 3x the API's time on 2 cores). Ten a second still reads as streaming.
-UPDATE_EVERY_S = 0.1
+# (a page run took 3x the API's time on 2 cores). Four a second still reads as streaming; ten a second, with
+# a preview every 0.25 s, made a page run 1.46-1.51x the API's time against 1.30-1.33x (`python -m bench page`).
+UPDATE_EVERY_S = 0.25
 # Previews are at least this far apart (PreviewRate): each costs the page about the same (decode, encode,
 # the browser drawing it) whatever a step costs the engine.
-PREVIEW_GAP_S = 0.25
+PREVIEW_GAP_S = 0.5
 SECTION_TITLES = {"think": "Thinking", "recaption": "Recaption", "answer": "Answer"}
 
 
@@ -76,9 +77,9 @@ class Update:
 @dataclass
 class PreviewRate:
     """Which step previews the page shows: the first, then one every `every` steps, chosen from the engine's
-    measured step time (since its denoising began): a step of PREVIEW_GAP_S or more shows its preview (a real
-    model on GPUs: every step), faster steps are spaced so that one preview comes every PREVIEW_GAP_S (the
-    embedded model on a CPU, 40 ms a step: about every 6th step)."""
+    measured step time (since its denoising began): a step of PREVIEW_GAP_S or more shows its preview, faster
+    steps are spaced so that one preview comes every PREVIEW_GAP_S (the real model's ~120 ms steps on an
+    H200: every 5th; the embedded model on a CPU, 40 ms a step: every 13th)."""
     last: int | None = None          # the step whose preview was shown last
 
     def due(self, step: Step, denoise_s: float | None) -> bool:
