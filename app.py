@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "slowest recent request, between 10 and 120 s, 120 s for the first request after a start; "
                          "0: never)")
     ap.add_argument("--api-only", action="store_true", help="serve the /v1 API and /health without the page")
+    ap.add_argument("--results-dir", default=None, metavar="DIR",
+                    help="keep the page's finished images (its history, its links) in DIR for the next start "
+                         "(default: a temporary folder that goes with the server; the last 500, 2 GB at most)")
     ap.add_argument("--max-upload-mb", type=float, default=20.0,
                     help="largest reference image file the API accepts, in MB (default 20)")
     ap.add_argument("--max-upload-pixels", type=int, default=None,
@@ -105,8 +108,8 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise ValueError("--step-timeout takes seconds >= 0 (0: never)")
     if args.max_upload_mb <= 0 or (args.max_upload_pixels is not None and args.max_upload_pixels < 1):
         raise ValueError("--max-upload-mb and --max-upload-pixels must be positive")
-    if args.api_only and args.share:
-        raise ValueError("--share opens the page; it does not go with --api-only")
+    if args.api_only and (args.share or args.results_dir):
+        raise ValueError("--share and --results-dir are the page's; they do not go with --api-only")
     if args.replicas is not None and args.engine.lora_merged:
         raise ValueError("--lora-merged is not supported with --replicas yet (serve the adapter unmerged: "
                          "--lora NAME=PATH)")
@@ -237,9 +240,16 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.close()
     from engine.serve.openai_api import OpenAIApi
+    from engine.serve.results import ResultStore
     from webui.studio import build_studio, launch
     try:
-        demo = build_studio(server, server.info, notice=notice)
+        results = ResultStore(args.results_dir)
+    except OSError as e:
+        print(f"error: --results-dir {args.results_dir}: {e.strerror or e}", file=sys.stderr)
+        server.close()
+        return 2
+    try:
+        demo = build_studio(server, server.info, notice=notice, results=results)
         api = OpenAIApi(server, api_config(args))
         _, url, share_url = launch(demo, host=args.host, port=args.port, share=args.share, auth=page_login(args),
                                    auth_message=KEY_LOGIN_MESSAGE if args.auth is None and args.api_key else None,

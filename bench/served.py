@@ -15,6 +15,20 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def process_tree(root: int) -> list[int]:
+    """`root` and its live descendants, `root` first (Linux: /proc)."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
 class AppNotReady(RuntimeError):
     """app.py exited, or did not answer /health with 200, in time; the message ends with its log's tail."""
 
@@ -61,16 +75,7 @@ class ServedApp:
 
     def _tree(self) -> list[int]:
         """The server process and its descendants (the engine workers)."""
-        out, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            try:
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-        return out
+        return process_tree(self.proc.pid)
 
     def worker_pids(self) -> list[int]:
         """The engine workers: the server's spawned children (not multiprocessing's resource tracker)."""

@@ -55,6 +55,26 @@ def _step_cache(args: argparse.Namespace, use: str, kind):
     return kind(**{name: getattr(args, name) for name in kind.names()})
 
 
+def request_problem(model: str, req, merged: bool) -> str | None:
+    """Why the engine would refuse `req`, judged on the checkpoint's small files before any weight is
+    loaded (a bad --steps, --size or --image was reported after the whole model had loaded), naming the
+    flag; None when it would run, or when the folder itself is wrong (the loader says what is missing)."""
+    from engine.runtime.request import RequestError
+    from engine.serve.info import ModelInfo
+    try:
+        info = ModelInfo.from_folder(model)
+    except (ValueError, OSError):
+        return None
+    adapters = () if req.lora is None else (req.lora,)      # the one the command line loads
+    try:
+        info.validate(req, adapters, (req.lora, req.lora_scale) if merged and req.lora else None)
+    except RequestError as e:
+        if e.field is None:
+            return str(e)
+        return f"--{'image' if e.field == 'images' else e.field.replace('_', '-')}: {e}"
+    return None
+
+
 def _print_events(events, out_path: Path | None = None) -> int:
     section = None
     for ev in events:
@@ -127,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(config, lora_merged_scale=args.lora_scale)
     req = _request(args, lora)
     out = Path(args.out) if args.cmd == "generate" else None
+    if (problem := request_problem(config.model, req, args.lora_merged)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if config.world_size > 1:
         from engine.serve.server import EngineServer
         try:

@@ -7,7 +7,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Union
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no calls home from tests
 
@@ -77,6 +77,45 @@ class CountingClient:
 
     def reload(self) -> bool:
         return self.server.reload()
+
+
+class ScriptedSubmission:
+    """A submission that plays a list of engine events (what the engine server's submission gives)."""
+
+    def __init__(self, events):
+        self.events, self.ended = list(events), False
+
+    async def aget(self, timeout=None):
+        return self.get()
+
+    def get(self, timeout=None):
+        if not self.events:
+            return None
+        ev = self.events.pop(0)
+        self.ended = isinstance(ev, (Done, Error))
+        return ev
+
+
+class ScriptedClient:
+    """An engine client that plays scripted events: the same list for every request, or `events(request)`'s."""
+
+    def __init__(self, events: Union[list[Event], Callable[[Request], list[Event]]]):
+        self.events, self.cancelled = events, []
+        self.submitted: list[Request] = []
+
+    def submit(self, request):
+        self.submitted.append(request)
+        return ScriptedSubmission(self.events(request) if callable(self.events) else self.events)
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+        return True
+
+    def health(self):
+        return {"state": "ready", "model_name": "scripted", "device": "cpu"}
+
+    def reload(self):
+        return False
 
 
 SERVER_OPTIONS = ("max_queue", "step_timeout", "cancel_grace_s")      # EngineServer's own; the rest: EngineConfig's

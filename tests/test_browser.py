@@ -4,6 +4,8 @@ canvas, get the final PNG; and what a new user hit (messages that stay, whole im
 buttons that only work with a result)."""
 from __future__ import annotations
 
+import base64
+import io
 import os
 import re
 import shutil
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 from PIL import Image as PILImage
 
-from studio_fixtures import engine_server, studio, wait_for  # noqa: F401
+from studio_fixtures import ScriptedClient, fast_request, start_server, studio, wait_for  # noqa: F401
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 if CHROMIUM is None:
@@ -73,6 +75,8 @@ COUNT_DONE = """
 }
 """
 LINE = "#engine-health .engine-line"
+# Gradio's red "Error" pill over the Status box (its status tracker without `hide`, which makes it transparent)
+PILL = "#status [data-testid=status-tracker]:not(.hide) .error"
 
 
 def wait_wired(page) -> None:
@@ -133,11 +137,23 @@ def generate(page, prompt: str, steps: int, run: str = "#run") -> None:
     before = page.evaluate("window.__done")
     if run == "#run-again":             # the settings as they are
         page.locator("#run").click()
+    elif run == "#run-keep":            # this prompt, the settings as they are
+        page.locator("#prompt textarea").fill(prompt)
+        page.locator("#run").click()
     elif run == "#run":
         run_without_reasoning(page, prompt, steps)
     else:
         page.locator(run).click()
     wait_done(page, before)
+
+
+@pytest.fixture(scope="module")
+def engine_server(tiny_dir):
+    """The engine the `studio` fixture serves, running two requests at once as `python app.py` runs several
+    (a request's reasoning goes on while another's image is denoised)."""
+    server = start_server(tiny_dir, max_batch=2)
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +281,8 @@ def test_history_seed_and_a_message_that_stays(browser, studio):
         generate(page, prompt, 2)
         expect(page.locator("#history img")).to_have_count(i + 1, timeout=20_000)
     imgs = page.locator("#history img")
-    assert [imgs.nth(k).get_attribute("alt") for k in range(2)] == ["a yellow star", "a green circle"]  # newest first
+    alts = [imgs.nth(k).get_attribute("alt") for k in range(2)]
+    assert alts[0].endswith("— a yellow star") and alts[1].endswith("— a green circle"), alts   # newest first
     page.wait_for_function("() => [...document.querySelectorAll('#history img')].every(i => i.naturalWidth > 0)")
     assert_whole(whole(page, "#history"))
     used = counting.submitted[-1].seed
@@ -286,8 +303,8 @@ def test_history_seed_and_a_message_that_stays(browser, studio):
 
 
 def test_references_are_whole_and_a_corrupt_one_is_named_at_upload(browser, studio, tmp_path):
-    """A tall reference is shown whole (it used to fill its box as a zoomed crop), four are all in view
-    (the 4th was clipped), a clicked one can be removed alone; a file that is not an image is refused
+    """A tall reference is shown whole (it used to fill its box as a zoomed crop), three are all in view
+    (a 4th is left out at upload, named), a clicked one can be removed alone; a file that is not an image is refused
     as it is uploaded, with its own name (not the server's temporary path)."""
     url, counting, _ = studio
     expect = sync_api.expect
@@ -296,7 +313,7 @@ def test_references_are_whole_and_a_corrupt_one_is_named_at_upload(browser, stud
     bad = tmp_path / ("not-a-picture-" + "x" * 70 + ".png")
     bad.write_bytes(b"this is not an image")
     page = open_page(browser, url)
-    page.get_by_role("tab", name="Edit with reference images").click()
+    page.get_by_role("tab", name="Edit images").click()
     page.locator("#refs input[type=file]").first.set_input_files([str(tall)])
     expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
     page.wait_for_function("() => document.querySelector('#refs img').naturalWidth > 0")
@@ -306,16 +323,17 @@ def test_references_are_whole_and_a_corrupt_one_is_named_at_upload(browser, stud
         more.append(tmp_path / f"more{i}.png")
         PILImage.new("RGB", (120, 90), (200, 60 * i, 30)).save(more[-1])
     page.locator("#refs input[type=file]").first.set_input_files([str(m) for m in more])
-    expect(page.locator("#refs img")).to_have_count(4, timeout=20_000)
+    expect(page.locator("#refs img")).to_have_count(3, timeout=20_000)          # the 4th is left out, named
+    expect(page.get_by_text("At most 3 reference images: more2.png was left out").first).to_be_visible()
     page.wait_for_function("() => [...document.querySelectorAll('#refs img')].every(i => i.naturalWidth > 0)")
-    assert_whole(whole(page, "#refs"))                   # the 4th is not clipped by the panel
+    assert_whole(whole(page, "#refs"))                   # the 3rd is not clipped by the panel
     page.locator("#refs img").nth(1).click()
     page.locator("#remove-ref").click()
-    expect(page.locator("#refs img")).to_have_count(3, timeout=20_000)
+    expect(page.locator("#refs img")).to_have_count(2, timeout=20_000)
 
     page.reload(wait_until="load")
     wait_wired(page)
-    page.get_by_role("tab", name="Edit with reference images").click()
+    page.get_by_role("tab", name="Edit images").click()
     before = len(counting.submitted)
     # refused at upload (it used to enter the gallery as a blank tile and be reported after Generate)
     page.locator("#refs input[type=file]").first.set_input_files([str(bad)])
@@ -506,7 +524,7 @@ def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studi
     page.locator("#steps input[type=number]").fill("2")
     page.locator("#steps input[type=number]").press("Enter")
     page.locator("#mode label", has_text="Think").first.click()
-    page.get_by_role("tab", name="Edit with reference images").click()
+    page.get_by_role("tab", name="Edit images").click()
     page.locator("#refs input[type=file]").first.set_input_files([str(ref)])
     expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
     first_turn = len(counting.turns)
@@ -584,3 +602,468 @@ def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studi
     expect(page.locator(".turn")).to_have_count(0)
     page.screenshot(path=str(tmp_path / "thread-from-history.png"))
     page.close()
+
+
+def scripted_color(request) -> tuple[int, int, int]:
+    """The scripted engine's image colour: its seed, reasoning mode and prompt, so a picture says what made it."""
+    return (request.seed or 0) % 256, {"image": 10, "think": 130, "think_recaption": 250}.get(request.bot_task, 0), \
+        sum(map(ord, request.prompt)) % 256
+
+
+def scripted_run(request):
+    """The events of a scripted engine (a run takes no time): the prompt "busy" is refused as by a full queue,
+    "crash" fails mid-run as when the engine process dies; anything else makes a small image."""
+    import io
+    from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text, Timings
+    if request.prompt == "busy":
+        return [Error("busy", "the queue is full (8 waiting); try again in a moment")]
+    start = [Started(request.request_id, request.bot_task or "image", "auto", request.steps or 2,
+                     request.guidance or 5.0, request.seed or 0),
+             Text("thinking", "think"), Ratio(192, 256, 3), Step(1, 2)]
+    if request.prompt == "crash":
+        return start + [Error("engine", "the engine process stopped unexpectedly (SIGKILL); restarting")]
+    buf = io.BytesIO()
+    PILImage.new("RGB", (256, 192), scripted_color(request)).save(buf, format="PNG")
+    return start + [Step(2, 2), Image(buf.getvalue(), 256, 192, request.seed or 0),     # the timings of a real run
+                    Done(Timings(ar_prefill_ms=17, ar_tokens=40, ar_ms_per_token=10.2, dit_steps=16,
+                                 dit_ms_per_step=76, vae_ms=478, total_s=2.4))]
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_dir, tmp_path_factory):
+    """(url, client) of a studio on a scripted engine (`scripted_run`): the page's own logic, fast; with the
+    embedded model's notice at the top, as `python app.py` shows it."""
+    from app import EMBEDDED_NOTICE
+    from engine.serve.info import ModelInfo
+    from webui.studio import build_studio, launch
+    client = ScriptedClient(scripted_run)
+    demo = build_studio(client, ModelInfo.from_folder(tiny_dir), notice=EMBEDDED_NOTICE,
+                        out_dir=tmp_path_factory.mktemp("out"), examples_dir=tmp_path_factory.mktemp("ex"))
+    _, url, _ = launch(demo, host="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    yield url, client
+    demo.close()
+
+
+def test_every_refusal_and_failure_gives_the_buttons_back_and_keeps_its_reason(browser, scripted, tmp_path):
+    """Issue 43 items 1 and 2: after an empty prompt, an 8001-character one, seed -5, a 4th reference, a full
+    queue and an engine crash, Generate is live and Stop greyed out again (they stayed locked until Stop was
+    pressed), and the Status box says what failed, with no "Error" pill over it (the reason was only in a
+    toast that went away). Item 4: seed -5 is set to 0 in the box, as the field says, and runs with 0 (the
+    box kept -5 and Generate was refused)."""
+    url, client = scripted
+    expect = sync_api.expect
+    page = open_page(browser, url, viewport={"width": 1440, "height": 900})
+    status = page.locator("#status textarea")
+
+    def after(run: str, stop: str, reason: str, submitted: bool) -> None:
+        before, runs = len(client.submitted), page.evaluate("window.__done")
+        page.locator(run).click()
+        if reason == "^Done in":            # (the box may hold the last run's "Done in" still)
+            wait_done(page, runs, timeout=20)
+        expect(status).to_have_value(re.compile(reason, re.I), timeout=20_000)
+        expect(page.locator(run)).to_be_enabled(timeout=10_000)
+        expect(page.locator(stop)).to_be_disabled(timeout=10_000)
+        expect(page.locator(PILL)).to_have_count(0)
+        assert len(client.submitted) == before + submitted, (reason, [r.prompt[:20] for r in client.submitted])
+
+    prompt = page.locator("#prompt textarea")
+    prompt.fill("")
+    after("#run", "#stop", "^Request refused: the prompt is empty", False)
+    prompt.fill("x" * 8001)
+    after("#run", "#stop", "^Request refused: .*too long \\(8001 characters; the limit is 8000\\)", False)
+    prompt.fill("a red circle")
+    page.locator("#random-seed input").uncheck()
+    page.locator("#seed input").fill("-5")                  # the box takes 0, as it says (item 4)
+    page.locator("#seed input").press("Enter")
+    expect(page.locator("#seed input")).to_have_value("0", timeout=5_000)
+    expect(page.locator("#seed .range-note")).to_contain_text("-5 is out of range, so 0 is used")
+    after("#run", "#stop", "^Done in", True)
+    assert client.submitted[-1].seed == 0
+    prompt.fill("busy")
+    after("#run", "#stop", "^Not queued: the queue is full", True)
+    prompt.fill("crash")
+    after("#run", "#stop", "^Generation failed: the engine process stopped", True)
+    prompt.fill("a blue square")
+    after("#run", "#stop", "^Done in", True)                         # and a run after them all works
+
+    page.get_by_role("tab", name="Edit images").click()
+    refs = []
+    for i in range(4):
+        refs.append(tmp_path / f"ref{i}.png")
+        PILImage.new("RGB", (64, 48), (60 * i, 90, 30)).save(refs[-1])
+    page.locator("#refs input[type=file]").first.set_input_files([str(r) for r in refs])
+    # the 4th is left out at upload (item 8: it used to be taken, and refused only at Generate)
+    expect(page.get_by_text("At most 3 reference images: ref3.png was left out").first).to_be_visible(timeout=20_000)
+    expect(page.locator("#refs img")).to_have_count(3, timeout=20_000)
+    page.locator("#ti2i-prompt textarea").fill("make it red")
+    after("#ti2i-run", "#ti2i-stop", "^Done in", True)
+    assert len(client.submitted[-1].images) == 3
+    page.locator("#ti2i-prompt textarea").fill("")              # the edit tab's own refusal
+    after("#ti2i-run", "#ti2i-stop", "^Request refused: the prompt is empty", False)
+    page.close()
+
+
+def test_a_file_that_is_not_an_image_is_named_at_upload_with_no_error_badge(browser, scripted, tmp_path):
+    """Issue 43 item 8: a .txt dropped on the references got Gradio's generic "Invalid file type" error and a red
+    "Error" pill over the gallery that had to be closed by hand; now it is named and left out, as a corrupt
+    image is, and the gallery takes images as before."""
+    url, _ = scripted
+    expect = sync_api.expect
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a shopping list")
+    image = tmp_path / "fine.png"
+    PILImage.new("RGB", (64, 48), (10, 120, 200)).save(image)
+    page = open_page(browser, url)
+    page.get_by_role("tab", name="Edit images").click()
+    page.locator("#refs input[type=file]").first.set_input_files([str(notes)])
+    expect(page.get_by_text("notes.txt cannot be read as an image").first).to_be_visible(timeout=20_000)
+    expect(page.locator("#refs [data-testid=status-tracker]:not(.hide) .error")).to_have_count(0)
+    expect(page.locator("#refs img")).to_have_count(0)
+    page.locator("#refs input[type=file]").first.set_input_files([str(image)])
+    expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
+    page.close()
+
+
+def test_a_request_behind_another_image_says_it_waits_and_counts_the_wait(browser, studio, engine_server):
+    """Issue 43 item 3: a request whose size is fixed while another image is denoised says it waits for the
+    image ahead, counting the seconds (it said "denoising..." with no step counter), and its Done line counts
+    that wait as such (it said "0.3 s of it waiting to start" after a 20 s wait)."""
+    from engine.runtime.events import Step
+    url, _, _ = studio
+    expect = sync_api.expect
+    wait_for(lambda: engine_server.health()["state"] == "ready", 60)
+    page = open_page(browser, url)
+    page.evaluate(RECORD_STATUS)
+    ahead = engine_server.submit(fast_request("the image ahead", bot_task="image", steps=120))
+    try:
+        while not isinstance(ahead.get(timeout=60), Step):      # it is denoising
+            assert not ahead.ended, "the request ahead ended before a step"
+        runs = page.evaluate("window.__done")
+        status = run_without_reasoning(page, "a green star", 2)
+        expect(status).to_have_value(re.compile(r"waiting for the image ahead \(\d+ s\)"), timeout=60_000)
+    finally:
+        ahead.cancel()
+    wait_done(page, runs)
+    done = page.locator("#status textarea").input_value()
+    waited = re.search(r"(\d+\.\d) s waiting for the image ahead", done)
+    assert waited and float(waited.group(1)) >= 1.0, done
+    seen = page.evaluate("window.__statuses")
+    assert any(s.startswith("step ") for s in seen), seen
+    page.close()
+
+
+def in_view(page, selector: str) -> bool:
+    """Whether the element lies wholly inside the viewport as the page is scrolled now."""
+    return page.evaluate("""(sel) => { const r = document.querySelector(sel).getBoundingClientRect();
+        return r.width > 0 && r.top >= 0 && r.left >= 0 && r.bottom <= innerHeight && r.right <= innerWidth; }""",
+                         selector)
+
+
+@pytest.mark.parametrize("width,height", [(1440, 900), (390, 844)])
+def test_a_finished_image_its_download_and_the_timings_are_in_view(browser, scripted, width, height):
+    """Issue 43 item 7, on the page `python app.py` serves (the embedded model's notice on top): at 1440x900 the
+    finished image, Download PNG, Edit this result and the timings were below the fold; on a 390x844 phone
+    the example edits' table was cut at the right and the footer had no API link."""
+    url, _ = scripted
+    page = open_page(browser, url, viewport={"width": width, "height": height})
+    page.locator("#prompt textarea").fill("a red circle")
+    runs = page.evaluate("window.__done")
+    page.locator("#run").click()
+    wait_done(page, runs, timeout=30)
+    page.wait_for_function("() => (document.querySelector('#result img') || {}).naturalWidth > 0")
+    page.wait_for_timeout(800)                              # a phone's smooth scroll to the run
+    for selector in ("#result img", "#download", "#edit-result", "#timings"):
+        assert in_view(page, selector), (selector, page.locator(selector).bounding_box())
+    if width < 640:
+        sync_api.expect(page.locator("footer .show-api")).to_be_visible()
+        page.get_by_role("tab", name="Edit images").click()
+        table = page.locator("#edit-examples table")
+        sync_api.expect(table).to_be_visible()
+        assert page.evaluate("""() => { const t = document.querySelector('#edit-examples table');
+            return t.scrollWidth <= t.parentElement.clientWidth + 1; }""")
+    page.close()
+
+
+def test_a_reload_keeps_the_history_the_thread_and_the_settings_and_tiles_say_which_run(browser, scripted,
+                                                                                        tmp_path):
+    """Issue 43 item 10: after a reload the history strip, the edit thread and every setting were gone, and
+    every history tile carried the same cut prompt. Now the browser keeps them (the images stay on the
+    server), and each tile says its reasoning mode, seed and steps."""
+    url, client = scripted
+    expect = sync_api.expect
+    page = open_page(browser, url, viewport={"width": 1440, "height": 900})
+    page.locator("#mode label", has_text="Off").click()
+    page.get_by_text("Advanced").click()
+    for field, value in (("#steps", "7"), ("#guidance", "3.5"), ("#max-new-tokens", "64")):
+        page.locator(f"{field} input[type=number]").fill(value)
+        page.locator(f"{field} input[type=number]").press("Enter")
+    page.locator("#random-seed input").uncheck()
+    for seed in ("123", "124"):
+        page.locator("#seed input").fill(seed)
+        page.locator("#seed input").press("Enter")
+        generate(page, "a red circle on the left on a white background", 7, run="#run-again" if seed == "124"
+                 else "#run-keep")
+    imgs = page.locator("#history img")
+    expect(imgs).to_have_count(2, timeout=20_000)
+    captions = [imgs.nth(k).get_attribute("alt") for k in range(2)]
+    assert captions == ["Off · seed 124 · 7 steps — a red circle on the left on a white background",
+                        "Off · seed 123 · 7 steps — a red circle on the left on a white background"], captions
+    ref = tmp_path / "ref.png"
+    PILImage.new("RGB", (96, 64), (200, 40, 40)).save(ref)
+    page.get_by_role("tab", name="Edit images").click()
+    page.locator("#refs input[type=file]").first.set_input_files([str(ref)])
+    expect(page.locator("#refs img")).to_have_count(1, timeout=20_000)
+    page.locator("#ti2i-prompt textarea").fill("make it blue")
+    generate(page, "", 7, run="#ti2i-run")
+    expect(page.locator(".turn")).to_have_count(1, timeout=20_000)
+    expect(imgs).to_have_count(3, timeout=20_000)
+
+    page.reload(wait_until="load")
+    wait_wired(page)
+    page.evaluate(COUNT_DONE)
+    expect(imgs).to_have_count(3, timeout=20_000)
+    assert imgs.nth(0).get_attribute("alt").startswith("Edit · Off · seed 124 · 7 steps — make it blue")
+    assert [imgs.nth(k).get_attribute("alt") for k in (1, 2)] == captions
+    page.wait_for_function("() => [...document.querySelectorAll('#history img')].every(i => i.naturalWidth > 0)")
+    page.get_by_text("Advanced").click()
+    for field, value in (("#steps", "7"), ("#guidance", "3.5"), ("#max-new-tokens", "64")):
+        expect(page.locator(f"{field} input[type=number]")).to_have_value(value, timeout=10_000)
+    expect(page.locator("#seed input")).to_have_value("124")
+    expect(page.locator("#random-seed input")).not_to_be_checked()
+    expect(page.locator("#mode input[value=image]")).to_be_checked()
+    page.get_by_role("tab", name="Edit images").click()
+    expect(page.locator(".turn")).to_have_count(1, timeout=20_000)
+    expect(page.locator("#turn-1 .turn-instruction")).to_have_text("make it blue")
+    page.get_by_role("tab", name="Text to image").click()
+    generate(page, "", 7, run="#run-again")              # the restored settings are what runs
+    r = client.submitted[-1]
+    assert (r.bot_task, r.steps, r.guidance, r.max_new_tokens, r.seed) == ("image", 7, 3.5, 64, 124), r
+    page.close()
+
+
+def test_a_png_saved_from_the_page_says_what_made_it(browser, studio):
+    """Issue 43, the evaluation workflow: the PNG Download gives carries the prompt, the reasoning, the seed,
+    steps, guidance, size, model, step cache and adapter in its text chunks (tools read `parameters`; the
+    studio's whole record is JSON under `hunyuan-studio`)."""
+    from engine.serve.image_meta import read_record
+    url, counting, _ = studio
+    page = open_page(browser, url)
+    page.locator("#prompt textarea").fill("a red circle on a white table")
+    page.locator("#mode label", has_text="Think").first.click()
+    page.locator("#random-seed input").uncheck()
+    page.locator("#seed input").fill("5")
+    page.locator("#seed input").press("Enter")
+    for field, value in (("#steps", "5"), ("#guidance", "4")):
+        page.locator(f"{field} input[type=number]").fill(value)
+        page.locator(f"{field} input[type=number]").press("Enter")
+    page.locator("#step-cache input").click()
+    page.get_by_role("option", name=re.compile("^Taylor cache")).click()
+    generate(page, "", 5, run="#run-again")
+    with page.expect_download(timeout=10_000) as got:
+        page.locator("#download").click()
+    png = Path(got.value.path()).read_bytes()
+    rec = read_record(png)
+    req = counting.submitted[-1]
+    assert (rec["prompt"], rec["seed"], rec["steps"], rec["guidance"], rec["mode"], rec["step_cache"]) == \
+        ("a red circle on a white table", 5, 5, 4.0, "think", "taylor"), rec
+    assert req.taylor_cache is not None and rec["lora"] is None and rec["model"] == studio[2].studio.info.name
+    w, h = PILImage.open(io.BytesIO(png)).size
+    assert rec["size"] == f"{w}x{h}" and rec["size_asked"] == "auto"
+    cot = page.locator("#cot textarea").input_value()
+    assert rec["reasoning"] and rec["reasoning"].split("\n")[0] in cot, (rec["reasoning"], cot)
+    assert PILImage.open(io.BytesIO(png)).info["parameters"].startswith("a red circle on a white table\nSteps: 5")
+    page.close()
+
+
+def drop_png(page, path: Path) -> None:
+    """Open a PNG's settings: the file given to the page's drop box."""
+    page.locator("#open-png input[type=file]").set_input_files(str(path))
+
+
+def download(page, tmp_path: Path, name: str) -> Path:
+    with page.expect_download(timeout=10_000) as got:
+        page.locator("#download").click()
+    out = tmp_path / name
+    got.value.save_as(out)
+    return out
+
+
+def pixels(path: Path) -> bytes:
+    return PILImage.open(path).convert("RGB").tobytes()
+
+
+def test_a_png_dropped_on_the_page_restores_its_settings_and_the_same_pixels(browser, studio, engine_server,
+                                                                              tmp_path):
+    """Issue 43, the evaluation workflow: a PNG saved from the page, and one from /v1, dropped on the page put back
+    the prompt and every setting (the seed fixed); Generate then makes the same pixels."""
+    from starlette.testclient import TestClient
+    from engine.serve.openai_api import api_app
+    url, counting, _ = studio
+    expect = sync_api.expect
+    page = open_page(browser, url, viewport={"width": 1440, "height": 900})
+    page.locator("#prompt textarea").fill("two blue squares on a gray background")
+    page.locator("#mode label", has_text="Think").first.click()
+    page.locator("#random-seed input").uncheck()
+    page.get_by_text("Advanced").click()
+    for field, value in (("#seed", "9"), ("#steps", "4"), ("#guidance", "4"), ("#max-new-tokens", "8")):
+        box = page.locator(f"{field} input" + ("" if field == "#seed" else "[type=number]"))
+        box.fill(value)
+        box.press("Enter")
+    generate(page, "", 4, run="#run-again")
+    made = download(page, tmp_path, "made.png")
+
+    # another prompt and other settings, then the PNG dropped on the page
+    page.locator("#prompt textarea").fill("something else")
+    page.locator("#mode label", has_text="Off").click()
+    for field, value in (("#seed", "1"), ("#steps", "2"), ("#guidance", "7")):
+        box = page.locator(f"{field} input" + ("" if field == "#seed" else "[type=number]"))
+        box.fill(value)
+        box.press("Enter")
+    page.locator("#random-seed input").check()
+    drop_png(page, made)
+    status = page.locator("#status textarea")
+    expect(status).to_have_value(re.compile(r"^Settings of made\.png restored \(seed 9\)"), timeout=20_000)
+    expect(page.locator("#prompt textarea")).to_have_value("two blue squares on a gray background")
+    for field, value in (("#steps", "4"), ("#guidance", "4"), ("#max-new-tokens", "8")):
+        expect(page.locator(f"{field} input[type=number]")).to_have_value(value)
+    expect(page.locator("#seed input")).to_have_value("9")
+    expect(page.locator("#random-seed input")).not_to_be_checked()
+    expect(page.locator("#mode input[value=think]")).to_be_checked()
+    generate(page, "", 4, run="#run-again")
+    again = download(page, tmp_path, "again.png")
+    assert pixels(again) == pixels(made)
+
+    # a PNG from /v1 on the same engine: the page makes its pixels too
+    with TestClient(api_app(engine_server)) as api:
+        r = api.post("/v1/images/generations", json={
+            "prompt": "a yellow star in the center", "size": "256x192", "seed": 21, "num_inference_steps": 3,
+            "bot_task": "think", "max_new_tokens": 8, "guidance_scale": 3.5})
+    assert r.status_code == 200, r.text
+    from_api = tmp_path / "from-api.png"
+    from_api.write_bytes(base64.b64decode(r.json()["data"][0]["b64_json"]))
+    drop_png(page, from_api)
+    expect(status).to_have_value(re.compile(r"^Settings of from-api\.png restored \(seed 21\)"), timeout=20_000)
+    expect(page.locator("#prompt textarea")).to_have_value("a yellow star in the center")
+    generate(page, "", 3, run="#run-again")
+    assert counting.submitted[-1].size == "256:192"
+    assert pixels(download(page, tmp_path, "page.png")) == pixels(from_api)
+
+    not_ours = tmp_path / "plain.png"
+    PILImage.new("RGB", (8, 8)).save(not_ours)
+    drop_png(page, not_ours)
+    expect(status).to_have_value(re.compile(r"^Not restored: plain\.png: it carries no settings"), timeout=20_000)
+    page.close()
+
+
+def test_a_prompt_set_with_two_settings_runs_to_one_grid_and_one_archive(browser, scripted, tmp_path):
+    """Issue 43, the evaluation workflow: six prompts (some with their own seed), setting B = reasoning Off
+    beside A = Think + recaption: twelve ordinary requests through the engine's queue, a grid with each
+    prompt's A beside its B, and one archive whose table matches its images (each PNG's record and pixels
+    are the row's prompt, seed and setting)."""
+    import csv
+    import zipfile
+    from engine.serve.image_meta import read_record
+    url, client = scripted
+    expect = sync_api.expect
+    page = open_page(browser, url, viewport={"width": 1440, "height": 900})
+    page.locator("#mode label", has_text="Think + recaption").click()
+    page.locator("#random-seed input").uncheck()
+    page.locator("#seed input").fill("100")
+    page.locator("#seed input").press("Enter")
+    page.get_by_role("tab", name="Prompt set").click()
+    prompts = ["a red circle | 7", "two blue squares", "a big yellow star in the center | 42",
+               "three small green triangles at the top", "a purple diamond", "an orange circle on black"]
+    page.locator("#set-prompts textarea").fill("\n".join(prompts))
+    page.locator("#set-compare input").check()
+    page.locator("#mode-b input").click()
+    page.get_by_role("option", name="Off").click()
+    before = len(client.submitted)
+    page.locator("#set-run").click()
+    expect(page.locator("#status textarea")).to_have_value(re.compile(r"^Prompt set done: 12 images"), timeout=60_000)
+    expect(page.locator("#set-run")).to_be_enabled(timeout=10_000)
+    sent = client.submitted[before:]
+    assert len(sent) == 12
+    seeds = [7, 101, 42, 103, 104, 105]                 # their own, else the seed box's + line number - 1
+    assert sorted((r.prompt, r.seed, r.bot_task) for r in sent) == sorted(
+        (p.split(" | ")[0], s, m) for p, s in zip(prompts, seeds) for m in ("think_recaption", "image"))
+    tiles = page.locator("#set-grid img")
+    expect(tiles).to_have_count(12, timeout=20_000)
+    captions = [tiles.nth(k).get_attribute("alt") for k in range(12)]
+    assert captions[:2] == ["1 A · seed 7 — a red circle", "1 B · seed 7 — a red circle"], captions
+    assert [c.split(" · ")[0] for c in captions] == [f"{i} {s}" for i in range(1, 7) for s in "AB"]
+
+    with page.expect_download(timeout=20_000) as got:
+        page.locator("#set-download").click()
+    archive = tmp_path / "set.zip"
+    got.value.save_as(archive)
+    with zipfile.ZipFile(archive) as z:
+        rows = list(csv.DictReader(io.StringIO(z.read("settings.csv").decode())))
+        assert [(r["index"], r["setting"]) for r in rows] == [(str(i), s) for i in range(1, 7) for s in "AB"]
+        for row in rows:
+            png = z.read(row["file"])
+            rec = read_record(png)
+            assert (rec["prompt"], rec["seed"], rec["mode"]) == (row["prompt"], int(row["seed"]), row["mode"])
+            assert row["mode"] == ("think_recaption" if row["setting"] == "A" else "image")
+            req = next(r for r in sent if (r.prompt, r.seed, r.bot_task) == (row["prompt"], int(row["seed"]), row["mode"]))
+            assert PILImage.open(io.BytesIO(png)).getpixel((0, 0)) == scripted_color(req)
+            assert float(row["engine_s"]) > 0 and float(row["wall_s"]) >= 0 and row["error"] == ""
+    page.close()
+
+
+def test_a_result_has_a_link_another_person_can_open(browser, scripted, tiny_dir, tmp_path):
+    """Issue 43, the evaluation workflow: a finished result's link opens a read-only page with its image, its
+    settings and its reasoning, and its PNG (with the record); "Open these settings in the studio" brings them
+    back on the page. Behind the page's login when it has one; an id the server does not keep is a 404."""
+    from engine.serve.image_meta import read_record
+    url, client = scripted
+    expect = sync_api.expect
+    page = open_page(browser, url)
+    expect(page.locator("#result-link .result-link.off")).to_have_count(1)     # no result yet
+    page.locator("#random-seed input").uncheck()
+    page.locator("#seed input").fill("31")
+    page.locator("#seed input").press("Enter")
+    generate(page, "a green triangle at the top", 2, run="#run-keep")
+    link = page.locator("#result-link a")
+    expect(link).to_have_attribute("href", re.compile(r"^results/[A-Za-z0-9_-]{16}$"), timeout=10_000)
+    rid = link.get_attribute("href").split("/")[1]
+
+    other = browser.new_page()                  # another person (no login needed: this page is open)
+    other.goto(url.rstrip("/") + f"/results/{rid}", wait_until="load")
+    other.wait_for_function("() => document.querySelector('#image').naturalWidth > 0")
+    table = other.locator("#settings").inner_text()
+    assert "a green triangle at the top" in table and "31" in table, table
+    assert other.locator("#reasoning").inner_text() == "thinking"
+    png = other.request.get(url.rstrip("/") + f"/results/{rid}.png")
+    assert png.ok and read_record(png.body())["seed"] == 31
+    assert other.request.get(url.rstrip("/") + "/results/AAAAAAAAAAAAAAAA").status == 404
+    other.locator("#open").click()              # the studio, with this result's settings
+    other.wait_for_url(re.compile(r"\?result="))
+    expect(other.locator("#status textarea")).to_have_value(re.compile(rf"^Settings of result {rid} restored"),
+                                                            timeout=30_000)
+    expect(other.locator("#prompt textarea")).to_have_value("a green triangle at the top")
+    expect(other.locator("#seed input")).to_have_value("31")
+    other.close()
+    page.close()
+
+    # a studio with a login: the link answers only a browser logged in to the page
+    from app import EMBEDDED_NOTICE  # noqa: F401  (the scripted page, protected)
+    from engine.serve.image_meta import with_record
+    from engine.serve.info import ModelInfo
+    from webui.studio import build_studio, launch
+    demo = build_studio(ScriptedClient(scripted_run), ModelInfo.from_folder(tiny_dir), out_dir=tmp_path / "out",
+                        examples_dir=tmp_path / "ex")
+    buf = io.BytesIO()
+    PILImage.new("RGB", (8, 8)).save(buf, format="PNG")
+    kept = demo.studio.results.add(with_record(buf.getvalue(), {"format": 1, "prompt": "secret", "seed": 1}), 1)
+    _, locked, _ = launch(demo, host="127.0.0.1", auth=("alice", "s3cret"), prevent_thread_lock=True, quiet=True)
+    try:
+        stranger = browser.new_page()
+        assert stranger.request.get(locked.rstrip("/") + f"/results/{kept}").status == 401
+        assert stranger.request.get(locked.rstrip("/") + f"/results/{kept}.png").status == 401
+        login = stranger.request.post(locked.rstrip("/") + "/login", form={"username": "alice", "password": "s3cret"})
+        assert login.ok, login.status
+        answer = stranger.request.get(locked.rstrip("/") + f"/results/{kept}")
+        assert answer.status == 200 and "secret" in answer.text()
+        stranger.close()
+    finally:
+        demo.close()

@@ -18,7 +18,10 @@ WEBUI_MAY_IMPORT = {"engine", "engine.serve.client", "engine.serve.server", "eng
                     # implementation of the limits, not a copy in the UI
                     "engine.runtime.images", "engine.serve.openai_errors", "engine.serve.openai_params",
                     # the step cache's settings are request fields; the page offers them by name (issue 27)
-                    "engine.runtime.step_cache"}
+                    "engine.runtime.step_cache",
+                    # the results a page and a link show again, and the settings each PNG carries, are the
+                    # server's: one store and one record for the page and /v1 (issue 43)
+                    "engine.serve.results", "engine.serve.image_meta"}
 
 
 def _module_name(path: Path) -> str:

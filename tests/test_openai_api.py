@@ -19,6 +19,7 @@ import pytest
 from PIL import Image as PILImage
 
 from bench.served import AppNotReady, ServedApp
+from engine.serve.image_meta import read_record
 
 openai = pytest.importorskip("openai")
 
@@ -103,6 +104,11 @@ def test_generate_b64_png_of_the_reported_size(client):
     assert r.model_extra["seeds"] == [FAST["seed"]] and r.data[0].model_extra["seed"] == FAST["seed"]
     assert r.model_extra["timings"]["dit_steps"] == 2 and r.model_extra["timings"]["total_s"] > 0
     assert r.usage.output_tokens_details.image_tokens == (256 // 16) * (192 // 16)
+    # the PNG says what made it (issue 43), as the page's do
+    rec = read_record(base64.b64decode(r.data[0].b64_json))
+    assert (rec["prompt"], rec["seed"], rec["steps"], rec["mode"], rec["size"], rec["step_cache"], rec["lora"]) == \
+        ("a red circle on a white background", FAST["seed"], 2, "image", "256x192", "none", None)
+    assert rec["model"] and rec["guidance"] == 2.5 and rec["timings"]["dit_steps"] == 2      # the checkpoint's guidance
 
 
 def test_url_response_and_jpeg_output(client):
@@ -127,6 +133,9 @@ def test_n2_two_images_from_one_reasoning(client):
     assert r.model_extra["seeds"] == [THINK["seed"], THINK["seed"] + 1]
     a, b = (decoded(d.b64_json) for d in r.data)
     assert a.size == b.size == (256, 256) and a.tobytes() != b.tobytes()
+    recs = [read_record(base64.b64decode(d.b64_json)) for d in r.data]
+    assert [x["seed"] for x in recs] == [THINK["seed"], THINK["seed"] + 1] and recs[0]["reasoning"] == \
+        r.model_extra["reasoning"] == recs[1]["reasoning"]
     assert r.model_extra["reasoning"]                       # one reasoning pass ...
     assert r.model_extra["timings"]["ar_tokens"] <= THINK["max_new_tokens"] + 2     # ... not one per image
 
@@ -149,6 +158,8 @@ def test_streaming_order_reasoning_then_previews_then_completed(client):
     done = events[-1]
     assert decoded(done.b64_json).size == wh(done.size) == (256, 256)
     assert done.usage.output_tokens > 0 and done.model_extra["seed"] == THINK["seed"]
+    rec = read_record(base64.b64decode(done.b64_json))
+    assert rec["seed"] == THINK["seed"] and rec["steps"] == 6 and rec["reasoning"] == done.model_extra["reasoning"]
 
 
 def test_the_sdks_typed_stream_is_right_by_default(client):
@@ -195,6 +206,8 @@ def test_chat_completions_in_the_recipe_form(app, client):
                    timeout=120).json()
     url = r["choices"][0]["message"]["content"][0]["image_url"]["url"]
     assert url.startswith("data:image/png;base64,") and decoded(url.split(",", 1)[1]).size == (256, 256)
+    rec = read_record(base64.b64decode(url.split(",", 1)[1]))
+    assert (rec["prompt"], rec["seed"], rec["mode"], rec["max_new_tokens"]) == ("a purple diamond", 5, "think", 8)
     assert r["choices"][0]["message"]["reasoning_content"] and r["object"] == "chat.completion"
     # the openai client's form: extra_body merged into the top level; an edit with a data-URL reference
     ref = "data:image/png;base64," + base64.b64encode(png_bytes((30, 200, 30))).decode()

@@ -2,6 +2,7 @@
 checkpoint, plus the pure helpers behind the controls."""
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -13,12 +14,14 @@ import pytest
 from PIL import Image as PILImage
 
 from engine.checkpoint.buckets import parse_size
+from engine.serve.image_meta import read_record
 from engine.runtime.events import Done, Error, Text, Timings
 from engine.runtime.events import Image as ImageEvent
 from engine.serve.info import ModelInfo
 from engine import EMBEDDED_MODEL
 from engine.runtime.request import MAX_PROMPT_CHARS, SEED_RANGE, STEPS_RANGE, RequestError
-from studio_fixtures import (engine_server, launch_studio, settings, start_server, studio, wait_for)  # noqa: F401
+from studio_fixtures import (ScriptedClient, engine_server, fast_request, final, launch_studio,  # noqa: F401
+                             settings, start_server, studio, wait_for)
 from webui.options import Settings, aspect_label, build_request, control_of, size_choices
 from webui.runner import CotLog, timings_text
 
@@ -200,11 +203,31 @@ def test_max_queue_holds_for_requests_arriving_together(client, engine_server):
                     j.result()
                 refused.append(str(e.value))
         assert len(refused) == 6, refused
+        assert all("(8 requests waiting)" in r for r in refused), refused
         assert engine_server.health()["queue"] == 8
     finally:
         engine_server.max_queue = None
         for j in jobs:
             cancel_patiently(j)
+    wait_for(lambda: engine_server.health()["state"] == "ready" and engine_server.health()["queue"] == 0, 60)
+
+
+def test_a_full_queue_counts_the_waiting_in_words(engine_server):
+    """Issue 43 item 10: one waiting request is "1 request waiting" (it read "1 requests waiting")."""
+    from engine.runtime.events import Error as ErrorEvent, Started
+    engine_server.max_queue = 1
+    subs = []
+    try:
+        subs.append(engine_server.submit(fast_request("running", bot_task="image", steps=100)))
+        assert isinstance(subs[0].get(timeout=60), Started)
+        subs.append(engine_server.submit(fast_request("waiting")))
+        ev = final(list(engine_server.submit(fast_request("one too many"))))
+        assert isinstance(ev, ErrorEvent) and ev.kind == "busy", ev
+        assert "the queue is full (1 request waiting)" in ev.message, ev.message
+    finally:
+        engine_server.max_queue = None
+        for sub in subs:
+            sub.cancel()
     wait_for(lambda: engine_server.health()["state"] == "ready" and engine_server.health()["queue"] == 0, 60)
 
 
@@ -336,10 +359,11 @@ def test_cot_log_titles_sections_and_timings_text():
     t = Timings(ar_prefill_ms=10, ar_tokens=8, ar_ms_per_token=2.5, dit_steps=2, dit_ms_per_step=100,
                 vae_ms=50, total_s=1.23)
     text = timings_text(Done(t), ImageEvent(b"", 256, 192, 7))
-    assert "2.5 ms/token x 8 sampled tokens" in text and "100 ms/step" in text and "1.23 s" in text and "seed 7" in text
+    assert text == ("reasoning 8 tokens at 2.5 ms/token (prompt read in 10 ms) · denoising 2 steps at 100 ms/step · "
+                    "image decoded in 50 ms · engine total 1.23 s · 256 × 192, seed 7")
     off = timings_text(Done(Timings(ar_prefill_ms=12, ar_tokens=1, dit_steps=2, dit_ms_per_step=100, total_s=1)),
                        None)         # reasoning off: only the size token is sampled
-    assert "ms/token" not in off and "prefill 12 ms (1 token)" in off
+    assert "ms/token" not in off and "prompt read and size chosen in 12 ms" in off
 
 
 def test_advice_warns_without_stopping(engine_server, tmp_path):
@@ -371,18 +395,49 @@ def test_engine_line_shows_the_attempt_and_a_failed_engine_with_a_way_back(studi
 
 
 # ------------------------------------------------------------------ what a new user met (issue 29)
+def test_the_studio_queue_idles_without_polling_every_millisecond(tiny_dir, tmp_path):
+    """Issue 43 item 10: Gradio's queue loop polled every 1 ms while idle (3-5% of a core with nothing to do);
+    the studio's polls every 20 ms (its progress loop, unused, every 100 ms)."""
+    from webui.launching import PROGRESS_POLL_S, QUEUE_IDLE_POLL_S
+    from webui.studio import build_studio
+    demo = build_studio(ScriptedClient([]), ModelInfo.from_folder(tiny_dir), out_dir=tmp_path / "out",
+                        examples_dir=tmp_path / "ex")
+    assert demo._queue.sleep_when_free == QUEUE_IDLE_POLL_S >= 0.02
+    assert demo._queue.progress_update_sleep_when_free == PROGRESS_POLL_S >= 0.1
+
+
+def test_previews_are_spaced_by_the_engines_step_time():
+    """Issue 43 item 9: the page shows the first preview, then one per PREVIEW_GAP_S of denoising: every step of
+    a slow model, every few of a fast one (a preview costs the page about the same whatever a step costs)."""
+    from engine.runtime.events import Step
+    from webui.runner import PREVIEW_GAP_S, PreviewRate
+
+    def shown(step_s: float, n: int = 16) -> list[int]:
+        rate = PreviewRate()
+        return [i for i in range(1, n) if rate.due(Step(i, n, b"png"), i * step_s)]
+    assert shown(PREVIEW_GAP_S) == list(range(1, 16))          # a slow model's steps: all of them
+    every = -(-PREVIEW_GAP_S // 0.04)                           # ceil: a 40 ms step of the embedded model
+    assert shown(0.04) == list(range(1, 16, int(every))) and len(shown(0.04)) <= 4
+    assert PreviewRate().due(Step(1, 2, b"png"), None)         # the first always (a 2-step run has one)
+    assert not PreviewRate().due(Step(1, 2, None), 0.1)        # a step the engine did not preview
+
+
 def test_timings_are_plain_text():
     """The API's timings string is read as it is (it used to carry Markdown's ** around each label)."""
     t = Timings(ar_prefill_ms=10, ar_tokens=8, ar_ms_per_token=2.5, dit_steps=2, dit_ms_per_step=100,
                 vae_ms=50, total_s=1.23)
     text = timings_text(Done(t), ImageEvent(b"", 256, 192, 7))
-    assert "*" not in text and text.startswith("AR 2.5 ms/token")
+    assert "*" not in text and text.startswith("reasoning 8 tokens at 2.5 ms/token")
+    # plain words (issue 43 item 6): no phase names nor the forced tokens ("AR ... + 4 forced (prefill 72 ms)")
+    line = Timings(ar_prefill_ms=72, ar_tokens=30, ar_forced=4, ar_ms_per_token=7.3, dit_steps=8,
+                   dit_ms_per_step=42, vae_ms=35, total_s=1.3).summary()
+    assert not any(w in line for w in ("AR", "DiT", "VAE", "forced", "prefill")), line
 
 
 def test_the_queue_line_counts_the_others_and_estimates_from_measured_runs():
     """A request in line is told how many wait ahead of it (never itself), how many run, and, once the
     studio has finished runs, a wait estimated from their measured durations; "Done in" counts the wait."""
-    from webui.runner import RecentRuns, done_status, waiting_status
+    from webui.runner import RecentRuns, RunClock, done_status, waiting_status
     busy = {"state": "busy", "running": 1, "queue": 1}       # the engine's counts include this request
     assert waiting_status(busy, 0) == "Next in line (1 running)…"
     recent = RecentRuns(keep=2)
@@ -393,43 +448,12 @@ def test_the_queue_line_counts_the_others_and_estimates_from_measured_runs():
         "In line: 2 ahead of you (1 running) · about 12 s to start (recent runs took 4.0 s each)…"
     assert waiting_status(busy, None) == "Starting…"          # not in the line: being admitted
     assert "loading the model" in waiting_status({"state": "loading"}, 0)
-    assert done_status(7.25, 3.0) == "Done in 7.2 s, 3.0 s of it waiting to start"
-    assert done_status(2.0, 0.0) == "Done in 2.0 s"
-
-
-class ScriptedSubmission:
-    """A submission that plays a list of engine events (what the engine server's submission gives)."""
-
-    def __init__(self, events):
-        self.events, self.ended = list(events), False
-
-    async def aget(self, timeout=None):
-        return self.get()
-
-    def get(self, timeout=None):
-        if not self.events:
-            return None
-        ev = self.events.pop(0)
-        self.ended = isinstance(ev, (Done, Error))
-        return ev
-
-
-class ScriptedClient:
-    def __init__(self, events):
-        self.events, self.cancelled = events, []
-
-    def submit(self, request):
-        return ScriptedSubmission(self.events)
-
-    def cancel(self, request_id):
-        self.cancelled.append(request_id)
-        return True
-
-    def health(self):
-        return {"state": "ready"}
-
-    def reload(self):
-        return False
+    clock = RunClock(100.0, started=103.0, sized=104.5, image_wait_s=20.0)
+    assert done_status(clock, 127.25) == \
+        "Done in 27.2 s: 3.0 s waiting for a slot, 1.5 s reasoning, 20.0 s waiting for the image ahead, 2.8 s denoising"
+    assert done_status(RunClock(0.0, started=0.01, sized=0.02, reasons=False), 2.0) == "Done in 2.0 s"
+    assert done_status(RunClock(0.0, started=0.01, sized=0.5, reasons=False), 2.0) == \
+        "Done in 2.0 s: 0.5 s reading the prompt, 1.5 s denoising"
 
 
 def _png(size=(8, 6)) -> bytes:
@@ -454,10 +478,10 @@ def test_the_seed_box_takes_the_seed_of_the_image_event(tiny_dir, tmp_path):
         return [o async for o in studio_.generate("a cat", None, s)]
 
     outs = asyncio.run(collect())
-    status, canvas, timings, _, result, seed = outs[-1]
-    assert status.startswith("Done in") and seed == 4242 and "seed 4242" in timings
-    assert Path(result).read_bytes() == _png() and canvas == result
-    assert Studio.used_seed(seed) == 4242
+    status, canvas, timings, _, result, record = outs[-1]
+    assert status.startswith("Done in") and record["seed"] == 4242 and "seed 4242" in timings
+    assert PILImage.open(result).tobytes() == PILImage.open(io.BytesIO(_png())).tobytes() and canvas == result
+    assert read_record(Path(result).read_bytes()) == record and Studio.used_seed(record) == 4242
 
 
 def test_an_engine_failure_stays_in_the_status_box(tiny_dir, tmp_path):

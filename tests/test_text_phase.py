@@ -226,7 +226,7 @@ def test_per_token_time_counts_sampled_tokens_only(tiny):
     assert res.sampled == len(res.tokens) - forced == 6
     assert res.ms_per_token == pytest.approx(res.decode_ms / (res.sampled - 1))
     line = Timings(ar_tokens=res.sampled, ar_forced=forced, ar_ms_per_token=2.0, ar_prefill_ms=5).summary()
-    assert "x 6 sampled tokens + 4 forced" in line
+    assert "reasoning 6 tokens at 2.0 ms/token" in line and "forced" not in line
     assert "1 tokens" not in Timings(ar_tokens=1, ar_prefill_ms=5).summary()     # reasoning off: one choice
 
 

@@ -2,13 +2,15 @@
 
 `run(...)` is an async generator of `Update`s (only the fields that changed). It knows nothing about
 Gradio components, so it is tested with a plain engine, and the studio maps an `Update` onto outputs.
-Events that arrive faster than a browser can draw are merged: all pending text deltas become one
-update and only the newest step preview is sent (as Fooocus does for slow connections).
+Events that arrive faster than a browser can draw are merged: the page gets at most one update every
+UPDATE_EVERY_S with all that came since (the text so far, the newest status), and the step previews at a
+rate chosen from the engine's step time (PreviewRate), as Fooocus drops stale previews for slow connections.
 """
 from __future__ import annotations
 
 import asyncio
 import io
+import math
 import sys
 import time
 from collections import deque
@@ -18,12 +20,23 @@ from typing import Any, AsyncIterator, Callable
 
 from PIL import Image as PILImage
 
-from engine.runtime.events import Done, Error, Image, Ratio, Started, Step, Text
+from engine.runtime.events import Denoising, Done, Error, Image, Ratio, Started, Step, Text
 from engine.runtime.request import Request
 from engine.serve.client import EngineClient     # the engine's one client API (tests pass stand-ins)
+from engine.serve.image_meta import image_record, reasoning_text, with_record
+from engine.serve.info import ModelInfo
+from engine.serve.results import ResultStore
 
 PREVIEW_MAX_SIDE = 256
 HEARTBEAT_S = 1.0          # yield at least this often: a closed tab is only noticed at a yield
+# The page is updated at most this often: each update is a diff sent to the browser, which redraws; a
+# token every 7 ms on a CPU made 140 a second, and the browser drawing them took the CPU from the model
+# (a page run took 3x the API's time on 2 cores). Four a second still reads as streaming; ten a second, with
+# a preview every 0.25 s, made a page run 1.46-1.51x the API's time against 1.30-1.33x (`python -m bench page`).
+UPDATE_EVERY_S = 0.25
+# Previews are at least this far apart (PreviewRate): each costs the page about the same (decode, encode,
+# the browser drawing it) whatever a step costs the engine.
+PREVIEW_GAP_S = 0.5
 SECTION_TITLES = {"think": "Thinking", "recaption": "Recaption", "answer": "Answer"}
 
 
@@ -43,7 +56,7 @@ class Update:
     image: str | None = None          # path of the final PNG, which replaces the preview
     cot: str | None = None
     timings: str | None = None
-    seed: int | None = None           # the seed of the final image (the engine's Image event says it)
+    record: dict[str, Any] | None = None   # what made the final image (image_meta.image_record; its PNG has it)
     conversation: str | None = None   # the engine conversation the finished turn was added to (submit_turn's)
     reset: bool = False               # clear every output first (start of a run)
     final: bool = False               # the run is over: send every output
@@ -52,6 +65,32 @@ class Update:
     def changed(self) -> bool:
         return self.reset or self.final or any(v is not None for v in (self.status, self.preview, self.image,
                                                                          self.cot, self.timings))
+
+    def merge(self, newer: "Update") -> "Update":
+        """This update and a newer one as one (the newer's values win): what is held back between sends."""
+        for name in ("status", "preview", "image", "cot", "timings"):
+            if getattr(newer, name) is not None:
+                setattr(self, name, getattr(newer, name))
+        return self
+
+
+@dataclass
+class PreviewRate:
+    """Which step previews the page shows: the first, then one every `every` steps, chosen from the engine's
+    measured step time (since its denoising began): a step of PREVIEW_GAP_S or more shows its preview, faster
+    steps are spaced so that one preview comes every PREVIEW_GAP_S (the real model's ~120 ms steps on an
+    H200: every 5th; the embedded model on a CPU, 40 ms a step: every 13th)."""
+    last: int | None = None          # the step whose preview was shown last
+
+    def due(self, step: Step, denoise_s: float | None) -> bool:
+        if step.preview is None:
+            return False
+        if self.last is not None:
+            step_s = denoise_s / step.i if denoise_s else 0.0
+            if step.i - self.last < (math.ceil(PREVIEW_GAP_S / step_s) if step_s > 0 else 1):
+                return False
+        self.last = step.i
+        return True
 
 
 @dataclass
@@ -62,6 +101,7 @@ class CotLog:
     text: str = ""
     section: str | None = None
     chars: int = 0
+    sections: dict[str, str] = field(default_factory=dict)     # each section's text, as the model wrote it
 
     def add(self, ev: Text) -> None:
         if ev.section != self.section:
@@ -70,6 +110,7 @@ class CotLog:
             self.section = ev.section
         self.text += ev.delta
         self.chars += len(ev.delta)
+        self.sections[ev.section] = self.sections.get(ev.section, "") + ev.delta
 
 
 def running_count(health: dict[str, Any]) -> int:
@@ -129,66 +170,88 @@ def preview_image(png: bytes, size: tuple[int, int] | None = None) -> PILImage.I
 
 
 def timings_text(done: Done, image: Image | None) -> str:
-    """The measured figures as plain text (API clients get it as it is: no markup), with the engine's
-    own labels: ms/token over the sampled tokens, and with
-    reasoning off only the prefill, since the size is the one token chosen)."""
+    """The measured figures as plain text (API clients get it as it is: no markup), and the image's size
+    and seed."""
     parts = done.timings.parts()
     if image is not None:
         parts.append(f"{image.width} × {image.height}, seed {image.seed}")
     return " · ".join(parts)
 
 
-def save_png(out_dir: Path, request_id: str, image: Image) -> str:
-    """Write the PNG as the engine made it (served byte for byte: a filepath is not re-encoded)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"hunyuan-{request_id}-seed{image.seed}.png"
-    path.write_bytes(image.png)
-    return str(path)
+@dataclass
+class RunClock:
+    """When each part of a run began, on the studio's clock (the user's time, from Generate), and the wait
+    for the images ahead as the engine measured it. Each second of the run is counted in one part."""
+    submitted: float
+    started: float | None = None       # the engine took it: it has a slot (Started)
+    sized: float | None = None         # its reasoning, or the size choice, is done (Ratio)
+    denoising: float | None = None     # its denoising began (Denoising)
+    image_wait_s: float = 0.0          # of sized..denoising, waiting for the images ahead (Denoising.waited_ms)
+    reasons: bool = True               # the text phase reasons (think, recaption), or only reads the prompt
+
+    def parts(self, end: float) -> list[tuple[str, float]]:
+        """(what, seconds) from submit to `end`: in line, reasoning, the images ahead, denoising."""
+        started = self.started if self.started is not None else end
+        sized = self.sized if self.sized is not None else started
+        return [("waiting for a slot", started - self.submitted),
+                ("reasoning" if self.reasons else "reading the prompt", sized - started),
+                ("waiting for the image ahead", self.image_wait_s),
+                ("denoising", end - sized - self.image_wait_s)]
 
 
-def prune(out_dir: Path, max_age_s: float = 3600.0) -> None:
-    """Drop old result files so a long-running studio does not fill the disk."""
-    if not out_dir.is_dir():
-        return
-    cutoff = time.time() - max_age_s
-    for p in out_dir.glob("hunyuan-*.png"):
-        try:
-            if p.stat().st_mtime < cutoff:
-                p.unlink()
-        except OSError:
-            pass
+def done_status(clock: RunClock, end: float) -> str:
+    """The user's time, Generate to image, and what it went on (the engine's own total, in the timings,
+    starts when the request has its slot)."""
+    parts = [f"{s:.1f} s {what}" for what, s in clock.parts(end) if s >= 0.05]
+    return f"Done in {end - clock.submitted:.1f} s" + (": " + ", ".join(parts) if len(parts) > 1 else "")
 
 
-def done_status(total_s: float, waited_s: float) -> str:
-    """The user's time, submit to image: the wait in line is part of it (the engine's own total, in the
-    timings, starts when the request does)."""
-    return f"Done in {total_s:.1f} s" + (f", {waited_s:.1f} s of it waiting to start" if waited_s >= 0.05 else "")
+def waiting_for_image(size: tuple[int, int] | None, since: float, now: float) -> str:
+    """The status of a request whose reasoning is done while another image is being denoised."""
+    what = f"Size {size[0]} × {size[1]} — " if size else ""
+    if now - since < HEARTBEAT_S:
+        return what + "denoising starts…"
+    return what + f"waiting for the image ahead ({now - since:.0f} s)…"
 
 
-async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentRuns | None = None,
-              submit: Callable[[Request], Any] | None = None) -> AsyncIterator[Update]:
+async def run(client: EngineClient, req: Request, info: ModelInfo, results: ResultStore,
+              recent: RecentRuns | None = None, submit: Callable[[Request], Any] | None = None
+              ) -> AsyncIterator[Update]:
     """Submit `req` and describe its progress. Raises EngineFailure with a user-facing message when
     the engine refuses or fails the request; a cancelled request just ends with a 'Stopped' status.
+    `info`: the served model. `results`: where the finished PNG is kept (served from there, as the engine
+    made it, with what made it in its text chunks: engine/serve/image_meta.py).
     `recent`: the studio's record of finished runs (read for the wait estimate, this run added).
     `submit`: how to submit (a conversation's turn: `submit_turn` with its arguments); `client.submit`
     when None."""
-    prune(out_dir)
-    submitted = time.monotonic()
-    started_at: float | None = None
+    clock = RunClock(time.monotonic())
     # it validates, so decodes the references: off the loop
     sub = await asyncio.to_thread(submit or client.submit, req)
-    cot, image, started = CotLog(), None, False
+    cot, image, started = CotLog(), None, None
     image_path: str | None = None
     size: tuple[int, int] | None = None            # (width, height) of the image, once chosen
-    preview: PILImage.Image | None = None          # the newest step preview
+    preview: PILImage.Image | None = None          # the newest step preview shown
+    rate, held = PreviewRate(), Update()           # held: what waits for the next send (UPDATE_EVERY_S)
+    next_send = 0.0
     yield Update(reset=True, status="Submitted…")
     try:
         while True:
-            ev = await sub.aget(timeout=HEARTBEAT_S)
+            now = time.monotonic()
+            if held.changed and now >= next_send:
+                yield held
+                held, next_send = Update(), now + UPDATE_EVERY_S
+            ev = await sub.aget(timeout=max(0.0, next_send - now) if held.changed else HEARTBEAT_S)
             if ev is None:
-                position = getattr(client, "position", None)      # EngineServer's; a stand-in may lack it
-                ahead = None if started or position is None else position(req.request_id)
-                yield Update(status=None if started else waiting_status(client.health(), ahead, recent))
+                if held.changed:
+                    continue                       # its time has come: sent at the top
+                if clock.started is None:
+                    position = getattr(client, "position", None)      # EngineServer's; a stand-in may lack it
+                    ahead = None if position is None else position(req.request_id)
+                    yield Update(status=waiting_status(client.health(), ahead, recent))
+                elif clock.sized is not None and clock.denoising is None:
+                    yield Update(status=waiting_for_image(size, clock.sized, time.monotonic()))
+                else:
+                    yield Update()
                 continue
             batch = [ev]
             while not isinstance(batch[-1], (Done, Error)) and (nxt := sub.get(timeout=0)) is not None:
@@ -196,43 +259,51 @@ async def run(client: EngineClient, req: Request, out_dir: Path, recent: RecentR
             update = Update()
             for ev in batch:
                 if isinstance(ev, Started):
-                    started, started_at = True, time.monotonic()
-                    update.status = "Thinking…" if ev.bot_task != "image" else "Choosing the size…"
+                    started, clock.started, clock.reasons = ev, time.monotonic(), ev.bot_task != "image"
+                    update.status = "Thinking…" if clock.reasons else "Reading the prompt…"
                 elif isinstance(ev, Text):
                     cot.add(ev)
                     update.cot = cot.text
                     update.status = f"Writing… {cot.chars} characters"
                 elif isinstance(ev, Ratio):
-                    size = (ev.width, ev.height)
-                    update.status = f"Size {ev.width} × {ev.height} — denoising…"
+                    size, clock.sized = (ev.width, ev.height), time.monotonic()
+                    update.status = waiting_for_image(size, clock.sized, clock.sized)
+                elif isinstance(ev, Denoising):
+                    clock.denoising, clock.image_wait_s = time.monotonic(), ev.waited_ms / 1e3
+                    update.status = f"Denoising {ev.steps} steps…"
                 elif isinstance(ev, Step):
                     update.status = f"step {ev.i}/{ev.n}"
-                    if ev.preview is not None:
+                    if rate.due(ev, None if clock.denoising is None else time.monotonic() - clock.denoising):
                         preview = update.preview = preview_image(ev.preview, size)
                 elif isinstance(ev, Image):
-                    image = ev
-                    image_path = update.image = save_png(out_dir, req.request_id, ev)
+                    image = ev               # kept at Done, with the timings in its record
                     update.status = "Decoded"
                 elif isinstance(ev, Done):
-                    if update.changed:
-                        yield update
-                    total = time.monotonic() - submitted
+                    record = None
+                    if image is not None:
+                        record = image_record(req, started, image, info.name, info.gen, reasoning_text(cot.sections),
+                                              ev.timings)
+                        # the file is written off the loop: a large PNG takes a moment
+                        rid = await asyncio.to_thread(results.add, with_record(image.png, record), image.seed)
+                        image_path = str(results.path(rid))
+                    if held.merge(update).changed:
+                        yield held
+                    end = time.monotonic()
                     if recent is not None:
-                        recent.add(total)
-                    waited = (started_at if started_at is not None else submitted) - submitted
-                    yield Update(final=True, status=done_status(total, waited), image=image_path, cot=cot.text,
-                                 timings=timings_text(ev, image), seed=None if image is None else image.seed,
+                        recent.add(end - clock.submitted)
+                    yield Update(final=True, status=done_status(clock, end), image=image_path, cot=cot.text,
+                                 timings=timings_text(ev, image),
+                                 record=record,
                                  conversation=getattr(sub, "conversation_id", None))
                     return
                 elif isinstance(ev, Error):
-                    if update.changed:
-                        yield update
+                    if held.merge(update).changed:
+                        yield held
                     if ev.kind == "cancelled":
                         yield Update(final=True, status="Stopped.", preview=preview, cot=cot.text)
                         return
                     raise EngineFailure(ev.message, ev.kind, ev.param)
-            if update.changed:
-                yield update
+            held.merge(update)
     finally:
         if not sub.ended:           # Stop, a closed tab or an error in the UI: free the engine
             try:

@@ -15,8 +15,24 @@ CSS = """
   #col-settings { grid-column: 1; grid-row: 2; }
 }
 /* The canvas: the whole image, as large as the box allows (small images are drawn up, not cropped).
-   It gives up height before the reasoning above it leaves a 900 px screen. */
-#result { height: min(512px, max(300px, calc(100vh - 400px))) !important; }
+   The run column starts at the top of the page (the heading is in the left column): the status and the
+   reasoning above the canvas, Download and the timings below it, all on one screen, 1440x900 and a
+   390x844 phone (once Generate has scrolled to the run). */
+#result { height: min(512px, max(260px, calc(100vh - 430px))) !important; }
+#result-actions { flex-wrap: nowrap !important; align-items: stretch; }
+#result-actions > * { min-width: 0 !important; }
+/* the result's link, beside Download and Edit: a plain link drawn as a quiet button */
+#download, #edit-result { flex: 1 1 0 !important; }
+#result-link { flex: 0 0 auto !important; width: auto !important; display: flex; align-items: center; }
+.result-link { display: inline-block; padding: 0 0.75em; white-space: nowrap; font-weight: 600;
+               color: var(--link-text-color, var(--color-accent)); }
+.result-link.off { opacity: 0.45; color: var(--body-text-color-subdued); }
+/* narrow screens (after the rules above, which it overrides): the canvas gives up more height, the link goes
+   under Download and Edit */
+@media (max-width: 999px) { #result { height: max(220px, calc(100vh - 500px)) !important; }
+                            #result-actions { flex-wrap: wrap !important; }
+                            #result-link { flex: 1 0 100% !important; } }
+#title h1 { margin: 0; }
 #result img { width: 100%; height: 100%; object-fit: contain; }
 #result .image-container, #result .image-frame { width: 100%; height: 100%; }
 /* Reference images and the history strip: square tiles, each image whole inside its tile. Gradio
@@ -27,6 +43,12 @@ CSS = """
                                                   grid-auto-rows: auto !important; }
 #refs .thumbnail-item, #history .thumbnail-item { aspect-ratio: 1 / 1; height: auto !important; }
 #history .grid-wrap { min-height: 0 !important; }
+/* The example edits' table fits a phone (its header and instructions wrap; it was cut at the right). */
+#edit-examples table { table-layout: fixed; width: 100%; }
+#edit-examples th, #edit-examples td { white-space: normal !important; overflow-wrap: anywhere; }
+/* Gradio hides "Use via API" below 640 px; the API is the same on a phone. (Not in a media query: Gradio
+   scopes those to the app's body, and the footer is outside it; elsewhere the link is shown this way anyway.) */
+footer .show-api { display: flex !important; }
 /* A message under a control wraps anywhere (a long file name must not push it past the panel). */
 .validation-error { overflow-wrap: anywhere; }
 .range-note { color: var(--error-text-color, #b91c1c); font-size: var(--text-sm); margin-top: 4px; }

@@ -21,6 +21,7 @@ SUITES = {
     "prefill-host": "the host time of the eager T2I prefill of one hybrid4 rank, stage by stage",
     "serving": "whole requests through the engine's scheduler at 1, 4, 16 clients: images/min, p50/p90 latency",
     "studio": "the wall time of studio requests end to end through the web server",
+    "page": "one request through the page in a real browser against the same request through /v1 (same server)",
     "soak": "minutes of mixed /v1 load on app.py with faults injected (kill, stop, disconnects, large bodies): "
             "nothing lost, hung or leaked",
     "replicas": "throughput of engine replicas on Ray Serve against one engine, at K concurrent /v1 clients",

@@ -36,6 +36,15 @@ class Ratio:
 
 
 @dataclass
+class Denoising:
+    """The request's denoising begins: its turn came. One image is denoised at a time (unless its bucket
+    batches, engine/runtime/denoise_batch.py), so a request whose reasoning is done may first wait for
+    the images ahead of it: `waited_ms` (the engine's clock, from asking for the turn to getting it)."""
+    steps: int
+    waited_ms: float = 0.0
+
+
+@dataclass
 class Step:
     """Denoising step i of n finished; `preview` is a small PNG (bytes) of the current estimate, or None."""
     i: int
@@ -82,22 +91,23 @@ class Timings:
     ar_cached_tokens: int = 0     # of them, tokens whose K/V came from the prefix cache (not prefilled)
 
     def parts(self) -> list[str]:
-        """The measured figures as short phrases."""
+        """The measured figures as short plain phrases (the page and the command line show them): the
+        reasoning's sampled tokens (the ones the stage machine forced cost no step and are not counted),
+        the prompt's read (prefill), the denoising steps, the image's decode, the engine's total."""
         out = []
-        prefill = f"prefill {self.ar_prefill_ms:.0f} ms"
+        read = f"{self.ar_prefill_ms:.0f} ms"
         if self.ar_cached_tokens:
-            prefill += f": {self.ar_prompt_tokens - self.ar_cached_tokens} tokens, {self.ar_cached_tokens} cached"
+            read += f", {self.ar_cached_tokens} of its {self.ar_prompt_tokens} tokens cached"
         if self.ar_tokens > 1:
-            forced = f" + {self.ar_forced} forced" if self.ar_forced else ""
-            out.append(f"AR {self.ar_ms_per_token:.1f} ms/token x {self.ar_tokens} sampled tokens{forced} ({prefill})")
+            out.append(f"reasoning {self.ar_tokens} tokens at {self.ar_ms_per_token:.1f} ms/token (prompt read in {read})")
         elif self.ar_tokens:     # one choice only (the size, with reasoning off): no decode to time
-            out.append(f"AR {prefill} (1 token)")
+            out.append(f"prompt read and size chosen in {read}")
         if self.dit_steps:
             full = f" ({self.dit_full_steps} in full)" if 0 < self.dit_full_steps < self.dit_steps else ""
-            out.append(f"DiT {self.dit_ms_per_step:.0f} ms/step x {self.dit_steps} steps{full}")
+            out.append(f"denoising {self.dit_steps} steps{full} at {self.dit_ms_per_step:.0f} ms/step")
         if self.vae_ms:
-            out.append(f"VAE {self.vae_ms:.0f} ms")
-        out.append(f"total {self.total_s:.2f} s")
+            out.append(f"image decoded in {self.vae_ms:.0f} ms")
+        out.append(f"engine total {self.total_s:.2f} s")
         return out
 
     def summary(self) -> str:
@@ -109,4 +119,4 @@ class Done:
     cot_text: str = ""
 
 
-Event = Union[Started, Text, Ratio, Step, Image, Error, Done]
+Event = Union[Started, Text, Ratio, Denoising, Step, Image, Error, Done]

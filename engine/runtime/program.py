@@ -31,7 +31,7 @@ from engine.parallel.layout import Comm
 from engine.runtime.agreement import Agreement
 from engine.runtime.conditioning import EncodedImage, EncodingCache, embed_range, encode_sequence_images
 from engine.runtime.denoise import DenoiseLayout, DenoiseRunner, FlowSampler, StepInput, step_class, step_keys
-from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Timings
+from engine.runtime.events import Denoising, Done, Error, Event, Image, Ratio, Started, Step, Timings
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import CacheHeads, gather_sibling_heads, reusable_prefix
 from engine.runtime.history import reasoning_of
@@ -262,7 +262,9 @@ def _image_phase(ctx: Context, run: _Run, text: _Text, bucket: Bucket) -> Genera
     alone = (type(step_cache) is not StepCache or ctx.options.cfg_serial
              or ctx.groups.denoise.sp.size > 1 or branch_comm.size > 1)
     rows = len(branches) * p.images_out
+    asked = time.perf_counter()
     first = yield DenoiseRows(key, rows, scratch + 1, alone)     # these rows are its own until it ends
+    yield Denoising(p.steps, (time.perf_counter() - asked) * 1e3)     # the wait for the images ahead
     cache = ctx.pool.take_denoise(rows, scratch + 1, first)       # (the storage may grow: its key is known now)
     starts = [min(prefix, seq.gen_image.meta_start) if b == 0 else 0 for b in branches]
     layout = DenoiseLayout(ctx.groups.denoise, branches, starts, scratch, branch_comm, p.images_out,

@@ -26,6 +26,7 @@ from PIL import Image as PILImage
 from engine.runtime.events import Done, Error, Event, Image, Ratio, Started, Step, Text
 from engine.runtime.history import reasoning_of
 from engine.serve.client import Submission
+from engine.serve.image_meta import image_record, reasoning_text, with_record
 from engine.serve.info import ModelInfo
 from engine.serve.openai_params import ApiError, ImageParams
 from engine.serve.usage import InputTokens
@@ -55,10 +56,11 @@ class Outcome:
     created: int = field(default_factory=lambda: int(time.time()))
     bot_task: str = ""
     inputs: InputTokens = field(default_factory=lambda: InputTokens(0, 0))   # as the engine counted them
+    started: Started | None = None
 
     def add(self, ev: Event) -> None:
         if isinstance(ev, Started):
-            self.bot_task = ev.bot_task
+            self.bot_task, self.started = ev.bot_task, ev
             self.inputs = InputTokens.of(ev)
         elif isinstance(ev, Text):
             self.sections[ev.section] = self.sections.get(ev.section, "") + ev.delta
@@ -82,7 +84,7 @@ class Outcome:
     @property
     def reasoning(self) -> str:
         """The thinking and the recaption, as the model wrote them, one after the other."""
-        return "\n\n".join(self.sections[s].strip() for s in ("think", "recaption") if self.sections.get(s))
+        return reasoning_text(self.sections)
 
     @property
     def cot(self) -> str:
@@ -143,9 +145,15 @@ async def collect(sub: Submission) -> Outcome:
     return out
 
 
-async def _encoded(ims: list[tuple[int, Image]], p: ImageParams) -> list[bytes]:
-    """Re-encode off the event loop: a WebP of a 1024 px image takes tens of milliseconds."""
-    return await asyncio.to_thread(lambda: [encode(im.png, p.output_format, p.output_compression) for _, im in ims])
+async def _encoded(ims: list[tuple[int, Image]], p: ImageParams, out: Outcome, info: ModelInfo) -> list[bytes]:
+    """Re-encode off the event loop: a WebP of a 1024 px image takes tens of milliseconds. A PNG carries what
+    made it in its text chunks (engine/serve/image_meta.py), as the page's do."""
+    def one(im: Image) -> bytes:
+        if p.output_format != "png":
+            return encode(im.png, p.output_format, p.output_compression)
+        return with_record(im.png, image_record(p.request, out.started, im, info.name, info.gen, out.reasoning,
+                                                out.done.timings if out.done else None))
+    return await asyncio.to_thread(lambda: [one(im) for _, im in ims])
 
 
 def _data_url(data: bytes, fmt: str) -> str:
@@ -157,7 +165,7 @@ async def images_response(out: Outcome, p: ImageParams, info: ModelInfo) -> dict
     plus the engine's extensions)."""
     ims = out.ordered()
     data = []
-    for (index, im), blob in zip(ims, await _encoded(ims, p)):
+    for (index, im), blob in zip(ims, await _encoded(ims, p, out, info)):
         item: dict[str, Any] = {"revised_prompt": out.revised_prompt, "index": index, "seed": im.seed}
         if p.response_format == "url":
             item["url"] = _data_url(blob, p.output_format)
@@ -178,7 +186,7 @@ async def chat_response(out: Outcome, p: ImageParams, info: ModelInfo) -> dict[s
     """The body of a finished /v1/chat/completions request: the images as data-URL parts of the message."""
     ims = out.ordered()
     parts = [{"type": "image_url", "image_url": {"url": _data_url(b, p.output_format)}}
-             for b in await _encoded(ims, p)]
+             for b in await _encoded(ims, p, out, info)]
     u = out.usage(info)
     return {"id": f"chatcmpl-{p.request.request_id}", "object": "chat.completion", "created": out.created,
             "model": info.name,
@@ -263,7 +271,7 @@ async def image_stream(sub: Submission, p: ImageParams, info: ModelInfo, kind: s
             elif isinstance(ev, Done):
                 ims = out.ordered()
                 usage, ext = out.usage(info), out.extensions()
-                for (index, im), blob in zip(ims, await _encoded(ims, p)):
+                for (index, im), blob in zip(ims, await _encoded(ims, p, out, info)):
                     yield sse({"type": f"{kind}.completed", "b64_json": base64.b64encode(blob).decode(),
                                **common(), "usage": usage, "index": index, "seed": im.seed,
                                "revised_prompt": out.revised_prompt, "reasoning": ext["reasoning"],
@@ -300,7 +308,7 @@ async def chat_stream(sub: Submission, p: ImageParams, info: ModelInfo) -> Async
             elif isinstance(ev, Done):
                 ims = out.ordered()
                 parts = [{"type": "image_url", "image_url": {"url": _data_url(b, p.output_format)}}
-                         for b in await _encoded(ims, p)]
+                         for b in await _encoded(ims, p, out, info)]
                 yield chunk({"content": parts, "cot": out.cot}, "stop", size=out.size,
                             revised_prompt=out.revised_prompt,
                             **{k: v for k, v in out.extensions().items() if k != "reasoning"})

@@ -151,7 +151,8 @@ class EngineServer(EngineClient):
         if request.request_id in self._jobs:
             return Error("invalid", f"request id {request.request_id!r} is already in use", "request_id")
         if self.max_queue is not None and len(self._waiting) >= self.max_queue:
-            return Error("busy", f"the queue is full ({len(self._waiting)} requests waiting); try again in a moment")
+            n = len(self._waiting)
+            return Error("busy", f"the queue is full ({n} request{'' if n == 1 else 's'} waiting); try again in a moment")
         return None
 
     def submit_turn(self, request: Request, conversation: str | None = None,
