@@ -64,6 +64,7 @@ class EngineSettings(Protocol):
     max_lora_rank: int
     lora_mlp: bool
     moe_kernels: str
+    step_policy: str
 
 
 class Engine:
@@ -116,6 +117,7 @@ class Engine:
                                 encoding_cache_bytes=config.encoding_cache_mb << 20)
         engine = cls(loaded, groups, options)
         engine.moe_kernels = moe_kernels
+        engine.scheduler = engine.new_scheduler(policy=config.step_policy)
         return engine
 
     def new_scheduler(self, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE,

@@ -88,6 +88,11 @@ class EngineConfig:
                                "says why)", type=int)
     max_denoise_batch: int = option(1, "requests of one resolution bucket whose denoise steps share one forward",
                                     type=int)
+    step_policy: str = option("interleave", "how decode and denoise steps share the GPU: interleave (a denoise "
+                                             "step after every 8 decode steps), waves (the admitted requests' "
+                                             "reasoning decoded together, then their images), overlap (interleave "
+                                             "with the image work on a second CUDA stream)",
+                              choices=["interleave", "waves", "overlap"])
     preview_every: int = option(1, "a preview every this many denoise steps (0: none)", type=int)
     cfg_serial: bool = option(False, "run the CFG branches one after the other (less activation memory)",
                               action="store_true")
