@@ -155,16 +155,18 @@ def test_different_adapters_in_one_batch_each_equal_their_solo_run(served):
 
 def test_adapters_share_denoise_batches_and_each_equal_their_solo_run(served):
     """max_denoise_batch 3: a request with one adapter, one without and one with the other adapter (steps 2, 3,
-    3; one bucket) denoise in the same forwards, each denoise row with its request's adapter (CFG rows too);
-    when the first ends the other two move down into its rows, their adapters with them. Each gives its solo
-    run's text and image."""
+    3; one bucket) denoise in shared forwards, each denoise row with its request's adapter (CFG rows too).
+    Each joins the batch in a turn of its own between forwards (engine/runtime/scheduler.py), so the first
+    steps alone, then beside the second (two adapters in one forward); when it ends, the third joins and the
+    other two share forwards (no adapter beside the other adapter, moved down into the rows the first left).
+    Each gives its solo run's text and image."""
     one = REQUEST | dict(size="256x256", steps=3)          # one bucket: the batch may take all three
     kws = [one | dict(lora="plain", steps=2), one, one | dict(lora="patterned", lora_scale=0.5)]
     with backbone_rows(served, tokens=True) as calls:
         events, scheduler = run_together(served, kws, engine=make_engine(served, preview_every=0, max_batch=3,
                                                                         max_denoise_batch=3))
     steps = [rows for rows, tokens in calls if tokens == TAIL]
-    assert steps == [6, 6, 4], calls                       # all three together, then the two left
+    assert steps == [2, 4, 4, 4, 2], calls                 # 1; 1+2; 2+3 (twice); 3
     for i, kw in enumerate(kws):
         want, got = alone(served, **kw), outcome(events[i])
         assert got[0] == want[0] and psnr(got[1], want[1]) >= 40, i
@@ -175,15 +177,16 @@ def test_adapters_share_denoise_batches_and_each_equal_their_solo_run(served):
 def test_mlp_adapter_shares_batches_and_each_request_equals_its_solo_run(served):
     """An adapter of the MLPs beside one of the attention projections and none, decoded together (mode
     "rows+mlp": the MoE runs `moe_lora` and the base op, each row keeping its own adapter's output), then
-    denoised in one batch: each request gives its solo run's text and image; the one without an adapter its
-    solo run's."""
+    denoised in shared forwards (each joining in a turn of its own: the MLP adapter's request alone, then
+    beside the one without, then that one beside the third): each request gives its solo run's text and
+    image; the one without an adapter its solo run's."""
     one = REQUEST | dict(size="256x256", steps=2)
     kws = [one | dict(lora="mlp"), one, one | dict(lora="plain", lora_scale=0.5)]
     pipe = make_engine(served, preview_every=0, max_batch=3, max_denoise_batch=3)
     with backbone_rows(served, tokens=True) as calls:
         events, scheduler = run_together(served, kws, engine=pipe)
     assert scheduler.pool.decode.forwards < sum(kw["max_new_tokens"] for kw in kws)    # shared decode steps
-    assert [rows for rows, tokens in calls if tokens == TAIL] == [6, 6], calls                # and denoise steps
+    assert [rows for rows, tokens in calls if tokens == TAIL] == [2, 4, 4, 2], calls          # and denoise steps
     got = [outcome(events[i]) for i in range(3)]
     for i, kw in enumerate(kws):
         want = alone(served, **kw)

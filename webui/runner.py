@@ -266,6 +266,11 @@ async def run(client: EngineClient, req: Request, info: ModelInfo, results: Resu
                     update.cot = cot.text
                     update.status = f"Writing… {cot.chars} characters"
                 elif isinstance(ev, Ratio):
+                    # the reasoning is over: what is held of it is shown now, before the image's first status
+                    # (at four updates a second its last words and step 1 would otherwise arrive as one)
+                    if held.merge(update).changed:
+                        yield held
+                    held, update, next_send = Update(), Update(), time.monotonic() + UPDATE_EVERY_S
                     size, clock.sized = (ev.width, ev.height), time.monotonic()
                     update.status = waiting_for_image(size, clock.sized, clock.sized)
                 elif isinstance(ev, Denoising):
