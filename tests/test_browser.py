@@ -622,6 +622,11 @@ def scripted_color(request) -> tuple[int, int, int]:
         sum(map(ord, request.prompt)) % 256
 
 
+# the scripted engine's reasoning: what the embedded model writes (the page's reasoning box fills as with it)
+THINK = "one large red circle on the left; white background; portrait."
+RECAPTION = "portrait, white background: large red circle bottom left."
+
+
 def scripted_run(request):
     """The events of a scripted engine (a run takes no time): the prompt "busy" is refused as by a full queue,
     "crash" fails mid-run as when the engine process dies; anything else makes a small image."""
@@ -631,7 +636,7 @@ def scripted_run(request):
         return [Error("busy", "the queue is full (8 waiting); try again in a moment")]
     start = [Started(request.request_id, request.bot_task or "image", "auto", request.steps or 2,
                      request.guidance or 5.0, request.seed or 0),
-             Text("thinking", "think"), Ratio(192, 256, 3), Step(1, 2)]
+             Text(THINK, "think"), Text(RECAPTION, "recaption"), Ratio(192, 256, 3), Step(1, 2)]
     if request.prompt == "crash":
         return start + [Error("engine", "the engine process stopped unexpectedly (SIGKILL); restarting")]
     buf = io.BytesIO()
@@ -1035,7 +1040,7 @@ def test_a_result_has_a_link_another_person_can_open(browser, scripted, tiny_dir
     other.wait_for_function("() => document.querySelector('#image').naturalWidth > 0")
     table = other.locator("#settings").inner_text()
     assert "a green triangle at the top" in table and "31" in table, table
-    assert other.locator("#reasoning").inner_text() == "thinking"
+    assert other.locator("#reasoning").inner_text() == f"{THINK}\n\n{RECAPTION}"
     png = other.request.get(url.rstrip("/") + f"/results/{rid}.png")
     assert png.ok and read_record(png.body())["seed"] == 31
     assert other.request.get(url.rstrip("/") + "/results/AAAAAAAAAAAAAAAA").status == 404
