@@ -79,6 +79,22 @@ LINE = "#engine-health .engine-line"
 PILL = "#status [data-testid=status-tracker]:not(.hide) .error"
 
 
+# each [selector, px]: the element inside the viewport, wholly (px 0) or its top px of it
+IN_VIEW = """(wants) => wants.every(([sel, px]) => { const r = document.querySelector(sel).getBoundingClientRect();
+    return r.width > 0 && r.top >= 0 && r.left >= 0 && r.right <= innerWidth &&
+           (px ? r.top + px <= innerHeight : r.bottom <= innerHeight); })"""
+
+
+def wait_in_view(page, *selectors: str, tops: dict[str, int] | None = None, timeout: float = 10_000) -> None:
+    """Wait until each element lies wholly in the viewport (those in `tops`: their top that many px). Generate
+    scrolls a phone to the run smoothly, so the page moves for a moment; fails saying where they are."""
+    wants = [[sel, 0] for sel in selectors] + [[sel, px] for sel, px in (tops or {}).items()]
+    try:
+        page.wait_for_function(IN_VIEW, arg=wants, timeout=timeout, polling=50)
+    except sync_api.TimeoutError:
+        raise AssertionError({sel: page.locator(sel).bounding_box() for sel, _ in wants}) from None
+
+
 def wait_wired(page) -> None:
     """The app has loaded and wired its events (a click before that is lost): its load-time script
     has polled the engine line once."""
@@ -501,9 +517,7 @@ def test_a_run_on_a_phone_shows_the_reasoning_and_the_canvas(browser, studio):
     page.locator("#run").click()
     # (120 s, as wait_done below: on CI's two busy cores this once waited out 60 s for the first reasoning)
     expect(page.locator("#cot textarea")).to_have_value(re.compile(r".+", re.S), timeout=120_000)
-    page.wait_for_timeout(1000)                            # the smooth scroll
-    cot, canvas = page.locator("#cot").bounding_box(), page.locator("#result").bounding_box()
-    assert cot["y"] >= 0 and cot["y"] + cot["height"] <= 844 and canvas["y"] + 150 <= 844, (cot, canvas)
+    wait_in_view(page, "#cot", tops={"#result": 150})
     wait_done(page, 0, timeout=120)
     page.close()
 
@@ -534,7 +548,7 @@ def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studi
         page.locator("#steps input[type=number]").press("Enter")
         page.evaluate("window.scrollTo(0, 0)")
 
-    def edit(instruction: str, turns_after: int, shot: str | None = None, height: int = 900) -> None:
+    def edit(instruction: str, turns_after: int, shot: str | None = None) -> None:
         if shot:            # a run long enough to be seen mid-way (at 2 steps CI once saw it end in 0.6 s)
             steps(40)
         page.locator("#ti2i-prompt textarea").fill(instruction)
@@ -543,10 +557,8 @@ def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studi
         if shot:                                    # mid-run: the streamed reasoning and the canvas in view
             expect(page.locator("#status textarea")).to_have_value(re.compile(r"^(Writing|Size|step)"), timeout=60_000)
             expect(page.locator("#cot textarea")).to_have_value(re.compile(r"\[Thinking\]\n.+", re.S), timeout=5_000)
-            page.wait_for_timeout(1000)             # a phone's smooth scroll to the run
-            cot, canvas = page.locator("#cot").bounding_box(), page.locator("#result").bounding_box()
+            wait_in_view(page, "#cot", tops={"#result": 150})
             page.screenshot(path=str(tmp_path / f"thread-{shot}.png"))
-            assert 0 <= cot["y"] and cot["y"] + cot["height"] <= height and canvas["y"] + 150 <= height, (cot, canvas)
         wait_done(page, runs)
         if shot:
             steps(2)
@@ -557,7 +569,7 @@ def test_the_edit_tab_is_a_thread_with_undo_branch_and_start_over(browser, studi
     expect(page.locator("#refs img")).to_have_count(0)          # the references went into turn 1
     edit("add a star", 2, shot="desktop-run")
     page.set_viewport_size({"width": 390, "height": 844})
-    edit("make the star green", 3, shot="phone-run", height=844)
+    edit("make the star green", 3, shot="phone-run")
     page.set_viewport_size({"width": 1440, "height": 900})
     c1 = counting.turns[first_turn + 1][0]
     assert counting.turns[first_turn:] == [(None, None), (c1, None), (c1, None)], counting.turns
@@ -610,6 +622,11 @@ def scripted_color(request) -> tuple[int, int, int]:
         sum(map(ord, request.prompt)) % 256
 
 
+# the scripted engine's reasoning: what the embedded model writes (the page's reasoning box fills as with it)
+THINK = "one large red circle on the left; white background; portrait."
+RECAPTION = "portrait, white background: large red circle bottom left."
+
+
 def scripted_run(request):
     """The events of a scripted engine (a run takes no time): the prompt "busy" is refused as by a full queue,
     "crash" fails mid-run as when the engine process dies; anything else makes a small image."""
@@ -619,7 +636,7 @@ def scripted_run(request):
         return [Error("busy", "the queue is full (8 waiting); try again in a moment")]
     start = [Started(request.request_id, request.bot_task or "image", "auto", request.steps or 2,
                      request.guidance or 5.0, request.seed or 0),
-             Text("thinking", "think"), Ratio(192, 256, 3), Step(1, 2)]
+             Text(THINK, "think"), Text(RECAPTION, "recaption"), Ratio(192, 256, 3), Step(1, 2)]
     if request.prompt == "crash":
         return start + [Error("engine", "the engine process stopped unexpectedly (SIGKILL); restarting")]
     buf = io.BytesIO()
@@ -752,13 +769,6 @@ def test_a_request_behind_another_image_says_it_waits_and_counts_the_wait(browse
     page.close()
 
 
-def in_view(page, selector: str) -> bool:
-    """Whether the element lies wholly inside the viewport as the page is scrolled now."""
-    return page.evaluate("""(sel) => { const r = document.querySelector(sel).getBoundingClientRect();
-        return r.width > 0 && r.top >= 0 && r.left >= 0 && r.bottom <= innerHeight && r.right <= innerWidth; }""",
-                         selector)
-
-
 @pytest.mark.parametrize("width,height", [(1440, 900), (390, 844)])
 def test_a_finished_image_its_download_and_the_timings_are_in_view(browser, scripted, width, height):
     """Issue 43 item 7, on the page `python app.py` serves (the embedded model's notice on top): at 1440x900 the
@@ -771,9 +781,7 @@ def test_a_finished_image_its_download_and_the_timings_are_in_view(browser, scri
     page.locator("#run").click()
     wait_done(page, runs, timeout=30)
     page.wait_for_function("() => (document.querySelector('#result img') || {}).naturalWidth > 0")
-    page.wait_for_timeout(800)                              # a phone's smooth scroll to the run
-    for selector in ("#result img", "#download", "#edit-result", "#timings"):
-        assert in_view(page, selector), (selector, page.locator(selector).bounding_box())
+    wait_in_view(page, "#result img", "#download", "#edit-result", "#timings")
     if width < 640:
         sync_api.expect(page.locator("footer .show-api")).to_be_visible()
         page.get_by_role("tab", name="Edit images").click()
@@ -1032,7 +1040,7 @@ def test_a_result_has_a_link_another_person_can_open(browser, scripted, tiny_dir
     other.wait_for_function("() => document.querySelector('#image').naturalWidth > 0")
     table = other.locator("#settings").inner_text()
     assert "a green triangle at the top" in table and "31" in table, table
-    assert other.locator("#reasoning").inner_text() == "thinking"
+    assert other.locator("#reasoning").inner_text() == f"{THINK}\n\n{RECAPTION}"
     png = other.request.get(url.rstrip("/") + f"/results/{rid}.png")
     assert png.ok and read_record(png.body())["seed"] == 31
     assert other.request.get(url.rstrip("/") + "/results/AAAAAAAAAAAAAAAA").status == 404

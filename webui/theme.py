@@ -27,9 +27,10 @@ CSS = """
 .result-link { display: inline-block; padding: 0 0.75em; white-space: nowrap; font-weight: 600;
                color: var(--link-text-color, var(--color-accent)); }
 .result-link.off { opacity: 0.45; color: var(--body-text-color-subdued); }
-/* narrow screens (after the rules above, which it overrides): the canvas gives up more height, the link goes
-   under Download and Edit */
-@media (max-width: 999px) { #result { height: max(220px, calc(100vh - 500px)) !important; }
+/* narrow screens (after the rules above, which it overrides): the canvas gives up more height (on a 390x844
+   phone the status, six lines of reasoning, Download, the link and four lines of timings take 540 px around
+   it), the link goes under Download and Edit */
+@media (max-width: 999px) { #result { height: max(220px, calc(100vh - 580px)) !important; }
                             #result-actions { flex-wrap: wrap !important; }
                             #result-link { flex: 1 0 100% !important; } }
 #title h1 { margin: 0; }
