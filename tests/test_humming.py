@@ -153,7 +153,11 @@ TOP = humming.INDEXED_MAX_ROWS         # packs laid out to take the indexed path
 
 
 def test_rows_path_takes_the_indexed_gemms_up_to_the_threshold():
-    assert {humming.rows_path(n) for n in (1, 16, 4096)} == {"grouped"}, "indexed: not by itself until measured"
+    assert {humming.rows_path(n, 0) for n in (1, 16, 4096)} == {"grouped"}
+    # the measured defaults: a pack of each activation takes the indexed path by itself only where it won
+    assert set(humming.INDEXED_ROWS) == set(humming.ACTIVATIONS)
+    assert [humming.rows_path(n, humming.INDEXED_ROWS["fp8"]) for n in (1, 2, 3, 16)] == ["indexed"] * 2 + ["grouped"] * 2
+    assert [humming.rows_path(n, humming.INDEXED_ROWS["bf16"]) for n in (1, 2)] == ["indexed", "grouped"]
     assert [humming.rows_path(n, TOP) for n in (1, TOP, TOP + 1, 4096)] == ["indexed", "indexed", "grouped", "grouped"]
     with pytest.raises(ValueError, match="indexed_rows 17: between 0 and 16"):
         humming.Config.of("layer", [], TOP + 1)

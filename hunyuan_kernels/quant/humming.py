@@ -18,9 +18,9 @@ others, which are rounded toward zero).
                                      humming's input kernel), GEMM2 over that micro's columns of the down
                                      pack; the micros' partials summed in fp32; the shared MLP on the other
                                      variants' linears; one weighted finalize:
-      grouped (rows > INDEXED_MAX_ROWS)   routing and permutation as the `grouped` variant (moe/cuda.py), the
+      grouped (more rows than the pack's indexed_rows)   routing and permutation as the `grouped` variant (moe/cuda.py), the
                                      GEMMs grouped-contiguous over the experts' rows of the permuted copy;
-      indexed (a decode step's rows)      the same routing, then `align` (one tiny kernel) lists each expert's
+      indexed (up to indexed_rows: 1-2 decode rows)      the same routing, then `align` (one tiny kernel) lists each expert's
                                      routes in blocks of the GEMM's M tile, and humming's INDEXED GEMMs
                                      gather their input rows themselves and write one row per (token,
                                      choice): no permutation, no copy of x, no inverse map in the finalize.
@@ -80,11 +80,11 @@ COMPUTE = json.dumps({"gemm_type": "grouped_contiguous", "use_batch_invariant": 
 COMPUTE_INDEXED = json.dumps({"gemm_type": "indexed", "use_batch_invariant": True})
 # The most rows the indexed path is prepared for (its kernels compiled at layout; `path="indexed"` up to it).
 INDEXED_MAX_ROWS = 16
-# The rows up to which a call takes the indexed path by itself: 0 (never) until `python -m bench humming --ns
-# 1,2,4,8,16` has timed both paths on the H200 and the GPU tests have held there (the indexed kernels have not
-# run on a GPU yet); at 1 row the grouped path cost 137 us a layer (W4A16) against our Triton decode's 101,
-# humming's two GEMMs ~77 of it (docs/benchmarks.md, humming).
-INDEXED_ROWS = 0
+# The rows up to which a pack's calls take the indexed path by itself, per activation: where it was the faster
+# on the H200 (`python -m bench humming --ns 1,2,4,8,16 --denoise 0`, 2026-12-05, docs/benchmarks.md humming):
+# W4A16 126.8 vs 135.3 us a layer at 1 row, 359.6 vs 199.5 at 2; W4A8 86.9 / 129.6 vs 102.9 / 145.8 at 1 / 2
+# rows, 293.2 vs 228.0 at 4. Both paths gave the same bits at every N there, so the threshold changes no result.
+INDEXED_ROWS = {"bf16": 1, "fp8": 2}
 PATHS = ("indexed", "grouped")
 
 
@@ -126,10 +126,10 @@ class Config:
     layer: object                                   # humming.config.LayerConfig
     indexed: str                                    # tuning config, JSON [[lo, hi, kernel config], ...]
     blocks: tuple[tuple[int, int, int], ...]        # (lo, hi, M tile rows) of each of its intervals
-    indexed_rows: int = INDEXED_ROWS
+    indexed_rows: int = 0
 
     @classmethod
-    def of(cls, layer, intervals: list, indexed_rows: int = INDEXED_ROWS) -> "Config":
+    def of(cls, layer, intervals: list, indexed_rows: int = 0) -> "Config":
         """From the indexed kernels' [[lo, hi, kernel config], ...] (routed rows lo < r <= hi)."""
         if not 0 <= indexed_rows <= INDEXED_MAX_ROWS:
             raise ValueError(f"indexed_rows {indexed_rows}: between 0 and {INDEXED_MAX_ROWS}")
@@ -173,7 +173,7 @@ def _transform(codes: torch.Tensor, scales: torch.Tensor, activations: str):
     return config, out["weight"], out["weight_scale"], out.get("weight_scale_2")
 
 
-def indexed_tuning(layer, experts: int, device: torch.device, indexed_rows: int = INDEXED_ROWS) -> Config:
+def indexed_tuning(layer, experts: int, device: torch.device, indexed_rows: int = 0) -> Config:
     """The indexed GEMM's kernels for `layer` (humming's LayerConfig), chosen by humming's own heuristics as
     its forward would choose them (`_resolve_configs` -> `get_heuristics_config`), kept for the routed rows
     a call of the indexed path can have (INDEXED_MAX_ROWS tokens, each routed to at most `experts`: the
@@ -197,10 +197,11 @@ def block_rows(blocks: tuple[tuple[int, int, int], ...], rows: int) -> int:
 
 
 def lay_out(w: QWeight, activations: str = "bf16", micros: int | None = None,
-            indexed_rows: int = INDEXED_ROWS) -> QWeight:
+            indexed_rows: int | None = None) -> QWeight:
     """A plain MXFP4 expert pack laid out for humming: a gate/up pack [micros, E, N, K] (each micro a stack
     of E matrices), or, with `micros`, a down pack [E, H, micros * I] (each micro's column block laid out
-    as its own stack [E, H, I]). `indexed_rows`: the rows up to which its calls take the indexed path.
+    as its own stack [E, H, I]). `indexed_rows`: the rows up to which its calls take the indexed path (None: the
+    activation's measured INDEXED_ROWS).
     Refuses (ValueError naming why) a pack it cannot take."""
     if w.layout is not None:
         raise ValueError(f"this pack is already laid out for {w.layout.kernel}")
@@ -213,7 +214,8 @@ def lay_out(w: QWeight, activations: str = "bf16", micros: int | None = None,
         inter = w.shape[-1] // micros
         stacks = [(c.codes, c.scales) for c in (w.cols(m * inter, (m + 1) * inter) for m in range(micros))]
     parts = [_transform(c, s, activations) for c, s in stacks]
-    config = indexed_tuning(parts[0][0], stacks[0][0].shape[0], w.codes.device, indexed_rows)
+    rows = INDEXED_ROWS[activations] if indexed_rows is None else indexed_rows
+    config = indexed_tuning(parts[0][0], stacks[0][0].shape[0], w.codes.device, rows)
     logical = tuple(w.shape) if micros is None else (micros, *w.shape[:-1], w.shape[-1] // micros)
     scale2 = torch.stack([p[3] for p in parts]) if parts[0][3] is not None else None
     layout = KernelLayout(NAME, logical, activations, config, scale2)
@@ -327,7 +329,7 @@ def humming_fits(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, *args,
             and lay1.activations == lay2.activations)
 
 
-def rows_path(n: int, indexed_rows: int = INDEXED_ROWS) -> str:
+def rows_path(n: int, indexed_rows: int) -> str:
     """The path a call of `n` rows takes: "indexed" up to `indexed_rows` (the pack's, at most
     INDEXED_MAX_ROWS), else "grouped"."""
     return "indexed" if n <= min(indexed_rows, INDEXED_MAX_ROWS) else "grouped"
