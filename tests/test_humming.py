@@ -320,12 +320,17 @@ def test_gpu_indexed_path_matches_the_reference_at_1_to_16_rows(act):
 @gpu
 @pytest.mark.parametrize("act", ["bf16", "fp8"])
 @pytest.mark.parametrize("micros,ms,mc", [(1, 0, 1), (2, 0, 2)])
-def test_gpu_paths_give_the_same_bits_across_the_threshold(act, micros, ms, mc):
-    """A request's rows do not change where its batch crosses INDEXED_MAX_ROWS: INDEXED_MAX_ROWS rows (the
-    indexed path) give the bits of the same rows among INDEXED_MAX_ROWS + 1 (the grouped path); and at 1
-    and INDEXED_MAX_ROWS rows both paths, forced, give the same bits."""
-    top = humming.INDEXED_MAX_ROWS
-    lt = laid(small_moe(top + 1, micros, seed=11), act, micros)
+@pytest.mark.parametrize("top,shared", [(2, 256), (8, 256), (humming.INDEXED_MAX_ROWS, 0)])
+def test_gpu_paths_give_the_same_bits_across_the_threshold(act, micros, ms, mc, top, shared):
+    """A request's rows do not change where its batch crosses the pack's indexed_rows (`top`): `top` rows (the
+    indexed path) give the bits of the same rows among `top` + 1 (the grouped path); and at 1 and `top` rows
+    both paths, forced, give the same bits. At INDEXED_MAX_ROWS without a shared MLP: the shared MLP's decode
+    GEMVs end at 16 rows (moe_cuda.GEMV_MAX_TOKENS, the triton variants' documented boundary too), so with
+    one, 16 rows and 17 differ whatever the experts' path (the H200 run of 2026-12-05 failed there)."""
+    t = make_qmoe(top + 1, "mxfp4", "mxfp8", hidden=512, experts=16, inter=256, shared_inter=shared,
+                  micros=micros, device="cuda", seed=11)
+    lt = dict(t, w1=humming.lay_out(t["w1"], act, indexed_rows=top),
+              w2=humming.lay_out(t["w2"], act, micros=micros, indexed_rows=top))
     args = qargs(lt, ms, mc, topk=4)
     above = kernels.call("moe_quant", *args)
     at = kernels.call("moe_quant", args[0][:top], *args[1:])
