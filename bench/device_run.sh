@@ -15,6 +15,9 @@
 #   host           suites prefill-host, train-step
 #   serving        suite serving: MXFP4 Distil tp1 (7a) and a hybrid4 rank (7b), 1/4/16 clients, then the
 #                  GPU test of graph keys across requests (denoise keys captured once)
+#   serving-policies  issue 42's table on humming-fp8's decode (installs the carried .whl): MXFP4 Distil tp1,
+#                  1/4/16 clients closed, --max-batch 16, policies interleave:8 and overlap:8, --max-denoise-batch 1
+#                  then 4 (the default policy and denoise batch are chosen from it)
 #   serving-profile  suite serving --profile: MXFP4 Distil tp1, 16 clients, --max-batch 8 then 16 (each step
 #                  synchronized and its wall time summed by what it held: decode rows, denoise rows, slots)
 #   sampling-rows  the GPU tests of batched sampling (triton_rows, the CUDA default of sample_rows: every row's
@@ -122,6 +125,13 @@ for section in "$@"; do
       run serving_distil 590 python3 -m bench serving --builds mxfp4-distil --per-client 1 --out "$OUT/serving-distil"
       run serving_hybrid4 590 python3 -m bench serving --builds hybrid4 --per-client 1 --out "$OUT/serving-hybrid4"
       tests serving_graph_tests 300 -s tests/test_gpu.py -k "graph_keys_captured_once or decode_graph_captured_once" ;;
+    serving-policies)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      mkdir -p "$OUT/serving-policies"
+      run serving_policies 590 python3 -m bench serving --builds mxfp4-distil --clients 1,4,16 --per-client 1 \
+        --max-batch 16 --arrivals closed --moe-kernels humming-fp8 --policy interleave:8,overlap:8 \
+        --max-denoise-batch 1,4 --out "$OUT/serving-policies" ;;
     serving-profile)
       for mb in 8 16; do
         mkdir -p "$OUT/serving-profile-mb$mb"
