@@ -184,19 +184,21 @@ class Studio:
             return [gr.validate(n not in problems, problems.get(n, "")) for n in names]
         return validate
 
-    def checker(self, names: tuple[str, ...], judge: Callable[..., dict[str, str]] | None = None
-                ) -> Callable[..., tuple]:
-        """The page's Generate, before its run: (the Generate buttons, the Stop buttons, status). A valid
-        request locks the buttons (the run's end unlocks them); a refused one leaves them as they are and
-        says why in the Status box, which keeps it (the run's validator, which then refuses it, puts each
-        message on its field; Gradio runs nothing after a refusal, so a lock taken before it was never
-        released)."""
+    def checker(self, names: tuple[str, ...], judge: Callable[..., dict[str, str]] | None = None,
+                clears_result: bool = False) -> Callable[..., tuple]:
+        """The page's Generate, before its run: (the Generate buttons, the Stop buttons, status), and with
+        `clears_result` (a run that draws on the canvas) Download, 'Edit this result' and the link. A valid
+        request locks the buttons (the run's end unlocks them) and turns the result's off; a refused one
+        leaves them as they are and says why in the Status box, which keeps it (the run's validator, which
+        then refuses it, puts each message on its field; Gradio runs nothing after a refusal, so a lock taken
+        before it was never released)."""
         def check(*values: Any) -> tuple:
             problems = (judge or self.problems)(names, values)
             if problems:
                 reasons = " ".join(m if m.endswith(".") else m + "." for m in problems.values())
-                return (*[gr.skip()] * (2 * RUN_BUTTONS), f"{FAILURE_PREFIX['invalid']}: {reasons}")
-            return (*busy_buttons(True), "Starting…")
+                return (*[gr.skip()] * (2 * RUN_BUTTONS), f"{FAILURE_PREFIX['invalid']}: {reasons}",
+                        *[gr.skip()] * (RESULT_BUTTONS if clears_result else 0))
+            return (*busy_buttons(True), "Starting…", *(self.result_buttons(None) if clears_result else ()))
         return check
 
     # ---------------------------------------------------------------- a prompt set (webui/prompt_set.py)
@@ -358,6 +360,17 @@ class Studio:
         is one, and again while the next run draws its previews on the canvas."""
         return (gr.DownloadButton(value=result, interactive=bool(result)), gr.Button(interactive=bool(result)),
                 result_link(self.results.id_of(result)))
+
+    def settled(self, result: str | None) -> tuple:
+        """The buttons once a run is over (done, stopped, failed or refused by the engine): each Generate live,
+        each Stop off, and Download, 'Edit this result' and the link as the canvas's result allows."""
+        return (*busy_buttons(False), *self.result_buttons(result))
+
+    def finished(self, result: str | None, record: dict | None, saved: Any) -> tuple:
+        """After a finished run, in one reply: the buttons (`settled`), the history (`remember`) and the seed
+        the image used (`used_seed`). Each reply is a round trip that the browser draws and the studio
+        serves on the CPU the engine shares (four of them, as separate events, delayed the image's Done)."""
+        return (*self.settled(result), *self.remember(result, record, saved), self.used_seed(record))
 
     def remember(self, result: str | None, record: dict | None, saved: Any) -> tuple:
         """The finished image at the front of this page's history, captioned so that runs can be told apart
@@ -675,16 +688,19 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
         # first in the click's chain: it locks the buttons of a valid request before the run's first
         # update, and leaves them alone for a refused one. Gradio 6.31's page runs a `.then` only after a
         # run that succeeded (an error runs the `.failure`s alone, a refusal by the validator nothing), so
-        # the unlock follows both ends. No progress overlay: the Status box says what happens, and after a
-        # failure keeps the reason (the overlay's red "Error" pill covered it).
+        # the unlock (`Studio.settled`) follows both ends. No progress overlay: the Status box says what
+        # happens, and after a failure keeps the reason (the overlay's red "Error" pill covered it).
         runs, stops = [t2i_run, ti2i_run, set_run], [t2i_stop, ti2i_stop, set_stop]
         private = dict(queue=False, api_visibility="private", show_progress="hidden")
-        unlock = dict(fn=lambda: busy_buttons(False), inputs=None, outputs=[*runs, *stops], **private)
+        result_actions = [download, edit_result, link]
+        settle = dict(fn=studio.settled, inputs=[result], outputs=[*runs, *stops, *result_actions], **private)
         common = dict(concurrency_limit=None, show_progress="hidden")
         t2i_inputs, ti2i_inputs = [t2i_prompt, *settings], [ti2i_prompt, refs, *settings, thread]
-        t2i_ev = t2i_run.click(studio.checker(t2i_names), t2i_inputs, [*runs, *stops, status], **private) \
+        t2i_ev = t2i_run.click(studio.checker(t2i_names, clears_result=True), t2i_inputs,
+                               [*runs, *stops, status, *result_actions], **private) \
             .then(t2i, t2i_inputs, outputs, api_name="t2i", validator=studio.validator(t2i_names), **common)
-        ti2i_ev = ti2i_run.click(studio.checker(ti2i_names), ti2i_inputs, [*runs, *stops, status], **private) \
+        ti2i_ev = ti2i_run.click(studio.checker(ti2i_names, clears_result=True), ti2i_inputs,
+                                 [*runs, *stops, status, *result_actions], **private) \
             .then(ti2i, ti2i_inputs, [*outputs, turn_made], api_name="ti2i", validator=studio.validator(ti2i_names),
                   **common)
         for button, ev in ((t2i_run, t2i_ev), (ti2i_run, ti2i_ev)):
@@ -703,9 +719,14 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
             .then(prompt_set, set_inputs, [status, set_grid_view, set_download], api_visibility="private",
                   validator=studio.validator(set_names, studio.set_problems), **common)
         set_file.upload(studio.set_from_file, set_file, set_text, **QUEUED)
+        # after a finished run, one reply (Studio.finished): the buttons, the history and the seed it used;
+        # unqueued, so this bookkeeping never waits behind (or is refused by) a full queue
+        for ev in (t2i_ev, ti2i_ev):
+            ev.then(studio.finished, [result, result_record, saved_history],
+                    [*runs, *stops, *result_actions, history, saved_history, seed], **private)
+        set_ev.then(**settle)
         for ev in (t2i_ev, ti2i_ev, set_ev):
-            ev.then(**unlock)
-            ev.failure(**unlock)
+            ev.failure(**settle)
 
         def stopped(current: str) -> Any:
             # a cancelled job yields nothing more, so the status is set here (unless nothing was running)
@@ -715,17 +736,9 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
             # cancel first, then write the status, so no update of the cancelled run can land after it
             stop.click(None, None, None, cancels=[t2i_ev, ti2i_ev, set_ev], queue=False, api_visibility="private") \
                 .then(stopped, status, status, queue=False, show_progress="hidden", api_visibility="private") \
-                .then(**unlock)
+                .then(**settle)
 
-        for ev, prompt in ((t2i_ev, t2i_prompt), (ti2i_ev, ti2i_prompt)):
-            # unqueued: bookkeeping after a run never waits behind (or is refused by) a full queue
-            ev.success(studio.remember, [result, result_record, saved_history], [history, saved_history], queue=False,
-                       api_visibility="private", show_progress="hidden")
-            ev.success(studio.used_seed, result_record, seed, queue=False, api_visibility="private",
-                       show_progress="hidden")
         ti2i_ev.success(studio.add_turn, [thread, turn_made], [thread, refs, ti2i_prompt], **QUEUED)
-        result.change(studio.result_buttons, result, [download, edit_result, link], queue=False,
-                      api_visibility="private", show_progress="hidden")
         edit_result.click(studio.to_edit, [result, thread], [refs, tabs, thread], **QUEUED)
 
         # the buttons in the same update: `result.change` does not fire for a State set by an unqueued
@@ -786,6 +799,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
 
 
 RUN_BUTTONS = 3        # the Generate buttons (text to image, edit, prompt set), each with its Stop
+RESULT_BUTTONS = 3     # Download, 'Edit this result' and the result's link (Studio.result_buttons)
 
 
 def busy_buttons(busy: bool) -> tuple:
