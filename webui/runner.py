@@ -258,6 +258,13 @@ async def run(client: EngineClient, req: Request, info: ModelInfo, results: Resu
                 batch.append(nxt)
             update = Update()
             for ev in batch:
+                if isinstance(ev, (Ratio, Image)):
+                    # a phase is over (the reasoning at the size choice, the denoising at the image): what is
+                    # held of it is shown now, before the next phase's first status (at four updates a second a
+                    # fast phase's last words, or all its steps, and the next status arrived as one)
+                    if held.merge(update).changed:
+                        yield held
+                    held, update, next_send = Update(), Update(), time.monotonic() + UPDATE_EVERY_S
                 if isinstance(ev, Started):
                     started, clock.started, clock.reasons = ev, time.monotonic(), ev.bot_task != "image"
                     update.status = "Thinking…" if clock.reasons else "Reading the prompt…"
@@ -266,11 +273,6 @@ async def run(client: EngineClient, req: Request, info: ModelInfo, results: Resu
                     update.cot = cot.text
                     update.status = f"Writing… {cot.chars} characters"
                 elif isinstance(ev, Ratio):
-                    # the reasoning is over: what is held of it is shown now, before the image's first status
-                    # (at four updates a second its last words and step 1 would otherwise arrive as one)
-                    if held.merge(update).changed:
-                        yield held
-                    held, update, next_send = Update(), Update(), time.monotonic() + UPDATE_EVERY_S
                     size, clock.sized = (ev.width, ev.height), time.monotonic()
                     update.status = waiting_for_image(size, clock.sized, clock.sized)
                 elif isinstance(ev, Denoising):
@@ -291,8 +293,7 @@ async def run(client: EngineClient, req: Request, info: ModelInfo, results: Resu
                         # the file is written off the loop: a large PNG takes a moment
                         rid = await asyncio.to_thread(results.add, with_record(image.png, record), image.seed)
                         image_path = str(results.path(rid))
-                    if held.merge(update).changed:
-                        yield held
+                    # what is held ("Decoded") is not sent: the final update sets every output
                     end = time.monotonic()
                     if recent is not None:
                         recent.add(end - clock.submitted)
