@@ -751,13 +751,17 @@ def test_a_request_behind_another_image_says_it_waits_and_counts_the_wait(browse
     wait_for(lambda: engine_server.health()["state"] == "ready", 60)
     page = open_page(browser, url)
     page.evaluate(RECORD_STATUS)
-    ahead = engine_server.submit(fast_request("the image ahead", bot_task="image", steps=120))
+    # the most steps a request may ask (STEPS_RANGE), at a large size: it outlasts the page's typing and
+    # clicks on a loaded machine (120 small steps did not, now and then), and is cancelled once the wait is seen
+    ahead = engine_server.submit(fast_request("the image ahead", bot_task="image", steps=200,
+                                                size="1024:1024"))
     try:
         while not isinstance(ahead.get(timeout=60), Step):      # it is denoising
             assert not ahead.ended, "the request ahead ended before a step"
         runs = page.evaluate("window.__done")
         status = run_without_reasoning(page, "a green star", 2)
-        expect(status).to_have_value(re.compile(r"waiting for the image ahead \(\d+ s\)"), timeout=60_000)
+        # a whole second counted, so the Done line below has a wait of 1 s or more to count
+        expect(status).to_have_value(re.compile(r"waiting for the image ahead \([1-9]\d* s\)"), timeout=60_000)
     finally:
         ahead.cancel()
     wait_done(page, runs)
