@@ -79,8 +79,13 @@ def test_an_admitted_request_runs_as_admitted_and_an_unloaded_adapter_is_refused
     assert isinstance(admit(engine_server.info, fast_request(lora="gone"), []), Error)      # the ingress's own check
 
 
+# A request that cannot end before the test has read its first step and cancelled it, even on a loaded machine:
+# the most steps a request may ask (STEPS_RANGE), at a large size (60 small steps ended first now and then).
+LONG = dict(steps=200, size="1024:1024")
+
+
 def test_cancel_running_request_frees_the_engine(engine_server):
-    sub = engine_server.submit(fast_request(steps=60))
+    sub = engine_server.submit(fast_request(**LONG))
     for ev in sub:
         if isinstance(ev, Step):
             assert engine_server.cancel(sub.request_id)
@@ -91,7 +96,7 @@ def test_cancel_running_request_frees_the_engine(engine_server):
 
 
 def test_cancel_a_queued_request(engine_server):
-    running = engine_server.submit(fast_request(steps=60))
+    running = engine_server.submit(fast_request(**LONG))
     queued = engine_server.submit(fast_request(prompt="second"))
     assert engine_server.health()["queue"] >= 1
     assert queued.cancel()
@@ -146,7 +151,7 @@ def test_leaving_the_iteration_early_cancels(engine_server):
 
 def test_killed_worker_fails_the_request_and_restarts(engine_server):
     before = engine_server.health()
-    sub = engine_server.submit(fast_request(steps=60))
+    sub = engine_server.submit(fast_request(**LONG))
     for ev in sub:
         if isinstance(ev, Ratio):
             os.kill(engine_server.health()["worker_pids"][0], signal.SIGKILL)
@@ -214,12 +219,12 @@ def test_two_ranks_on_cpu_serve_cancel_and_survive_a_dead_follower(tiny_dir):
         h = server.health()
         assert h["plan"] == "tp2" and len(h["worker_pids"]) == 2
         assert isinstance(final(list(server.stream(fast_request()))), Done)
-        sub = server.submit(fast_request(steps=60))
+        sub = server.submit(fast_request(**LONG))
         for ev in sub:
             if isinstance(ev, Step):
                 sub.cancel()
         assert ev.kind == "cancelled"
-        sub = server.submit(fast_request(steps=60))
+        sub = server.submit(fast_request(**LONG))
         for ev in sub:
             if isinstance(ev, Step):
                 os.kill(server.health()["worker_pids"][1], signal.SIGKILL)     # a follower dies
