@@ -219,12 +219,12 @@ def test_two_ranks_on_cpu_serve_cancel_and_survive_a_dead_follower(tiny_dir):
         h = server.health()
         assert h["plan"] == "tp2" and len(h["worker_pids"]) == 2
         assert isinstance(final(list(server.stream(fast_request()))), Done)
-        sub = server.submit(fast_request(**LONG))
+        sub = server.submit(fast_request(steps=60))
         for ev in sub:
             if isinstance(ev, Step):
                 sub.cancel()
         assert ev.kind == "cancelled"
-        sub = server.submit(fast_request(**LONG))
+        sub = server.submit(fast_request(steps=60))
         for ev in sub:
             if isinstance(ev, Step):
                 os.kill(server.health()["worker_pids"][1], signal.SIGKILL)     # a follower dies
