@@ -18,8 +18,8 @@ the op's reference (relative L2 error; W4A8's includes the FP8 rounding of the a
 bits on a second run, and at decode sizes for batch invariance (a token alone gives the same bits); where
 both paths run, whether they give the same bits (`= grouped`: the threshold then changes no result). Then
 the us/layer of every path side by side per N, and per activation the row counts where the indexed path is
-the faster (what humming.INDEXED_ROWS, a pack's default, is set from). Also: the time to lay out one layer's packs (and to compile
-the kernels, the first time) and the share of scale blocks W4A8's fold rounds.
+the faster (what humming.INDEXED_ROWS, a pack's default, is set from). Also: the time to lay out one
+layer's packs (and to compile the kernels, the first time) and the share of scale blocks W4A8's fold rounds.
 """
 from __future__ import annotations
 

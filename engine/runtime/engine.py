@@ -93,7 +93,7 @@ class Engine:
         self.pool, self.graphs, self.agree = pool, graphs, self.ctx.agree
         self.prefix, self.encodings = self.ctx.prefix, self.ctx.encodings
         self.moe_kernels: str | None = None        # what `from_config` laid the quantized experts out for
-        self.scheduler = self.new_scheduler()      # the requests `step` advances
+        self.scheduler = self.new_scheduler(policy=options.step_policy)     # the requests `step` advances
 
     @classmethod
     def from_config(cls, config: EngineSettings, groups: RankGroups | None = None,
@@ -113,11 +113,11 @@ class Engine:
         moe_kernels = lay_out_experts(loaded.model, config.moe_kernels, lora is not None and lora.mlp is not None)
         options = EngineOptions(max_batch=config.max_batch, max_denoise_batch=config.max_denoise_batch,
                                 preview_every=config.preview_every, cfg_serial=config.cfg_serial,
-                                cuda_graph=config.cuda_graph, prefix_cache_bytes=config.prefix_cache_mb << 20,
+                                cuda_graph=config.cuda_graph, step_policy=config.step_policy,
+                                prefix_cache_bytes=config.prefix_cache_mb << 20,
                                 encoding_cache_bytes=config.encoding_cache_mb << 20)
         engine = cls(loaded, groups, options)
         engine.moe_kernels = moe_kernels
-        engine.scheduler = engine.new_scheduler(policy=config.step_policy)
         return engine
 
     def new_scheduler(self, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE,

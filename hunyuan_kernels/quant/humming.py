@@ -18,9 +18,9 @@ others, which are rounded toward zero).
                                      humming's input kernel), GEMM2 over that micro's columns of the down
                                      pack; the micros' partials summed in fp32; the shared MLP on the other
                                      variants' linears; one weighted finalize:
-      grouped (more rows than the pack's indexed_rows)   routing and permutation as the `grouped` variant (moe/cuda.py), the
-                                     GEMMs grouped-contiguous over the experts' rows of the permuted copy;
-      indexed (up to indexed_rows: 1-2 decode rows)      the same routing, then `align` (one tiny kernel) lists each expert's
+      grouped (above the pack's indexed_rows)  routing and permutation as the `grouped` variant (moe/cuda.py),
+                                     the GEMMs grouped-contiguous over the experts' rows of the permuted copy;
+      indexed (up to indexed_rows: 1-2 rows)   the same routing, then `align` (one tiny kernel) lists each expert's
                                      routes in blocks of the GEMM's M tile, and humming's INDEXED GEMMs
                                      gather their input rows themselves and write one row per (token,
                                      choice): no permutation, no copy of x, no inverse map in the finalize.
@@ -173,7 +173,7 @@ def _transform(codes: torch.Tensor, scales: torch.Tensor, activations: str):
     return config, out["weight"], out["weight_scale"], out.get("weight_scale_2")
 
 
-def indexed_tuning(layer, experts: int, device: torch.device, indexed_rows: int = 0) -> Config:
+def indexed_tuning(layer, experts: int, device: torch.device, indexed_rows: int) -> Config:
     """The indexed GEMM's kernels for `layer` (humming's LayerConfig), chosen by humming's own heuristics as
     its forward would choose them (`_resolve_configs` -> `get_heuristics_config`), kept for the routed rows
     a call of the indexed path can have (INDEXED_MAX_ROWS tokens, each routed to at most `experts`: the
@@ -398,7 +398,7 @@ def _routes(ids: torch.Tensor, lay: KernelLayout, top_k: int) -> dict:
 
 def _indexed(x, gate, w1: QWeight, w2: QWeight, micro_start: int, micro_count: int, topk: int, norm_topk: bool):
     """The grouped path's routing (router_select with its plan, whose counts go unused: the same weights bit
-    for bit, so a row's output does not change where its batch crosses INDEXED_MAX_ROWS), `align`'s route
+    for bit, so a row's output does not change where its batch crosses the pack's indexed_rows), `align`'s route
     lists, then the indexed GEMMs: GEMM1 gathers the rows of x itself (row t*k+j of its output: token t's
     j-th choice), GEMM2 reads those rows as they are (top_k 1) -> (weights, [N*k, H] in route order, None)."""
     w, ids, _ = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=True)
@@ -417,7 +417,7 @@ def moe_quant_humming(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, m
                       topk: int, norm_topk: bool, out: torch.Tensor | None = None,
                       path: str | None = None) -> torch.Tensor:
     """The `humming` variant (signature: `moe.moe_quant_reference`; `out` [N, H] x.dtype may be given):
-    the indexed path up to INDEXED_MAX_ROWS rows, else the grouped one (`rows_path`); `path` ("indexed" /
+    the indexed path up to the pack's indexed_rows, else the grouped one (`rows_path`); `path` ("indexed" /
     "grouped") forces one (bench humming times both; the engine never passes it). The shared MLP of a
     decode step's rows (quantized, at most the GEMV decode's rows) runs on the decode GEMVs on a side
     stream, as the `decode` variant runs it (batch invariant, hidden under the routing); otherwise on the
