@@ -265,7 +265,9 @@ def test_requests_run_together_up_to_max_batch(tiny_dir):
             return sum(isinstance(e, Step) for e in events)
 
         long = [server.submit(fast_request(prompt=f"long {i}", seed=i, steps=200)) for i in range(6)]
-        wait_for(lambda: server.health()["running"] == 4, 60)
+        # the server's counts settle together: a health read while the fourth is being taken in can see it both
+        # running and still waiting (a fresh-clone CI run read waiting 3), so wait for the whole state
+        wait_for(lambda: (lambda h: h["running"] == 4 and h["waiting"] == h["queue"] == 2)(server.health()), 60)
         h = server.health()
         assert h["waiting"] == h["queue"] == 2 and h["max_batch"] == 4
         assert set(h["running_ids"]) == {s.request_id for s in long[:4]}
