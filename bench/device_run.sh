@@ -18,6 +18,9 @@
 #   serving-policies  issue 42's table on humming-fp8's decode (installs the carried .whl): MXFP4 Distil tp1,
 #                  1/4/16 clients closed, --max-batch 16, policies interleave:8 and overlap:8, --max-denoise-batch 1
 #                  then 4 (the default policy and denoise batch are chosen from it)
+#   mxfp8-fold     `--mxfp8-kernels fp8` (installs the carried .whl): the folded mixed build's GPU test, then suite
+#                  one-gpu: MXFP4 Distil on humming-fp8 with its MXFP8 linears triton vs fp8 (--profile-step: no
+#                  dequantize pass left), the MXFP8 build triton vs fp8 (its experts folded too)
 #   serving-profile  suite serving --profile: MXFP4 Distil tp1, 16 clients, --max-batch 8 then 16 (each step
 #                  synchronized and its wall time summed by what it held: decode rows, denoise rows, slots)
 #   sampling-rows  the GPU tests of batched sampling (triton_rows, the CUDA default of sample_rows: every row's
@@ -132,6 +135,15 @@ for section in "$@"; do
       run serving_policies 590 python3 -m bench serving --builds mxfp4-distil --clients 1,4,16 --per-client 1 \
         --max-batch 16 --arrivals closed --moe-kernels humming-fp8 --policy interleave:8,overlap:8 \
         --max-denoise-batch 1,4 --out "$OUT/serving-policies" ;;
+    mxfp8-fold)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      tests mxfp8_fold_tests 200 tests/test_quant_resident.py -k "mxfp4"
+      mkdir -p "$OUT/mxfp8-fold" "$OUT/mxfp8-fold-mxfp8"
+      run one_gpu_fold 400 python3 -m bench one-gpu --builds mxfp4-distil --moe-kernels humming-fp8 \
+        --mxfp8-kernels triton,fp8 --profile-step --out "$OUT/mxfp8-fold"
+      run one_gpu_fold_mxfp8 300 python3 -m bench one-gpu --builds mxfp8-distil --mxfp8-kernels triton,fp8 \
+        --out "$OUT/mxfp8-fold-mxfp8" ;;
     serving-profile)
       for mb in 8 16; do
         mkdir -p "$OUT/serving-profile-mb$mb"

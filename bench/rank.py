@@ -138,5 +138,7 @@ def denoise_runner(model: HunyuanImage3, plan: ParallelPlan, seq: Sequence, pref
                          (graphs if graphs is not None else Graphs()) if graph else None)
 
 
-def latent(model: HunyuanImage3, side: int) -> torch.Tensor:
-    return torch.randn(1, int(model.cfg.vae["latent_channels"]), side, side, device=model.device)
+def latent(model: HunyuanImage3, side: int, seed: int | None = None) -> torch.Tensor:
+    """A random latent of the image; `seed`: drawn from its own generator (the same one whatever ran before)."""
+    gen = torch.Generator(model.device).manual_seed(seed) if seed is not None else None
+    return torch.randn(1, int(model.cfg.vae["latent_channels"]), side, side, device=model.device, generator=gen)

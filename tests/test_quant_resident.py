@@ -228,20 +228,26 @@ def test_quantize_flag_reaches_the_load(folders):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4-ct", "nvfp4-modelopt", "fp8-channel-modelopt", "online-fp8"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4-folded", "nvfp4-ct", "nvfp4-modelopt", "fp8-channel-modelopt",
+                                 "online-fp8"])
 def test_gpu_resident_quantized_model_runs_on_the_fast_ops(folders, fmt):
     """On CUDA bf16 the packs stay quantized by default and the layers run the Triton / scaled-mm ops
     (each layer within its format's tolerance of the dequantized load); a whole request runs, with
-    the AR decode as a CUDA graph over the quantized decode kernels."""
-    online = fmt == "online-fp8"
-    folder, quantize = (folders["bf16"], "fp8") if online else (folders[fmt], None)
+    the AR decode as a CUDA graph over the quantized decode kernels. mxfp4-folded: the mixed build with its
+    MXFP8 linears folded into FP8 (`--mxfp8-kernels fp8`: W8A8 beside the MXFP4 experts)."""
+    online, folded = fmt == "online-fp8", fmt == "mxfp4-folded"
+    folder, quantize = (folders["bf16"], "fp8") if online else (folders["mxfp4" if folded else fmt], None)
     lm = load(folder, "cuda", torch.bfloat16, quantize=quantize)
+    if folded:
+        from engine.model.kernel_layouts import fold_mxfp8_weights
+        assert fold_mxfp8_weights(lm.model, "fp8") == "fp8"
+        assert lm.model.transformer.layers[0].self_attn.qkv.format.fmt == "fp8"
     dense = load(folder, "cuda", torch.bfloat16, quantize=quantize, resident="dense")
     for op, names in (("moe_quant", ["decode", "batched", "grouped"]), ("linear_mxfp8", ["gemv", "triton"]),
                       ("linear_nvfp4", ["gemv", "triton"]), ("linear_fp8", ["scaled_mm"])):
         assert [i.backend for i in kernels.registry.candidates(op, "cuda", torch.bfloat16)] == names + ["torch"], op
     g = torch.Generator(device="cuda").manual_seed(0)
-    tol = 5e-2 if fmt in W8A8 or online else 2e-2
+    tol = 5e-2 if fmt in W8A8 or online or folded else 2e-2
     for lq, ld in zip(lm.model.transformer.layers, dense.model.transformer.layers):
         for name in PACKS:
             assert isinstance(_param(lq, name), QuantPack), name

@@ -29,7 +29,7 @@ import torch
 import hunyuan_kernels as kernels
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
-from engine.model.kernel_layouts import lay_out_experts
+from engine.model.kernel_layouts import fold_mxfp8_weights, lay_out_experts
 from engine.model.packed import PackFormat
 from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.decode_step import DecodeStep
@@ -74,6 +74,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="comma-separated kernels of the quantized experts, a row each: triton, humming, humming-fp8 "
                          "(engine/model/kernel_layouts.py; default triton). Every row's DiT-step velocity is compared "
                          "with its build's first row's (same seeded weights and input): put triton first")
+    ap.add_argument("--mxfp8-kernels", default="triton",
+                    help="comma-separated kernels of the MXFP8 weights, a row each with every --moe-kernels: triton, "
+                         "fp8 (folded at load, W8A8), auto (fp8 with humming-fp8); default triton")
 
 
 def resident_formats(cfg: ModelConfig, experts: str, dense: str) -> dict[str, PackFormat]:
@@ -137,7 +140,8 @@ class Request:
         r = self.runner(graph)
         r.prefill()
         dev = self.model.device
-        x, t = rank.latent(self.model, self.s.side), torch.full((1,), 500.0, device=dev)
+        # a seeded latent: every row of a run steps the same input (its velocity is compared with the first's)
+        x, t = rank.latent(self.model, self.s.side, seed=1), torch.full((1,), 500.0, device=dev)
         g = torch.full((1,), 2500.0, device=dev) if self.distil else None
         rr = torch.full((1,), 400.0, device=dev) if self.distil and self.model.timestep_r_emb is not None else None
         return lambda: r.velocity(1, StepInputs(x, t, rr, g))
@@ -199,7 +203,7 @@ def velocity_errors(rows: list[dict]) -> None:
 
 
 def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool, whole_steps: int,
-            args: argparse.Namespace, out: Output, moe_kernels: str = "triton") -> dict:
+            args: argparse.Namespace, out: Output, moe_kernels: str = "triton", mxfp8_kernels: str = "triton") -> dict:
     cuda = torch.cuda.is_available() and not args.dry
     if cuda:
         torch.cuda.empty_cache()
@@ -209,7 +213,8 @@ def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool,
     model = rank.build(cfg, plan, torch.bfloat16, "cuda" if cuda else "cpu", resident)
     t1 = time.perf_counter()
     ran = lay_out_experts(model, moe_kernels)
-    row = dict(build=name, moe_kernels=ran, layout_s=time.perf_counter() - t1, resident_gib=rank.resident_gib(model),
+    ran8 = fold_mxfp8_weights(model, mxfp8_kernels, ran)
+    row = dict(build=name, moe_kernels=ran, mxfp8_kernels=ran8, layout_s=time.perf_counter() - t1, resident_gib=rank.resident_gib(model),
                build_s=time.perf_counter() - t0, allocated_gib=torch.cuda.memory_allocated() / 2 ** 30 if cuda else None)
     out.say(f"{name}: built in {row['build_s']:.0f} s, resident {row['resident_gib']:.1f} GiB")
     with torch.no_grad():
@@ -222,7 +227,7 @@ def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool,
         row["step_ms"] = req.step_ms(graph=False)
         row["_velocity"] = req.step_fn(graph=False)().float().cpu()     # the same seeded model and input per row
         if args.profile_step and cuda:
-            for line in kernel_table(req.step_fn(graph=False), f"{name} ({ran}) DiT step (eager)", rows=32):
+            for line in kernel_table(req.step_fn(graph=False), f"{name} ({ran}, mxfp8 {ran8}) DiT step (eager)", rows=32):
                 out.say(line)
         row["step_ms_graph"] = req.step_ms(graph=True) if not args.no_step_graph else None
         z = rank.latent(model, shapes.side)
@@ -261,12 +266,14 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         distil, experts, dense, whole = BUILDS[b]
         cfg = rank.config(args.dry or args.tiny, distil)
         for k in filter(None, args.moe_kernels.split(",")):
-            rows.append(measure(b, cfg, resident_formats(cfg, experts, dense), shapes, distil, whole, args, out, k))
+            for k8 in filter(None, args.mxfp8_kernels.split(",")):
+                rows.append(measure(b, cfg, resident_formats(cfg, experts, dense), shapes, distil, whole, args, out,
+                                    k, k8))
     velocity_errors(rows)
     if args.fp8_speedup:
         speed = fp8_speedup(rank.config(args.dry or args.tiny), shapes, args, out)
     out.data.update(rows=rows, fp8_speedup=speed, prefill=shapes.prefill, cot=shapes.cot)
-    out.table(rows, [Col("build", "build"), Col("experts on", "moe_kernels"), Col("resident GiB", "resident_gib", ".1f"), Col("peak GiB", "peak_gib", ".1f"),
+    out.table(rows, [Col("build", "build"), Col("experts on", "moe_kernels"), Col("MXFP8 on", "mxfp8_kernels"), Col("resident GiB", "resident_gib", ".1f"), Col("peak GiB", "peak_gib", ".1f"),
                      Col("prefill ms", "prefill_ms", ".1f"), Col("ms/token", "ms_per_token", ".2f"),
                      Col("DiT step ms", "step_ms", ".1f"), Col("graph step", "step_ms_graph", ".1f"),
                      Col("VAE ms", "vae_ms", ".0f"), Col("whole T2I s", "whole_total_s", ".2f"),
@@ -275,7 +282,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
               f"{shapes.cot} CoT tokens")
     for r in rows:
         if "whole_total_s" in r:
-            out.say(f"{r['build']} ({r['moe_kernels']}) whole request: " + ", ".join(f"{k[6:]} {v:.2f}" for k, v in r.items()
+            out.say(f"{r['build']} ({r['moe_kernels']}, mxfp8 {r['mxfp8_kernels']}) whole request: " + ", ".join(f"{k[6:]} {v:.2f}" for k, v in r.items()
                                                               if k.startswith("whole_")))
     if speed:
         out.say(f"hybrid4 rank DiT step (compute only, graph): bf16 {speed['bf16']:.1f} ms, fp8 {speed['fp8']:.1f} ms "

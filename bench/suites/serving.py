@@ -65,7 +65,7 @@ from typing import Callable
 
 import torch
 
-from engine.model.kernel_layouts import lay_out_experts
+from engine.model.kernel_layouts import fold_mxfp8_weights, lay_out_experts
 from engine.model.loader import LoadedModel
 from engine.parallel.fake import FakeComm
 from engine.parallel.groups import RankGroups
@@ -124,6 +124,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the runs at each client count: closed and/or poisson (module doc)")
     ap.add_argument("--moe-kernels", default="triton",
                     help="the quantized experts' kernels (engine/model/kernel_layouts.py: triton, humming, humming-fp8)")
+    ap.add_argument("--mxfp8-kernels", default="auto",
+                    help="the MXFP8 weights' kernels (engine/model/kernel_layouts.py: triton, fp8, auto: fp8 with "
+                         "humming-fp8, as the server's default)")
 
 
 # ---------------------------------------------------------------------------------------- the engine
@@ -294,7 +297,9 @@ def run(args: argparse.Namespace, out: Output) -> bool:
                 torch.cuda.empty_cache()
             lm, groups = engine(build, folder, dev)
             out.data["moe_kernels"] = lay_out_experts(lm.model, args.moe_kernels)
-            out.say(f"{build}: quantized experts on {out.data['moe_kernels']}")
+            out.data["mxfp8_kernels"] = fold_mxfp8_weights(lm.model, args.mxfp8_kernels, out.data["moe_kernels"])
+            out.say(f"{build}: quantized experts on {out.data['moe_kernels']}, MXFP8 weights on "
+                    f"{out.data['mxfp8_kernels']}")
             for batch in [int(d) for d in args.max_denoise_batch.split(",")]:
                 pipe = Engine(lm, groups, EngineOptions(max_batch=args.max_batch, max_denoise_batch=batch,
                                                         preview_every=0))

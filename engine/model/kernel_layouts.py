@@ -12,6 +12,17 @@ and the memory stays what the codes and scales take (the laid-out codes replace 
 
 A laid-out pack runs only on its family's variant of the `moe_quant` op: LoRA adapters of the MLPs
 (`moe_lora`, which reads the plain codes) need `triton`.
+
+Which kernels multiply the MXFP8 weights (the mixed builds' attention and shared MLP; every linear of an MXFP8
+build), chosen after the experts' (`--mxfp8-kernels`):
+
+    triton        weight-only (bf16 activations): the decode GEMVs, and for 256 rows or more the weight
+                  dequantized once a call into a bf16 GEMM
+    fp8           folded at load into FP8 per output channel (formats.fold_mxfp8: a row's scale its largest
+                  block scale, the other blocks' codes rescaled, exact but for codes under E4M3's normal
+                  range) and multiplied as the FP8 builds' weights are: W8A8 on the FP8 tensor cores, the
+                  activations quantized per token; no dequantize pass in the DiT step
+    auto          fp8 where the experts run humming-fp8 (FP8 activations chosen already), else triton
 """
 from __future__ import annotations
 
@@ -21,8 +32,15 @@ if TYPE_CHECKING:        # the choices are read by the command lines, which impo
     from torch import nn
 
     from engine.model.moe import MoE
+    from engine.model.packed import QuantPack
 
 MOE_KERNELS = ("auto", "triton", "humming", "humming-fp8")
+MXFP8_KERNELS = ("auto", "triton", "fp8")
+
+
+def _mxfp8_packs(model: "nn.Module") -> "list[QuantPack]":
+    from engine.model.packed import QuantPack
+    return [m for m in model.modules() if isinstance(m, QuantPack) and m.format.fmt == "mxfp8" and m.layout is None]
 
 
 def _quantized_moes(model: "nn.Module") -> "list[MoE]":
@@ -71,3 +89,28 @@ def lay_out_experts(model: "nn.Module", choice: str = "auto", lora_mlp: bool = F
         m.w1.take_layout(humming.lay_out(m.w1.value(), activations))
         m.w2.take_layout(humming.lay_out(m.w2.value(), activations, micros=m.micros))
     return "humming-fp8" if activations == "fp8" else "humming"
+
+
+def fold_mxfp8_weights(model: "nn.Module", choice: str = "auto", moe_kernels: str = "triton") -> str:
+    """Fold every MXFP8 pack of `model` into FP8 per output channel when `choice` (see the module's docstring;
+    `moe_kernels`: what `lay_out_experts` returned) says so, and return what its MXFP8 weights run on:
+    "triton" or "fp8" ("triton" too when it keeps none). A named "fp8" that cannot be served is refused
+    (ValueError saying why); "auto" then keeps triton."""
+    if choice not in MXFP8_KERNELS:
+        raise ValueError(f"--mxfp8-kernels {choice!r}: one of {', '.join(MXFP8_KERNELS)}")
+    packs = _mxfp8_packs(model)
+    if choice == "triton" or (choice == "auto" and (moe_kernels != "humming-fp8" or not packs)):
+        return "triton"
+    if not packs:
+        raise ValueError("--mxfp8-kernels fp8: this model keeps no MXFP8 weights on the device (the MXFP8 and "
+                         "mixed MXFP4 builds on a CUDA engine keep them)")
+    import torch
+    dev = packs[0].device
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
+        if choice == "auto":
+            return "triton"
+        raise ValueError("--mxfp8-kernels fp8: W8A8 needs FP8 tensor cores (compute capability 8.9 or newer), "
+                         f"and {torch.cuda.get_device_name(dev)} has none")
+    for p in packs:
+        p.fold_to_fp8()
+    return "fp8"

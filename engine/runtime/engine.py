@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from engine.model.kernel_layouts import lay_out_experts
+from engine.model.kernel_layouts import fold_mxfp8_weights, lay_out_experts
 from engine.model.loader import LoadedModel, load, parse_dtype
 from engine.model.lora import load_adapter
 from engine.model.lora_merge import merge_adapter
@@ -64,6 +64,7 @@ class EngineSettings(Protocol):
     max_lora_rank: int
     lora_mlp: bool
     moe_kernels: str
+    mxfp8_kernels: str
     step_policy: str
 
 
@@ -93,6 +94,7 @@ class Engine:
         self.pool, self.graphs, self.agree = pool, graphs, self.ctx.agree
         self.prefix, self.encodings = self.ctx.prefix, self.ctx.encodings
         self.moe_kernels: str | None = None        # what `from_config` laid the quantized experts out for
+        self.mxfp8_kernels: str | None = None      # ... and what runs its MXFP8 weights ("fp8": folded at load)
         self.scheduler = self.new_scheduler(policy=options.step_policy)     # the requests `step` advances
 
     @classmethod
@@ -111,13 +113,14 @@ class Engine:
         _start_adapters(loaded, config)
         lora = loaded.model.lora                  # the experts' kernels, after any merge (MLP tables need triton)
         moe_kernels = lay_out_experts(loaded.model, config.moe_kernels, lora is not None and lora.mlp is not None)
+        mxfp8_kernels = fold_mxfp8_weights(loaded.model, config.mxfp8_kernels, moe_kernels)
         options = EngineOptions(max_batch=config.max_batch, max_denoise_batch=config.max_denoise_batch,
                                 preview_every=config.preview_every, cfg_serial=config.cfg_serial,
                                 cuda_graph=config.cuda_graph, step_policy=config.step_policy,
                                 prefix_cache_bytes=config.prefix_cache_mb << 20,
                                 encoding_cache_bytes=config.encoding_cache_mb << 20)
         engine = cls(loaded, groups, options)
-        engine.moe_kernels = moe_kernels
+        engine.moe_kernels, engine.mxfp8_kernels = moe_kernels, mxfp8_kernels
         return engine
 
     def new_scheduler(self, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from engine import EMBEDDED_MODEL
-from engine.model.kernel_layouts import MOE_KERNELS
+from engine.model.kernel_layouts import MOE_KERNELS, MXFP8_KERNELS
 from engine.runtime.lru import ENCODING_CACHE_MB, PREFIX_CACHE_MB
 
 if TYPE_CHECKING:
@@ -130,6 +130,10 @@ class EngineConfig:
                                       "(humming-kernels W4A16: pip install '.[humming]', a Hopper GPU), humming-fp8 "
                                       "(its W4A8: FP8 activations), auto (humming where it can take the experts, "
                                       "else triton; default; engine/model/kernel_layouts.py)", choices=MOE_KERNELS)
+    mxfp8_kernels: str = option("auto", "the kernels of MXFP8 weights (the mixed builds' attention and shared MLP): "
+                                        "triton (weight-only, bf16 activations), fp8 (folded at load into FP8 per "
+                                        "output channel, W8A8 on FP8 tensor cores), auto (fp8 where the experts run "
+                                        "humming-fp8, else triton; default)", choices=MXFP8_KERNELS)
     verbose: bool = option(False, flag=None)      # loading progress on stderr (a command line's from_args: on)
 
     def __post_init__(self) -> None:
@@ -143,6 +147,8 @@ class EngineConfig:
             raise ValueError(f"world_size (--gpus) must be >= 1 (got {self.world_size})")
         if self.moe_kernels not in MOE_KERNELS:
             raise ValueError(f"moe_kernels {self.moe_kernels!r}: one of {', '.join(MOE_KERNELS)}")
+        if self.mxfp8_kernels not in MXFP8_KERNELS:
+            raise ValueError(f"mxfp8_kernels {self.mxfp8_kernels!r}: one of {', '.join(MXFP8_KERNELS)}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose bfloat16, float16 or float32")
         if self.quantize is not None:

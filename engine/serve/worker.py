@@ -162,7 +162,8 @@ class WorkerRank:
                 print(f"engine: warmed up in {warmed.seconds:.1f} s ({warmed.graphs} CUDA graphs captured)",
                       file=sys.stderr, flush=True)
         self.send(Ready({"load_s": round(lm.load_s, 2), "device": str(self.dev), "dtype": str(lm.model.dtype),
-                         "plan": self.plan.name, "moe_kernels": self.engine.moe_kernels, "ranks": self.rank_stats(),
+                         "plan": self.plan.name, "moe_kernels": self.engine.moe_kernels,
+                         "mxfp8_kernels": self.engine.mxfp8_kernels, "ranks": self.rank_stats(),
                          "warmup": None if warmed is None else warmed.summary()}))
 
     def rank_stats(self) -> list[dict]:

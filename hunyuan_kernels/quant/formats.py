@@ -94,6 +94,33 @@ def dequant_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (codes.float() * scale.float()).to(dtype)
 
 
+# ---------------------------------------------------------------- MXFP8 folded per output channel
+def fold_mxfp8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 (codes float8_e4m3fn [..., N, K], E8M0 scales [..., N, K/32]) -> FP8 per output channel
+    (codes [..., N, K], fp32 scale [..., N, 1]), the layout cuBLAS's row-wise scaled FP8 GEMMs multiply:
+    each row's scale is its largest block scale, and every other block's codes are multiplied by the power
+    of two between the two (exact in fp32) and rounded once to E4M3 (nearest even). A block at the row's
+    largest scale stays exact; a block d binades below loses only the codes that fall under E4M3's normal
+    range (|code| < 2^(d-6)), each by at most half a subnormal step, 2^-10 of the row's scale: far under
+    the per-token FP8 rounding of the activations these weights then meet. `fold_rounded` counts them."""
+    e = scales.to(torch.int32)
+    if bool((e == 255).any()):
+        raise ValueError("fold_mxfp8: an E8M0 scale byte is 255 (NaN)")
+    top = e.amax(dim=-1, keepdim=True)
+    folded = _blocks(codes.float(), torch.exp2((e - top).float()))
+    return folded.to(torch.float8_e4m3fn), e8m0_to_float(top.to(torch.uint8))
+
+
+def fold_rounded(codes: torch.Tensor, scales: torch.Tensor) -> tuple[float, float]:
+    """What `fold_mxfp8` rounds in one weight: (the share of its elements whose value changes, the largest
+    change over its row's largest dequantized magnitude)."""
+    wq, s = fold_mxfp8(codes, scales)
+    exact = dequant_mxfp8(codes, scales, torch.float32)
+    diff = (wq.float() * s - exact).abs()
+    row_max = exact.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return (diff > 0).float().mean().item(), (diff / row_max).max().item()
+
+
 # ---------------------------------------------------------------- resident quantized weights
 FORMATS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
 SCALE_BLOCK = {"mxfp8": MX_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NV_BLOCK, "fp8": None}
