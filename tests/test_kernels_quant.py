@@ -225,6 +225,7 @@ def _emulate_scaled_grouped(monkeypatch):
     ("mxfp4", "mxfp8", 3, 1, 2), ("mxfp4", "mxfp8", 37, 0, 3),      # the MXFP4-mixed build
     ("nvfp4", "bf16", 5, 0, 3), ("nvfp4", "nvfp4", 40, 1, 1),       # float shared MLP; CT's inverse scale
     ("fp8", "fp8", 8, 1, 2), ("fp8", "fp8", 37, 0, 2),               # online FP8 (W8A8)
+    ("mxfp4", "fp8", 3, 1, 2), ("mxfp4", "fp8", 37, 0, 3),           # mixed, its MXFP8 folded (--mxfp8-kernels fp8)
 ])
 def test_interp_moe_quant_paths(qt, monkeypatch, fmt, shared_fmt, n, micro_start, micro_count):
     from hunyuan_kernels.quant import moe_cuda
@@ -236,7 +237,22 @@ def test_interp_moe_quant_paths(qt, monkeypatch, fmt, shared_fmt, n, micro_start
     got = poisoned(variant, *args, out=out)
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
     # fp8: the activations' E4M3 rounding turns bf16-level differences into a few rounding steps
-    assert rel_err(got, moe_quant_reference(*args)) < (3e-2 if fmt == "fp8" else 1e-2)
+    assert rel_err(got, moe_quant_reference(*args)) < (3e-2 if "fp8" in (fmt, shared_fmt) else 1e-2)
+
+
+def test_interp_fp8_rows_quantized_then_permuted_are_the_permuted_rows_quantized(qt):
+    """The grouped FP8 path quantizes a token's row once and permutes codes and scales (moe_cuda._grouped):
+    bit for bit the rows that permuting first and quantizing every route's copy gives."""
+    from hunyuan_kernels.moe.cuda import permute, permute_rows
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(37, 64, generator=g) * torch.rand(37, 1, generator=g) * 8).bfloat16()
+    gate = torch.randn(16, 64, generator=g)
+    w0, inv0, xs, offs0 = permute(x, gate, 4, True)
+    q0, s0 = qt.quantize_rows(xs)
+    w1, inv1, (q1, s1), offs1 = permute_rows(x, gate, 4, True, *qt.quantize_rows(x))
+    assert q1.dtype == torch.float8_e4m3fn and s1.dtype == torch.float32 and s1.shape == (37 * 4, 1)
+    for a, b in ((w0, w1), (inv0, inv1), (offs0, offs1), (s0, s1), (q0.view(torch.uint8), q1.view(torch.uint8))):
+        assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------- GPU

@@ -120,11 +120,27 @@ def _plan(x, gate, topk, norm_topk):
 def permute(x, gate, topk, norm_topk):
     """One routing pass: weights, the row of every route in expert order (inv), the permuted rows
     of x, and the expert end offsets for torch._grouped_mm."""
-    n, h = x.shape
-    w, ids, rank, base, offs, block_tokens = _plan(x, gate, topk, norm_topk)
-    xs = _empty(n * topk, h, dtype=x.dtype, device=x.device)
-    inv = tk.dispatch(x, ids, rank, base, block_tokens, xs)
+    w, inv, (xs,), offs = permute_rows(x, gate, topk, norm_topk, x)
     return w, inv, xs, offs
+
+
+def permute_rows(x, gate, topk, norm_topk, *rows: torch.Tensor):
+    """`permute` routing on x but permuting `rows` (tensors of x's N rows; bits copied: any dtype), e.g.
+    x's FP8 codes and per-row scales, quantized once a token instead of once a route: -> (weights, inv,
+    the permuted rows of each, offsets)."""
+    n = x.shape[0]
+    w, ids, rank, base, offs, block_tokens = _plan(x, gate, topk, norm_topk)
+    out, inv = [], None
+    for r in rows:
+        bits = r.view(_BITS[r.element_size()]) if r.dtype.is_floating_point and r.element_size() != 2 else r
+        rs = _empty(n * topk, r.shape[1], dtype=bits.dtype, device=r.device)
+        inv = tk.dispatch(bits, ids, rank, base, block_tokens, rs)
+        out.append(rs.view(r.dtype))
+    return w, inv, tuple(out), offs
+
+
+# the integer dtype whose elements carry another dtype's bits (a row copy moves bits, whatever they mean)
+_BITS = {1: torch.uint8, 4: torch.int32, 8: torch.int64}
 
 
 def _permute_rows(x, gate, topk, norm_topk):

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from ..moe import triton_kernels as tk
-from ..moe.cuda import permute
+from ..moe.cuda import permute, permute_rows
 from ..moe.cuda import available as moe_available
 from ..moe.reference import check_packs
 from ..registry import backend
@@ -133,24 +133,31 @@ def _shared(x, shared_w1: Weight, shared_w2: Weight, micro_start: int, micro_cou
 
 class _Gemm:
     """One expert GEMM's input rows, prepared once for every weight they meet (GEMM1: every micro):
-    fp8 quantizes them per row."""
+    fp8 quantizes them per row (or takes them quantized: `q`, codes and scales)."""
 
-    def __init__(self, rows: torch.Tensor, fmt: str):
-        self.rows, self.fmt = rows, fmt
-        self.q = qt.quantize_rows(rows) if fmt == "fp8" else None
+    def __init__(self, rows: torch.Tensor, fmt: str, q: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 dtype: torch.dtype | None = None):
+        self.rows, self.fmt, self.dtype = rows, fmt, dtype or rows.dtype
+        self.q = q if q is not None else qt.quantize_rows(rows) if fmt == "fp8" else None
 
     def __call__(self, w: QWeight, offs: torch.Tensor) -> torch.Tensor:
         if self.q is not None:
-            return cuda.scaled_grouped(*self.q, w.codes, w.scales, offs, self.rows.dtype)
+            return cuda.scaled_grouped(*self.q, w.codes, w.scales, offs, self.dtype)
         return qt.grouped(self.rows, w.fmt, w.codes, w.scales, offs, w.gscale, w.inverse)
 
 
 def _grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_start, micro_count, topk, norm_topk,
              out) -> torch.Tensor:
     shared = _shared(x, shared_w1, shared_w2, micro_start, micro_count) if shared_w1 is not None else None
-    w, inv, xs, offs = permute(x, gate, topk, norm_topk)
+    if w1.fmt == "fp8":
+        # quantized per token, then permuted (a row's quantization is its own: the same codes as quantizing
+        # the top-k copies), so the quantizer reads N rows instead of N * top-k and the copy moves 1-byte codes
+        w, inv, (xs, xs_scale), offs = permute_rows(x, gate, topk, norm_topk, *qt.quantize_rows(x))
+        gemm1 = _Gemm(xs, w1.fmt, (xs, xs_scale), x.dtype)
+    else:
+        w, inv, xs, offs = permute(x, gate, topk, norm_topk)
+        gemm1 = _Gemm(xs, w1.fmt)
     inter = w1.shape[2] // 2
-    gemm1 = _Gemm(xs, w1.fmt)
     act = _empty(xs.shape[0], micro_count * inter, dtype=x.dtype, device=x.device)
     for i in range(micro_count):                # each micro's SwiGLU into its column block of act
         tk.swiglu(gemm1(w1[micro_start + i], offs), out=act[:, i * inter:(i + 1) * inter])
