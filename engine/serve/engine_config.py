@@ -91,7 +91,7 @@ class EngineConfig:
     step_policy: str = option("interleave", "how decode and denoise steps share the GPU: interleave (a denoise "
                                              "step after every 8 decode steps), waves (the admitted requests' "
                                              "reasoning decoded together, then their images), overlap (interleave "
-                                             "with the image work on a second CUDA stream)",
+                                             "with the image work on a second CUDA stream; one GPU)",
                               choices=["interleave", "waves", "overlap"])
     preview_every: int = option(1, "a preview every this many denoise steps (0: none)", type=int)
     cfg_serial: bool = option(False, "run the CFG branches one after the other (less activation memory)",
