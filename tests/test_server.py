@@ -212,6 +212,25 @@ def test_unknown_or_unfit_plans_are_refused_before_spawning(tiny_dir):
         EngineServer(EngineConfig(tiny_dir, plan="hybrid4", world_size=2))
 
 
+def test_a_ranks_failure_names_a_killed_peer_as_its_cause():
+    """Rank 0's broken collective is the echo of a peer's death: the killed peer (a signal) is named; a peer
+    that exited by itself (0 after its own report, 1 when its collective broke because rank 0 left) is not,
+    nor is the reporting rank's own exit, nor anything on one rank."""
+    from types import SimpleNamespace
+
+    def server(*exits):
+        procs = [SimpleNamespace(is_alive=lambda c=c: c is None, exitcode=c) for c in exits]
+        return SimpleNamespace(_workers=SimpleNamespace(procs=procs))
+    killed = EngineServer._killed_peer
+    s = server(0, -9)
+    assert killed(s, 0) is s._workers.procs[1]
+    s = server(None, None, -11, None)
+    assert killed(s, 0) is s._workers.procs[2] and killed(s, 2) is None
+    assert killed(server(0, 1), 0) is None and killed(server(0, None), 0) is None
+    assert killed(server(-9, None), 0) is None          # the reporting rank's own death names itself elsewhere
+    assert killed(server(-9), 0) is None and killed(SimpleNamespace(_workers=None), 0) is None
+
+
 @pytest.mark.slow
 def test_two_ranks_on_cpu_serve_cancel_and_survive_a_dead_follower(tiny_dir):
     with EngineServer(EngineConfig(tiny_dir, world_size=2)) as server:      # gloo ranks, default plan tp2
@@ -224,11 +243,12 @@ def test_two_ranks_on_cpu_serve_cancel_and_survive_a_dead_follower(tiny_dir):
             if isinstance(ev, Step):
                 sub.cancel()
         assert ev.kind == "cancelled"
-        sub = server.submit(fast_request(steps=60))
+        sub = server.submit(fast_request(**LONG))      # large steps: the kill lands inside a collective
         for ev in sub:
             if isinstance(ev, Step):
                 os.kill(server.health()["worker_pids"][1], signal.SIGKILL)     # a follower dies
-        assert isinstance(ev, Error) and ev.kind == "engine" and "rank 1" in ev.message
+        # rank 0's broken collective (its gloo error) is the echo: the client hears of rank 1's death
+        assert isinstance(ev, Error) and ev.kind == "engine" and "rank 1" in ev.message, ev.message
         assert isinstance(final(list(server.stream(fast_request()))), Done)
 
 

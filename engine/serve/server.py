@@ -61,6 +61,12 @@ class _Job:
     recorder: TurnRecorder | None = None     # a conversation's turn: recorded once it has its image
 
 
+def _engine_failure(m: FromWorker) -> bool:
+    """A rank's report of a failed request, or an engine error event of one."""
+    return isinstance(m, RankFailed) or (isinstance(m, EventOut) and isinstance(m.event, Error)
+                                         and m.event.kind == "engine")
+
+
 class EngineServer(EngineClient):
     """The engine's workers, started once and restarted when they die or stall, the model resident in them;
     the queue of requests in front of them and the client API."""
@@ -399,8 +405,7 @@ class EngineServer(EngineClient):
         another rank's death: such an error waits briefly for that death to show (its broken pipe can reach
         rank 0 before the dying process reads as dead), so that the death names the cause."""
         messages = workers.inbox.take()
-        if self.world_size > 1 and any(isinstance(m, EventOut) and isinstance(m.event, Error)
-                                       and m.event.kind == "engine" for m in messages):
+        if self.world_size > 1 and any(_engine_failure(m) for m in messages):
             workers.dead_within(DEATH_GRACE_S)
             messages += workers.inbox.take()
         return sorted(messages, key=lambda m: not isinstance(m, RankFailed))
@@ -460,6 +465,9 @@ class EngineServer(EngineClient):
             case End(seq):
                 self._on_end(seq)
             case RankFailed(seq, rank, message):
+                if (cause := self._killed_peer(rank)) is not None:     # the echo of that death: name it
+                    self._on_death(cause)
+                    return
                 if seq in self._running:
                     self._running[seq].sub.push(Error("engine", f"{message} (on engine rank {rank}; the engine is "
                                                                 "restarting and reloading the model)"))
@@ -484,13 +492,26 @@ class EngineServer(EngineClient):
             self._watch.completed(time.monotonic())
         else:
             self._watch.progress(time.monotonic())
-        if isinstance(ev, Error) and ev.kind == "engine" and self.world_size > 1 and self._workers is not None:
-            if dead := self._workers.dead():        # the echo of another rank's death (_take_messages): name it
-                self._on_death(dead[0])
+        if isinstance(ev, Error) and ev.kind == "engine":
+            if (cause := self._killed_peer(0)) is not None:   # the echo of another rank's death (_take_messages)
+                self._on_death(cause)
                 return
         if job.recorder is not None:
             job.recorder.see(ev)
         job.sub.push(ev)
+
+    def _killed_peer(self, rank: int) -> Any:
+        """Another rank's process that was killed (a signal: SIGKILL, the OOM killer, a crash) while `rank`
+        failed, or None. A multi-rank failure reported by one rank is usually a collective broken by such a
+        death, whose pipe error can reach the server before the death does (_take_messages waits for it):
+        the death names the cause. A peer that exited by itself (code 0 after its own report, 1 when its next
+        collective broke because `rank` left) is the echo, not the cause."""
+        if self._workers is None or len(self._workers.procs) < 2:
+            return None
+        for i, proc in enumerate(self._workers.procs):
+            if i != rank and not proc.is_alive() and (proc.exitcode or 0) < 0:
+                return proc
+        return None
 
     def _on_end(self, seq: int) -> None:
         job = self._running.pop(seq, None)
