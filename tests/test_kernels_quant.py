@@ -225,6 +225,7 @@ def _emulate_scaled_grouped(monkeypatch):
     ("mxfp4", "mxfp8", 3, 1, 2), ("mxfp4", "mxfp8", 37, 0, 3),      # the MXFP4-mixed build
     ("nvfp4", "bf16", 5, 0, 3), ("nvfp4", "nvfp4", 40, 1, 1),       # float shared MLP; CT's inverse scale
     ("fp8", "fp8", 8, 1, 2), ("fp8", "fp8", 37, 0, 2),               # online FP8 (W8A8)
+    ("fp8", "fp8", 37, 1, 1),                                        # one micro: SwiGLU + quantization fused
     ("mxfp4", "fp8", 3, 1, 2), ("mxfp4", "fp8", 37, 0, 3),           # mixed, its MXFP8 folded (--mxfp8-kernels fp8)
 ])
 def test_interp_moe_quant_paths(qt, monkeypatch, fmt, shared_fmt, n, micro_start, micro_count):
@@ -253,6 +254,20 @@ def test_interp_fp8_rows_quantized_then_permuted_are_the_permuted_rows_quantized
     assert q1.dtype == torch.float8_e4m3fn and s1.dtype == torch.float32 and s1.shape == (37 * 4, 1)
     for a, b in ((w0, w1), (inv0, inv1), (offs0, offs1), (s0, s1), (q0.view(torch.uint8), q1.view(torch.uint8))):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows,inter", [(37, 96), (5, 3072), (0, 64)])
+def test_interp_swiglu_quantize_rows_is_swiglu_then_quantize_rows(qt, rows, inter):
+    """The fused kernel gives the two kernels' codes and scales bit for bit (a row of zeros included)."""
+    from hunyuan_kernels.moe import triton_kernels as mtk
+    g = torch.Generator().manual_seed(inter)
+    h = (torch.randn(rows, 2 * inter, generator=g) * 4).bfloat16()
+    if rows:
+        h[rows // 2] = 0
+    want_q, want_s = qt.quantize_rows(mtk.swiglu(h))
+    q, s = poisoned(qt.swiglu_quantize_rows, h)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
 
 
 # ----------------------------------------------------------------------------------------- GPU

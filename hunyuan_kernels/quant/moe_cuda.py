@@ -158,10 +158,15 @@ def _grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_star
         w, inv, xs, offs = permute(x, gate, topk, norm_topk)
         gemm1 = _Gemm(xs, w1.fmt)
     inter = w1.shape[2] // 2
+    down = _expert_cols(w2, micro_start, micro_count, inter)
+    if w2.fmt == "fp8" and micro_count == 1 and inter <= qt.SWIGLU_QUANT_MAX_I:
+        # one micro: a down row is its SwiGLU alone, quantized in the kernel that makes it
+        q = qt.swiglu_quantize_rows(gemm1(w1[micro_start], offs))
+        return tk.finalize(_Gemm(q[0], w2.fmt, q, x.dtype)(down, offs), inv, w, shared, out)
     act = _empty(xs.shape[0], micro_count * inter, dtype=x.dtype, device=x.device)
     for i in range(micro_count):                # each micro's SwiGLU into its column block of act
         tk.swiglu(gemm1(w1[micro_start + i], offs), out=act[:, i * inter:(i + 1) * inter])
-    y = _Gemm(act, w2.fmt)(_expert_cols(w2, micro_start, micro_count, inter), offs)     # one down GEMM
+    y = _Gemm(act, w2.fmt)(down, offs)          # one down GEMM over the micros' columns
     return tk.finalize(y, inv, w, shared, out)
 
 

@@ -408,6 +408,44 @@ def quantize_rows(x: torch.Tensor, fake: bool = False, out: torch.Tensor | None 
     return q if fake else (q, scale)
 
 
+@triton.jit
+def _swiglu_quantize_rows_kernel(h_ptr, q_ptr, s_ptr, I, stride_h, stride_q, BLOCK: tl.constexpr):
+    """Row r of [R, 2I] -> its SwiGLU rounded to the activation dtype (as moe swiglu writes it), then
+    quantized per row (as `_quantize_rows_kernel`): one read of h, the codes and the scale written."""
+    r = tl.program_id(0).to(tl.int64)
+    ri = tl.arange(0, BLOCK)
+    mi = ri < I
+    a = tl.load(h_ptr + r * stride_h + ri, mask=mi, other=0.0).to(tl.float32)
+    b = tl.load(h_ptr + r * stride_h + I + ri, mask=mi, other=0.0).to(tl.float32)
+    v = (a * (b * tl.sigmoid(b))).to(h_ptr.dtype.element_ty).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=0)
+    scale = tl.where(amax > 0, tl.div_rn(amax, tl.full((), FP8_MAX, tl.float32)), 1.0)
+    q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+    tl.store(q_ptr + r * stride_q + ri, q, mask=mi)
+    tl.store(s_ptr + r, scale)
+
+
+SWIGLU_QUANT_MAX_I = 8192       # a row's SwiGLU held in one program's registers (the real I: 3072 and its shards)
+
+
+def swiglu_quantize_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [R, 2I] (bf16 / fp16: [x1 ; x2] of a GEMM1 row) -> the down GEMM's FP8 input: codes [R, I] and scale
+    fp32 [R, 1], bit for bit `quantize_rows(moe swiglu(h))` without the bf16 activation's round trip
+    through memory (the FP8 grouped path with one micro; I <= SWIGLU_QUANT_MAX_I)."""
+    r, width = h.shape
+    i = width // 2
+    if width != 2 * i or i > SWIGLU_QUANT_MAX_I or h.stride(1) != 1:
+        raise ValueError(f"swiglu_quantize_rows: h {tuple(h.shape)} / {h.stride()} (2I columns, I <= "
+                         f"{SWIGLU_QUANT_MAX_I}, unit column stride)")
+    q = _empty(r, i, dtype=torch.float8_e4m3fn, device=h.device)
+    scale = _empty(r, 1, dtype=torch.float32, device=h.device)
+    if r:
+        block = next_pow2(i)
+        _swiglu_quantize_rows_kernel[(r,)](h, q, scale, i, h.stride(0), q.stride(0), BLOCK=block,
+                                           num_warps=4 if block <= 1024 else 8)
+    return q, scale
+
+
 # ------------------------------------------------------- expert-major decode MoE (1..32 rows, moe_cuda.py)
 #
 # One program per (micro, touched expert, tile of weight rows): it reads its weight tile once and
