@@ -98,3 +98,9 @@ def test_fixed_for_this_machine_and_the_checkpoint(tiny_dir, monkeypatch):
     assert fixed.model == str(Path(tiny_dir).resolve())
     with pytest.raises(ValueError, match="not understood"):
         EngineConfig(tiny_dir, warmup=("huge",)).for_checkpoint(ModelInfo.from_folder(tiny_dir))
+    # overlap's two streams on several GPUs: refused before anything is spawned (one GPU and gloo ranks keep it)
+    info = ModelInfo.from_folder(tiny_dir)
+    with pytest.raises(ValueError, match="--step-policy overlap runs on one GPU: on 2 GPUs"):
+        EngineConfig(tiny_dir, device="cuda", world_size=2, step_policy="overlap").with_plan().for_checkpoint(info)
+    EngineConfig(tiny_dir, device="cuda", world_size=1, step_policy="overlap").with_plan().for_checkpoint(info)
+    EngineConfig(tiny_dir, device="cpu", world_size=2, step_policy="overlap").with_plan().for_checkpoint(info)

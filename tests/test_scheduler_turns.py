@@ -129,12 +129,11 @@ def test_overlap_is_refused_across_gpus_and_kept_on_one():
     """Overlap's second stream would run two NCCL communicators' collectives at once on several GPUs (a
     possible hang): refused there before anything loads, with what to use instead; one GPU, the CPU's
     gloo ranks and the other policies pass."""
-    import torch
-    from engine.runtime.engine import check_step_policy
+    from engine.parallel.plan import check_step_policy
     for policy in ("overlap", "overlap:8"):
         with pytest.raises(ValueError, match=r"runs on one GPU: on 4 GPUs .* use interleave or waves"):
-            check_step_policy(policy, 4, torch.device("cuda", 1))
-        check_step_policy(policy, 1, torch.device("cuda", 0))
-        check_step_policy(policy, 2, torch.device("cpu"))
+            check_step_policy(policy, 4, "cuda")
+        check_step_policy(policy, 1, "cuda")
+        check_step_policy(policy, 2, "cpu")
     for policy in ("interleave", "interleave:8", "waves"):
-        check_step_policy(policy, 4, torch.device("cuda", 0))
+        check_step_policy(policy, 4, "cuda")

@@ -161,3 +161,16 @@ def get_plan(name: str | None, world: int | None = None, sp_kind: str | None = N
     if sp_kind and sp_kind != plan.sp_kind:
         plan = ParallelPlan(plan.name, plan.world, plan.storage_tp, plan.ar_tp, plan.replica_mode, sp_kind)
     return plan
+
+
+def check_step_policy(policy: str, world: int, device_type: str) -> None:
+    """Refuse `overlap` on several GPUs: its image lane would run the denoise phase's collectives (the TP /
+    SP communicators) beside the decode's (the AR communicator) on another stream, and NCCL does not order
+    kernels of two communicators on a device the same way on every rank: a rank's decode all-reduce can
+    wait for a peer that is spinning in the denoise's, a hang (NCCL's "using multiple communicators
+    concurrently"). One GPU has no collectives; gloo on the CPU has one lane. (engine/runtime/scheduler.py:
+    the policies.)"""
+    if policy.split(":")[0] == "overlap" and world > 1 and device_type == "cuda":
+        raise ValueError(f"--step-policy {policy} runs on one GPU: on {world} GPUs its second stream would run the "
+                         "decode's and the denoise's NCCL collectives at once, which can hang the ranks; use "
+                         "interleave or waves with --gpus > 1")

@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from engine.model.kernel_layouts import fold_mxfp8_weights, lay_out_experts
+from engine.parallel.plan import check_step_policy
 from engine.model.loader import LoadedModel, load, parse_dtype
 from engine.model.lora import load_adapter
 from engine.model.lora_merge import merge_adapter
@@ -107,7 +108,7 @@ class Engine:
         (ValueError, OSError: the message names the file, the adapter or the kernels refused)."""
         groups = groups or RankGroups.single(torch.device(config.device))
         dev = groups.device
-        check_step_policy(config.step_policy, groups.plan.world, dev)
+        check_step_policy(config.step_policy, groups.plan.world, dev.type)
         loaded = load(config.model, dev, parse_dtype(config.dtype, dev), groups.layout, progress=progress,
                       quantize=config.quantize)
         groups.plan.check_model(loaded.cfg)
@@ -210,18 +211,6 @@ class Engine:
                 tables.remove(name)
         except (ValueError, KeyError, OSError) as e:
             print(f"engine: LoRA adapter {name!r} not {op}ed: {e}", file=sys.stderr, flush=True)
-
-
-def check_step_policy(policy: str, world: int, device: torch.device) -> None:
-    """Refuse `overlap` on several GPUs: its image lane would run the denoise phase's collectives (the TP /
-    SP communicators) beside the decode's (the AR communicator) on another stream, and NCCL does not order
-    kernels of two communicators on a device the same way on every rank: a rank's decode all-reduce can
-    wait for a peer that is spinning in the denoise's, a hang (NCCL's "using multiple communicators
-    concurrently"). One GPU has no collectives; gloo on the CPU has one lane."""
-    if policy.split(":")[0] == "overlap" and world > 1 and device.type == "cuda":
-        raise ValueError(f"--step-policy {policy} runs on one GPU: on {world} GPUs its second stream would run the "
-                         "decode's and the denoise's NCCL collectives at once, which can hang the ranks; use "
-                         "interleave or waves with --gpus > 1")
 
 
 def _start_adapters(loaded: LoadedModel, config: EngineSettings) -> None:

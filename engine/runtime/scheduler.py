@@ -39,7 +39,8 @@ alone (only the order of the work changes):
 - overlap: interleave's order, with the image phase's work on a second CUDA stream (engine/runtime/lanes.py)
   so that the decode steps run beside a denoise step instead of after it (on the CPU: one lane, the same
   code, the same results). One GPU only: on several, the two streams would run two NCCL communicators'
-  collectives at once, which NCCL does not order alike on every rank (engine.check_step_policy refuses it).
+  collectives at once, which NCCL does not order alike on every rank (parallel/plan.py check_step_policy
+  refuses it).
 K counts steps, not seconds, and the turns are chosen from the requests' needs and counts only: every rank
 makes the same decision without a clock.
 

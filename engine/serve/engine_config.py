@@ -229,10 +229,12 @@ class EngineConfig:
         take a warm-up size, serve an adapter, each adapter read here as every rank will), with the folders
         absolute, the adapter slots at least the adapters at start (they stay when one is unloaded) and MLP
         tables when one of them adapts the MLPs."""
-        from engine.parallel.plan import get_plan
+        from engine.parallel.plan import check_step_policy, get_plan
         from engine.serve.adapters import check_adapter, needs_mlp
         from engine.checkpoint.buckets import parse_size
-        get_plan(self.plan, self.world_size, self.sp_kind).check_model(info.cfg)
+        plan = get_plan(self.plan, self.world_size, self.sp_kind)
+        plan.check_model(info.cfg)
+        check_step_policy(self.step_policy, plan.world, self.device.split(":")[0])
         for size in self.warmup:
             if size != "default" and parse_size(size, info.buckets) is None:
                 raise ValueError(f"a warm-up size names a size (HxW), not {size!r}")
