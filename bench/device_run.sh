@@ -20,7 +20,9 @@
 #                  then 4 (the default policy and denoise batch are chosen from it)
 #   mxfp8-fold     `--mxfp8-kernels fp8` (installs the carried .whl): the folded mixed build's GPU test, then suite
 #                  one-gpu: MXFP4 Distil on humming-fp8 with its MXFP8 linears triton vs fp8 (--profile-step: no
-#                  dequantize pass left), the MXFP8 build triton vs fp8 (its experts folded too)
+#                  dequantize pass left)
+#   mxfp8-fold-more  the MXFP8 build triton vs fp8 (its experts folded too: the FP8 grouped path), then where a
+#                  decode token goes on humming-fp8 + fp8 (--profile-decode)
 #   serving-profile  suite serving --profile: MXFP4 Distil tp1, 16 clients, --max-batch 8 then 16 (each step
 #                  synchronized and its wall time summed by what it held: decode rows, denoise rows, slots)
 #   sampling-rows  the GPU tests of batched sampling (triton_rows, the CUDA default of sample_rows: every row's
@@ -139,11 +141,17 @@ for section in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       tests mxfp8_fold_tests 200 tests/test_quant_resident.py -k "mxfp4"
-      mkdir -p "$OUT/mxfp8-fold" "$OUT/mxfp8-fold-mxfp8"
-      run one_gpu_fold 400 python3 -m bench one-gpu --builds mxfp4-distil --moe-kernels humming-fp8 \
-        --mxfp8-kernels triton,fp8 --profile-step --out "$OUT/mxfp8-fold"
+      mkdir -p "$OUT/mxfp8-fold"
+      run one_gpu_fold 380 python3 -m bench one-gpu --builds mxfp4-distil --moe-kernels humming-fp8 \
+        --mxfp8-kernels triton,fp8 --profile-step --out "$OUT/mxfp8-fold" ;;
+    mxfp8-fold-more)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      mkdir -p "$OUT/mxfp8-fold-mxfp8" "$OUT/decode-profile-fp8"
       run one_gpu_fold_mxfp8 300 python3 -m bench one-gpu --builds mxfp8-distil --mxfp8-kernels triton,fp8 \
-        --out "$OUT/mxfp8-fold-mxfp8" ;;
+        --out "$OUT/mxfp8-fold-mxfp8"
+      run decode_profile_fp8 250 python3 -m bench one-gpu --builds mxfp4-distil --moe-kernels humming-fp8 \
+        --mxfp8-kernels fp8 --profile-decode --out "$OUT/decode-profile-fp8" ;;
     serving-profile)
       for mb in 8 16; do
         mkdir -p "$OUT/serving-profile-mb$mb"
