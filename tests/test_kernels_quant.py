@@ -370,6 +370,27 @@ def test_gpu_fp8_rows_and_scaled_mm():
     assert rel_err(got, ref) < 1e-2
 
 
+@gpu
+def test_gpu_fp8_grouped_inputs_quantized_once_and_fused_are_the_two_pass_bits():
+    """At the real shapes on the GPU: a token quantized once then permuted, and the SwiGLU fused with the
+    down rows' quantization, give the bits of permuting then quantizing and of swiglu then quantize_rows."""
+    from hunyuan_kernels.moe import triton_kernels as mtk
+    from hunyuan_kernels.moe.cuda import permute, permute_rows
+    from hunyuan_kernels.quant import triton_kernels as qt
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = (torch.randn(4098, 4096, generator=g, device="cuda") * 3).to(BF16)
+    gate = torch.randn(64, 4096, generator=g, device="cuda")
+    _, inv0, xs, offs0 = permute(x, gate, 8, True)
+    q0, s0 = qt.quantize_rows(xs)
+    _, inv1, (q1, s1), offs1 = permute_rows(x, gate, 8, True, *qt.quantize_rows(x))
+    assert torch.equal(inv0, inv1) and torch.equal(offs0, offs1) and torch.equal(s0, s1)
+    assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8))
+    h = (torch.randn(4098 * 8, 2 * 3072, generator=g, device="cuda") * 4).to(BF16)
+    want_q, want_s = qt.quantize_rows(mtk.swiglu(h))
+    q, s = poisoned(qt.swiglu_quantize_rows, h)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
 GPU_MOE = {  # name: (n, experts fmt, shared fmt, inter, micros, micro_start, micro_count)
     "hybrid4_decode_mxfp4": (1, "mxfp4", "mxfp8", 768, 2, 1, 1),
     "decode8_nvfp4": (8, "nvfp4", "nvfp4", 768, 2, 0, 2),
@@ -385,6 +406,10 @@ GPU_MOE = {  # name: (n, experts fmt, shared fmt, inter, micros, micro_start, mi
     "prefill_nvfp4": (600, "nvfp4", "nvfp4", 768, 2, 1, 1),
     "prefill_mxfp4": (4098, "mxfp4", "mxfp8", 768, 2, 1, 1),
     "decode8_fp8_two_micros": (8, "fp8", "fp8", 768, 2, 0, 2),
+    "tp1_denoise_fp8": (4098, "fp8", "fp8", 3072, 1, 0, 1),           # one micro: SwiGLU + quantization fused
+    # the MXFP4-mixed build with its MXFP8 shared MLP folded into FP8 (--mxfp8-kernels fp8)
+    "tp1_decode_mixed_folded": (1, "mxfp4", "fp8", 3072, 1, 0, 1),
+    "tp1_denoise_mixed_folded": (4098, "mxfp4", "fp8", 3072, 1, 0, 1),
 }
 
 
