@@ -55,6 +55,20 @@ def test_interp_gemv_linear_is_the_dot_product_on_the_dequantized_weight(qg, fmt
         assert rel_err(got, F.linear(x, w.dequantize(torch.bfloat16)).float()) < 5e-3
 
 
+def test_interp_linear_fp8_gemv_variant_is_w8a8_up_to_a_bf16_activation(qg):
+    """linear_fp8's decode variant: rows quantized per token, dequantized to bf16, on the GEMV; against the op's
+    reference (cuBLAS's W8A8 numbers in fp32), a cols-packed micro block (strided rows) included."""
+    from hunyuan_kernels.quant import cuda
+    from hunyuan_kernels.quant.linear import linear_fp8
+    g = torch.Generator().manual_seed(8)
+    w = _qw("fp8", (40, 512), 0.1, g)
+    for m, wt in ((1, w), (5, w), (3, w.cols(256, 512))):
+        x = (torch.randn(m, wt.shape[-1], generator=g) * torch.rand(m, 1, generator=g) * 4).bfloat16()
+        got = poisoned(cuda.linear_fp8_gemv, x, wt.codes, wt.scales)
+        assert got.shape == (m, 40) and got.dtype == torch.bfloat16
+        assert rel_err(got, linear_fp8(x, wt.codes, wt.scales)) < 5e-3, m
+
+
 def test_interp_gemv_linear_strided_rows_and_k_tails(qg):
     g = torch.Generator().manual_seed(2)
     for fmt in FMTS:
@@ -367,3 +381,20 @@ def test_gpu_qlinear_of_a_few_tokens_runs_the_gemv(fmt, gemv_calls):
     assert kernels.chosen("linear_" + fmt) == "gemv"
     kq.qlinear(torch.randn(64, 1024, device="cuda").to(BF16), blk)
     assert gemv_calls["linear"] == 2 and kernels.chosen("linear_" + fmt) == "triton"
+
+
+@gpu
+def test_gpu_linear_fp8_of_a_few_tokens_runs_the_gemv(gemv_calls):
+    """FP8 (an FP8 build's linears, or MXFP8 folded at load): decode-sized inputs on the GEMV variant (W8A8 up to
+    a bf16 activation), larger ones on cuBLAS."""
+    g = torch.Generator(device="cuda").manual_seed(10)
+    w = _qw("fp8", (4096, 2 * 1024), 0.03, g, "cuda")
+    blk = w.cols(1024, 2048)
+    x = torch.randn(1, 3, 1024, generator=g, device="cuda").to(BF16)
+    got = kq.qlinear(x, blk)
+    assert gemv_calls["linear"] == 1 and kernels.chosen("linear_fp8") == "gemv"
+    with kernels.allowed():
+        ref = kq.qlinear(x, blk)
+    assert rel_err(got, ref) < 1e-2
+    kq.qlinear(torch.randn(64, 1024, device="cuda").to(BF16), blk)
+    assert gemv_calls["linear"] == 1 and kernels.chosen("linear_fp8") == "scaled_mm"

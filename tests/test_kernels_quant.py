@@ -276,7 +276,7 @@ gpu = pytest.mark.gpu
 BF16 = torch.bfloat16
 VARIANTS = {"linear_mxfp8": ["gemv", "triton"], "linear_mxfp4": ["gemv", "triton"],
             "linear_nvfp4": ["gemv", "triton"], "grouped_mm_mxfp8": ["triton"], "grouped_mm_mxfp4": ["triton"],
-            "grouped_mm_nvfp4": ["triton"], "linear_fp8": ["scaled_mm"], "grouped_mm_fp8": ["scaled_mm"],
+            "grouped_mm_nvfp4": ["triton"], "linear_fp8": ["gemv", "scaled_mm"], "grouped_mm_fp8": ["scaled_mm"],
             "quantize_fp8_rows": ["triton"], "moe_quant": ["decode", "batched", "grouped", "humming"]}
 
 

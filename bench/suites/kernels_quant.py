@@ -352,7 +352,7 @@ def decode_kernel_cases(dims: Dims, rows: list, sweep: bool) -> bool:
 
 def decode_linear_cases(dims: Dims, rows: list, sweep: bool) -> bool:
     """The dense linears of one token (8 for qkv): the op's "gemv" variant against its "triton" split-K tile
-    variant (and, sweep, a few GEMV tiles); FP8: cuBLAS's W8A8 (its only variant), checked likewise."""
+    variant (and, sweep, a few GEMV tiles); FP8: cuBLAS's W8A8 against the GEMV on rows quantized per token."""
     ok = True
     H = dims.H
     for name, n_out, m in dims.decode_linear:
@@ -362,7 +362,7 @@ def decode_linear_cases(dims: Dims, rows: list, sweep: bool) -> bool:
             nbytes = n_out * H * BITS[f] / 8 + 2 * m * (H + n_out)
             op, args = linear_op(x, w)
             want = variants.run(op, "torch", *args)          # (FP8: W8A8, the activations quantized per row)
-            for vname in (("scaled_mm",) if f == "fp8" else ("triton", "gemv")):
+            for vname in (("scaled_mm", "gemv") if f == "fp8" else ("triton", "gemv")):
                 fn = variants.runner(op, vname, *args, direct=True)      # both timed alike: no dispatch
                 with poisoned():
                     check = compare(fn(), want, tol(f))

@@ -7,6 +7,7 @@ Triton imports, preferred in the order they are registered here:
   grouped_mm_mxfp8 / _mxfp4 / _nvfp4   triton: triton_kernels.py's grouped kernel
   quantize_fp8_rows                    triton
   fp8_scaled_mm / linear_fp8 / grouped_mm_fp8
+      gemv       (linear_fp8) decode-sized inputs: the rows quantized per token, dequantized, on gemv.py's GEMV
       scaled_mm  cuBLAS's row-wise scaled FP8 GEMMs (torch._scaled_mm / _scaled_grouped_mm), rows
                  quantized per row by the Triton quantizer
 
@@ -132,6 +133,18 @@ def fp8_scaled_mm_cuda(xq, x_scale, wq, w_scale, dtype):
     return torch._scaled_mm(xq, wq.t(), scale_a=x_scale.float().reshape(-1, 1).contiguous(),
                             scale_b=w_scale.float().reshape(1, -1).contiguous(), out_dtype=dtype,
                             use_fast_accum=FP8_FAST_ACCUM)
+
+
+@backend("linear_fp8", "gemv", dtypes=(torch.bfloat16,), available=available,
+         fits=lambda x, wq, ws: _gemv_fits(x, wq, "fp8") and ws.numel() == wq.shape[0])
+def linear_fp8_gemv(x, wq, w_scale):
+    """W8A8 for a few tokens (decode) on gemv.py's GEMV: each row quantized per token and dequantized (as the
+    quantized MoE's decode GEMVs take FP8 activations: W8A8's numbers up to one bf16 rounding of each
+    activation), times the FP8 codes; one GEMV launch reading the weight at the bytes floor's pace, where
+    cuBLAS's FP8 GEMM tiles are made for many rows."""
+    k, n = x.shape[-1], wq.shape[0]
+    xq = tk.quantize_rows(x.reshape(-1, k), fake=True)
+    return gemv.linear(xq, "fp8", wq, w_scale).view(*x.shape[:-1], n)
 
 
 @backend("linear_fp8", "scaled_mm", dtypes=(torch.bfloat16,), available=fp8_available,
