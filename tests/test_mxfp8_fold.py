@@ -134,3 +134,17 @@ def test_a_request_on_the_folded_model_gives_the_weight_only_image_within_fp8_ro
     assert not np.array_equal(a, b)                           # the FP8 activations did run
     mse = ((a - b) ** 2).mean()
     assert 10 * np.log10(255.0 ** 2 / mse) >= 30
+
+
+def test_an_mxfp8_build_folds_its_experts_too(tmp_path):
+    """Every linear of an MXFP8 build (experts included: then the FP8 grouped MoE path) folds, and a request
+    runs to the weight-only image within FP8 rounding."""
+    folder = make_tiny(tmp_path / "mxfp8", blocks=True, quant="mxfp8")
+    plain, folded = load(folder, resident="quantized"), load(folder, resident="quantized")
+    assert fold_mxfp8_weights(folded.model, "fp8") == "fp8"
+    assert not _mxfp8_packs(folded.model)
+    layer = folded.model.transformer.layers[0]
+    assert layer.mlp.w1.format.fmt == layer.mlp.w2.format.fmt == "fp8"
+    a, b = _image(plain), _image(folded)
+    assert not np.array_equal(a, b)
+    assert 10 * np.log10(255.0 ** 2 / ((a - b) ** 2).mean()) >= 30
