@@ -108,6 +108,17 @@ def test_interp_gemv_every_code_value(qg):
             assert torch.equal(got[0], w.dequantize(torch.float32)[:, col]), (fmt, col)
 
 
+def test_interp_prep_of_fp8_rows_is_quantize_rows_fake_then_prep(qg):
+    """The FP8 GEMVs' activations in one launch: bit for bit quantizing and dequantizing each row
+    (quantize_rows(fake=True)) and then preparing it; a zero row included."""
+    from hunyuan_kernels.quant import triton_kernels as qt
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(5, 1040, generator=g) * torch.rand(5, 1, generator=g) * 16).bfloat16()
+    x[2] = 0
+    got = poisoned(qg.prep, x, "fp8", fp8_rows=True)
+    assert torch.equal(got, qg.prep(qt.quantize_rows(x, fake=True), "fp8"))
+
+
 def test_interp_prep_is_the_phase_major_prescaled_layout(qg):
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     for fmt in ("mxfp4", "mxfp8"):

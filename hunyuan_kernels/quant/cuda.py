@@ -138,13 +138,11 @@ def fp8_scaled_mm_cuda(xq, x_scale, wq, w_scale, dtype):
 @backend("linear_fp8", "gemv", dtypes=(torch.bfloat16,), available=available,
          fits=lambda x, wq, ws: _gemv_fits(x, wq, "fp8") and ws.numel() == wq.shape[0])
 def linear_fp8_gemv(x, wq, w_scale):
-    """W8A8 for a few tokens (decode) on gemv.py's GEMV: each row quantized per token and dequantized (as the
-    quantized MoE's decode GEMVs take FP8 activations: W8A8's numbers up to one bf16 rounding of each
-    activation), times the FP8 codes; one GEMV launch reading the weight at the bytes floor's pace, where
-    cuBLAS's FP8 GEMM tiles are made for many rows."""
-    k, n = x.shape[-1], wq.shape[0]
-    xq = tk.quantize_rows(x.reshape(-1, k), fake=True)
-    return gemv.linear(xq, "fp8", wq, w_scale).view(*x.shape[:-1], n)
+    """W8A8 for a few tokens (decode) on gemv.py's GEMV: each row quantized per token and dequantized in the
+    kernel that prepares the GEMV's activations (as the quantized MoE's decode GEMVs take FP8 activations:
+    W8A8's numbers up to one bf16 rounding of each activation), times the FP8 codes: two launches, as the
+    MXFP8 GEMV's, reading the weight at the bytes floor's pace, where cuBLAS's FP8 tiles are made for many rows."""
+    return gemv.linear(x, "fp8", wq, w_scale, fp8_rows=True)
 
 
 @backend("linear_fp8", "scaled_mm", dtypes=(torch.bfloat16,), available=fp8_available,

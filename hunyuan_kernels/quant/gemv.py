@@ -49,7 +49,7 @@ import triton.language as tl
 
 from .._triton import next_pow2
 from ..scratch import empty as _empty
-from .triton_kernels import BLOCK, FMT, _e8m0, _g_stride, _lead_strides, _slot_tokens, col_strides
+from .triton_kernels import BLOCK, FMT, FP8_MAX, _e8m0, _g_stride, _lead_strides, _slot_tokens, col_strides
 
 PH = {"mxfp8": 4, "mxfp4": 8, "nvfp4": 8, "fp8": 4}       # columns per 32-bit code word
 XSCALE = 2.0 ** 64                                          # the prescale of prepared activations
@@ -256,9 +256,33 @@ def _prep_kernel(x_ptr, out_ptr, KW, stride_x, stride_o, PH_: tl.constexpr, BW: 
     tl.store(out_ptr + r * stride_o + q[None, :] * KW + w[:, None], v * X_SCALE, mask=m)
 
 
-def prep(x: torch.Tensor, fmt: str) -> torch.Tensor:
+@triton.jit
+def _prep_fp8_kernel(x_ptr, out_ptr, KW, stride_x, stride_o, PH_: tl.constexpr, BW: tl.constexpr):
+    """`_prep_kernel` of one row quantized per row to E4M3 and dequantized first (as quantize_rows(fake=True)
+    writes it, rounded to x's dtype): W8A8's activations for the FP8 GEMVs, in one launch."""
+    r = tl.program_id(0).to(tl.int64)
+    q = tl.arange(0, PH_)
+    amax = tl.zeros((BW, PH_), dtype=tl.float32)
+    for w0 in range(0, KW, BW):
+        w = w0 + tl.arange(0, BW)
+        v = tl.load(x_ptr + r * stride_x + w[:, None] * PH_ + q[None, :], mask=(w < KW)[:, None], other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    a = tl.max(tl.max(amax, axis=1), axis=0)
+    scale = tl.where(a > 0, tl.div_rn(a, tl.full((), FP8_MAX, tl.float32)), 1.0)
+    for w0 in range(0, KW, BW):
+        w = w0 + tl.arange(0, BW)
+        m = (w < KW)[:, None]
+        v = tl.load(x_ptr + r * stride_x + w[:, None] * PH_ + q[None, :], mask=m, other=0.0).to(tl.float32)
+        c = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+        d = (c.to(tl.float32) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + r * stride_o + q[None, :] * KW + w[:, None], d * X_SCALE, mask=m)
+
+
+def prep(x: torch.Tensor, fmt: str, fp8_rows: bool = False) -> torch.Tensor:
     """x [..., K] (bf16 / fp16) -> the activations as the PREP kernels read them: fp32 [..., K] where row
-    r holds x[r, w*PH + q] * 2^64 at q*(K/PH) + w (PH = the code words' columns of `fmt`)."""
+    r holds x[r, w*PH + q] * 2^64 at q*(K/PH) + w (PH = the code words' columns of `fmt`). fp8_rows: each
+    row quantized per row to E4M3 and dequantized first, bit for bit `prep(quantize_rows(x, fake=True))`
+    in one launch (the FP8 GEMVs' W8A8 activations)."""
     k = x.shape[-1]
     ph = PH[fmt]
     if k % ph:
@@ -268,7 +292,10 @@ def prep(x: torch.Tensor, fmt: str) -> torch.Tensor:
         x2 = x2.contiguous()
     out = _empty(*x.shape, dtype=torch.float32, device=x.device)
     rows, kw = x2.shape[0], k // ph
-    if rows:
+    if rows and fp8_rows:
+        bw = min(512, next_pow2(kw))
+        _prep_fp8_kernel[(rows,)](x2, out, kw, x2.stride(0), k, PH_=ph, BW=bw, num_warps=4)
+    elif rows:
         bw = min(256, next_pow2(kw))
         _prep_kernel[(rows, triton.cdiv(kw, bw))](x2, out, kw, x2.stride(0), k, PH_=ph, BW=bw, num_warps=4)
     return out
@@ -344,9 +371,10 @@ def _tile(cfg: dict, kw: int, cw: int, rows: int) -> tuple[int, int, bool]:
 
 
 def linear(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor, gscale: torch.Tensor | None = None,
-           inverse: bool = False, cfg: dict | None = None) -> torch.Tensor:
+           inverse: bool = False, cfg: dict | None = None, fp8_rows: bool = False) -> torch.Tensor:
     """x [..., K] (bf16 / fp16, at most a few tokens) @ dequant(W [N, K])^T -> [..., N] in x.dtype, as
-    triton_kernels.linear (FP8: weight-only here; the caller passes activations already quantized)."""
+    triton_kernels.linear (FP8: weight-only here, on x as given, or with `fp8_rows` on x quantized per
+    row to E4M3 first: W8A8's numbers up to one rounding of each activation to x's dtype)."""
     c = dict(LINEAR, **(cfg or {}))
     k, n = x.shape[-1], codes.shape[-2]
     x2 = x.reshape(-1, k)
@@ -362,8 +390,8 @@ def linear(x: torch.Tensor, fmt: str, codes: torch.Tensor, scales: torch.Tensor,
     if kw * PH[fmt] != k:
         raise ValueError(f"x has {k} columns, the {fmt} weight {kw * PH[fmt]}")
     g, r, even = _tile(c, kw, cw, c["R"])
-    prepared = bool(c["PREP"])
-    xin = prep(x2, fmt) if prepared else x2
+    prepared = bool(c["PREP"]) or fp8_rows
+    xin = prep(x2, fmt, fp8_rows) if prepared else x2
     tb = _max_t(m, c)
     _linear_kernel[(triton.cdiv(n, r),)](
         xin, words, scales, _gscale(gscale, x2), out.view(-1, n), m, n, kw, xin.stride(0), words.stride(-2),

@@ -175,15 +175,14 @@ class _Gemvs:
     SwiGLU writing act prepared for the down GEMV (fp32; FP8 writes bf16 act, quantized per row in place,
     read as is), down GEMV summing the micros. `tiles` {"up": cfg, "down": cfg} overrides the GEMVs' tiles."""
 
-    def __init__(self, x: torch.Tensor, fmts: tuple, micro_count: int, tiles: dict):
+    def __init__(self, x: torch.Tensor, micro_count: int, tiles: dict):
         self.x, self.mc, self.tiles = x, micro_count, tiles
-        self.fq = qt.quantize_rows(x, fake=True) if "fp8" in fmts else None
         self.preps: dict[str, torch.Tensor] = {}
 
     def x_in(self, fmt: str) -> torch.Tensor:          # the up GEMV's activations of `fmt`, prepared once
         key = _x_key(fmt)
-        if key not in self.preps:
-            self.preps[key] = qg.prep(self.fq if fmt == "fp8" else self.x, fmt)
+        if key not in self.preps:                      # (fp8: quantized per row and dequantized, in the prep)
+            self.preps[key] = qg.prep(self.x, fmt, fp8_rows=fmt == "fp8")
         return self.preps[key]
 
     def mlp(self, wa: QWeight, wb: QWeight, ids, slots, width, act_active, y) -> None:
@@ -213,7 +212,7 @@ def shared_fork(x: torch.Tensor, shared_w1: QWeight, shared_w2: QWeight, micro_s
     small routing kernels and each GEMV's tail overlap the other's weight reads. Returns its output ys
     [N, H] fp32 (made on the main stream before the fork) and the join to call before reading it. Batch
     invariant (the decode GEMVs). Off CUDA (the interpreter's tests) it runs at once."""
-    g = gemvs or _Gemvs(x, (shared_w1.fmt,), micro_count, {})
+    g = gemvs or _Gemvs(x, micro_count, {})
     n, h = x.shape
     ys = _empty(n, h, dtype=torch.float32, device=x.device)
     ids = _empty(n, topk, dtype=torch.int32, device=x.device)
@@ -236,7 +235,7 @@ def _decode_gemv(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, micro_
     mc = micro_count
     dev = x.device
     inter = w1.shape[2] // 2
-    g = _Gemvs(x, (w1.fmt, getattr(shared_w1, "fmt", None)), mc, tiles)
+    g = _Gemvs(x, mc, tiles)
     ys, join = None, None
     if isinstance(shared_w1, QWeight):
         if _x_key(shared_w1.fmt) == _x_key(w1.fmt):   # one prepared input for both branches: made before the fork
