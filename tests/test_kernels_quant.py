@@ -371,7 +371,7 @@ def test_gpu_fp8_rows_and_scaled_mm():
 
 
 @gpu
-def test_gpu_fp8_grouped_inputs_quantized_once_and_fused_are_the_two_pass_bits():
+def test_gpu_fp8_inputs_quantized_once_and_fused_are_the_two_pass_bits():
     """At the real shapes on the GPU: a token quantized once then permuted, and the SwiGLU fused with the
     down rows' quantization, give the bits of permuting then quantizing and of swiglu then quantize_rows."""
     from hunyuan_kernels.moe import triton_kernels as mtk
@@ -389,6 +389,8 @@ def test_gpu_fp8_grouped_inputs_quantized_once_and_fused_are_the_two_pass_bits()
     want_q, want_s = qt.quantize_rows(mtk.swiglu(h))
     q, s = poisoned(qt.swiglu_quantize_rows, h)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    from hunyuan_kernels.quant import gemv as qg          # the FP8 GEMVs' activations, prepared in one launch
+    assert torch.equal(poisoned(qg.prep, x[:8], "fp8", fp8_rows=True), qg.prep(qt.quantize_rows(x[:8], fake=True), "fp8"))
 
 
 GPU_MOE = {  # name: (n, experts fmt, shared fmt, inter, micros, micro_start, micro_count)
