@@ -390,7 +390,8 @@ def test_gpu_fp8_inputs_quantized_once_and_fused_are_the_two_pass_bits():
     q, s = poisoned(qt.swiglu_quantize_rows, h)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
     from hunyuan_kernels.quant import gemv as qg          # the FP8 GEMVs' activations, prepared in one launch
-    assert torch.equal(poisoned(qg.prep, x[:8], "fp8", fp8_rows=True), qg.prep(qt.quantize_rows(x[:8], fake=True), "fp8"))
+    want = qg.prep(qt.quantize_rows(x[:8], fake=True), "fp8")
+    assert torch.equal(poisoned(qg.prep, x[:8], "fp8", fp8_rows=True), want)
 
 
 GPU_MOE = {  # name: (n, experts fmt, shared fmt, inter, micros, micro_start, micro_count)
