@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kernel_support import interpreted, run_interpreter_suite
 
 import hunyuan_kernels as kernels
@@ -289,6 +290,22 @@ def test_gpu_humming_matches_the_reference(act, n, micros, ms, mc):
         for i in range(0, n, 4):
             alone = kernels.call("moe_quant", t["x"][i:i + 1], *qargs(lt, ms, mc, topk=4)[1:])
             assert torch.equal(alone[0], got[i]), i
+
+
+@gpu
+@pytest.mark.parametrize("micros,ms,mc", [(1, 0, 1), (2, 0, 2)])
+def test_gpu_w4a8_grouped_quantizes_each_token_once_with_the_copies_bits(micros, ms, mc):
+    """The grouped W4A8 path quantizes x's rows and permutes codes and scales: the bits of permuting x first
+    and quantizing each of a token's top-k copies (the path before; humming's quantization is per row)."""
+    from hunyuan_kernels.moe.cuda import permute
+    t = make_qmoe(700, "mxfp4", "mxfp8", hidden=512, experts=16, inter=256, shared_inter=256, micros=micros,
+                  device="cuda", seed=3)
+    x, gate, w1, w2, *_, topk, norm_topk = qargs(laid(t, "fp8", micros), ms, mc, topk=4)
+    _, inv, xs, offs = permute(x, gate, topk, norm_topk)
+    routing = dict(expert_layout=F.pad(offs, (1, 0)).long(), compute_config=humming.COMPUTE)
+    before = humming._experts(*humming._rows(xs, w1), w1, w2, ms, mc, xs.shape[0], routing, routing, x.dtype)
+    _, now, inv_now = humming._grouped(x, gate, w1, w2, ms, mc, topk, norm_topk)
+    assert torch.equal(inv_now, inv) and torch.equal(now, before)
 
 
 def small_moe(n: int, micros: int = 2, seed: int = 0) -> dict:

@@ -57,7 +57,7 @@ import triton.language as tl
 
 from .._triton import next_pow2
 from ..moe import triton_kernels as tk
-from ..moe.cuda import permute
+from ..moe.cuda import permute, permute_rows
 from ..registry import backend
 from ..scratch import empty as _empty
 from .formats import KernelLayout, QWeight
@@ -355,36 +355,52 @@ def _act(h: torch.Tensor, w2: QWeight) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 def _rows(xs: torch.Tensor, w1: QWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """GEMM1's input rows, quantized once per row for W4A8 (every micro reads them)."""
+    """GEMM1's input rows, quantized once per row for W4A8 (every micro reads them): codes and token
+    scales [rows, 1] fp32 (humming's storage padded to 4 scales, which its GEMMs read 4 at a time)."""
     if w1.layout.activations == "bf16":
         return xs, None
     q, _, scale = lib().forward.may_process_input(w1.layout.config.layer, xs)
     return q, scale
 
 
-def _experts(rows_in: torch.Tensor, w1: QWeight, w2: QWeight, micro_start: int, micro_count: int, routes: int,
-             up: dict, down: dict) -> torch.Tensor:
-    """Every active micro's GEMM1, SwiGLU and GEMM2 for `routes` routes -> [routes, H] (one micro: x.dtype;
-    more: their partials summed in fp32). `up` / `down`: the two GEMMs' routing arguments."""
-    rows, row_scale = _rows(rows_in, w1)
+def _scale_storage(rows: int, device: torch.device) -> torch.Tensor:
+    """Token scales [rows, 1] fp32 on storage padded to 4, as humming allocates them."""
+    return _empty(-(-rows // 4) * 4, dtype=torch.float32, device=device)[:rows].view(rows, 1)
+
+
+def _experts(rows: torch.Tensor, row_scale: torch.Tensor | None, w1: QWeight, w2: QWeight, micro_start: int,
+             micro_count: int, routes: int, up: dict, down: dict, dtype: torch.dtype) -> torch.Tensor:
+    """Every active micro's GEMM1, SwiGLU and GEMM2 for `routes` routes on GEMM1's input rows as `_rows` gives
+    them -> [routes, H] (one micro: `dtype`; more: their partials summed in fp32). `up` / `down`: the two
+    GEMMs' routing arguments."""
     inter2, hidden = w1.layout.shape[-2], w2.layout.shape[-2]
-    dev = rows_in.device
+    dev = rows.device
     y = None
     for m in range(micro_start, micro_start + micro_count):
-        h = _gemm(rows, w1, m, _empty(routes, inter2, dtype=rows_in.dtype, device=dev), row_scale, up)
+        h = _gemm(rows, w1, m, _empty(routes, inter2, dtype=dtype, device=dev), row_scale, up)
         act, act_scale = _act(h, w2)
-        part = _gemm(act, w2, m, _empty(routes, hidden, dtype=rows_in.dtype, device=dev), act_scale, down)
+        part = _gemm(act, w2, m, _empty(routes, hidden, dtype=dtype, device=dev), act_scale, down)
         y = part if y is None else y.float() + part.float()
     return y
 
 
 def _grouped(x, gate, w1: QWeight, w2: QWeight, micro_start: int, micro_count: int, topk: int, norm_topk: bool):
     """Routing and permutation as the `grouped` variant (moe/cuda.py `permute`), then the grouped-contiguous
-    GEMMs over the permuted copy of the rows -> (weights, [N*k, H] in expert order, each route's row there)."""
-    w, inv, xs, offs = permute(x, gate, topk, norm_topk)
+    GEMMs over the permuted copy of the rows -> (weights, [N*k, H] in expert order, each route's row there).
+    W4A8 quantizes a token's row once and permutes its codes and scale (as humming's own "scatter" input
+    layout does: the quantization is per row), not each of its top-k copies."""
+    if w1.layout.activations == "fp8":
+        q, scale = _rows(x, w1)
+        w, inv, (rows, perm_scale), offs = permute_rows(x, gate, topk, norm_topk, q, scale)
+        row_scale = _scale_storage(rows.shape[0], x.device)
+        row_scale.copy_(perm_scale)
+    else:
+        w, inv, rows, offs = permute(x, gate, topk, norm_topk)
+        row_scale = None
     # expert_layout [E + 1]: each expert's first row, then the end
     routing = dict(expert_layout=F.pad(offs, (1, 0)).long(), compute_config=COMPUTE)
-    return w, _experts(xs, w1, w2, micro_start, micro_count, xs.shape[0], routing, routing), inv
+    return w, _experts(rows, row_scale, w1, w2, micro_start, micro_count, rows.shape[0], routing, routing,
+                       x.dtype), inv
 
 
 def _routes(ids: torch.Tensor, lay: KernelLayout, top_k: int) -> dict:
@@ -409,7 +425,7 @@ def _indexed(x, gate, w1: QWeight, w2: QWeight, micro_start: int, micro_count: i
         down = dict(up, top_k=1, tuning_config=down_config.indexed)
     else:
         down = _routes(ids, w2.layout, 1)
-    return w, _experts(x, w1, w2, micro_start, micro_count, routes, up, down), None
+    return w, _experts(*_rows(x, w1), w1, w2, micro_start, micro_count, routes, up, down, x.dtype), None
 
 
 @backend("moe_quant", NAME, dtypes=(torch.bfloat16,), available=available, fits=humming_fits)
