@@ -20,8 +20,8 @@ build), chosen after the experts' (`--mxfp8-kernels`):
                   dequantized once a call into a bf16 GEMM
     fp8           folded at load into FP8 per output channel (formats.fold_mxfp8: a row's scale its largest
                   block scale, the other blocks' codes rescaled, exact but for codes under E4M3's normal
-                  range) and multiplied as the FP8 builds' weights are: W8A8 on the FP8 tensor cores, the
-                  activations quantized per token; no dequantize pass in the DiT step
+                  range) and multiplied as the FP8 builds' weights are: W8A8, the activations quantized per
+                  token (cuBLAS's FP8 GEMMs; a few tokens on the decode GEMV); no dequantize pass in the DiT step
     auto          fp8 where the experts run humming-fp8 (FP8 activations chosen already), else triton
 """
 from __future__ import annotations
