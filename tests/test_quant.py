@@ -106,8 +106,9 @@ def test_weight_only_gemm_references():
         assert kernels.ops()[op] == ["gemv", "triton", "torch"], op
     for op in ("grouped_mm_mxfp8", "grouped_mm_nvfp4", "quantize_fp8_rows"):
         assert kernels.ops()[op] == ["triton", "torch"], op
+    assert kernels.ops()["linear_fp8"] == ["gemv", "scaled_mm", "torch"]        # a few tokens on the GEMV
     for op in ("fp8_scaled_mm", "linear_fp8", "grouped_mm_fp8"):
-        assert kernels.ops()[op] == ["scaled_mm", "torch"], op
+        assert kernels.ops()[op][-2:] == ["scaled_mm", "torch"], op
         assert [i.backend for i in kernels.registry.candidates(op, "cpu", torch.float32)] == ["torch"], op
 
 
