@@ -17,8 +17,9 @@
            differently: a server batch that stays within GEMV_MAX_TOKENS (CUDA --max-batch 8) keeps every
            request's tokens independent of its company.
   grouped  every N: routing and permutation as `moe`'s grouped path (moe/cuda.py), the expert GEMMs on
-           triton_kernels.py's grouped GEMMs, or torch._scaled_grouped_mm for fp8 (GEMM1's rows
-           quantized once for every micro), the down GEMM on the strided column block of the pack
+           triton_kernels.py's grouped GEMMs, or torch._scaled_grouped_mm for fp8 (a token's row
+           quantized once, before the permutation, for every micro; with one micro the SwiGLU writes the
+           down GEMM's quantized rows), the down GEMM on the strided column block of the pack
 
 Earlier tile decode kernels (dequantized tiles into bf16 MMAs) lost to the GEMVs at 1 and 8 tokens (bench
 kernels-quant --decode, 2026-11-30) and were removed (git history); `batched` is a tile kernel again, but
