@@ -227,6 +227,7 @@ def _emulate_scaled_grouped(monkeypatch):
     ("fp8", "fp8", 8, 1, 2), ("fp8", "fp8", 37, 0, 2),               # online FP8 (W8A8)
     ("fp8", "fp8", 37, 1, 1),                                        # one micro: SwiGLU + quantization fused
     ("mxfp4", "fp8", 3, 1, 2), ("mxfp4", "fp8", 37, 0, 3),           # mixed, its MXFP8 folded (--mxfp8-kernels fp8)
+    ("mxfp4", "fp8", 37, 1, 1),                                      # ... one micro: the shared SwiGLU quantizes
 ])
 def test_interp_moe_quant_paths(qt, monkeypatch, fmt, shared_fmt, n, micro_start, micro_count):
     from hunyuan_kernels.quant import moe_cuda
@@ -254,6 +255,18 @@ def test_interp_fp8_rows_quantized_then_permuted_are_the_permuted_rows_quantized
     assert q1.dtype == torch.float8_e4m3fn and s1.dtype == torch.float32 and s1.shape == (37 * 4, 1)
     for a, b in ((w0, w1), (inv0, inv1), (offs0, offs1), (s0, s1), (q0.view(torch.uint8), q1.view(torch.uint8))):
         assert torch.equal(a, b)
+
+
+def test_interp_shared_fp8_down_fused_is_linear_fp8_of_the_swiglu(qt):
+    """The shared MLP's FP8 down linear of one micro (moe_cuda._shared) past the GEMV's rows: its input rows
+    quantized by the SwiGLU's kernel give linear_fp8's bits on the SwiGLU."""
+    from hunyuan_kernels.moe import triton_kernels as mtk
+    from hunyuan_kernels.quant import moe_cuda
+    t = make_qmoe(37, "mxfp4", "fp8", seed=9)
+    h = kq.qlinear(t["x"], t["shared_w1"][0])
+    want = kq.qlinear(mtk.swiglu(h), t["shared_w2"].cols(0, h.shape[1] // 2))
+    got = poisoned(moe_cuda._shared, t["x"], t["shared_w1"], t["shared_w2"], 0, 1)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("rows,inter", [(37, 96), (5, 3072), (0, 64)])
