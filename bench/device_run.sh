@@ -23,6 +23,7 @@
 #                  dequantize pass left)
 #   mxfp8-fold-more  the MXFP8 build triton vs fp8 (its experts folded too: the FP8 grouped path), then where a
 #                  decode token goes on humming-fp8 + fp8 (--profile-decode)
+#   pdl            suite pdl: programmatic dependent launch on a chain of 64 FP8 GEMVs (compiles? captures? us saved)
 #   serving-profile  suite serving --profile: MXFP4 Distil tp1, 16 clients, --max-batch 8 then 16 (each step
 #                  synchronized and its wall time summed by what it held: decode rows, denoise rows, slots)
 #   sampling-rows  the GPU tests of batched sampling (triton_rows, the CUDA default of sample_rows: every row's
@@ -152,6 +153,8 @@ for section in "$@"; do
         --out "$OUT/mxfp8-fold-mxfp8"
       run decode_profile_fp8 250 python3 -m bench one-gpu --builds mxfp4-distil --moe-kernels humming-fp8 \
         --mxfp8-kernels fp8 --profile-decode --out "$OUT/decode-profile-fp8" ;;
+    pdl)
+      suite pdl 120 pdl ;;
     serving-profile)
       for mb in 8 16; do
         mkdir -p "$OUT/serving-profile-mb$mb"

@@ -18,6 +18,7 @@ SUITES = {
     "grouped-layout": "the resident expert packs' grouped GEMMs: one down GEMM over the micros vs one per micro",
     "flashinfer": "FlashInfer's norms, top-k, sampler and decode attention beside ours at the engine's shapes",
     "decode-parts": "the rest of a quantized decode token: the sampler, its top-k, one MoE decode layer",
+    "pdl": "programmatic dependent launch on a chain of decode-like GEMVs: does it work and capture, us a kernel saved",
     "prefill-host": "the host time of the eager T2I prefill of one hybrid4 rank, stage by stage",
     "serving": "whole requests through the engine's scheduler at 1, 4, 16 clients: images/min, p50/p90 latency",
     "studio": "the wall time of studio requests end to end through the web server",
