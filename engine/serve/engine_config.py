@@ -159,6 +159,18 @@ class EngineConfig:
             raise ValueError(f"warmup takes sizes such as 1024x1024 or 'default' (got {self.warmup!r})")
         self._check_loras()
 
+    def _check_kernels_on_the_cpu(self) -> None:
+        """The CPU engine dequantizes quantized weights at load (engine/model/loader.py keeps_quantized): a named
+        kernel family of quantized packs has nothing to run there, said before anything is spawned."""
+        if self.device != "cpu":
+            return
+        if self.moe_kernels in ("humming", "humming-fp8"):
+            raise ValueError(f"--moe-kernels {self.moe_kernels} runs on a Hopper GPU; the CPU engine keeps no "
+                             "quantized experts (use auto or triton)")
+        if self.mxfp8_kernels == "fp8":
+            raise ValueError("--mxfp8-kernels fp8 runs on a CUDA GPU with FP8 tensor cores; the CPU engine keeps no "
+                             "MXFP8 weights (use auto or triton)")
+
     def _check_loras(self) -> None:
         if len({n for n, _ in self.loras}) < len(self.loras):
             raise ValueError(f"two LoRA adapters share a name: {', '.join(n for n, _ in self.loras)}")
@@ -235,6 +247,7 @@ class EngineConfig:
         plan = get_plan(self.plan, self.world_size, self.sp_kind)
         plan.check_model(info.cfg)
         check_step_policy(self.step_policy, plan.world, self.device.split(":")[0])
+        self._check_kernels_on_the_cpu()
         for size in self.warmup:
             if size != "default" and parse_size(size, info.buckets) is None:
                 raise ValueError(f"a warm-up size names a size (HxW), not {size!r}")
