@@ -9,6 +9,11 @@ from torch.profiler import ProfilerActivity, profile
 from .timing import sync
 
 
+# kernel names of separate conversion passes: ours (_dequant_kernel, _quantize_rows_kernel, ...) and humming's
+# input kernel (process_input: per-row FP8 quantization, SwiGLU + quantization)
+CONVERSIONS = ("dequant", "quantize", "process_input")
+
+
 def kernel_table(fn: Callable[[], object], label: str, rows: int = 24) -> list[str]:
     """The CUDA kernels of one call of `fn` by total time (where a stage's time goes), then the operators
     that launched them by the CUDA time of their own kernels (which op an elementwise kernel belongs to).
@@ -23,6 +28,11 @@ def kernel_table(fn: Callable[[], object], label: str, rows: int = 24) -> list[s
     kernels = [e for e in events if e.device_type == cuda]
     ops = [e for e in events if e.device_type != cuda and e.self_device_time_total > 0]
     out = [f"profile: {label}"]
+    # what issue 41 wants gone from a step: separate passes that (de)quantize weights or activations
+    conv = [e for e in kernels if any(w in e.key.lower() for w in CONVERSIONS)]
+    names = ", ".join(sorted({e.key[:40] for e in conv})) or "none"
+    out.append(f"dequantize / quantize kernels: {sum(e.count for e in conv)} launches, "
+               f"{sum(e.device_time_total for e in conv) / 1e3:.1f} ms ({names})")
     for title, evs, key in (("kernels", kernels, "device_time_total"),
                             ("operators (self CUDA time)", ops, "self_device_time_total")):
         out.append(f"{title}: {sum(getattr(e, key) for e in evs) / 1e3:.1f} ms in all")
