@@ -136,7 +136,8 @@ for section in "$@"; do
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       mkdir -p "$OUT/serving-policies"
       run serving_policies 590 python3 -m bench serving --builds mxfp4-distil --clients 1,4,16 --per-client 1 \
-        --max-batch 16 --arrivals closed --moe-kernels humming-fp8 --policy interleave:8,overlap:8 \
+        --max-batch 16 --arrivals closed --moe-kernels humming-fp8 --mxfp8-kernels fp8 \
+        --policy interleave:8,overlap:8 \
         --max-denoise-batch 1,4 --out "$OUT/serving-policies" ;;
     mxfp8-fold)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \

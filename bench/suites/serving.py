@@ -124,9 +124,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the runs at each client count: closed and/or poisson (module doc)")
     ap.add_argument("--moe-kernels", default="triton",
                     help="the quantized experts' kernels (engine/model/kernel_layouts.py: triton, humming, humming-fp8)")
-    ap.add_argument("--mxfp8-kernels", default="auto",
+    ap.add_argument("--mxfp8-kernels", default="triton",
                     help="the MXFP8 weights' kernels (engine/model/kernel_layouts.py: triton, fp8, auto: fp8 with "
-                         "humming-fp8, as the server's default)")
+                         "humming-fp8; default triton, as the server's)")
 
 
 # ---------------------------------------------------------------------------------------- the engine
