@@ -27,10 +27,11 @@ import time
 import torch
 
 import hunyuan_kernels as kernels
+from hunyuan_kernels.quant.formats import fold_rounded
 from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.model.kernel_layouts import fold_mxfp8_weights, lay_out_experts
-from engine.model.packed import PackFormat
+from engine.model.packed import PackFormat, QuantPack
 from engine.parallel.plan import ParallelPlan, get_plan
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.graphs import Graphs
@@ -213,8 +214,13 @@ def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool,
     model = rank.build(cfg, plan, torch.bfloat16, "cuda" if cuda else "cpu", resident)
     t1 = time.perf_counter()
     ran = lay_out_experts(model, moe_kernels)
+    # what the fold rounds, on the first MXFP8 pack (issue 41 item 5: the share of values a fold changes)
+    first = next((m for m in model.modules() if isinstance(m, QuantPack) and m.format.fmt == "mxfp8"), None)
+    share, worst = fold_rounded(first.codes, first.scales) if first is not None and mxfp8_kernels != "triton" \
+        else (None, None)
     ran8 = fold_mxfp8_weights(model, mxfp8_kernels, ran)
-    row = dict(build=name, moe_kernels=ran, mxfp8_kernels=ran8, layout_s=time.perf_counter() - t1, resident_gib=rank.resident_gib(model),
+    row = dict(build=name, moe_kernels=ran, mxfp8_kernels=ran8, fold_share=share, fold_worst=worst,
+               layout_s=time.perf_counter() - t1, resident_gib=rank.resident_gib(model),
                build_s=time.perf_counter() - t0, allocated_gib=torch.cuda.memory_allocated() / 2 ** 30 if cuda else None)
     out.say(f"{name}: built in {row['build_s']:.0f} s, resident {row['resident_gib']:.1f} GiB")
     with torch.no_grad():
@@ -277,7 +283,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
                      Col("prefill ms", "prefill_ms", ".1f"), Col("ms/token", "ms_per_token", ".2f"),
                      Col("DiT step ms", "step_ms", ".1f"), Col("graph step", "step_ms_graph", ".1f"),
                      Col("VAE ms", "vae_ms", ".0f"), Col("whole T2I s", "whole_total_s", ".2f"),
-                     Col("step velocity err", "velocity_err", ".1e")],
+                     Col("step velocity err", "velocity_err", ".1e"),
+                     Col("fold: share rounded", "fold_share", ".1e")],
               f"One GPU, tp1, random weights, T2I {16 * shapes.side}x{16 * shapes.side}, prefill {shapes.prefill}, "
               f"{shapes.cot} CoT tokens")
     for r in rows:

@@ -124,22 +124,28 @@ def permute(x, gate, topk, norm_topk):
     return w, inv, xs, offs
 
 
-def permute_rows(x, gate, topk, norm_topk, *rows: torch.Tensor):
+def permute_rows(x, gate, topk, norm_topk, *rows: torch.Tensor, outs: tuple | None = None):
     """`permute` routing on x but permuting `rows` (tensors of x's N rows; bits copied: any dtype), e.g.
     x's FP8 codes and per-row scales, quantized once a token instead of once a route: -> (weights, inv,
-    the permuted rows of each, offsets)."""
+    the permuted rows of each, offsets). `outs`: where to write each ([N*k, ·] of its dtype; None: made here)."""
     n = x.shape[0]
     w, ids, rank, base, offs, block_tokens = _plan(x, gate, topk, norm_topk)
     out, inv = [], None
-    for r in rows:
-        bits = r.view(_BITS[r.element_size()]) if r.dtype.is_floating_point and r.element_size() != 2 else r
-        rs = _empty(n * topk, r.shape[1], dtype=bits.dtype, device=r.device)
-        inv = tk.dispatch(bits, ids, rank, base, block_tokens, rs)
-        out.append(rs.view(r.dtype))
+    for i, r in enumerate(rows):
+        rs = outs[i] if outs is not None and outs[i] is not None else \
+            _empty(n * topk, r.shape[1], dtype=r.dtype, device=r.device)
+        inv = tk.dispatch(_bits(r), ids, rank, base, block_tokens, _bits(rs))
+        out.append(rs)
     return w, inv, tuple(out), offs
 
 
-# the integer dtype whose elements carry another dtype's bits (a row copy moves bits, whatever they mean)
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t viewed as the integers that carry its bits (a row copy moves bits, whatever they mean); 2-byte
+    floats as they are (the dispatch kernel copies bf16 / fp16 rows)."""
+    return t.view(_BITS[t.element_size()]) if t.dtype.is_floating_point and t.element_size() != 2 else t
+
+
+# the integer dtype whose elements carry another dtype's bits
 _BITS = {1: torch.uint8, 4: torch.int32, 8: torch.int64}
 
 

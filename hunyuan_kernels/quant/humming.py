@@ -391,9 +391,8 @@ def _grouped(x, gate, w1: QWeight, w2: QWeight, micro_start: int, micro_count: i
     layout does: the quantization is per row), not each of its top-k copies."""
     if w1.layout.activations == "fp8":
         q, scale = _rows(x, w1)
-        w, inv, (rows, perm_scale), offs = permute_rows(x, gate, topk, norm_topk, q, scale)
-        row_scale = _scale_storage(rows.shape[0], x.device)
-        row_scale.copy_(perm_scale)
+        w, inv, (rows, row_scale), offs = permute_rows(
+            x, gate, topk, norm_topk, q, scale, outs=(None, _scale_storage(x.shape[0] * topk, x.device)))
     else:
         w, inv, rows, offs = permute(x, gate, topk, norm_topk)
         row_scale = None

@@ -126,14 +126,13 @@ def moe_quant_grouped(x, gate, w1: QWeight, w2: QWeight, shared_w1, shared_w2, m
 
 
 def _shared(x, shared_w1: Weight, shared_w2: Weight, micro_start: int, micro_count: int) -> torch.Tensor:
-    """The shared MLP over the active micros on the quantized (or float) linears, [N, H] x.dtype. An FP8 down
-    linear of one micro past the decode GEMV's rows takes its input rows quantized by the SwiGLU's kernel
-    (the same bits as linear_fp8's own quantization there, one pass less)."""
+    """The shared MLP over the active micros on the quantized (or float) linears, [N, H] x.dtype (the rows of
+    the grouped paths: decode-sized ones take the GEMVs, `shared_fork`). An FP8 down linear of one micro takes
+    its input rows quantized by the SwiGLU's kernel (one pass less than linear_fp8's own quantization)."""
     is_micro = shared_w1.shape[1] // 2
     h = _linear(x, _micro_rows(shared_w1, micro_start, micro_count))
     w2 = _micro_cols(shared_w2, micro_start, micro_count, is_micro)
-    if (isinstance(w2, QWeight) and w2.fmt == "fp8" and micro_count == 1 and x.shape[0] > qg.LINEAR_MAX_M
-            and is_micro <= qt.SWIGLU_QUANT_MAX_I):
+    if isinstance(w2, QWeight) and w2.fmt == "fp8" and micro_count == 1 and is_micro <= qt.SWIGLU_QUANT_MAX_I:
         return call("fp8_scaled_mm", *qt.swiglu_quantize_rows(h), w2.codes, w2.scales, x.dtype)
     return _linear(tk.swiglu(h, groups=micro_count), w2)
 
