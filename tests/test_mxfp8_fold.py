@@ -1,6 +1,8 @@
-"""MXFP8 weights folded at load into FP8 per output channel (`--mxfp8-kernels fp8`): the fold's exactness on
+"""MX weights folded at load into FP8 per output channel: MXFP8 (`--mxfp8-kernels fp8`): the fold's exactness on
 real quantizer output, the folded packs of the mixed MXFP4 build (every micro view still lines up), the
-choice's refusals, and a whole request on the folded model (W8A8 through the reference ops on the CPU)."""
+choice's refusals, and a whole request on the folded model (W8A8 through the reference ops on the CPU); and
+every MX pack, the MXFP4 experts too (`fold_all_to_fp8`, `train.evaluate --fp8-activations`: W4A8's numbers
+on the CPU)."""
 from __future__ import annotations
 
 import io
@@ -10,13 +12,13 @@ import pytest
 import torch
 from PIL import Image as PILImage
 
-from engine.model.kernel_layouts import fold_mxfp8_weights
+from engine.model.kernel_layouts import fold_all_to_fp8, fold_mxfp8_weights
 from engine.model.loader import load
 from engine.model.packed import QuantPack
 from engine.runtime.events import Error, Image
 from engine.runtime.request import Request
 from engine_drive import make_engine
-from hunyuan_kernels.quant.formats import dequant_mxfp8, e8m0_to_float, fold_mxfp8, fold_rounded
+from hunyuan_kernels.quant.formats import dequant_mxfp4, dequant_mxfp8, e8m0_to_float, fold_mx, fold_rounded
 from tools.tiny import make_tiny
 from tools.tiny_quant import quantize_mx
 
@@ -35,7 +37,7 @@ def _spread_weight(n: int = 48, k: int = 512, binades: int = 12, seed: int = 0) 
 
 def test_fold_keeps_every_value_but_the_subnormal_codes_of_lower_blocks():
     codes, scales = quantize_mx(_spread_weight(), 8)
-    wq, s = fold_mxfp8(codes, scales)
+    wq, s = fold_mx(codes, scales)
     assert wq.dtype == torch.float8_e4m3fn and wq.shape == codes.shape and s.shape == (codes.shape[0], 1)
     assert torch.equal(s, e8m0_to_float(scales.amax(dim=-1, keepdim=True)))       # a row's largest block scale
     exact = dequant_mxfp8(codes, scales, torch.float32)
@@ -55,11 +57,29 @@ def test_fold_keeps_every_value_but_the_subnormal_codes_of_lower_blocks():
     assert 0 < worst <= 2.0 ** -10 * (s / exact.abs().amax(dim=-1, keepdim=True)).max().item()
 
 
+def test_an_mxfp4_fold_is_exact_within_eight_binades_and_rounds_below_by_half_a_subnormal_step():
+    codes, scales = quantize_mx(_spread_weight(binades=12, seed=1), 4)
+    wq, s = fold_mx(codes, scales, "mxfp4")
+    assert wq.shape == (codes.shape[0], 2 * codes.shape[1]) and s.shape == (codes.shape[0], 1)
+    exact = dequant_mxfp4(codes, scales, torch.float32)
+    got = wq.float() * s
+    # E2M1's smallest magnitude 0.5 times 2^-8 is E4M3's smallest subnormal: blocks up to 8 binades down are exact
+    depth = (scales.int().amax(dim=-1, keepdim=True) - scales.int()).repeat_interleave(32, dim=-1)
+    assert torch.equal(got[depth <= 8], exact[depth <= 8])
+    assert torch.equal(got[:8], exact[:8])
+    assert ((got - exact).abs() <= 2.0 ** -10 * s).all()
+    share, worst = fold_rounded(codes, scales, "mxfp4")
+    assert 0 < share == pytest.approx(((got - exact) != 0).float().mean().item())
+    assert worst > 0
+    with pytest.raises(ValueError, match="mxfp8 or mxfp4"):
+        fold_mx(codes, scales, "nvfp4")
+
+
 def test_fold_refuses_a_nan_scale():
     codes, scales = quantize_mx(_spread_weight(8, 64), 8)
     scales[3, 1] = 255
     with pytest.raises(ValueError, match="255"):
-        fold_mxfp8(codes, scales)
+        fold_mx(codes, scales)
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +168,31 @@ def test_an_mxfp8_build_folds_its_experts_too(tmp_path):
     a, b = _image(plain), _image(folded)
     assert not np.array_equal(a, b)
     assert 10 * np.log10(255.0 ** 2 / ((a - b) ** 2).mean()) >= 30
+
+
+def test_fold_all_folds_the_experts_too_and_a_request_stays_within_fp8_rounding(mixed):
+    """Every MX pack of the mixed build (MXFP4 experts included) folded: each pack holds the same weights to
+    the fold's bound, and the same request gives the weight-only image within FP8 rounding (W8A8 everywhere,
+    as humming-fp8 with --mxfp8-kernels fp8 multiplies)."""
+    plain, folded = load(mixed, resident="quantized"), load(mixed, resident="quantized")
+    before = {n: m for n, m in plain.model.named_modules() if isinstance(m, QuantPack)}
+    assert fold_all_to_fp8(folded.model) == len(before) == 6 * len(folded.model.transformer.layers)
+    after = dict(folded.model.named_modules())
+    for name, p in before.items():
+        q = after[name]
+        assert q.format.fmt == "fp8" and q.shape == p.shape and q.codes.shape == p.shape, name
+        exact, got = p.value().dequantize(torch.float32), q.value().dequantize(torch.float32)
+        assert ((got - exact).abs() <= 2.0 ** -10 * q.scales).all(), name
+    assert fold_all_to_fp8(folded.model) == 0                 # nothing plain left
+    a, b = _image(plain), _image(folded)
+    assert not np.array_equal(a, b)
+    assert 10 * np.log10(255.0 ** 2 / ((a - b) ** 2).mean()) >= 30
+
+
+def test_evaluate_refuses_fp8_activations_with_nothing_to_fold_or_dense_weights(mixed):
+    from engine import EMBEDDED_MODEL
+    from train.evaluate import evaluate
+    with pytest.raises(ValueError, match="keeps no MXFP8 or MXFP4 weights"):
+        evaluate(EMBEDDED_MODEL, n=1, threads=None, fp8_activations=True, log=lambda *_: None)
+    with pytest.raises(ValueError, match="--resident dense"):
+        evaluate(mixed, n=1, threads=None, fp8_activations=True, resident="dense", log=lambda *_: None)

@@ -44,6 +44,7 @@ from PIL import Image as PILImage
 from engine.runtime.events import Done, Error, Image, Ratio
 from engine.runtime.history import POLICIES, Turn, reasoning_of
 from engine.model.loader import load
+from engine.model.kernel_layouts import fold_all_to_fp8
 from engine.runtime.engine import Engine
 from engine.runtime.options import EngineOptions
 from engine.runtime.request import Request
@@ -285,18 +286,28 @@ def evaluate(model: str | Path, n: int = 40, seed: int = 0, threads: int | None 
              n_edit: int | None = None, save_dir: str | Path | None = None, log=print,
              bot_task: str | None = None, example_seeds: int = 0, quantize: str | None = None,
              resident: str = "auto", dtype: torch.dtype | None = None, steps: int | None = None,
-             step_cache: str = "none", chains: int = 0) -> dict:
+             step_cache: str = "none", chains: int = 0, fp8_activations: bool = False) -> dict:
     """The metrics of one reasoning mode (`bot_task`; None: the checkpoint's default). `quantize`
     ("fp8"): the model quantized online at load, as `--quantize fp8` serves it; `resident` as `load`'s
     ("quantized" on the CPU: the quantized weights stay quantized and run the reference ops, so FP8 is
     W8A8 with per-token activation scales, the semantics the CUDA kernels compute). `steps`: the denoise
     steps of every request (None: the checkpoint's); `step_cache`: a step cache setting by name
-    (engine.runtime.step_cache.named_setting)."""
+    (engine.runtime.step_cache.named_setting). `fp8_activations`: every MX pack folded into FP8 per output
+    channel at load (engine/model/kernel_layouts.py `fold_all_to_fp8`), so every quantized GEMM runs W8A8:
+    the numbers of `--moe-kernels humming-fp8 --mxfp8-kernels fp8`, on any device (the packs stay quantized:
+    `resident` "auto" becomes "quantized")."""
     taylor, block = named_setting(step_cache)
+    if fp8_activations:
+        if resident == "dense":
+            raise ValueError("--fp8-activations folds the quantized packs, which --resident dense dequantizes at load")
+        resident = "quantized"
     fields = {"steps": steps, "taylor_cache": taylor, "block_cache": block}
     if threads:
         torch.set_num_threads(threads)
     lm = load(model, device, dtype, quantize=quantize, resident=resident)
+    if fp8_activations and not fold_all_to_fp8(lm.model):
+        raise ValueError(f"--fp8-activations: {model} keeps no MXFP8 or MXFP4 weights to fold (a checkpoint "
+                         "quantized to MX formats, e.g. by auto-round, has them)")
     pipe = Engine(lm, options=EngineOptions(preview_every=0))
     tok, sp = lm.tok, lm.tok.special
     mode = bot_task or lm.gen.bot_task
@@ -465,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resident", choices=["auto", "quantized", "dense"], default="auto",
                     help="quantized weights stay quantized (CUDA default) or are dequantized at load (CPU "
                          "default); 'quantized' on the CPU runs the reference ops (FP8: W8A8)")
+    ap.add_argument("--fp8-activations", action="store_true",
+                    help="fold every MX-quantized weight into FP8 per output channel and run W8A8 (activations "
+                         "quantized per token): the numbers of --moe-kernels humming-fp8 --mxfp8-kernels fp8, on "
+                         "any device and any model size")
     ap.add_argument("--json", help="also write the metrics here (a list, one entry per mode)")
     ap.add_argument("--save-images", help="write every generated image into this folder (one subfolder a mode)")
     ap.add_argument("--steps", type=int, default=None, help="denoise steps of every request (default: the checkpoint's)")
@@ -490,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                            log=(lambda *_: None) if args.quiet else print,
                            bot_task=MODES.get(mode), example_seeds=args.example_seeds, quantize=args.quantize,
                            resident=args.resident, dtype=DTYPES.get(args.dtype), steps=args.steps,
-                           step_cache=args.step_cache, chains=args.chains))
+                           step_cache=args.step_cache, chains=args.chains,
+                           fp8_activations=args.fp8_activations))
     cmd = "python -m train.evaluate " + " ".join(sys.argv[1:] if argv is None else argv)
     print(table(ms))
     print(f"command: {cmd}")

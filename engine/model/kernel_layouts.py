@@ -18,7 +18,7 @@ build), chosen after the experts' (`--mxfp8-kernels`):
 
     triton        weight-only (bf16 activations): the decode GEMVs, and for 256 rows or more the weight
                   dequantized once a call into a bf16 GEMM
-    fp8           folded at load into FP8 per output channel (formats.fold_mxfp8: a row's scale its largest
+    fp8           folded at load into FP8 per output channel (formats.fold_mx: a row's scale its largest
                   block scale, the other blocks' codes rescaled, exact but for codes under E4M3's normal
                   range) and multiplied as the FP8 builds' weights are: W8A8, the activations quantized per
                   token (cuBLAS's FP8 GEMMs; a few tokens on the decode GEMV); no dequantize pass in the DiT step
@@ -114,3 +114,19 @@ def fold_mxfp8_weights(model: "nn.Module", choice: str = "auto", moe_kernels: st
     for p in packs:
         p.fold_to_fp8()
     return "fp8"
+
+
+def fold_all_to_fp8(model: "nn.Module") -> int:
+    """Fold every plain MX pack of `model` (MXFP8 and MXFP4, the experts too) into FP8 per output channel, so
+    every quantized GEMM runs W8A8 with its activations quantized per token: on the CPU's reference ops, the
+    numbers `--moe-kernels humming-fp8 --mxfp8-kernels fp8` compute on a Hopper GPU, up to the folds' rounding
+    (per row here, per expert in humming: formats.fold_rounded and humming.clamped_share count each) and the
+    sum order. How `train.evaluate --fp8-activations` scores FP8 activations on a model humming cannot take
+    (the embedded model's tiny shapes) or without a GPU. An MXFP4 pack's codes take twice the bytes after:
+    an evaluation's layout, never a serving one. Returns the number of packs folded."""
+    from engine.model.packed import QuantPack
+    packs = [m for m in model.modules()
+             if isinstance(m, QuantPack) and m.format.fmt in ("mxfp8", "mxfp4") and m.layout is None]
+    for p in packs:
+        p.fold_to_fp8()
+    return len(packs)

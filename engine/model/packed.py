@@ -38,7 +38,7 @@ from torch import nn
 
 import hunyuan_kernels as kernels
 from hunyuan_kernels.quant import PER_BYTE, SCALE_BLOCK, QWeight, qlinear
-from hunyuan_kernels.quant.formats import KernelLayout, fold_mxfp8
+from hunyuan_kernels.quant.formats import KernelLayout, fold_mx
 from engine.parallel.layout import PhaseView, ShardLayout
 from engine.checkpoint.shards import Checkpoint, CheckpointError
 from engine.checkpoint.qtensors import QuantTensors, TensorSet, read_tensors
@@ -178,22 +178,30 @@ class QuantPack(nn.Module):
         self.layout = w.layout
 
     def fold_to_fp8(self) -> None:
-        """Turn this MXFP8 pack into an FP8 pack (per output channel) in place, once, at load: its codes
-        folded with their block scales (hunyuan_kernels/quant/formats.py `fold_mxfp8`: exact but for the
-        codes under E4M3's normal range in blocks below their row's largest scale), its E8M0 scales replaced
-        by one fp32 scale a row. It is then read by every FP8 op (W8A8: cuBLAS's row-wise scaled GEMMs, the
-        decode GEMVs on rows quantized per token). One matrix at a time, so the fp32 temporaries stay one
-        matrix's."""
-        if self.format.fmt != "mxfp8" or self.layout is not None:
-            raise ValueError(f"fold_to_fp8 folds a plain mxfp8 pack (this one: {self.format.fmt}"
+        """Turn this MX pack into an FP8 pack (per output channel), once, at load: its codes folded with their
+        block scales (hunyuan_kernels/quant/formats.py `fold_mx`: exact but for the values under E4M3's normal
+        range in blocks below their row's largest scale), its E8M0 scales replaced by one fp32 scale a row.
+        It is then read by every FP8 op (W8A8: cuBLAS's row-wise scaled GEMMs, the decode GEMVs on rows
+        quantized per token). An MXFP8 pack is folded in place (one matrix at a time, so the fp32 temporaries
+        stay one matrix's); an MXFP4 pack's codes take twice the bytes after (one E4M3 code an element): the
+        CPU's stand-in for W4A8 (`fold_all_to_fp8`), not a GPU layout."""
+        fmt = self.format.fmt
+        if fmt not in ("mxfp8", "mxfp4") or self.layout is not None:
+            raise ValueError(f"fold_to_fp8 folds a plain mxfp8 or mxfp4 pack (this one: {fmt}"
                              f"{', laid out for ' + self.layout.kernel if self.layout else ''})")
-        codes = self.codes.data.reshape(-1, *self.codes.shape[-2:])
+        codes_in = self.codes.data.reshape(-1, *self.codes.shape[-2:])
         scales_in = self.scales.data.reshape(-1, *self.scales.shape[-2:])
-        scales = torch.empty(*self.codes.shape[:-1], 1, dtype=torch.float32, device=self.device)
+        if fmt == "mxfp8":
+            codes = self.codes.data
+        else:
+            codes = torch.empty(*self.shape, dtype=torch.float8_e4m3fn, device=self.device)
+        out = codes.view(-1, *codes.shape[-2:])
+        scales = torch.empty(*self.shape[:-1], 1, dtype=torch.float32, device=self.device)
         flat = scales.view(-1, *scales.shape[-2:])
-        for i in range(codes.shape[0]):              # in place: the folded codes overwrite the plain ones
-            folded, flat[i] = fold_mxfp8(codes[i], scales_in[i])
-            codes[i].copy_(folded)
+        for i in range(codes_in.shape[0]):
+            folded, flat[i] = fold_mx(codes_in[i], scales_in[i], fmt)
+            out[i].copy_(folded)
+        self.codes = nn.Parameter(codes, requires_grad=False)
         self.scales = nn.Parameter(scales, requires_grad=False)
         self.format = PackFormat("fp8")
 

@@ -94,28 +94,38 @@ def dequant_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (codes.float() * scale.float()).to(dtype)
 
 
-# ---------------------------------------------------------------- MXFP8 folded per output channel
-def fold_mxfp8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8 (codes float8_e4m3fn [..., N, K], E8M0 scales [..., N, K/32]) -> FP8 per output channel
-    (codes [..., N, K], fp32 scale [..., N, 1]), the layout cuBLAS's row-wise scaled FP8 GEMMs multiply:
-    each row's scale is its largest block scale, and every other block's codes are multiplied by the power
-    of two between the two (exact in fp32) and rounded once to E4M3 (nearest even). A block at the row's
-    largest scale stays exact; a block d binades below loses only the codes that fall under E4M3's normal
-    range (|code| < 2^(d-6)), each by at most half a subnormal step, 2^-10 of the row's scale: far under
-    the per-token FP8 rounding of the activations these weights then meet. `fold_rounded` counts them."""
+# ---------------------------------------------------------------- MX packs folded per output channel
+def _mx_values(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The element values of an MX pack's codes (before the block scales), float32 [..., N, K]."""
+    if fmt == "mxfp8":
+        return codes.float()
+    if fmt == "mxfp4":
+        return e2m1_to_float(unpack_fp4(codes))
+    raise ValueError(f"fold_mx folds mxfp8 or mxfp4 codes, not {fmt}")
+
+
+def fold_mx(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp8") -> tuple[torch.Tensor, torch.Tensor]:
+    """An MX pack (`fmt` "mxfp8": codes float8_e4m3fn [..., N, K]; "mxfp4": two E2M1 codes a byte [..., N, K/2];
+    E8M0 scales [..., N, K/32]) -> FP8 per output channel (codes float8_e4m3fn [..., N, K], fp32 scale
+    [..., N, 1]), the layout cuBLAS's row-wise scaled FP8 GEMMs multiply: each row's scale is its largest block
+    scale, and every other block's values are multiplied by the power of two between the two (exact in fp32)
+    and rounded once to E4M3 (nearest even). A block at the row's largest scale stays exact (E2M1's values are
+    E4M3 values); a block d binades below loses only the values that fall under E4M3's normal range (|value| <
+    2^(d-6)), each by at most half a subnormal step, 2^-10 of the row's scale: far under the per-token FP8
+    rounding of the activations these weights then meet (MXFP4: exact for d <= 8). `fold_rounded` counts them."""
     e = scales.to(torch.int32)
     if bool((e == 255).any()):
-        raise ValueError("fold_mxfp8: an E8M0 scale byte is 255 (NaN)")
+        raise ValueError("fold_mx: an E8M0 scale byte is 255 (NaN)")
     top = e.amax(dim=-1, keepdim=True)
-    folded = _blocks(codes.float(), torch.exp2((e - top).float()))
+    folded = _blocks(_mx_values(codes, fmt), torch.exp2((e - top).float()))
     return folded.to(torch.float8_e4m3fn), e8m0_to_float(top.to(torch.uint8))
 
 
-def fold_rounded(codes: torch.Tensor, scales: torch.Tensor) -> tuple[float, float]:
-    """What `fold_mxfp8` rounds in one weight: (the share of its elements whose value changes, the largest
+def fold_rounded(codes: torch.Tensor, scales: torch.Tensor, fmt: str = "mxfp8") -> tuple[float, float]:
+    """What `fold_mx` rounds in one weight: (the share of its elements whose value changes, the largest
     change over its row's largest dequantized magnitude)."""
-    wq, s = fold_mxfp8(codes, scales)
-    exact = dequant_mxfp8(codes, scales, torch.float32)
+    wq, s = fold_mx(codes, scales, fmt)
+    exact = _blocks(_mx_values(codes, fmt), e8m0_to_float(scales))
     diff = (wq.float() * s - exact).abs()
     row_max = exact.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return (diff > 0).float().mean().item(), (diff / row_max).max().item()
