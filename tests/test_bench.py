@@ -148,17 +148,21 @@ def test_the_determinism_probe_names_the_first_module_that_differs(tiny):
 
 def test_the_folds_suite_reports_each_kind_of_mx_pack(tmp_path):
     """`bench folds` on the MXFP4-mixed tiny build: one row a kind of linear, humming's share for the experts
-    only, shares in [0, 1]; a checkpoint without MX weights is a failed run that says so."""
+    only, shares in [0, 1], the folded model's image within FP8 rounding of the weight-only one; a checkpoint
+    without MX weights is a failed run that says so."""
     from tools.tiny import make_tiny
     folder = make_tiny(tmp_path / "mixed", blocks=True, quant="mxfp4")
-    proc = bench("folds", "--model", str(folder), "--out", str(tmp_path / "out"))
+    proc = bench("folds", "--model", str(folder), "--images", "1", "--steps", "2", "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["kind"]: r for r in json.loads((tmp_path / "out" / "folds.json").read_text())["rows"]}
+    data = json.loads((tmp_path / "out" / "folds.json").read_text())
+    rows = {r["kind"]: r for r in data["rows"]}
     assert set(rows) == {f"transformer.layers.N.{k}" for k in
                          ("self_attn.qkv", "self_attn.o_proj", "mlp.w1", "mlp.w2", "mlp.shared_w1", "mlp.shared_w2")}
     for kind, r in rows.items():
         experts = kind.endswith((".mlp.w1", ".mlp.w2"))
         assert r["fmt"] == ("mxfp4" if experts else "mxfp8") and (r["humming_clamped"] is not None) == experts
         assert 0 <= r["fold_changed"] <= 1 and r["spread_max"] >= r["spread_median"] >= 0
+    (img,) = data["images"]                                  # no --reference: the folded image vs the weight-only one
+    assert img["against"] == "weight-only" and 30 <= img["psnr_db"] < 120     # close, and not the same bits
     proc = bench("folds", "--out", str(tmp_path / "none"))       # the embedded model: no MX weights
     assert proc.returncode == 1 and "keeps no MXFP8 or MXFP4 weights" in proc.stdout
