@@ -393,10 +393,15 @@ def test_gpu_humming_in_a_cuda_graph(act, n):
 
 # ------------------------------------------------------------------------------- the engine's choice
 @pytest.fixture(scope="module")
-def mxfp4_model(tmp_path_factory):
-    from engine.model.loader import load
+def mxfp4_folder(tmp_path_factory):
     from tools.tiny import make_tiny
-    return load(make_tiny(tmp_path_factory.mktemp("mxfp4"), blocks=True, quant="mxfp4"), resident="quantized").model
+    return make_tiny(tmp_path_factory.mktemp("mxfp4"), blocks=True, quant="mxfp4")
+
+
+@pytest.fixture(scope="module")
+def mxfp4_model(mxfp4_folder):
+    from engine.model.loader import load
+    return load(mxfp4_folder, resident="quantized").model
 
 
 def test_moe_kernels_choice(mxfp4_model, monkeypatch):
@@ -415,6 +420,27 @@ def test_moe_kernels_choice(mxfp4_model, monkeypatch):
     from engine import EMBEDDED_MODEL
     with pytest.raises(ValueError, match="keeps no quantized experts"):
         lay_out_experts(load(EMBEDDED_MODEL).model, "humming")
+
+
+@pytest.mark.parametrize("choice, activations", [("auto", "fp8"), ("humming-fp8", "fp8"), ("humming", "bf16")])
+def test_auto_lays_the_experts_out_for_w4a8(mxfp4_folder, monkeypatch, choice, activations):
+    """Where humming can take the experts, auto is its W4A8 (humming-fp8: faster in every phase, as accurate on
+    the embedded model scored with W4A8's numbers, docs/benchmarks.md); `humming` keeps bf16 activations. The
+    layout itself is humming's (GPU tests): here a stand-in records what it was asked for."""
+    from engine.model import kernel_layouts
+    from engine.model.loader import load
+    from hunyuan_kernels.quant.formats import KernelLayout, QWeight
+    asked = []
+
+    def lay_out(w, acts="bf16", micros=None):
+        asked.append(acts)
+        return QWeight(w.fmt, w.codes, w.scales, None, False, KernelLayout("humming", w.shape, acts, None))
+    monkeypatch.setattr(kernel_layouts, "why_not_humming", lambda moes, lora_mlp: None)
+    monkeypatch.setattr(humming, "lay_out", lay_out)
+    model = load(mxfp4_folder, resident="quantized").model
+    assert kernel_layouts.lay_out_experts(model, choice) == ("humming" if activations == "bf16" else "humming-fp8")
+    assert asked and set(asked) == {activations}
+    assert all(m.mlp.w1.layout.activations == activations for m in model.transformer.layers)
 
 
 def test_why_not_humming_names_the_mlp_adapters_and_the_tiles(mxfp4_model, monkeypatch):

@@ -7,8 +7,11 @@ and the memory stays what the codes and scales take (the laid-out codes replace 
                   bf16 rounding), MXFP4 experts on Hopper
     humming-fp8   its W4A8 GEMMs: activations quantized per row to FP8 E4M3, the E8M0 block scales folded
                   per expert (blocks more than 11 binades below their expert's largest are rounded)
-    auto          humming where it can take every expert pack (installed, a Hopper GPU, MXFP4 packs of
-                  its tile sizes, no LoRA tables of the MLPs), else triton
+    auto          humming-fp8 where humming can take every expert pack (installed, a Hopper GPU, MXFP4 packs
+                  of its tile sizes, no LoRA tables of the MLPs), else triton. W4A8 rather than W4A16: faster in
+                  every phase on one H200 (docs/benchmarks.md, humming) and, scored on the embedded model
+                  quantized by auto-round with W4A8's numbers (`train.evaluate --fp8-activations`), as accurate
+                  (auto-round's MX schemes declare FP8 activations too); `humming` keeps bf16 activations
 
 A laid-out pack runs only on its family's variant of the `moe_quant` op: LoRA adapters of the MLPs
 (`moe_lora`, which reads the plain codes) need `triton`.
@@ -84,7 +87,7 @@ def lay_out_experts(model: "nn.Module", choice: str = "auto", lora_mlp: bool = F
             return "triton"
         raise ValueError(f"--moe-kernels {choice}: {why}")
     from hunyuan_kernels.quant import humming
-    activations = "fp8" if choice == "humming-fp8" else "bf16"
+    activations = "bf16" if choice == "humming" else "fp8"           # auto: W4A8 (the module's docstring)
     for m in moes:
         m.w1.take_layout(humming.lay_out(m.w1.value(), activations))
         m.w2.take_layout(humming.lay_out(m.w2.value(), activations, micros=m.micros))
