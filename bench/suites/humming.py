@@ -1,7 +1,7 @@
 """The MXFP4 MoE layer on humming-kernels (the `moe_quant` op's `humming` variant, packs laid out at load) beside
 our own variants, at the real tp1 shapes, for a decode step's rows and a denoise step's.
 
-    python -m bench humming [--ns 1,2,4,8,16] [--denoise 4096] [--layers 8] [--activations bf16,fp8]
+    python -m bench humming [--ns 1,2,4,8,16] [--denoise 4096] [--layers 8] [--activations bf16,fp8] [--parts]
 
 Each layer: H 4096, E 64, top-8, I 3072, the shared MLP in MXFP8 (the MXFP4 build's), random weights and
 router, random tokens (the decode sizes share one set of layers, N taking the first N tokens). Rows per N:
@@ -20,6 +20,8 @@ both paths run, whether they give the same bits (`= grouped`: the threshold then
 the us/layer of every path side by side per N, and per activation the row counts where the indexed path is
 the faster (what humming.INDEXED_ROWS, a pack's default, is set from). Also: the time to lay out one
 layer's packs (and to compile the kernels, the first time) and the share of scale blocks W4A8's fold rounds.
+--parts adds, per N and activation, the humming variant's own path without the shared MLP ("no shared"): what
+the shared MLP (MXFP8, on the decode GEMVs on a side stream up to 16 rows) adds to a layer at each N.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--denoise", type=int, default=4096, help="the denoise size's tokens (default 4096; 0: none)")
     ap.add_argument("--layers", type=int, default=8, help="distinct layers in the decode graph (default 8)")
     ap.add_argument("--activations", default="bf16,fp8", help="humming's activations to run (default bf16,fp8)")
+    ap.add_argument("--parts", action="store_true", help="also each humming variant without the shared MLP")
 
 
 def layer(seed: int, tokens: int) -> dict:
@@ -65,8 +68,9 @@ def laid_out(lay: dict, activations: str) -> dict:
     return dict(lay, w1=humming.lay_out(lay["w1"], activations), w2=humming.lay_out(lay["w2"], activations, micros=1))
 
 
-def args_of(lay: dict, n: int) -> tuple:
-    return (lay["x"][:n], lay["gate"], lay["w1"], lay["w2"], lay["sw1"], lay["sw2"], 0, 1, K, True)
+def args_of(lay: dict, n: int, shared: bool = True) -> tuple:
+    sw1, sw2 = (lay["sw1"], lay["sw2"]) if shared else (None, None)
+    return (lay["x"][:n], lay["gate"], lay["w1"], lay["w2"], sw1, sw2, 0, 1, K, True)
 
 
 def floor_ms(layers: list[dict], n: int, act: str) -> float:
@@ -84,17 +88,17 @@ def floor_ms(layers: list[dict], n: int, act: str) -> float:
 class Variant:
     """One row's way to run the layer: the registry's choice, or the humming variant on a forced path."""
 
-    def __init__(self, name: str, layers: list[dict], path: str | None = None):
-        self.name, self.layers, self.path = name, layers, path
-        self.activations = name.split("-")[-1] if name.startswith("humming") else "bf16"
+    def __init__(self, name: str, layers: list[dict], path: str | None = None, shared: bool = True):
+        self.name, self.layers, self.path, self.shared = name, layers, path, shared
+        self.activations = name.split("-")[1] if name.startswith("humming") else "bf16"
 
     def __call__(self, args: tuple) -> torch.Tensor:
-        if self.path is None:
+        if self.path is None or not self.shared:
             return kernels.call("moe_quant", *args)
         return humming.moe_quant_humming(*args, path=self.path)
 
     def ran(self, n: int) -> str:
-        if self.path is None:
+        if self.path is None or not self.shared:
             return kernels.chosen("moe_quant")
         choice = humming.rows_path(n, self.layers[0]["w1"].layout.config.indexed_rows)
         return self.path + (" (its choice)" if choice == self.path else "")
@@ -109,11 +113,15 @@ def lay_out_all(layers: list[dict], acts: list[str], out: Output) -> dict[str, l
     return laid
 
 
-def variants(layers: list[dict], laid: dict[str, list[dict]], n: int) -> list[Variant]:
-    """ours, then per activation the humming variant on both paths (N <= INDEXED_MAX_ROWS) or its choice."""
+def variants(layers: list[dict], laid: dict[str, list[dict]], n: int, parts: bool = False) -> list[Variant]:
+    """ours, then per activation the humming variant on both paths (N <= INDEXED_MAX_ROWS) or its choice;
+    `parts`: and its choice without the shared MLP."""
     paths = humming.PATHS if n <= humming.INDEXED_MAX_ROWS else (None,)
-    return [Variant("ours", layers)] + [Variant(f"humming-{act}", lays, path) for act, lays in laid.items()
-                                         for path in paths]
+    vs = [Variant("ours", layers)] + [Variant(f"humming-{act}", lays, path) for act, lays in laid.items()
+                                      for path in paths]
+    if parts:
+        vs += [Variant(f"humming-{act}-no-shared", lays, "-", shared=False) for act, lays in laid.items()]
+    return vs
 
 
 def check(v: Variant, args: tuple, want: torch.Tensor, decode: bool) -> Check:
@@ -137,14 +145,14 @@ def same_bits(v: Variant, args: tuple) -> str | None:
 def rows_for(layers: list[dict], n: int, vs: list[Variant], rows: list, out: Output) -> bool:
     """Check and time every variant at N (the first n tokens of `layers`' own)."""
     ok = True
-    with kernels.allowed():
-        want = kernels.call("moe_quant", *args_of(layers[0], n))      # the reference (plain packs)
+    with kernels.allowed():      # the reference (plain packs), with and without the shared MLP
+        want = {s: kernels.call("moe_quant", *args_of(layers[0], n, s)) for s in {v.shared for v in vs}}
     for v in vs:
-        res = check(v, args_of(v.layers[0], n), want, decode=n <= 64)
+        res = check(v, args_of(v.layers[0], n, v.shared), want[v.shared], decode=n <= 64)
         ran = v.ran(n)
         ok &= res.ok
-        agree = same_bits(v, args_of(v.layers[0], n))
-        calls = [(lambda a=args_of(lay, n): v(a)) for lay in v.layers]
+        agree = same_bits(v, args_of(v.layers[0], n, v.shared))
+        calls = [(lambda a=args_of(lay, n, v.shared): v(a)) for lay in v.layers]
         ms = time_ms(lambda: [c() for c in calls], "graph")
         f = floor_ms(layers, n, v.activations)
         rows.append(dict(n=n, variant=v.name, path=v.path or "-", ran=ran, ms=ms, us_layer=ms / len(layers) * 1e3,
@@ -155,7 +163,8 @@ def rows_for(layers: list[dict], n: int, vs: list[Variant], rows: list, out: Out
 
 
 def side_by_side(rows: list[dict], acts: list[str]) -> tuple[list[dict], dict]:
-    """us/layer per N: ours and each humming path in one row; per activation the N where indexed wins."""
+    """us/layer per N: ours and each humming path (and its own without the shared MLP, with --parts) in one row;
+    per activation the N where indexed wins."""
     table, wins = [], {act: [] for act in acts}
     for n in sorted({r["n"] for r in rows}):
         mine = {(r["variant"], r["path"]): r["us_layer"] for r in rows if r["n"] == n}
@@ -164,6 +173,7 @@ def side_by_side(rows: list[dict], acts: list[str]) -> tuple[list[dict], dict]:
             g = mine.get((f"humming-{act}", "grouped"), mine.get((f"humming-{act}", "-")))
             i = mine.get((f"humming-{act}", "indexed"))
             line[f"{act}_grouped"], line[f"{act}_indexed"] = g, i
+            line[f"{act}_no_shared"] = mine.get((f"humming-{act}-no-shared", "-"))
             if i is not None and g is not None and i < g:
                 wins[act].append(n)
         table.append(line)
@@ -196,7 +206,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         out.say(f"{nlayers} layers of {max(group)} tokens made in {time.time() - t1:.0f} s")
         laid = lay_out_all(layers, acts, out)
         for n in group:
-            ok &= rows_for(layers, n, variants(layers, laid, n), rows, out)
+            ok &= rows_for(layers, n, variants(layers, laid, n, args.parts), rows, out)
         del layers, laid
         torch.cuda.empty_cache()
     out.data["rows"] = rows
@@ -207,7 +217,8 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     table, wins = side_by_side(rows, acts)
     out.data["paths"], out.data["indexed_faster_at"] = table, wins
     out.table(table, [Col("N", "n"), Col("ours", "ours", ".1f")]
-              + [Col(f"{act} {p}", f"{act}_{p}", ".1f") for act in acts for p in ("grouped", "indexed")],
+              + [Col(f"{act} {p.replace('_', ' ')}", f"{act}_{p}", ".1f") for act in acts
+                 for p in ("grouped", "indexed") + (("no_shared",) if args.parts else ())],
               title=f"us per layer by path (indexed is the variant's own up to {humming.INDEXED_MAX_ROWS} rows)")
     for act in acts:
         out.say(f"humming-{act}: the indexed path is the faster at N = {wins[act] or 'none measured'}")
