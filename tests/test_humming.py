@@ -443,6 +443,13 @@ def test_auto_lays_the_experts_out_for_w4a8(mxfp4_folder, monkeypatch, choice, a
     assert all(m.mlp.w1.layout.activations == activations for m in model.transformer.layers)
 
 
+def test_the_start_up_line_names_the_kernels_that_are_not_ours():
+    from engine.model.kernel_layouts import kernels_line
+    assert kernels_line("triton", "triton") == kernels_line(None, None) == ""
+    assert kernels_line("humming-fp8", "triton") == "; experts on humming-fp8 (W4A8)"
+    assert kernels_line("humming", "fp8") == "; experts on humming (W4A16), MXFP8 weights on fp8 (W8A8)"
+
+
 def test_why_not_humming_names_the_mlp_adapters_and_the_tiles(mxfp4_model, monkeypatch):
     from engine.model import kernel_layouts
     monkeypatch.setattr(humming, "available", lambda: True)     # as on a Hopper GPU with the extra installed

@@ -133,3 +133,13 @@ def fold_all_to_fp8(model: "nn.Module") -> int:
     for p in packs:
         p.fold_to_fp8()
     return len(packs)
+
+
+ACTIVATIONS = {"humming": "W4A16", "humming-fp8": "W4A8", "fp8": "W8A8"}
+
+
+def kernels_line(moe_kernels: str | None, mxfp8_kernels: str | None) -> str:
+    """The start-up line's words for the chosen kernels ("" when everything runs on ours, `triton`)."""
+    chosen = (("experts", moe_kernels), ("MXFP8 weights", mxfp8_kernels))
+    parts = [f"{what} on {k} ({ACTIVATIONS[k]})" for what, k in chosen if k in ACTIVATIONS]
+    return "; " + ", ".join(parts) if parts else ""

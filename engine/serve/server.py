@@ -223,6 +223,9 @@ class EngineServer(EngineClient):
                 "restart_in_s": round(max(0.0, spawn_at - now), 1) if spawn_at is not None else None,
                 "stall_limit_s": self._watch.limit() if self._running else None,
                 "load_s": self._worker_info.get("load_s"),
+                # what multiplies the quantized weights (a numerics choice: W4A8 under auto with humming), once loaded
+                "kernels": {"experts": self._worker_info["moe_kernels"], "mxfp8": self._worker_info["mxfp8_kernels"]}
+                if "moe_kernels" in self._worker_info else None,
                 "warmup": self._worker_info.get("warmup"),
                 "worker_pids": self._workers.pids if self._workers is not None else [],
                 "ranks": self._worker_info.get("ranks", []),

@@ -15,6 +15,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any, assert_never
 
+from engine.model.kernel_layouts import kernels_line
 from engine.parallel.plan import get_plan
 from engine.serve.engine_config import EngineConfig
 from engine.serve.messages import (AdapterChange, Cancel, End, EventOut, Failed, FromWorker, Loading, RankFailed,
@@ -156,8 +157,8 @@ class WorkerRank:
     def ready(self) -> None:
         lm, warmed = self.engine.loaded, self.warmed
         if self.config.verbose and self.rank == 0:
-            print(f"\nengine: model loaded in {lm.load_s:.1f} s on {self.dev} (plan {self.plan.name})",
-                  file=sys.stderr, flush=True)
+            print(f"\nengine: model loaded in {lm.load_s:.1f} s on {self.dev} (plan {self.plan.name}"
+                  + kernels_line(self.engine.moe_kernels, self.engine.mxfp8_kernels) + ")", file=sys.stderr, flush=True)
             if warmed is not None:
                 print(f"engine: warmed up in {warmed.seconds:.1f} s ({warmed.graphs} CUDA graphs captured)",
                       file=sys.stderr, flush=True)
