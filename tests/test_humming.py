@@ -450,6 +450,21 @@ def test_the_start_up_line_names_the_kernels_that_are_not_ours():
     assert kernels_line("humming", "fp8") == "; experts on humming (W4A16), MXFP8 weights on fp8 (W8A8)"
 
 
+def test_the_start_up_hint_says_when_humming_is_one_pip_away(mxfp4_model, monkeypatch):
+    """Only on a Hopper GPU, with MXFP4 experts humming could take, when it is not installed."""
+    from engine import EMBEDDED_MODEL
+    from engine.model.kernel_layouts import humming_hint
+    from engine.model.loader import load
+    assert humming_hint(mxfp4_model, (9, 0)) is None            # the tiny shapes: humming's tiles do not fit
+    monkeypatch.setattr(humming, "fits_pack", lambda w, activations="bf16": None)
+    monkeypatch.setattr(humming, "installed", lambda: None)
+    assert "pip install '.[humming]'" in humming_hint(mxfp4_model, (9, 0))
+    assert humming_hint(mxfp4_model, (8, 0)) is None and humming_hint(mxfp4_model, None) is None
+    assert humming_hint(load(EMBEDDED_MODEL).model, (9, 0)) is None      # no quantized experts
+    monkeypatch.setattr(humming, "installed", lambda: "0.1.19")
+    assert humming_hint(mxfp4_model, (9, 0)) is None
+
+
 def test_why_not_humming_names_the_mlp_adapters_and_the_tiles(mxfp4_model, monkeypatch):
     from engine.model import kernel_layouts
     monkeypatch.setattr(humming, "available", lambda: True)     # as on a Hopper GPU with the extra installed

@@ -143,3 +143,16 @@ def kernels_line(moe_kernels: str | None, mxfp8_kernels: str | None) -> str:
     chosen = (("experts", moe_kernels), ("MXFP8 weights", mxfp8_kernels))
     parts = [f"{what} on {k} ({ACTIVATIONS[k]})" for what, k in chosen if k in ACTIVATIONS]
     return "; " + ", ".join(parts) if parts else ""
+
+
+def humming_hint(model: "nn.Module", capability: tuple[int, int] | None) -> str | None:
+    """A sentence for the start-up log where `auto` kept triton only because humming-kernels is not installed
+    (a Hopper GPU, `capability`; MXFP4 experts it could take), else None: the faster path is one pip away."""
+    from hunyuan_kernels.quant import humming
+    moes = _quantized_moes(model)
+    if capability != (9, 0) or not moes or humming.installed() is not None:
+        return None
+    if any(humming.fits_pack(w) for m in moes for w in (m.w1.value(), m.w2.value())):
+        return None
+    return ("humming-kernels is not installed: `pip install '.[humming]'` runs these MXFP4 experts on its W4A8 "
+            "GEMMs, faster in every phase on an H200 (docs/benchmarks.md, humming)")

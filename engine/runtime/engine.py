@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from engine.model.kernel_layouts import fold_mxfp8_weights, lay_out_experts
+from engine.model.kernel_layouts import fold_mxfp8_weights, humming_hint, lay_out_experts
 from engine.parallel.plan import check_step_policy
 from engine.model.loader import LoadedModel, load, parse_dtype
 from engine.model.lora import load_adapter
@@ -96,6 +96,7 @@ class Engine:
         self.prefix, self.encodings = self.ctx.prefix, self.ctx.encodings
         self.moe_kernels: str | None = None        # what `from_config` laid the quantized experts out for
         self.mxfp8_kernels: str | None = None      # ... and what runs its MXFP8 weights ("fp8": folded at load)
+        self.kernels_hint: str | None = None       # a faster choice `auto` could not make here (start-up log)
         self.scheduler = self.new_scheduler(policy=options.step_policy)     # the requests `step` advances
 
     @classmethod
@@ -123,6 +124,8 @@ class Engine:
                                 encoding_cache_bytes=config.encoding_cache_mb << 20)
         engine = cls(loaded, groups, options)
         engine.moe_kernels, engine.mxfp8_kernels = moe_kernels, mxfp8_kernels
+        if config.moe_kernels == "auto" and moe_kernels == "triton" and dev.type == "cuda":
+            engine.kernels_hint = humming_hint(loaded.model, torch.cuda.get_device_capability(dev))
         return engine
 
     def new_scheduler(self, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE,

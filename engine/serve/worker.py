@@ -159,6 +159,8 @@ class WorkerRank:
         if self.config.verbose and self.rank == 0:
             print(f"\nengine: model loaded in {lm.load_s:.1f} s on {self.dev} (plan {self.plan.name}"
                   + kernels_line(self.engine.moe_kernels, self.engine.mxfp8_kernels) + ")", file=sys.stderr, flush=True)
+            if self.engine.kernels_hint:
+                print(f"engine: {self.engine.kernels_hint}", file=sys.stderr, flush=True)
             if warmed is not None:
                 print(f"engine: warmed up in {warmed.seconds:.1f} s ({warmed.graphs} CUDA graphs captured)",
                       file=sys.stderr, flush=True)
