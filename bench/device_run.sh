@@ -18,9 +18,9 @@
 #   serving-policies  issue 42's table on humming-fp8's decode (installs the carried .whl): MXFP4 Distil tp1,
 #                  1/4/16 clients closed, --max-batch 16, policies interleave:8 and overlap:8, --max-denoise-batch 1
 #                  then 4 (the default policy and denoise batch are chosen from it)
-#   mxfp8-fold     `--mxfp8-kernels fp8` (installs the carried .whl): the folded mixed build's GPU test, then suite
-#                  one-gpu: MXFP4 Distil on humming-fp8 with its MXFP8 linears triton vs fp8 (--profile-step: no
-#                  dequantize pass left)
+#   mxfp8-fold     `--mxfp8-kernels fp8` (installs the carried .whl): suite one-gpu, MXFP4 Distil on humming
+#                  (W4A16: the velocity reference) and humming-fp8 (W4A8, auto's choice), each with its MXFP8 linears
+#                  triton vs fp8 (--profile-step: no dequantize pass left; each row's step velocity vs the first's)
 #   mxfp8-fold-more  the MXFP8 build triton vs fp8 (its experts folded too: the FP8 grouped path), then where a
 #                  decode token goes on humming-fp8 + fp8 (--profile-decode)
 #   pdl            suite pdl: programmatic dependent launch on a chain of 64 FP8 GEMVs (compiles? captures? us saved)
@@ -142,9 +142,8 @@ for section in "$@"; do
     mxfp8-fold)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-      tests mxfp8_fold_tests 200 tests/test_quant_resident.py -k "mxfp4"
       mkdir -p "$OUT/mxfp8-fold"
-      run one_gpu_fold 380 python3 -m bench one-gpu --builds mxfp4-distil --moe-kernels humming-fp8 \
+      run one_gpu_fold 560 python3 -m bench one-gpu --builds mxfp4-distil --moe-kernels humming,humming-fp8 \
         --mxfp8-kernels triton,fp8 --profile-step --out "$OUT/mxfp8-fold" ;;
     mxfp8-fold-more)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
