@@ -139,7 +139,8 @@ def images(args: argparse.Namespace, out: Output) -> list[dict]:
             s = [ssim(x, y) for x, y in zip(runs[a], runs[b])]
             rows.append(dict(images=a, against=b, n=len(p), psnr_db=float(np.mean(p)), psnr_min_db=min(p),
                              ssim=float(np.mean(s))))
-    out.table(rows, [Col("images", "images"), Col("against", "against"), Col("n", "n"), Col("PSNR dB", "psnr_db", ".1f"),
-                     Col("min PSNR dB", "psnr_min_db", ".1f"), Col("SSIM", "ssim", ".3f")],
+    out.table(rows, [Col("images", "images"), Col("against", "against"), Col("n", "n"),
+                     Col("PSNR dB", "psnr_db", ".1f"), Col("min PSNR dB", "psnr_min_db", ".1f"),
+                     Col("SSIM", "ssim", ".3f")],
               title=f"T2I without reasoning on {args.device} ({len(prompts)} prompts, seeds 0..)")
     return rows
