@@ -5,8 +5,9 @@ against that definition under the interpreter), the kernel interval of a row cou
 count; under the interpreter, the whole variant with humming's GEMMs replaced by the contract humming.py
 reads from them (the indexed path gives the grouped path's bits); and (marked gpu, on the H200 with the
 `humming` extra installed) the variant against the reference on plain packs: W4A16 and W4A8, one and two
-micros, decode and denoise sizes, the indexed path at 1..16 rows, the same bits a second time, a token
-alone the same bits as in a batch, the same bits on both sides of INDEXED_MAX_ROWS, inside a CUDA graph."""
+micros, decode and denoise sizes, NVFP4 and MXFP8 experts, the indexed path at 1..16 rows, the same bits a
+second time, a token alone the same bits as in a batch, the same bits on both sides of INDEXED_MAX_ROWS, inside
+a CUDA graph."""
 from __future__ import annotations
 
 import json
@@ -52,10 +53,13 @@ def test_only_the_humming_variant_takes_laid_out_packs():
 
 
 def test_fits_pack_names_what_it_cannot_lay_out():
-    assert "not mxfp8" in humming.fits_pack(kq.random_qweight("mxfp8", (4, 128, 256)))
+    assert "mxfp4, mxfp8, nvfp4 packs here, not fp8" in humming.fits_pack(kq.random_qweight("fp8", (4, 128, 256)))
     assert "N % 64" in humming.fits_pack(kq.random_qweight("mxfp4", (4, 96, 256)))
     assert "activations 'int8'" in humming.fits_pack(kq.random_qweight("mxfp4", (4, 128, 256)), "int8")
-    assert humming.fits_pack(kq.random_qweight("mxfp4", (4, 128, 256))) is None
+    for fmt in ("mxfp4", "mxfp8", "nvfp4"):
+        assert humming.fits_pack(kq.random_qweight(fmt, (4, 128, 256))) is None, fmt
+    with pytest.raises(ValueError, match="mxfp4 packs only, not nvfp4"):
+        humming.clamped_share(kq.random_qweight("nvfp4", (4, 128, 256)))
 
 
 def test_clamped_share_counts_blocks_more_than_11_binades_below_their_experts_largest():
@@ -293,6 +297,29 @@ def test_gpu_humming_matches_the_reference(act, n, micros, ms, mc):
 
 
 @gpu
+@pytest.mark.parametrize("fmt,inverse", [("mxfp8", False), ("nvfp4", False), ("nvfp4", True)])
+@pytest.mark.parametrize("act", ["bf16", "fp8"])
+@pytest.mark.parametrize("n", [5, 700])
+def test_gpu_humming_takes_nvfp4_and_mxfp8_experts(fmt, inverse, act, n):
+    """NVFP4 (its global scale multiplying, ModelOpt, or dividing, compressed-tensors) and MXFP8 experts laid
+    out on humming's schemas for them: the reference's result within the activations' rounding, the same bits
+    again, a token alone the same bits as in its batch."""
+    t = make_qmoe(n, fmt, "mxfp8", hidden=512, experts=16, inter=256, shared_inter=256, micros=2, inverse=inverse,
+                  device="cuda", seed=n)
+    with kernels.allowed():
+        want = kernels.call("moe_quant", *qargs(t, 0, 2, topk=4))
+    lt = laid(t, act, 2)
+    got = kernels.call("moe_quant", *qargs(lt, 0, 2, topk=4))
+    assert kernels.chosen("moe_quant") == "humming"
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < (5e-2 if act == "fp8" else 1e-2), err
+    assert torch.equal(got, kernels.call("moe_quant", *qargs(lt, 0, 2, topk=4)))
+    if n <= 16:
+        alone = kernels.call("moe_quant", t["x"][:1], *qargs(lt, 0, 2, topk=4)[1:])
+        assert torch.equal(alone[0], got[0])
+
+
+@gpu
 @pytest.mark.parametrize("micros,ms,mc", [(1, 0, 1), (2, 0, 2)])
 def test_gpu_w4a8_grouped_quantizes_each_token_once_with_the_copies_bits(micros, ms, mc):
     """The grouped W4A8 path quantizes x's rows and permutes codes and scales: the bits of permuting x first
@@ -441,6 +468,29 @@ def test_auto_lays_the_experts_out_for_w4a8(mxfp4_folder, monkeypatch, choice, a
     assert kernel_layouts.lay_out_experts(model, choice) == ("humming" if activations == "bf16" else "humming-fp8")
     assert asked and set(asked) == {activations}
     assert all(m.mlp.w1.layout.activations == activations for m in model.transformer.layers)
+
+
+@pytest.mark.parametrize("quant", ["mxfp8", "nvfp4-ct"])
+def test_auto_keeps_other_formats_on_triton_and_a_named_choice_lays_them_out(tmp_path, monkeypatch, quant):
+    """NVFP4 / MXFP8 experts go to humming only when named (not timed there yet): auto keeps triton."""
+    from engine.model import kernel_layouts
+    from engine.model.loader import load
+    from hunyuan_kernels.quant.formats import KernelLayout, QWeight
+    from tools.tiny import make_tiny
+    asked = []
+
+    def lay_out(w, acts="bf16", micros=None):
+        asked.append((w.fmt, acts))
+        return QWeight(w.fmt, w.codes, w.scales, w.gscale, w.inverse, KernelLayout("humming", w.shape, acts, None))
+    monkeypatch.setattr(kernel_layouts, "why_not_humming", lambda moes, lora_mlp: None)
+    monkeypatch.setattr(humming, "lay_out", lay_out)
+    folder = make_tiny(tmp_path / quant, blocks=True, quant=quant)
+    fmt = "mxfp8" if quant == "mxfp8" else "nvfp4"
+    assert kernel_layouts.lay_out_experts(load(folder, resident="quantized").model, "auto") == "triton"
+    assert not asked
+    assert kernel_layouts.lay_out_experts(load(folder, resident="quantized").model, "humming-fp8") == "humming-fp8"
+    assert asked and set(asked) == {(fmt, "fp8")}
+    assert kernel_layouts.humming_hint(load(folder, resident="quantized").model, (9, 0)) is None
 
 
 def test_the_start_up_line_names_the_kernels_that_are_not_ours():

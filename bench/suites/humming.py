@@ -2,8 +2,10 @@
 our own variants, at the real tp1 shapes, for a decode step's rows and a denoise step's.
 
     python -m bench humming [--ns 1,2,4,8,16] [--denoise 4096] [--layers 8] [--activations bf16,fp8] [--parts]
+                            [--format mxfp4|nvfp4|mxfp8]
 
-Each layer: H 4096, E 64, top-8, I 3072, the shared MLP in MXFP8 (the MXFP4 build's), random weights and
+Each layer: H 4096, E 64, top-8, I 3072, the experts in --format (MXFP4 by default; NVFP4 with a global scale per
+expert, as ModelOpt writes it), the shared MLP in MXFP8 (the MXFP4 build's), random weights and
 router, random tokens (the decode sizes share one set of layers, N taking the first N tokens). Rows per N:
   ours                  the registry's choice on plain packs (decode / batched / grouped: `ran`)
   humming-bf16          W4A16 (the codes converted to bf16 in registers, bf16 MMA)
@@ -52,14 +54,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layers", type=int, default=8, help="distinct layers in the decode graph (default 8)")
     ap.add_argument("--activations", default="bf16,fp8", help="humming's activations to run (default bf16,fp8)")
     ap.add_argument("--parts", action="store_true", help="also each humming variant without the shared MLP")
+    ap.add_argument("--format", default="mxfp4", choices=humming.FORMATS, help="the experts' format (default mxfp4)")
 
 
-def layer(seed: int, tokens: int) -> dict:
+def layer(seed: int, tokens: int, fmt: str = "mxfp4") -> dict:
     g = torch.Generator(device="cuda").manual_seed(seed)
     return dict(x=torch.randn(tokens, H, generator=g, device="cuda").to(BF16),
                 gate=torch.randn(E, H, generator=g, device="cuda") * H ** -0.5,
-                w1=random_qweight("mxfp4", (1, E, 2 * I, H), H ** -0.5, "cuda", g),
-                w2=random_qweight("mxfp4", (E, H, I), I ** -0.5, "cuda", g),
+                w1=random_qweight(fmt, (1, E, 2 * I, H), H ** -0.5, "cuda", g, gscale_dims=1),
+                w2=random_qweight(fmt, (E, H, I), I ** -0.5, "cuda", g, gscale_dims=1),
                 sw1=random_qweight("mxfp8", (1, 2 * I, H), H ** -0.5, "cuda", g),
                 sw2=random_qweight("mxfp8", (H, I), I ** -0.5, "cuda", g))
 
@@ -81,7 +84,7 @@ def floor_ms(layers: list[dict], n: int, act: str) -> float:
     per = 3 * I * H
     for lay in layers:
         _, idx = route(lay["x"][:n], lay["gate"], K, True)
-        total += (idx.unique().numel() * per * BITS["mxfp4"] + per * BITS["mxfp8"]) / 8 + E * H * 4
+        total += (idx.unique().numel() * per * BITS[lay["w1"].fmt] + per * BITS["mxfp8"]) / 8 + E * H * 4
     return total / PEAK_BW * 1e3
 
 
@@ -187,13 +190,14 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         return False
     acts = [a for a in args.activations.split(",") if a]
     t0 = time.time()
-    probe = layer(1, 1)
+    probe = layer(1, 1, args.format)
     lay = laid_out(probe, acts[0])
     out.data["first_layout_s"] = time.time() - t0
     out.say(f"first layout (kernels compiled): {out.data['first_layout_s']:.1f} s")
-    out.data["fp8_clamped_share"] = dict(gate_up=humming.clamped_share(probe["w1"]),
-                                         down=humming.clamped_share(probe["w2"], micros=1))
-    out.say(f"W4A8 fold: share of scale blocks rounded on random packs: {out.data['fp8_clamped_share']}")
+    if args.format == "mxfp4":                      # only MXFP4's W4A8 folds its block scales
+        out.data["fp8_clamped_share"] = dict(gate_up=humming.clamped_share(probe["w1"]),
+                                             down=humming.clamped_share(probe["w2"], micros=1))
+        out.say(f"W4A8 fold: share of scale blocks rounded on random packs: {out.data['fp8_clamped_share']}")
     del probe, lay
     rows: list[dict] = []
     ok = True
@@ -202,7 +206,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     sizes += [([args.denoise], 2)] if args.denoise else []
     for group, nlayers in sizes:
         t1 = time.time()
-        layers = [layer(100 * i + 7, max(group)) for i in range(nlayers)]
+        layers = [layer(100 * i + 7, max(group), args.format) for i in range(nlayers)]
         out.say(f"{nlayers} layers of {max(group)} tokens made in {time.time() - t1:.0f} s")
         laid = lay_out_all(layers, acts, out)
         for n in group:

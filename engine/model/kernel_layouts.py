@@ -4,14 +4,17 @@ and the memory stays what the codes and scales take (the laid-out codes replace 
 
     triton        the plain packs, on our Triton kernels (decode GEMVs, the batched and grouped paths)
     humming       humming-kernels' W4A16 grouped GEMMs (bf16 activations: the reference's numbers within
-                  bf16 rounding), MXFP4 experts on Hopper
+                  bf16 rounding), MXFP4 experts on Hopper (NVFP4 and MXFP8 experts too: W4A16 / W8A16,
+                  GPU-tested, not timed yet, so only when named)
     humming-fp8   its W4A8 GEMMs: activations quantized per row to FP8 E4M3, the E8M0 block scales folded
-                  per expert (blocks more than 11 binades below their expert's largest are rounded)
-    auto          humming-fp8 where humming can take every expert pack (installed, a Hopper GPU, MXFP4 packs
-                  of its tile sizes, no LoRA tables of the MLPs), else triton. W4A8 rather than W4A16: faster in
-                  every phase on one H200 (docs/benchmarks.md, humming) and, scored on the embedded model
-                  quantized by auto-round with W4A8's numbers (`train.evaluate --fp8-activations`), as accurate
-                  (auto-round's MX schemes declare FP8 activations too); `humming` keeps bf16 activations
+                  per expert (blocks more than 11 binades below their expert's largest are rounded); NVFP4 / MXFP8
+                  experts: W4A8 / W8A8 on their block scales
+    auto          humming-fp8 where humming can take every expert pack and they are MXFP4 (installed, a
+                  Hopper GPU, packs of its tile sizes, no LoRA tables of the MLPs), else triton. W4A8 rather than
+                  W4A16: faster in every phase on one H200 (docs/benchmarks.md, humming) and, scored on the
+                  embedded model quantized by auto-round with W4A8's numbers (`train.evaluate --fp8-activations`),
+                  as accurate (auto-round's MX schemes declare FP8 activations too); `humming` keeps bf16
+                  activations
 
 A laid-out pack runs only on its family's variant of the `moe_quant` op: LoRA adapters of the MLPs
 (`moe_lora`, which reads the plain codes) need `triton`.
@@ -38,6 +41,7 @@ if TYPE_CHECKING:        # the choices are read by the command lines, which impo
     from engine.model.packed import QuantPack
 
 MOE_KERNELS = ("auto", "triton", "humming", "humming-fp8")
+AUTO_FORMATS = ("mxfp4",)     # the expert formats `auto` lays out for humming: the ones measured faster there
 MXFP8_KERNELS = ("auto", "triton", "fp8")
 
 
@@ -81,6 +85,8 @@ def lay_out_experts(model: "nn.Module", choice: str = "auto", lora_mlp: bool = F
     if not moes:
         raise ValueError(f"--moe-kernels {choice}: this model keeps no quantized experts on the device (humming "
                          "multiplies MXFP4 experts as a CUDA bf16 engine keeps them)")
+    if choice == "auto" and any(m.w1.format.fmt not in AUTO_FORMATS for m in moes):
+        return "triton"
     why = why_not_humming(moes, lora_mlp)
     if why:
         if choice == "auto":
@@ -150,7 +156,8 @@ def humming_hint(model: "nn.Module", capability: tuple[int, int] | None) -> str 
     (a Hopper GPU, `capability`; MXFP4 experts it could take), else None: the faster path is one pip away."""
     from hunyuan_kernels.quant import humming
     moes = _quantized_moes(model)
-    if capability != (9, 0) or not moes or humming.installed() is not None:
+    if capability != (9, 0) or not moes or humming.installed() is not None \
+            or any(m.w1.format.fmt not in AUTO_FORMATS for m in moes):
         return None
     if any(humming.fits_pack(w) for m in moes for w in (m.w1.value(), m.w2.value())):
         return None

@@ -1,10 +1,13 @@
 """`humming-kernels` (`pip install '.[humming]'`, PyPI, Apache-2.0) as a backend of the `moe_quant` op: its
-W4A16 / W4A8 grouped GEMMs convert the MXFP4 codes in registers inside the GEMM (no dequantize pass), on
-Hopper's tensor cores, FP8 ones for W4A8. Found without importing it (`available()` reads the installed
+grouped GEMMs convert the MXFP4 (or NVFP4, MXFP8) codes in registers inside the GEMM (no dequantize pass), on
+Hopper's tensor cores: bf16 activations (W4A16 / W8A16) or FP8 E4M3 ones on the FP8 tensor cores (W4A8 /
+W8A8). MXFP4 is the format measured (docs/benchmarks.md, humming); NVFP4 and MXFP8 packs are laid out the same
+way on humming's schemas for them (E4M3 block scales of 16 with a per-expert global scale; E8M0 of 32), GPU
+tests against the reference, not yet timed. Found without importing it (`available()` reads the installed
 distribution); `lib()` imports it at the first layout.
 
 A pack it multiplies is laid out for it ONCE, at load (`lay_out`): humming's interleaved codes and its
-scales (for W4A8 the E8M0 block scales folded into the FP8 conversion, rebased per expert, with an fp32
+scales (for MXFP4 W4A8 the E8M0 block scales folded into the FP8 conversion, rebased per expert, with an fp32
 remainder per expert) replace the plain codes and scales in the resident `QWeight` (its `layout` says so),
 so memory stays what the codes and scales take and nothing is converted per step. Such a pack runs only on
 this variant: the other variants' `fits` and the reference refuse it by name. The rebasing of W4A8 keeps
@@ -65,7 +68,14 @@ from .formats import KernelLayout, QWeight
 NAME = "humming"
 DIST = "humming-kernels"
 SUPPORTED = ("0.1.19",)
-FORMATS = ("mxfp4",)               # the weight formats laid out here (MXFP8 / NVFP4: not yet)
+FORMATS = ("mxfp4", "mxfp8", "nvfp4")     # the expert formats laid out here (humming's support matrix: FP4 / FP8
+                                          # weights with bf16 or FP8 E4M3 activations, E8M0 / E4M3 block scales)
+# humming's weight schema of each format: the element type, the block scales' type and block, and NVFP4's per-expert
+# global scale (humming's "tensor" weight_scale_2, multiplying; compressed-tensors' divides: inverted at layout)
+SCHEMAS = {"mxfp4": dict(b_dtype="float4e2m1", bs_dtype="float8e8m0", weight_scale_group_size=32),
+           "mxfp8": dict(b_dtype="float8e4m3", bs_dtype="float8e8m0", weight_scale_group_size=32),
+           "nvfp4": dict(b_dtype="float4e2m1", bs_dtype="float8e4m3", weight_scale_group_size=16,
+                         weight_scale_type="group", weight_scale_2_type="tensor")}
 ACTIVATIONS = ("bf16", "fp8")
 # x1 * silu(x2) on rows [x1 ; x2] (the official SwiGLU, moe/reference.swiglu_halves), as humming's input
 # kernel's binary activation: a the first half, b the second
@@ -150,23 +160,28 @@ def fits_pack(w: QWeight, activations: str = "bf16") -> str | None:
     return None
 
 
-def _layer_config(n: int, k: int, experts: int, activations: str, device: torch.device):
+def _layer_config(n: int, k: int, experts: int, activations: str, device: torch.device, fmt: str = "mxfp4"):
     h = lib()
-    weight = h.schema.Mxfp4WeightSchema().to_humming_schema(torch.bfloat16)
+    weight = h.schema.HummingWeightSchema(**SCHEMAS[fmt])
     a = h.dtypes.float8e4m3 if activations == "fp8" else h.dtypes.bfloat16
     inputs = h.schema.HummingInputSchema(a_dtype=a)
     return h.transform.prepare_layer_config(shape_n=n, shape_k=k, weight_schema=weight, input_schema=inputs,
                                             num_experts=experts, torch_dtype=torch.bfloat16, device=device)
 
 
-def _transform(codes: torch.Tensor, scales: torch.Tensor, activations: str):
-    """One [E, N, K/2] MXFP4 matrix stack -> (layer config, humming's weight, scales, fp32 remainder or None)."""
+def _transform(w: QWeight, activations: str):
+    """One [E, N, K] matrix stack (codes [E, N, K / per byte]) -> (layer config, humming's weight, scales, fp32
+    per-expert factor or None: MXFP4 W4A8's fold remainder, NVFP4's global scale)."""
     h = lib()
-    e, n, kh = codes.shape
-    config = _layer_config(n, 2 * kh, e, activations, codes.device)
+    e, n, k = w.shape
+    config = _layer_config(n, k, e, activations, w.codes.device, w.fmt)
     # copies: humming's W4A8 fold rewrites the codes in place, and the plain pack is the caller's
-    tensors = {"weight": codes.clone(memory_format=torch.contiguous_format).view(torch.int32),
-               "weight_scale": scales.clone(memory_format=torch.contiguous_format).view(torch.float8_e8m0fnu)}
+    codes, scales = (t.clone(memory_format=torch.contiguous_format) for t in (w.codes, w.scales))
+    tensors = {"weight": codes.view(torch.int32),
+               "weight_scale": scales if w.fmt == "nvfp4" else scales.view(torch.float8_e8m0fnu)}
+    if w.fmt == "nvfp4":          # its global scale per expert, as humming multiplies it
+        g = w.gscale.float().reshape(-1).expand(e)
+        tensors["weight_scale_2"] = (1.0 / g if w.inverse else g).contiguous()
     config, tensors = h.transform.prepare_fp16_e8m0_scale(config, tensors)
     out = h.transform.transform_humming_tensors(config, tensors)
     h.kernel.humming.HummingKernel.prepare_kernels(config.to_str(), COMPUTE, None, codes.device)  # JIT, once
@@ -198,7 +213,7 @@ def block_rows(blocks: tuple[tuple[int, int, int], ...], rows: int) -> int:
 
 def lay_out(w: QWeight, activations: str = "bf16", micros: int | None = None,
             indexed_rows: int | None = None) -> QWeight:
-    """A plain MXFP4 expert pack laid out for humming: a gate/up pack [micros, E, N, K] (each micro a stack
+    """A plain expert pack (one of FORMATS) laid out for humming: a gate/up pack [micros, E, N, K] (each micro a stack
     of E matrices), or, with `micros`, a down pack [E, H, micros * I] (each micro's column block laid out
     as its own stack [E, H, I]). `indexed_rows`: the rows up to which its calls take the indexed path (None: the
     activation's measured INDEXED_ROWS).
@@ -209,13 +224,13 @@ def lay_out(w: QWeight, activations: str = "bf16", micros: int | None = None,
     if why:
         raise ValueError(why)
     if micros is None:
-        stacks = [(w.codes[m], w.scales[m]) for m in range(w.shape[0])]
+        stacks = [w[m] for m in range(w.shape[0])]
     else:
         inter = w.shape[-1] // micros
-        stacks = [(c.codes, c.scales) for c in (w.cols(m * inter, (m + 1) * inter) for m in range(micros))]
-    parts = [_transform(c, s, activations) for c, s in stacks]
+        stacks = [w.cols(m * inter, (m + 1) * inter) for m in range(micros)]
+    parts = [_transform(c, activations) for c in stacks]
     rows = INDEXED_ROWS[activations] if indexed_rows is None else indexed_rows
-    config = indexed_tuning(parts[0][0], stacks[0][0].shape[0], w.codes.device, rows)
+    config = indexed_tuning(parts[0][0], stacks[0].shape[0], w.codes.device, rows)
     logical = tuple(w.shape) if micros is None else (micros, *w.shape[:-1], w.shape[-1] // micros)
     scale2 = torch.stack([p[3] for p in parts]) if parts[0][3] is not None else None
     layout = KernelLayout(NAME, logical, activations, config, scale2)
@@ -224,7 +239,9 @@ def lay_out(w: QWeight, activations: str = "bf16", micros: int | None = None,
 
 def clamped_share(w: QWeight, micros: int | None = None) -> float:
     """The share of a plain MXFP4 pack's scale blocks that W4A8's fold rounds (more than 11 binades below
-    the largest scale of their expert): those blocks' values lose low bits."""
+    the largest scale of their expert): those blocks' values lose low bits. (Only MXFP4 W4A8 folds.)"""
+    if w.fmt != "mxfp4":
+        raise ValueError(f"clamped_share: humming folds the block scales of mxfp4 packs only, not {w.fmt}")
     s = w.scales.to(torch.int16)
     if micros is not None:       # each micro's column block is its own stack
         s = s.unflatten(-1, (micros, -1)).movedim(-2, 0)
