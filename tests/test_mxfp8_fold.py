@@ -200,3 +200,4 @@ def test_evaluate_refuses_fp8_activations_with_nothing_to_fold_or_dense_weights(
     with pytest.raises(SystemExit) as e:          # the command line says so before loading anything
         main(["--model", str(mixed), "--fp8-activations", "--resident", "dense"])
     assert e.value.code == 2
+    assert main(["--model", str(EMBEDDED_MODEL), "--fp8-activations", "--n", "1", "--modes", "off"]) == 2

@@ -452,6 +452,15 @@ def table(ms: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_mode(args: argparse.Namespace, mode: str, save: str | None) -> dict:
+    """`evaluate` of one reasoning mode with the command line's settings."""
+    return evaluate(args.model, args.n, args.seed, args.threads, args.device, args.n_edit, save,
+                    log=(lambda *_: None) if args.quiet else print,
+                    bot_task=MODES.get(mode), example_seeds=args.example_seeds, quantize=args.quantize,
+                    resident=args.resident, dtype=DTYPES.get(args.dtype), steps=args.steps,
+                    step_cache=args.step_cache, chains=args.chains, fp8_activations=args.fp8_activations)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -503,12 +512,11 @@ def main(argv: list[str] | None = None) -> int:
     ms = []
     for mode in modes:
         save = str(Path(args.save_images) / mode) if args.save_images else None
-        ms.append(evaluate(args.model, args.n, args.seed, args.threads, args.device, args.n_edit, save,
-                           log=(lambda *_: None) if args.quiet else print,
-                           bot_task=MODES.get(mode), example_seeds=args.example_seeds, quantize=args.quantize,
-                           resident=args.resident, dtype=DTYPES.get(args.dtype), steps=args.steps,
-                           step_cache=args.step_cache, chains=args.chains,
-                           fp8_activations=args.fp8_activations))
+        try:
+            ms.append(run_mode(args, mode, save))
+        except ValueError as e:          # what the checkpoint cannot do (e.g. nothing to fold): said, not a trace
+            print(f"python -m train.evaluate: error: {e}", file=sys.stderr)
+            return 2
     cmd = "python -m train.evaluate " + " ".join(sys.argv[1:] if argv is None else argv)
     print(table(ms))
     print(f"command: {cmd}")
