@@ -92,7 +92,7 @@ def test_models_health_and_the_page_on_one_server(app, client):
     assert "256x256" in models.data[0].model_extra["sizes"]
     h = app.health()
     assert h["status"] == "ok" and h["state"] == "ready" and h["queue"] == 0 and h["max_queue"] == MAX_QUEUE
-    assert h["kernels"] == {"experts": "triton", "mxfp8": "triton"}       # what multiplies the quantized weights
+    assert h["kernels"] == {"experts": "triton", "mxfp8": "triton", "text": ""}    # what multiplies quantized weights
     page = httpx.get(app.url + "/", timeout=10)
     assert page.status_code == 200 and "<html" in page.text.lower()       # the studio, same port
 

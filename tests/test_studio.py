@@ -387,6 +387,11 @@ def test_engine_line_shows_the_attempt_and_a_failed_engine_with_a_way_back(studi
     line = health_line({"state": "failed", "model_name": "m", "device": "cpu", "attempt": 0,
                         "last_error": "the engine could not load the model: <shard> missing"})
     assert "could not load the model: &lt;shard&gt; missing" in line and 'class="engine-reload"' in line
+    w4a8 = {"experts": "humming-fp8", "mxfp8": "triton", "text": "experts on humming-fp8 (W4A8)"}
+    line = health_line({"state": "ready", "model_name": "m", "device": "cuda:0", "kernels": w4a8})
+    assert line.endswith("cuda:0 · experts on humming-fp8 (W4A8)")      # the numerics that ran, said on the page
+    ours = {"experts": "triton", "mxfp8": "triton", "text": ""}
+    assert health_line({"state": "ready", "device": "cpu", "kernels": ours}).endswith("· cpu")
     url, _, _ = studio
     r = httpx.post(url.rstrip("/") + "/gradio_api/run/reload", json={"data": []}, timeout=30)
     assert r.status_code == 200 and r.json()["data"][0] == {"reloading": False}      # the engine is not failed

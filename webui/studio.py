@@ -68,6 +68,8 @@ def health_line(health: dict[str, Any]) -> str:
     e = html.escape
     state = health.get("state", "?")
     line = f"Engine <b>{e(str(state))}</b> · {e(str(health.get('model_name', '')))} · {e(str(health.get('device', '')))}"
+    if (health.get("kernels") or {}).get("text"):       # e.g. experts on humming-fp8 (W4A8): the numerics that ran
+        line += f" · {e(health['kernels']['text'])}"
     if health.get("attempt"):
         wait = health.get("restart_in_s")
         line += f" · attempt {int(health['attempt'])}" + (f", next start in {wait:.0f} s" if wait else "")

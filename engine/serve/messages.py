@@ -55,7 +55,8 @@ class Loading:
 
 @dataclass(frozen=True)
 class Ready:
-    info: dict[str, Any]               # load_s, device, dtype, plan, moe_kernels, mxfp8_kernels, ranks (Stats'), warmup
+    info: dict[str, Any]               # load_s, device, dtype, plan, moe_kernels, mxfp8_kernels, kernels_text,
+                                       # ranks (Stats'), warmup
 
 
 @dataclass(frozen=True)

@@ -224,7 +224,8 @@ class EngineServer(EngineClient):
                 "stall_limit_s": self._watch.limit() if self._running else None,
                 "load_s": self._worker_info.get("load_s"),
                 # what multiplies the quantized weights (a numerics choice: W4A8 under auto with humming), once loaded
-                "kernels": {"experts": self._worker_info["moe_kernels"], "mxfp8": self._worker_info["mxfp8_kernels"]}
+                "kernels": {"experts": self._worker_info["moe_kernels"], "mxfp8": self._worker_info["mxfp8_kernels"],
+                            "text": self._worker_info.get("kernels_text", "")}
                 if "moe_kernels" in self._worker_info else None,
                 "warmup": self._worker_info.get("warmup"),
                 "worker_pids": self._workers.pids if self._workers is not None else [],

@@ -166,7 +166,9 @@ class WorkerRank:
                       file=sys.stderr, flush=True)
         self.send(Ready({"load_s": round(lm.load_s, 2), "device": str(self.dev), "dtype": str(lm.model.dtype),
                          "plan": self.plan.name, "moe_kernels": self.engine.moe_kernels,
-                         "mxfp8_kernels": self.engine.mxfp8_kernels, "ranks": self.rank_stats(),
+                         "mxfp8_kernels": self.engine.mxfp8_kernels,
+                         "kernels_text": kernels_line(self.engine.moe_kernels, self.engine.mxfp8_kernels)[2:],
+                         "ranks": self.rank_stats(),
                          "warmup": None if warmed is None else warmed.summary()}))
 
     def rank_stats(self) -> list[dict]:
