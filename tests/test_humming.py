@@ -470,6 +470,26 @@ def test_auto_lays_the_experts_out_for_w4a8(mxfp4_folder, monkeypatch, choice, a
     assert all(m.mlp.w1.layout.activations == activations for m in model.transformer.layers)
 
 
+def test_auto_keeps_triton_when_humming_fails_on_the_first_layer(mxfp4_folder, monkeypatch):
+    """humming installed but unable to compile here: auto keeps ours before any pack changed and says why;
+    a named choice fails the load with humming's error."""
+    from engine.model import kernel_layouts
+    from engine.model.loader import load
+
+    def lay_out(w, acts="bf16", micros=None):
+        raise RuntimeError("NVRTC is not available")
+    monkeypatch.setattr(kernel_layouts, "why_not_humming", lambda moes, lora_mlp: None)
+    monkeypatch.setattr(humming, "lay_out", lay_out)
+    model = load(mxfp4_folder, resident="quantized").model
+    notes: list[str] = []
+    assert kernel_layouts.lay_out_experts(model, "auto", notes=notes) == "triton"
+    assert notes == ["humming could not lay out the experts (RuntimeError: NVRTC is not available); "
+                     "they run on triton"]
+    assert all(m.mlp.w1.layout is None and m.mlp.w2.layout is None for m in model.transformer.layers)
+    with pytest.raises(RuntimeError, match="NVRTC"):
+        kernel_layouts.lay_out_experts(model, "humming-fp8")
+
+
 @pytest.mark.parametrize("quant", ["mxfp8", "nvfp4-ct"])
 def test_auto_keeps_other_formats_on_triton_and_a_named_choice_lays_them_out(tmp_path, monkeypatch, quant):
     """NVFP4 / MXFP8 experts go to humming only when named (not timed there yet): auto keeps triton."""

@@ -73,10 +73,13 @@ def why_not_humming(moes: "list[MoE]", lora_mlp: bool) -> str | None:
     return None
 
 
-def lay_out_experts(model: "nn.Module", choice: str = "auto", lora_mlp: bool = False) -> str:
+def lay_out_experts(model: "nn.Module", choice: str = "auto", lora_mlp: bool = False,
+                    notes: list[str] | None = None) -> str:
     """Lay out every quantized expert pack of `model` for the kernels `choice` names (see the module's
     docstring) and return the kernels its experts run on: "triton", "humming" or "humming-fp8". A named
-    choice that cannot be served is refused (ValueError saying why); "auto" then keeps triton."""
+    choice that cannot be served is refused (ValueError saying why); "auto" then keeps triton. Under "auto",
+    humming failing on the first layer's packs (its kernels compile there: no nvcc / NVRTC, a CUDA it does
+    not know) keeps triton too, before any pack changed, and says why in `notes` (the start-up log)."""
     if choice not in MOE_KERNELS:
         raise ValueError(f"--moe-kernels {choice!r}: one of {', '.join(MOE_KERNELS)}")
     moes = _quantized_moes(model)
@@ -94,9 +97,18 @@ def lay_out_experts(model: "nn.Module", choice: str = "auto", lora_mlp: bool = F
         raise ValueError(f"--moe-kernels {choice}: {why}")
     from hunyuan_kernels.quant import humming
     activations = "bf16" if choice == "humming" else "fp8"           # auto: W4A8 (the module's docstring)
-    for m in moes:
-        m.w1.take_layout(humming.lay_out(m.w1.value(), activations))
-        m.w2.take_layout(humming.lay_out(m.w2.value(), activations, micros=m.micros))
+    for i, m in enumerate(moes):
+        try:
+            w1 = humming.lay_out(m.w1.value(), activations)
+            w2 = humming.lay_out(m.w2.value(), activations, micros=m.micros)
+        except Exception as e:  # noqa: BLE001 - auto's probe: any failure of the first layout keeps ours
+            if choice != "auto" or i:
+                raise
+            if notes is not None:
+                notes.append(f"humming could not lay out the experts ({type(e).__name__}: {e}); they run on triton")
+            return "triton"
+        m.w1.take_layout(w1)
+        m.w2.take_layout(w2)
     return "humming-fp8" if activations == "fp8" else "humming"
 
 

@@ -115,7 +115,9 @@ class Engine:
         groups.plan.check_model(loaded.cfg)
         _start_adapters(loaded, config)
         lora = loaded.model.lora                  # the experts' kernels, after any merge (MLP tables need triton)
-        moe_kernels = lay_out_experts(loaded.model, config.moe_kernels, lora is not None and lora.mlp is not None)
+        notes: list[str] = []
+        moe_kernels = lay_out_experts(loaded.model, config.moe_kernels, lora is not None and lora.mlp is not None,
+                                      notes)
         mxfp8_kernels = fold_mxfp8_weights(loaded.model, config.mxfp8_kernels, moe_kernels)
         options = EngineOptions(max_batch=config.max_batch, max_denoise_batch=config.max_denoise_batch,
                                 preview_every=config.preview_every, cfg_serial=config.cfg_serial,
@@ -125,7 +127,7 @@ class Engine:
         engine = cls(loaded, groups, options)
         engine.moe_kernels, engine.mxfp8_kernels = moe_kernels, mxfp8_kernels
         if config.moe_kernels == "auto" and moe_kernels == "triton" and dev.type == "cuda":
-            engine.kernels_hint = humming_hint(loaded.model, torch.cuda.get_device_capability(dev))
+            engine.kernels_hint = "; ".join(notes) or humming_hint(loaded.model, torch.cuda.get_device_capability(dev))
         return engine
 
     def new_scheduler(self, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE,
