@@ -255,6 +255,12 @@ def test_interp_fp8_rows_quantized_then_permuted_are_the_permuted_rows_quantized
     assert q1.dtype == torch.float8_e4m3fn and s1.dtype == torch.float32 and s1.shape == (37 * 4, 1)
     for a, b in ((w0, w1), (inv0, inv1), (offs0, offs1), (s0, s1), (q0.view(torch.uint8), q1.view(torch.uint8))):
         assert torch.equal(a, b)
+    # humming's W4A8 path: the scales permuted straight into its storage padded to 4 (outs), written in place
+    from hunyuan_kernels.quant.humming import _scale_storage
+    into = _scale_storage(37 * 4, x.device)
+    _, _, (q2, s2), _ = permute_rows(x, gate, 4, True, *qt.quantize_rows(x), outs=(None, into))
+    assert s2.data_ptr() == into.data_ptr() and torch.equal(s2, s0)
+    assert torch.equal(q2.view(torch.uint8), q1.view(torch.uint8))
 
 
 def test_interp_shared_fp8_down_fused_is_linear_fp8_of_the_swiglu(qt):
