@@ -58,3 +58,23 @@ def test_a_png_without_a_record_or_not_a_png_is_named_as_such():
         read_record(b"GIF89a....")
     with pytest.raises(NotARecord, match="not a whole PNG"):
         read_record(with_record(png(), record())[:40])
+
+
+def test_the_record_says_which_kernels_ran_and_a_restore_notes_a_difference():
+    """The quantized weights' kernels (Started.kernels: "" for ours) go into the record and, where not ours,
+    into the parameters line; restoring on an engine that runs other kernels says the pixels will differ."""
+    from webui.restore import restored
+    req = Request(prompt="a red circle", seed=3)
+    w4a8 = "experts on humming-fp8 (W4A8)"
+    rec = image_record(req, Started("r", "image", "auto", 8, 2.5, 3, kernels=w4a8), Image(b"", 24, 16, 3), "m",
+                       GenerationConfig(), "")
+    assert rec["kernels"] == w4a8 and parameters_text(rec).endswith(f"Kernels: {w4a8}")
+    ours = record()
+    assert ours["kernels"] == "" and "Kernels" not in parameters_text(ours)
+    differ = "will differ slightly"
+    assert any(differ in n for n in restored(rec, "m", "").notes)              # made on W4A8, restored on ours
+    assert any(differ in n for n in restored(ours, "tiny-model", w4a8).notes)
+    assert not any(differ in n for n in restored(rec, "m", w4a8).notes)
+    assert not any(differ in n for n in restored(rec, "m", None).notes)        # this engine's kernels unknown
+    old = {k: v for k, v in ours.items() if k != "kernels"}                  # a PNG from before the record said
+    assert not any(differ in n for n in restored(old, "tiny-model", w4a8).notes)

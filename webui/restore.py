@@ -17,9 +17,10 @@ class Restored:
     notes: list[str] = field(default_factory=list)   # what the page cannot give back, and why
 
 
-def restored(record: dict[str, Any], model: str) -> Restored:
+def restored(record: dict[str, Any], model: str, kernels: str | None = None) -> Restored:
     """The prompt and the settings of a record, in the page's terms (its size as the page's W:H choice, its
-    seed fixed, its step cache by the page's names)."""
+    seed fixed, its step cache by the page's names). `kernels`: what multiplies this engine's quantized weights
+    (health's words, "" for ours; None: unknown), against the record's."""
     s: dict[str, Any] = {"seed": record.get("seed"), "random_seed": False}
     for name in ("mode", "steps", "guidance", "system_prompt", "max_new_tokens", "lora_scale"):
         if name in record:
@@ -41,6 +42,10 @@ def restored(record: dict[str, Any], model: str) -> Restored:
                      "one the page offers")
     if record.get("model") and record["model"] != model:
         notes.append(f"it was made by {record['model']}, this studio serves {model}: the image will differ")
+    made = record.get("kernels") or ""
+    if kernels is not None and "kernels" in record and made != kernels:
+        notes.append(f"it was made with {made or 'our kernels'}, this engine runs {kernels or 'our kernels'}: the "
+                     "pixels will differ slightly")
     refs = int(record.get("references") or 0)
     if refs:
         notes.append(f"it was an edit of {refs} image{'s' if refs != 1 else ''}: add {'them' if refs != 1 else 'it'} "

@@ -458,7 +458,7 @@ class Studio:
             message = f"Not restored: {name}: {e}"
             gr.Warning(message)
             return (*nothing, message, *(gr.skip(),) * len(Settings.NAMES))
-        r = restored(record, self.info.name)
+        r = restored(record, self.info.name, (self.client.health().get("kernels") or {}).get("text"))
         values = self.applicable(r.settings, dict(zip(Settings.NAMES, current)))
         left = [f"{n} {r.settings[n]!r}" for n in Settings.NAMES if n in r.settings and n not in values]
         notes = r.notes + ([f"not offered here: {', '.join(left)}"] if left else [])

@@ -18,6 +18,8 @@ class Started:
     seed: int = 0             # the request's seed (drawn where it entered the engine when none was given)
     input_text_tokens: int = 0
     input_image_tokens: int = 0
+    kernels: str = ""         # the kernels of its quantized weights where they are not ours ("experts on
+                              # humming-fp8 (W4A8)"): the same seed gives the same pixels only with the same ones
 
 
 @dataclass

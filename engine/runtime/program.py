@@ -77,6 +77,7 @@ class Context:
     encodings: EncodingCache
     max_image_tokens: int
     on_phase: Callable[[str], None] = lambda phase: None
+    kernels: str = ""             # the quantized weights' kernels where not ours (set at load: `Started.kernels`)
 
 
 def program(ctx: Context, p: Prepared) -> Program:
@@ -93,7 +94,7 @@ def program(ctx: Context, p: Prepared) -> Program:
     turn = user_turn(lm.tok, system, p.prompt, [i.layout for i in p.images], tuple(t.layout for t in p.history),
                      lm.cfg.cond_token_attn_type)
     yield Started(p.request_id, p.bot_task, "auto" if p.bucket is None else str(p.bucket), p.steps, p.guidance,
-                  p.seed, len(turn.seq) - turn.seq.image_tokens, turn.seq.image_tokens)
+                  p.seed, len(turn.seq) - turn.seq.image_tokens, turn.seq.image_tokens, ctx.kernels)
     try:
         yield from _phases(ctx, _Run.begin(ctx, p, turn, t_start))
     except RequestError as e:   # found once the prompt is tokenized, on every rank alike, before any compute

@@ -68,6 +68,7 @@ def image_record(req: Request, started: Started | None, image: Image, model: str
         "max_new_tokens": req.max_new_tokens if req.max_new_tokens is not None else gen.max_new_tokens,
         "references": len(req.images) + sum(len(t.images) for t in req.history),
         "image_index": image.index,
+        "kernels": started.kernels if started else "",      # "": ours (triton / the reference ops)
         "timings": asdict(timings) if timings is not None else None,
     }
 
@@ -78,7 +79,8 @@ def parameters_text(record: dict[str, Any]) -> str:
              ("Size", record.get("size")), ("Model", record.get("model")), ("Reasoning", record.get("mode")),
              ("Step cache", record.get("step_cache")),
              ("Adapter", f"{record['lora']} x{record.get('lora_scale')}" if record.get("lora") else "none"),
-             ("System prompt", record.get("system_prompt"))]
+             ("System prompt", record.get("system_prompt"))] \
+        + ([("Kernels", record["kernels"])] if record.get("kernels") else [])
     return f"{record.get('prompt', '')}\n" + ", ".join(f"{k}: {v}" for k, v in pairs)
 
 
