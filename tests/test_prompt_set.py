@@ -62,7 +62,7 @@ class BusyOnce(ScriptedClient):
             return [Error("busy", "the queue is full (8 requests waiting); try again in a moment")]
         if req.prompt == "broken":
             return [Started(req.request_id, "image", "auto", 2, 5.0, req.seed), Error("engine", "boom")]
-        return [Started(req.request_id, "image", "auto", 2, 5.0, req.seed),
+        return [Started(req.request_id, "image", "auto", 2, 5.0, req.seed, kernels="experts on humming-fp8 (W4A8)"),
                 Image(_png((req.seed % 256, 0, 0)), 16, 12, req.seed), Done(Timings(total_s=0.01))]
 
 
@@ -86,5 +86,6 @@ def test_a_set_runs_as_ordinary_requests_waits_out_a_full_queue_and_archives_wha
         assert [(r["index"], r["setting"], r["seed"]) for r in rows] == [
             ("1", "A", "3"), ("1", "B", "3"), ("2", "A", "11"), ("2", "B", "11"), ("3", "A", "12"), ("3", "B", "12")]
         assert [r["error"] for r in rows if r["index"] == "2"] == ["boom", "boom"]
+        assert {r["kernels"] for r in rows if r["file"]} == {"experts on humming-fp8 (W4A8)"}   # what ran, per image
         for r in (r for r in rows if r["file"]):
             assert PILImage.open(io.BytesIO(z.read(r["file"]))).getpixel((0, 0)) == (int(r["seed"]), 0, 0)

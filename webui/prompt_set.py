@@ -31,8 +31,8 @@ SET_IN_FLIGHT = 2            # requests of a set submitted at once
 BUSY_RETRY_S = 1.0           # a full queue: try again after this
 ARCHIVES_KEPT = 8            # archives kept on the server (the newest)
 TABLE_COLUMNS = ("index", "setting", "prompt", "seed", "file", "mode", "steps", "guidance", "size", "step_cache",
-                 "lora", "lora_scale", "system_prompt", "max_new_tokens", "wall_s", "engine_s", "ms_per_token",
-                 "ms_per_step", "vae_ms", "reasoning", "error")
+                 "lora", "lora_scale", "system_prompt", "max_new_tokens", "kernels", "wall_s", "engine_s",
+                 "ms_per_token", "ms_per_step", "vae_ms", "reasoning", "error")
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def table_row(r: SetResult, file: str | None) -> dict[str, Any]:
     rec, t = r.record or {}, (r.record or {}).get("timings") or {}
     return {"index": r.item.index, "setting": r.setting, "prompt": r.item.prompt, "seed": r.seed, "file": file or "",
             **{k: rec.get(k, "") for k in ("mode", "steps", "guidance", "size", "step_cache", "lora", "lora_scale",
-                                            "system_prompt", "max_new_tokens", "reasoning")},
+                                            "system_prompt", "max_new_tokens", "kernels", "reasoning")},
             "wall_s": f"{r.wall_s:.2f}", "engine_s": t.get("total_s", ""), "ms_per_token": t.get("ar_ms_per_token", ""),
             "ms_per_step": t.get("dit_ms_per_step", ""), "vae_ms": t.get("vae_ms", ""), "error": r.error or ""}
 
