@@ -183,6 +183,13 @@ def test_interp_router_and_counting_sort(interp):
     order = idx_ref.reshape(-1).argsort(stable=True)
     assert torch.equal(inv.reshape(-1).long()[order], torch.arange(600))
     assert torch.equal(xs, x[order // 4])
+    # humming's expert layout from the same kernel; a second row tensor moved in the same launch
+    base2, layout = tk.route_plan(counts, layout=True)
+    assert torch.equal(base2, base) and layout.dtype == torch.int64 and torch.equal(layout, F.pad(offs, (1, 0)).long())
+    y = torch.arange(150 * 3, dtype=torch.int32).reshape(150, 3)
+    xs2, ys = torch.full_like(xs, float("nan")), torch.full((600, 3), -1, dtype=torch.int32)
+    assert torch.equal(tk.dispatch(x, ids, rank, base, block_tokens, xs2, y, ys), inv)
+    assert torch.equal(xs2, xs) and torch.equal(ys, y[order // 4])
     # decode form: the compact list of chosen experts
     w1_, ids1, active = tk.router_select(tk.router_logits(x[:3], gate), 4, False, plan=False)
     chosen = sorted(set(ids1.reshape(-1).tolist()))

@@ -109,11 +109,12 @@ def shared_mlp(x, shared_w1, shared_w2, micro_start: int, micro_count: int) -> t
     return F.linear(act, shared_w2[:, micro_start * is_micro:(micro_start + micro_count) * is_micro])
 
 
-def _plan(x, gate, topk, norm_topk):
+def _plan(x, gate, topk, norm_topk, layout: bool = False):
     """Routing and the expert-order plan of the grouped paths: weights, ids, each route's rank in its
-    expert, the plan's bases and end offsets, and the tokens per counting block."""
+    expert, the plan's bases and end offsets (`layout`: as humming's int64 expert layout, tk.route_plan), and
+    the tokens per counting block."""
     w, ids, (rank, counts, block_tokens) = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=True)
-    base, offs = tk.route_plan(counts)
+    base, offs = tk.route_plan(counts, layout)
     return w, ids, rank, base, offs, block_tokens
 
 
@@ -124,18 +125,19 @@ def permute(x, gate, topk, norm_topk):
     return w, inv, xs, offs
 
 
-def permute_rows(x, gate, topk, norm_topk, *rows: torch.Tensor, outs: tuple | None = None):
-    """`permute` routing on x but permuting `rows` (tensors of x's N rows; bits copied: any dtype), e.g.
-    x's FP8 codes and per-row scales, quantized once a token instead of once a route: -> (weights, inv,
-    the permuted rows of each, offsets). `outs`: where to write each ([N*k, ·] of its dtype; None: made here)."""
+def permute_rows(x, gate, topk, norm_topk, *rows: torch.Tensor, outs: tuple | None = None, layout: bool = False):
+    """`permute` routing on x but permuting `rows` (one or two tensors of x's N rows; bits copied: any dtype),
+    e.g. x's FP8 codes and per-row scales, quantized once a token instead of once a route, in one launch: ->
+    (weights, inv, the permuted rows of each, offsets). `outs`: where to write each ([N*k, ·] of its dtype;
+    None: made here); `layout`: the offsets as humming's int64 expert layout [E + 1] (tk.route_plan)."""
+    if not 1 <= len(rows) <= 2:
+        raise ValueError(f"permute_rows moves one or two row tensors in its launch, not {len(rows)}")
     n = x.shape[0]
-    w, ids, rank, base, offs, block_tokens = _plan(x, gate, topk, norm_topk)
-    out, inv = [], None
-    for i, r in enumerate(rows):
-        rs = outs[i] if outs is not None and outs[i] is not None else \
-            _empty(n * topk, r.shape[1], dtype=r.dtype, device=r.device)
-        inv = tk.dispatch(_bits(r), ids, rank, base, block_tokens, _bits(rs))
-        out.append(rs)
+    w, ids, rank, base, offs, block_tokens = _plan(x, gate, topk, norm_topk, layout)
+    out = [outs[i] if outs is not None and outs[i] is not None else
+           _empty(n * topk, r.shape[1], dtype=r.dtype, device=r.device) for i, r in enumerate(rows)]
+    second = (_bits(rows[1]), _bits(out[1])) if len(rows) == 2 else (None, None)
+    inv = tk.dispatch(_bits(rows[0]), ids, rank, base, block_tokens, _bits(out[0]), *second)
     return w, inv, tuple(out), offs
 
 

@@ -205,7 +205,7 @@ def router_select(logits: torch.Tensor, topk: int, norm_topk: bool, plan: bool):
 
 @triton.jit
 def _plan_kernel(counts_ptr, base_ptr, offs_ptr, NBLK, E: tl.constexpr, E_PAD: tl.constexpr,
-                 NB_PAD: tl.constexpr):
+                 NB_PAD: tl.constexpr, LAYOUT: tl.constexpr):
     rb = tl.arange(0, NB_PAD)
     re = tl.arange(0, E_PAD)
     m = (rb[:, None] < NBLK) & (re[None, :] < E)
@@ -213,24 +213,32 @@ def _plan_kernel(counts_ptr, base_ptr, offs_ptr, NBLK, E: tl.constexpr, E_PAD: t
     total = tl.sum(c, axis=0)
     ends = tl.cumsum(total, axis=0)
     tl.store(base_ptr + rb[:, None] * E + re[None, :], tl.cumsum(c, axis=0) - c + (ends - total)[None, :], mask=m)
-    tl.store(offs_ptr + re, ends, mask=re < E)
+    if LAYOUT:          # int64 [E + 1]: each expert's first row, then the end
+        tl.store(offs_ptr + 1 + re, ends.to(tl.int64), mask=re < E)
+        tl.store(offs_ptr + re, tl.zeros_like(ends).to(tl.int64), mask=re == 0)
+    else:
+        tl.store(offs_ptr + re, ends, mask=re < E)
 
 
-def route_plan(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route_plan(counts: torch.Tensor, layout: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block expert histogram [blocks, E] -> (first row of each (block, expert) [blocks, E],
-    cumulative end row of each expert [E] int32, as torch._grouped_mm takes it)."""
+    cumulative end row of each expert [E] int32, as torch._grouped_mm takes it). `layout`: the offsets as
+    int64 [E + 1] instead, each expert's first row then the end (humming's expert_layout), in the same kernel."""
     nblk, e = counts.shape
     base = torch.empty_like(counts)
-    offs = torch.empty(e, dtype=torch.int32, device=counts.device)
+    offs = torch.empty(e + 1, dtype=torch.int64, device=counts.device) if layout else \
+        torch.empty(e, dtype=torch.int32, device=counts.device)
     nb_pad = max(2, next_pow2(nblk))
-    _plan_kernel[(1,)](counts, base, offs, nblk, E=e, E_PAD=next_pow2(e), NB_PAD=nb_pad,
+    _plan_kernel[(1,)](counts, base, offs, nblk, E=e, E_PAD=next_pow2(e), NB_PAD=nb_pad, LAYOUT=layout,
                        num_warps=max(4, min(16, nb_pad // 8)))
     return base, offs
 
 
 @triton.jit
 def _dispatch_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, inv_ptr, xs_ptr, H, stride_x, block_tokens,
-                     E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+                     y_ptr, ys_ptr, H2, stride_y,
+                     E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                     TWO: tl.constexpr, BLOCK_H2: tl.constexpr):
     t = tl.program_id(0)
     rk = tl.arange(0, K_PAD)
     mk = rk < K
@@ -244,17 +252,28 @@ def _dispatch_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, inv_ptr, xs_ptr, H, str
         mh = rh < H
         v = tl.load(x_ptr + t * stride_x + rh, mask=mh)
         tl.store(xs_ptr + rows + rh[None, :], v[None, :], mask=mk[:, None] & mh[None, :])
+    if TWO:             # a second tensor's rows to the same places (e.g. x's FP8 codes and then their scales)
+        rows2 = pos.to(tl.int64)[:, None] * H2
+        for h0 in range(0, H2, BLOCK_H2):
+            rh = h0 + tl.arange(0, BLOCK_H2)
+            mh = rh < H2
+            v = tl.load(y_ptr + t * stride_y + rh, mask=mh)
+            tl.store(ys_ptr + rows2 + rh[None, :], v[None, :], mask=mk[:, None] & mh[None, :])
 
 
 def dispatch(x: torch.Tensor, ids: torch.Tensor, rank: torch.Tensor, base: torch.Tensor, block_tokens: int,
-             xs: torch.Tensor) -> torch.Tensor:
-    """Writes each token's row into the k rows of its routes (expert order) of xs [N*k, H]; returns
-    inv [N, k] int32, the row of each route."""
+             xs: torch.Tensor, y: torch.Tensor | None = None, ys: torch.Tensor | None = None) -> torch.Tensor:
+    """Writes each token's row into the k rows of its routes (expert order) of xs [N*k, H] (and, given, the
+    token's row of y into ys [N*k, H2], in the same launch); returns inv [N, k] int32, the row of each route."""
     n, h = x.shape
     k = ids.shape[1]
     inv = torch.empty_like(ids)
-    _dispatch_kernel[(n,)](x, ids, rank, base, inv, xs, h, x.stride(0), block_tokens, E=base.shape[1], K=k,
-                           K_PAD=max(2, next_pow2(k)), BLOCK_H=min(1024, next_pow2(h)), num_warps=4)
+    two = y is not None
+    h2 = y.shape[1] if two else 1
+    _dispatch_kernel[(n,)](x, ids, rank, base, inv, xs, h, x.stride(0), block_tokens,
+                           y if two else x, ys if two else xs, h2, y.stride(0) if two else 0,
+                           E=base.shape[1], K=k, K_PAD=max(2, next_pow2(k)), BLOCK_H=min(1024, next_pow2(h)),
+                           TWO=two, BLOCK_H2=min(1024, next_pow2(h2)), num_warps=4)
     return inv
 
 

@@ -54,13 +54,12 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .._triton import next_pow2
 from ..moe import triton_kernels as tk
-from ..moe.cuda import permute, permute_rows
+from ..moe.cuda import permute_rows
 from ..registry import backend
 from ..scratch import empty as _empty
 from .formats import KernelLayout, QWeight
@@ -406,15 +405,15 @@ def _grouped(x, gate, w1: QWeight, w2: QWeight, micro_start: int, micro_count: i
     GEMMs over the permuted copy of the rows -> (weights, [N*k, H] in expert order, each route's row there).
     W4A8 quantizes a token's row once and permutes its codes and scale (as humming's own "scatter" input
     layout does: the quantization is per row), not each of its top-k copies."""
+    # the plan's offsets as humming's expert_layout [E + 1] int64 (each expert's first row, then the end)
     if w1.layout.activations == "fp8":
         q, scale = _rows(x, w1)
-        w, inv, (rows, row_scale), offs = permute_rows(
-            x, gate, topk, norm_topk, q, scale, outs=(None, _scale_storage(x.shape[0] * topk, x.device)))
+        w, inv, (rows, row_scale), layout = permute_rows(
+            x, gate, topk, norm_topk, q, scale, outs=(None, _scale_storage(x.shape[0] * topk, x.device)), layout=True)
     else:
-        w, inv, rows, offs = permute(x, gate, topk, norm_topk)
+        w, inv, (rows,), layout = permute_rows(x, gate, topk, norm_topk, x, layout=True)
         row_scale = None
-    # expert_layout [E + 1]: each expert's first row, then the end
-    routing = dict(expert_layout=F.pad(offs, (1, 0)).long(), compute_config=COMPUTE)
+    routing = dict(expert_layout=layout, compute_config=COMPUTE)
     return w, _experts(rows, row_scale, w1, w2, micro_start, micro_count, rows.shape[0], routing, routing,
                        x.dtype), inv
 
