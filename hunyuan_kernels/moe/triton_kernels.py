@@ -235,6 +235,17 @@ def route_plan(counts: torch.Tensor, layout: bool = False) -> tuple[torch.Tensor
 
 
 @triton.jit
+def _copy_row(src_ptr, dst_ptr, t, stride, H, pos, mk, BLOCK_H: tl.constexpr):
+    """Token t's row of src (H wide) into rows `pos` (its routes, masked by mk) of dst."""
+    rows = pos.to(tl.int64)[:, None] * H
+    for h0 in range(0, H, BLOCK_H):
+        rh = h0 + tl.arange(0, BLOCK_H)
+        mh = rh < H
+        v = tl.load(src_ptr + t * stride + rh, mask=mh)
+        tl.store(dst_ptr + rows + rh[None, :], v[None, :], mask=mk[:, None] & mh[None, :])
+
+
+@triton.jit
 def _dispatch_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, inv_ptr, xs_ptr, H, stride_x, block_tokens,
                      y_ptr, ys_ptr, H2, stride_y,
                      E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -246,19 +257,9 @@ def _dispatch_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, inv_ptr, xs_ptr, H, str
     pos = tl.load(base_ptr + (t // block_tokens) * E + e, mask=mk, other=0)
     pos += tl.load(rank_ptr + t * K + rk, mask=mk, other=0)
     tl.store(inv_ptr + t * K + rk, pos, mask=mk)
-    rows = pos.to(tl.int64)[:, None] * H
-    for h0 in range(0, H, BLOCK_H):
-        rh = h0 + tl.arange(0, BLOCK_H)
-        mh = rh < H
-        v = tl.load(x_ptr + t * stride_x + rh, mask=mh)
-        tl.store(xs_ptr + rows + rh[None, :], v[None, :], mask=mk[:, None] & mh[None, :])
+    _copy_row(x_ptr, xs_ptr, t, stride_x, H, pos, mk, BLOCK_H)
     if TWO:             # a second tensor's rows to the same places (e.g. x's FP8 codes and then their scales)
-        rows2 = pos.to(tl.int64)[:, None] * H2
-        for h0 in range(0, H2, BLOCK_H2):
-            rh = h0 + tl.arange(0, BLOCK_H2)
-            mh = rh < H2
-            v = tl.load(y_ptr + t * stride_y + rh, mask=mh)
-            tl.store(ys_ptr + rows2 + rh[None, :], v[None, :], mask=mk[:, None] & mh[None, :])
+        _copy_row(y_ptr, ys_ptr, t, stride_y, H2, pos, mk, BLOCK_H2)
 
 
 def dispatch(x: torch.Tensor, ids: torch.Tensor, rank: torch.Tensor, base: torch.Tensor, block_tokens: int,
