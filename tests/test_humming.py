@@ -5,7 +5,7 @@ against that definition under the interpreter), the kernel interval of a row cou
 count; under the interpreter, the whole variant with humming's GEMMs replaced by the contract humming.py
 reads from them (the indexed path gives the grouped path's bits); and (marked gpu, on the H200 with the
 `humming` extra installed) the variant against the reference on plain packs: W4A16 and W4A8, one and two
-micros, decode and denoise sizes, NVFP4 and MXFP8 experts, the indexed path at 1..16 rows, the same bits a
+micros, decode and denoise sizes, NVFP4, MXFP8 and FP8 experts, the indexed path at 1..16 rows, the same bits a
 second time, a token alone the same bits as in a batch, the same bits on both sides of INDEXED_MAX_ROWS, inside
 a CUDA graph."""
 from __future__ import annotations
@@ -53,10 +53,10 @@ def test_only_the_humming_variant_takes_laid_out_packs():
 
 
 def test_fits_pack_names_what_it_cannot_lay_out():
-    assert "mxfp4, mxfp8, nvfp4 packs here, not fp8" in humming.fits_pack(kq.random_qweight("fp8", (4, 128, 256)))
     assert "N % 64" in humming.fits_pack(kq.random_qweight("mxfp4", (4, 96, 256)))
+    assert "K % 128" in humming.fits_pack(kq.random_qweight("fp8", (4, 128, 192)))
     assert "activations 'int8'" in humming.fits_pack(kq.random_qweight("mxfp4", (4, 128, 256)), "int8")
-    for fmt in ("mxfp4", "mxfp8", "nvfp4"):
+    for fmt in ("mxfp4", "mxfp8", "nvfp4", "fp8"):                  # every resident quantized format
         assert humming.fits_pack(kq.random_qweight(fmt, (4, 128, 256))) is None, fmt
     with pytest.raises(ValueError, match="mxfp4 packs only, not nvfp4"):
         humming.clamped_share(kq.random_qweight("nvfp4", (4, 128, 256)))
@@ -297,13 +297,13 @@ def test_gpu_humming_matches_the_reference(act, n, micros, ms, mc):
 
 
 @gpu
-@pytest.mark.parametrize("fmt,inverse", [("mxfp8", False), ("nvfp4", False), ("nvfp4", True)])
+@pytest.mark.parametrize("fmt,inverse", [("mxfp8", False), ("nvfp4", False), ("nvfp4", True), ("fp8", False)])
 @pytest.mark.parametrize("act", ["bf16", "fp8"])
 @pytest.mark.parametrize("n", [5, 700])
-def test_gpu_humming_takes_nvfp4_and_mxfp8_experts(fmt, inverse, act, n):
-    """NVFP4 (its global scale multiplying, ModelOpt, or dividing, compressed-tensors) and MXFP8 experts laid
-    out on humming's schemas for them: the reference's result within the activations' rounding, the same bits
-    again, a token alone the same bits as in its batch."""
+def test_gpu_humming_takes_nvfp4_mxfp8_and_fp8_experts(fmt, inverse, act, n):
+    """NVFP4 (its global scale multiplying, ModelOpt, or dividing, compressed-tensors), MXFP8 and FP8 (per output
+    channel) experts laid out on humming's schemas for them: the reference's result within the activations'
+    rounding, the same bits again, a token alone the same bits as in its batch."""
     t = make_qmoe(n, fmt, "mxfp8", hidden=512, experts=16, inter=256, shared_inter=256, micros=2, inverse=inverse,
                   device="cuda", seed=n)
     with kernels.allowed():
@@ -490,9 +490,9 @@ def test_auto_keeps_triton_when_humming_fails_on_the_first_layer(mxfp4_folder, m
         kernel_layouts.lay_out_experts(model, "humming-fp8")
 
 
-@pytest.mark.parametrize("quant", ["mxfp8", "nvfp4-ct"])
+@pytest.mark.parametrize("quant", ["mxfp8", "nvfp4-ct", "fp8-channel-modelopt"])
 def test_auto_keeps_other_formats_on_triton_and_a_named_choice_lays_them_out(tmp_path, monkeypatch, quant):
-    """NVFP4 / MXFP8 experts go to humming only when named (not timed there yet): auto keeps triton."""
+    """NVFP4 / MXFP8 / FP8 experts go to humming only when named (not timed there yet): auto keeps triton."""
     from engine.model import kernel_layouts
     from engine.model.loader import load
     from hunyuan_kernels.quant.formats import KernelLayout, QWeight
@@ -505,7 +505,7 @@ def test_auto_keeps_other_formats_on_triton_and_a_named_choice_lays_them_out(tmp
     monkeypatch.setattr(kernel_layouts, "why_not_humming", lambda moes, lora_mlp: None)
     monkeypatch.setattr(humming, "lay_out", lay_out)
     folder = make_tiny(tmp_path / quant, blocks=True, quant=quant)
-    fmt = "mxfp8" if quant == "mxfp8" else "nvfp4"
+    fmt = {"mxfp8": "mxfp8", "nvfp4-ct": "nvfp4"}.get(quant, "fp8")
     assert kernel_layouts.lay_out_experts(load(folder, resident="quantized").model, "auto") == "triton"
     assert not asked
     assert kernel_layouts.lay_out_experts(load(folder, resident="quantized").model, "humming-fp8") == "humming-fp8"

@@ -4,11 +4,11 @@ and the memory stays what the codes and scales take (the laid-out codes replace 
 
     triton        the plain packs, on our Triton kernels (decode GEMVs, the batched and grouped paths)
     humming       humming-kernels' W4A16 grouped GEMMs (bf16 activations: the reference's numbers within
-                  bf16 rounding), MXFP4 experts on Hopper (NVFP4 and MXFP8 experts too: W4A16 / W8A16,
+                  bf16 rounding), MXFP4 experts on Hopper (NVFP4, MXFP8 and FP8 experts too: W4A16 / W8A16,
                   GPU-tested, not timed yet, so only when named)
     humming-fp8   its W4A8 GEMMs: activations quantized per row to FP8 E4M3, the E8M0 block scales folded
                   per expert (blocks more than 11 binades below their expert's largest are rounded); NVFP4 / MXFP8
-                  experts: W4A8 / W8A8 on their block scales
+                  / FP8 experts: W4A8 / W8A8 on their block or channel scales
     auto          humming-fp8 where humming can take every expert pack and they are MXFP4 (installed, a
                   Hopper GPU, packs of its tile sizes, no LoRA tables of the MLPs), else triton. W4A8 rather than
                   W4A16: faster in every phase on one H200 (docs/benchmarks.md, humming) and, scored on the

@@ -126,7 +126,7 @@ class EngineConfig:
             "wait for them: decode and prefill buckets, and the denoise steps of SIZES (comma-separated HxW; "
             "default: the square bucket); takes seconds at start", parse=parse_warmup, nargs="?", const="default",
         metavar="SIZES")
-    moe_kernels: str = option("auto", "the kernels of quantized (MXFP4, NVFP4, MXFP8) experts: triton (ours), "
+    moe_kernels: str = option("auto", "the kernels of quantized (MXFP4, NVFP4, MXFP8, FP8) experts: triton (ours), "
                                       "humming (humming-kernels W4A16: pip install '.[humming]', a Hopper GPU), "
                                       "humming-fp8 (its W4A8: FP8 activations), auto (humming-fp8 where humming can "
                                       "take the experts and they are MXFP4, else triton; default; "

@@ -1,10 +1,10 @@
 """`humming-kernels` (`pip install '.[humming]'`, PyPI, Apache-2.0) as a backend of the `moe_quant` op: its
-grouped GEMMs convert the MXFP4 (or NVFP4, MXFP8) codes in registers inside the GEMM (no dequantize pass), on
-Hopper's tensor cores: bf16 activations (W4A16 / W8A16) or FP8 E4M3 ones on the FP8 tensor cores (W4A8 /
-W8A8). MXFP4 is the format measured (docs/benchmarks.md, humming); NVFP4 and MXFP8 packs are laid out the same
-way on humming's schemas for them (E4M3 block scales of 16 with a per-expert global scale; E8M0 of 32), GPU
-tests against the reference, not yet timed. Found without importing it (`available()` reads the installed
-distribution); `lib()` imports it at the first layout.
+grouped GEMMs convert the MXFP4 (or NVFP4, MXFP8, FP8) codes in registers inside the GEMM (no dequantize pass),
+on Hopper's tensor cores: bf16 activations (W4A16 / W8A16) or FP8 E4M3 ones on the FP8 tensor cores (W4A8 /
+W8A8). MXFP4 is the format measured (docs/benchmarks.md, humming); NVFP4, MXFP8 and FP8 packs are laid out the
+same way on humming's schemas for them (E4M3 block scales of 16 with a per-expert global scale; E8M0 of 32;
+FP8's scale per output channel, kept in bf16 there), GPU tests against the reference, not yet timed. Found
+without importing it (`available()` reads the installed distribution); `lib()` imports it at the first layout.
 
 A pack it multiplies is laid out for it ONCE, at load (`lay_out`): humming's interleaved codes and its
 scales (for MXFP4 W4A8 the E8M0 block scales folded into the FP8 conversion, rebased per expert, with an fp32
@@ -67,14 +67,17 @@ from .formats import KernelLayout, QWeight
 NAME = "humming"
 DIST = "humming-kernels"
 SUPPORTED = ("0.1.19",)
-FORMATS = ("mxfp4", "mxfp8", "nvfp4")     # the expert formats laid out here (humming's support matrix: FP4 / FP8
-                                          # weights with bf16 or FP8 E4M3 activations, E8M0 / E4M3 block scales)
+FORMATS = ("mxfp4", "mxfp8", "nvfp4", "fp8")   # the expert formats laid out here (humming's support matrix: FP4 /
+                                               # FP8 weights with bf16 or FP8 E4M3 activations, E8M0 / E4M3 block
+                                               # scales, channel scales)
 # humming's weight schema of each format: the element type, the block scales' type and block, and NVFP4's per-expert
 # global scale (humming's "tensor" weight_scale_2, multiplying; compressed-tensors' divides: inverted at layout)
 SCHEMAS = {"mxfp4": dict(b_dtype="float4e2m1", bs_dtype="float8e8m0", weight_scale_group_size=32),
            "mxfp8": dict(b_dtype="float8e4m3", bs_dtype="float8e8m0", weight_scale_group_size=32),
            "nvfp4": dict(b_dtype="float4e2m1", bs_dtype="float8e4m3", weight_scale_group_size=16,
-                         weight_scale_type="group", weight_scale_2_type="tensor")}
+                         weight_scale_type="group", weight_scale_2_type="tensor"),
+           # FP8 per output channel (the --quantize fp8 build): humming keeps channel scales in the output dtype
+           "fp8": dict(b_dtype="float8e4m3", weight_scale_group_size=0)}
 ACTIVATIONS = ("bf16", "fp8")
 # x1 * silu(x2) on rows [x1 ; x2] (the official SwiGLU, moe/reference.swiglu_halves), as humming's input
 # kernel's binary activation: a the first half, b the second
@@ -176,8 +179,11 @@ def _transform(w: QWeight, activations: str):
     config = _layer_config(n, k, e, activations, w.codes.device, w.fmt)
     # copies: humming's W4A8 fold rewrites the codes in place, and the plain pack is the caller's
     codes, scales = (t.clone(memory_format=torch.contiguous_format) for t in (w.codes, w.scales))
-    tensors = {"weight": codes.view(torch.int32),
-               "weight_scale": scales if w.fmt == "nvfp4" else scales.view(torch.float8_e8m0fnu)}
+    if w.fmt == "fp8":            # [E, N, 1] fp32 -> bf16, humming's channel scales (relative rounding <= 2^-9)
+        scales = scales.to(torch.bfloat16)
+    elif w.fmt != "nvfp4":        # E8M0 bytes as humming's E8M0 dtype
+        scales = scales.view(torch.float8_e8m0fnu)
+    tensors = {"weight": codes.view(torch.int32), "weight_scale": scales}
     if w.fmt == "nvfp4":          # its global scale per expert, as humming multiplies it
         g = w.gscale.float().reshape(-1).expand(e)
         tensors["weight_scale_2"] = (1.0 / g if w.inverse else g).contiguous()
