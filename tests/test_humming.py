@@ -514,10 +514,10 @@ def test_auto_keeps_other_formats_on_triton_and_a_named_choice_lays_them_out(tmp
 
 
 def test_the_start_up_line_names_the_kernels_that_are_not_ours():
-    from engine.model.kernel_layouts import kernels_line
-    assert kernels_line("triton", "triton") == kernels_line(None, None) == ""
-    assert kernels_line("humming-fp8", "triton") == "; experts on humming-fp8 (W4A8)"
-    assert kernels_line("humming", "fp8") == "; experts on humming (W4A16), MXFP8 weights on fp8 (W8A8)"
+    from engine.model.kernel_layouts import kernels_text
+    assert kernels_text("triton", "triton") == kernels_text(None, None) == ""
+    assert kernels_text("humming-fp8", "triton") == "experts on humming-fp8 (W4A8)"
+    assert kernels_text("humming", "fp8") == "experts on humming (W4A16), MXFP8 weights on fp8 (W8A8)"
 
 
 def test_the_start_up_hint_says_when_humming_is_one_pip_away(mxfp4_model, monkeypatch):

@@ -507,8 +507,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES and m != "default"]
     if unknown or not modes:
         ap.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}, default")
-    if args.fp8_activations and args.resident == "dense":
-        ap.error("--fp8-activations folds the quantized packs, which --resident dense dequantizes at load")
     ms = []
     for mode in modes:
         save = str(Path(args.save_images) / mode) if args.save_images else None

@@ -88,7 +88,7 @@ def lay_out_experts(model: "nn.Module", choice: str = "auto", lora_mlp: bool = F
     if not moes:
         raise ValueError(f"--moe-kernels {choice}: this model keeps no quantized experts on the device (humming "
                          "multiplies MXFP4 experts as a CUDA bf16 engine keeps them)")
-    if choice == "auto" and any(m.w1.format.fmt not in AUTO_FORMATS for m in moes):
+    if choice == "auto" and not _auto_formats(moes):
         return "triton"
     why = why_not_humming(moes, lora_mlp)
     if why:
@@ -156,11 +156,15 @@ def fold_all_to_fp8(model: "nn.Module") -> int:
 ACTIVATIONS = {"humming": "W4A16", "humming-fp8": "W4A8", "fp8": "W8A8"}
 
 
-def kernels_line(moe_kernels: str | None, mxfp8_kernels: str | None) -> str:
-    """The start-up line's words for the chosen kernels ("" when everything runs on ours, `triton`)."""
+def kernels_text(moe_kernels: str | None, mxfp8_kernels: str | None) -> str:
+    """The chosen kernels in words, e.g. "experts on humming-fp8 (W4A8)" ("" when everything runs on ours)."""
     chosen = (("experts", moe_kernels), ("MXFP8 weights", mxfp8_kernels))
-    parts = [f"{what} on {k} ({ACTIVATIONS[k]})" for what, k in chosen if k in ACTIVATIONS]
-    return "; " + ", ".join(parts) if parts else ""
+    return ", ".join(f"{what} on {k} ({ACTIVATIONS[k]})" for what, k in chosen if k in ACTIVATIONS)
+
+
+def _auto_formats(moes: "list[MoE]") -> bool:
+    """Whether every expert pack is in a format `auto` lays out for humming (AUTO_FORMATS)."""
+    return all(m.w1.format.fmt in AUTO_FORMATS for m in moes)
 
 
 def humming_hint(model: "nn.Module", capability: tuple[int, int] | None) -> str | None:
@@ -168,8 +172,7 @@ def humming_hint(model: "nn.Module", capability: tuple[int, int] | None) -> str 
     (a Hopper GPU, `capability`; MXFP4 experts it could take), else None: the faster path is one pip away."""
     from hunyuan_kernels.quant import humming
     moes = _quantized_moes(model)
-    if capability != (9, 0) or not moes or humming.installed() is not None \
-            or any(m.w1.format.fmt not in AUTO_FORMATS for m in moes):
+    if capability != (9, 0) or not moes or humming.installed() is not None or not _auto_formats(moes):
         return None
     if any(humming.fits_pack(w) for m in moes for w in (m.w1.value(), m.w2.value())):
         return None

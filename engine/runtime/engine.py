@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from engine.model.kernel_layouts import fold_mxfp8_weights, humming_hint, kernels_line, lay_out_experts
+from engine.model.kernel_layouts import fold_mxfp8_weights, humming_hint, kernels_text, lay_out_experts
 from engine.parallel.plan import check_step_policy
 from engine.model.loader import LoadedModel, load, parse_dtype
 from engine.model.lora import load_adapter
@@ -126,7 +126,7 @@ class Engine:
                                 encoding_cache_bytes=config.encoding_cache_mb << 20)
         engine = cls(loaded, groups, options)
         engine.moe_kernels, engine.mxfp8_kernels = moe_kernels, mxfp8_kernels
-        engine.ctx.kernels = kernels_line(moe_kernels, mxfp8_kernels)[2:]     # every request's Started says it
+        engine.ctx.kernels = kernels_text(moe_kernels, mxfp8_kernels)      # every request's Started says it
         if config.moe_kernels == "auto" and moe_kernels == "triton" and dev.type == "cuda":
             engine.kernels_hint = "; ".join(notes) or humming_hint(loaded.model, torch.cuda.get_device_capability(dev))
         return engine

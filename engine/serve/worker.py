@@ -15,7 +15,6 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any, assert_never
 
-from engine.model.kernel_layouts import kernels_line
 from engine.parallel.plan import get_plan
 from engine.serve.engine_config import EngineConfig
 from engine.serve.messages import (AdapterChange, Cancel, End, EventOut, Failed, FromWorker, Loading, RankFailed,
@@ -157,8 +156,9 @@ class WorkerRank:
     def ready(self) -> None:
         lm, warmed = self.engine.loaded, self.warmed
         if self.config.verbose and self.rank == 0:
+            kernels = self.engine.ctx.kernels
             print(f"\nengine: model loaded in {lm.load_s:.1f} s on {self.dev} (plan {self.plan.name}"
-                  + kernels_line(self.engine.moe_kernels, self.engine.mxfp8_kernels) + ")", file=sys.stderr, flush=True)
+                  + (f"; {kernels}" if kernels else "") + ")", file=sys.stderr, flush=True)
             if self.engine.kernels_hint:
                 print(f"engine: {self.engine.kernels_hint}", file=sys.stderr, flush=True)
             if warmed is not None:
@@ -167,7 +167,7 @@ class WorkerRank:
         self.send(Ready({"load_s": round(lm.load_s, 2), "device": str(self.dev), "dtype": str(lm.model.dtype),
                          "plan": self.plan.name, "moe_kernels": self.engine.moe_kernels,
                          "mxfp8_kernels": self.engine.mxfp8_kernels,
-                         "kernels_text": kernels_line(self.engine.moe_kernels, self.engine.mxfp8_kernels)[2:],
+                         "kernels_text": self.engine.ctx.kernels,
                          "ranks": self.rank_stats(),
                          "warmup": None if warmed is None else warmed.summary()}))
 

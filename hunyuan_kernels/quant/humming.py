@@ -67,17 +67,17 @@ from .formats import KernelLayout, QWeight
 NAME = "humming"
 DIST = "humming-kernels"
 SUPPORTED = ("0.1.19",)
-FORMATS = ("mxfp4", "mxfp8", "nvfp4", "fp8")   # the expert formats laid out here (humming's support matrix: FP4 /
-                                               # FP8 weights with bf16 or FP8 E4M3 activations, E8M0 / E4M3 block
-                                               # scales, channel scales)
-# humming's weight schema of each format: the element type, the block scales' type and block, and NVFP4's per-expert
-# global scale (humming's "tensor" weight_scale_2, multiplying; compressed-tensors' divides: inverted at layout)
+# humming's weight schema of each expert format laid out here (its support matrix: FP4 / FP8 weights with bf16 or
+# FP8 E4M3 activations, E8M0 / E4M3 block scales, channel scales): the element type, the block scales' type and
+# block, and NVFP4's per-expert global scale (humming's "tensor" weight_scale_2, multiplying; compressed-tensors'
+# divides: inverted at layout)
 SCHEMAS = {"mxfp4": dict(b_dtype="float4e2m1", bs_dtype="float8e8m0", weight_scale_group_size=32),
            "mxfp8": dict(b_dtype="float8e4m3", bs_dtype="float8e8m0", weight_scale_group_size=32),
            "nvfp4": dict(b_dtype="float4e2m1", bs_dtype="float8e4m3", weight_scale_group_size=16,
                          weight_scale_type="group", weight_scale_2_type="tensor"),
            # FP8 per output channel (the --quantize fp8 build): humming keeps channel scales in the output dtype
            "fp8": dict(b_dtype="float8e4m3", weight_scale_group_size=0)}
+FORMATS = tuple(SCHEMAS)          # every resident quantized format (quant.formats.FORMATS)
 ACTIVATIONS = ("bf16", "fp8")
 # x1 * silu(x2) on rows [x1 ; x2] (the official SwiGLU, moe/reference.swiglu_halves), as humming's input
 # kernel's binary activation: a the first half, b the second
@@ -151,8 +151,6 @@ class Config:
 
 def fits_pack(w: QWeight, activations: str = "bf16") -> str | None:
     """Why `w` cannot be laid out for humming (a sentence), or None where it can."""
-    if w.fmt not in FORMATS:
-        return f"humming lays out {', '.join(FORMATS)} packs here, not {w.fmt}"
     if activations not in ACTIVATIONS:
         return f"activations {activations!r}: one of {', '.join(ACTIVATIONS)}"
     *_, n, k = w.shape
