@@ -49,7 +49,7 @@ def test_each_suite_module_has_what_the_command_needs(name):
     ["decode-attention"],                                             # Triton's interpreter: the op's kernels
     ["denoise-attention"],                                            # plain SDPA forms
     ["tables", "--plans", "hybrid4", "--decode", "5", "--steps", "1"],  # the engine's code on one rank, tiny model
-    ["serving", "--builds", "mxfp4-distil", "--max-denoise-batch", "2"],   # whole requests through the scheduler
+    ["serving", "--builds", "mxfp4-distil", "--max-denoise-batch", "2", "--lookahead", "on,off"],   # the scheduler
     ["lora", "--steps", "1"],                                         # the LoRA tables on a hybrid4 rank, tiny model
 ])
 def test_dry_run_writes_json_and_tables(tmp_path, args):

@@ -331,3 +331,30 @@ def test_warmup_captures_what_default_requests_need(tiny_dir):
     for i in (0, 3):
         assert psnr(outcome(list(fresh.run(Request(**reqs[i]))))[1], outcome(events[i])[1]) >= 40, i
     print(f"warm-up: {w.seconds:.1f} s, {w.graphs} graphs")
+
+
+@pytest.mark.parametrize("policy", ["interleave", "overlap"])
+def test_decode_lookahead_on_cuda_gives_the_same_bits(tiny_dir, policy):
+    """bf16, graphs on: each decode step launched before the host reads the last one's tokens (the
+    tokens copied on the device, read through pinned memory) gives every request the same tokens and
+    image bytes as the plain step, and the launches ahead were used (few steps ran their own forward)."""
+    from engine.runtime.decode_step import DecodeStep
+    from engine_drive import run_together
+    from test_scheduler import MIXED
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    runs, own = {}, []
+    call = DecodeStep.__call__
+    DecodeStep.__call__ = lambda step, rows: own.append(1) or call(step, rows)
+    try:
+        for lookahead in (False, True):
+            own.clear()
+            pipe = make_engine(lm, preview_every=0, max_batch=4, decode_lookahead=lookahead)
+            events, scheduler = run_together(lm, MIXED, engine=pipe, policy=policy, decode_steps_per_denoise=2)
+            assert scheduler.lookahead == lookahead
+            runs[lookahead] = [outcome(events[i]) for i in range(len(MIXED))], len(own)
+    finally:
+        DecodeStep.__call__ = call
+    (plain, own_plain), (ahead, own_ahead) = runs[False], runs[True]
+    for i in range(len(MIXED)):
+        assert ahead[i][0] == plain[i][0] and np.array_equal(ahead[i][1], plain[i][1]), i
+    assert own_ahead < own_plain, (own_ahead, own_plain)

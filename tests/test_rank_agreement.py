@@ -26,7 +26,10 @@ def _pixels(ev: Image) -> np.ndarray:
 
 
 def test_a_request_without_a_seed_gives_the_tp1_image_of_the_reported_seed(tiny, tiny_dir):
-    with EngineServer(EngineConfig(tiny_dir, plan="hybrid4", preview_every=0)) as server:
+    """... with each decode step launched ahead on the four ranks (the tokens the step feeds are rank 0's, broadcast
+    before the launch), against tp1's plain decode steps."""
+    config = EngineConfig(tiny_dir, plan="hybrid4", preview_every=0, decode_lookahead="on")
+    with EngineServer(config) as server:
         assert server.wait_ready(READY_TIMEOUT_S), server.health()
         events = list(server.stream(Request(**REQ)))           # no seed
     started = next(e for e in events if isinstance(e, Started))

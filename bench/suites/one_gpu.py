@@ -122,6 +122,24 @@ class Request:
         self.token = int(kernels.call("sample", logits, 0.6, 1024, 0.95, self.gen, False, None)) % self.s.vocab
         self.index += 1
 
+    def decode_ahead(self, n: int) -> None:
+        """`n` decode tokens as the engine's scheduler runs them with `lookahead` (engine/runtime/scheduler.py,
+        3.): each step's successor launched (`DecodeStep.ahead`, the token copied on the device) before the
+        token's host read, which goes through pinned memory."""
+        host = torch.zeros(1, dtype=torch.long, pin_memory=self.model.device.type == "cuda")
+        copied = torch.cuda.Event() if self.model.device.type == "cuda" else None
+        logits = self.step([(0, self.token, self.index)])[0]
+        for i in range(n):
+            token = kernels.call("sample", logits, 0.6, 1024, 0.95, self.gen, False, None).reshape(1) % self.s.vocab
+            host.copy_(token, non_blocking=copied is not None)
+            if copied is not None:
+                copied.record()
+            if i + 1 < n:
+                logits = self.step.ahead([(0, self.index + 1)], token)[0]
+            if copied is not None:
+                copied.synchronize()
+            self.token, self.index = int(host[0]), self.index + 1
+
     def runner(self, graph: bool, keep: bool = False) -> DenoiseRunner:
         """A denoise runner of the request's image. `keep`: on the KV storage and graphs this Request keeps,
         so every runner after the first replays the step graph the first captured (the engine's serving
@@ -150,16 +168,20 @@ class Request:
     def step_ms(self, graph: bool, steps: int = 3) -> float:
         return time_ms(self.step_fn(graph), "wall", n=steps)
 
-    def whole(self, steps: int) -> dict:
+    def whole(self, steps: int, ahead: bool = True) -> dict:
         """The request end to end, timed once, as a request after the engine's first runs: the decode graph
-        replayed (the engine keeps it with its KV pool), the denoise step graph captured inside."""
+        replayed (the engine keeps it with its KV pool; `ahead`: each step launched before the last one's
+        token is read, as the engine does on a GPU), the denoise step graph captured inside."""
         self.index = self.s.prefill
         clock = Stages()
         with clock("prefill"):
             self.prefill()
         with clock("decode"):
-            for _ in range(self.s.cot):
-                self.decode_token()
+            if ahead:
+                self.decode_ahead(self.s.cot)
+            else:
+                for _ in range(self.s.cot):
+                    self.decode_token()
         with clock("denoise"):
             r = self.runner(graph=self.step_graph)
             r.prefill()
@@ -178,7 +200,7 @@ def profile_decode(name: str, req: Request, row: dict, out: Output) -> None:
     for s in range(16):
         clock = Stages()
         with clock("graph"):
-            logits = req.step(s % 100, req.s.prefill + 64 + s)
+            logits = req.step([(0, s % 100, req.s.prefill + 64 + s)])[0]
         with clock("sample"):
             int(kernels.call("sample", logits, 0.6, 1024, 0.95, req.gen, False, None))
         for k, v in clock.seconds.items():
@@ -188,7 +210,7 @@ def profile_decode(name: str, req: Request, row: dict, out: Output) -> None:
             f"sample and the host read {row['split_sample_ms']:.3f} ms")
     for line in kernel_table(lambda: req.graphs.graph(("decode", 1)).replay(), f"{name} decode step (graph replay)", rows=32):
         out.say(line)
-    for line in kernel_table(lambda: req.step._static_forward(), f"{name} decode step (eager: the graph's kernels)",
+    for line in kernel_table(lambda: req.step._forward(1), f"{name} decode step (eager: the graph's kernels)",
                              rows=32):
         out.say(line)
 
@@ -227,6 +249,9 @@ def measure(name: str, cfg: ModelConfig, resident, shapes: Shapes, distil: bool,
         req = Request(model, plan, shapes, distil, not args.no_step_graph)
         row["prefill_ms"] = time_ms(req.prefill, "wall", n=3)
         row["ms_per_token"] = time_ms(req.decode_token, "wall", n=shapes.timed_tokens, warmup=4)
+        # the same tokens with each step launched ahead of the last one's host read (the engine's default)
+        row["ms_per_token_ahead"] = time_ms(lambda: req.decode_ahead(shapes.timed_tokens), "wall", n=3,
+                                            warmup=1) / shapes.timed_tokens
         row["graph"] = ("decode", 1) in req.graphs
         if args.profile_decode and cuda:
             profile_decode(name, req, row, out)
@@ -281,6 +306,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
     out.data.update(rows=rows, fp8_speedup=speed, prefill=shapes.prefill, cot=shapes.cot)
     out.table(rows, [Col("build", "build"), Col("experts on", "moe_kernels"), Col("MXFP8 on", "mxfp8_kernels"), Col("resident GiB", "resident_gib", ".1f"), Col("peak GiB", "peak_gib", ".1f"),
                      Col("prefill ms", "prefill_ms", ".1f"), Col("ms/token", "ms_per_token", ".2f"),
+                     Col("ms/token ahead", "ms_per_token_ahead", ".2f"),
                      Col("DiT step ms", "step_ms", ".1f"), Col("graph step", "step_ms_graph", ".1f"),
                      Col("VAE ms", "vae_ms", ".0f"), Col("whole T2I s", "whole_total_s", ".2f"),
                      Col("step velocity err", "velocity_err", ".1e"),

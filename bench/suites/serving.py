@@ -120,6 +120,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--policy", default="",
                     help="step policies, each run in turn: interleave[:K], waves, overlap[:K] (K: decode steps per "
                          f"turn of heavy work, default {DECODE_STEPS_PER_DENOISE}); '': the engine's default scheduler")
+    ap.add_argument("--lookahead", default="",
+                    help="decode lookahead, each run in turn with every policy: on, off ('': the engine's default, "
+                         "on on a GPU)")
     ap.add_argument("--arrivals", default="closed,poisson",
                     help="the runs at each client count: closed and/or poisson (module doc)")
     ap.add_argument("--moe-kernels", default="triton",
@@ -206,12 +209,12 @@ def arrival_times(n: int, rate: float, process: str, seed: int) -> list[float]:
 
 def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client: int, max_batch: int,
           rate: float | None, seed: int = 0, profile: bool = False, open_loop: bool = False,
-          process: str = "poisson", policy: str = "") -> dict:
+          process: str = "poisson", policy: str = "", lookahead: bool | None = None) -> dict:
     """Requests through the scheduler as the worker and the server's dispatch run them. `rate` None:
     closed loop (N clients at once); else arrivals at `rate` requests/s (`process`: poisson or constant gaps),
     at most N in the engine or waiting, or with `open_loop` whatever is in flight (clients x per_client
-    requests in all), through a scheduler of step `policy` ("name[:K]"; "": the engine's default). Returns the
-    figures.
+    requests in all), through a scheduler of step `policy` ("name[:K]"; "": the engine's default) and decode
+    `lookahead` (None: the engine's default). Returns the figures.
     `profile`: the device is synchronized after every step (a denoise forward is otherwise only waited for
     by the next step's token read) and each step's wall time is summed under `step_kind`."""
     total = clients * per_client
@@ -220,8 +223,8 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
     else:
         arrivals = arrival_times(total, rate, process, seed)
     name, _, k = policy.partition(":")
-    scheduler = pipe.scheduler = (pipe.new_scheduler(int(k or DECODE_STEPS_PER_DENOISE), name) if policy
-                                  else pipe.new_scheduler())       # the worker's loop: the engine's steps
+    scheduler = pipe.scheduler = (pipe.new_scheduler(int(k or DECODE_STEPS_PER_DENOISE), name, lookahead)
+                                  if policy else pipe.new_scheduler(lookahead=lookahead))   # the worker's loop
     captured = sum(pipe.graphs.captures.values())
     waiting: collections.deque = collections.deque()
     arrived: dict[int, float] = {}                        # seq -> arrival (seconds from the start)
@@ -277,6 +280,7 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
             "requests_per_forward": scheduler.denoising.member_steps / max(1, scheduler.denoising.forwards),
             "tokens_per_s": sum(token_rates) / len(token_rates) if token_rates else float("nan"),
             "tokens_per_s_min": min(token_rates, default=float("nan")), "policy": policy or "default",
+            "lookahead": scheduler.lookahead,
             # per denoise turn, the other requests waiting for a step of the same key (denoise batching's room)
             "denoise_company": scheduler.denoise_company["same_key"] / max(1, scheduler.denoise_company["turns"])}
 
@@ -311,6 +315,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
             del lm
     out.data.update(rows=rows, max_batch=args.max_batch, per_client=per_client, greedy=args.greedy)
     out.table(rows, [Col("build", "build"), Col("denoise batch", "max_denoise_batch"), Col("policy", "policy"),
+                     Col("lookahead", "lookahead"),
                      Col("arrivals", "mode"),
                      Col("clients", "clients"), Col("rate /min", "rate_per_min", ".2f"),
                      Col("images/min", "images_per_min", ".2f"), Col("p50 s", "p50_s", ".2f"),
@@ -345,22 +350,28 @@ def serve_all(pipe: Engine, args: argparse.Namespace, build: str, batch: int, st
     first = serve(pipe, make, batch, 1, args.max_batch, None, seed=1)     # a full denoise batch's keys too
     out.say(f"{build}, denoise batch {batch}: first {batch} request(s) (capture their graphs) {first['mean_s']:.2f} s, "
             f"{first['captures']} graphs")
+    lookaheads = [{"on": True, "off": False}[a] for a in args.lookahead.split(",") if a] or [None]
     for policy in args.policy.split(",") if args.policy else [""]:
-        ok = serve_policy(pipe, make, args, policy, build, batch, steps, cot, clients, per_client, rows, out) and ok
+        for ahead in lookaheads:
+            ok = serve_policy(pipe, make, args, policy, build, batch, steps, cot, clients, per_client, rows, out,
+                              ahead) and ok
     return ok
 
 
 def serve_policy(pipe: Engine, make: Callable[[int], Request], args: argparse.Namespace, policy: str, build: str,
                  batch: int, steps: int, cot: int, clients: list[int], per_client: int, rows: list,
-                 out: Output) -> bool:
-    """The closed and Poisson runs at each client count and the open-loop runs, with step `policy`."""
+                 out: Output, lookahead: bool | None = None) -> bool:
+    """The closed and Poisson runs at each client count and the open-loop runs, with step `policy` and decode
+    `lookahead` (None: the engine's default)."""
     ok = True
+    ahead = {"lookahead": lookahead}
     for n in clients:
-        runs = {"closed": serve(pipe, make, n, per_client, args.max_batch, None, profile=args.profile, policy=policy)}
+        runs = {"closed": serve(pipe, make, n, per_client, args.max_batch, None, profile=args.profile, policy=policy,
+                                **ahead)}
         rate = (10 if args.dry else 0.9) * runs["closed"]["images_per_min"] / 60      # dry: no idle waits
         if "poisson" in args.arrivals:
             runs["poisson"] = serve(pipe, make, n, per_client, args.max_batch, rate, seed=n, profile=args.profile,
-                                    policy=policy)
+                                    policy=policy, **ahead)
         if "closed" not in args.arrivals:
             del runs["closed"]
         for mode, r in runs.items():
@@ -370,7 +381,8 @@ def serve_policy(pipe: Engine, make: Callable[[int], Request], args: argparse.Na
                 row["rate_per_s"] = rate
             rows.append(row)
             ok = ok and complete(r)
-            out.say(f"{build} denoise batch {batch} {policy} {mode} x{n}: {r['images_per_min']:.2f} images/min, "
+            out.say(f"{build} denoise batch {batch} {r['policy']} lookahead {r['lookahead']} {mode} x{n}: "
+                    f"{r['images_per_min']:.2f} images/min, "
                     f"p50 {r['p50_s']:.2f} s, p90 {r['p90_s']:.2f} s, {r['requests_per_forward']:.2f} requests a "
                     f"denoise forward, {r['decode_rows']:.2f} rows a decode step, {r['tokens_per_s']:.1f} tokens/s "
                     f"(slowest {r['tokens_per_s_min']:.1f}), {r['captures']} graphs captured" +
@@ -382,7 +394,7 @@ def serve_policy(pipe: Engine, make: Callable[[int], Request], args: argparse.Na
                 for kind, (count, sec) in sorted(r["profile"].items(), key=lambda kv: -kv[1][1]):
                     out.say(f"    {kind:<32} {count:>6} steps {sec:8.2f} s {1000 * sec / count:9.2f} ms a step")
     if args.rates:
-        ok = open_loop(pipe, make, args, policy, build, batch, steps, cot, rows, out) and ok
+        ok = open_loop(pipe, make, args, policy, build, batch, steps, cot, rows, out, lookahead) and ok
     return ok
 
 
@@ -392,10 +404,10 @@ def complete(r: dict) -> bool:
 
 
 def open_loop(pipe: Engine, make: Callable[[int], Request], args: argparse.Namespace, policy: str, build: str,
-              batch: int, steps: int, cot: int, rows: list, out: Output) -> bool:
+              batch: int, steps: int, cot: int, rows: list, out: Output, lookahead: bool | None = None) -> bool:
     """One request alone (its latency L), then the open-loop runs at each of --rates (module doc), into
     `rows`; the highest rate held (p90 <= 2 L) into the output's data. Whether every request gave its image."""
-    alone = serve(pipe, make, 1, 1, args.max_batch, None, policy=policy)
+    alone = serve(pipe, make, 1, 1, args.max_batch, None, policy=policy, lookahead=lookahead)
     limit = 2 * alone["p50_s"]
     sweep = args.rates == "sweep"
     rates = [f * 60 / alone["p50_s"] for f in SWEEP] if sweep else [float(r) for r in args.rates.split(",")]
@@ -405,7 +417,7 @@ def open_loop(pipe: Engine, make: Callable[[int], Request], args: argparse.Names
     ok, held = complete(alone), None
     for k, rate in enumerate(rates):
         r = serve(pipe, make, args.requests, 1, args.max_batch, rate / 60, seed=100 + k, profile=args.profile,
-                  open_loop=True, process=args.arrival_process, policy=policy)
+                  open_loop=True, process=args.arrival_process, policy=policy, lookahead=lookahead)
         r["held"] = complete(r) and r["p90_s"] <= limit
         rows.append({"build": build, "max_denoise_batch": batch, "mode": f"open {args.arrival_process}",
                      "clients": None, "steps": steps, "cot": cot, "rate_per_min": rate, "alone_s": alone["p50_s"],

@@ -42,10 +42,11 @@ class DecodeStep:
         self.slots, self.scratch = cache.k[0].shape[0], cache.max_len - 1
         self.buckets = buckets_for(self.slots)
         self.use_graph = use_graph and dev.type == "cuda" and graph_safe(view.tp, view.sp)
-        # token, index, length per slot side by side: one host-to-device copy per step sets all three
-        self._slots = torch.zeros(3, self.slots, dtype=torch.long, device=dev)
+        # token, index, length per slot side by side (and, for a step `ahead`, where its tokens go): one
+        # host-to-device copy per step sets them all
+        self._slots = torch.zeros(4, self.slots, dtype=torch.long, device=dev)
         cuda = dev.type == "cuda"
-        self._host = torch.zeros(3, self.slots, dtype=torch.long, pin_memory=cuda)
+        self._host = torch.zeros(4, self.slots, dtype=torch.long, pin_memory=cuda)
         self._host_np = self._host.numpy()
         self._copied = torch.cuda.Event() if cuda else None
         self._rows = torch.arange(self.slots, device=dev)
@@ -71,17 +72,39 @@ class DecodeStep:
             raise ValueError(f"no decode bucket {bucket} (buckets: {self.buckets})")
         self._step(bucket, [])
 
+    def ahead(self, rows: list[tuple[int, int]], tokens: torch.Tensor) -> torch.Tensor:
+        """The next step launched before the host has read this step's tokens: rows (slot, index) and
+        `tokens` [len(rows)] (long, on the device: the step's sampled and agreed tokens, row i's fed at its
+        slot's `index`). The tokens go from device to the step's buffer, so the device runs this forward
+        while the host reads them and decides whether every request goes on with its token (the scheduler
+        uses the logits then, else runs its step anew: the same positions written again). Returns the
+        logits as `__call__` does."""
+        b = self.bucket([s for s, _ in rows])
+        self._fill([(s, 0, index) for s, index in rows], dest=[s for s, _ in rows])
+        # a slice of a static buffer as the index: no allocation (tokens of rows past len(rows) stay 0)
+        self._slots[0].index_copy_(0, self._slots[3, :len(rows)], tokens)
+        return self._replay(b)
+
     def _step(self, b: int, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+        self._fill(rows)
+        return self._replay(b)
+
+    def _fill(self, rows: list[tuple[int, int, int]], dest: list[int] = ()) -> None:
+        """The slots' buffer set from the host: each row's (slot, token, index); `dest`: the slots whose
+        tokens an `ahead` step copies in (row 3)."""
         host = self._host_np
         if self._copied is not None:
             self._copied.synchronize()        # the previous copy has read the pinned buffer (it has, by now)
         host[0], host[1], host[2] = 0, self.scratch, 1           # idle rows
         for s, token, index in rows:
             host[0, s], host[1, s], host[2, s] = token, index, index + 1
-        # the whole buffer (3 x slots ints): one contiguous copy, asynchronous from pinned memory
+        host[3, :len(dest)] = dest
+        # the whole buffer (4 x slots ints): one contiguous copy, asynchronous from pinned memory
         self._slots.copy_(self._host, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
+
+    def _replay(self, b: int) -> torch.Tensor:
         self.forwards += 1
         if self.use_graph:
             # a graph per LoRA mode of the slots (decided when a request takes or leaves its slot)

@@ -67,6 +67,7 @@ class EngineSettings(Protocol):
     moe_kernels: str
     mxfp8_kernels: str
     step_policy: str
+    decode_lookahead: str
 
 
 class Engine:
@@ -122,6 +123,7 @@ class Engine:
         options = EngineOptions(max_batch=config.max_batch, max_denoise_batch=config.max_denoise_batch,
                                 preview_every=config.preview_every, cfg_serial=config.cfg_serial,
                                 cuda_graph=config.cuda_graph, step_policy=config.step_policy,
+                                decode_lookahead={"on": True, "off": False}.get(config.decode_lookahead),
                                 prefix_cache_bytes=config.prefix_cache_mb << 20,
                                 encoding_cache_bytes=config.encoding_cache_mb << 20)
         engine = cls(loaded, groups, options)
@@ -132,14 +134,19 @@ class Engine:
         return engine
 
     def new_scheduler(self, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE,
-                      policy: str = "interleave") -> Scheduler:
+                      policy: str = "interleave", lookahead: bool | None = None) -> Scheduler:
         """A scheduler over this engine's shared resources (one at a time holds requests: it owns their
-        order in the KV pool and the denoise batch), with its step policy (engine/runtime/scheduler.py)."""
+        order in the KV pool and the denoise batch), with its step policy (engine/runtime/scheduler.py) and
+        decode `lookahead` (None: the engine's option, whose None is on a GPU)."""
         ctx = self.ctx
         denoising = DenoiseBatch(self.loaded.model, ctx.pool, ctx.heads.denoise, self.groups.denoise, ctx.graphs,
                                  self.options.max_denoise_batch)
+        if lookahead is None:
+            lookahead = self.options.decode_lookahead
+        if lookahead is None:
+            lookahead = self.loaded.model.device.type == "cuda"
         return Scheduler(self.program, ctx.pool, denoising, ctx.agree, self.loaded.tok.vocab_size,
-                         decode_steps_per_denoise, policy)
+                         decode_steps_per_denoise, policy, lookahead)
 
     def program(self, p: Prepared) -> Program:
         """The phase program of the prepared request `p` (engine/runtime/program.py)."""

@@ -17,6 +17,9 @@ class EngineOptions:
     cfg_serial: bool = False            # CFG branches one after the other (less activation memory)
     cuda_graph: bool = True             # steps as CUDA-graph replays where every kernel can be captured
     step_policy: str = "interleave"     # how decode and denoise steps share the device (scheduler.POLICIES)
+    # each decode step launches the next before its tokens are read (scheduler.py, 3.); None: on a GPU (on a
+    # CPU the forward launched ahead runs before the read, hiding nothing)
+    decode_lookahead: bool | None = None
     prefix_cache_bytes: int = PREFIX_CACHE_MB << 20      # conversations' K/V prefixes (prefix_cache.py; 0: off)
     encoding_cache_bytes: int = ENCODING_CACHE_MB << 20  # their images' encodings (conditioning.py; 0: none)
     kv_handoff: bool = True             # the denoise phase reuses the cond prefix the AR phase wrote (off: tests)

@@ -13,7 +13,13 @@ step, the denoise batch, the ranks' agreement) and imports nothing above itself.
 3. One batched decode forward for every request in its decode stage (engine/runtime/decode_step.py);
    each row is sampled with its own request's parameters and generator (one `sample_rows` call for the
    step's rows), and every row's token is read at once (the step's one host read, agreed by all ranks);
-   each program continues with its token.
+   each program continues with its token. With `lookahead` (on a GPU), the next decode step is launched
+   before that read, its tokens copied on the device: the device runs it while the host reads the
+   tokens and runs the programs (the host's share of a token, hidden). The next step uses its logits if
+   the requests in it are exactly those that went on with their tokens; else (a request ended, joined,
+   was cancelled, fed forced tokens) it runs its own forward, writing the same positions again (the
+   one launched ahead wrote each row's next position only, never read past a request's end: the hand-off
+   and the prefix cache read the positions fed, engine/runtime/handoff.py).
 4. A turn of heavy work, ONE of:
    - the denoise batch's forward: the denoise batch (engine/runtime/denoise_batch.py) holds up to
      `max_denoise_batch` requests of one step class (bucket and rows, whatever their prompt + CoT
@@ -59,6 +65,7 @@ from typing import Any, Callable
 import torch
 
 from engine.runtime.agreement import Agreement
+from engine.runtime.decode_step import DecodeStep
 from engine.runtime.denoise_batch import DenoiseBatch
 from engine.runtime.events import Error, Event
 from engine.runtime.kv_pool import KVPool
@@ -86,17 +93,20 @@ class StepNews:
 class Scheduler:
     def __init__(self, programs: Callable[[Prepared], Program], pool: KVPool, denoising: DenoiseBatch,
                  agree: Agreement, vocab: int, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE,
-                 policy: str = "interleave"):
+                 policy: str = "interleave", lookahead: bool = False):
         """`programs(prepared)`: a joining request's phase program; `pool`: the KV pool whose AR slots and
         batched decode step it shares out; `denoising`: the requests holding denoise rows (one batch per
         scheduler: it owns their order); `agree`: the ranks' agreement on each decode step's tokens;
-        `vocab`: the tokenizer's (the embedding is padded past it); `policy`: the step policy (module doc)."""
+        `vocab`: the tokenizer's (the embedding is padded past it); `policy`: the step policy (module doc);
+        `lookahead`: each decode step launches the next before its tokens are read (module doc, 3.)."""
         if decode_steps_per_denoise < 1:
             raise ValueError(f"decode_steps_per_denoise must be >= 1 (got {decode_steps_per_denoise})")
         if policy not in POLICIES:
             raise ValueError(f"the step policy is one of {', '.join(POLICIES)} (got {policy!r})")
         self.programs, self.pool, self.denoising, self.agree = programs, pool, denoising, agree
-        self.k, self.policy = decode_steps_per_denoise, policy
+        self.k, self.policy, self.lookahead = decode_steps_per_denoise, policy, lookahead
+        # the decode step launched ahead: (the step, its rows (slot, token, index), its logits)
+        self._ahead: tuple[DecodeStep, list[tuple[int, int, int]], torch.Tensor] | None = None
         self.lanes = Lanes(pool.model.device if policy == "overlap" else None)
         self.requests: dict[int, RequestState] = {}          # admission order
         self.steps = 0                                       # engine steps run
@@ -177,18 +187,37 @@ class Scheduler:
     def _decode(self) -> int:
         """The step's batched decode forward -> its rows (0: none decoding)."""
         rows = [s for s in self.requests.values() if isinstance(s.need, Decode)]
+        ahead, self._ahead = self._ahead, None
         if not rows:
             return 0
 
         def forward() -> list[int]:
-            logits = self.pool.decode([(s.need.slot, s.need.token, s.need.index) for s in rows])
+            step, fed = self.pool.decode, [(s.need.slot, s.need.token, s.need.index) for s in rows]
+            # the step launched ahead is this one if every request went on with its token, and only they
+            logits = ahead[2] if ahead is not None and ahead[:2] == (step, fed) else step(fed)
             logits[:, self._vocab:] = float("-inf")      # the embedding is padded past the tokenizer's vocabulary
             needs = [s.need for s in rows]
             tokens = choose_rows(logits, [n.slot for n in needs], [n.params for n in needs],
                                  [n.generator for n in needs], [n.allowed for n in needs])
-            return self.agree.tokens(tokens)             # the step's one host read
+            read = self.agree.tokens_later(tokens)
+            nxt = [(n.slot, n.index + 1) for n in needs]
+            launched = self._launch_ahead(step, nxt, tokens) if self.lookahead else None
+            answers = read()                              # the step's one host read
+            if launched is not None:
+                self._ahead = (step, [(s, t, i) for (s, i), t in zip(nxt, answers)], launched)
+            return answers
         self._shared(rows, forward)
         return len(rows)
+
+    @staticmethod
+    def _launch_ahead(step: DecodeStep, rows: list[tuple[int, int]], tokens: torch.Tensor) -> torch.Tensor | None:
+        """The next decode step, launched before this one's tokens are read (`lookahead`) -> its logits, or
+        None if it could not be launched (the next step then runs its own forward, which reports why)."""
+        try:
+            return step.ahead(rows, tokens)
+        except Exception:  # noqa: BLE001 - the step's own forward fails the requests if it fails again
+            traceback.print_exc(file=sys.stderr)
+            return None
 
     def _shared(self, states: list[RequestState], forward: Callable[[], list]) -> None:
         """One forward for `states`, each continuing with its own answer; if the forward fails, so did every

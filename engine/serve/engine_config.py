@@ -93,6 +93,9 @@ class EngineConfig:
                                              "reasoning decoded together, then their images), overlap (interleave "
                                              "with the image work on a second CUDA stream; one GPU)",
                               choices=["interleave", "waves", "overlap"])
+    decode_lookahead: str = option("auto", "each AR decode step launches the next before its tokens reach the host, "
+                                           "so the GPU runs it while the host reads them (auto: on a GPU)",
+                                   choices=["auto", "on", "off"])
     preview_every: int = option(1, "a preview every this many denoise steps (0: none)", type=int)
     cfg_serial: bool = option(False, "run the CFG branches one after the other (less activation memory)",
                               action="store_true")
