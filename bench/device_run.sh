@@ -18,6 +18,8 @@
 #   serving-policies  issue 42's table on humming-fp8's decode (installs the carried .whl): MXFP4 Distil tp1,
 #                  1/4/16 clients closed, --max-batch 16, policies interleave:8 and overlap:8, --max-denoise-batch 1
 #                  then 4 (the default policy and denoise batch are chosen from it)
+#   lookahead      suite serving on humming-fp8 (installs the carried .whl): MXFP4 Distil tp1, 1 and 16 clients closed,
+#                  --max-batch 16, the decode steps launched ahead off then on (scheduler.py 3.)
 #   mxfp8-fold     `--mxfp8-kernels fp8` (installs the carried .whl): suite one-gpu, MXFP4 Distil on humming
 #                  (W4A16: the velocity reference) and humming-fp8 (W4A8, auto's choice), each with its MXFP8 linears
 #                  triton vs fp8 (--profile-step: no dequantize pass left; each row's step velocity vs the first's)
@@ -139,6 +141,12 @@ for section in "$@"; do
         --max-batch 16 --arrivals closed --moe-kernels humming-fp8 --mxfp8-kernels fp8 \
         --policy interleave:8,overlap:8 \
         --max-denoise-batch 1,4 --out "$OUT/serving-policies" ;;
+    lookahead)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      mkdir -p "$OUT/lookahead"
+      run serving_lookahead 420 python3 -m bench serving --builds mxfp4-distil --clients 1,16 --per-client 1 \
+        --max-batch 16 --arrivals closed --moe-kernels humming-fp8 --lookahead off,on --out "$OUT/lookahead" ;;
     mxfp8-fold)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
