@@ -37,6 +37,7 @@ def test_stream_order_and_png_of_the_chosen_size(engine_server):
     first_step = names.index("Step")
     assert "Text" in names[:first_step] and names.index("Ratio") < first_step
     img = next(e for e in events if isinstance(e, Image))
+    assert isinstance(img.data, bytes)          # encoded by the worker's sender thread, not the server
     pil = PILImage.open(io.BytesIO(img.png))
     assert pil.format == "PNG" and pil.size == (256, 192) == (img.width, img.height)
     assert isinstance(events[-1], Done) and events[-1].timings.dit_steps == 2

@@ -20,6 +20,7 @@ from engine.serve.engine_config import EngineConfig
 from engine.serve.messages import (AdapterChange, Cancel, End, EventOut, Failed, FromWorker, Loading, RankFailed,
                                    Ready, Run, Stats, Stop, ToWorker)
 from engine.runtime.events import Error as ErrorEvent
+from engine.runtime.events import Image as ImageEvent
 from engine.runtime.scheduler import StepNews
 
 
@@ -73,6 +74,48 @@ class Inbox:
         return StepNews(join, frozenset(cancel), tuple(adapters))
 
 
+class Sender:
+    """Rank 0's end of its event pipe, written by a thread of its own: the engine's loop hands a step's
+    messages over and goes on with the next step while this thread writes them, in order, encoding each
+    image's PNG first (an `Image` event leaves the engine as pixels: a 1024 px PNG is ~0.1-0.2 s of a CPU
+    core, which PIL spends with the GIL released, so the GPU's next steps are launched meanwhile).
+    `broken`: the server is gone (nothing more can be written)."""
+
+    def __init__(self, conn: Connection):
+        self._conn, self._q = conn, queue.SimpleQueue()
+        self.broken = False
+        self._thread = threading.Thread(target=self._write, name="engine-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, msg: FromWorker) -> None:
+        self._q.put(msg)
+
+    def close(self, timeout: float) -> None:
+        """Write what was handed over (the last step's events, a `RankFailed`), then let the thread end."""
+        self._q.put(None)
+        self._thread.join(timeout)
+
+    def _write(self) -> None:
+        while (msg := self._q.get()) is not None:
+            if self.broken:
+                continue
+            try:
+                self._conn.send(_encoded(msg))
+            except (EOFError, OSError):                  # the server is gone
+                self.broken = True
+
+
+def _encoded(msg: FromWorker) -> FromWorker:
+    """`msg` with its image's PNG encoded (what the server reads); an image that cannot be encoded fails
+    its request, not the engine."""
+    if isinstance(msg, EventOut) and isinstance(msg.event, ImageEvent):
+        try:
+            msg.event.png
+        except Exception as e:  # noqa: BLE001 - reported on the request's stream
+            return EventOut(msg.seq, ErrorEvent("engine", f"the image could not be encoded as PNG: {e}"))
+    return msg
+
+
 def worker_main(rank: int, config: EngineConfig, init_method: str, requests: Connection | None,
                 events: Connection | None) -> None:
     """Entry point of one engine worker process: rank `rank` of the engine `config` describes (its
@@ -106,11 +149,19 @@ class WorkerRank:
 
     def __init__(self, rank: int, config: EngineConfig, events: Connection | None):
         self.rank, self.config, self.events = rank, config, events
+        self.sender: Sender | None = None        # rank 0's event writer while it serves
         self.control: Any = None                 # the ranks' gloo group for the news (None: one rank)
         self.moved: list[str] = []               # phases at whose start a resident weight had moved (never)
 
     def send(self, msg: FromWorker) -> None:
-        if self.events is not None and self.rank == 0:
+        """One of rank 0's messages to the server (the other ranks' are `RankFailed` only: `write`)."""
+        if self.rank == 0:
+            self.write(msg)
+
+    def write(self, msg: FromWorker) -> None:
+        if self.sender is not None:
+            self.sender.put(msg)
+        elif self.events is not None:
             self.events.send(msg)
 
     def progress(self, done: int, total: int, what: str, label: str = "loading weights") -> None:
@@ -210,18 +261,26 @@ class WorkerRank:
         """Step the engine over the news until rank 0 says stop (or its pipes are gone)."""
         from engine.parallel.groups import shutdown
         scheduler = self.engine.scheduler
-        while (news := self.agreed_news(inbox, wait=not scheduler.busy)) is not None:
-            self.engine.step(news)
-            done, ended = scheduler.drain()
-            if inbox is not None and inbox.dropped:
-                done += [(seq, ErrorEvent("cancelled", "stopped by the user")) for seq in inbox.dropped]
-                ended += inbox.dropped
-                inbox.dropped = []
-            try:
-                if not self.report(done, ended):
-                    return             # out of step with the other ranks: the server restarts the engine
-            except (BrokenPipeError, EOFError, OSError):
-                return
+        if self.rank == 0 and self.events is not None:
+            self.sender = Sender(self.events)
+        try:
+            while (news := self.agreed_news(inbox, wait=not scheduler.busy)) is not None:
+                self.engine.step(news)
+                done, ended = scheduler.drain()
+                if inbox is not None and inbox.dropped:
+                    done += [(seq, ErrorEvent("cancelled", "stopped by the user")) for seq in inbox.dropped]
+                    ended += inbox.dropped
+                    inbox.dropped = []
+                try:
+                    if not self.report(done, ended):
+                        return             # out of step with the other ranks: the server restarts the engine
+                except (BrokenPipeError, EOFError, OSError):
+                    return
+                if self.sender is not None and self.sender.broken:
+                    return
+        finally:
+            if self.sender is not None:
+                self.sender.close(timeout=30)      # the last step's events (a RankFailed) reach the server
         shutdown()
 
     def report(self, done: list[tuple[int, Any]], ended: list[int]) -> bool:
@@ -233,8 +292,7 @@ class WorkerRank:
             if isinstance(ev, ErrorEvent) and ev.kind == "engine":
                 failed = (seq, ev.message)
         if failed is not None and self.plan.world > 1:
-            if self.events is not None:
-                self.events.send(RankFailed(failed[0], self.rank, failed[1]))
+            self.write(RankFailed(failed[0], self.rank, failed[1]))
             return False
         if ended:
             self.send(Stats(self.rank_stats()))
