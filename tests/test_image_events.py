@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 from PIL import Image as PILImage
 
-from engine.runtime.events import Done, Error, Image
+from engine.runtime.events import Done, Error, Image, Step
 from engine.runtime.request import Request
 from engine.serve.messages import EventOut
 from engine.serve.worker import _encoded
@@ -27,6 +27,17 @@ def test_the_engine_hands_over_pixels_and_the_png_holds_them_exactly(tiny):
     decoded = PILImage.open(io.BytesIO(png))
     assert decoded.format == "PNG" and np.array_equal(np.asarray(decoded.convert("RGB")), pixels)
     assert isinstance(events[-1], Done)
+
+
+def test_step_previews_leave_as_pixels_too(tiny):
+    events = list(make_engine(tiny, preview_every=1, preview_share=1.0).run(
+        Request(prompt="a red circle", bot_task="image", size="256x256", steps=2, seed=3)))
+    previews = [e for e in events if isinstance(e, Step) and e.preview_data is not None]
+    assert previews and all(isinstance(e.preview_data, np.ndarray) for e in previews)
+    pixels = previews[0].preview_data.copy()
+    sent = _encoded(EventOut(1, previews[0]))
+    assert sent.event.preview.startswith(b"\x89PNG") and isinstance(sent.event.preview_data, bytes)
+    assert np.array_equal(np.asarray(PILImage.open(io.BytesIO(sent.event.preview)).convert("RGB")), pixels)
 
 
 def test_the_sender_encodes_before_writing_and_a_failure_fails_only_its_request():

@@ -52,10 +52,17 @@ class Denoising:
 
 @dataclass
 class Step:
-    """Denoising step i of n finished; `preview` is a small PNG (bytes) of the current estimate, or None."""
+    """Denoising step i of n finished; `preview` is a small PNG (bytes) of the current estimate, or None.
+    `preview_data`: that PNG, or its pixels until it is first asked for (as `Image`'s)."""
     i: int
     n: int
-    preview: bytes | None = None
+    preview_data: bytes | np.ndarray | None = None
+
+    @property
+    def preview(self) -> bytes | None:
+        if isinstance(self.preview_data, np.ndarray):
+            self.preview_data = png_of(self.preview_data)
+        return self.preview_data
 
 
 @dataclass
@@ -64,7 +71,7 @@ class Image:
     was drawn with seed `seed` (the request's seed + k); all share the request's reasoning. `data`: its
     PNG, or its pixels (uint8 [height, width, 3]) until the PNG is first asked for: the engine hands the
     pixels over and the PNG is encoded outside its loop (a 1024 px PNG is ~0.1-0.2 s of a CPU core that
-    the GPU would otherwise wait for: engine/serve/worker.py `Sender`)."""
+    the GPU would otherwise wait for: engine/serve/worker.py `Sender`), and only where it is read."""
     data: bytes | np.ndarray
     width: int
     height: int
@@ -74,10 +81,15 @@ class Image:
     @property
     def png(self) -> bytes:
         if not isinstance(self.data, bytes):
-            buf = io.BytesIO()
-            PILImage.fromarray(self.data).save(buf, format="PNG")
-            self.data = buf.getvalue()
+            self.data = png_of(self.data)
         return self.data
+
+
+def png_of(pixels: np.ndarray) -> bytes:
+    """uint8 [H, W, 3] -> the PNG's bytes."""
+    buf = io.BytesIO()
+    PILImage.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 @dataclass

@@ -181,12 +181,6 @@ def to_pil(x: torch.Tensor) -> Image.Image:
     return Image.fromarray(a)
 
 
-def png_bytes(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def align_to_reference(out: Image.Image, refs: list[tuple[int, int]], buckets: tuple[Bucket, ...],
                        base_size: int) -> Image.Image:
     """The official `infer_align_image_size` post-step: resize the output to the aspect of the first

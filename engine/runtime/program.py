@@ -36,7 +36,7 @@ from engine.runtime.events import Denoising, Done, Error, Event, Image, Ratio, S
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import CacheHeads, gather_sibling_heads, reusable_prefix
 from engine.runtime.history import reasoning_of
-from engine.runtime.images import align_to_reference, png_bytes, to_pil
+from engine.runtime.images import align_to_reference, to_pil
 from engine.runtime.kv_pool import ARRow, KVPool
 from engine.runtime.needs import ARSlot, DenoiseRows, DenoiseStep, ImageDecode, Need
 from engine.runtime.options import EngineOptions
@@ -370,7 +370,7 @@ def _adapter_slot(ctx: Context, p: Prepared) -> int:
         raise RequestError(f"the LoRA adapter {p.lora!r} is no longer loaded", "lora") from None
 
 
-def _preview(ctx: Context, x0: torch.Tensor) -> bytes:
+def _preview(ctx: Context, x0: torch.Tensor) -> np.ndarray:
     """A small PNG of the current clean-image estimate (VAE decode of a pooled latent)."""
     model = ctx.loaded.model
     tokens = ctx.options.preview_tokens or (256 if model.device.type == "cuda" else 64)
@@ -379,4 +379,4 @@ def _preview(ctx: Context, x0: torch.Tensor) -> bytes:
     while (h // k) * (w // k) > tokens and min(h, w) // k > 1:
         k *= 2
     z = F.avg_pool2d(x0.float(), k) if k > 1 else x0.float()
-    return png_bytes(to_pil(model.decode_image(z)[0]))
+    return np.asarray(to_pil(model.decode_image(z)[0]))      # its PNG encoded where asked (events.Step)

@@ -21,6 +21,7 @@ from engine.serve.messages import (AdapterChange, Cancel, End, EventOut, Failed,
                                    Ready, Run, Stats, Stop, ToWorker)
 from engine.runtime.events import Error as ErrorEvent
 from engine.runtime.events import Image as ImageEvent
+from engine.runtime.events import Step as StepEvent
 from engine.runtime.scheduler import StepNews
 
 
@@ -106,11 +107,11 @@ class Sender:
 
 
 def _encoded(msg: FromWorker) -> FromWorker:
-    """`msg` with its image's PNG encoded (what the server reads); an image that cannot be encoded fails
-    its request, not the engine."""
-    if isinstance(msg, EventOut) and isinstance(msg.event, ImageEvent):
+    """`msg` with its image's (or step preview's) PNG encoded: what the server reads; an image that cannot
+    be encoded fails its request, not the engine."""
+    if isinstance(msg, EventOut) and isinstance(msg.event, (ImageEvent, StepEvent)):
         try:
-            msg.event.png
+            msg.event.png if isinstance(msg.event, ImageEvent) else msg.event.preview
         except Exception as e:  # noqa: BLE001 - reported on the request's stream
             return EventOut(msg.seq, ErrorEvent("engine", f"the image could not be encoded as PNG: {e}"))
     return msg
