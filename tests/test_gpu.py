@@ -358,3 +358,20 @@ def test_decode_lookahead_on_cuda_gives_the_same_bits(tiny_dir, policy):
     for i in range(len(MIXED)):
         assert ahead[i][0] == plain[i][0] and np.array_equal(ahead[i][1], plain[i][1]), i
     assert own_ahead < own_plain, (own_ahead, own_plain)
+
+
+def test_previews_leave_the_engine_loop_without_a_host_sync(tiny_dir):
+    """On CUDA a step preview's pixels are copied to pinned memory behind its step (images.HostPixels, no
+    host sync in the engine's loop) and read where its PNG is asked for: the PNG holds those pixels."""
+    from engine.runtime.events import Step
+    from engine.runtime.images import HostPixels
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    events = list(make_engine(lm, preview_every=1, preview_share=1.0).run(Request(**REQ)))
+    steps = [e for e in events if isinstance(e, Step) and e.preview_data is not None]
+    assert steps and all(isinstance(e.preview_data, HostPixels) for e in steps)
+    for e in steps:
+        pixels = np.asarray(e.preview_data)
+        assert pixels.dtype == np.uint8 and pixels.ndim == 3 and pixels.shape[2] == 3
+        png = PILImage.open(io.BytesIO(e.preview))
+        assert png.format == "PNG" and np.array_equal(np.asarray(png.convert("RGB")), pixels)
+    outcome(events)

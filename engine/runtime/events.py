@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 from PIL import Image as PILImage
@@ -56,11 +56,11 @@ class Step:
     `preview_data`: that PNG, or its pixels until it is first asked for (as `Image`'s)."""
     i: int
     n: int
-    preview_data: bytes | np.ndarray | None = None
+    preview_data: bytes | np.ndarray | Any = None      # Any: pixels on their way from the GPU (images.HostPixels)
 
     @property
     def preview(self) -> bytes | None:
-        if isinstance(self.preview_data, np.ndarray):
+        if self.preview_data is not None and not isinstance(self.preview_data, bytes):
             self.preview_data = png_of(self.preview_data)
         return self.preview_data
 
@@ -85,10 +85,10 @@ class Image:
         return self.data
 
 
-def png_of(pixels: np.ndarray) -> bytes:
-    """uint8 [H, W, 3] -> the PNG's bytes."""
+def png_of(pixels: Any) -> bytes:
+    """uint8 [H, W, 3] (an array, or what `np.asarray` makes one of) -> the PNG's bytes."""
     buf = io.BytesIO()
-    PILImage.fromarray(pixels).save(buf, format="PNG")
+    PILImage.fromarray(np.asarray(pixels)).save(buf, format="PNG")
     return buf.getvalue()
 
 

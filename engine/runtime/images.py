@@ -177,8 +177,35 @@ def to_tensor(img: Image.Image) -> torch.Tensor:
 
 def to_pil(x: torch.Tensor) -> Image.Image:
     """[3, H, W] in about [-1, 1] -> PIL (x/2 + 0.5, clamped, rounded to uint8)."""
-    a = ((x.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-    return Image.fromarray(a)
+    return Image.fromarray(_pixels(x).cpu().numpy())
+
+
+def _pixels(x: torch.Tensor) -> torch.Tensor:
+    return ((x.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0)
+
+
+class HostPixels:
+    """uint8 [H, W, 3] pixels on their way from the GPU: copied into pinned memory without the host waiting
+    for the work before them (a step preview's VAE decode, the step itself); `np.asarray` waits for the copy,
+    in whichever thread reads them first (engine/serve/worker.py's sender, off the engine's loop)."""
+
+    def __init__(self, pixels: torch.Tensor):
+        self._host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+        self._host.copy_(pixels, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        self._copied.synchronize()
+        a = self._host.numpy()
+        return a if dtype is None else a.astype(dtype)
+
+
+def host_pixels(x: torch.Tensor) -> np.ndarray | HostPixels:
+    """[3, H, W] in about [-1, 1] -> its uint8 pixels as `to_pil` rounds them: on a GPU on their way to the
+    host (HostPixels), on the CPU the array."""
+    a = _pixels(x)
+    return HostPixels(a) if a.is_cuda else a.numpy()
 
 
 def align_to_reference(out: Image.Image, refs: list[tuple[int, int]], buckets: tuple[Bucket, ...],

@@ -36,7 +36,7 @@ from engine.runtime.events import Denoising, Done, Error, Event, Image, Ratio, S
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import CacheHeads, gather_sibling_heads, reusable_prefix
 from engine.runtime.history import reasoning_of
-from engine.runtime.images import align_to_reference, to_pil
+from engine.runtime.images import HostPixels, align_to_reference, host_pixels, to_pil
 from engine.runtime.kv_pool import ARRow, KVPool
 from engine.runtime.needs import ARSlot, DenoiseRows, DenoiseStep, ImageDecode, Need
 from engine.runtime.options import EngineOptions
@@ -322,7 +322,9 @@ def _steps(ctx: Context, run: _Run, runner: DenoiseRunner, key: tuple, cfg_on: b
     synchronize(dev)
     timings.dit_prefill_ms = (time.perf_counter() - t0) * 1e3
     # wall time from the first step to the last, as this request saw it (with other requests' decode steps
-    # interleaved, engine/runtime/scheduler.py), previews excepted
+    # interleaved, engine/runtime/scheduler.py), previews' host time excepted (on a GPU a preview is queued
+    # behind its step with no host sync, so the host goes on launching work meanwhile, e.g. the overlap
+    # policy's decode steps; its VAE decode, a few ms at 256 tokens, then counts in the steps' time)
     t0 = time.perf_counter()
     spent = 0.0                   # seconds in previews
     sampler = FlowSampler(noise, p.steps, ctx.loaded.gen.flow_shift, p.guidance, cfg_on, cfg.cfg_distilled,
@@ -333,7 +335,6 @@ def _steps(ctx: Context, run: _Run, runner: DenoiseRunner, key: tuple, cfg_on: b
         png = None
         if ctx.groups.is_leader and every and (i + 1) % every == 0 and i + 1 < p.steps and \
                 spent <= share * (time.perf_counter() - t0 - spent):
-            synchronize(dev)     # steps are queued asynchronously on a GPU: charge the preview its own time only
             tp = time.perf_counter()
             png = _preview(ctx, x0[:1])
             spent += time.perf_counter() - tp
@@ -370,7 +371,7 @@ def _adapter_slot(ctx: Context, p: Prepared) -> int:
         raise RequestError(f"the LoRA adapter {p.lora!r} is no longer loaded", "lora") from None
 
 
-def _preview(ctx: Context, x0: torch.Tensor) -> np.ndarray:
+def _preview(ctx: Context, x0: torch.Tensor) -> np.ndarray | HostPixels:
     """A small PNG of the current clean-image estimate (VAE decode of a pooled latent)."""
     model = ctx.loaded.model
     tokens = ctx.options.preview_tokens or (256 if model.device.type == "cuda" else 64)
@@ -379,4 +380,5 @@ def _preview(ctx: Context, x0: torch.Tensor) -> np.ndarray:
     while (h // k) * (w // k) > tokens and min(h, w) // k > 1:
         k *= 2
     z = F.avg_pool2d(x0.float(), k) if k > 1 else x0.float()
-    return np.asarray(to_pil(model.decode_image(z)[0]))      # its PNG encoded where asked (events.Step)
+    # no host sync here: its pixels are read and its PNG encoded where asked (events.Step; the worker's sender)
+    return host_pixels(model.decode_image(z)[0])
