@@ -120,6 +120,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--policy", default="",
                     help="step policies, each run in turn: interleave[:K], waves, overlap[:K] (K: decode steps per "
                          f"turn of heavy work, default {DECODE_STEPS_PER_DENOISE}); '': the engine's default scheduler")
+    ap.add_argument("--previews", type=int, default=0,
+                    help="a step preview every this many denoise steps, as the server makes them (--preview-every; "
+                         "default 0: none)")
     ap.add_argument("--lookahead", default="",
                     help="decode lookahead, each run in turn with every policy: on, off ('': the engine's default, "
                          "on on a GPU)")
@@ -306,7 +309,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
                     f"{out.data['mxfp8_kernels']}")
             for batch in [int(d) for d in args.max_denoise_batch.split(",")]:
                 pipe = Engine(lm, groups, EngineOptions(max_batch=args.max_batch, max_denoise_batch=batch,
-                                                        preview_every=0))
+                                                        preview_every=args.previews))
                 ok = serve_all(pipe, args, build, batch, steps, cot, clients, per_client, rows, out) and ok
                 del pipe
                 gc.collect()                       # its KV pool and graphs go before the next one's
