@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.runtime.decode_step import DecodeStep
-from engine.runtime.events import Done, Error
+from engine.runtime.events import Done, Error, Text
 from engine_drive import make_engine, run_together
 from test_scheduler import MIXED, TEXT, outcome
 
@@ -114,3 +114,27 @@ def test_a_request_that_fed_forced_tokens_gets_its_own_forward(tiny, monkeypatch
         same(events[i], plain[i])
     # its own forward at the first decode step, the one after the forced feed and the one after the first end
     assert counts.own == 3
+
+
+def test_an_adapter_change_drops_the_step_launched_ahead(tiny, monkeypatch, capsys):
+    """The step launched ahead read the LoRA tables as they were: after a step boundary that changes them
+    (here an unload the engine refuses, which still counts as a change) the next step runs its own forward."""
+    from engine.runtime.request import Request, prepare
+    from engine.runtime.scheduler import StepNews
+
+    def own_forwards(change_at: int | None) -> tuple[int, list]:
+        counts = Counts(monkeypatch)
+        engine = make_engine(tiny, preview_every=0, max_batch=2, decode_lookahead=True)
+        scheduler = engine.scheduler = engine.new_scheduler()
+        news = StepNews(join=tuple((i, prepare(Request(**kw), tiny)) for i, kw in enumerate(TEXT[:2])))
+        events: list = []
+        while news.join or scheduler.busy:
+            engine.step(news)
+            events += scheduler.drain()[0]
+            news = StepNews(adapters=(("unload", "none-such", None),)) if scheduler.steps == change_at else StepNews()
+        return counts.own, events
+    plain, plain_events = own_forwards(None)
+    changed, events = own_forwards(3)
+    texts = [[(seq, e.delta) for seq, e in evs if isinstance(e, Text)] for evs in (events, plain_events)]
+    assert changed == plain + 1 and texts[0] == texts[1] and texts[0]
+    assert "none-such" in capsys.readouterr().err

@@ -146,6 +146,8 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def step(self, news: StepNews = StepNews()) -> None:
         with torch.no_grad():
+            if news.adapters:
+                self._ahead = None       # launched on the adapter tables as they were before this change
             if news.cancel:
                 self.lanes.merge()       # a cancel's clean-up may move or free rows the image lane works on
             for seq in sorted(news.cancel):
