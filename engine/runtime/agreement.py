@@ -21,7 +21,7 @@ class Agreement:
         self.world, self.buf = world, torch.zeros(1, dtype=torch.long, device=device)
         cuda = device.type == "cuda"
         # the host's copy of a step's tokens (pinned: read without waiting for work queued after them)
-        self._host = torch.zeros(0, dtype=torch.long, pin_memory=cuda)
+        self._host = torch.zeros(32, dtype=torch.long, pin_memory=cuda)
         self._copied = torch.cuda.Event() if cuda else None
 
     def tokens(self, ids: torch.Tensor) -> list[int]:
