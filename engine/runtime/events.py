@@ -50,7 +50,7 @@ class Denoising:
     waited_ms: float = 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class Step:
     """Denoising step i of n finished; `preview` is a small PNG (bytes) of the current estimate, or None.
     `preview_data`: that PNG, or its pixels until it is first asked for (as `Image`'s)."""
@@ -64,8 +64,11 @@ class Step:
             self.preview_data = png_of(self.preview_data)
         return self.preview_data
 
+    def __eq__(self, other: object) -> bool:      # by the preview's PNG, however far along its pixels are
+        return isinstance(other, Step) and (self.i, self.n, self.preview) == (other.i, other.n, other.preview)
 
-@dataclass
+
+@dataclass(eq=False)
 class Image:
     """One finished image. A request for n images emits n of these, `index` 0..n-1; image k's noise
     was drawn with seed `seed` (the request's seed + k); all share the request's reasoning. `data`: its
@@ -83,6 +86,10 @@ class Image:
         if not isinstance(self.data, bytes):
             self.data = png_of(self.data)
         return self.data
+
+    def __eq__(self, other: object) -> bool:      # by the PNG, however far along its pixels are
+        return isinstance(other, Image) and (self.png, self.width, self.height, self.seed, self.index) == \
+            (other.png, other.width, other.height, other.seed, other.index)
 
 
 def png_of(pixels: Any) -> bytes:
