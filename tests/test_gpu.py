@@ -375,3 +375,20 @@ def test_previews_leave_the_engine_loop_without_a_host_sync(tiny_dir):
         png = PILImage.open(io.BytesIO(e.preview))
         assert png.format == "PNG" and np.array_equal(np.asarray(png.convert("RGB")), pixels)
     outcome(events)
+
+
+def test_a_request_has_no_device_wide_sync_and_still_times_its_phases(tiny_dir, monkeypatch):
+    """After the first request (its graphs captured), a request with previews runs without one
+    torch.cuda.synchronize (its phases timed by CUDA events, engine/runtime/span.py; previews through pinned
+    memory), so the engine's loop never stops for a whole stretch of device work; its timings are all there."""
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    pipe = make_engine(lm, preview_every=1, preview_share=1.0)
+    list(pipe.run(Request(**REQ)))
+    calls = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a) or real(*a))
+    events = list(pipe.run(Request(**REQ)))
+    t = events[-1].timings
+    assert calls == [], len(calls)
+    assert t.dit_prefill_ms > 0 and t.dit_ms_per_step > 0 and t.vae_ms > 0 and t.total_s > 0
+    outcome(events)

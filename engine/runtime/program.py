@@ -45,18 +45,13 @@ from engine.runtime.request import Prepared, RequestError
 from engine.runtime.request_state import Program
 from engine.runtime.sequence import (Sequence, SequenceBuilder, image_phase_sequence, next_turn_view,
                                      text_phase_sequence, user_turn)
+from engine.runtime.span import Span
 from engine.runtime.step_cache import StepCache, make_step_cache
 from engine.runtime.text_phase import StagePlan, TextResult, generate_text
 from engine.checkpoint.buckets import Bucket, nearest_bucket
 from engine.checkpoint.prompts import COT_TASKS, PromptError
 
 DENOISE_GRAPHS = 8      # denoise step keys whose graphs are kept (least recently used dropped first)
-
-
-def synchronize(dev: torch.device) -> None:
-    """Wait for the queued GPU work, so that a wall-clock reading covers it."""
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 @dataclass
@@ -115,6 +110,8 @@ class _Run:
     text_gen: torch.Generator                  # CoT sampling (its own stream)
     timings: Timings = field(default_factory=Timings)
     slot: int | None = None
+    spans: dict[str, Span] = field(default_factory=dict)     # its device work's timings, read at its VAE decode
+    preview_s: float = 0.0                     # the host's seconds in its previews (not the steps')
 
     @classmethod
     def begin(cls, ctx: Context, p: Prepared, turn: SequenceBuilder, t_start: float) -> "_Run":
@@ -317,14 +314,14 @@ def _steps(ctx: Context, run: _Run, runner: DenoiseRunner, key: tuple, cfg_on: b
     noise = torch.cat([torch.randn((1, int(cfg.vae["latent_channels"]), *hw), generator=g, device=dev,
                                    dtype=torch.bfloat16) for g in gens])
     ctx.on_phase("denoise")
-    t0 = time.perf_counter()
+    run.spans["prefill"] = Span(dev)       # (no host sync: engine/runtime/span.py; read in `_images`)
     runner.prefill()                 # the uncached prefix of each branch, once for all its images
-    synchronize(dev)
-    timings.dit_prefill_ms = (time.perf_counter() - t0) * 1e3
-    # wall time from the first step to the last, as this request saw it (with other requests' decode steps
+    run.spans["prefill"].stop()
+    # the time from the first step to the last, as this request saw it (with other requests' decode steps
     # interleaved, engine/runtime/scheduler.py), previews' host time excepted (on a GPU a preview is queued
     # behind its step with no host sync, so the host goes on launching work meanwhile, e.g. the overlap
     # policy's decode steps; its VAE decode, a few ms at 256 tokens, then counts in the steps' time)
+    run.spans["steps"] = Span(dev)
     t0 = time.perf_counter()
     spent = 0.0                   # seconds in previews
     sampler = FlowSampler(noise, p.steps, ctx.loaded.gen.flow_shift, p.guidance, cfg_on, cfg.cfg_distilled,
@@ -339,23 +336,27 @@ def _steps(ctx: Context, run: _Run, runner: DenoiseRunner, key: tuple, cfg_on: b
             png = _preview(ctx, x0[:1])
             spent += time.perf_counter() - tp
         yield Step(i + 1, p.steps, png)
-    synchronize(dev)
+    run.spans["steps"].stop()
+    run.preview_s = spent
     timings.dit_steps, timings.dit_full_steps = p.steps, runner.step_cache.full_steps
-    timings.dit_ms_per_step = (time.perf_counter() - t0 - spent) * 1e3 / p.steps
     return sampler.x
 
 
 def _images(ctx: Context, run: _Run, x: torch.Tensor, full_text: str) -> Generator[Event, Any, None]:
     """The VAE decode of each image, then Done."""
-    p, lm = run.p, ctx.loaded
-    t0 = time.perf_counter()
+    p, lm, timings = run.p, ctx.loaded, run.timings
+    vae = Span(lm.model.device)
     for k in range(p.images_out):
-        img = to_pil(lm.model.decode_image(x[k:k + 1])[0])
+        img = to_pil(lm.model.decode_image(x[k:k + 1])[0])       # (its host read: every span before is done)
+        if k == 0:
+            vae.stop()
+            timings.vae_ms = vae.ms()
+            timings.dit_prefill_ms = run.spans["prefill"].ms()
+            timings.dit_ms_per_step = (run.spans["steps"].ms() - run.preview_s * 1e3) / p.steps
         if p.stretch and p.images:
             img = align_to_reference(img, [i.size for i in p.images], lm.buckets, lm.cfg.image_base_size)
         yield Image(np.asarray(img), img.width, img.height, p.seed + k, k)     # its PNG encoded where asked
-    run.timings.vae_ms = (time.perf_counter() - t0) * 1e3 / p.images_out
-    run.timings.total_s = time.perf_counter() - run.t_start
+    timings.total_s = time.perf_counter() - run.t_start
     yield Done(run.timings, full_text)
 
 
