@@ -56,8 +56,12 @@ def test_fits_pack_names_what_it_cannot_lay_out():
     assert "N % 64" in humming.fits_pack(kq.random_qweight("mxfp4", (4, 96, 256)))
     assert "K % 128" in humming.fits_pack(kq.random_qweight("fp8", (4, 128, 192)))
     assert "activations 'int8'" in humming.fits_pack(kq.random_qweight("mxfp4", (4, 128, 256)), "int8")
-    for fmt in ("mxfp4", "mxfp8", "nvfp4", "fp8"):                  # every resident quantized format
-        assert humming.fits_pack(kq.random_qweight(fmt, (4, 128, 256))) is None, fmt
+    for fmt, act in (("mxfp4", "bf16"), ("mxfp4", "fp8"), ("mxfp8", "bf16"), ("mxfp8", "fp8"), ("nvfp4", "bf16"),
+                     ("fp8", "fp8")):              # every resident quantized format, with what passed its GPU check
+        assert humming.fits_pack(kq.random_qweight(fmt, (4, 128, 256)), act) is None, (fmt, act)
+    # what failed its GPU check (one H200, 2026-12-05) is refused by name
+    assert "NVFP4 with FP8 activations" in humming.fits_pack(kq.random_qweight("nvfp4", (4, 128, 256)), "fp8")
+    assert "FP8 with bf16 activations" in humming.fits_pack(kq.random_qweight("fp8", (4, 128, 256)), "bf16")
     with pytest.raises(ValueError, match="mxfp4 packs only, not nvfp4"):
         humming.clamped_share(kq.random_qweight("nvfp4", (4, 128, 256)))
 
@@ -297,8 +301,8 @@ def test_gpu_humming_matches_the_reference(act, n, micros, ms, mc):
 
 
 @gpu
-@pytest.mark.parametrize("fmt,inverse", [("mxfp8", False), ("nvfp4", False), ("nvfp4", True), ("fp8", False)])
-@pytest.mark.parametrize("act", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt,inverse,act", [("mxfp8", False, "bf16"), ("mxfp8", False, "fp8"), ("nvfp4", False, "bf16"),
+                                              ("nvfp4", True, "bf16"), ("fp8", False, "fp8")])
 @pytest.mark.parametrize("n", [5, 700])
 def test_gpu_humming_takes_nvfp4_mxfp8_and_fp8_experts(fmt, inverse, act, n):
     """NVFP4 (its global scale multiplying, ModelOpt, or dividing, compressed-tensors), MXFP8 and FP8 (per output
@@ -462,7 +466,7 @@ def test_auto_lays_the_experts_out_for_w4a8(mxfp4_folder, monkeypatch, choice, a
     def lay_out(w, acts="bf16", micros=None):
         asked.append(acts)
         return QWeight(w.fmt, w.codes, w.scales, None, False, KernelLayout("humming", w.shape, acts, None))
-    monkeypatch.setattr(kernel_layouts, "why_not_humming", lambda moes, lora_mlp: None)
+    monkeypatch.setattr(kernel_layouts, "why_not_humming", lambda moes, lora_mlp, activations="fp8": None)
     monkeypatch.setattr(humming, "lay_out", lay_out)
     model = load(mxfp4_folder, resident="quantized").model
     assert kernel_layouts.lay_out_experts(model, choice) == ("humming" if activations == "bf16" else "humming-fp8")
@@ -478,7 +482,7 @@ def test_auto_keeps_triton_when_humming_fails_on_the_first_layer(mxfp4_folder, m
 
     def lay_out(w, acts="bf16", micros=None):
         raise RuntimeError("NVRTC is not available")
-    monkeypatch.setattr(kernel_layouts, "why_not_humming", lambda moes, lora_mlp: None)
+    monkeypatch.setattr(kernel_layouts, "why_not_humming", lambda moes, lora_mlp, activations="fp8": None)
     monkeypatch.setattr(humming, "lay_out", lay_out)
     model = load(mxfp4_folder, resident="quantized").model
     notes: list[str] = []
@@ -502,7 +506,7 @@ def test_auto_keeps_other_formats_on_triton_and_a_named_choice_lays_them_out(tmp
     def lay_out(w, acts="bf16", micros=None):
         asked.append((w.fmt, acts))
         return QWeight(w.fmt, w.codes, w.scales, w.gscale, w.inverse, KernelLayout("humming", w.shape, acts, None))
-    monkeypatch.setattr(kernel_layouts, "why_not_humming", lambda moes, lora_mlp: None)
+    monkeypatch.setattr(kernel_layouts, "why_not_humming", lambda moes, lora_mlp, activations="fp8": None)
     monkeypatch.setattr(humming, "lay_out", lay_out)
     folder = make_tiny(tmp_path / quant, blocks=True, quant=quant)
     fmt = {"mxfp8": "mxfp8", "nvfp4-ct": "nvfp4"}.get(quant, "fp8")

@@ -56,8 +56,8 @@ def _quantized_moes(model: "nn.Module") -> "list[MoE]":
     return [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.w1, QuantPack)]
 
 
-def why_not_humming(moes: "list[MoE]", lora_mlp: bool) -> str | None:
-    """Why humming cannot take these experts (a sentence), or None."""
+def why_not_humming(moes: "list[MoE]", lora_mlp: bool, activations: str = "fp8") -> str | None:
+    """Why humming cannot take these experts with these activations (a sentence), or None."""
     from hunyuan_kernels.quant import humming
     if not humming.available():
         got = humming.installed()
@@ -67,7 +67,7 @@ def why_not_humming(moes: "list[MoE]", lora_mlp: bool) -> str | None:
         return "LoRA adapters of the MLPs (--lora-mlp) read the plain expert packs"
     for m in moes:
         for w in (m.w1.value(), m.w2.value()):
-            why = humming.fits_pack(w)
+            why = humming.fits_pack(w, activations)
             if why:
                 return why
     return None
@@ -90,13 +90,13 @@ def lay_out_experts(model: "nn.Module", choice: str = "auto", lora_mlp: bool = F
                          "multiplies MXFP4 experts as a CUDA bf16 engine keeps them)")
     if choice == "auto" and not _auto_formats(moes):
         return "triton"
-    why = why_not_humming(moes, lora_mlp)
+    activations = "bf16" if choice == "humming" else "fp8"           # auto: W4A8 (the module's docstring)
+    why = why_not_humming(moes, lora_mlp, activations)
     if why:
         if choice == "auto":
             return "triton"
         raise ValueError(f"--moe-kernels {choice}: {why}")
     from hunyuan_kernels.quant import humming
-    activations = "bf16" if choice == "humming" else "fp8"           # auto: W4A8 (the module's docstring)
     for i, m in enumerate(moes):
         try:
             w1 = humming.lay_out(m.w1.value(), activations)
@@ -174,7 +174,7 @@ def humming_hint(model: "nn.Module", capability: tuple[int, int] | None) -> str 
     moes = _quantized_moes(model)
     if capability != (9, 0) or not moes or humming.installed() is not None or not _auto_formats(moes):
         return None
-    if any(humming.fits_pack(w) for m in moes for w in (m.w1.value(), m.w2.value())):
+    if any(humming.fits_pack(w, "fp8") for m in moes for w in (m.w1.value(), m.w2.value())):
         return None
     return ("humming-kernels is not installed: `pip install '.[humming]'` runs these MXFP4 experts on its W4A8 "
             "GEMMs, faster in every phase on an H200 (docs/benchmarks.md, humming)")

@@ -149,6 +149,13 @@ class Config:
                    indexed_rows)
 
 
+# formats x activations whose humming GEMMs gave results outside the reference's bounds in the GPU tests
+# (tests/test_humming.py `test_gpu_humming_takes_nvfp4_mxfp8_and_fp8_experts`, one H200, 2026-12-05, at 5 and
+# 700 tokens): refused until they pass; MXFP8 (both), NVFP4 W4A16 and FP8 W8A8 passed there
+FAILED_CHECKS = {("nvfp4", "fp8"): "NVFP4 with FP8 activations (W4A8)",
+                 ("fp8", "bf16"): "FP8 with bf16 activations (W8A16)"}
+
+
 def fits_pack(w: QWeight, activations: str = "bf16") -> str | None:
     """Why `w` cannot be laid out for humming (a sentence), or None where it can."""
     if activations not in ACTIVATIONS:
@@ -157,6 +164,9 @@ def fits_pack(w: QWeight, activations: str = "bf16") -> str | None:
     # its SM90 heuristics tile N by 64 and K by 128 (the real shapes: N 6144 / 4096, K 4096 / 3072)
     if n % 64 or k % 128:
         return f"humming's tiles need N % 64 == 0 and K % 128 == 0 (this pack is N {n}, K {k})"
+    if (w.fmt, activations) in FAILED_CHECKS:
+        return (f"humming's {FAILED_CHECKS[w.fmt, activations]} failed its check against the reference on the "
+                "H200 (2026-12-05); the other activations of this format are checked")
     return None
 
 
