@@ -246,7 +246,7 @@ def test_gpu_resident_quantized_model_runs_on_the_fast_ops(folders, fmt):
     from hunyuan_kernels.quant import humming
     moe = ["decode", "batched", "grouped"] + (["humming"] if humming.available() else [])   # the `humming` extra
     for op, names in (("moe_quant", moe), ("linear_mxfp8", ["gemv", "triton"]),
-                      ("linear_nvfp4", ["gemv", "triton"]), ("linear_fp8", ["scaled_mm", "gemv"])):
+                      ("linear_nvfp4", ["gemv", "triton"]), ("linear_fp8", ["gemv", "scaled_mm"])):
         assert [i.backend for i in kernels.registry.candidates(op, "cuda", torch.bfloat16)] == names + ["torch"], op
     g = torch.Generator(device="cuda").manual_seed(0)
     tol = 5e-2 if fmt in W8A8 or online or folded else 2e-2

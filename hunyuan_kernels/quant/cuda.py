@@ -135,6 +135,20 @@ def fp8_scaled_mm_cuda(xq, x_scale, wq, w_scale, dtype):
                             use_fast_accum=FP8_FAST_ACCUM)
 
 
+@backend("linear_fp8", "gemv", dtypes=(torch.bfloat16,), available=available,
+         fits=lambda x, wq, ws: _gemv_fits(x, wq, "fp8") and ws.numel() == wq.shape[0])
+def linear_fp8_gemv(x, wq, w_scale):
+    """W8A8 for a few tokens (decode) on gemv.py's GEMV: each row quantized per token and dequantized in the
+    kernel that prepares the GEMV's activations (as the quantized MoE's decode GEMVs take FP8 activations:
+    W8A8's numbers up to one bf16 rounding of each activation), times the FP8 codes: two launches, as the
+    MXFP8 GEMV's, reading the weight at the bytes floor's pace, where cuBLAS's FP8 tiles are made for many rows.
+    On one H200 (2026-12-05) the MXFP4 build with its MXFP8 linears folded into FP8 (its attention linears on
+    this variant) decoded at 5.62 ms/token against 4.43 unfolded; which share of that is this variant's and
+    which the shared MLP's FP8 decode GEMVs' is not measured (`bench kernels-quant --decode` times it against
+    scaled_mm)."""
+    return gemv.linear(x, "fp8", wq, w_scale, fp8_rows=True)
+
+
 @backend("linear_fp8", "scaled_mm", dtypes=(torch.bfloat16,), available=fp8_available,
          fits=lambda x, wq, ws: (_scaled_mm_fits(x.shape[-1], wq.shape[0], x.dtype) and wq.stride(1) == 1
                                  and ws.numel() == wq.shape[0]))
@@ -144,20 +158,6 @@ def linear_fp8_cuda(x, wq, w_scale):
     out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=w_scale.float().reshape(1, n).contiguous(),
                            out_dtype=x.dtype, use_fast_accum=FP8_FAST_ACCUM)
     return out.view(*x.shape[:-1], n)
-
-
-@backend("linear_fp8", "gemv", dtypes=(torch.bfloat16,), available=available,
-         fits=lambda x, wq, ws: _gemv_fits(x, wq, "fp8") and ws.numel() == wq.shape[0])
-def linear_fp8_gemv(x, wq, w_scale):
-    """W8A8 for a few tokens (decode) on gemv.py's GEMV: each row quantized per token and dequantized in the
-    kernel that prepares the GEMV's activations (as the quantized MoE's decode GEMVs take FP8 activations:
-    W8A8's numbers up to one bf16 rounding of each activation), times the FP8 codes: two launches, as the
-    MXFP8 GEMV's, reading the weight at the bytes floor's pace, where cuBLAS's FP8 tiles are made for many rows.
-    After `scaled_mm` (it serves where cuBLAS has no FP8 GEMM): its numbers are not yet checked on a GPU
-    (tests/test_kernels_quant.py), and on one H200 (2026-12-05) the MXFP4 build with its MXFP8 linears folded
-    into FP8, its attention linears on this variant, decoded at 5.62 ms/token against 4.43 unfolded (which
-    share of the difference is this variant's is not measured: `bench kernels-quant --decode` times it)."""
-    return gemv.linear(x, "fp8", wq, w_scale, fp8_rows=True)
 
 
 def scaled_grouped(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
