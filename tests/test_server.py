@@ -52,6 +52,46 @@ def test_async_submit_streams_the_same_events(engine_server):
     assert any(isinstance(e, Text) for e in events) and any(isinstance(e, Step) for e in events)
 
 
+def test_a_cancel_of_an_async_consumer_is_never_lost_to_an_event_arriving_with_it():
+    """A replica's generator waits in `aget`; a closed client cancels its task. When an event is pushed in
+    the same tick (reasoning streams fast), the cancel must still end the consumer: Python 3.11's wait_for
+    returned the event instead, and the replica streamed the cancelled request to its end."""
+    from engine.serve.client import Submission
+    from engine.runtime.request import Request
+
+    async def race(ticks: int) -> tuple[bool, int]:
+        sub = Submission(Request(prompt="x"), lambda rid: True)
+        got = []
+
+        async def consume():
+            while True:
+                ev = await sub.aget(timeout=5)
+                got.append(ev)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.01)
+        sub.push(Text("a", "think"))
+        for _ in range(ticks):              # every interleaving of the wake-up and the cancel
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        cancelled = task.cancelled()
+        task.cancel()
+        return cancelled, len(got)
+
+    for ticks in range(4):
+        cancelled, n = asyncio.run(race(ticks))
+        assert cancelled, f"the cancel was lost ({ticks} ticks between the event and the cancel)"
+        assert n <= 1
+
+    async def timeout_keeps_events() -> list:
+        sub = Submission(Request(prompt="x"), lambda rid: True)
+        first = await sub.aget(timeout=0.01)            # nothing yet: None, and nothing lost
+        sub.push(Text("b", "think"))
+        return [first, await sub.aget(timeout=1)]
+    assert asyncio.run(timeout_keeps_events()) == [None, Text("b", "think")]
+
+
 def test_invalid_requests_end_at_once_and_are_never_queued(engine_server, tmp_path):
     for req, words in ((fast_request(prompt="   "), "prompt is empty"),
                        (fast_request(images=[b"x"] * 4), "at most 3"),

@@ -96,12 +96,17 @@ class Submission:
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 return None
+            # asyncio.wait, not wait_for: Python 3.11's wait_for returns the result when the future completes
+            # in the same tick as a cancel of this task, so the cancel is lost (a replica's generator cancelled
+            # by a closed client then streamed its request to the end).
             try:
-                await asyncio.wait_for(fut, remaining)
-            except asyncio.TimeoutError:
+                done, _ = await asyncio.wait((fut,), timeout=remaining)
+            finally:
                 with self._cond:
                     if self._waiter is not None and self._waiter[1] is fut:
                         self._waiter = None
+            if not done:
+                with self._cond:
                     if not self._items:
                         return None
 
