@@ -392,3 +392,29 @@ def test_a_request_has_no_device_wide_sync_and_still_times_its_phases(tiny_dir, 
     assert calls == [], len(calls)
     assert t.dit_prefill_ms > 0 and t.dit_ms_per_step > 0 and t.vae_ms > 0 and t.total_s > 0
     outcome(events)
+
+
+def test_the_final_image_and_its_timings_leave_the_loop_without_a_host_wait(tiny_dir, monkeypatch):
+    """The engine's loop never waits for a request's last step and VAE decode: the image leaves as pixels on
+    their way to the host (images.HostPixels) and Done's device timings settle where they are read
+    (events.Done.later), so nothing during the engine's steps reads them; read afterwards, the pixels are the
+    ones the same request gave before and every timing is there."""
+    from engine.runtime.images import HostPixels
+    from engine.runtime.span import Span
+    from engine_drive import run_together
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    engine = make_engine(lm, preview_every=0, max_batch=2)
+    before = outcome(list(engine.run(Request(**REQ))))         # graphs captured; its image read at once
+    waits = []
+    real_array, real_ms = HostPixels.__array__, Span.ms
+    monkeypatch.setattr(HostPixels, "__array__", lambda *a, **k: waits.append("pixels") or real_array(*a, **k))
+    monkeypatch.setattr(Span, "ms", lambda self: waits.append("span") or real_ms(self))
+    events, _ = run_together(lm, [REQ], engine=engine)
+    assert waits == [], waits                  # nothing read them while the engine stepped
+    img = next(e for e in events[0] if isinstance(e, Image))
+    assert isinstance(img.data, HostPixels) and isinstance(events[0][-1], Done)
+    after = outcome(events[0])                 # reads the pixels (the PNG) and then the timings
+    assert after[0] == before[0] and np.array_equal(after[1], before[1])
+    t = after[2]
+    assert t.dit_prefill_ms > 0 and t.dit_ms_per_step > 0 and t.vae_ms > 0 and t.total_s > 0
+    assert "pixels" in waits and "span" in waits

@@ -9,7 +9,8 @@ import pickle
 import numpy as np
 from PIL import Image as PILImage
 
-from engine.runtime.events import Done, Error, Image, Step
+from engine.runtime.events import Done, Error, Image, Step, Timings
+from engine.runtime.images import Resized
 from engine.runtime.request import Request
 from engine.serve.messages import EventOut
 from engine.serve.worker import _encoded
@@ -49,3 +50,52 @@ def test_the_sender_encodes_before_writing_and_a_failure_fails_only_its_request(
     bad = _encoded(EventOut(5, Image(np.zeros((2, 2, 7), np.float64), 2, 2, seed=1)))     # no PNG mode for it
     assert bad.seq == 5 and isinstance(bad.event, Error) and bad.event.kind == "engine"
     assert "PNG" in bad.event.message
+
+
+def test_an_edit_that_takes_its_references_aspect_is_resized_where_its_pixels_are_read(tiny):
+    """`stretch` (the official align option): the output takes the first reference's aspect in its bucket
+    (a 300x200 reference: the 304x208 bucket's image becomes 314x209, about 256^2 pixels), resized with
+    LANCZOS where its pixels are first read (images.Resized: on a GPU the engine's loop never waits for
+    them); the event says that size and its PNG has it."""
+    ref = PILImage.fromarray(np.random.default_rng(1).integers(0, 256, (200, 300, 3), dtype=np.uint8))
+    req = dict(prompt="make it blue", bot_task="image", size="208x304", steps=2, seed=3, images=[ref])
+    engine = make_engine(tiny, preview_every=0)
+    img = next(e for e in engine.run(Request(**req, stretch=True)) if isinstance(e, Image))
+    assert (img.width, img.height) == (314, 209) and isinstance(img.data, Resized)
+    want = np.asarray(PILImage.fromarray(np.asarray(img.data._pixels)).resize((314, 209), PILImage.LANCZOS))
+    assert np.array_equal(np.asarray(img.data), want)
+    assert PILImage.open(io.BytesIO(img.png)).size == (314, 209)
+    plain = next(e for e in engine.run(Request(**req)) if isinstance(e, Image))     # no stretch: its bucket
+    assert (plain.width, plain.height) == (304, 208) and np.asarray(plain.data).shape == (208, 304, 3)
+
+
+def test_resized_pixels_are_read_only_when_asked_for_and_once():
+    class Lazy:
+        reads = 0
+
+        def __array__(self, dtype=None, copy=None):
+            Lazy.reads += 1
+            return np.full((4, 6, 3), 7, np.uint8)
+    r = Resized(Lazy(), (3, 2))
+    assert Lazy.reads == 0
+    assert np.asarray(r).shape == (2, 3, 3) and np.asarray(r).shape == (2, 3, 3) and Lazy.reads == 1
+
+
+def test_done_timings_settle_when_first_read_and_before_they_travel():
+    """On a GPU a request's Done carries timings of device work that the engine's loop must not wait for:
+    they settle where first read (the worker's sender: `_encoded`, or any pickle), once."""
+    calls = []
+
+    def settle(t: Timings) -> None:
+        calls.append(1)
+        t.vae_ms, t.total_s = 12.5, 3.0
+    done = Done(Timings(ar_tokens=9), "cot").later(settle)
+    assert calls == []
+    sent = pickle.loads(pickle.dumps(_encoded(EventOut(2, done))))
+    assert calls == [1] and sent.event.timings.vae_ms == 12.5 and sent.event.timings.ar_tokens == 9
+    assert done.timings.total_s == 3.0 and calls == [1] and sent.event == done
+
+    def broken(t: Timings) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access")
+    failed = _encoded(EventOut(3, Done(Timings(), "").later(broken)))
+    assert isinstance(failed.event, Error) and "timings could not be read" in failed.event.message

@@ -32,7 +32,9 @@ from engine.model.attention import KVCache
 from engine.model.hunyuan import HunyuanImage3
 from engine.model.kernel_layouts import fold_mxfp8_weights, lay_out_experts
 from engine.model.packed import PackFormat, QuantPack
+from engine.parallel.layout import Comm
 from engine.parallel.plan import ParallelPlan, get_plan
+from engine.runtime.agreement import Agreement
 from engine.runtime.decode_step import DecodeStep
 from engine.runtime.graphs import Graphs
 from engine.runtime.denoise import DenoiseRunner, StepInputs, denoise
@@ -110,6 +112,7 @@ class Request:
         self.step = DecodeStep(model, self.cache, self.pos[None], self.view, self.graphs, (), use_graph=True)
         self.prefill_step = PrefillStep(model, self.cache, self.view, use_graph=True, graphs=self.graphs)
         self.gen = torch.Generator(dev).manual_seed(0)
+        self.agree = Agreement(Comm(), dev)
         self.token, self.index = 0, shapes.prefill
         self._denoise_cache: KVCache | None = None
 
@@ -125,20 +128,14 @@ class Request:
     def decode_ahead(self, n: int) -> None:
         """`n` decode tokens as the engine's scheduler runs them with `lookahead` (engine/runtime/scheduler.py,
         3.): each step's successor launched (`DecodeStep.ahead`, the token copied on the device) before the
-        token's host read, which goes through pinned memory."""
-        host = torch.zeros(1, dtype=torch.long, pin_memory=self.model.device.type == "cuda")
-        copied = torch.cuda.Event() if self.model.device.type == "cuda" else None
+        token's host read (`Agreement.tokens_later`: through pinned memory, waiting for that copy only)."""
         logits = self.step([(0, self.token, self.index)])[0]
         for i in range(n):
             token = kernels.call("sample", logits, 0.6, 1024, 0.95, self.gen, False, None).reshape(1) % self.s.vocab
-            host.copy_(token, non_blocking=copied is not None)
-            if copied is not None:
-                copied.record()
+            read = self.agree.tokens_later(token)
             if i + 1 < n:
                 logits = self.step.ahead([(0, self.index + 1)], token)[0]
-            if copied is not None:
-                copied.synchronize()
-            self.token, self.index = int(host[0]), self.index + 1
+            self.token, self.index = read()[0], self.index + 1
 
     def runner(self, graph: bool, keep: bool = False) -> DenoiseRunner:
         """A denoise runner of the request's image. `keep`: on the KV storage and graphs this Request keeps,
@@ -168,20 +165,16 @@ class Request:
     def step_ms(self, graph: bool, steps: int = 3) -> float:
         return time_ms(self.step_fn(graph), "wall", n=steps)
 
-    def whole(self, steps: int, ahead: bool = True) -> dict:
+    def whole(self, steps: int) -> dict:
         """The request end to end, timed once, as a request after the engine's first runs: the decode graph
-        replayed (the engine keeps it with its KV pool; `ahead`: each step launched before the last one's
-        token is read, as the engine does on a GPU), the denoise step graph captured inside."""
+        replayed (the engine keeps it with its KV pool), each step launched before the last one's token is
+        read (as the engine does on a GPU), the denoise step graph captured inside."""
         self.index = self.s.prefill
         clock = Stages()
         with clock("prefill"):
             self.prefill()
         with clock("decode"):
-            if ahead:
-                self.decode_ahead(self.s.cot)
-            else:
-                for _ in range(self.s.cot):
-                    self.decode_token()
+            self.decode_ahead(self.s.cot)
         with clock("denoise"):
             r = self.runner(graph=self.step_graph)
             r.prefill()

@@ -20,7 +20,8 @@ dispatch), the rest waiting in line. Two arrival patterns per client count N:
   closed   N clients at once, each sending its next request when its last one ends (--per-client each)
   poisson  N x --per-client requests arriving at exponential gaps, at 0.9x the images/s the closed run
            with N clients reached (a load the engine can hold), at most N in the engine or waiting
-Latency is arrival to the last event (the image); images/min counts finished images over the run's wall
+Latency is arrival to the last event read (the image's pixels on the host, read off the loop as the
+worker's sender reads them: `Reader`); images/min counts finished images over the run's wall
 time. --arrivals picks which of the two run; --clients "" runs neither (e.g. only the open loop).
 
 Open loop (--rates, as vLLM's serving benchmark): --requests requests arriving at a fixed rate (requests/min;
@@ -57,12 +58,15 @@ import argparse
 import collections
 import gc
 import json
+import queue
 import random
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engine.model.kernel_layouts import fold_mxfp8_weights, lay_out_experts
@@ -210,6 +214,58 @@ def arrival_times(n: int, rate: float, process: str, seed: int) -> list[float]:
     return out
 
 
+class Reader:
+    """The worker's sender thread as far as the figures go (engine/serve/worker.py `Sender`): each step's events
+    read in order, off the loop, an image's pixels waited for (on a GPU they leave the engine's loop on their
+    way to the host) and a Done's timings read; a request has ended for its client when its last event has
+    been read (`ended`: (seq, seconds from the start)). An older tree's events (PNGs, plain timings) read the
+    same way."""
+
+    def __init__(self, t0: float):
+        self.t0, self.images, self.errors, self.token_rates = t0, 0, [], []
+        self.ended: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._read, name="bench-reader", daemon=True)
+        self._thread.start()
+
+    def put(self, done: list, ended: list) -> None:
+        self._q.put((done, ended))
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+    def _read(self) -> None:
+        while (item := self._q.get()) is not None:
+            done, ended = item
+            for seq, ev in done:
+                if isinstance(ev, Image):
+                    data = getattr(ev, "data", None)
+                    if data is not None and not isinstance(data, bytes):
+                        np.asarray(data)                  # its pixels on the host
+                    self.images += 1
+                elif isinstance(ev, Error):
+                    self.errors.append(f"request {seq}: {ev.kind}: {ev.message}")
+                elif isinstance(ev, Done) and ev.timings.ar_ms_per_token > 0:
+                    self.token_rates.append(1000 / ev.timings.ar_ms_per_token)
+            end = time.perf_counter() - self.t0
+            for seq in ended:
+                self.ended.put((seq, end))
+
+
+def _ends(reader: Reader, latency: dict, arrived: dict, arrivals: list | None, total: int) -> None:
+    """The requests the reader has seen end: their latency, and (`arrivals`: a closed loop's, until it holds
+    `total`) each one's client's next request, now."""
+    while True:
+        try:
+            seq, end = reader.ended.get_nowait()
+        except queue.Empty:
+            return
+        latency.setdefault(seq, end - arrived[seq])
+        if arrivals is not None and len(arrivals) < total:
+            arrivals.append(end)
+
+
 def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client: int, max_batch: int,
           rate: float | None, seed: int = 0, profile: bool = False, open_loop: bool = False,
           process: str = "poisson", policy: str = "", lookahead: bool | None = None) -> dict:
@@ -232,11 +288,11 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
     waiting: collections.deque = collections.deque()
     arrived: dict[int, float] = {}                        # seq -> arrival (seconds from the start)
     latency: dict[int, float] = {}
-    images, errors, sent, next_seq = 0, [], 0, 0
-    token_rates: list[float] = []                         # tokens/s each reasoning request's decode phase saw
+    sent, next_seq = 0, 0
     spent: dict[str, list] = {}                           # step kind -> [steps, seconds] (profile)
     cuda = torch.cuda.is_available() and pipe.loaded.model.device.type == "cuda"
     t0 = time.perf_counter()
+    reader = Reader(t0)
     while len(latency) < total:                           # every request ends: with its image or an error
         now = time.perf_counter() - t0
         while sent < len(arrivals) and arrivals[sent] <= now and (rate is None or open_loop
@@ -248,7 +304,8 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
         while waiting and len(join) + len(scheduler.requests) < max_batch:
             join.append(waiting.popleft())
         if not join and not scheduler.busy:
-            time.sleep(max(0.0, min(arrivals[sent] - now, 0.05)) if sent < len(arrivals) else 0.0)
+            time.sleep(max(0.0, min(arrivals[sent] - now, 0.05)) if sent < len(arrivals) else 0.001)
+            _ends(reader, latency, arrived, arrivals if rate is None else None, total)
             continue
         t_step = time.perf_counter()
         pipe.step(StepNews(join=tuple(join)))
@@ -258,20 +315,11 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
             kind = spent.setdefault(step_kind(scheduler.last), [0, 0.0])
             kind[0] += 1
             kind[1] += time.perf_counter() - t_step
-        done, ended = scheduler.drain()
-        end = time.perf_counter() - t0
-        for seq, ev in done:
-            if isinstance(ev, Image):
-                images += 1
-            elif isinstance(ev, Error):
-                errors.append(f"request {seq}: {ev.kind}: {ev.message}")
-            elif isinstance(ev, Done) and ev.timings.ar_ms_per_token > 0:
-                token_rates.append(1000 / ev.timings.ar_ms_per_token)
-        for seq in ended:
-            latency.setdefault(seq, end - arrived[seq])
-            if rate is None and len(arrivals) < total:    # this client's next request, now
-                arrivals.append(end)
+        reader.put(*scheduler.drain())
+        _ends(reader, latency, arrived, arrivals if rate is None else None, total)
     wall = time.perf_counter() - t0
+    reader.close()
+    images, errors, token_rates = reader.images, reader.errors, reader.token_rates
     lat = sorted(latency.values())
     pick = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]) if lat else (lambda q: float("nan"))
     done = scheduler.totals

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 from PIL import Image as PILImage
@@ -64,8 +64,9 @@ class Step:
             self.preview_data = png_of(self.preview_data)
         return self.preview_data
 
-    def __eq__(self, other: object) -> bool:      # by the preview's PNG, however far along its pixels are
-        return isinstance(other, Step) and (self.i, self.n, self.preview) == (other.i, other.n, other.preview)
+    def __eq__(self, other: object) -> bool:      # by the preview's pixels, however far along they are
+        return isinstance(other, Step) and (self.i, self.n) == (other.i, other.n) and \
+            _same_pixels(self.preview_data, other.preview_data)
 
 
 @dataclass(eq=False)
@@ -87,9 +88,23 @@ class Image:
             self.data = png_of(self.data)
         return self.data
 
-    def __eq__(self, other: object) -> bool:      # by the PNG, however far along its pixels are
-        return isinstance(other, Image) and (self.png, self.width, self.height, self.seed, self.index) == \
-            (other.png, other.width, other.height, other.seed, other.index)
+    def __eq__(self, other: object) -> bool:      # by the pixels, however far along they are (none encoded)
+        return isinstance(other, Image) and (self.width, self.height, self.seed, self.index) == \
+            (other.width, other.height, other.seed, other.index) and _same_pixels(self.data, other.data)
+
+
+def _same_pixels(a: Any, b: Any) -> bool:
+    """Whether two images' data (a PNG's bytes, or pixels) hold the same pixels: an equality test (the tests'
+    comparison of two runs' events) must not encode, or wait for, what the sender would."""
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, bytes) and isinstance(b, bytes):
+        return a == b
+    return np.array_equal(_decoded(a), _decoded(b))
+
+
+def _decoded(data: Any) -> np.ndarray:
+    return np.asarray(PILImage.open(io.BytesIO(data))) if isinstance(data, bytes) else np.asarray(data)
 
 
 def png_of(pixels: Any) -> bytes:
@@ -149,10 +164,39 @@ class Timings:
     def summary(self) -> str:
         return ", ".join(self.parts())
 
+
 @dataclass
 class Done:
+    """The request's end. On a GPU its `timings` of device work (the image prefix's prefill, the steps, the
+    VAE decode, the total until the image reached the host) are settled when first read (`later`): reading
+    them waits for that work, which the engine's loop must not do (it goes on launching other requests'
+    steps); the worker's sender reads them, off the loop, when it sends the event (a pickle settles them)."""
     timings: Timings = field(default_factory=Timings)
     cot_text: str = ""
+
+    def later(self, settle: Callable[[Timings], None]) -> "Done":
+        """Fill the device work's timings by `settle(timings)` when they are first read, not now."""
+        self.__dict__["_settle"] = settle
+        return self
+
+    def __getstate__(self) -> dict:
+        self.timings                                   # noqa: B018 - settles them: a closure does not travel
+        return dict(self.__dict__)
+
+
+def _done_timings(self: Done) -> Timings:
+    settle = self.__dict__.pop("_settle", None)
+    if settle is not None:
+        settle(self.__dict__["_timings"])
+    return self.__dict__["_timings"]
+
+
+def _set_done_timings(self: Done, t: Timings) -> None:
+    self.__dict__["_timings"] = t
+
+
+# after @dataclass made its __init__, __eq__ and __repr__, which all read and write `timings` through this
+Done.timings = property(_done_timings, _set_done_timings)     # type: ignore[assignment]
 
 
 Event = Union[Started, Text, Ratio, Denoising, Step, Image, Error, Done]

@@ -7,8 +7,10 @@ import functools
 import hashlib
 import io
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -186,19 +188,38 @@ def _pixels(x: torch.Tensor) -> torch.Tensor:
 
 class HostPixels:
     """uint8 [H, W, 3] pixels on their way from the GPU: copied into pinned memory without the host waiting
-    for the work before them (a step preview's VAE decode, the step itself); `np.asarray` waits for the copy,
-    in whichever thread reads them first (engine/serve/worker.py's sender, off the engine's loop)."""
+    for the work before them (a step preview's or the final image's VAE decode, the step itself);
+    `np.asarray` waits for the copy, in whichever thread reads them first (engine/serve/worker.py's sender,
+    off the engine's loop). `ready_at`: the host's clock when that read found them there."""
 
     def __init__(self, pixels: torch.Tensor):
         self._host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
         self._host.copy_(pixels, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
+        self.ready_at: float | None = None
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        self._copied.synchronize()
+        if self.ready_at is None:
+            self._copied.synchronize()
+            self.ready_at = time.perf_counter()
         a = self._host.numpy()
         return a if dtype is None else a.astype(dtype)
+
+
+class Resized:
+    """Pixels (an array, or what `np.asarray` makes one of: HostPixels) resized to `size` (width, height) with
+    LANCZOS when first read, so a resize waits for its pixels where they are read, not where they are made."""
+
+    def __init__(self, pixels: Any, size: tuple[int, int]):
+        self._pixels, self.size = pixels, size
+        self._out: np.ndarray | None = None
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if self._out is None:
+            img = Image.fromarray(np.asarray(self._pixels)).resize(self.size, resample=Image.Resampling.LANCZOS)
+            self._out = np.asarray(img)
+        return self._out if dtype is None else self._out.astype(dtype)
 
 
 def host_pixels(x: torch.Tensor) -> np.ndarray | HostPixels:
@@ -208,16 +229,16 @@ def host_pixels(x: torch.Tensor) -> np.ndarray | HostPixels:
     return HostPixels(a) if a.is_cuda else a.numpy()
 
 
-def align_to_reference(out: Image.Image, refs: list[tuple[int, int]], buckets: tuple[Bucket, ...],
-                       base_size: int) -> Image.Image:
-    """The official `infer_align_image_size` post-step: resize the output to the aspect of the first
-    reference image (refs: their (width, height)) in the same bucket (keeping about base_size^2 pixels),
-    when they differ noticeably."""
-    out_bucket = reference_bucket(buckets, out)
+def reference_size(size: tuple[int, int], refs: list[tuple[int, int]], buckets: tuple[Bucket, ...],
+                   base_size: int) -> tuple[int, int] | None:
+    """The official `infer_align_image_size` post-step: the (width, height) an output of `size` (width,
+    height) is resized to, the aspect of the first reference image (refs: their (width, height)) in the same
+    bucket (keeping about base_size^2 pixels), when they differ noticeably; None: it stays as it is."""
+    out_bucket = nearest_bucket(buckets, size[1], size[0])
     for width, height in refs:
         if nearest_bucket(buckets, height, width).index == out_bucket.index:
             if abs(height / width - out_bucket.ratio) >= 0.01:
                 scale = math.sqrt(base_size ** 2 / (width * height))
-                return out.resize((round(width * scale), round(height * scale)), resample=Image.Resampling.LANCZOS)
+                return round(width * scale), round(height * scale)
             break
-    return out
+    return None

@@ -36,7 +36,7 @@ from engine.runtime.events import Denoising, Done, Error, Event, Image, Ratio, S
 from engine.runtime.graphs import Graphs
 from engine.runtime.handoff import CacheHeads, gather_sibling_heads, reusable_prefix
 from engine.runtime.history import reasoning_of
-from engine.runtime.images import HostPixels, align_to_reference, host_pixels, to_pil
+from engine.runtime.images import HostPixels, Resized, host_pixels, reference_size
 from engine.runtime.kv_pool import ARRow, KVPool
 from engine.runtime.needs import ARSlot, DenoiseRows, DenoiseStep, ImageDecode, Need
 from engine.runtime.options import EngineOptions
@@ -343,21 +343,40 @@ def _steps(ctx: Context, run: _Run, runner: DenoiseRunner, key: tuple, cfg_on: b
 
 
 def _images(ctx: Context, run: _Run, x: torch.Tensor, full_text: str) -> Generator[Event, Any, None]:
-    """The VAE decode of each image, then Done."""
-    p, lm, timings = run.p, ctx.loaded, run.timings
+    """The VAE decode of each image, then Done. Nothing here waits for the device: each image leaves as
+    pixels on their way to the host (images.HostPixels; resized to the reference's aspect where the request
+    asks, when read) and Done's device timings settle when read (events.Done.later), so the engine's loop
+    goes on launching other requests' steps while this request's last step and VAE decode run (on a GPU;
+    on the CPU they have run already)."""
+    p, lm = run.p, ctx.loaded
     vae = Span(lm.model.device)
+    pixels: Any = None
     for k in range(p.images_out):
-        img = to_pil(lm.model.decode_image(x[k:k + 1])[0])       # (its host read: every span before is done)
+        out = lm.model.decode_image(x[k:k + 1])[0]
         if k == 0:
             vae.stop()
-            timings.vae_ms = vae.ms()
-            timings.dit_prefill_ms = run.spans["prefill"].ms()
-            timings.dit_ms_per_step = (run.spans["steps"].ms() - run.preview_s * 1e3) / p.steps
+        pixels = host_pixels(out)
+        size = (out.shape[-1], out.shape[-2])
         if p.stretch and p.images:
-            img = align_to_reference(img, [i.size for i in p.images], lm.buckets, lm.cfg.image_base_size)
-        yield Image(np.asarray(img), img.width, img.height, p.seed + k, k)     # its PNG encoded where asked
-    timings.total_s = time.perf_counter() - run.t_start
-    yield Done(run.timings, full_text)
+            aligned = reference_size(size, [i.size for i in p.images], lm.buckets, lm.cfg.image_base_size)
+            if aligned is not None:
+                pixels, size = Resized(pixels, aligned), aligned
+        yield Image(pixels, size[0], size[1], p.seed + k, k)          # its PNG encoded where asked
+
+    def settle(timings: Timings) -> None:      # where Done's timings are read: the work is done by then
+        np.asarray(pixels)                      # the last image on the host (every span before it is done)
+        timings.vae_ms = vae.ms()
+        timings.dit_prefill_ms = run.spans["prefill"].ms()
+        timings.dit_ms_per_step = (run.spans["steps"].ms() - run.preview_s * 1e3) / p.steps
+        ready = getattr(pixels, "ready_at", None) or time.perf_counter()
+        timings.total_s = ready - run.t_start
+
+    done = Done(run.timings, full_text)
+    if lm.model.device.type == "cuda":
+        yield done.later(settle)
+    else:
+        settle(done.timings)
+        yield done
 
 
 def _adapter_slot(ctx: Context, p: Prepared) -> int:

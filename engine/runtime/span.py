@@ -4,8 +4,9 @@ A request's phases time their work for its `Timings` (the image prefix's prefill
 decode). Waiting for the device to finish (a device-wide synchronize) to read a wall clock would stop the
 engine's loop for the whole stretch, and with it the work of every other request: the decode steps the
 overlap policy runs beside a denoise step, the decode step launched ahead. On a GPU a span is a pair of
-CUDA events on the current stream, read once the work is done (after a host read the request makes anyway);
-on a CPU, where a forward has finished when it returns, it is the wall clock.
+CUDA events on the current stream, read where the request's Done is read (events.Done.later: the worker's
+sender thread, after the image's pixels are on the host); on a CPU, where a forward has finished when it
+returns, it is the wall clock.
 """
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from engine.parallel.plan import get_plan
 from engine.serve.engine_config import EngineConfig
 from engine.serve.messages import (AdapterChange, Cancel, End, EventOut, Failed, FromWorker, Loading, RankFailed,
                                    Ready, Run, Stats, Stop, ToWorker)
+from engine.runtime.events import Done as DoneEvent
 from engine.runtime.events import Error as ErrorEvent
 from engine.runtime.events import Image as ImageEvent
 from engine.runtime.events import Step as StepEvent
@@ -107,13 +108,21 @@ class Sender:
 
 
 def _encoded(msg: FromWorker) -> FromWorker:
-    """`msg` with its image's (or step preview's) PNG encoded: what the server reads; an image that cannot
-    be encoded fails its request, not the engine."""
-    if isinstance(msg, EventOut) and isinstance(msg.event, (ImageEvent, StepEvent)):
+    """`msg` with its image's (or step preview's) PNG encoded, or its Done's device timings settled (both wait
+    for the device work they come from, here and not on the engine's loop): what the server reads. An image
+    that cannot be encoded, or timings that cannot be read, fail their request, not the engine."""
+    if isinstance(msg, EventOut) and isinstance(msg.event, (ImageEvent, StepEvent, DoneEvent)):
         try:
-            msg.event.png if isinstance(msg.event, ImageEvent) else msg.event.preview
+            if isinstance(msg.event, ImageEvent):
+                msg.event.png
+            elif isinstance(msg.event, StepEvent):
+                msg.event.preview
+            else:
+                msg.event.timings
         except Exception as e:  # noqa: BLE001 - reported on the request's stream
-            return EventOut(msg.seq, ErrorEvent("engine", f"the image could not be encoded as PNG: {e}"))
+            what = "its timings could not be read" if isinstance(msg.event, DoneEvent) else \
+                "the image could not be encoded as PNG"
+            return EventOut(msg.seq, ErrorEvent("engine", f"{what}: {e}"))
     return msg
 
 
