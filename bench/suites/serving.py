@@ -223,6 +223,7 @@ class Reader:
 
     def __init__(self, t0: float):
         self.t0, self.images, self.errors, self.token_rates = t0, 0, [], []
+        self.cot_tokens: list[int] = []                 # tokens each request sampled
         self.ended: queue.SimpleQueue = queue.SimpleQueue()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._read, name="bench-reader", daemon=True)
@@ -246,8 +247,10 @@ class Reader:
                     self.images += 1
                 elif isinstance(ev, Error):
                     self.errors.append(f"request {seq}: {ev.kind}: {ev.message}")
-                elif isinstance(ev, Done) and ev.timings.ar_ms_per_token > 0:
-                    self.token_rates.append(1000 / ev.timings.ar_ms_per_token)
+                elif isinstance(ev, Done):
+                    self.cot_tokens.append(ev.timings.ar_tokens)
+                    if ev.timings.ar_ms_per_token > 0:
+                        self.token_rates.append(1000 / ev.timings.ar_ms_per_token)
             end = time.perf_counter() - self.t0
             for seq in ended:
                 self.ended.put((seq, end))
@@ -331,6 +334,7 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
             "requests_per_forward": scheduler.denoising.member_steps / max(1, scheduler.denoising.forwards),
             "tokens_per_s": sum(token_rates) / len(token_rates) if token_rates else float("nan"),
             "tokens_per_s_min": min(token_rates, default=float("nan")), "policy": policy or "default",
+            "cot_tokens": sum(reader.cot_tokens) / len(reader.cot_tokens) if reader.cot_tokens else float("nan"),
             "lookahead": scheduler.lookahead,
             # per denoise turn, the other requests waiting for a step of the same key (denoise batching's room)
             "denoise_company": scheduler.denoise_company["same_key"] / max(1, scheduler.denoise_company["turns"])}
@@ -374,6 +378,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
                      Col("captures", "captures"), Col("steps", "engine_steps"),
                      Col("decode rows", "decode_rows", ".2f"),
                      Col("requests/forward", "requests_per_forward", ".2f"),
+                     Col("CoT tokens", "cot_tokens", ".0f"),
                      Col("tokens/s", "tokens_per_s", ".1f"), Col("slowest tokens/s", "tokens_per_s_min", ".1f"),
                      Col("same-class company", "denoise_company", ".2f"),
                      Col("p90 / alone", "p90_over_alone", ".2f"), Col("held", "held")],
