@@ -99,3 +99,25 @@ def test_done_timings_settle_when_first_read_and_before_they_travel():
         raise RuntimeError("CUDA error: an illegal memory access")
     failed = _encoded(EventOut(3, Done(Timings(), "").later(broken)))
     assert isinstance(failed.event, Error) and "timings could not be read" in failed.event.message
+
+
+def test_a_message_that_cannot_be_sent_fails_only_its_request_and_the_sender_goes_on(capsys):
+    """A message the sender cannot write (it does not pickle) must not end the sender's thread: every later
+    request would wait on an engine that still runs. Its request gets an Error; another kind is reported."""
+    import multiprocessing
+
+    from engine.runtime.events import Text
+    from engine.serve.messages import Stats
+    from engine.serve.worker import Sender
+    read, write = multiprocessing.Pipe(duplex=False)
+    sender = Sender(write)
+    sender.put(EventOut(1, Text(lambda: "no pickle", "think")))
+    sender.put(Stats([{"rank": lambda: 0}]))
+    sender.put(EventOut(2, Text("fine", "think")))
+    sender.close(timeout=10)
+    got = [read.recv() for _ in range(2) if read.poll(10)]
+    assert len(got) == 2, got
+    assert got[0].seq == 1 and isinstance(got[0].event, Error) and got[0].event.kind == "engine"
+    assert "could not send" in got[0].event.message
+    assert got[1].seq == 2 and got[1].event == Text("fine", "think") and not read.poll(0.2)
+    assert "Stats message was dropped" in capsys.readouterr().err and not sender.broken

@@ -102,9 +102,24 @@ class Sender:
             if self.broken:
                 continue
             try:
-                self._conn.send(_encoded(msg))
+                self._send(msg)
             except (EOFError, OSError):                  # the server is gone
                 self.broken = True
+
+    def _send(self, msg: FromWorker) -> None:
+        """Write one message. One that cannot be written (it does not pickle: nothing reached the pipe, which
+        pickles before it writes) fails its request, or is reported and skipped, and the thread goes on: a
+        dead sender would leave every request waiting on an engine that still runs."""
+        try:
+            self._conn.send(_encoded(msg))
+        except (EOFError, OSError):
+            raise
+        except Exception as e:  # noqa: BLE001 - one message's fault, reported where it belongs
+            why = f"the engine could not send it: {type(e).__name__}: {e}"
+            if isinstance(msg, EventOut):
+                self._conn.send(EventOut(msg.seq, ErrorEvent("engine", why)))
+            else:
+                print(f"engine worker: a {type(msg).__name__} message was dropped: {why}", file=sys.stderr, flush=True)
 
 
 def _encoded(msg: FromWorker) -> FromWorker:
