@@ -348,6 +348,23 @@ def test_requests_run_together_up_to_max_batch(tiny_dir):
 
 
 
+def test_the_servers_inbox_reads_on_past_a_message_that_does_not_unpickle(capsys):
+    """A worker's message whose bytes do not unpickle is reported and skipped; the inbox thread reads the
+    next one (it died before: every later event would have waited forever)."""
+    import multiprocessing as mp
+
+    from engine.serve.messages import End
+    from engine.serve.workers import Inbox
+    server_end, worker_end = mp.Pipe(duplex=False)
+    inbox = Inbox([server_end], lambda: None)
+    worker_end.send_bytes(b"not a pickle")
+    worker_end.send(End(7))
+    got: list = []
+    wait_for(lambda: bool(got.extend(inbox.take()) or got), 5)
+    assert got == [End(7)]
+    assert "could not be read" in capsys.readouterr().err
+
+
 def test_a_run_cancelled_in_the_batch_it_reaches_the_worker_is_reported_dropped():
     """A run and its cancel that reach the worker in one batch (it was busy with a step): the run never
     joins the scheduler, and the inbox hands its seq to the worker loop, which reports it cancelled and

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import queue
 import signal
+import sys
 import threading
 import time
 from multiprocessing.connection import Connection, wait
@@ -115,6 +116,10 @@ class Inbox:
                     self._messages.append(conn.recv())
                 except (EOFError, OSError, ValueError):   # that worker is gone: its sentinel tells the server
                     live.remove(conn)
+                except Exception as e:  # noqa: BLE001 - a message that does not unpickle (its bytes were read
+                    # whole): reported, and the thread reads on, or every later message would wait forever
+                    print(f"engine server: a worker's message could not be read: {type(e).__name__}: {e}",
+                          file=sys.stderr, flush=True)
             self._on_message()
 
     def take(self) -> list[FromWorker]:
