@@ -42,6 +42,10 @@ class Inbox:
                 msg: ToWorker = self._conn.recv()
             except (EOFError, OSError):              # the server is gone
                 msg = Stop()
+            except Exception as e:  # noqa: BLE001 - one message that does not unpickle: reported, read on
+                print(f"engine worker: a message from the server could not be read: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
+                continue
             self._q.put(msg)
             if isinstance(msg, Stop):
                 return
