@@ -128,6 +128,25 @@ def test_edit_with_two_images(client):
     assert img.format == "PNG" and img.size == (256, 256) and r.size == "256x256"
 
 
+def test_an_edit_can_keep_its_references_aspect(client):
+    """`infer_align_image_size` (the official option): the reference is stretched into its bucket and the
+    output resized to its aspect (a 300x200 reference in the 304x208 bucket: 314x209, about 256^2 pixels); the
+    response, the PNG and its record say so. On generations (no reference) it is refused by name."""
+    ref = ("ref.png", png_bytes((30, 160, 30), (300, 200)), "image/png")
+    r = client.images.edit(image=ref, prompt="make it red", size="304x208",
+                           extra_body=dict(FAST, infer_align_image_size=True))
+    img = decoded(r.data[0].b64_json)
+    assert img.size == (314, 209) and r.size == "314x209"
+    rec = read_record(base64.b64decode(r.data[0].b64_json))
+    assert rec["infer_align_image_size"] is True and rec["size"] == "314x209"
+    plain = client.images.edit(image=ref, prompt="make it red", size="304x208", extra_body=FAST)
+    assert decoded(plain.data[0].b64_json).size == (304, 208)
+    assert read_record(base64.b64decode(plain.data[0].b64_json))["infer_align_image_size"] is False
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.images.generate(prompt="a red circle", extra_body=dict(FAST, infer_align_image_size=True))
+    assert bad.value.body["param"] == "infer_align_image_size" and "reference images" in bad.value.body["message"]
+
+
 def test_n2_two_images_from_one_reasoning(client):
     r = client.images.generate(prompt="a yellow star", size="256x256", n=2,
                                extra_body=dict(THINK, num_inference_steps=2))

@@ -107,6 +107,19 @@ def test_ti2i_with_reference_images(client, refs, n):
     check_stream(outputs, size=(192, 256))
 
 
+def test_an_edit_keeps_the_first_references_aspect_when_asked(client, tmp_path):
+    """The edit tab's "Keep the first reference's aspect" (the official align option): a 300x200 reference in
+    the 304x208 bucket gives a 314x209 image; unticked (and from a client that does not send it) the bucket's."""
+    ref = tmp_path / "wide.png"
+    PILImage.new("RGB", (300, 200), (30, 160, 30)).save(ref)
+    from webui.options import NO_LORA
+    kept = client.predict("make it red", gallery([str(ref)]), *settings(size="304:208"), "none", NO_LORA, 1.0, True,
+                          api_name="/ti2i")
+    assert kept[STATUS].startswith("Done") and PILImage.open(kept[IMAGE]).size == (314, 209)
+    plain = client.predict("make it red", gallery([str(ref)]), *settings(size="304:208"), api_name="/ti2i")
+    assert plain[STATUS].startswith("Done") and PILImage.open(plain[IMAGE]).size == (304, 208)
+
+
 def test_stop_cancels_and_the_next_request_runs(client, studio, engine_server):
     job = client.submit("a long one", *settings(steps=80), api_name="/t2i")
     run_until_step(job)

@@ -107,10 +107,12 @@ def as_int(v: Any) -> Any:
     return v
 
 
-def build_request(prompt: str, images: list[Any], s: Settings, for_check: bool = False) -> Request:
+def build_request(prompt: str, images: list[Any], s: Settings, for_check: bool = False,
+                  align: bool = False) -> Request:
     """The engine request for the given control values. With "Random seed" ticked a seed is drawn
     here; `for_check` keeps the seed box's value instead, so the validator judges what is in the box
-    (a box holding -5 is wrong whether or not it is used)."""
+    (a box holding -5 is wrong whether or not it is used). `align`: the edit tab's "keep the first
+    reference's aspect" (the official align option, Request.stretch)."""
     if s.random_seed and not for_check:
         seed = random_seed()
     else:
@@ -134,6 +136,7 @@ def build_request(prompt: str, images: list[Any], s: Settings, for_check: bool =
         block_cache=block,
         lora=None if s.lora in (None, "", NO_LORA) else s.lora,
         lora_scale=1.0 if s.lora_scale is None else s.lora_scale,
+        stretch=bool(align),
     )
 
 

@@ -281,9 +281,10 @@ class Studio:
 
     # ---------------------------------------------------------------- running
     async def generate(self, prompt: str, refs: Any, settings: Settings,
-                       thread: Thread | None = None) -> AsyncIterator[tuple]:
+                       thread: Thread | None = None, align: bool = False) -> AsyncIterator[tuple]:
         """The run's outputs (`outputs`); with `thread` (the edit tab) the request is the thread's next
-        turn and each tuple ends with the turn once it has its image (see `made`)."""
+        turn and each tuple ends with the turn once it has its image (see `made`); `align`: the edit tab's
+        "keep the first reference's aspect"."""
         def out(u: Update) -> tuple:
             return self.outputs(u) if thread is None else (*self.outputs(u), self.made(u, prompt, paths))
         paths, submit = _image_paths(refs), None
@@ -293,7 +294,7 @@ class Studio:
             if thread is None:
                 req = build_request(prompt, paths, settings)
             else:
-                req = build_request(prompt, thread.images_for(paths, self.conversations), settings)
+                req = build_request(prompt, thread.images_for(paths, self.conversations), settings, align=align)
                 if self.conversations:
                     conversation, branch_from = thread.submit_args()
                     submit = partial(self.client.submit_turn, conversation=conversation,
@@ -564,6 +565,12 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                             ti2i_run = gr.Button("Generate", variant="primary", elem_id="ti2i-run",
                                                  elem_classes="generate")
                             ti2i_stop = gr.Button("Stop", variant="secondary", interactive=False, elem_id="ti2i-stop")
+                        # below the Generate row: above it, it pushed Generate down, and scrolling to reach it took
+                        # the reasoning and the canvas out of view on a desktop
+                        align = gr.Checkbox(False, label="Keep the first reference's aspect", elem_id="align",
+                                            info="Fits the references by stretching them (not cropping) and resizes "
+                                                 "the result to the first one's exact aspect (the official align "
+                                                 "option).")
                         gr.Examples([[[str(p)], prompt] for p, prompt in reference_examples(ex_dir, is_small(info.buckets))],
                                     inputs=[refs, ti2i_prompt], label="Example edits", elem_id="edit-examples")
                         with thread_slot:
@@ -663,7 +670,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
                     max_new_tokens, step_cache, lora, lora_scale]
         outputs = [status, image, timings, cot, result, result_record]
         t2i_names = ("prompt", *Settings.NAMES)
-        ti2i_names = ("prompt", "images", *Settings.NAMES, "thread")
+        ti2i_names = ("prompt", "images", *Settings.NAMES, "align", "thread")
 
         async def t2i(prompt, mode, size, seed, random_seed, steps, guidance, system_prompt,
                       custom_system_prompt, max_new_tokens, step_cache="none", lora=NO_LORA,
@@ -675,12 +682,12 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
 
         async def ti2i(prompt, images, mode, size, seed, random_seed, steps, guidance, system_prompt,
                        custom_system_prompt, max_new_tokens, step_cache="none", lora=NO_LORA,
-                       lora_scale=1.0, thread=None):
+                       lora_scale=1.0, align=False, thread=None):
             # `thread` is page state: an API call gets a fresh one (its finished turn is added to the
             # page's thread by a follow-up event only the page runs), so /ti2i stays one edit
             s = Settings(mode, size, seed, random_seed, steps, guidance, system_prompt, custom_system_prompt,
                          max_new_tokens, step_cache, lora, lora_scale)
-            async for o in studio.generate(prompt, images, s, thread or Thread()):
+            async for o in studio.generate(prompt, images, s, thread or Thread(), align=align):
                 yield o
 
         # No concurrency limit here: every accepted request goes straight to the engine server, whose
@@ -697,7 +704,7 @@ def build_studio(client: EngineClient, info: ModelInfo, *, notice: str | None = 
         result_actions = [download, edit_result, link]
         settle = dict(fn=studio.settled, inputs=[result], outputs=[*runs, *stops, *result_actions], **private)
         common = dict(concurrency_limit=None, show_progress="hidden")
-        t2i_inputs, ti2i_inputs = [t2i_prompt, *settings], [ti2i_prompt, refs, *settings, thread]
+        t2i_inputs, ti2i_inputs = [t2i_prompt, *settings], [ti2i_prompt, refs, *settings, align, thread]
         t2i_ev = t2i_run.click(studio.checker(t2i_names, clears_result=True), t2i_inputs,
                                [*runs, *stops, status, *result_actions], **private) \
             .then(t2i, t2i_inputs, outputs, api_name="t2i", validator=studio.validator(t2i_names), **common)

@@ -67,6 +67,7 @@ def image_record(req: Request, started: Started | None, image: Image, model: str
         "custom_system_prompt": req.custom_system_prompt,
         "max_new_tokens": req.max_new_tokens if req.max_new_tokens is not None else gen.max_new_tokens,
         "references": len(req.images) + sum(len(t.images) for t in req.history),
+        "infer_align_image_size": req.stretch,      # references stretched, the output at the first one's aspect
         "image_index": image.index,
         "kernels": started.kernels if started else "",      # "": ours (triton / the reference ops)
         "timings": asdict(timings) if timings is not None else None,

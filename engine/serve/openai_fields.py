@@ -24,9 +24,12 @@ STEP_CACHE_FIELDS = frozenset({"use_taylor_cache", *TaylorCacheParams.names(), "
                                *BlockCacheParams.names()})
 
 # The engine's own fields (and vLLM-Omni's names for them), on every image route.
-# `lora_scale`: the strength of the LoRA adapter that `model` names.
+# `lora_scale`: the strength of the LoRA adapter that `model` names. `infer_align_image_size` (the official
+# generate_image argument): the reference images are stretched to their buckets, not cropped, and the output
+# takes the first reference's aspect (with references only: refused on /v1/images/generations).
+ALIGN_FIELD = "infer_align_image_size"
 ENGINE_FIELDS = frozenset({"num_inference_steps", "guidance_scale", "seed", "bot_task", "use_system_prompt",
-                           "system_prompt", "max_new_tokens", "lora_scale"}) | STEP_CACHE_FIELDS
+                           "system_prompt", "max_new_tokens", "lora_scale", ALIGN_FIELD}) | STEP_CACHE_FIELDS
 # vLLM-Omni fields that would change the result but are not implemented: refused by name (openai_params).
 REFUSED_FIELDS = frozenset({"negative_prompt", "lora", "mask", "true_cfg_scale", "flow_shift"})
 # Accepted and ignored: they cannot change the image (vae_use_tiling is a memory option of vLLM-Omni). Each

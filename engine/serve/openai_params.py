@@ -29,7 +29,7 @@ from engine.runtime.step_cache import BlockCacheParams, TaylorCacheParams
 from engine.serve.info import ModelInfo
 from engine.serve.openai_errors import ApiError, invalid
 from engine.serve.openai_body import chat_image_bytes
-from engine.serve.openai_fields import (CHAT_FIELDS, CHAT_NEUTRAL_ONLY, EDIT_FIELDS, GENERATION_FIELDS,
+from engine.serve.openai_fields import (ALIGN_FIELD, CHAT_FIELDS, CHAT_NEUTRAL_ONLY, EDIT_FIELDS, GENERATION_FIELDS,
                                         REFUSED_FIELDS, check_fields, check_model, json_kind)
 from engine.serve.openai_form import FilePart
 
@@ -271,7 +271,8 @@ def _engine_request(body: dict, prompt: str, images: list[bytes], size: Any, lor
                    taylor_cache=_step_cache(body, "use_taylor_cache", TaylorCacheParams),
                    block_cache=_step_cache(body, "use_block_cache", BlockCacheParams),
                    lora=lora, lora_scale=1.0 if scale is None else scale,
-                   history_policy=_text_field(body, "history_policy"))
+                   history_policy=_text_field(body, "history_policy"),
+                   stretch=_bool(ALIGN_FIELD, body.get(ALIGN_FIELD)))
 
 
 def _output_options(body: dict, params: ImageParams) -> None:
@@ -302,6 +303,9 @@ def parse_generation(body: Any, served: str, adapters: Collection[str] = ()) -> 
     check_fields(body, GENERATION_FIELDS)
     lora = check_model(body, served, adapters)
     req = _engine_request(body, _prompt(body), [], engine_size(body.get("size")), lora)
+    if req.stretch:
+        raise invalid(ALIGN_FIELD, "applies to reference images (it fits them by stretching and gives the output "
+                                   "the first one's aspect): use /v1/images/edits or chat with images")
     params = ImageParams(req, size=body.get("size", "auto"))
     _output_options(body, params)
     return params
