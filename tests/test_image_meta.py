@@ -78,3 +78,16 @@ def test_the_record_says_which_kernels_ran_and_a_restore_notes_a_difference():
     assert not any(differ in n for n in restored(rec, "m", None).notes)        # this engine's kernels unknown
     old = {k: v for k, v in ours.items() if k != "kernels"}                  # a PNG from before the record said
     assert not any(differ in n for n in restored(old, "tiny-model", w4a8).notes)
+
+
+def test_an_edit_at_its_references_aspect_says_so_and_a_restore_tells_how_to_get_it_again():
+    from webui.restore import restored
+    req = Request(prompt="make it red", seed=3, images=[b"png"], stretch=True)
+    rec = image_record(req, None, Image(b"", 314, 209, 3), "m", GenerationConfig(), "")
+    assert rec["infer_align_image_size"] is True and rec["size"] == "314x209"
+    back = restored(rec, "m")
+    assert back.edit and any("Keep the first reference's aspect" in n for n in back.notes)
+    assert back.settings["size"] == "auto"                 # as asked (a fixed size: the image's, which snaps back)
+    plain = image_record(Request(prompt="make it red", seed=3, images=[b"png"]), None, Image(b"", 304, 208, 3), "m",
+                         GenerationConfig(), "")
+    assert plain["infer_align_image_size"] is False and not any("aspect" in n for n in restored(plain, "m").notes)

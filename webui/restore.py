@@ -50,4 +50,7 @@ def restored(record: dict[str, Any], model: str, kernels: str | None = None) -> 
     if refs:
         notes.append(f"it was an edit of {refs} image{'s' if refs != 1 else ''}: add {'them' if refs != 1 else 'it'} "
                      "as references")
+    if record.get("infer_align_image_size"):
+        notes.append("it kept its first reference's aspect: tick “Keep the first reference's aspect” on the edit "
+                     "tab")
     return Restored(str(record.get("prompt") or ""), bool(refs), s, notes)
