@@ -109,7 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_common(gen)
     gen.add_argument("--steps", type=int)
     gen.add_argument("--guidance", type=float)
-    gen.add_argument("--stretch", action="store_true", help="fit reference images by stretching (align option)")
+    gen.add_argument("--stretch", "--infer-align-image-size", action="store_true",
+                     help="the official align option: fit reference images by stretching (not cropping) and give "
+                          "the output the first one's aspect (/v1: infer_align_image_size)")
     gen.add_argument("--out", required=True, help="output PNG path")
     _add_step_caches(gen)
     return ap
