@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_support import INTERPRETED, interpreted, run_interpreter_suite
+from kernel_support import interpreted, run_interpreter_suite
 
 import hunyuan_kernels as kernels
 import hunyuan_kernels.quant as kq
@@ -140,46 +140,6 @@ def test_interp_align_kernel_equals_its_reference(case):
     want = humming.align_reference(ids, experts, block)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w), (g, w)
-
-
-@pytest.mark.parametrize("n,k,e,block,splits", [(1, 8, 64, 8, 2), (2, 8, 64, 16, 1), (7, 4, 16, 8, 3),
-                                                  (16, 8, 64, 16, 2), (3, 1, 8, 8, 1)])
-def test_interp_the_router_writes_the_route_lists_align_makes(n, k, e, block, splits):
-    """The indexed path's routing launch also writes GEMM1's route lists (`router_select(..., lists=)`): the
-    weights and ids bit for bit those of the plain plan launch, the lists `align`'s of those ids (ties included:
-    logits with repeated values)."""
-    interpreted()
-    from hunyuan_kernels.moe import triton_kernels as tk
-    g = torch.Generator().manual_seed(n * 100 + e)
-    logits = torch.randn(splits, n, e, generator=g).mul(4).round().div(4)          # ties between experts
-    w0, ids0, _ = tk.router_select(logits, k, True, plan=True)
-    slots, tiles = humming.align_sizes(n * k, e, block)
-    lists = tuple(torch.full((m,), -7, dtype=torch.int32) for m in (slots, tiles, 1))
-    w1, ids1, _ = tk.router_select(logits, k, True, plan=True, lists=(*lists, block))
-    assert torch.equal(w0, w1) and torch.equal(ids0, ids1)
-    for got, want in zip(lists, humming.align(ids0, e, block)):
-        assert torch.equal(got, want), (got, want)
-    with pytest.raises(ValueError, match="with the plan"):
-        tk.router_select(logits, k, True, plan=False, lists=(*lists, block))
-
-
-@pytest.mark.skipif(INTERPRETED, reason="compiles for the GPU")
-def test_the_routing_and_list_kernels_compile_for_hopper():
-    """The routing kernel in each of its modes (the grouped plan, the decode's active list, the indexed path's
-    plan with its route lists) and `align` compile to sm_90 (no GPU needed): a GPU run does not start with a
-    compile error in the kernel every MoE path launches."""
-    from test_kernels_ops import _sm90_compile          # the ops' own compile check's helper
-    from hunyuan_kernels.moe import triton_kernels as tk
-    i32, p32, f32 = "i32", "*i32", "*fp32"
-    sig = dict(logits_ptr=f32, w_ptr=f32, ids_ptr=p32, rank_ptr=p32, counts_ptr=p32, active_ptr=p32, N=i32, S=i32,
-               sorted_ptr=p32, experts_ptr=p32, padded_ptr=p32, SLOTS=i32, TILES=i32)
-    base = dict(SPLITS=2, E=64, E_PAD=64, K=8, K_PAD=8, NORM=True, CHUNK=32)
-    for mode, warps in ((dict(BLOCK_N=64, PLAN=True, ACTIVE=False, LISTS=False, R_PAD=2, M=1), 8),
-                        (dict(BLOCK_N=32, PLAN=False, ACTIVE=True, LISTS=False, R_PAD=2, M=1), 2),
-                        (dict(BLOCK_N=64, PLAN=True, ACTIVE=False, LISTS=True, R_PAD=16, M=16), 8)):
-        _sm90_compile(tk._select_kernel, sig, base | mode, warps)
-    _sm90_compile(humming._align_kernel, dict(ids_ptr=p32, sorted_ptr=p32, experts_ptr=p32, padded_ptr=p32, ROWS=i32,
-                                               SLOTS=i32, TILES=i32), dict(E=64, E_PAD=64, R_PAD=16, M=16, CHUNK=32), 4)
 
 
 def test_block_rows_finds_the_launchers_interval():

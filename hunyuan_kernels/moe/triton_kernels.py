@@ -119,9 +119,7 @@ def _sm_count(dev: torch.device) -> int:
 @triton.jit
 def _select_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, active_ptr, N, S,
                    SPLITS: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NORM: tl.constexpr, PLAN: tl.constexpr, ACTIVE: tl.constexpr,
-                   sorted_ptr, experts_ptr, padded_ptr, SLOTS, TILES, LISTS: tl.constexpr, R_PAD: tl.constexpr,
-                   M: tl.constexpr, CHUNK: tl.constexpr = 32):
+                   BLOCK_N: tl.constexpr, NORM: tl.constexpr, PLAN: tl.constexpr, ACTIVE: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     re = tl.arange(0, E_PAD)
@@ -174,23 +172,11 @@ def _select_kernel(logits_ptr, w_ptr, ids_ptr, rank_ptr, counts_ptr, active_ptr,
         slot = tl.cumsum(used, axis=0) - used
         tl.store(active_ptr + slot, re, mask=(used > 0) & me)
         tl.store(active_ptr + re, tl.full((E_PAD,), -1, tl.int32), mask=(re >= tl.sum(used, axis=0)) & (re < S))
-    if LISTS:
-        # one program holds every token: the indexed GEMMs' route lists of the ids just written, read back
-        # after a barrier (a CTA's global writes are visible to its threads after it), in this launch
-        tl.debug_barrier()
-        align_lists(ids_ptr, sorted_ptr, experts_ptr, padded_ptr, N * K, SLOTS, TILES, E, E_PAD, R_PAD, M, CHUNK)
 
 
-_NO_LISTS = dict(SLOTS=0, TILES=0, LISTS=False, R_PAD=2, M=1)     # (the list pointers: any int32 buffer)
-
-
-def router_select(logits: torch.Tensor, topk: int, norm_topk: bool, plan: bool,
-                  lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None):
+def router_select(logits: torch.Tensor, topk: int, norm_topk: bool, plan: bool):
     """-> (weights [N, k] fp32, ids [N, k] int32, then for plan: (rank [N, k], counts [blocks, E],
-    block_tokens), else active [min(E, N*k)] int32 (decode: needs N <= DECODE_ROUTER_ROWS)).
-    `lists` (sorted_ids, expert_ids, num_tokens_padded, block), with the plan and at most one program's
-    tokens: those buffers are also filled with humming's indexed GEMM's route lists of the ids for M tiles of
-    `block` rows (quant/humming.py `align`), in the same launch."""
+    block_tokens), else active [min(E, N*k)] int32 (decode: needs N <= DECODE_ROUTER_ROWS))."""
     splits, n, e = logits.shape
     dev = logits.device
     w = torch.empty(n, topk, dtype=torch.float32, device=dev)
@@ -203,19 +189,9 @@ def router_select(logits: torch.Tensor, topk: int, norm_topk: bool, plan: bool,
         nblk = triton.cdiv(n, bn)
         rank = torch.empty(n, topk, dtype=torch.int32, device=dev)
         counts = torch.empty(nblk, e, dtype=torch.int32, device=dev)
-        if lists is not None:
-            if nblk != 1:
-                raise ValueError(f"route lists are made by one program: at most {bn} tokens, got {n}")
-            sorted_ids, expert_ids, padded, block = lists
-            meta |= dict(sorted_ptr=sorted_ids, experts_ptr=expert_ids, padded_ptr=padded, SLOTS=sorted_ids.numel(),
-                         TILES=expert_ids.numel(), LISTS=True, R_PAD=max(2, next_pow2(n * topk)), M=block)
-        else:
-            meta |= _NO_LISTS | dict(sorted_ptr=ids, experts_ptr=ids, padded_ptr=ids)
         _select_kernel[(nblk,)](logits, w, ids, rank, counts, ids, n, 0, BLOCK_N=bn, PLAN=True, ACTIVE=False,
                                 num_warps=8, **meta)
         return w, ids, (rank, counts, bn)
-    if lists is not None:
-        raise ValueError("route lists come with the plan (plan=True)")
     if n > DECODE_ROUTER_ROWS:
         raise ValueError(f"the decode router holds every token in one program (N <= {DECODE_ROUTER_ROWS}, got {n})")
     s = min(e, n * topk)
@@ -223,41 +199,8 @@ def router_select(logits: torch.Tensor, topk: int, norm_topk: bool, plan: bool,
     # one tile of DECODE_ROUTER_ROWS rows whatever n is: the softmax and top-k sums of a token are laid out,
     # and so rounded, the same in every batch (batch invariance)
     _select_kernel[(1,)](logits, w, ids, ids, ids, active, n, s, BLOCK_N=DECODE_ROUTER_ROWS, PLAN=False,
-                         ACTIVE=True, num_warps=2, sorted_ptr=ids, experts_ptr=ids, padded_ptr=ids, **_NO_LISTS, **meta)
+                         ACTIVE=True, num_warps=2, **meta)
     return w, ids, active
-
-
-@triton.jit
-def align_lists(ids_ptr, sorted_ptr, experts_ptr, padded_ptr, ROWS, SLOTS, TILES, E: tl.constexpr,
-                E_PAD: tl.constexpr, R_PAD: tl.constexpr, M: tl.constexpr, CHUNK: tl.constexpr):
-    """humming's indexed GEMM's route lists (quant/humming.py `align_reference` says what they are) of the
-    ROWS routes at ids_ptr, in the calling program (it holds them all)."""
-    # one program holds every route of the call (a decode step's: at most INDEXED_MAX_ROWS * k); each output
-    # element has one writer, as a slot finds its route (not a route its slot: no scatter, no barrier)
-    ri = tl.arange(0, R_PAD)
-    re = tl.arange(0, E_PAD)
-    mr = ri < ROWS
-    me = re < E
-    e = tl.load(ids_ptr + ri, mask=mr, other=-1)
-    hit = (e[:, None] == re[None, :]) & mr[:, None]
-    hot = hit.to(tl.int32)
-    padded = (tl.sum(hot, axis=0) + M - 1) // M * M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    rank = tl.sum(tl.where(hit, tl.cumsum(hot, axis=0) - hot, 0), axis=1)     # the routes to its expert before it
-    tl.store(padded_ptr, tl.sum(padded, axis=0))
-    for p0 in range(0, SLOTS, CHUNK):
-        p = p0 + tl.arange(0, CHUNK)
-        e_p = tl.sum(((ends[None, :] <= p[:, None]) & me[None, :]).to(tl.int32), axis=1)      # the slot's expert
-        at = p - tl.sum(tl.where(re[None, :] == e_p[:, None], starts[None, :], 0), axis=1)    # its place there
-        want = (e[None, :] == e_p[:, None]) & (rank[None, :] == at[:, None])
-        src = tl.max(tl.where(want, ri[None, :], -1), axis=1)
-        tl.store(sorted_ptr + p, tl.where(src >= 0, src, ROWS), mask=p < SLOTS)
-    for b0 in range(0, TILES, CHUNK):
-        b = b0 + tl.arange(0, CHUNK)
-        e_b = tl.sum(((ends[None, :] <= (b * M)[:, None]) & me[None, :]).to(tl.int32), axis=1)
-        tl.store(experts_ptr + b, tl.minimum(e_b, E - 1), mask=b < TILES)
-
 
 
 @triton.jit

@@ -23,9 +23,8 @@ others, which are rounded toward zero).
                                      variants' linears; one weighted finalize:
       grouped (above the pack's indexed_rows)  routing and permutation as the `grouped` variant (moe/cuda.py),
                                      the GEMMs grouped-contiguous over the experts' rows of the permuted copy;
-      indexed (up to indexed_rows: 1-2 rows)   the same routing, whose launch also lists each expert's routes in
-                                     blocks of the GEMM's M tile (`align`'s lists: moe/triton_kernels.py
-                                     `align_lists`, no launch of its own), and humming's INDEXED GEMMs
+      indexed (up to indexed_rows: 1-2 rows)   the same routing, then `align` (one tiny kernel) lists each expert's
+                                     routes in blocks of the GEMM's M tile, and humming's INDEXED GEMMs
                                      gather their input rows themselves and write one row per (token,
                                      choice): no permutation, no copy of x, no inverse map in the finalize.
 
@@ -297,7 +296,31 @@ def align_reference(ids: torch.Tensor, experts: int, block: int) -> tuple[torch.
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, experts_ptr, padded_ptr, ROWS, SLOTS, TILES, E: tl.constexpr,
                   E_PAD: tl.constexpr, R_PAD: tl.constexpr, M: tl.constexpr, CHUNK: tl.constexpr):
-    tk.align_lists(ids_ptr, sorted_ptr, experts_ptr, padded_ptr, ROWS, SLOTS, TILES, E, E_PAD, R_PAD, M, CHUNK)
+    # one program holds every route of the call (a decode step's: at most INDEXED_MAX_ROWS * k); each output
+    # element has one writer, as a slot finds its route (not a route its slot: no scatter, no barrier)
+    ri = tl.arange(0, R_PAD)
+    re = tl.arange(0, E_PAD)
+    mr = ri < ROWS
+    me = re < E
+    e = tl.load(ids_ptr + ri, mask=mr, other=-1)
+    hit = (e[:, None] == re[None, :]) & mr[:, None]
+    hot = hit.to(tl.int32)
+    padded = (tl.sum(hot, axis=0) + M - 1) // M * M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    rank = tl.sum(tl.where(hit, tl.cumsum(hot, axis=0) - hot, 0), axis=1)     # the routes to its expert before it
+    tl.store(padded_ptr, tl.sum(padded, axis=0))
+    for p0 in range(0, SLOTS, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        e_p = tl.sum(((ends[None, :] <= p[:, None]) & me[None, :]).to(tl.int32), axis=1)      # the slot's expert
+        at = p - tl.sum(tl.where(re[None, :] == e_p[:, None], starts[None, :], 0), axis=1)    # its place there
+        want = (e[None, :] == e_p[:, None]) & (rank[None, :] == at[:, None])
+        src = tl.max(tl.where(want, ri[None, :], -1), axis=1)
+        tl.store(sorted_ptr + p, tl.where(src >= 0, src, ROWS), mask=p < SLOTS)
+    for b0 in range(0, TILES, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        e_b = tl.sum(((ends[None, :] <= (b * M)[:, None]) & me[None, :]).to(tl.int32), axis=1)
+        tl.store(experts_ptr + b, tl.minimum(e_b, E - 1), mask=b < TILES)
 
 
 def align(ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -409,32 +432,28 @@ def _grouped(x, gate, w1: QWeight, w2: QWeight, micro_start: int, micro_count: i
                        x.dtype), inv
 
 
-def _routes(lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lay: KernelLayout, top_k: int) -> dict:
-    """An indexed GEMM's routing arguments: `align`'s lists (sorted_ids, expert_ids, num_tokens_padded) for the
-    M tile of its kernel at these routes."""
-    sorted_ids, expert_ids, padded = lists
+def _routes(ids: torch.Tensor, lay: KernelLayout, top_k: int) -> dict:
+    """An indexed GEMM's routing arguments: `align`'s lists for the M tile of its kernel at these routes."""
+    config: Config = lay.config
+    block = block_rows(config.blocks, ids.numel())
+    sorted_ids, expert_ids, padded = align(ids, lay.shape[-3], block)
     return dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_tokens_padded=padded, top_k=top_k,
-                compute_config=COMPUTE_INDEXED, tuning_config=lay.config.indexed)
+                compute_config=COMPUTE_INDEXED, tuning_config=config.indexed)
 
 
 def _indexed(x, gate, w1: QWeight, w2: QWeight, micro_start: int, micro_count: int, topk: int, norm_topk: bool):
     """The grouped path's routing (router_select with its plan, whose counts go unused: the same weights bit
-    for bit, so a row's output does not change where its batch crosses the pack's indexed_rows), which also
-    writes GEMM1's route lists (`align`'s, in the same launch), then the indexed GEMMs: GEMM1 gathers the rows
-    of x itself (row t*k+j of its output: token t's j-th choice), GEMM2 reads those rows as they are (top_k 1;
-    its own lists only where its M tile differs) -> (weights, [N*k, H] in route order, None)."""
-    routes, experts = x.shape[0] * topk, w1.layout.shape[-3]
-    block = block_rows(w1.layout.config.blocks, routes)
-    slots, tiles = align_sizes(routes, experts, block)
-    lists = tuple(_empty(n, dtype=torch.int32, device=x.device) for n in (slots, tiles, 1))
-    w, ids, _ = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=True, lists=(*lists, block))
-    up = _routes(lists, w1.layout, topk)
+    for bit, so a row's output does not change where its batch crosses the pack's indexed_rows), `align`'s route
+    lists, then the indexed GEMMs: GEMM1 gathers the rows of x itself (row t*k+j of its output: token t's
+    j-th choice), GEMM2 reads those rows as they are (top_k 1) -> (weights, [N*k, H] in route order, None)."""
+    w, ids, _ = tk.router_select(tk.router_logits(x, gate), topk, norm_topk, plan=True)
+    routes = ids.numel()
+    up = _routes(ids, w1.layout, topk)
     down_config: Config = w2.layout.config
-    down_block = block_rows(down_config.blocks, routes)
-    if down_block == block:                                  # the same lists
+    if block_rows(w1.layout.config.blocks, routes) == block_rows(down_config.blocks, routes):     # the same lists
         down = dict(up, top_k=1, tuning_config=down_config.indexed)
     else:
-        down = _routes(align(ids, w2.layout.shape[-3], down_block), w2.layout, 1)
+        down = _routes(ids, w2.layout, 1)
     return w, _experts(*_rows(x, w1), w1, w2, micro_start, micro_count, routes, up, down, x.dtype), None
 
 
