@@ -104,6 +104,9 @@ def test_fixed_for_this_machine_and_the_checkpoint(tiny_dir, monkeypatch):
         EngineConfig(tiny_dir, device="cuda", world_size=2, step_policy="overlap").with_plan().for_checkpoint(info)
     EngineConfig(tiny_dir, device="cuda", world_size=1, step_policy="overlap").with_plan().for_checkpoint(info)
     EngineConfig(tiny_dir, device="cpu", world_size=2, step_policy="overlap").with_plan().for_checkpoint(info)
+    # no policy asked: auto (the engine's choice by plan and device) passes everywhere
+    assert EngineConfig(tiny_dir).step_policy == "auto"
+    EngineConfig(tiny_dir, device="cuda", world_size=2).with_plan().for_checkpoint(info)
     # a named kernel family of quantized packs on the CPU (which dequantizes them at load): refused, saying why
     for kw, words in ((dict(moe_kernels="humming-fp8"), "--moe-kernels humming-fp8 runs on a Hopper GPU"),
                       (dict(mxfp8_kernels="fp8"), "--mxfp8-kernels fp8 runs on a CUDA GPU")):

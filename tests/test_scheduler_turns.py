@@ -125,6 +125,18 @@ def test_an_unknown_policy_is_refused(tiny):
         make_engine(tiny, preview_every=0).new_scheduler(policy="fifo")
 
 
+def test_the_default_policy_is_overlap_on_one_gpu_and_interleave_elsewhere(tiny):
+    """No policy asked (--step-policy auto): overlap on one GPU, the fastest measured there; interleave on
+    several GPUs (which refuse overlap) and on a CPU (no second stream); a policy asked for is kept."""
+    from engine.parallel.plan import check_step_policy, default_step_policy
+    assert default_step_policy(1, "cuda") == "overlap"
+    assert default_step_policy(4, "cuda") == default_step_policy(1, "cpu") == "interleave"
+    check_step_policy(default_step_policy(4, "cuda"), 4, "cuda")
+    assert make_engine(tiny, preview_every=0).scheduler.policy == "interleave"
+    assert make_engine(tiny, preview_every=0, step_policy="waves").scheduler.policy == "waves"
+    assert make_engine(tiny, preview_every=0, step_policy="waves").new_scheduler(policy="overlap").policy == "overlap"
+
+
 def test_overlap_is_refused_across_gpus_and_kept_on_one():
     """Overlap's second stream would run two NCCL communicators' collectives at once on several GPUs (a
     possible hang): refused there before anything loads, with what to use instead; one GPU, the CPU's

@@ -333,7 +333,8 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
             "engine_steps": scheduler.steps, "captures": sum(pipe.graphs.captures.values()) - captured,
             "requests_per_forward": scheduler.denoising.member_steps / max(1, scheduler.denoising.forwards),
             "tokens_per_s": sum(token_rates) / len(token_rates) if token_rates else float("nan"),
-            "tokens_per_s_min": min(token_rates, default=float("nan")), "policy": policy or "default",
+            "tokens_per_s_min": min(token_rates, default=float("nan")),
+            "policy": policy or f"default ({scheduler.policy}:{scheduler.k})",
             "cot_tokens": sum(reader.cot_tokens) / len(reader.cot_tokens) if reader.cot_tokens else float("nan"),
             "lookahead": scheduler.lookahead,
             # per denoise turn, the other requests waiting for a step of the same key (denoise batching's room)

@@ -163,6 +163,14 @@ def get_plan(name: str | None, world: int | None = None, sp_kind: str | None = N
     return plan
 
 
+def default_step_policy(world: int, device_type: str) -> str:
+    """The step policy an engine takes when none is asked for: `overlap` on one GPU, where it was the fastest
+    or level in every serving run measured (docs/benchmarks.md: 4 and 16 clients on triton's decode, 4 on
+    humming-fp8's), `interleave` elsewhere (several GPUs refuse overlap, check_step_policy; a CPU has no
+    second stream to overlap on)."""
+    return "overlap" if world == 1 and device_type == "cuda" else "interleave"
+
+
 def check_step_policy(policy: str, world: int, device_type: str) -> None:
     """Refuse `overlap` on several GPUs: its image lane would run the denoise phase's collectives (the TP /
     SP communicators) beside the decode's (the AR communicator) on another stream, and NCCL does not order

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from engine.model.kernel_layouts import fold_mxfp8_weights, humming_hint, kernels_text, lay_out_experts
-from engine.parallel.plan import check_step_policy
+from engine.parallel.plan import check_step_policy, default_step_policy
 from engine.model.loader import LoadedModel, load, parse_dtype
 from engine.model.lora import load_adapter
 from engine.model.lora_merge import merge_adapter
@@ -122,7 +122,8 @@ class Engine:
         mxfp8_kernels = fold_mxfp8_weights(loaded.model, config.mxfp8_kernels, moe_kernels)
         options = EngineOptions(max_batch=config.max_batch, max_denoise_batch=config.max_denoise_batch,
                                 preview_every=config.preview_every, cfg_serial=config.cfg_serial,
-                                cuda_graph=config.cuda_graph, step_policy=config.step_policy,
+                                cuda_graph=config.cuda_graph,
+                                step_policy=None if config.step_policy == "auto" else config.step_policy,
                                 decode_lookahead={"on": True, "off": False}.get(config.decode_lookahead),
                                 prefix_cache_bytes=config.prefix_cache_mb << 20,
                                 encoding_cache_bytes=config.encoding_cache_mb << 20)
@@ -134,17 +135,20 @@ class Engine:
         return engine
 
     def new_scheduler(self, decode_steps_per_denoise: int = DECODE_STEPS_PER_DENOISE,
-                      policy: str = "interleave", lookahead: bool | None = None) -> Scheduler:
+                      policy: str | None = None, lookahead: bool | None = None) -> Scheduler:
         """A scheduler over this engine's shared resources (one at a time holds requests: it owns their
-        order in the KV pool and the denoise batch), with its step policy (engine/runtime/scheduler.py) and
-        decode `lookahead` (None: the engine's option, whose None is on a GPU)."""
+        order in the KV pool and the denoise batch), with its step `policy` (engine/runtime/scheduler.py;
+        None: the engine's option, whose None is plan.default_step_policy) and decode `lookahead` (None: the
+        engine's option, whose None is on a GPU)."""
         ctx = self.ctx
         denoising = DenoiseBatch(self.loaded.model, ctx.pool, ctx.heads.denoise, self.groups.denoise, ctx.graphs,
                                  self.options.max_denoise_batch)
+        device = self.loaded.model.device.type
+        policy = policy or self.options.step_policy or default_step_policy(self.groups.plan.world, device)
         if lookahead is None:
             lookahead = self.options.decode_lookahead
         if lookahead is None:
-            lookahead = self.loaded.model.device.type == "cuda"
+            lookahead = device == "cuda"
         return Scheduler(self.program, ctx.pool, denoising, ctx.agree, self.loaded.tok.vocab_size,
                          decode_steps_per_denoise, policy, lookahead)
 
@@ -174,8 +178,9 @@ class Engine:
         yield from self.run_prepared(p, cancelled)
 
     def run_prepared(self, p: Prepared, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
-        """The prepared request `p` alone through a scheduler of its own, to its end (`run`, the warm-up)."""
-        scheduler = self.new_scheduler()
+        """The prepared request `p` alone through a scheduler of its own, to its end (`run`, the warm-up):
+        interleave's, whatever the engine's policy, since one request has no other work to overlap with."""
+        scheduler = self.new_scheduler(policy="interleave")
         news = StepNews(join=((0, p),))
         while True:
             scheduler.step(news)

@@ -16,7 +16,8 @@ class EngineOptions:
     preview_every: int = 1              # a step preview every this many denoise steps (0: none)
     cfg_serial: bool = False            # CFG branches one after the other (less activation memory)
     cuda_graph: bool = True             # steps as CUDA-graph replays where every kernel can be captured
-    step_policy: str = "interleave"     # how decode and denoise steps share the device (scheduler.POLICIES)
+    # how decode and denoise steps share the device (scheduler.POLICIES); None: plan.default_step_policy
+    step_policy: str | None = None
     # each decode step launches the next before its tokens are read (scheduler.py, 3.); None: on a GPU (on a
     # CPU the forward launched ahead runs before the read, hiding nothing)
     decode_lookahead: bool | None = None

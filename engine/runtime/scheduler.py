@@ -47,6 +47,8 @@ alone (only the order of the work changes):
   code, the same results). One GPU only: on several, the two streams would run two NCCL communicators'
   collectives at once, which NCCL does not order alike on every rank (parallel/plan.py check_step_policy
   refuses it).
+An engine asked for no policy takes overlap on one GPU and interleave elsewhere (parallel/plan.py
+default_step_policy: overlap was the fastest or level in every serving run measured on one GPU).
 K counts steps, not seconds, and the turns are chosen from the requests' needs and counts only: every rank
 makes the same decision without a clock.
 

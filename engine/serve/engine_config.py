@@ -88,11 +88,12 @@ class EngineConfig:
                                "says why)", type=int)
     max_denoise_batch: int = option(1, "requests of one resolution bucket whose denoise steps share one forward",
                                     type=int)
-    step_policy: str = option("interleave", "how decode and denoise steps share the GPU: interleave (a denoise "
-                                             "step after every 8 decode steps), waves (the admitted requests' "
-                                             "reasoning decoded together, then their images), overlap (interleave "
-                                             "with the image work on a second CUDA stream; one GPU)",
-                              choices=["interleave", "waves", "overlap"])
+    step_policy: str = option("auto", "how decode and denoise steps share the GPU: interleave (a denoise "
+                                       "step after every 8 decode steps), waves (the admitted requests' "
+                                       "reasoning decoded together, then their images), overlap (interleave "
+                                       "with the image work on a second CUDA stream; one GPU); auto: overlap on "
+                                       "one GPU, interleave elsewhere (the fastest measured, docs/benchmarks.md)",
+                              choices=["auto", "interleave", "waves", "overlap"])
     decode_lookahead: str = option("auto", "each AR decode step launches the next before its tokens reach the host, "
                                            "so the GPU runs it while the host reads them (auto: on a GPU)",
                                    choices=["auto", "on", "off"])
