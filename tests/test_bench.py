@@ -62,6 +62,12 @@ def test_dry_run_writes_json_and_tables(tmp_path, args):
     assert data["rows"] or data["checks"]
     text = (tmp_path / f"{args[0]}.txt").read_text()
     assert text.startswith("# python -m bench " + args[0]) and "(dry run)" in text
+    if args[0] == "serving":            # each closed row against the 1-client closed row of its policy and batch
+        closed = [r for r in data["rows"] if r.get("mode") == "closed"]
+        for r in closed:
+            alone = [a for a in closed if a["clients"] == 1 and all(a[k] == r[k] for k in
+                                                                   ("max_denoise_batch", "policy", "lookahead"))]
+            assert len(alone) == 1 and r["p90_over_alone"] == pytest.approx(r["p90_s"] / alone[0]["p50_s"]), r
 
 
 def test_a_gpu_suite_without_a_gpu_says_so(tmp_path):

@@ -49,7 +49,7 @@ it missed); `captures` counts the graphs
 captured during the timed runs (denoise step keys are per bucket, rows and TAIL_GRAIN of prompt + CoT
 length; a batch of n requests is its own key, at its members' largest tail; --greedy gives every request
 the same CoT).
---dry: the tiny config on the CPU (fp32), 2 clients, 2 steps, 4 CoT tokens, Poisson arrivals 10x faster
+--dry: the tiny config on the CPU (fp32), 1 then 2 clients, 2 steps, 4 CoT tokens, Poisson arrivals 10x faster
 (no idle waits): the driver and the checks only (--rates as given: on the CPU, figures of the CPU).
 """
 from __future__ import annotations
@@ -343,7 +343,7 @@ def serve(pipe: Engine, make: Callable[[int], Request], clients: int, per_client
 
 def run(args: argparse.Namespace, out: Output) -> bool:
     dev = "cpu" if args.dry else "cuda"
-    clients = [int(c) for c in args.clients.split(",") if c] if not args.dry else [2] if args.clients else []
+    clients = [int(c) for c in args.clients.split(",") if c] if not args.dry else [1, 2] if args.clients else []
     per_client = args.per_client if not args.dry else 1
     cot = 4 if args.dry else args.cot
     rows, ok = [], True
@@ -419,9 +419,11 @@ def serve_policy(pipe: Engine, make: Callable[[int], Request], args: argparse.Na
                  batch: int, steps: int, cot: int, clients: list[int], per_client: int, rows: list,
                  out: Output, lookahead: bool | None = None) -> bool:
     """The closed and Poisson runs at each client count and the open-loop runs, with step `policy` and decode
-    `lookahead` (None: the engine's default)."""
+    `lookahead` (None: the engine's default). A closed row's "p90 / alone" divides by the 1-client closed
+    row's latency of the same policy when that ran first (issue 42's bar: p90 at 4 clients <= 2x alone)."""
     ok = True
     ahead = {"lookahead": lookahead}
+    alone: float | None = None                    # the 1-client closed run's latency, when it ran first
     for n in clients:
         runs = {"closed": serve(pipe, make, n, per_client, args.max_batch, None, profile=args.profile, policy=policy,
                                 **ahead)}
@@ -436,6 +438,10 @@ def serve_policy(pipe: Engine, make: Callable[[int], Request], args: argparse.Na
                    "cot": cot} | r
             if mode == "poisson":
                 row["rate_per_s"] = rate
+            elif n == 1 and r["captures"] == 0:
+                alone = r["p50_s"]
+            if mode == "closed" and alone:
+                row["p90_over_alone"] = r["p90_s"] / alone
             rows.append(row)
             ok = ok and complete(r)
             out.say(f"{build} denoise batch {batch} {r['policy']} lookahead {r['lookahead']} {mode} x{n}: "
