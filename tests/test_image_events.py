@@ -69,6 +69,26 @@ def test_an_edit_that_takes_its_references_aspect_is_resized_where_its_pixels_ar
     assert (plain.width, plain.height) == (304, 208) and np.asarray(plain.data).shape == (208, 304, 3)
 
 
+def test_an_aligned_edit_previews_at_its_final_aspect(tiny):
+    """The step previews take the final image's aspect (at their own scale): with `stretch` the reference's,
+    without it the bucket's (which the pooled latent, 19x13 -> 9x6, does not keep by itself), so the picture
+    does not change shape when the image arrives."""
+    ref = PILImage.fromarray(np.random.default_rng(1).integers(0, 256, (200, 280, 3), dtype=np.uint8))
+    req = dict(prompt="make it blue", bot_task="image", size="208x304", steps=3, seed=3, images=[ref])
+    engine = make_engine(tiny, preview_every=1, preview_share=1.0)
+    for stretch, aspect in ((True, 303 / 216), (False, 304 / 208)):       # the final image's sizes
+        events = list(engine.run(Request(**req, stretch=stretch)))
+        previews = [np.asarray(PILImage.open(io.BytesIO(e.preview))) for e in events
+                    if isinstance(e, Step) and e.preview_data is not None]
+        assert previews, stretch
+        for a in previews:
+            h, w = a.shape[:2]
+            assert abs(w / h - aspect) <= 1 / h, (stretch, w, h)    # within a row's rounding
+        if stretch:
+            assert isinstance(next(e for e in events if isinstance(e, Step) and e.preview_data is not None)
+                              .preview_data, bytes)
+
+
 def test_resized_pixels_are_read_only_when_asked_for_and_once():
     class Lazy:
         reads = 0

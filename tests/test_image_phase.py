@@ -177,7 +177,7 @@ def test_previews_keep_to_their_share_of_the_denoise_time(tiny, monkeypatch):
 
     import engine.runtime.program as program
 
-    def slow_preview(ctx, x0):     # a preview as costly as a CPU VAE decode
+    def slow_preview(ctx, x0, aligned=None):     # a preview as costly as a CPU VAE decode
         time.sleep(0.05)
         return b"png"
 

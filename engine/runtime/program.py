@@ -327,13 +327,15 @@ def _steps(ctx: Context, run: _Run, runner: DenoiseRunner, key: tuple, cfg_on: b
     sampler = FlowSampler(noise, p.steps, ctx.loaded.gen.flow_shift, p.guidance, cfg_on, cfg.cfg_distilled,
                           cfg.cfg_distilled and model.timestep_r_emb is not None)
     every, share = ctx.options.preview_every, ctx.options.preview_share
+    f = cfg.vae_downsample_factor
+    aligned = _aligned(ctx, p, (hw[1] * f[1], hw[0] * f[0]))     # the final image's size, if stretched
     for i in range(p.steps):
         x0 = sampler.update(i, (yield DenoiseStep(key, i, StepInput(runner, i, sampler.inputs(i)))))
         png = None
         if ctx.groups.is_leader and every and (i + 1) % every == 0 and i + 1 < p.steps and \
                 spent <= share * (time.perf_counter() - t0 - spent):
             tp = time.perf_counter()
-            png = _preview(ctx, x0[:1])
+            png = _preview(ctx, x0[:1], aligned)
             spent += time.perf_counter() - tp
         yield Step(i + 1, p.steps, png)
     run.spans["steps"].stop()
@@ -357,10 +359,9 @@ def _images(ctx: Context, run: _Run, x: torch.Tensor, full_text: str) -> Generat
             vae.stop()
         pixels = host_pixels(out)
         size = (out.shape[-1], out.shape[-2])
-        if p.stretch and p.images:
-            aligned = reference_size(size, [i.size for i in p.images], lm.buckets, lm.cfg.image_base_size)
-            if aligned is not None:
-                pixels, size = Resized(pixels, aligned), aligned
+        aligned = _aligned(ctx, p, size)
+        if aligned is not None:
+            pixels, size = Resized(pixels, aligned), aligned
         yield Image(pixels, size[0], size[1], p.seed + k, k)          # its PNG encoded where asked
 
     def settle(timings: Timings) -> None:      # where Done's timings are read: the work is done by then
@@ -391,8 +392,20 @@ def _adapter_slot(ctx: Context, p: Prepared) -> int:
         raise RequestError(f"the LoRA adapter {p.lora!r} is no longer loaded", "lora") from None
 
 
-def _preview(ctx: Context, x0: torch.Tensor) -> np.ndarray | HostPixels:
-    """A small PNG of the current clean-image estimate (VAE decode of a pooled latent)."""
+def _aligned(ctx: Context, p: Prepared, size: tuple[int, int]) -> tuple[int, int] | None:
+    """The (width, height) an output of `size` is resized to when the request takes its first reference's
+    aspect (`stretch`, the official infer_align_image_size; images.reference_size); None: it keeps `size`."""
+    if not (p.stretch and p.images):
+        return None
+    lm = ctx.loaded
+    return reference_size(size, [i.size for i in p.images], lm.buckets, lm.cfg.image_base_size)
+
+
+def _preview(ctx: Context, x0: torch.Tensor,
+             aligned: tuple[int, int] | None = None) -> np.ndarray | HostPixels | Resized:
+    """A small PNG of the current clean-image estimate (VAE decode of a pooled latent) at the final image's
+    aspect (`aligned`: its size where it takes its reference's; else its bucket's), resized where read like
+    the final image when the pooled one's differs, so the picture keeps its shape from the first preview on."""
     model = ctx.loaded.model
     tokens = ctx.options.preview_tokens or (256 if model.device.type == "cuda" else 64)
     h, w = x0.shape[-2:]
@@ -401,4 +414,9 @@ def _preview(ctx: Context, x0: torch.Tensor) -> np.ndarray | HostPixels:
         k *= 2
     z = F.avg_pool2d(x0.float(), k) if k > 1 else x0.float()
     # no host sync here: its pixels are read and its PNG encoded where asked (events.Step; the worker's sender)
-    return host_pixels(model.decode_image(z)[0])
+    out = model.decode_image(z)[0]
+    f = ctx.loaded.cfg.vae_downsample_factor
+    final = aligned or (w * f[1], h * f[0])   # (width, height)
+    ph, pw = out.shape[-2:]                   # its height kept, its width from the final image's aspect (the
+    width = max(1, round(ph * final[0] / final[1]))        # pooling's floor may have moved it: 19x13 -> 9x6)
+    return host_pixels(out) if width == pw else Resized(host_pixels(out), (width, ph))
