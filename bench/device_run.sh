@@ -18,6 +18,12 @@
 #   serving-policies  issue 42's table on humming-fp8's decode (installs the carried .whl): MXFP4 Distil tp1,
 #                  1/4/16 clients closed, --max-batch 16, policies interleave:8 and overlap:8, --max-denoise-batch 1
 #                  then 4 (the default policy and denoise batch are chosen from it)
+#   serving-default  suite serving as the server runs by default (installs the carried .whl): MXFP4 Distil tp1 on
+#                  humming-fp8, the default step policy (overlap on one GPU) and lookahead, a preview every step,
+#                  the warm-up first, 1/4/16 clients closed, --max-batch 16
+#   serving-ab     issue 42's same-kernels A/B (carry .ab/c6abc07: `git archive c6abc07` without assets, tests,
+#                  train, docs): c6abc07's scheduler, then today's (its defaults), both on triton's kernels, 1/4/16
+#                  clients, --max-batch 16
 #   lookahead      suite serving on humming-fp8 (installs the carried .whl): MXFP4 Distil tp1, 1 and 16 clients closed,
 #                  --max-batch 16, the decode steps launched ahead off then on (scheduler.py 3.)
 #   mxfp8-fold     `--mxfp8-kernels fp8` (installs the carried .whl): suite one-gpu, MXFP4 Distil on humming
@@ -141,6 +147,19 @@ for section in "$@"; do
         --max-batch 16 --arrivals closed --moe-kernels humming-fp8 --mxfp8-kernels fp8 \
         --policy interleave:8,overlap:8 \
         --max-denoise-batch 1,4 --out "$OUT/serving-policies" ;;
+    serving-default)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      mkdir -p "$OUT/serving-default"
+      run serving_default 560 python3 -m bench serving --builds mxfp4-distil --clients 1,4,16 --per-client 1 \
+        --max-batch 16 --arrivals closed --moe-kernels humming-fp8 --warmup --previews 1 --out "$OUT/serving-default" ;;
+    serving-ab)
+      mkdir -p "$OUT/serving-ab-old" "$OUT/serving-ab-new"
+      rm -rf /tmp/old && cp -r .ab/c6abc07 /tmp/old && ln -s "$PWD/assets" /tmp/old/assets
+      (cd /tmp/old && run serving_ab_old 280 python3 -m bench serving --builds mxfp4-distil --clients 1,4,16 \
+        --per-client 1 --max-batch 16 --out "$OUT/serving-ab-old")
+      run serving_ab_new 280 python3 -m bench serving --builds mxfp4-distil --clients 1,4,16 --per-client 1 \
+        --max-batch 16 --arrivals closed --moe-kernels triton --out "$OUT/serving-ab-new" ;;
     lookahead)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
