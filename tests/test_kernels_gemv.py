@@ -110,13 +110,16 @@ def test_interp_gemv_every_code_value(qg):
 
 def test_interp_prep_of_fp8_rows_is_quantize_rows_fake_then_prep(qg):
     """The FP8 GEMVs' activations in one launch: bit for bit quantizing and dequantizing each row
-    (quantize_rows(fake=True)) and then preparing it; a zero row included."""
+    (quantize_rows(fake=True)) and then preparing it; a zero row included; a row read once (its tile in
+    registers) and one longer than FP8_PREP_ONE_PASS_WORDS words, read twice."""
     from hunyuan_kernels.quant import triton_kernels as qt
     g = torch.Generator().manual_seed(12)
-    x = (torch.randn(5, 1040, generator=g) * torch.rand(5, 1, generator=g) * 16).bfloat16()
-    x[2] = 0
-    got = poisoned(qg.prep, x, "fp8", fp8_rows=True)
-    assert torch.equal(got, qg.prep(qt.quantize_rows(x, fake=True), "fp8"))
+    for k in (1040, 4 * qg.FP8_PREP_ONE_PASS_WORDS + 16):
+        x = (torch.randn(3, k, generator=g) * torch.rand(3, 1, generator=g) * 16).bfloat16()
+        x[1] = 0
+        x[2, k - 3] = 900.0                       # the amax in the row's last words (the second pass's tile)
+        got = poisoned(qg.prep, x, "fp8", fp8_rows=True)
+        assert torch.equal(got, qg.prep(qt.quantize_rows(x, fake=True), "fp8")), k
 
 
 def test_interp_prep_is_the_phase_major_prescaled_layout(qg):

@@ -257,25 +257,50 @@ def _prep_kernel(x_ptr, out_ptr, KW, stride_x, stride_o, PH_: tl.constexpr, BW: 
 
 
 @triton.jit
-def _prep_fp8_kernel(x_ptr, out_ptr, KW, stride_x, stride_o, PH_: tl.constexpr, BW: tl.constexpr):
+def _fp8_prep_store(x_ptr, out_ptr, r, stride_o, KW, w, q, m, v, scale, PH_: tl.constexpr):
+    """v (x's tile as fp32) quantized by `scale` to E4M3, dequantized, rounded to x's dtype, stored prepared."""
+    c = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+    d = (c.to(tl.float32) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + r * stride_o + q[None, :] * KW + w[:, None], d * X_SCALE, mask=m)
+
+
+@triton.jit
+def _fp8_scale(a):
+    return tl.where(a > 0, tl.div_rn(a, tl.full((), FP8_MAX, tl.float32)), 1.0)
+
+
+@triton.jit
+def _prep_fp8_kernel(x_ptr, out_ptr, KW, stride_x, stride_o, PH_: tl.constexpr, BW: tl.constexpr,
+                     ONE_PASS: tl.constexpr):
     """`_prep_kernel` of one row quantized per row to E4M3 and dequantized first (as quantize_rows(fake=True)
-    writes it, rounded to x's dtype): W8A8's activations for the FP8 GEMVs, in one launch."""
+    writes it, rounded to x's dtype): W8A8's activations for the FP8 GEMVs, in one launch. ONE_PASS: the row
+    is one tile (BW >= KW), read once and kept in registers for its quantization; else read twice (its amax,
+    then the codes)."""
     r = tl.program_id(0).to(tl.int64)
     q = tl.arange(0, PH_)
-    amax = tl.zeros((BW, PH_), dtype=tl.float32)
-    for w0 in range(0, KW, BW):
-        w = w0 + tl.arange(0, BW)
-        v = tl.load(x_ptr + r * stride_x + w[:, None] * PH_ + q[None, :], mask=(w < KW)[:, None], other=0.0)
-        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    a = tl.max(tl.max(amax, axis=1), axis=0)
-    scale = tl.where(a > 0, tl.div_rn(a, tl.full((), FP8_MAX, tl.float32)), 1.0)
-    for w0 in range(0, KW, BW):
-        w = w0 + tl.arange(0, BW)
+    if ONE_PASS:
+        w = tl.arange(0, BW)
         m = (w < KW)[:, None]
         v = tl.load(x_ptr + r * stride_x + w[:, None] * PH_ + q[None, :], mask=m, other=0.0).to(tl.float32)
-        c = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-        d = (c.to(tl.float32) * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + r * stride_o + q[None, :] * KW + w[:, None], d * X_SCALE, mask=m)
+        scale = _fp8_scale(tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+        _fp8_prep_store(x_ptr, out_ptr, r, stride_o, KW, w, q, m, v, scale, PH_)
+    else:
+        amax = tl.zeros((BW, PH_), dtype=tl.float32)
+        for w0 in range(0, KW, BW):
+            w = w0 + tl.arange(0, BW)
+            v = tl.load(x_ptr + r * stride_x + w[:, None] * PH_ + q[None, :], mask=(w < KW)[:, None], other=0.0)
+            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+        scale = _fp8_scale(tl.max(tl.max(amax, axis=1), axis=0))
+        for w0 in range(0, KW, BW):
+            w = w0 + tl.arange(0, BW)
+            m = (w < KW)[:, None]
+            v = tl.load(x_ptr + r * stride_x + w[:, None] * PH_ + q[None, :], mask=m, other=0.0).to(tl.float32)
+            _fp8_prep_store(x_ptr, out_ptr, r, stride_o, KW, w, q, m, v, scale, PH_)
+
+
+# the FP8 prep reads a row of up to this many code words once (its tile in registers: at 4 columns a word and
+# 8 warps, 64 fp32 a thread), a longer one twice
+FP8_PREP_ONE_PASS_WORDS = 4096
 
 
 def prep(x: torch.Tensor, fmt: str, fp8_rows: bool = False) -> torch.Tensor:
@@ -293,8 +318,10 @@ def prep(x: torch.Tensor, fmt: str, fp8_rows: bool = False) -> torch.Tensor:
     out = _empty(*x.shape, dtype=torch.float32, device=x.device)
     rows, kw = x2.shape[0], k // ph
     if rows and fp8_rows:
-        bw = min(512, next_pow2(kw))
-        _prep_fp8_kernel[(rows,)](x2, out, kw, x2.stride(0), k, PH_=ph, BW=bw, num_warps=4)
+        one = kw <= FP8_PREP_ONE_PASS_WORDS
+        bw = next_pow2(kw) if one else 512
+        _prep_fp8_kernel[(rows,)](x2, out, kw, x2.stride(0), k, PH_=ph, BW=bw, ONE_PASS=one,
+                                  num_warps=8 if bw > 512 else 4)
     elif rows:
         bw = min(256, next_pow2(kw))
         _prep_kernel[(rows, triton.cdiv(kw, bw))](x2, out, kw, x2.stride(0), k, PH_=ph, BW=bw, num_warps=4)
