@@ -115,6 +115,12 @@ def cases(sections):
             yield f"quantize_rows fake={fake}", qt._quantize_rows_kernel, sig, dict(FAKE=fake, BLOCK=4096), 8, 3
         yield "sum_splits", qt._sum_splits_kernel, dict(p_ptr="*fp32", out_ptr="*bf16", MN="i32"), dict(
             SPLITS=4, BLOCK=1024), 4, 3
+    if "gemv" in sections:                       # the FP8 GEMVs' W8A8 prep: a row read once (K 4096, 16384), twice
+        from hunyuan_kernels.quant import gemv as qg
+        sig = dict(x_ptr="*bf16", out_ptr="*fp32", KW="i32", stride_x="i32", stride_o="i32")
+        for one, bw, warps in ((True, 1024, 8), (True, qg.FP8_PREP_ONE_PASS_WORDS, 8), (False, 512, 4)):
+            yield (f"gemv_prep_fp8 one_pass={one} BW={bw}", qg._prep_fp8_kernel, sig,
+                   dict(PH_=4, BW=bw, ONE_PASS=one), warps, 3, ("x_ptr", "out_ptr"))
 
 
 def gemv_cases(fmt: str, base: dict):
