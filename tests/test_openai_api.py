@@ -93,6 +93,7 @@ def test_models_health_and_the_page_on_one_server(app, client):
     h = app.health()
     assert h["status"] == "ok" and h["state"] == "ready" and h["queue"] == 0 and h["max_queue"] == MAX_QUEUE
     assert h["kernels"] == {"experts": "triton", "mxfp8": "triton", "text": ""}    # what multiplies quantized weights
+    assert h["scheduler"] == {"policy": "interleave", "decode_steps_per_denoise": 8, "lookahead": False}   # a CPU's
     page = httpx.get(app.url + "/", timeout=10)
     assert page.status_code == 200 and "<html" in page.text.lower()       # the studio, same port
 

@@ -341,7 +341,7 @@ class OpenAIApi:
         h = self.server.health()
         up = h.get("state") in ("ready", "busy")
         keys = ("state", "device", "plan", "world_size", "queue", "max_queue", "max_batch", "loading", "last_error",
-                "restarts", "attempt", "restart_in_s", "stall_limit_s", "warmup", "kernels")
+                "restarts", "attempt", "restart_in_s", "stall_limit_s", "warmup", "kernels", "scheduler")
         # running: requests in the engine's batch; waiting (= queue): requests queued beyond it
         body = {"status": "ok" if up else "unavailable", "model": self.info.name,
                 **{k: h.get(k) for k in keys}, "running": h.get("running") or 0, "waiting": h.get("queue") or 0,

@@ -227,6 +227,7 @@ class EngineServer(EngineClient):
                 "kernels": {"experts": self._worker_info["moe_kernels"], "mxfp8": self._worker_info["mxfp8_kernels"],
                             "text": self._worker_info.get("kernels_text", "")}
                 if "moe_kernels" in self._worker_info else None,
+                "scheduler": self._worker_info.get("scheduler"),
                 "warmup": self._worker_info.get("warmup"),
                 "worker_pids": self._workers.pids if self._workers is not None else [],
                 "ranks": self._worker_info.get("ranks", []),

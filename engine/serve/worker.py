@@ -236,9 +236,10 @@ class WorkerRank:
     def ready(self) -> None:
         lm, warmed = self.engine.loaded, self.warmed
         if self.config.verbose and self.rank == 0:
-            kernels = self.engine.ctx.kernels
+            kernels, steps = self.engine.ctx.kernels, self.engine.scheduler
             print(f"\nengine: model loaded in {lm.load_s:.1f} s on {self.dev} (plan {self.plan.name}"
-                  + (f"; {kernels}" if kernels else "") + ")", file=sys.stderr, flush=True)
+                  + (f"; {kernels}" if kernels else "") + f"; step policy {steps.policy}:{steps.k}, decode lookahead "
+                  + ("on" if steps.lookahead else "off") + ")", file=sys.stderr, flush=True)
             if self.engine.kernels_hint:
                 print(f"engine: {self.engine.kernels_hint}", file=sys.stderr, flush=True)
             if warmed is not None:
@@ -248,6 +249,10 @@ class WorkerRank:
                          "plan": self.plan.name, "moe_kernels": self.engine.moe_kernels,
                          "mxfp8_kernels": self.engine.mxfp8_kernels,
                          "kernels_text": self.engine.ctx.kernels,
+                         # how its steps share the device (the default depends on the GPUs: plan.default_step_policy)
+                         "scheduler": {"policy": self.engine.scheduler.policy,
+                                       "decode_steps_per_denoise": self.engine.scheduler.k,
+                                       "lookahead": self.engine.scheduler.lookahead},
                          "ranks": self.rank_stats(),
                          "warmup": None if warmed is None else warmed.summary()}))
 
