@@ -68,6 +68,9 @@ def test_dry_run_writes_json_and_tables(tmp_path, args):
             alone = [a for a in closed if a["clients"] == 1 and all(a[k] == r[k] for k in
                                                                    ("max_denoise_batch", "policy", "lookahead"))]
             assert len(alone) == 1 and r["p90_over_alone"] == pytest.approx(r["p90_s"] / alone[0]["p50_s"]), r
+        for r in data["rows"]:          # the slowest long CoT's rate: of a subset of the requests (NaN: none)
+            long, every = r["tokens_per_s_min_long"], r["tokens_per_s_min"]
+            assert long != long or long >= every, r
 
 
 def test_a_gpu_suite_without_a_gpu_says_so(tmp_path):
