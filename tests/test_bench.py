@@ -51,16 +51,18 @@ def test_each_suite_module_has_what_the_command_needs(name):
     ["tables", "--plans", "hybrid4", "--decode", "5", "--steps", "1"],  # the engine's code on one rank, tiny model
     ["serving", "--builds", "mxfp4-distil", "--max-denoise-batch", "2", "--lookahead", "on,off"],   # the scheduler
     ["lora", "--steps", "1"],                                         # the LoRA tables on a hybrid4 rank, tiny model
+    ["kernels-quant", "--decode", "--sections", "rows"],              # the GEMV past LINEAR_MAX_M, interpreter
 ])
 def test_dry_run_writes_json_and_tables(tmp_path, args):
     proc = bench(*args, "--dry", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / f"{args[0]}.json").read_text())
+    stem = args[0] + ("-decode" if args[:2] == ["kernels-quant", "--decode"] else "")   # its own files
+    data = json.loads((tmp_path / f"{stem}.json").read_text())
     assert data["command"] == "python -m bench " + " ".join(args + ["--dry", "--out", str(tmp_path)])
-    assert data["suite"] == args[0] and data["dry"] and data["checks_passed"] and data["date"]
+    assert data["suite"] == stem and data["dry"] and data["checks_passed"] and data["date"]
     assert data["machine"]["torch"] == torch.__version__ and data["machine"]["triton"]
     assert data["rows"] or data["checks"]
-    text = (tmp_path / f"{args[0]}.txt").read_text()
+    text = (tmp_path / f"{stem}.txt").read_text()
     assert text.startswith("# python -m bench " + args[0]) and "(dry run)" in text
     if args[0] == "serving":            # each closed row against the 1-client closed row of its policy and batch
         closed = [r for r in data["rows"] if r.get("mode") == "closed"]

@@ -4,7 +4,7 @@ checked against its reference on fresh random inputs (outputs and scratch poison
 (median of triton.testing.do_bench) next to the bf16 path of the same shape.
 
     python -m bench kernels-quant [--quick] [--tune [--tune-formats mxfp8,mxfp4,nvfp4]]
-    python -m bench kernels-quant --decode [--sweep] [--sections kernels,linear,moe]
+    python -m bench kernels-quant --decode [--sweep] [--sections kernels,linear,rows,moe]
     python -m bench kernels-quant --dry [--decode]     # CPU, Triton interpreter, tiny shapes, MX/NVFP4 only
 
 Rows: the dense linear (qkv 6144 x 4096), the grouped expert GEMMs on permuted rows (GEMM1 2I x H and
@@ -18,7 +18,8 @@ engine's setting).
 --decode: the decode GEMVs (hunyuan_kernels/quant/gemv.py), every format, each checked first: the routed gate/up
 and down kernels alone (tp1, one token; --sweep: a few tiles of each), the dense qkv / o linears of one
 token (qkv also at 8) on the "gemv" variant against the "triton" split-K tile variant of the same op (FP8:
-cuBLAS W8A8), and one MoE layer's whole decode (`moe_quant` "decode", CUDA graph) at tp1 / tp4, 1 and 8
+cuBLAS W8A8), the qkv linear's GEMV at 1..16 rows (`rows`: past gemv.LINEAR_MAX_M, each row bitwise the one it
+gives alone, against the registry's pick there), and one MoE layer's whole decode (`moe_quant` "decode", CUDA graph) at tp1 / tp4, 1 and 8
 tokens. --tune: the tile kernels' configs at one real shape each (triton_kernels.py LINEAR_*, GROUPED).
 """
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Dims:
             self.decode_moe = (("tp4", 32, 1, 0, 1),)              # (name, I, micros, start, count)
             self.denoise_moe = (("hybrid4", 32, 2, 0, 2, 37),)     # (..., tokens)
             self.decode_linear = (("qkv", 96, 1), ("qkv", 96, 5))
+            self.decode_rows = (1, 8, 12)
             self.decode_inter = 64
         else:
             self.H, self.E, self.K = 4096, 64, 8
@@ -72,6 +74,7 @@ class Dims:
             cases = (("hybrid4", 768, 2, 0, 2, 2 * 2049), ("tp1", 3072, 1, 0, 1, 8194))
             self.denoise_moe = cases[:1] if quick else cases
             self.decode_linear = (("qkv 6144x4096", 6144, 1), ("o 4096x4096", 4096, 1), ("qkv 6144x4096", 6144, 8))
+            self.decode_rows = (1, 8, 9, 12, 16)
             self.decode_inter = 3072
 
     def gen(self, seed: int) -> torch.Generator:
@@ -97,7 +100,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tune-formats", default="mxfp8,mxfp4,nvfp4", help="the formats --tune sweeps")
     ap.add_argument("--decode", action="store_true", help="only the decode GEMVs")
     ap.add_argument("--sweep", action="store_true", help="with --decode: a few tile configs of the GEMVs")
-    ap.add_argument("--sections", default="kernels,linear,moe", help="with --decode: which of kernels,linear,moe")
+    ap.add_argument("--sections", default="kernels,linear,rows,moe",
+                    help="with --decode: which of kernels,linear,rows,moe")
 
 
 def tol(fmt: str) -> float:
@@ -382,6 +386,43 @@ def decode_linear_cases(dims: Dims, rows: list, sweep: bool) -> bool:
     return ok
 
 
+def decode_rows_cases(dims: Dims, rows: list) -> bool:
+    """The dense qkv linear at a decode step's 1..16 rows on the GEMV, past gemv.LINEAR_MAX_M (called directly:
+    the registry's fits stop at it), against the variant the registry picks there (MX/NVFP4: the triton tile,
+    FP8: cuBLAS): whether the GEMV can serve a server's --max-batch 16 (issue 42 item 5). A server batch
+    stays batch invariant only while every linear stays on one kernel, so each GEMV row is also checked to
+    be bitwise the one it gives alone (the first row at m rows against the same row alone)."""
+    ok = True
+    H = dims.H
+    name, n_out, _ = dims.decode_linear[0]
+    for f in dims.fmts:
+        w = dims.qweight(f, (n_out, H), H ** -0.5, 61)
+        x = dims.randn(max(dims.decode_rows), H, seed=70)
+        gemv = ((lambda xm: qcuda.linear_fp8_gemv(xm, w.codes, w.scales)) if f == "fp8" else
+                (lambda xm: qg.linear(xm, f, w.codes, w.scales, w.gscale, w.inverse)))
+        alone = gemv(x[:1].contiguous())
+        for m in dims.decode_rows:
+            xm = x[:m].contiguous()
+            op, args = linear_op(xm, w)
+            want = variants.run(op, "torch", *args)
+            nbytes = n_out * H * BITS[f] / 8 + 2 * m * (H + n_out)
+            with poisoned():
+                got = gemv(xm)
+            check = compare(got, want, tol(f))
+            same = torch.equal(got[:1], alone)
+            ok &= check.ok and same
+            row(rows, f"linear {name} rows", m, f"{f} gemv", dims.timed(lambda: gemv(xm)), 0, nbytes, PEAK["bf16"],
+                check if same else f"{check}; row 0 differs from alone (batch variance)", "gemv direct")
+            if m > qg.LINEAR_MAX_M:          # the registry's pick at these rows (its own reference checks)
+                vname = engine_variant(op, args, dims)
+                check, fn = checked(op, vname, args, f)
+                ok &= check.ok
+                row(rows, f"linear {name} rows", m, f"{f} {vname}", dims.timed(fn), 0, nbytes, PEAK["bf16"], check,
+                    vname)
+        del w
+    return ok
+
+
 def decode_op_cases(dims: Dims, rows: list) -> bool:
     """One MoE layer's decode (`moe_quant` "decode": routed top-8 + the shared MLP) at tp1 and tp4."""
     ok = True
@@ -458,6 +499,7 @@ def run(args: argparse.Namespace, out: Output) -> bool:
         out.name = "kernels-quant-decode"
         sections = {"kernels": lambda r: decode_kernel_cases(dims, r, args.sweep),
                     "linear": lambda r: decode_linear_cases(dims, r, args.sweep),
+                    "rows": lambda r: decode_rows_cases(dims, r),
                     "moe": lambda r: decode_op_cases(dims, r)}
         chosen = [s for s in args.sections.split(",") if s in sections]
     else:
