@@ -52,6 +52,7 @@ def test_each_suite_module_has_what_the_command_needs(name):
     ["serving", "--builds", "mxfp4-distil", "--max-denoise-batch", "2", "--lookahead", "on,off"],   # the scheduler
     ["lora", "--steps", "1"],                                         # the LoRA tables on a hybrid4 rank, tiny model
     ["kernels-quant", "--decode", "--sections", "rows"],              # the GEMV past LINEAR_MAX_M, interpreter
+    ["one-gpu", "--builds", "mxfp4-distil"],                          # the whole request after the warm-up's capture
 ])
 def test_dry_run_writes_json_and_tables(tmp_path, args):
     proc = bench(*args, "--dry", "--out", str(tmp_path))
