@@ -24,6 +24,8 @@
 #   serving-ab     issue 42's same-kernels A/B (carry .ab/c6abc07: `git archive c6abc07` without assets, tests,
 #                  train, docs): c6abc07's scheduler, then today's (its defaults), both on triton's kernels, 1/4/16
 #                  clients, --max-batch 16
+#   humming-tune   suite humming-tune (installs the carried .whl): humming's indexed GEMM configs (N tile, CTAs an SM)
+#                  around its heuristics' pick at 1 and 2 rows, W4A8, 8 layers a graph: faster, same bits?
 #   lookahead      suite serving on humming-fp8 (installs the carried .whl): MXFP4 Distil tp1, 1 and 16 clients closed,
 #                  --max-batch 16, the decode steps launched ahead off then on (scheduler.py 3.)
 #   mxfp8-fold     `--mxfp8-kernels fp8` (installs the carried .whl): suite one-gpu, MXFP4 Distil on humming
@@ -160,6 +162,11 @@ for section in "$@"; do
         --per-client 1 --max-batch 16 --out "$OUT/serving-ab-old")
       run serving_ab_new 280 python3 -m bench serving --builds mxfp4-distil --clients 1,4,16 --per-client 1 \
         --max-batch 16 --arrivals closed --moe-kernels triton --out "$OUT/serving-ab-new" ;;
+    humming-tune)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      mkdir -p "$OUT/humming-tune"
+      run humming_tune 500 python3 -m bench humming-tune --ns 1,2 --out "$OUT/humming-tune" ;;
     lookahead)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

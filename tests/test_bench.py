@@ -178,3 +178,21 @@ def test_the_folds_suite_reports_each_kind_of_mx_pack(tmp_path):
     assert img["against"] == "weight-only" and 30 <= img["psnr_db"] < 120     # close, and not the same bits
     proc = bench("folds", "--out", str(tmp_path / "none"))       # the embedded model: no MX weights
     assert proc.returncode == 1 and "keeps no MXFP8 or MXFP4 weights" in proc.stdout
+
+
+def test_humming_tune_candidates_vary_n_ctas_and_stages_only():
+    """The sweep's grid: every (block N dividing the layer's N, CTAs an SM, stages), each of humming's intervals
+    up to the routes asked kept with its M and K tiles (the M tile is align's, the K tile the sums' order)."""
+    import types
+    from bench.suites.humming_tune import candidates
+    pick = {"block_shape": [8, 256, 128], "warp_shape": [8, 32, 128], "num_stages": 4, "mma_type": "wgmma"}
+    intervals = [[0, 400, pick], [400, 832, dict(pick, block_shape=[16, 256, 128], warp_shape=[16, 32, 128])]]
+    config = types.SimpleNamespace(indexed=json.dumps(intervals), layer=types.SimpleNamespace(shape_n=4160))
+    got = candidates(config, 16, [64, 128, 256], [1, 2], [4, 6])
+    assert len(got) == 1 * 2 * 2                      # 4160 = 65 x 64: only N 64 divides it
+    for label, tuning in got:
+        (lo, hi, cfg), = json.loads(tuning)           # only the interval that 16 routes can meet
+        assert (lo, hi) == (0, 400) and cfg["block_shape"] == [8, 64, 128] and cfg["warp_shape"] == [8, 16, 128]
+        assert label == f"N 64, {cfg['num_ctas_per_sm']} CTA/SM, {cfg['num_stages']} stages"
+    assert {(json.loads(t)[0][2]["num_ctas_per_sm"], json.loads(t)[0][2]["num_stages"]) for _, t in got} == \
+        {(1, 4), (1, 6), (2, 4), (2, 6)}

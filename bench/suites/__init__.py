@@ -11,6 +11,7 @@ SUITES = {
     "kernels-quant": "the quantized GEMMs and the `moe_quant` op at the real shapes (--decode: the decode GEMVs)",
     "moe-decode": "the quantized decode MoE of a batched decode step (N = 1..32) against the touched-experts floor",
     "humming": "the MXFP4 MoE layer on humming-kernels (W4A16 / W4A8, packs laid out at load) beside ours, decode and denoise",
+    "humming-tune": "humming's indexed GEMM tile configs around its heuristics' pick at a decode step's rows",
     "folds": "what folding a checkpoint's MX block scales (FP8 per channel, humming's W4A8) rounds, per kind of linear",
     "decode-attention": "the decode step's attention op against masked and sliced SDPA",
     "denoise-attention": "the denoise step's SDPA forms and the Ulysses layout copies at a hybrid4 rank's shapes",
