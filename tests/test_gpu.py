@@ -418,3 +418,37 @@ def test_the_final_image_and_its_timings_leave_the_loop_without_a_host_wait(tiny
     t = after[2]
     assert t.dit_prefill_ms > 0 and t.dit_ms_per_step > 0 and t.vae_ms > 0 and t.total_s > 0
     assert "pixels" in waits and "span" in waits
+
+
+def test_graph_captures_while_another_thread_waits_on_events():
+    """The engine loop captures graphs for new keys while the worker's sender thread waits on CUDA events (an
+    image's pixels on their way to the host, a request's timings): in CUDA's default ("global") capture mode
+    such a wait in another thread invalidates the capture. Graphs captures thread-locally: 24 captures beside
+    a thread that queries and synchronizes the loop's events without pause all succeed and replay right."""
+    import threading
+    from engine.runtime.graphs import Graphs
+    graphs, stop, waits, latest = Graphs(), threading.Event(), [0], [None]
+
+    def sender():            # as engine/serve/worker.py's Sender: events the loop recorded, waited on here
+        while not stop.is_set():
+            ev = latest[0]
+            if ev is not None:
+                ev.query()
+                ev.synchronize()
+                waits[0] += 1
+
+    t = threading.Thread(target=sender, daemon=True)
+    t.start()
+    try:
+        a = torch.randn(512, 512, device="cuda")
+        for i in range(24):
+            b = torch.full((512, 512), float(i), device="cuda")
+            ev = torch.cuda.Event()
+            ev.record()                            # the loop's earlier work, as a HostPixels copy records it
+            latest[0] = ev
+            out = graphs.replay(("probe", i), lambda b=b: (a @ b).relu())
+            torch.testing.assert_close(out, (a @ b).relu())
+    finally:
+        stop.set()
+        t.join(10)
+    assert waits[0] > 0 and sum(graphs.captures.values()) == 24

@@ -84,7 +84,13 @@ class Graphs:
             if shared and lane(key) not in self._pools:
                 self._pools[lane(key)] = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pools[lane(key)] if shared else None):
+            # thread_local: the capture forbids unsafe CUDA calls in this thread only. In the default ("global")
+            # mode a call such as an event's synchronize or query in ANY thread of the process invalidates the
+            # capture, and the worker's sender thread waits on the events of earlier requests' pixels and
+            # timings (engine/serve/worker.py `Sender`, images.HostPixels, span.py) while the loop captures a
+            # graph for a new key (PyTorch's NCCL watchdog hit the same: pytorch/pytorch#104487)
+            with torch.cuda.graph(graph, pool=self._pools[lane(key)] if shared else None,
+                                  capture_error_mode="thread_local"):
                 out = forward()
         except Exception as e:  # noqa: BLE001 - whatever failed, the key says which graph
             raise GraphCaptureError(f"CUDA-graph capture of {key} failed: {type(e).__name__}: {e}") from e
