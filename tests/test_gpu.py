@@ -236,8 +236,8 @@ def test_denoise_batch_graphs_on_cuda(tiny_dir):
 
 
 def test_step_policies_on_cuda_give_the_same_images(tiny_dir):
-    """bf16, graphs on, max_denoise_batch 2, K = 2: the overlap policy (the image phase on a second stream, its
-    graphs in a pool of their own, engine/runtime/lanes.py) gives the same tokens and the same image bytes as
+    """bf16, graphs on, max_denoise_batch 2, K = 2: the overlap policy (the image phase on a low-priority stream,
+    the AR work on a high-priority one, the image graphs in a pool of their own, engine/runtime/lanes.py) gives the same tokens and the same image bytes as
     interleave (the same kernels on the same inputs, in the same order on each lane), and waves the same
     tokens and images close to them (other batches)."""
     from engine_drive import run_together
@@ -248,6 +248,9 @@ def test_step_policies_on_cuda_give_the_same_images(tiny_dir):
         pipe = make_engine(lm, preview_every=0, max_batch=4, max_denoise_batch=2)
         events, scheduler = run_together(lm, MIXED, engine=pipe, policy=policy, decode_steps_per_denoise=2)
         assert (scheduler.lanes.side is not None) == (policy == "overlap")
+        if policy == "overlap":      # the AR lane before the image lane where both wait for an SM
+            assert scheduler.lanes.ar.priority < scheduler.lanes.side.priority, (scheduler.lanes.ar.priority,
+                                                                                  scheduler.lanes.side.priority)
         runs[policy] = [outcome(events[i]) for i in range(len(MIXED))]
     for i in range(len(MIXED)):
         base = runs["interleave"][i]

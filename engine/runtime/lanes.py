@@ -1,18 +1,25 @@
-"""The image lane: a second CUDA stream on which the overlap step policy (engine/runtime/scheduler.py) runs
-the image phase's work (the denoise batch's forwards, the members' updates, the hand-offs and VAE decodes)
-beside the default stream's AR work (slot prefills, the batched decode step and its one token read).
+"""The two lanes of the overlap step policy (engine/runtime/scheduler.py): the image lane, a CUDA stream on which
+the image phase's work runs (the denoise batch's forwards, the members' updates, the hand-offs and VAE decodes),
+beside the AR lane, the stream of the AR work (slot prefills, the batched decode step and its one token read).
 
 A memory-bound decode step can then run while a compute-bound denoise step occupies the GPU: the decode
-step's token read waits for the default stream only. What the two lanes share is ordered by the stream
-waits here, never by a host sync:
-- the image lane's work starts after what the default stream queued before it (`image`): a hand-off reads
-  the AR slot the AR phase wrote, a joining request's inputs were made there;
-- the default stream waits for the image lane (`merge`) after a request's own work (its hand-off gave its
-  AR slot back for another request's prefill; its VAE decode ended it) and before a cancel (whose clean-up
-  moves or frees rows the image lane may still be computing on).
+step's token read waits for the AR lane only. What the two lanes share is ordered by the stream waits here,
+never by a host sync:
+- the image lane's work starts after what the AR lane queued before it (`image`): a hand-off reads the AR
+  slot the AR phase wrote, a joining request's inputs were made there;
+- the AR lane waits for the image lane (`merge`) after a request's own work (its hand-off gave its AR slot
+  back for another request's prefill; its VAE decode ended it) and before a cancel (whose clean-up moves or
+  frees rows the image lane may still be computing on).
 Each request's image-phase tensors are made and freed on the image lane, so the caching allocator never
-hands the default stream a block the image lane still reads. The two lanes' CUDA graphs replay from
+hands the AR lane a block the image lane still reads. The two lanes' CUDA graphs replay from
 memory pools of their own (engine/runtime/graphs.py).
+
+The AR lane is a stream of the device's highest priority, the image lane one of its lowest (`step` runs an
+engine step's work on the AR lane): where both have blocks waiting for an SM, the GPU's block scheduler starts
+the decode step's first, so a decode kernel waits for the denoise kernel's running blocks, not for the ones
+still queued behind them (a 1024x1024 DiT step's attention and GEMMs queue more blocks than the SMs hold).
+The step is ordered after what the default stream queued before it, and the default stream's later work
+after it.
 
 Without CUDA (the CPU), or under the other policies, there is one lane: every call here does nothing, and
 the scheduler runs the same code in the same order.
@@ -27,12 +34,31 @@ import torch
 
 class Lanes:
     def __init__(self, device: torch.device | None):
-        """`device`: the CUDA device whose image lane to make; None (or a CPU device): one lane."""
-        self.side = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
+        """`device`: the CUDA device whose lanes to make; None (or a CPU device): one lane."""
+        self.ar = self.side = None
+        if device is not None and device.type == "cuda":
+            least, greatest = torch.cuda.Stream.priority_range()
+            self.ar = torch.cuda.Stream(device, priority=greatest)
+            self.side = torch.cuda.Stream(device, priority=least)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """An engine step's work on the AR lane, after what the default stream queued before it; the default
+        stream's later work after it (no host wait)."""
+        if self.ar is None:
+            yield
+            return
+        default = torch.cuda.current_stream(self.ar.device)
+        self.ar.wait_stream(default)
+        try:
+            with torch.cuda.stream(self.ar):
+                yield
+        finally:
+            default.wait_stream(self.ar)
 
     @contextlib.contextmanager
     def image(self) -> Iterator[None]:
-        """The block's work on the image lane, after what the default stream queued before it."""
+        """The block's work on the image lane, after what the current stream (the AR lane) queued before it."""
         if self.side is None:
             yield
             return
@@ -41,6 +67,6 @@ class Lanes:
             yield
 
     def merge(self) -> None:
-        """The default stream's later work waits for the image lane's queued work (no host wait)."""
+        """The current stream's later work waits for the image lane's queued work (no host wait)."""
         if self.side is not None:
             torch.cuda.current_stream(self.side.device).wait_stream(self.side)

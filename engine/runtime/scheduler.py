@@ -147,7 +147,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     def step(self, news: StepNews = StepNews()) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), self.lanes.step():
             if news.adapters:
                 self._ahead = None       # launched on the adapter tables as they were before this change
             if news.cancel:
