@@ -40,6 +40,8 @@ class Lanes:
             least, greatest = torch.cuda.Stream.priority_range()
             self.ar = torch.cuda.Stream(device, priority=greatest)
             self.side = torch.cuda.Stream(device, priority=least)
+            # a step's two waits, on events made once (an event recorded again is waited on as last recorded)
+            self._entered, self._left = torch.cuda.Event(), torch.cuda.Event()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -49,12 +51,14 @@ class Lanes:
             yield
             return
         default = torch.cuda.current_stream(self.ar.device)
-        self.ar.wait_stream(default)
+        self._entered.record(default)
+        self.ar.wait_event(self._entered)
         try:
             with torch.cuda.stream(self.ar):
                 yield
         finally:
-            default.wait_stream(self.ar)
+            self._left.record(self.ar)
+            default.wait_event(self._left)
 
     @contextlib.contextmanager
     def image(self) -> Iterator[None]:
