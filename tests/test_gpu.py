@@ -260,6 +260,35 @@ def test_step_policies_on_cuda_give_the_same_images(tiny_dir):
         assert psnr(runs["waves"][i][1], base[1]) >= 30, i
 
 
+def test_overlap_reuses_slots_and_reference_encodings_behind_a_busy_image_lane(tiny_dir):
+    """Overlap never makes the AR lane wait for the image lane's queued steps (engine/runtime/lanes.py): a hand-off's
+    AR slot drains until the image lane has read it, and the reference encodings the image phase reads are
+    recorded on that lane. Six requests (two edits with a reference image) on two AR slots, a denoise turn after
+    every decode step: slots are handed back on the image lane and taken again while it is busy, and every
+    request gives the same tokens and image bytes as under interleave."""
+    from engine_drive import run_together
+    lm = load(tiny_dir, "cuda", torch.bfloat16)
+    ref = PILImage.new("RGB", (96, 64), (200, 40, 40))
+    reqs = [dict(prompt=f"shape {i}", bot_task="think_recaption", max_new_tokens=6 + 3 * i, steps=3, seed=30 + i,
+                 greedy=True) for i in range(4)]
+    reqs += [dict(prompt="make it blue", images=[ref], bot_task="think", max_new_tokens=8, steps=3, seed=40),
+             dict(prompt="make it green", images=[ref], bot_task="image", steps=3, seed=41)]
+    runs, fenced = {}, []
+    for policy in ("interleave", "overlap"):
+        pipe = make_engine(lm, preview_every=1, max_batch=2, max_denoise_batch=2)
+
+        def watch(scheduler):
+            fence = scheduler.pool.fence
+            if fence is not None:
+                scheduler.pool.fence = lambda: fenced.append(fence()) or fenced[-1]
+        events, _ = run_together(lm, reqs, engine=pipe, on_start=watch, policy=policy, decode_steps_per_denoise=1)
+        runs[policy] = [outcome(events[i]) for i in range(len(reqs))]
+    assert len([e for e in fenced if e is not None]) >= 4          # hand-offs gave their slots back on the lane
+    for i in range(len(reqs)):
+        assert runs["overlap"][i][0] == runs["interleave"][i][0], i
+        assert np.array_equal(runs["overlap"][i][1], runs["interleave"][i][1]), i
+
+
 def test_prefill_graph_replays_equal_eager_per_bucket(tiny_dir):
     """Prefill graphs: one per length bucket, replayed for any prompt of that bucket with that prompt's own
     values (two lengths in one bucket, one in the next), bitwise equal to the eager padded prefill, and

@@ -51,3 +51,34 @@ def test_a_longer_request_waits_until_every_slot_is_free(tiny):
     assert pool.take_slot(length + 1) is None and pool.allocations == 1     # slot 0 is still held
     pool.release_slot(a)
     assert pool.take_slot(length + 1) == 0 and pool.ar_length > length and pool.allocations == 2
+
+
+def test_a_slot_given_back_on_the_image_lane_is_free_once_its_event_has_passed(tiny):
+    """Overlap (engine/runtime/lanes.py): a hand-off gives its AR slot back on the image lane, where its read of
+    the slot may still be queued; the slot is taken again only once the event recorded there has passed (a
+    query, no wait), and the AR storage does not grow while a slot drains."""
+    class Done:                               # a CUDA event as the pool uses one: recorded, then queried
+        def __init__(self):
+            self.passed = False
+
+        def query(self):
+            return self.passed
+
+    pool = make_engine(tiny, preview_every=0, max_batch=2).pool
+    events = []
+    pool.fence = lambda: events.append(Done()) or events[-1]
+    a, b = pool.take_slot(100), pool.take_slot(100)
+    pool.release_slot(a)                      # on the image lane: drains
+    assert pool.take_slot(100) is None and pool.free == [] and len(pool.draining) == 1
+    events[0].passed = True
+    assert pool.take_slot(100) == a and not pool.draining
+    length = pool.ar_length
+    pool.release_slot(a)
+    pool.release_slot(b)
+    events[2].passed = True                   # b has drained, a has not: no growth yet
+    assert pool.take_slot(length + 1) is None and pool.allocations == 1 and pool.free == [b]
+    events[1].passed = True
+    assert pool.take_slot(length + 1) == 0 and pool.ar_length > length
+    pool.fence = None                         # one lane (the CPU, the other policies): free at once
+    pool.release_slot(0)
+    assert pool.free == [0, 1]

@@ -25,6 +25,7 @@ phase writes the positions it then attends to.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -100,6 +101,11 @@ class KVPool:
         self.ar: KVCache | None = None                 # [slots + 1, heads, L, D]: the slots, then staging
         self.pos: torch.Tensor | None = None           # [slots, L, 2] each slot's position table
         self.free: list[int] = list(range(slots))      # free AR slots, lowest first (small decode buckets)
+        # slots given back by work on the overlap policy's image lane (a hand-off, which reads the slot there:
+        # engine/runtime/lanes.py), each with the event after which that lane is done with it; `fence` (the
+        # scheduler's Lanes.fence) records it, and where it gives None a slot is free at once
+        self.draining: list[tuple[int, torch.cuda.Event]] = []
+        self.fence: Callable[[], torch.cuda.Event | None] | None = None
         self.decode: DecodeStep | None = None
         self.prefill: PrefillStep | None = None
         self.denoise: KVCache | None = None            # [rows, heads, L, D] of the denoising requests
@@ -123,6 +129,7 @@ class KVPool:
     def take_slot(self, length: int) -> int | None:
         """A free slot for a request whose AR phase writes `length` positions, or None (all taken, or the
         storage is too short while other slots are in use: it grows once they are free)."""
+        self._drain()
         if not self.free or (length > self.ar_length and len(self.free) < self.slots):
             return None
         if length > self.ar_length:
@@ -138,10 +145,23 @@ class KVPool:
             self._allocate_ar(length)
 
     def release_slot(self, slot: int) -> None:
+        """The slot goes back: free at once, or, given back on the image lane, once that lane's work queued so
+        far is done (`_drain`), so the AR lane never waits for the image lane to reuse it."""
         if self.ar_adapters is not None:
             self.ar_adapters.clear(slot)
-        self.free.append(slot)
-        self.free.sort()
+        done = self.fence() if self.fence is not None else None
+        if done is None:
+            self.free.append(slot)
+            self.free.sort()
+        else:
+            self.draining.append((slot, done))
+
+    def _drain(self) -> None:
+        """The draining slots whose event has passed, free (the event queried: no host wait)."""
+        passed = [slot for slot, done in self.draining if done.query()]
+        if passed:
+            self.draining = [(slot, done) for slot, done in self.draining if slot not in passed]
+            self.free = sorted(self.free + passed)
 
     def slot_cache(self, slot: int) -> KVCache:
         """The slot's AR cache row (every allocated head), [1, heads, L, D]."""

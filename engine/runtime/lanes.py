@@ -7,9 +7,13 @@ step's token read waits for the AR lane only. What the two lanes share is ordere
 never by a host sync:
 - the image lane's work starts after what the AR lane queued before it (`image`): a hand-off reads the AR
   slot the AR phase wrote, a joining request's inputs were made there;
-- the AR lane waits for the image lane (`merge`) after a request's own work (its hand-off gave its AR slot
-  back for another request's prefill; its VAE decode ended it) and before a cancel (whose clean-up moves or
-  frees rows the image lane may still be computing on).
+- the AR lane never waits for the image lane's queued steps on a request's own work: the AR slot a hand-off
+  gives back (on the image lane) is free for another request's prefill once the image lane has passed an
+  event recorded after it (`fence`, engine/runtime/kv_pool.py `release_slot`), and the tensors the AR phase
+  made that the image phase reads (its reference images' encodings) are recorded on the image lane, so the
+  caching allocator does not reuse their blocks before that lane's work on them is done;
+- the AR lane waits for the image lane (`merge`) before a cancel (whose clean-up moves or frees rows the image
+  lane may still be computing on) and before an adapter change (the image lane's forwards read the tables).
 Each request's image-phase tensors are made and freed on the image lane, so the caching allocator never
 hands the AR lane a block the image lane still reads. The two lanes' CUDA graphs replay from
 memory pools of their own (engine/runtime/graphs.py).
@@ -69,6 +73,15 @@ class Lanes:
         self.side.wait_stream(torch.cuda.current_stream(self.side.device))
         with torch.cuda.stream(self.side):
             yield
+
+    def fence(self) -> torch.cuda.Event | None:
+        """Where the calling work runs on the image lane: an event recorded there now (the lane's work queued so
+        far is done once it has passed); elsewhere None (nothing to wait for)."""
+        if self.side is None or torch.cuda.current_stream(self.side.device) != self.side:
+            return None
+        done = torch.cuda.Event()
+        done.record(self.side)
+        return done
 
     def merge(self) -> None:
         """The current stream's later work waits for the image lane's queued work (no host wait)."""

@@ -295,6 +295,10 @@ def _hand_off(ctx: Context, run: _Run, seq: Sequence, cache: KVCache, first: int
         run.slot = None
     if prefix:
         gather_sibling_heads(cache, heads, prefix, ctx.groups.plan, ctx.groups.replica)
+    for ref in run.refs:      # made on the AR lane, read by the image phase on this one (runtime/lanes.py): their
+        for t in (ref.vae_tokens, ref.vit_tokens):     # blocks are not reused before this lane's work on them
+            if t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(t.device))
     run.timings.kv_reused_tokens = prefix
     ids = torch.tensor(seq.ids, device=dev)[None]
     if cfg_on:

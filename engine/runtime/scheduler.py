@@ -110,6 +110,7 @@ class Scheduler:
         # the decode step launched ahead: (the step, its rows (slot, token, index), its logits)
         self._ahead: tuple[DecodeStep, list[tuple[int, int, int]], torch.Tensor] | None = None
         self.lanes = Lanes(pool.model.device if policy == "overlap" else None)
+        pool.fence = self.lanes.fence if self.lanes.side is not None else None
         self.requests: dict[int, RequestState] = {}          # admission order
         self.steps = 0                                       # engine steps run
         self._since_turn = 0                                 # decode steps since the last heavy turn
@@ -241,9 +242,10 @@ class Scheduler:
         if own is not None and (self._last_turn == "denoise" or not self.denoising.members):
             self._last_turn = "own"
             with self.lanes.image():
-                ran = self._own_turn(own)
-            self.lanes.merge()           # its AR slot went back (a hand-off), or it ended (its VAE decode)
-            return ran
+                # no merge after it: the AR slot a hand-off gives back is free once the image lane has read it
+                # (kv_pool.py `release_slot`), and the AR-lane tensors the image phase reads are recorded on that
+                # lane (program.py `_hand_off`), so the AR lane never waits for the image lane's queued steps
+                return self._own_turn(own)
         if self.denoising.members:
             self._last_turn = "denoise"
             with self.lanes.image():
