@@ -24,9 +24,10 @@
 #   serving-ab     issue 42's same-kernels A/B (carry .ab/c6abc07: `git archive c6abc07` without assets, tests,
 #                  train, docs): c6abc07's scheduler, then today's (its defaults), both on triton's kernels, 1/4/16
 #                  clients, --max-batch 16
-#   priority-ab    overlap's lanes as two streams of one priority (carry .ab/cafb557: git archive cafb557 without assets,
-#                  tests, train, docs) against the AR lane at the device's highest priority and the image lane at its
-#                  lowest (today's), both on humming-fp8 (installs the carried .whl), overlap:8, 4 and 16 clients
+#   lanes-ab       overlap's lanes in three trees (carry .ab/cafb557 and .ab/f93900b: git archive without assets,
+#                  tests, train, docs): cafb557 (one priority, a merge after each hand-off and VAE decode), f93900b
+#                  (the AR lane at the highest priority), today's (and no merge after own work: slots drain);
+#                  humming-fp8 (installs the carried .whl), overlap:8, $CLIENTS clients (default 16), closed
 #   humming-tune   suite humming-tune (installs the carried .whl): humming's indexed GEMM configs (N tile, CTAs an SM)
 #                  around its heuristics' pick at 1 and 2 rows, W4A8, 8 layers a graph: faster, same bits?
 #   lookahead      suite serving on humming-fp8 (installs the carried .whl): MXFP4 Distil tp1, 1 and 16 clients closed,
@@ -165,14 +166,17 @@ for section in "$@"; do
         --per-client 1 --max-batch 16 --out "$OUT/serving-ab-old")
       run serving_ab_new 280 python3 -m bench serving --builds mxfp4-distil --clients 1,4,16 --per-client 1 \
         --max-batch 16 --arrivals closed --moe-kernels triton --out "$OUT/serving-ab-new" ;;
-    priority-ab)
+    lanes-ab)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-      mkdir -p "$OUT/priority-old" "$OUT/priority-new"
-      rm -rf /tmp/old && cp -r .ab/cafb557 /tmp/old && ln -s "$PWD/assets" /tmp/old/assets
-      P="--builds mxfp4-distil --clients 4,16 --per-client 1 --max-batch 16 --arrivals closed --moe-kernels humming-fp8"
-      (cd /tmp/old && run priority_old 280 python3 -m bench serving $P --policy overlap:8 --out "$OUT/priority-old")
-      run priority_new 280 python3 -m bench serving $P --policy overlap:8 --out "$OUT/priority-new" ;;
+      P="--builds mxfp4-distil --clients ${CLIENTS:-16} --per-client 1 --max-batch 16 --arrivals closed --moe-kernels humming-fp8 --policy overlap:8"
+      for c in cafb557 f93900b; do
+        mkdir -p "$OUT/lanes-$c"
+        rm -rf /tmp/$c && cp -r .ab/$c /tmp/$c && ln -s "$PWD/assets" /tmp/$c/assets
+        (cd /tmp/$c && run lanes_$c 190 python3 -m bench serving $P --out "$OUT/lanes-$c")
+      done
+      mkdir -p "$OUT/lanes-head"
+      run lanes_head 190 python3 -m bench serving $P --out "$OUT/lanes-head" ;;
     humming-tune)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/humming_kernels-*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
