@@ -82,3 +82,21 @@ def test_a_slot_given_back_on_the_image_lane_is_free_once_its_event_has_passed(t
     pool.fence = None                         # one lane (the CPU, the other policies): free at once
     pool.release_slot(0)
     assert pool.free == [0, 1]
+
+
+def test_each_scheduler_steps_the_pool_with_its_own_fence(tiny):
+    """The server's scheduler (overlap on one GPU) and a request run on its own (`run_prepared`: the warm-up, the
+    CLI; interleave) share the engine's pool: whichever steps, the pool gives slots back by its lanes, so a
+    scheduler made later cannot leave the overlap one freeing slots its image lane still reads."""
+    engine = make_engine(tiny, preview_every=0, max_batch=2)
+    overlap = engine.new_scheduler(policy="overlap")
+
+    def fence():
+        return None
+    overlap.lanes.side, overlap.lanes.fence = object(), fence     # as on a GPU (no image work in these steps)
+    overlap.step()
+    assert engine.pool.fence is fence
+    _run(engine, B)                                               # run_prepared: a scheduler of its own, interleave
+    assert engine.pool.fence is None and engine.pool.free == [0, 1]
+    overlap.step()
+    assert engine.pool.fence is fence

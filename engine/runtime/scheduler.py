@@ -110,7 +110,6 @@ class Scheduler:
         # the decode step launched ahead: (the step, its rows (slot, token, index), its logits)
         self._ahead: tuple[DecodeStep, list[tuple[int, int, int]], torch.Tensor] | None = None
         self.lanes = Lanes(pool.model.device if policy == "overlap" else None)
-        pool.fence = self.lanes.fence if self.lanes.side is not None else None
         self.requests: dict[int, RequestState] = {}          # admission order
         self.steps = 0                                       # engine steps run
         self._since_turn = 0                                 # decode steps since the last heavy turn
@@ -148,6 +147,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     def step(self, news: StepNews = StepNews()) -> None:
+        # the pool's slots given back on this scheduler's image lane drain (kv_pool.py `release_slot`); set every
+        # step, since another scheduler of the engine (`Engine.run_prepared`: the warm-up, a request run on its
+        # own) may have stepped the pool in between
+        self.pool.fence = self.lanes.fence if self.lanes.side is not None else None
         with torch.no_grad(), self.lanes.step():
             if news.adapters:
                 self._ahead = None       # launched on the adapter tables as they were before this change
