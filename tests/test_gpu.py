@@ -277,10 +277,9 @@ def test_overlap_reuses_slots_and_reference_encodings_behind_a_busy_image_lane(t
     for policy in ("interleave", "overlap"):
         pipe = make_engine(lm, preview_every=1, max_batch=2, max_denoise_batch=2)
 
-        def watch(scheduler):
-            fence = scheduler.pool.fence
-            if fence is not None:
-                scheduler.pool.fence = lambda: fenced.append(fence()) or fenced[-1]
+        def watch(scheduler):          # the lanes' fence, which each step hands the pool (scheduler.py `step`)
+            fence = scheduler.lanes.fence
+            scheduler.lanes.fence = lambda: fenced.append(fence()) or fenced[-1]
         events, _ = run_together(lm, reqs, engine=pipe, on_start=watch, policy=policy, decode_steps_per_denoise=1)
         runs[policy] = [outcome(events[i]) for i in range(len(reqs))]
     assert len([e for e in fenced if e is not None]) >= 4          # hand-offs gave their slots back on the lane
