@@ -74,7 +74,7 @@ class Dims:
             cases = (("hybrid4", 768, 2, 0, 2, 2 * 2049), ("tp1", 3072, 1, 0, 1, 8194))
             self.denoise_moe = cases[:1] if quick else cases
             self.decode_linear = (("qkv 6144x4096", 6144, 1), ("o 4096x4096", 4096, 1), ("qkv 6144x4096", 6144, 8))
-            self.decode_rows = (1, 8, 9, 12, 16)
+            self.decode_rows = (1, 2, 3, 4, 6, 8, 9, 12, 16)
             self.decode_inter = 3072
 
     def gen(self, seed: int) -> torch.Generator:
@@ -387,11 +387,12 @@ def decode_linear_cases(dims: Dims, rows: list, sweep: bool) -> bool:
 
 
 def decode_rows_cases(dims: Dims, rows: list) -> bool:
-    """The dense qkv linear at a decode step's 1..16 rows on the GEMV, past gemv.LINEAR_MAX_M (called directly:
-    the registry's fits stop at it), against the variant the registry picks there (MX/NVFP4: the triton tile,
-    FP8: cuBLAS): whether the GEMV can serve a server's --max-batch 16 (issue 42 item 5). A server batch
-    stays batch invariant only while every linear stays on one kernel, so each GEMV row is also checked to
-    be bitwise the one it gives alone (the first row at m rows against the same row alone)."""
+    """The dense qkv linear at a decode step's 1..16 rows on the GEMV, past gemv.LINEAR_MAX_M too (called directly:
+    the registry's fits stop at it), against the tile variant the registry picks past it (MX/NVFP4: the triton
+    tile, FP8: cuBLAS) at every N: where the two cross (gemv.LINEAR_MAX_M), and whether the GEMV can serve a
+    server's --max-batch 16 (issue 42 item 5). A server batch stays batch invariant only while every linear
+    stays on one kernel, so each GEMV row is also checked to be bitwise the one it gives alone (the first row
+    at m rows against the same row alone)."""
     ok = True
     H = dims.H
     name, n_out, _ = dims.decode_linear[0]
@@ -413,12 +414,13 @@ def decode_rows_cases(dims: Dims, rows: list) -> bool:
             ok &= check.ok and same
             row(rows, f"linear {name} rows", m, f"{f} gemv", dims.timed(lambda: gemv(xm)), 0, nbytes, PEAK["bf16"],
                 check if same else f"{check}; row 0 differs from alone (batch variance)", "gemv direct")
-            if m > qg.LINEAR_MAX_M:          # the registry's pick at these rows (its own reference checks)
-                vname = engine_variant(op, args, dims)
-                check, fn = checked(op, vname, args, f)
-                ok &= check.ok
-                row(rows, f"linear {name} rows", m, f"{f} {vname}", dims.timed(fn), 0, nbytes, PEAK["bf16"], check,
-                    vname)
+            # the tile variant at every N (the registry's pick past LINEAR_MAX_M): where the two cross
+            vname = "scaled_mm" if f == "fp8" else "triton"
+            fn = variants.runner(op, vname, *args, direct=True)
+            with poisoned():
+                check = compare(fn(), want, tol(f))
+            ok &= check.ok
+            row(rows, f"linear {name} rows", m, f"{f} {vname}", dims.timed(fn), 0, nbytes, PEAK["bf16"], check, vname)
         del w
     return ok
 
