@@ -185,7 +185,6 @@ class Request:
             self.model.decode_image(x)
         return {f"{k}_s": v for k, v in clock.seconds.items()} | {"total_s": clock.total}
 
-
     def _image(self, steps: int) -> torch.Tensor:
         """The image phase's denoise of a fresh latent on the kept runner storage -> its final latent."""
         r = self.runner(graph=self.step_graph, keep=True)
